@@ -1,0 +1,35 @@
+# Two entry points for a fresh machine; each installs what it needs into .venv first.
+#   make quickstart   the embedded default: pipelines/quickstart.yaml on a local Ray (CPU is fine)
+#   make test         the test suite (what CI runs)
+# GPU users: skip this file and `pip install -e .` into an environment with your CUDA torch.
+
+PYTHON ?= python3
+VENV ?= .venv
+# CPU machines pin torch first so pip never pulls the multi-GB CUDA build; set TORCH_CONSTRAINTS= to skip.
+TORCH_CONSTRAINTS ?= constraints/cpu.txt
+PIP = $(VENV)/bin/python -m pip
+CONSTRAIN = $(if $(TORCH_CONSTRAINTS),-c $(TORCH_CONSTRAINTS))
+
+.PHONY: install quickstart test test-fast bench
+
+$(VENV)/.installed: pyproject.toml $(TORCH_CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(if $(TORCH_CONSTRAINTS),$(PIP) install -q -r $(TORCH_CONSTRAINTS))
+	$(PIP) install -q $(CONSTRAIN) -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+quickstart: install
+	$(VENV)/bin/vitscale run pipelines/quickstart.yaml
+
+test: install
+	$(VENV)/bin/python -m pytest -q
+
+test-fast: install
+	$(VENV)/bin/python -m pytest -q -m "not slow"
+
+bench: install
+	$(VENV)/bin/python benchmarks/data_throughput.py
+	$(VENV)/bin/python benchmarks/train_overhead.py

@@ -1,0 +1,49 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[str]:
+    """A real S3-protocol server (moto's standalone server) on loopback; yields its endpoint URL.
+
+    Fake credentials and region go into the environment for the whole session so boto3's standard
+    credential chain finds them; no real AWS configuration on the machine is consulted.
+    """
+    from moto.server import ThreadedMotoServer
+
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_SESSION_TOKEN": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": os.devnull,
+        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        for k in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "VITSCALE_S3_ENDPOINT_URL"):
+            mp.delenv(k, raising=False)
+        # The server's per-request access log would drown test output.
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        port = _free_port()
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.stop()

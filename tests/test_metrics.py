@@ -1,0 +1,217 @@
+"""MetricsSink as its consumers see it: JSONL lines, and /metrics scraped over HTTP and parsed by
+prometheus_client's own text parser (what a Prometheus-compatible scraper reads)."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from vitscale.train.metrics import PEAK_BF16_FLOPS, MetricsSink, StepMetrics, mfu, peak_flops
+
+
+def _step(step: int, **over: object) -> StepMetrics:
+    base = dict(
+        step=step,
+        loss=2.5 - 0.1 * step,
+        lr=1e-3 * step,
+        grad_norm=0.5 + step,
+        images_per_s=100.0 * step,
+        step_time_s=0.2 * step,
+        data_wait_s=0.05 * step,
+        compute_s=0.15 * step,
+        examples_seen=64 * step,
+        cumulative_exaflops=0.25 * step,
+        mfu=0.1 * step,
+        skipped_samples=step - 1,
+        epoch=step / 10,
+    )
+    base.update(over)
+    return StepMetrics(**base)  # type: ignore[arg-type]
+
+
+def _scrape(port: int) -> dict[str, list]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        assert resp.status == 200
+        text = resp.read().decode()
+    return {fam.name: fam for fam in text_string_to_metric_families(text)}
+
+
+def _value(families: dict, sample_name: str, **labels: str) -> float:
+    family = sample_name.removesuffix("_total").removesuffix("_sum").removesuffix("_count").removesuffix("_bucket")
+    hits = [
+        s.value
+        for s in families[family].samples
+        if s.name == sample_name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+    assert len(hits) == 1, (sample_name, labels, families[family].samples)
+    return hits[0]
+
+
+def test_prometheus_endpoint_after_steps(tmp_path: Path) -> None:
+    sink = MetricsSink(tmp_path, run="demo", rank=3, port=0, addr="127.0.0.1")
+    try:
+        assert isinstance(sink.port, int) and sink.port > 0
+        sink.record(_step(1))
+        sink.record(_step(2), skipped_by_shard={"shard-000001.tar": 1})
+        sink.record(_step(3), skipped_by_shard={"shard-000001.tar": 1, "shard-000007.tar": 1})
+        fams = _scrape(sink.port)
+    finally:
+        sink.close()
+
+    lab = {"run": "demo", "rank": "3"}
+    types = {
+        "vitscale_step": "gauge",
+        "vitscale_epoch": "gauge",
+        "vitscale_train_loss": "gauge",
+        "vitscale_learning_rate": "gauge",
+        "vitscale_grad_norm": "gauge",
+        "vitscale_images_per_second": "gauge",
+        "vitscale_mfu_ratio": "gauge",
+        "vitscale_step_seconds": "histogram",
+        "vitscale_data_wait_seconds": "histogram",
+        "vitscale_compute_seconds": "histogram",
+        "vitscale_examples_seen": "counter",
+        "vitscale_train_flops": "counter",
+        "vitscale_skipped_samples": "counter",
+    }
+    for name, kind in types.items():
+        assert fams[name].type == kind, name
+        for s in fams[name].samples:
+            if not s.name.endswith("_created"):
+                assert s.labels["run"] == "demo" and s.labels["rank"] == "3", s
+
+    # gauges hold the last step
+    assert _value(fams, "vitscale_step", **lab) == 3
+    assert _value(fams, "vitscale_epoch", **lab) == pytest.approx(0.3)
+    assert _value(fams, "vitscale_train_loss", **lab) == pytest.approx(2.2)
+    assert _value(fams, "vitscale_learning_rate", **lab) == pytest.approx(3e-3)
+    assert _value(fams, "vitscale_grad_norm", **lab) == pytest.approx(3.5)
+    assert _value(fams, "vitscale_images_per_second", **lab) == pytest.approx(300.0)
+    assert _value(fams, "vitscale_mfu_ratio", **lab) == pytest.approx(0.3)
+    # counters carry the cumulative totals, in base units
+    assert _value(fams, "vitscale_examples_seen_total", **lab) == 192
+    assert _value(fams, "vitscale_train_flops_total", **lab) == pytest.approx(0.75e18)
+    assert _value(fams, "vitscale_skipped_samples_total", **lab, shard="shard-000001.tar") == 1
+    assert _value(fams, "vitscale_skipped_samples_total", **lab, shard="shard-000007.tar") == 1
+    assert _value(fams, "vitscale_skipped_samples_total", **lab, shard="unknown") == 0
+    # histograms saw three observations each
+    assert _value(fams, "vitscale_step_seconds_count", **lab) == 3
+    assert _value(fams, "vitscale_step_seconds_sum", **lab) == pytest.approx(1.2)
+    assert _value(fams, "vitscale_data_wait_seconds_sum", **lab) == pytest.approx(0.3)
+    assert _value(fams, "vitscale_compute_seconds_sum", **lab) == pytest.approx(0.9)
+    assert _value(fams, "vitscale_step_seconds_bucket", **lab, le="0.5") == 2  # 0.2, 0.4 ≤ 0.5 < 0.6
+    assert _value(fams, "vitscale_step_seconds_bucket", **lab, le="+Inf") == 3
+
+
+def test_close_stops_server_and_frees_port(tmp_path: Path) -> None:
+    sink = MetricsSink(tmp_path, run="r", rank=0, port=0, addr="127.0.0.1")
+    port = sink.port
+    sink.record(_step(1))
+    sink.close()
+    sink.close()  # idempotent
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+    # the port can be bound again right away: the listening socket is closed
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+    with pytest.raises(ValueError, match="after close"):
+        sink.record(_step(2))
+
+
+def test_two_sinks_in_one_process_do_not_collide(tmp_path: Path) -> None:
+    with MetricsSink(tmp_path, run="a", rank=0, port=0, addr="127.0.0.1") as a, MetricsSink(
+        tmp_path, run="a", rank=1, port=0, addr="127.0.0.1"
+    ) as b:
+        a.record(_step(1))
+        b.record(_step(2))
+        assert a.port != b.port
+        assert _value(_scrape(a.port), "vitscale_step", rank="0") == 1
+        assert _value(_scrape(b.port), "vitscale_step", rank="1") == 2
+
+
+def test_mfu_absent_and_counters_never_go_down(tmp_path: Path) -> None:
+    with MetricsSink(tmp_path, run="r", rank=0, port=0, addr="127.0.0.1") as sink:
+        sink.record(_step(5, mfu=None))
+        sink.record(_step(4, mfu=None))  # restored to an earlier checkpoint in-process
+        fams = _scrape(sink.port)
+    assert not [s for s in fams["vitscale_mfu_ratio"].samples if s.name == "vitscale_mfu_ratio"]
+    assert _value(fams, "vitscale_examples_seen_total", rank="0") == 320
+    assert _value(fams, "vitscale_step", rank="0") == 4
+
+
+def test_jsonl_lines(tmp_path: Path) -> None:
+    with MetricsSink(tmp_path / "run", run="demo", rank=1) as sink:
+        assert sink.port is None
+        sink.record(_step(1))
+        # flushed per write: readable before close
+        path = tmp_path / "run" / "metrics" / "rank1.jsonl"
+        assert len(path.read_text().splitlines()) == 1
+        sink.record(_step(2, grad_norm=float("nan"), mfu=None), skipped_by_shard={"s0": 1})
+    with MetricsSink(tmp_path / "run", run="demo", rank=1) as sink:  # resumed run appends
+        sink.record(_step(3))
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    first = rows[0]
+    assert first["run"] == "demo" and first["rank"] == 1 and isinstance(first["time"], float)
+    assert {k: first[k] for k in ("loss", "lr", "examples_seen", "cumulative_exaflops", "mfu", "epoch")} == {
+        "loss": 2.4,
+        "lr": 1e-3,
+        "examples_seen": 64,
+        "cumulative_exaflops": 0.25,
+        "mfu": pytest.approx(0.1),
+        "epoch": 0.1,
+    }
+    assert rows[1]["grad_norm"] is None and rows[1]["mfu"] is None  # NaN → null, strict JSON
+    assert rows[1]["skipped_by_shard"] == {"s0": 1}
+    for line in path.read_text().splitlines():
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+
+
+def test_mfu_and_peaks() -> None:
+    assert mfu(494.7e12, 989.4e12) == pytest.approx(0.5)
+    assert mfu(0.0, 1.0) == 0.0
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="peak_flops_per_s"):
+            mfu(1.0, bad)
+    with pytest.raises(ValueError, match="model_flops_per_s"):
+        mfu(math.nan, 1.0)
+
+    assert PEAK_BF16_FLOPS["H100"] == PEAK_BF16_FLOPS["H200"] == 989e12 and PEAK_BF16_FLOPS["A100"] == 312e12
+    # device names as torch.cuda.get_device_name reports them
+    assert peak_flops("auto", device_name="NVIDIA H200") == 989e12
+    assert peak_flops("auto", device_name="NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("auto", device_name="NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("auto", device_name="NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops("auto", device_name="Tesla T4") is None  # unknown: absent, not guessed
+    assert peak_flops("a100") == 312e12
+    assert peak_flops(123e12) == 123e12
+    assert peak_flops("989e12") == 989e12
+    assert peak_flops(None) is None
+    for bad in ("TPUv4", 0, -5.0, "nan", True):
+        with pytest.raises(ValueError, match="peak_flops"):
+            peak_flops(bad)  # type: ignore[arg-type]
+
+
+def test_auto_on_this_machine() -> None:
+    import torch
+
+    got = peak_flops("auto")
+    if not torch.cuda.is_available():
+        assert got is None
+    else:
+        name = torch.cuda.get_device_name()
+        assert got == peak_flops("auto", device_name=name)
+
+
+def test_sink_rejects_bad_args(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="port"):
+        MetricsSink(tmp_path, run="r", rank=0, port=70000)
+    with pytest.raises(ValueError, match="rank"):
+        MetricsSink(tmp_path, run="r", rank=-1)

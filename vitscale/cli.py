@@ -1,0 +1,282 @@
+"""The `vitscale` command. Thin on purpose: parse arguments, load config, call one function per verb.
+
+Heavy imports (torch, ray, deepspeed) happen inside the verb that needs them, so `vitscale config`
+and `--help` answer instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Callable, Sequence
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+# --------------------------------------------------------------------------- model verbs
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from vitscale.scaling.catalog import model_rows, render_models_markdown
+
+    rows = model_rows()
+    if args.json:
+        _print_json(rows)
+    else:
+        print(render_models_markdown(rows))
+    return 0
+
+
+def cmd_flops(args: argparse.Namespace) -> int:
+    from vitscale.scaling.catalog import flops_summary
+
+    summary = flops_summary(args.model, resolution=args.resolution, examples=args.examples, epochs=args.epochs)
+    if args.json:
+        _print_json(summary)
+    else:
+        width = max(len(k) for k in summary)
+        for key, value in summary.items():
+            print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from vitscale.config import to_yaml
+    from vitscale.launch.pipeline import resolve_pipeline_path
+    from vitscale.config import load_pipeline
+
+    config = load_pipeline(resolve_pipeline_path(args.pipeline), args.set)
+    print(to_yaml(config), end="")
+    return 0
+
+
+# --------------------------------------------------------------------------- pipeline verbs
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from vitscale.config import load_pipeline
+    from vitscale.launch.pipeline import resolve_pipeline_path, run_pipeline
+
+    config = load_pipeline(resolve_pipeline_path(args.pipeline), args.set)
+    summary = run_pipeline(config, address=args.address)
+    print(json.dumps(summary, default=str))
+    return 0 if summary.get("ok", True) else 1
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from vitscale.launch.export import export_run
+
+    info = export_run(args.run_dir, args.out, fmt=args.format)
+    _print_json(info)
+    return 0
+
+
+# --------------------------------------------------------------------------- data verbs
+
+
+def _parse_splits(text: str | None) -> dict[str, float] | None:
+    if not text:
+        return None
+    splits: dict[str, float] = {}
+    for part in text.split(","):
+        name, sep, frac = part.partition("=")
+        if not sep:
+            raise ValueError(f"--split: expected name=fraction pairs like train=0.9,minival=0.1, got {part!r}")
+        try:
+            splits[name.strip()] = float(frac)
+        except ValueError:
+            raise ValueError(f"--split: {frac!r} is not a number (in {part!r})") from None
+    return splits
+
+
+def cmd_shards_write(args: argparse.Namespace) -> int:
+    from vitscale.data.shards import write_dataset
+
+    options = {k: v for k, v in (("count", args.count), ("classes", args.classes),
+                                 ("image_size", args.image_size)) if v is not None}
+    if args.multi_label:
+        options["multi_label"] = True
+    meta = write_dataset(args.source, args.out, shard_size=args.shard_size, max_side=args.max_side,
+                         quality=args.quality, seed=args.seed, splits=_parse_splits(args.split),
+                         source_options=options, name=args.name, endpoint_url=args.endpoint_url)
+    counts = {s: v["samples"] for s, v in meta["splits"].items()}
+    print(json.dumps({"out": args.out, "classes": meta["num_classes"], "samples": counts}))
+    return 0
+
+
+def cmd_shards_stats(args: argparse.Namespace) -> int:
+    from vitscale.data.shards import dataset_stats
+
+    stats = dataset_stats(args.dest, endpoint_url=args.endpoint_url)
+    if args.json:
+        _print_json(stats)
+    else:
+        for key, value in stats.items():
+            print(f"{key}: {value}")
+    return 0
+
+
+def cmd_shards_verify(args: argparse.Namespace) -> int:
+    from vitscale.data.shards import verify_dataset
+
+    problems = verify_dataset(args.dest, endpoint_url=args.endpoint_url)
+    for problem in problems:
+        print(f"BAD {problem}", file=sys.stderr)
+    if not problems:
+        print(f"ok: {args.dest}")
+    return 1 if problems else 0
+
+
+def cmd_shards_order(args: argparse.Namespace) -> int:
+    from vitscale.data.plan import rank_keys
+
+    keys = rank_keys(args.dest, args.split, rank=args.rank, world_size=args.world_size, epoch=args.epoch,
+                     seed=args.seed, start=args.start, endpoint_url=args.endpoint_url)
+    if args.json:
+        print(json.dumps(keys))
+    else:
+        print("\n".join(keys))
+    return 0
+
+
+def cmd_shards_bench(args: argparse.Namespace) -> int:
+    from vitscale.data.bench import run_bench
+
+    result = run_bench(args.dest, split=args.split, resolution=args.resolution, seconds=args.seconds,
+                       workers=args.workers, batch_size=args.batch_size, endpoint_url=args.endpoint_url)
+    if args.json:
+        _print_json(result)
+    else:
+        print(f"{result['images_per_s']:.1f} images/s with {result['workers']} worker(s)")
+    return 0
+
+
+def cmd_shards_dedup(args: argparse.Namespace) -> int:
+    from vitscale.data.dedup import dedup_dataset
+
+    kwargs = {"endpoint_url": args.endpoint_url}
+    if args.threshold is not None:
+        kwargs["threshold"] = args.threshold
+    summary = dedup_dataset(args.train, args.against, args.out, **kwargs)
+    _print_json(summary)
+    return 0
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vitscale",
+        description="Pre-train Vision Transformers at scale on Ray Train + DeepSpeed ZeRO.")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    def verb(name: str, func: Callable[[argparse.Namespace], int], help: str,
+             into: Any = verbs) -> argparse.ArgumentParser:
+        p = into.add_parser(name, help=help, description=help)
+        p.set_defaults(func=func)
+        return p
+
+    p = verb("run", cmd_run, "Run a pipeline's stages (starts a local Ray unless --address/RAY_ADDRESS).")
+    p.add_argument("pipeline", help="pipeline YAML file, or the name of one under pipelines/")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set train.base_lr=4e-4 (repeatable)")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS or local)")
+
+    p = verb("config", cmd_config, "Print the resolved pipeline config (defaults < file < --set).")
+    p.add_argument("pipeline")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+
+    p = verb("models", cmd_models, "List every model with parameters and forward GFLOPs at 224 and 384.")
+    p.add_argument("--json", action="store_true")
+
+    p = verb("flops", cmd_flops, "Forward and training compute of a model (the paper's convention).")
+    p.add_argument("model", help='model name, e.g. "ViT-B/16"')
+    p.add_argument("--resolution", type=int, default=224)
+    p.add_argument("--examples", type=int, default=None, help="dataset size (default: JFT-300M)")
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--json", action="store_true")
+
+    p = verb("export", cmd_export, "Write a run's latest checkpoint as one fp32 model file.")
+    p.add_argument("run_dir", help="run directory (or a checkpoint directory inside it)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--format", choices=("pt", "npz"), default="pt")
+
+    shards = verbs.add_parser("shards", help="Write, inspect, verify, order, benchmark and de-duplicate shards.")
+    shard_verbs = shards.add_subparsers(dest="shards_verb", required=True, metavar="VERB")
+
+    def endpoint(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint URL")
+
+    p = verb("write", cmd_shards_write, "Write WebDataset shards from a source.", shard_verbs)
+    p.add_argument("--source", required=True, help="folder:PATH | manifest:FILE | digits | synthetic")
+    p.add_argument("--out", required=True, help="local folder or s3://bucket/prefix")
+    p.add_argument("--shard-size", type=int, default=1000)
+    p.add_argument("--max-side", type=int, default=384)
+    p.add_argument("--quality", type=int, default=90)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--split", default=None, help="named fractions, e.g. train=0.9,minival=0.05,test=0.05")
+    p.add_argument("--name", default=None, help="dataset name (default: from the source)")
+    p.add_argument("--count", type=int, default=None, help="synthetic: number of images")
+    p.add_argument("--classes", type=int, default=None, help="synthetic: number of classes")
+    p.add_argument("--image-size", type=int, default=None, help="synthetic/digits: image side in pixels")
+    p.add_argument("--multi-label", action="store_true", help="synthetic: JFT-style multi-label samples")
+    endpoint(p)
+
+    p = verb("stats", cmd_shards_stats, "Shards, samples and classes of a dataset.", shard_verbs)
+    p.add_argument("dest")
+    p.add_argument("--json", action="store_true")
+    endpoint(p)
+
+    p = verb("verify", cmd_shards_verify, "Re-hash every shard and check counts; non-zero exit if bad.",
+             shard_verbs)
+    p.add_argument("dest")
+    endpoint(p)
+
+    p = verb("order", cmd_shards_order, "Keys one rank reads in one epoch, in order.", shard_verbs)
+    p.add_argument("dest")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--epoch", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start", type=int, default=0, help="resume position within the rank's order")
+    p.add_argument("--split", default="train")
+    p.add_argument("--json", action="store_true")
+    endpoint(p)
+
+    p = verb("bench", cmd_shards_bench, "Run the training loader alone and report images/s.", shard_verbs)
+    p.add_argument("dest")
+    p.add_argument("--resolution", type=int, default=224)
+    p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--split", default="train")
+    p.add_argument("--json", action="store_true")
+    endpoint(p)
+
+    p = verb("dedup", cmd_shards_dedup, "Drop near-duplicates of test-set images from a training set.",
+             shard_verbs)
+    p.add_argument("--train", required=True)
+    p.add_argument("--against", action="append", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--threshold", type=int, default=None, help="max Hamming distance of 64-bit pHashes")
+    endpoint(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `vitscale` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        # User errors (bad config, missing data, unknown model): one clear line, no traceback.
+        print(f"vitscale: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

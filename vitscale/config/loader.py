@@ -1,0 +1,199 @@
+"""YAML pipeline files -> typed, validated `PipelineConfig`.
+
+Precedence is CLI > file > defaults: the file's mapping is applied over the dataclass defaults,
+then each `--set dotted.key=value` override (its value parsed as YAML, so `4e-4`, `true`, `[1, 5]`
+and `null` mean what they look like). Any unknown key, wrong type or impossible value raises
+`ConfigError` naming the dotted key and the file before anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from vitscale.config.schema import ConfigError, PipelineConfig
+
+
+def _read_mapping(path: Path, _seen: frozenset) -> dict[str, Any]:
+    """The YAML mapping of one pipeline file, with any `extends:` base merged underneath it."""
+    source = str(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError("<file>", f"cannot read pipeline file: {exc.strerror}", source) from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("<file>", f"is not valid YAML: {exc}", source) from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError("<file>", f"must be a mapping of stage names to settings, got {type(raw).__name__}",
+                          source)
+    if "extends" in raw:
+        # A recipe names the pipeline it refines (path relative to the recipe) and lists only what differs.
+        base = raw.pop("extends")
+        if not isinstance(base, str):
+            raise ConfigError("extends", f"must be a path to another pipeline file, got {base!r}", source)
+        if len(_seen) > 8 or (path.parent / base).resolve() in _seen:
+            raise ConfigError("extends", "forms a cycle or is nested too deep", source)
+        raw = merge(_read_mapping(path.parent / base, _seen | {path.resolve()}), raw)
+    return raw
+
+
+def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top` laid over `base`, section by section (a mapping in `top` refines the one in `base`)."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_pipeline(path: str | Path, overrides: Iterable[str] = ()) -> PipelineConfig:
+    """Read a pipeline YAML file (following `extends:`), apply `key=value` overrides, validate."""
+    path = Path(path)
+    raw = _read_mapping(path, frozenset())
+    for item in overrides:
+        raw = apply_override(raw, item)
+    return build_pipeline(raw, str(path))
+
+
+def build_pipeline(raw: dict[str, Any], source: str | None = None) -> PipelineConfig:
+    """Turn a plain mapping (parsed YAML) into a validated `PipelineConfig`."""
+    try:
+        config = _build(PipelineConfig, raw, "")
+        config.validate()
+    except ConfigError as exc:
+        if exc.source is None and source is not None:
+            raise ConfigError(exc.key, str(exc).split(": ", 1)[1], source) from None
+        raise
+    return config
+
+
+def apply_override(raw: dict[str, Any], item: str) -> dict[str, Any]:
+    """Return a copy of `raw` with one `dotted.key=value` override applied (value parsed as YAML)."""
+    if "=" not in item:
+        raise ConfigError(item, "an override must look like dotted.key=value (e.g. train.base_lr=4e-4)",
+                          "--set")
+    key, _, text = item.partition("=")
+    key = key.strip()
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(key, f"cannot parse value {text!r}: {exc}", "--set") from None
+    out = json.loads(json.dumps(raw))  # deep copy of plain YAML data
+    node = out
+    parts = key.split(".")
+    for depth, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(".".join(parts[: depth + 1]), "is not a section, cannot set a key inside it",
+                              "--set")
+        node = child
+    node[parts[-1]] = value
+    return out
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """A config as plain data (tuples as lists), for YAML/JSON output and run directories."""
+    return json.loads(json.dumps(dataclasses.asdict(config)))
+
+
+def to_yaml(config: Any) -> str:
+    """The resolved config as YAML: what `vitscale config` prints and run directories keep."""
+    return yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(prefix or "<file>", f"must be a mapping, got {_describe(raw)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        key = f"{prefix}{unknown[0]}"
+        known = ", ".join(sorted(fields))
+        raise ConfigError(key, f"unknown key; {prefix.rstrip('.') or 'the top level'} accepts: {known}")
+    kwargs = {name: _coerce(hints[name], value, f"{prefix}{name}") for name, value in raw.items()}
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`, converting only where it is lossless."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None:
+            if type(None) in options:
+                return None
+            raise ConfigError(key, "must not be null")
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(option, value, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(key, f"expected {_type_name(tp)}, got {_describe(value)}")
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, f"{key}.")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            value = [value]  # a scalar where a list is expected: `shots: 5` means (5,)
+        (item_type, *_rest) = typing.get_args(tp)
+        return tuple(_coerce(item_type, v, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a mapping, got {_describe(value)}")
+        key_type, value_type = typing.get_args(tp)
+        return {_coerce(key_type, k, f"{key}"): _coerce(value_type, v, f"{key}.{k}") for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"expected true or false, got {_describe(value)}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(key, f"expected an integer, got {_describe(value)}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:  # YAML 1.1 reads "1e-3" (no dot) as a string; accept it as the number it means.
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(key, f"expected a number, got {_describe(value)}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # e.g. peak_flops: 9.89e14
+        raise ConfigError(key, f"expected a string, got {_describe(value)}")
+    raise ConfigError(key, f"unsupported annotation {tp!r}")  # a bug in schema.py, not user input
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}" if value is not None else "null"
+
+
+def _type_name(tp: Any) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    names = [getattr(a, "__name__", str(a)) for a in args]
+    return " or ".join(names) + (" or null" if len(args) < len(typing.get_args(tp)) else "")

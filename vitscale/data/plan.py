@@ -1,0 +1,250 @@
+"""Which rank sees which sample, in which order: a pure function of the shard sizes and
+(seed, epoch, rank, world_size).
+
+Samples get a *global index* over the manifest: shard ``i`` (manifest order) holds indices
+``[base[i], base[i] + counts[i])`` in the order they sit in the tar. One epoch is planned so:
+
+1. **Shard order.** A permutation of the shards drawn from (seed, epoch); the epoch's sample
+   *sequence* is the shards' samples concatenated in that order (positions ``0 .. N-1``).
+2. **Rank spans.** ``m = N // world_size`` samples per rank; rank ``r`` takes sequence positions
+   ``[r*m, (r+1)*m)``: a contiguous run of shards, so it touches at most two partial shards. The
+   last ``N - world_size*m < world_size`` positions are left out; which samples those are changes
+   every epoch with the shard order.
+3. **Window shuffle.** The span is cut into windows of ``shuffle_buffer`` consecutive positions and
+   each window is permuted by a permutation drawn from (seed, epoch, window start). Memory for the
+   shuffle is one window of indices, whatever the dataset size, and a reader jumps around within
+   one window (a few shards) at a time.
+
+Guarantees (property-tested in ``tests/test_plan.py``): per epoch the ranks' orders are disjoint,
+equally long and together miss fewer than ``world_size`` samples; the order depends only on
+(counts, seed, epoch, rank, world_size, shuffle_buffer) and changes with the epoch; planning from
+``start=k`` yields exactly the tail ``[k:]`` of the order from 0.
+
+Batches within a rank are consecutive runs of ``batch_size`` positions; with several data-loader
+workers, batch ``b`` is built whole by worker ``b % num_workers`` (:func:`worker_batches`), which
+is the order PyTorch's ``DataLoader`` collects them in, so the emitted order equals the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "DEFAULT_SHUFFLE_BUFFER",
+    "RankPlan",
+    "ShardRange",
+    "num_batches",
+    "plan",
+    "rank_keys",
+    "worker_batches",
+]
+
+DEFAULT_SHUFFLE_BUFFER = 16384
+"""Window of the in-span sample shuffle; a few shards of ImageNet-sized samples."""
+
+# Distinct first words of the SeedSequence entropy keep the shard-order and window streams apart.
+_SHARD_STREAM = 0
+_WINDOW_STREAM = 1
+
+
+@dataclass(frozen=True)
+class ShardRange:
+    """Samples ``[lo, hi)`` (positions inside the tar, 0-based) of shard number ``shard``."""
+
+    shard: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True, eq=False)
+class RankPlan:
+    """One rank's order for one epoch, from position ``start`` on (computed lazily per window)."""
+
+    seed: int
+    epoch: int
+    rank: int
+    world_size: int
+    start: int
+    shuffle_buffer: int
+    shuffle: bool
+    samples_per_rank: int
+    """Samples every rank sees this epoch (``N // world_size``)."""
+    shard_order: np.ndarray
+    """(num_shards,) int64: shard numbers in this epoch's sequence order."""
+    bases: np.ndarray
+    """(num_shards + 1,) int64: global index of each shard's first sample (manifest order)."""
+    seq_offsets: np.ndarray
+    """(num_shards + 1,) int64: sequence position of each shard in ``shard_order``'s order."""
+
+    def __len__(self) -> int:
+        return self.samples_per_rank - self.start
+
+    @property
+    def span_start(self) -> int:
+        """Sequence position of this rank's first sample."""
+        return self.rank * self.samples_per_rank
+
+    def _window_perm(self, window: int) -> np.ndarray:
+        """Permutation of window ``window`` (relative positions), from (seed, epoch, its start)."""
+        lo = window * self.shuffle_buffer
+        n = min(self.shuffle_buffer, self.samples_per_rank - lo)
+        if not self.shuffle:
+            return np.arange(n, dtype=np.int64)
+        ss = np.random.SeedSequence([_WINDOW_STREAM, self.seed, self.epoch, self.span_start + lo])
+        return np.random.default_rng(ss).permutation(n).astype(np.int64)
+
+    def sequence_to_global(self, seq: np.ndarray) -> np.ndarray:
+        """Global sample indices of epoch-sequence positions ``seq`` (any int array)."""
+        k = np.searchsorted(self.seq_offsets, seq, side="right") - 1
+        return self.bases[self.shard_order[k]] + (seq - self.seq_offsets[k])
+
+    def global_indices(self, lo: int | None = None, hi: int | None = None) -> np.ndarray:
+        """(hi - lo,) int64 global indices at this rank's positions ``[lo, hi)`` of the epoch.
+
+        Defaults: ``lo = start``, ``hi = samples_per_rank``. Only the windows touched are built.
+        """
+        lo = self.start if lo is None else lo
+        hi = self.samples_per_rank if hi is None else hi
+        if not 0 <= lo <= hi <= self.samples_per_rank:
+            raise ValueError(f"positions [{lo}, {hi}) outside [0, {self.samples_per_rank}]")
+        b = self.shuffle_buffer
+        parts = []
+        for w in range(lo // b, -(-hi // b)):
+            w_lo = w * b
+            perm = self._window_perm(w)
+            sel = perm[max(lo - w_lo, 0) : min(hi - w_lo, perm.size)]
+            parts.append(self.span_start + w_lo + sel)
+        seq = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return self.sequence_to_global(seq)
+
+    @property
+    def indices(self) -> np.ndarray:
+        """All global indices from ``start`` to the end of the epoch, in order (materialised)."""
+        return self.global_indices()
+
+    @property
+    def ranges(self) -> tuple[ShardRange, ...]:
+        """Shard ranges this rank reads from ``start`` on, in sequence order.
+
+        They cover the windows from the one holding ``start`` to the end of the span: a superset
+        of the remaining samples (the current window's consumed ones included) and never more than
+        the rank's span, which touches at most two partial shards.
+        """
+        b = self.shuffle_buffer
+        lo = self.span_start + (self.start // b) * b if self.start < self.samples_per_rank else 0
+        hi = self.span_start + self.samples_per_rank if self.start < self.samples_per_rank else 0
+        out = []
+        k = int(np.searchsorted(self.seq_offsets, lo, side="right")) - 1
+        while lo < hi:
+            shard_end = int(self.seq_offsets[k + 1])
+            if shard_end > lo:
+                first = lo - int(self.seq_offsets[k])
+                take = min(hi, shard_end) - lo
+                out.append(ShardRange(int(self.shard_order[k]), first, first + take))
+                lo += take
+            k += 1
+        return tuple(out)
+
+    def locate(self, global_index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shard number, position inside the shard) of global indices (manifest order)."""
+        shard = np.searchsorted(self.bases, global_index, side="right") - 1
+        return shard, global_index - self.bases[shard]
+
+
+def plan(
+    counts: Sequence[int],
+    seed: int,
+    epoch: int,
+    rank: int,
+    world_size: int,
+    start: int = 0,
+    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
+    *,
+    shuffle: bool = True,
+) -> RankPlan:
+    """Plan rank ``rank``'s samples for ``epoch``, from its position ``start`` on.
+
+    ``counts`` are the samples per shard in manifest order. With ``shuffle=False`` (evaluation)
+    shards keep manifest order and samples tar order; the rank split is the same. See the module
+    docstring for the algorithm and its guarantees.
+    """
+    c = np.asarray(list(counts), dtype=np.int64)
+    if c.ndim != 1 or (c < 0).any():
+        raise ValueError("counts must be a sequence of non-negative sample counts, one per shard")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if seed < 0 or epoch < 0:
+        raise ValueError(f"seed and epoch must be >= 0, got seed={seed}, epoch={epoch}")
+    if shuffle_buffer < 1:
+        raise ValueError(f"shuffle_buffer must be >= 1, got {shuffle_buffer}")
+    m = int(c.sum()) // world_size
+    if not 0 <= start <= m:
+        raise ValueError(f"start must be in [0, {m}] (samples per rank this epoch), got {start}")
+    bases = np.zeros(c.size + 1, dtype=np.int64)
+    np.cumsum(c, out=bases[1:])
+    if shuffle and c.size > 1:
+        ss = np.random.SeedSequence([_SHARD_STREAM, seed, epoch])
+        order = np.random.default_rng(ss).permutation(c.size).astype(np.int64)
+    else:
+        order = np.arange(c.size, dtype=np.int64)
+    seq_offsets = np.zeros(c.size + 1, dtype=np.int64)
+    np.cumsum(c[order], out=seq_offsets[1:])
+    return RankPlan(
+        seed=seed,
+        epoch=epoch,
+        rank=rank,
+        world_size=world_size,
+        start=start,
+        shuffle_buffer=shuffle_buffer,
+        shuffle=shuffle,
+        samples_per_rank=m,
+        shard_order=order,
+        bases=bases,
+        seq_offsets=seq_offsets,
+    )
+
+
+def num_batches(samples: int, batch_size: int, drop_last: bool) -> int:
+    """Batches from ``samples`` positions: full ones only when ``drop_last``, else one partial."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return samples // batch_size if drop_last else -(-samples // batch_size)
+
+
+def worker_batches(batches: int, worker: int, num_workers: int) -> range:
+    """Batch numbers worker ``worker`` builds: ``b % num_workers == worker`` (DataLoader order)."""
+    if num_workers < 1 or not 0 <= worker < num_workers:
+        raise ValueError(f"worker must be in [0, num_workers), got {worker} of {num_workers}")
+    return range(worker, batches, num_workers)
+
+
+def rank_keys(
+    dataset_url: str,
+    split: str,
+    *,
+    rank: int,
+    world_size: int,
+    epoch: int,
+    seed: int = 0,
+    start: int = 0,
+    endpoint_url: str | None = None,
+    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
+) -> list[str]:
+    """Sample keys rank ``rank`` sees in ``epoch``, from position ``start``, in training order.
+
+    The same order :class:`vitscale.data.stream.ShardStream` emits (training mode), read from the
+    dataset's ``dataset.json`` and ``_index.parquet``; backs ``vitscale shards order``.
+    """
+    # Imported here so this module stays a pure algorithm with no storage or parquet imports.
+    from vitscale.data.stream import open_dataset
+
+    ds = open_dataset(dataset_url, split, endpoint_url=endpoint_url)
+    p = plan(ds.counts, seed, epoch, rank, world_size, start, shuffle_buffer)
+    index = ds.load_index([r.shard for r in p.ranges])
+    shard, local = p.locate(p.indices)
+    return [index[int(s)].keys[int(i)] for s, i in zip(shard, local)]

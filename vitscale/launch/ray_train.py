@@ -1,0 +1,164 @@
+"""Ray Train wiring: a TorchTrainer whose workers run `vitscale.train.loop.pretrain`.
+
+Ray stays at this edge. The worker function turns its plain-dict payload back into the typed
+config on its first line, finds the checkpoint to resume from, and hands a `WorkerContext` to the
+loop. Fault tolerance is Ray Train V2's: `FailureConfig(max_failures)` restarts the worker group
+after a crash and `ray.train.get_checkpoint()` returns the latest reported checkpoint; a
+re-submitted job with the same (storage_path, name) resumes the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from pathlib import Path
+from typing import Any, Iterator
+
+import ray
+import ray.train
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from vitscale.config.loader import build_pipeline, to_dict
+from vitscale.config.schema import PipelineConfig
+from vitscale.train import checkpoint as ckpt
+
+
+class WorkerFailed(RuntimeError):
+    """A training worker raised: carries the rank and the worker's own traceback."""
+
+
+def train_worker(payload: dict[str, Any]) -> None:
+    """Entry point of every Ray Train worker."""
+    config = build_pipeline(payload["config"])
+    from vitscale.train.loop import WorkerContext, pretrain  # torch/deepspeed load inside the worker
+
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    run_dir = Path(payload["run_dir"])
+    try:
+        with _resume_directory(world_size) as resume_from:
+            ctx = WorkerContext(rank=rank, world_size=world_size, run_dir=run_dir, report=_report,
+                                resume_from=resume_from)
+            summary = pretrain(config, ctx)
+        if rank == 0:
+            ray.train.report({"summary": summary, **{f"final_{k}": v for k, v in summary.items()
+                                                     if isinstance(v, (int, float))}})
+        else:
+            ray.train.report({})
+    except Exception as exc:
+        # Ray shows its own traceback of the actor; print the worker's with its rank so the driver's
+        # log says which rank failed and why, then re-raise for Ray's failure handling.
+        print(f"[vitscale] rank {rank} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}", flush=True)
+        raise WorkerFailed(f"rank {rank}: {type(exc).__name__}: {exc}") from exc
+
+
+def _report(metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
+    if checkpoint_dir is None:
+        ray.train.report(metrics)
+        return
+    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(checkpoint_dir)),
+                     checkpoint_dir_name=f"checkpoint_{int(metrics['step']):09d}")
+
+
+@contextlib.contextmanager
+def _resume_directory(world_size: int) -> Iterator[Path | None]:
+    """The newest COMPLETE checkpoint of this run as a local directory, or None for a fresh start.
+
+    Ray hands back the latest reported checkpoint. If it is incomplete (a rank died while
+    uploading) and the storage is a local or shared filesystem, older sibling checkpoints are
+    searched; otherwise the run fails rather than resume from half a checkpoint.
+    """
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        yield None
+        return
+    with checkpoint.as_directory() as directory:
+        directory = Path(directory)
+        if not ckpt.check_complete(directory, world_size, verify_hashes=True):
+            yield directory
+            return
+        siblings = [p for p in directory.parent.glob("checkpoint_*") if p.is_dir()]
+        fallback = ckpt.latest_complete(siblings, world_size)
+        if fallback is None:
+            problems = ckpt.check_complete(directory, world_size)
+            raise RuntimeError("no complete checkpoint to resume from:\n  " + "\n  ".join(problems))
+        print(f"[vitscale] latest checkpoint {directory.name} is incomplete; resuming from {fallback.name}",
+              flush=True)
+        yield fallback
+
+
+def run_directory(config: PipelineConfig) -> tuple[str, str, Path]:
+    """(storage_path, run_name, local run directory) of a pipeline's run."""
+    run_name = config.cluster.run_name or config.name
+    storage = config.cluster.storage_path
+    if "://" in storage:
+        # Checkpoints go to object storage; per-rank logs stay on each node's disk.
+        local = Path(os.path.expanduser("~/vitscale-runs-local")) / run_name
+        return storage, run_name, local
+    storage = str(Path(os.path.expanduser(storage)).resolve())
+    return storage, run_name, Path(storage) / run_name
+
+
+def launch_pretrain(config: PipelineConfig) -> dict[str, Any]:
+    """Run the pre-training stage on Ray Train; returns the final metrics and checkpoint path."""
+    storage, run_name, run_dir = run_directory(config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cluster = config.cluster
+    resources = {"CPU": cluster.cpus_per_worker}
+    if cluster.use_gpu:
+        resources["GPU"] = cluster.gpus_per_worker
+    trainer = TorchTrainer(
+        train_worker,
+        train_loop_config={"config": to_dict(config), "run_dir": str(run_dir)},
+        scaling_config=ScalingConfig(num_workers=cluster.num_workers, use_gpu=cluster.use_gpu,
+                                     resources_per_worker=resources),
+        run_config=RunConfig(
+            name=run_name, storage_path=storage,
+            failure_config=FailureConfig(max_failures=cluster.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=config.train.keep_checkpoints),
+            worker_runtime_env={"env_vars": _worker_env()},
+        ),
+    )
+    try:
+        result = trainer.fit()
+    except Exception as exc:  # noqa: BLE001 -- re-raised with the workers' own errors up front
+        raise RuntimeError(f"pre-training failed: {_root_cause(exc)}") from exc
+    metrics = dict(result.metrics or {})
+    return {"run_dir": str(run_dir), "checkpoint": result.checkpoint.path if result.checkpoint else None,
+            "summary": metrics.get("summary", {})}
+
+
+def _worker_env() -> dict[str, str]:
+    # Workers inherit the driver's choice of accelerator and thread counts; DeepSpeed must not
+    # probe for CUDA on CPU-only nodes.
+    env = {}
+    for key in ("DS_ACCELERATOR", "OMP_NUM_THREADS", "VITSCALE_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    return env
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost worker error (with its rank) rather than Ray's wrapper exceptions."""
+    text = str(exc)
+    for line in text.splitlines():
+        if "WorkerFailed" in line or "rank " in line and "failed" in line:
+            return line.strip()
+    seen = exc
+    while seen.__cause__ is not None:
+        seen = seen.__cause__
+    return f"{type(seen).__name__}: {seen}"
+
+
+def ensure_ray(address: str | None, local_num_cpus: int | None) -> str:
+    """Connect to a Ray cluster (address, $RAY_ADDRESS) or start a local one; returns a description."""
+    if ray.is_initialized():
+        return "already connected"
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return f"joined Ray cluster at {address}"
+    ray.init(num_cpus=local_num_cpus, include_dashboard=False, log_to_driver=True)
+    return f"started a local Ray with {ray.cluster_resources().get('CPU', 0):.0f} CPUs"

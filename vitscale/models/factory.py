@@ -1,0 +1,107 @@
+"""Build any model of the zoo from its name: `create_model("ViT-B/16", num_classes=1000)`.
+
+Works under `with torch.device("meta"):` too, so parameter counts of ViT-H or R152x4 are instant.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from torch import nn
+
+from vitscale.models.hybrid import build_hybrid
+from vitscale.models.resnet import ResNetConfig, ResNetV2
+from vitscale.models.variants import ModelSpec, model_names, parse_model_name, with_overrides
+from vitscale.models.vit import ViTConfig, VisionTransformer
+
+__all__ = ["OVERRIDES", "create_model", "create_from_meta", "model_meta", "model_names", "parse_model_name"]
+
+_DIM_KEYS = ("depth", "width", "mlp_dim", "heads", "resnet_layers")
+_VIT_KEYS = ("classifier", "representation_size", "pos_emb", "pos_emb_placement", "dropout", "attention_dropout")
+_COMMON_KEYS = ("head_bias_init", "activation_checkpointing")
+OVERRIDES: tuple[str, ...] = _VIT_KEYS + _COMMON_KEYS + _DIM_KEYS
+"""Keyword overrides `create_model` accepts. `resnet_layers` (units per stage) is for tiny
+ResNet / hybrid test models; the others are documented on `ViTConfig`."""
+
+
+def _check_size(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def create_model(name: str, *, num_classes: int, img_size: int = 224, **overrides: Any) -> nn.Module:
+    """Build a ViT, BiT ResNet or hybrid from its name (see `model_names()`).
+
+    Args:
+        name: e.g. "ViT-B/16", "ViT-L/14", "R50x1", "R50x1+ViT-B/16".
+        num_classes: classifier outputs (the head is zero-initialised).
+        img_size: square input resolution the position embeddings are built for.
+        **overrides: any of `OVERRIDES`: classifier, representation_size, pos_emb,
+            pos_emb_placement, dropout, attention_dropout, head_bias_init,
+            activation_checkpointing, and dims depth / width / mlp_dim / heads / resnet_layers
+            (None = the table's value).
+
+    Raises:
+        ValueError: unknown name (with close matches), unknown override, a bad value, or an
+            override that does not apply to the model family.
+    """
+    unknown = sorted(set(overrides) - set(OVERRIDES))
+    if unknown:
+        raise ValueError(f"unknown override(s) {unknown} for create_model; allowed: {list(OVERRIDES)}")
+    spec = parse_model_name(name)
+    _check_size("num_classes", num_classes)
+    _check_size("img_size", img_size)
+    spec = with_overrides(spec, **{k: overrides.pop(k) for k in _DIM_KEYS if k in overrides})
+    if spec.family == "resnet":
+        bad = sorted(k for k in overrides if k in _VIT_KEYS)
+        if bad:
+            raise ValueError(f"override(s) {bad} do not apply to ResNet model {spec.name}")
+        if spec.resnet is None:  # narrows the type; parse_model_name always sets it for resnets
+            raise ValueError(f"{spec.name} has no ResNet dims")
+        model: nn.Module = ResNetV2(ResNetConfig(dims=spec.resnet, num_classes=num_classes, **overrides))
+    else:
+        if spec.vit is None or spec.patch_size is None:
+            raise ValueError(f"{spec.name} has no ViT dims")
+        cfg = ViTConfig(
+            dims=spec.vit, patch_size=spec.patch_size, grid=spec.grid(img_size), num_classes=num_classes, **overrides
+        )
+        model = build_hybrid(spec, cfg) if spec.family == "hybrid" else VisionTransformer(cfg)
+    # Plain attributes (not state): what the model was built as, for checkpoint headers.
+    model.spec = spec
+    model.img_size = img_size
+    return model
+
+
+def model_meta(model: nn.Module) -> dict[str, Any]:
+    """The header `create_from_meta` rebuilds `model` from: name, num_classes, img_size, overrides.
+
+    Reflects `reset_head` (num_classes, dropped pre-logits). Only models from `create_model`.
+    """
+    spec: ModelSpec | None = getattr(model, "spec", None)
+    cfg = getattr(model, "cfg", None)
+    if spec is None or cfg is None:
+        raise ValueError("model was not built by vitscale.models.create_model; pass meta explicitly")
+    base = parse_model_name(spec.name)
+    over: dict[str, Any] = {}
+    if isinstance(cfg, ViTConfig):
+        over = {k: getattr(cfg, k) for k in _VIT_KEYS}
+        for k in ("depth", "width", "mlp_dim", "heads"):
+            if base.vit is not None and getattr(cfg.dims, k) != getattr(base.vit, k):
+                over[k] = getattr(cfg.dims, k)
+    if spec.resnet is not None and base.resnet is not None and spec.resnet.layers != base.resnet.layers:
+        over["resnet_layers"] = list(spec.resnet.layers)
+    over["head_bias_init"] = float(cfg.head_bias_init)
+    over["activation_checkpointing"] = bool(cfg.activation_checkpointing)
+    return {"name": spec.name, "num_classes": int(cfg.num_classes), "img_size": int(model.img_size), "overrides": over}
+
+
+def create_from_meta(meta: Mapping[str, Any]) -> nn.Module:
+    """Rebuild a model from a `model_meta` header (e.g. read from a vitscale export)."""
+    missing = [k for k in ("name", "num_classes", "img_size") if k not in meta]
+    if missing:
+        raise ValueError(f"model metadata lacks {missing}; got keys {sorted(meta)}")
+    over = dict(meta.get("overrides") or {})
+    if isinstance(over.get("resnet_layers"), list):
+        over["resnet_layers"] = tuple(over["resnet_layers"])
+    return create_model(str(meta["name"]), num_classes=int(meta["num_classes"]), img_size=int(meta["img_size"]), **over)

@@ -1,0 +1,142 @@
+"""Training checkpoints that are only ever used when complete.
+
+Layout of one checkpoint directory (every rank writes its own part into a local folder; Ray Train
+merges the folders of all ranks into one directory of the run's storage):
+
+    deepspeed/state/...          DeepSpeed's files: module states (rank 0) and one ZeRO shard per rank
+    rank{r}.pt                   this rank's stream state and RNG states
+    train_state.json             step, epoch, examples seen, cumulative FLOPs (rank 0)
+    config.yaml                  the resolved pipeline config (rank 0)
+    MANIFEST-rank{r}.json        SHA-256 of every file rank r wrote -- written LAST by that rank
+
+A checkpoint is complete when the manifests of all ranks are present and every file they list
+has the recorded size and hash. `latest_complete` skips anything else (a rank that died mid-save,
+an interrupted upload), so a resume never loads half a checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+DEEPSPEED_DIR = "deepspeed"
+DEEPSPEED_TAG = "state"
+TRAIN_STATE = "train_state.json"
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """Where training stands after `step` optimizer steps."""
+
+    step: int = 0
+    examples_seen: int = 0
+    flops: float = 0.0
+    world_size: int = 1
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file, read in chunks so multi-GB shards do not sit in memory."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch RNG states (dropout and any host-side randomness)."""
+    # NumPy's key array travels as a tensor so the file loads with torch.load(weights_only=True).
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos,
+                                                     has_gauss, gauss), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def write_rank_part(directory: Path, *, rank: int, stream_state: dict[str, Any], train_state: TrainState,
+                    config_yaml: str) -> None:
+    """Write this rank's non-DeepSpeed files, then its manifest over everything it wrote.
+
+    Call after the engine has saved into `directory / DEEPSPEED_DIR` (all ranks save: ZeRO shards
+    optimizer state per rank).
+    """
+    directory = Path(directory)
+    torch.save({"stream": stream_state, "rng": rng_state()}, directory / f"rank{rank}.pt")
+    if rank == 0:
+        (directory / TRAIN_STATE).write_text(json.dumps(asdict(train_state), indent=2))
+        (directory / "config.yaml").write_text(config_yaml)
+    files = {}
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and not path.name.startswith("MANIFEST-"):
+            rel = path.relative_to(directory).as_posix()
+            files[rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    manifest = {"rank": rank, "step": train_state.step, "world_size": train_state.world_size, "files": files}
+    tmp = directory / f".MANIFEST-rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    tmp.rename(directory / f"MANIFEST-rank{rank}.json")  # atomic: the manifest appears whole or not at all
+
+
+def check_complete(directory: Path, world_size: int, *, verify_hashes: bool = True) -> list[str]:
+    """Problems that make `directory` unusable as a checkpoint (empty list = complete)."""
+    directory = Path(directory)
+    problems = []
+    for rank in range(world_size):
+        path = directory / f"MANIFEST-rank{rank}.json"
+        if not path.exists():
+            problems.append(f"{directory}: no manifest from rank {rank}")
+            continue
+        manifest = json.loads(path.read_text())
+        if manifest.get("world_size") != world_size:
+            problems.append(f"{directory}: written by {manifest.get('world_size')} workers, this run has "
+                            f"{world_size} (a ZeRO checkpoint resumes on the same number of workers)")
+        for rel, info in manifest["files"].items():
+            file = directory / rel
+            if not file.exists():
+                problems.append(f"{file}: listed by rank {rank} but missing")
+            elif file.stat().st_size != info["bytes"]:
+                problems.append(f"{file}: {file.stat().st_size} bytes, manifest says {info['bytes']}")
+            elif verify_hashes and sha256_file(file) != info["sha256"]:
+                problems.append(f"{file}: SHA-256 differs from rank {rank}'s manifest")
+    return problems
+
+
+def checkpoint_step(directory: Path) -> int | None:
+    """The step a (possibly incomplete) checkpoint directory was written at, from any manifest."""
+    for path in sorted(Path(directory).glob("MANIFEST-rank*.json")):
+        return int(json.loads(path.read_text())["step"])
+    return None
+
+
+def latest_complete(candidates: list[Path], world_size: int) -> Path | None:
+    """The newest complete checkpoint among `candidates` (by step), or None."""
+    stepped = [(checkpoint_step(c), c) for c in candidates]
+    for step, path in sorted(((s, c) for s, c in stepped if s is not None), reverse=True):
+        if not check_complete(path, world_size):
+            return path
+    return None
+
+
+def read_train_state(directory: Path) -> TrainState:
+    return TrainState(**json.loads((Path(directory) / TRAIN_STATE).read_text()))
+
+
+def read_rank_part(directory: Path, rank: int) -> dict[str, Any]:
+    """This rank's stream state and RNG states (plain data and tensors: loaded with weights_only)."""
+    return torch.load(Path(directory) / f"rank{rank}.pt", weights_only=True)

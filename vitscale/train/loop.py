@@ -1,0 +1,246 @@
+"""The pre-training loop that runs on every worker: plain PyTorch around a DeepSpeed engine.
+
+Nothing here knows about Ray. The launcher hands in a `WorkerContext` (rank, world size, where
+the run lives, how to report, which checkpoint to resume from) and this module does the rest:
+model from `models/`, ZeRO engine from `engine.py`, the shard stream from `data/stream.py`, the
+schedule from `optim.lr_at`, compute from `scaling.flops`.
+
+Exact resumption: step k of an epoch always consumes the samples at positions
+[k * accum * micro, (k + 1) * accum * micro) of this rank's plan for that epoch, so the stream
+position is a pure function of the optimizer step, and a checkpoint at step k plus the plan gives
+the exact sample where training continues.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from vitscale.config.loader import to_yaml
+from vitscale.config.schema import PipelineConfig
+from vitscale.data.transforms import normalize_on_device
+from vitscale.models import create_model
+from vitscale.scaling.flops import forward_flops
+from vitscale.train import checkpoint as ckpt
+from vitscale.train.engine import build_engine, deepspeed_config, init_distributed, set_lr
+from vitscale.train.losses import classification_loss
+from vitscale.train.metrics import MetricsSink, StepMetrics, mfu, peak_flops
+from vitscale.train.optim import derive_batch, lr_at, param_groups, steps_for
+
+ReportFn = Callable[[dict[str, Any], "Path | None"], None]
+
+
+@dataclass
+class WorkerContext:
+    """What the launcher tells a worker: who it is, where the run lives, how to report."""
+
+    rank: int
+    world_size: int
+    run_dir: Path
+    """Local (or shared-filesystem) run directory: metrics JSONL, sample logs, fault markers."""
+    report: ReportFn = field(default=lambda metrics, checkpoint_dir: None)
+    """Report metrics (and a checkpoint directory) to the launcher; called by every rank."""
+    resume_from: Path | None = None
+    """A complete checkpoint directory to resume from, or None to start fresh."""
+
+
+def pretrain(config: PipelineConfig, ctx: WorkerContext) -> dict[str, Any]:
+    """Run (or resume) pre-training to the configured number of steps; returns a summary."""
+    from vitscale.data.stream import ShardStream
+
+    train, data, model_cfg = config.train, config.data, config.model
+    on_gpu = torch.cuda.is_available() and config.cluster.use_gpu
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    init_distributed(on_gpu)
+
+    batch = derive_batch(train.global_batch, train.micro_batch, ctx.world_size)
+    stream = ShardStream(
+        data.url, data.split, rank=ctx.rank, world_size=ctx.world_size, seed=data.seed,
+        batch_size=batch.micro_batch, resolution=model_cfg.img_size, train=True,
+        num_workers=data.num_workers, shuffle_buffer=data.shuffle_buffer, error_budget=data.error_budget,
+        endpoint_url=data.endpoint_url)
+    num_classes = stream.num_classes
+    per_rank_step = batch.micro_batch * batch.grad_accum_steps
+    steps_per_epoch = stream.samples_per_rank // per_rank_step
+    if steps_per_epoch == 0:
+        raise ValueError(f"data.url: {stream.samples_per_rank} samples per rank cannot fill one step of "
+                         f"{per_rank_step} (train.global_batch / world size); use a smaller train.global_batch")
+    epoch_samples = steps_per_epoch * batch.global_batch
+    total_steps = train.max_steps or steps_for(train.epochs, epoch_samples, batch.global_batch)
+
+    torch.manual_seed(train.seed)  # identical initial weights on every rank
+    model = create_model(model_cfg.name, num_classes=num_classes, img_size=model_cfg.img_size,
+                         **model_cfg.overrides())
+    engine = build_engine(model, param_groups(model, train.weight_decay),
+                          deepspeed_config(train, batch, on_gpu=on_gpu))
+    train_flops_per_example = 3 * forward_flops(model_cfg.name, img_size=model_cfg.img_size,
+                                                num_classes=num_classes, **_dims(model_cfg))
+    peak = peak_flops(train.peak_flops) if on_gpu else None
+
+    state = ckpt.TrainState(world_size=ctx.world_size)
+    if ctx.resume_from is not None:
+        state = _restore(engine, ctx)
+    sink = MetricsSink(ctx.run_dir, run=ctx.run_dir.name, rank=ctx.rank,
+                       port=None if train.metrics_port is None else
+                       (0 if train.metrics_port == 0 else train.metrics_port + ctx.rank))
+    if sink.port is not None:
+        print(f"[vitscale] rank {ctx.rank}: Prometheus metrics on :{sink.port}/metrics", flush=True)
+    samples_log = _SamplesLog(ctx) if train.record_samples else None
+    config_yaml = to_yaml(config)
+
+    step = state.step
+    examples, flops = state.examples_seen, state.flops
+    loss_value = float("nan")
+    batches = None
+    t_run = time.perf_counter()
+    while step < total_steps:
+        epoch, step_in_epoch = divmod(step, steps_per_epoch)
+        if batches is None:  # (re)open the stream at the exact sample this step starts from
+            stream.load_state_dict({"epoch": epoch, "position": step_in_epoch * per_rank_step, "seed": data.seed})
+            batches = iter(stream)
+        t0 = time.perf_counter()
+        data_wait = 0.0
+        lr = lr_at(step, base_lr=train.base_lr, total_steps=total_steps, warmup_steps=train.warmup_steps,
+                   decay=train.lr_decay, end_lr=train.end_lr)
+        set_lr(engine, lr)
+        step_loss = torch.zeros((), device=device)
+        keys: list[str] = []
+        for _ in range(batch.grad_accum_steps):
+            tw = time.perf_counter()
+            micro = next(batches)
+            data_wait += time.perf_counter() - tw
+            images = normalize_on_device(micro["image"].to(device, non_blocking=True))
+            if train.precision == "bf16":
+                images = images.to(torch.bfloat16)
+            labels = micro["label"].to(device, non_blocking=True)
+            logits = engine(images)
+            loss = classification_loss(logits, labels, kind=train.loss, label_smoothing=train.label_smoothing)
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.detach() / batch.grad_accum_steps
+            keys.extend(micro["key"])
+        grad_norm = engine.get_global_grad_norm()
+        step += 1
+        if step % steps_per_epoch == 0:
+            batches = None  # epoch finished: the next step opens the next epoch's plan
+        examples += batch.global_batch
+        flops += train_flops_per_example * batch.global_batch
+        # Mean loss over all ranks: what the user compares across runs; one tiny all-reduce per step.
+        torch.distributed.all_reduce(step_loss, op=torch.distributed.ReduceOp.SUM)
+        loss_value = step_loss.item() / ctx.world_size
+        step_time = time.perf_counter() - t0
+        images_per_s = batch.global_batch / step_time
+        metrics = StepMetrics(
+            step=step, loss=loss_value, lr=lr, grad_norm=_as_float(grad_norm), images_per_s=images_per_s,
+            step_time_s=step_time, data_wait_s=data_wait, compute_s=step_time - data_wait,
+            examples_seen=examples, cumulative_exaflops=flops / 1e18,
+            mfu=None if peak is None else mfu(train_flops_per_example * images_per_s / ctx.world_size, peak),
+            skipped_samples=sum(stream.skipped().values()), epoch=step / steps_per_epoch)
+        sink.record(metrics, stream.skipped())
+        if samples_log is not None:
+            samples_log.write(step, keys)
+        if ctx.rank == 0 and (step % train.log_every == 0 or step == total_steps):
+            _progress_line(metrics, total_steps, time.perf_counter() - t_run, step - state.step)
+        _maybe_die(train, ctx, step)
+        if step % train.checkpoint_every == 0 or step == total_steps:
+            new_state = ckpt.TrainState(step=step, examples_seen=examples, flops=flops, world_size=ctx.world_size)
+            stream_state = {"epoch": step // steps_per_epoch,
+                            "position": (step % steps_per_epoch) * per_rank_step, "seed": data.seed}
+            _save_and_report(engine, ctx, new_state, stream_state, config_yaml, metrics)
+        elif step % train.log_every == 0:
+            ctx.report(_report_metrics(metrics), None)
+    sink.close()
+    return {"steps": step, "total_steps": total_steps, "examples_seen": examples, "exaflops": flops / 1e18,
+            "final_loss": loss_value, "num_classes": num_classes, "skipped_samples": stream.skipped()}
+
+
+def _dims(model_cfg: Any) -> dict[str, Any]:
+    """The overrides that change compute (tiny quickstart models), for the FLOPs count."""
+    keys = ("depth", "width", "mlp_dim", "heads", "classifier", "representation_size")
+    return {k: v for k, v in model_cfg.overrides().items() if k in keys}
+
+
+def _as_float(value: Any) -> float:
+    if value is None:
+        return float("nan")
+    return float(value.item() if torch.is_tensor(value) else value)
+
+
+def _report_metrics(m: StepMetrics) -> dict[str, Any]:
+    out = {k: v for k, v in m.__dict__.items() if v is not None}
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
+
+
+def _progress_line(m: StepMetrics, total_steps: int, elapsed: float, steps_done: int) -> None:
+    eta = elapsed / max(steps_done, 1) * (total_steps - m.step)
+    mfu_text = f" mfu {m.mfu:.1%}" if m.mfu is not None else ""
+    print(f"[vitscale] step {m.step}/{total_steps} epoch {m.epoch:.2f} loss {m.loss:.4f} lr {m.lr:.2e} "
+          f"{m.images_per_s:.0f} img/s (data {m.data_wait_s / m.step_time_s:.0%}){mfu_text} "
+          f"{m.cumulative_exaflops:.3g} EFLOP eta {eta:.0f}s", flush=True)
+
+
+def _save_and_report(engine: Any, ctx: WorkerContext, state: ckpt.TrainState, stream_state: dict[str, Any],
+                     config_yaml: str, metrics: StepMetrics) -> None:
+    with tempfile.TemporaryDirectory(prefix=f"vitscale-ckpt-r{ctx.rank}-") as tmp:
+        directory = Path(tmp)
+        # Every rank calls save: ZeRO keeps one optimizer shard per rank (DeepSpeed barriers inside).
+        engine.save_checkpoint(str(directory / ckpt.DEEPSPEED_DIR), tag=ckpt.DEEPSPEED_TAG)
+        ckpt.write_rank_part(directory, rank=ctx.rank, stream_state=stream_state, train_state=state,
+                             config_yaml=config_yaml)
+        ctx.report(_report_metrics(metrics), directory)
+
+
+def _restore(engine: Any, ctx: WorkerContext) -> ckpt.TrainState:
+    directory = Path(ctx.resume_from)
+    problems = ckpt.check_complete(directory, ctx.world_size)
+    if problems:
+        raise RuntimeError("refusing to resume from an incomplete checkpoint:\n  " + "\n  ".join(problems))
+    path, _ = engine.load_checkpoint(str(directory / ckpt.DEEPSPEED_DIR), tag=ckpt.DEEPSPEED_TAG,
+                                     load_optimizer_states=True, load_lr_scheduler_states=False)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load {directory / ckpt.DEEPSPEED_DIR}")
+    part = ckpt.read_rank_part(directory, ctx.rank)
+    ckpt.set_rng_state(part["rng"])
+    state = ckpt.read_train_state(directory)
+    if ctx.rank == 0:
+        print(f"[vitscale] resumed from {directory} at step {state.step} "
+              f"(stream epoch {part['stream']['epoch']}, position {part['stream']['position']})", flush=True)
+    return state
+
+
+def _maybe_die(train: Any, ctx: WorkerContext, step: int) -> None:
+    """Fault injection: the configured rank exits abruptly after the configured step, once per run."""
+    fault = train.fault
+    if fault.kill_rank != ctx.rank or fault.kill_at_step != step:
+        return
+    marker = ctx.run_dir / f".fault-fired-rank{ctx.rank}-step{step}"
+    if marker.exists():
+        return
+    marker.write_text(json.dumps({"time": time.time()}))
+    print(f"[vitscale] fault injection: rank {ctx.rank} exits at step {step}", flush=True)
+    os._exit(17)  # no cleanup, no exception: what a segfault or OOM kill looks like to Ray
+
+
+class _SamplesLog:
+    """Keys consumed per step and rank: proves no sample is repeated or skipped across a resume.
+
+    Lines are appended; after a resume the steps since the checkpoint are written again, and the
+    last line for a step is the one whose update survives in the weights.
+    """
+
+    def __init__(self, ctx: WorkerContext):
+        directory = ctx.run_dir / "samples"
+        directory.mkdir(parents=True, exist_ok=True)
+        self.file = open(directory / f"rank{ctx.rank}.jsonl", "a")
+
+    def write(self, step: int, keys: list[str]) -> None:
+        self.file.write(json.dumps({"step": step, "keys": keys}) + "\n")
+        self.file.flush()

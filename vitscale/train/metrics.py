@@ -1,0 +1,331 @@
+"""Per-step training metrics: a JSONL file per rank and a Prometheus endpoint per process.
+
+What a step reports is one frozen :class:`StepMetrics`. :class:`MetricsSink` writes it
+
+* as one JSON line to ``<run_dir>/metrics/rank<rank>.jsonl`` (flushed per line, so ``tail -f`` and
+  a crash both see every finished step), and
+* when a port is given, to Prometheus series served from this process by
+  ``prometheus_client.start_http_server`` on a registry of its own (never the global default
+  registry, so two sinks in one process — tests, Ray Tune trials — do not collide).
+
+Prometheus series (labels ``run`` and ``rank`` on all; base units; ``_total`` for counters):
+
+==================================  =========  =====================================================
+name                                type       meaning
+==================================  =========  =====================================================
+vitscale_step                       gauge      last optimiser step recorded
+vitscale_epoch                      gauge      fractional epoch
+vitscale_train_loss                 gauge      training loss of the last step
+vitscale_learning_rate              gauge      learning rate of the last step
+vitscale_grad_norm                  gauge      global gradient norm before clipping
+vitscale_images_per_second          gauge      throughput of the last step (this rank)
+vitscale_step_seconds               histogram  wall time per optimiser step
+vitscale_data_wait_seconds          histogram  part of the step spent waiting for input
+vitscale_compute_seconds            histogram  part of the step spent in forward/backward/update
+vitscale_examples_seen_total        counter    examples consumed since the run began
+vitscale_train_flops_total          counter    training FLOPs since the run began (FLOPs, not exa)
+vitscale_mfu_ratio                  gauge      model FLOPs utilisation in [0, 1]; absent if unknown
+vitscale_skipped_samples_total      counter    undecodable samples skipped, label ``shard``
+==================================  =========  =====================================================
+
+The histograms' ``_sum`` series let a dashboard compute the input-bound fraction as
+``rate(vitscale_data_wait_seconds_sum[5m]) / rate(vitscale_step_seconds_sum[5m])``.
+
+MFU uses dense (no 2:4 sparsity) bf16 tensor-core peaks from NVIDIA's data sheets, see
+:data:`PEAK_BF16_FLOPS`. On a CPU (or an unknown GPU) ``peak_flops("auto")`` is ``None`` and MFU is
+left out (JSON ``null``, no Prometheus sample) rather than made up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+__all__ = ["MetricsSink", "PEAK_BF16_FLOPS", "StepMetrics", "mfu", "peak_flops"]
+
+#: Dense bf16 tensor-core peak FLOP/s per GPU (NVIDIA data sheets; the "with sparsity" figures are
+#: twice these). H100 SXM and H200 SXM share the GH100 compute: 989.4 TFLOP/s; A100 (SXM and PCIe):
+#: 312 TFLOP/s; H100 PCIe: 756 TFLOP/s; H100 NVL and H200 NVL: 835 TFLOP/s (1,671 sparse).
+#: Matching is by substring of the upper-cased device name, longest key first, so
+#: "NVIDIA H100 PCIe" resolves to the PCIe figure and "NVIDIA H100 80GB HBM3" to the SXM one.
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "H100 PCIE": 756e12,
+    "H100 NVL": 835e12,
+    "H200 NVL": 835e12,
+}
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What one optimiser step reports. Times are seconds; counts are cumulative since the run began."""
+
+    step: int
+    """Optimiser steps completed (1 after the first update)."""
+    loss: float
+    """Training loss of this step (mean over the global batch if the loop reduced it)."""
+    lr: float
+    """Learning rate used by this step."""
+    grad_norm: float
+    """Global gradient norm before clipping (NaN if the engine did not compute it)."""
+    images_per_s: float
+    """Examples per second for this step on this rank."""
+    step_time_s: float
+    """Wall time of the whole step, data wait included."""
+    data_wait_s: float
+    """Time blocked waiting for the next batch."""
+    compute_s: float
+    """Time in forward, backward and the optimiser update."""
+    examples_seen: int
+    """Examples consumed by the whole run (all ranks) so far."""
+    cumulative_exaflops: float
+    """Training compute so far, in exaFLOPs (1e18), by the paper's convention (3x forward)."""
+    mfu: float | None
+    """Model FLOPs utilisation in [0, 1], or None where the hardware peak is unknown (CPU)."""
+    skipped_samples: int
+    """Samples skipped so far (undecodable images, bad labels) on this rank."""
+    epoch: float
+    """Fractional epoch reached."""
+
+
+def mfu(model_flops_per_s: float, peak_flops_per_s: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the hardware peak FLOP/s.
+
+    Both per device (or both summed over devices). The numerator counts the model's FLOPs only
+    (the paper's 3x-forward convention), not recomputation from activation checkpointing.
+
+    Raises:
+        ValueError: the peak is not a positive finite number or the achieved rate is negative.
+    """
+    if not math.isfinite(peak_flops_per_s) or peak_flops_per_s <= 0:
+        raise ValueError(f"peak_flops_per_s must be a positive finite number, got {peak_flops_per_s}")
+    if not model_flops_per_s >= 0:  # also rejects NaN
+        raise ValueError(f"model_flops_per_s must be >= 0, got {model_flops_per_s}")
+    return model_flops_per_s / peak_flops_per_s
+
+
+def _lookup_peak(device_name: str) -> float | None:
+    name = device_name.upper()
+    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_BF16_FLOPS[key]
+    return None
+
+
+def peak_flops(device_name_or_value: str | float | int | None, *, device_name: str | None = None) -> float | None:
+    """Resolve the ``peak_flops`` config value to FLOP/s per device, or None when it is unknown.
+
+    * a positive number (or a numeric string such as ``"989e12"``): returned as is — the way to
+      describe hardware this table does not know;
+    * ``"auto"``: the table entry for ``device_name`` if given, else for
+      ``torch.cuda.get_device_name()`` of the current CUDA device; ``None`` on a machine without
+      CUDA or for a GPU not in :data:`PEAK_BF16_FLOPS` (MFU is then reported as absent, never
+      guessed);
+    * a GPU name such as ``"H100"`` or ``"NVIDIA A100-SXM4-80GB"``: its table entry;
+    * ``None``: None (MFU off).
+
+    Raises:
+        ValueError: a non-positive number, or a name that is neither "auto" nor in the table.
+    """
+    if device_name_or_value is None:
+        return None
+    if isinstance(device_name_or_value, bool):
+        raise ValueError(f"peak_flops must be 'auto', a GPU name or FLOP/s, got {device_name_or_value!r}")
+    if isinstance(device_name_or_value, str):
+        text = device_name_or_value.strip()
+        try:
+            value: float = float(text)
+        except ValueError:
+            if text.lower() == "auto":
+                if device_name is None:
+                    import torch  # deferred: the table and mfu() need no torch
+
+                    if not torch.cuda.is_available():
+                        return None
+                    device_name = torch.cuda.get_device_name(torch.cuda.current_device())
+                return _lookup_peak(device_name)
+            found = _lookup_peak(text)
+            if found is None:
+                raise ValueError(
+                    f"peak_flops: unknown device {text!r}; use 'auto', one of {sorted(PEAK_BF16_FLOPS)}, "
+                    "or the dense bf16 peak in FLOP/s as a number (e.g. 989e12)"
+                ) from None
+            return found
+    else:
+        value = float(device_name_or_value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"peak_flops must be a positive number of FLOP/s, got {device_name_or_value!r}")
+    return value
+
+
+# Step times span milliseconds (tiny CPU runs) to a minute (huge models, slow storage).
+_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
+
+
+def _json_safe(value: object) -> object:
+    # NaN/inf are not JSON (json.dumps would write bare NaN that strict readers reject): write null.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsSink:
+    """Writes :class:`StepMetrics` to ``run_dir/metrics/rank{rank}.jsonl`` and, optionally, Prometheus.
+
+    Args:
+        run_dir: the run directory; ``metrics/`` is created inside it. Lines are appended, so a
+            resumed run continues the same file (steps may repeat after a restore; the last line
+            for a step wins).
+        run: the run name, the ``run`` label of every series.
+        rank: this worker's global rank, the ``rank`` label and part of the file name.
+        port: serve ``/metrics`` on this port from this process; 0 picks a free port (read it back
+            from :attr:`port`); None serves nothing.
+        addr: the interface to bind; ``0.0.0.0`` lets a Prometheus in the cluster scrape the pod,
+            tests use ``127.0.0.1``.
+
+    Counters are fed cumulative values (``examples_seen``, ``cumulative_exaflops``, skipped counts)
+    and increase by the difference from the previous record; a value lower than the last one (a
+    restore to an earlier checkpoint in the same process) adds nothing, as counters cannot go down.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        run: str,
+        rank: int,
+        port: int | None = None,
+        addr: str = "0.0.0.0",
+    ) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+            raise ValueError(f"metrics port must be an integer in [0, 65535] or None, got {port!r}")
+        self.run = run
+        self.rank = rank
+        self.path = Path(run_dir) / "metrics" / f"rank{rank}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] | None = self.path.open("a", encoding="utf-8")
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}  # cumulative value last fed to each counter child
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._build_series()
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+        if port is not None:
+            started = start_http_server(port, addr=addr, registry=self.registry)
+            if started is None:  # prometheus-client < 0.20 returns nothing: the server could never stop
+                raise RuntimeError("MetricsSink needs prometheus-client >= 0.20 (start_http_server must return the server)")
+            self._server, self._thread = started
+            self.port = int(self._server.server_port)
+
+    def _build_series(self) -> None:
+        labels = ("run", "rank")
+        r = self.registry
+        self._g = {
+            "step": Gauge("vitscale_step", "Last optimiser step recorded.", labels, registry=r),
+            "epoch": Gauge("vitscale_epoch", "Fractional epoch reached.", labels, registry=r),
+            "loss": Gauge("vitscale_train_loss", "Training loss of the last step.", labels, registry=r),
+            "lr": Gauge("vitscale_learning_rate", "Learning rate of the last step.", labels, registry=r),
+            "grad_norm": Gauge("vitscale_grad_norm", "Global gradient norm before clipping.", labels, registry=r),
+            "images_per_s": Gauge(
+                "vitscale_images_per_second", "Examples per second in the last step on this rank.", labels, registry=r
+            ),
+        }
+        self._mfu = Gauge("vitscale_mfu_ratio", "Model FLOPs utilisation (0-1) vs dense bf16 peak.", labels, registry=r)
+        self._h = {
+            "step_time_s": Histogram(
+                "vitscale_step_seconds", "Wall time per optimiser step.", labels, buckets=_SECONDS_BUCKETS, registry=r
+            ),
+            "data_wait_s": Histogram(
+                "vitscale_data_wait_seconds", "Time per step waiting for input.", labels, buckets=_SECONDS_BUCKETS, registry=r
+            ),
+            "compute_s": Histogram(
+                "vitscale_compute_seconds", "Time per step in forward, backward and update.", labels,
+                buckets=_SECONDS_BUCKETS, registry=r,
+            ),
+        }
+        # prometheus_client appends "_total" to counter names itself.
+        self._examples = Counter("vitscale_examples_seen", "Examples consumed since the run began.", labels, registry=r)
+        self._flops = Counter("vitscale_train_flops", "Training FLOPs since the run began.", labels, registry=r)
+        self._skipped = Counter(
+            "vitscale_skipped_samples", "Samples skipped (undecodable or invalid), by shard.", (*labels, "shard"), registry=r
+        )
+
+    def _advance(self, key: str, counter_child: Counter, cumulative: float) -> None:
+        delta = cumulative - self._last.get(key, 0.0)
+        if delta > 0:
+            counter_child.inc(delta)
+        self._last[key] = max(cumulative, self._last.get(key, 0.0))
+
+    def record(self, m: StepMetrics, skipped_by_shard: dict[str, int] | None = None) -> None:
+        """Write one step: a JSON line (flushed) and, if serving, the Prometheus series.
+
+        ``skipped_by_shard`` maps shard name → samples skipped in that shard so far (cumulative,
+        like ``m.skipped_samples``). Skips not attributed to a shard are counted under
+        ``shard="unknown"``, so the sum over ``shard`` always equals ``m.skipped_samples``.
+
+        Raises:
+            ValueError: the sink is closed, or a shard count is negative.
+        """
+        if self._file is None:
+            raise ValueError("MetricsSink.record() after close()")
+        by_shard = dict(skipped_by_shard or {})
+        if any(v < 0 for v in by_shard.values()):
+            raise ValueError(f"skipped_by_shard counts must be >= 0, got {by_shard}")
+        # The "unknown" series always exists (at 0 until a skip), so increase() alerts see the first skip.
+        unattributed = max(0, m.skipped_samples - sum(by_shard.values()))
+        by_shard["unknown"] = by_shard.get("unknown", 0) + unattributed
+
+        row = {"time": time.time(), "run": self.run, "rank": self.rank}
+        row.update({k: _json_safe(v) for k, v in dataclasses.asdict(m).items()})
+        if skipped_by_shard:
+            row["skipped_by_shard"] = dict(skipped_by_shard)
+        with self._lock:
+            self._file.write(json.dumps(row, allow_nan=False) + "\n")
+            self._file.flush()
+
+            lv = (self.run, str(self.rank))
+            values = {"step": m.step, "epoch": m.epoch, "loss": m.loss, "lr": m.lr, "grad_norm": m.grad_norm,
+                      "images_per_s": m.images_per_s}
+            for key, gauge in self._g.items():
+                gauge.labels(*lv).set(values[key])  # NaN is a legal Prometheus value: shows a diverged loss
+            if m.mfu is not None and math.isfinite(m.mfu):
+                self._mfu.labels(*lv).set(m.mfu)
+            for key, hist in self._h.items():
+                hist.labels(*lv).observe(getattr(m, key))
+            self._advance("examples", self._examples.labels(*lv), float(m.examples_seen))
+            self._advance("flops", self._flops.labels(*lv), m.cumulative_exaflops * 1e18)
+            for shard, count in by_shard.items():
+                self._advance(f"skipped/{shard}", self._skipped.labels(*lv, shard), float(count))
+
+    def close(self) -> None:
+        """Stop the HTTP server (if any) and close the JSONL file. Safe to call twice."""
+        with self._lock:
+            if self._server is not None:
+                self._server.shutdown()  # ends serve_forever in the daemon thread
+                self._server.server_close()  # releases the port
+                if self._thread is not None:
+                    self._thread.join(timeout=5)
+                self._server = None
+                self._thread = None
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    def __enter__(self) -> MetricsSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,279 @@
+"""Optimiser pieces: the learning-rate schedule, weight-decay parameter groups, batch arithmetic.
+
+Everything here is a pure function of its arguments (no DeepSpeed, no Ray), so the engine and the
+worker loop can call it and the tests can prove its properties without a cluster.
+
+Paper facts (ViT, Table 3 / App. B.1): Adam(W) with β=(0.9, 0.999), batch 4096, 10k linear warm-up
+steps, then *linear* decay for JFT-300M / ImageNet-21k pre-training and *cosine* decay for ImageNet
+pre-training and for fine-tuning. Weight decay is "high" (0.03-0.3) and decoupled; following the
+official code (and timm / big_vision) it is not applied to biases, normalisation weights, the class
+token or the position embeddings.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import nn
+
+__all__ = [
+    "BatchPlan",
+    "DEFAULT_NO_DECAY_NAMES",
+    "derive_batch",
+    "epoch_at",
+    "lr_at",
+    "nearest_valid_global_batch",
+    "param_groups",
+    "split_decay",
+    "steps_for",
+]
+
+Decay = Literal["linear", "cosine"]
+_DECAYS: tuple[str, ...] = ("linear", "cosine")
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    # bool is an int subclass; `warmup_steps: true` in YAML is a typo, not 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+# --------------------------------------------------------------------------------------------
+# Learning-rate schedule
+# --------------------------------------------------------------------------------------------
+
+
+def lr_at(
+    step: int,
+    *,
+    base_lr: float,
+    total_steps: int,
+    warmup_steps: int,
+    decay: Decay = "linear",
+    end_lr: float = 0.0,
+) -> float:
+    """Learning rate for optimiser step ``step`` (0-based: the LR used by the first update is lr_at(0)).
+
+    Shape of the schedule:
+      * warm-up, ``0 <= step < warmup_steps``: ``base_lr * step / warmup_steps`` — linear from 0,
+        reaching exactly ``base_lr`` at ``step == warmup_steps`` (as in the paper's code);
+      * decay, ``warmup_steps <= step <= total_steps``: from ``base_lr`` to ``end_lr`` over the
+        remaining ``total_steps - warmup_steps`` steps, either ``"linear"`` (JFT / ImageNet-21k
+        pre-training) or ``"cosine"`` (half cosine: ImageNet pre-training, fine-tuning);
+      * ``step >= total_steps``: ``end_lr`` (a loop that runs one step past the end gets the final
+        value instead of an error).
+
+    ``end_lr`` is an absolute learning rate (not a ratio of ``base_lr``), ``0 <= end_lr <= base_lr``;
+    the paper's code decays to (almost) zero, which is the default.
+
+    ``warmup_steps >= total_steps``: the run ends before warm-up does. The schedule is then the
+    warm-up ramp cut off at ``total_steps`` — it never exceeds the ramp, never jumps, and there is
+    no decay phase; the last step's LR is ``base_lr * total_steps / warmup_steps``. (Quick local
+    runs that keep the paper's 10k warm-up therefore train at a small LR rather than crash; set
+    ``warmup_steps`` below ``total_steps`` to get the decay.) ``warmup_steps == 0`` means no warm-up.
+
+    Raises:
+        ValueError: an argument is out of range; the message names it.
+    """
+    _check_int("step", step, 0)
+    base = _check_float("base_lr", base_lr)
+    if base <= 0:
+        raise ValueError(f"base_lr must be > 0, got {base_lr}")
+    _check_int("total_steps", total_steps, 1)
+    _check_int("warmup_steps", warmup_steps, 0)
+    if decay not in _DECAYS:
+        raise ValueError(f"decay must be one of {_DECAYS}, got {decay!r}")
+    end = _check_float("end_lr", end_lr)
+    if not 0.0 <= end <= base:
+        raise ValueError(f"end_lr must be in [0, base_lr={base}] (an absolute LR, not a ratio), got {end_lr}")
+
+    step = min(step, total_steps)
+    if step < warmup_steps:
+        return base * step / warmup_steps
+    if warmup_steps >= total_steps:  # only reachable with step == total_steps == warmup_steps
+        return base
+    progress = (step - warmup_steps) / (total_steps - warmup_steps)  # in [0, 1]
+    if decay == "linear":
+        lr = base + (end - base) * progress
+    else:
+        lr = end + (base - end) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    # Rounding can land a hair outside [end, base]; clamp so the documented bounds hold exactly.
+    return min(base, max(end, lr))
+
+
+# --------------------------------------------------------------------------------------------
+# Weight-decay parameter groups
+# --------------------------------------------------------------------------------------------
+
+#: Parameter names (last dotted component) excluded from weight decay when a model has no
+#: ``no_weight_decay()`` method: the usual names of the class token and 1-D position embeddings.
+DEFAULT_NO_DECAY_NAMES: frozenset[str] = frozenset({"cls_token", "pos_embed"})
+
+
+def _matches(param_name: str, key: str) -> bool:
+    # Exact name, or the same name under a wrapper prefix ("module.pos_embed" for DDP/DeepSpeed).
+    return param_name == key or param_name.endswith("." + key)
+
+
+def split_decay(model: nn.Module) -> tuple[list[str], list[str]]:
+    """Split the trainable parameter names of ``model`` into (decayed, not decayed).
+
+    Not decayed: every parameter with ``ndim <= 1`` (biases, LayerNorm/GroupNorm scales, scalar
+    gates) and every parameter named by ``model.no_weight_decay()`` (a set of parameter names such
+    as ``{"cls_token", "pos_embed"}``, as timm's ViT defines). A name matches the parameter of the
+    same full name or one ending in ``"." + name``. Without that method, names whose last component
+    is in ``DEFAULT_NO_DECAY_NAMES`` are not decayed. Frozen parameters (``requires_grad=False``)
+    appear in neither list.
+
+    Raises:
+        ValueError: ``no_weight_decay()`` names a parameter the model does not have (a typo that
+            would otherwise silently decay the position embeddings).
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    hook = getattr(model, "no_weight_decay", None)
+    if callable(hook):
+        keys = set(hook())
+        all_names = [n for n, _ in model.named_parameters()]
+        unknown = sorted(k for k in keys if not any(_matches(n, k) for n in all_names))
+        if unknown:
+            raise ValueError(
+                f"{type(model).__name__}.no_weight_decay() names parameters the model does not have: "
+                f"{unknown}; parameter names look like {all_names[:5]}"
+            )
+        excluded = lambda n: any(_matches(n, k) for k in keys)  # noqa: E731
+    else:
+        excluded = lambda n: n.rsplit(".", 1)[-1] in DEFAULT_NO_DECAY_NAMES  # noqa: E731
+
+    decay, no_decay = [], []
+    for name, p in named:
+        (no_decay if p.ndim <= 1 or excluded(name) else decay).append(name)
+    return decay, no_decay
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Optimiser parameter groups with decoupled weight decay on matrices/kernels only.
+
+    Returns up to two groups, ``{"params": [...], "weight_decay": weight_decay}`` and
+    ``{"params": [...], "weight_decay": 0.0}`` (see :func:`split_decay` for which parameter goes
+    where); an empty group is left out because DeepSpeed ZeRO refuses empty groups. Pass the result
+    to ``torch.optim.AdamW`` or ``deepspeed.initialize(model_parameters=...)``. Use AdamW (decoupled
+    decay), not Adam with L2, to match the paper's "high weight decay" setting.
+
+    Raises:
+        ValueError: ``weight_decay`` is negative or not finite, or the model has no trainable
+            parameters.
+    """
+    wd = _check_float("weight_decay", weight_decay)
+    if wd < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    decay_names, no_decay_names = split_decay(model)
+    if not decay_names and not no_decay_names:
+        raise ValueError(f"{type(model).__name__} has no trainable parameters (all requires_grad=False)")
+    params = dict(model.named_parameters())
+    groups = [
+        {"params": [params[n] for n in decay_names], "weight_decay": wd},
+        {"params": [params[n] for n in no_decay_names], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+# --------------------------------------------------------------------------------------------
+# Batch arithmetic
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimiser step's global batch is split: global = micro x accum x world."""
+
+    micro_batch: int
+    """Examples per forward/backward pass on one worker (``train.micro_batch``)."""
+    grad_accum_steps: int
+    """Micro-batches accumulated per worker before each optimiser step."""
+    world_size: int
+    """Number of data-parallel workers."""
+    global_batch: int
+    """Examples per optimiser step over all workers (``train.global_batch``; the paper: 4096)."""
+
+
+def nearest_valid_global_batch(global_batch: int, micro_batch: int, world_size: int) -> int:
+    """The multiple of ``micro_batch * world_size`` closest to ``global_batch`` (ties go up; >= one unit)."""
+    _check_int("train.global_batch", global_batch, 1)
+    _check_int("train.micro_batch", micro_batch, 1)
+    _check_int("world_size", world_size, 1)
+    unit = micro_batch * world_size
+    below = (global_batch // unit) * unit
+    above = below + unit
+    if below == 0 or above - global_batch <= global_batch - below:
+        return above
+    return below
+
+
+def derive_batch(global_batch: int, micro_batch: int, world_size: int) -> BatchPlan:
+    """Gradient-accumulation plan such that ``global_batch == micro_batch * grad_accum_steps * world_size``.
+
+    Raises:
+        ValueError: an argument is not a positive integer, or ``global_batch`` is not a multiple of
+            ``micro_batch * world_size``; the message names ``train.global_batch`` and
+            ``train.micro_batch`` and gives the nearest global batch and the largest micro batch
+            (at most the requested one) that would work.
+    """
+    _check_int("train.global_batch", global_batch, 1)
+    _check_int("train.micro_batch", micro_batch, 1)
+    _check_int("world_size", world_size, 1)
+    unit = micro_batch * world_size
+    if global_batch % unit == 0:
+        return BatchPlan(micro_batch, global_batch // unit, world_size, global_batch)
+
+    hints = [
+        f"set train.global_batch to {nearest_valid_global_batch(global_batch, micro_batch, world_size)}"
+        f" (a multiple of {unit})"
+    ]
+    if global_batch % world_size == 0:
+        per_worker = global_batch // world_size
+        # Largest divisor of the per-worker batch not above the requested micro batch: the biggest
+        # micro batch that still fits in the memory the user budgeted for.
+        best = max(m for m in range(1, min(micro_batch, per_worker) + 1) if per_worker % m == 0)
+        hints.append(f"or set train.micro_batch to {best} (divides {per_worker} examples per worker)")
+    raise ValueError(
+        f"train.global_batch={global_batch} is not divisible by train.micro_batch={micro_batch} x "
+        f"world_size={world_size} = {unit}; " + ", ".join(hints)
+    )
+
+
+def steps_for(epochs: float, samples_per_epoch: int, global_batch: int) -> int:
+    """Optimiser steps to see ``epochs`` passes over ``samples_per_epoch`` examples at ``global_batch``.
+
+    The example count is rounded to an integer first and the step count rounded *up*, so the run
+    sees at least the requested data (7 epochs of 303M JFT images at 4096 → 517,823 steps). Always
+    at least 1 step.
+
+    Raises:
+        ValueError: ``epochs`` is not a positive finite number, or a count is not a positive integer.
+    """
+    ep = _check_float("epochs", epochs)
+    if ep <= 0:
+        raise ValueError(f"epochs must be > 0, got {epochs}")
+    _check_int("samples_per_epoch", samples_per_epoch, 1)
+    _check_int("train.global_batch", global_batch, 1)
+    examples = max(1, round(ep * samples_per_epoch))
+    return -(-examples // global_batch)  # ceil division on ints: exact for any size
+
+
+def epoch_at(step: int, global_batch: int, samples_per_epoch: int) -> float:
+    """Fractional epoch reached after ``step`` optimiser steps (examples seen / epoch size)."""
+    _check_int("step", step, 0)
+    _check_int("train.global_batch", global_batch, 1)
+    _check_int("samples_per_epoch", samples_per_epoch, 1)
+    return step * global_batch / samples_per_epoch
