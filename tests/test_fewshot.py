@@ -188,10 +188,13 @@ def test_extract_features_rejects_token_outputs_and_empty_input() -> None:
 
 def test_extract_features_on_project_vit() -> None:
     models = pytest.importorskip("vitscale.models")
-    if not hasattr(models, "create_model"):
+    create_model = getattr(models, "create_model", None) or getattr(
+        pytest.importorskip("vitscale.models.factory"), "create_model", None
+    )
+    if create_model is None:
         pytest.skip("vitscale.models.create_model is not written yet")
     torch.manual_seed(0)
-    model = models.create_model("ViT-Ti/16", num_classes=10, img_size=32, depth=1)
+    model = create_model("ViT-Ti/16", num_classes=10, img_size=32, depth=1)
     images = torch.randn(6, 3, 32, 32)
     feats, ys = extract_features(model, [(images[:4], torch.arange(4)), (images[4:], torch.arange(4, 6))], "cpu")
     assert feats.shape[0] == 6 and feats.ndim == 2 and torch.isfinite(feats).all()

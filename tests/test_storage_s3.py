@@ -73,10 +73,12 @@ class FaultProxy:
                 for k, v in resp.getheaders():
                     if k.lower() not in ("connection", "transfer-encoding", "content-length", "server", "date"):
                         self.send_header(k, v)
+                if self.command == "HEAD":  # no body: pass the object's length through
+                    self.send_header("Content-Length", resp.getheader("Content-Length", "0"))
+                    self.end_headers()
+                    return
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                if self.command == "HEAD":
-                    return
                 if fault == "truncate" and len(data) > 1:
                     self.wfile.write(data[: len(data) // 2])
                     self.wfile.flush()

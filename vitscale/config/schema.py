@@ -125,7 +125,7 @@ class SourceConfig:
                f"{prefix}.kind", f"must be synthetic, digits, folder:PATH or manifest:FILE, got {self.kind!r}")
         for key in ("count", "classes", "image_size", "shard_size", "max_side"):
             _positive(getattr(self, key), f"{prefix}.{key}")
-        _check(1 <= self.quality <= 100, f"{prefix}.quality", f"must be in [1, 100], got {self.quality}")
+        _check(1 <= self.quality <= 95, f"{prefix}.quality", f"must be in [1, 95] (JPEG), got {self.quality}")
         _check(bool(self.splits) and all(v > 0 for v in self.splits.values()), f"{prefix}.splits",
                f"needs at least one split with a positive fraction, got {self.splits!r}")
         _check(abs(sum(self.splits.values()) - 1.0) < 1e-6, f"{prefix}.splits",

@@ -247,4 +247,4 @@ def rank_keys(
     p = plan(ds.counts, seed, epoch, rank, world_size, start, shuffle_buffer)
     index = ds.load_index([r.shard for r in p.ranges])
     shard, local = p.locate(p.indices)
-    return [index[int(s)].keys[int(i)] for s, i in zip(shard, local)]
+    return [index[int(s)].key(int(i)) for s, i in zip(shard, local)]

@@ -89,6 +89,10 @@ class ShardIndex:
     keys: pa.Array
     """(n,) sample keys (an Arrow array: no Python objects per sample, cheap to fork)."""
 
+    def key(self, i: int) -> str:
+        """Key of the shard's ``i``-th sample."""
+        return str(self.keys[i].as_py())
+
 
 @dataclass(frozen=True, eq=False)
 class OpenDataset:
@@ -272,6 +276,15 @@ class _SampleReader:
             self._fds[name] = fd
         return fd
 
+    def close(self) -> None:
+        """Close cached file descriptors and the request thread pool."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
     def read(self, requests: list[tuple[str, int, int]]) -> list[bytes]:
         """Bytes of each (shard name, offset, size); shorter than size where the shard ends early."""
         if self.local:
@@ -335,19 +348,25 @@ class StreamSpec:
 class _EpochBatches(IterableDataset):
     """One epoch of one rank from ``plan.start``: worker ``w`` builds batches ``b % W == w``."""
 
-    def __init__(self, spec: StreamSpec, ds: OpenDataset, p: RankPlan, index: dict[int, ShardIndex], batches: int) -> None:
-        self.spec, self.ds, self.plan, self.index, self.batches = spec, ds, p, index, batches
-        self.reader = _SampleReader(ds.storage)
+    def __init__(
+        self, spec: StreamSpec, ds: OpenDataset, p: RankPlan, index: dict[int, ShardIndex], end: int
+    ) -> None:
+        self.spec, self.ds, self.plan, self.index, self.end = spec, ds, p, index, end
+        self.batches = -(-(end - p.start) // spec.batch_size)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        bs, start, end = self.spec.batch_size, self.plan.start, self.plan.samples_per_rank
-        for b in worker_batches(self.batches, worker, workers):
-            lo = start + b * bs
-            yield self._build(lo, min(lo + bs, end), shared=info is not None)
+        bs, start = self.spec.batch_size, self.plan.start
+        reader = _SampleReader(self.ds.storage)
+        try:
+            for b in worker_batches(self.batches, worker, workers):
+                lo = start + b * bs
+                yield self._build(reader, lo, min(lo + bs, self.end), shared=info is not None)
+        finally:
+            reader.close()
 
-    def _build(self, lo: int, hi: int, shared: bool) -> dict[str, Any]:
+    def _build(self, reader: _SampleReader, lo: int, hi: int, shared: bool) -> dict[str, Any]:
         spec, ds, tspec = self.spec, self.ds, self.spec.transform
         g = self.plan.global_indices(lo, hi)  # (n,) global sample indices, in emit order
         shard, local = self.plan.locate(g)
@@ -357,8 +376,8 @@ class _EpochBatches(IterableDataset):
             (ds.shard_names[int(s)], int(e.offsets[i]), int(e.sizes[i]))
             for s, e, i in zip(shard, entries, local)
         ]
-        keys = [e.keys[int(i)].as_py() for e, i in zip(entries, local)]
-        raws = self.reader.read(requests)
+        keys = [e.key(int(i)) for e, i in zip(entries, local)]
+        raws = reader.read(requests)
         # (n, 3, R, R) uint8 filled in place; in shared memory when a worker process sends it.
         images = torch.empty((n, 3, r, r), dtype=torch.uint8)
         if shared:
@@ -374,7 +393,7 @@ class _EpochBatches(IterableDataset):
                 data = members.get("jpg", members.get("jpeg"))
                 if data is None:
                     raise BadSample(f"no .jpg member among {sorted(members)}")
-                rng = sample_rng(spec.seed, self.plan.epoch, int(g[i])) if tspec.train else None
+                rng = sample_rng(self.plan.seed, self.plan.epoch, int(g[i])) if tspec.train else None
                 decode_image_into(data, pixels[i], tspec, rng)
                 valid[i] = True
             except BadSample as exc:
@@ -530,9 +549,8 @@ class ShardStream:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         s, gen = self.spec, self._generation
         p = self.plan()
-        batches = len(self)
         index = self.dataset.load_index(r.shard for r in p.ranges)
-        source = _EpochBatches(s, self.dataset, p, index, batches)
+        source = _EpochBatches(s, self.dataset, p, index, self._end)
         loader = DataLoader(
             source,
             batch_size=None,  # batches are built whole inside the workers

@@ -55,7 +55,7 @@ def preflight(config: PipelineConfig) -> dict[str, Any]:
     """Check everything a worker would trip over, on the driver; returns dataset facts."""
     import torch
 
-    from vitscale.data.stream import validate_dataset
+    from vitscale.data.stream import open_dataset
     from vitscale.models import create_model
     from vitscale.train.optim import derive_batch
 
@@ -65,7 +65,7 @@ def preflight(config: PipelineConfig) -> dict[str, Any]:
         if config.data.split not in meta["splits"]:
             raise ValueError(f"data.split: {config.data.split!r} is not in {config.data.url} "
                              f"(splits: {sorted(meta['splits'])})")
-        validate_dataset(config.data.url, config.data.split, endpoint_url=config.data.endpoint_url)
+        open_dataset(config.data.url, config.data.split, endpoint_url=config.data.endpoint_url)  # raises on a bad manifest
         derive_batch(config.train.global_batch, config.train.micro_batch, config.cluster.num_workers)
         with torch.device("meta"):  # builds nothing real: checks the name and overrides instantly
             create_model(config.model.name, num_classes=meta["num_classes"], img_size=config.model.img_size,

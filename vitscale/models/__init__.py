@@ -1,0 +1,60 @@
+"""Model zoo: ViT (Ti/S/B/L/H, any patch size), BiT ResNet-v2, hybrids; checkpoint I/O.
+
+    from vitscale.models import create_model, load_pretrained
+    model = create_model("ViT-B/16", num_classes=1000, img_size=224)
+
+Names are imported lazily (PEP 562) so `vitscale.models.variants` -- pure data, no torch --
+can be imported by the FLOPs counter and config validation without loading torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS: dict[str, str] = {
+    "LoadReport": "checkpoints",
+    "create_from_checkpoint": "checkpoints",
+    "export_npz": "checkpoints",
+    "export_state_dict": "checkpoints",
+    "load_pretrained": "checkpoints",
+    "read_checkpoint": "checkpoints",
+    "timm_state_dict": "checkpoints",
+    "OVERRIDES": "factory",
+    "create_from_meta": "factory",
+    "create_model": "factory",
+    "model_meta": "factory",
+    "resample_posemb": "posemb",
+    "ResNetConfig": "resnet",
+    "ResNetV2": "resnet",
+    "ModelSpec": "variants",
+    "ResNetDims": "variants",
+    "ViTDims": "variants",
+    "model_names": "variants",
+    "parse_model_name": "variants",
+    "ViTConfig": "vit",
+    "VisionTransformer": "vit",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from vitscale.models.checkpoints import (LoadReport, create_from_checkpoint, export_npz, export_state_dict,
+                                             load_pretrained, read_checkpoint, timm_state_dict)
+    from vitscale.models.factory import OVERRIDES, create_from_meta, create_model, model_meta
+    from vitscale.models.posemb import resample_posemb
+    from vitscale.models.resnet import ResNetConfig, ResNetV2
+    from vitscale.models.variants import ModelSpec, ResNetDims, ViTDims, model_names, parse_model_name
+    from vitscale.models.vit import ViTConfig, VisionTransformer
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vitscale.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"vitscale.models.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

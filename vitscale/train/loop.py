@@ -67,11 +67,11 @@ def pretrain(config: PipelineConfig, ctx: WorkerContext) -> dict[str, Any]:
         batch_size=batch.micro_batch, resolution=model_cfg.img_size, train=True,
         num_workers=data.num_workers, shuffle_buffer=data.shuffle_buffer, error_budget=data.error_budget,
         endpoint_url=data.endpoint_url)
-    num_classes = stream.num_classes
+    num_classes = stream.dataset.num_classes
     per_rank_step = batch.micro_batch * batch.grad_accum_steps
-    steps_per_epoch = stream.samples_per_rank // per_rank_step
+    steps_per_epoch = stream.samples_per_epoch // per_rank_step
     if steps_per_epoch == 0:
-        raise ValueError(f"data.url: {stream.samples_per_rank} samples per rank cannot fill one step of "
+        raise ValueError(f"data.url: {stream.samples_per_epoch} samples per rank cannot fill one step of "
                          f"{per_rank_step} (train.global_batch / world size); use a smaller train.global_batch")
     epoch_samples = steps_per_epoch * batch.global_batch
     total_steps = train.max_steps or steps_for(train.epochs, epoch_samples, batch.global_batch)
@@ -122,7 +122,7 @@ def pretrain(config: PipelineConfig, ctx: WorkerContext) -> dict[str, Any]:
                 images = images.to(torch.bfloat16)
             labels = micro["label"].to(device, non_blocking=True)
             logits = engine(images)
-            loss = classification_loss(logits, labels, kind=train.loss, label_smoothing=train.label_smoothing)
+            loss = _masked_loss(logits, labels, micro.get("valid"), train)
             engine.backward(loss)
             engine.step()
             step_loss += loss.detach() / batch.grad_accum_steps
@@ -160,6 +160,21 @@ def pretrain(config: PipelineConfig, ctx: WorkerContext) -> dict[str, Any]:
     sink.close()
     return {"steps": step, "total_steps": total_steps, "examples_seen": examples, "exaflops": flops / 1e18,
             "final_loss": loss_value, "num_classes": num_classes, "skipped_samples": stream.skipped()}
+
+
+def _masked_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor | None, train: Any) -> torch.Tensor:
+    """Loss over the rows that hold real samples.
+
+    The stream keeps every batch full so ranks stay in lock-step; rows refilled after a corrupt
+    sample are marked invalid and must not train the model. A batch with no valid row still runs
+    backward (a zero loss) so every rank joins the same collectives.
+    """
+    if valid is not None and not bool(valid.all()):
+        keep = valid.to(logits.device)
+        if not bool(keep.any()):
+            return logits.sum() * 0.0
+        logits, labels = logits[keep], labels[keep]
+    return classification_loss(logits, labels, kind=train.loss, label_smoothing=train.label_smoothing)
 
 
 def _dims(model_cfg: Any) -> dict[str, Any]:

@@ -18,7 +18,7 @@ vitscale_epoch                      gauge      fractional epoch
 vitscale_train_loss                 gauge      training loss of the last step
 vitscale_learning_rate              gauge      learning rate of the last step
 vitscale_grad_norm                  gauge      global gradient norm before clipping
-vitscale_images_per_second          gauge      throughput of the last step (this rank)
+vitscale_images_per_second          gauge      throughput of the last step (global batch / step time)
 vitscale_step_seconds               histogram  wall time per optimiser step
 vitscale_data_wait_seconds          histogram  part of the step spent waiting for input
 vitscale_compute_seconds            histogram  part of the step spent in forward/backward/update
@@ -79,7 +79,7 @@ class StepMetrics:
     grad_norm: float
     """Global gradient norm before clipping (NaN if the engine did not compute it)."""
     images_per_s: float
-    """Examples per second for this step on this rank."""
+    """Training throughput of this step: global batch / step wall time (all ranks together)."""
     step_time_s: float
     """Wall time of the whole step, data wait included."""
     data_wait_s: float
@@ -240,7 +240,7 @@ class MetricsSink:
             "lr": Gauge("vitscale_learning_rate", "Learning rate of the last step.", labels, registry=r),
             "grad_norm": Gauge("vitscale_grad_norm", "Global gradient norm before clipping.", labels, registry=r),
             "images_per_s": Gauge(
-                "vitscale_images_per_second", "Examples per second in the last step on this rank.", labels, registry=r
+                "vitscale_images_per_second", "Training examples per second in the last step (all ranks).", labels, registry=r
             ),
         }
         self._mfu = Gauge("vitscale_mfu_ratio", "Model FLOPs utilisation (0-1) vs dense bf16 peak.", labels, registry=r)

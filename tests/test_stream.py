@@ -1,0 +1,265 @@
+"""ShardStream end to end on tiny datasets: order = plan, resumption, workers, bad data, S3."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest_data import write_test_dataset
+from vitscale.data.plan import rank_keys
+from vitscale.data.storage import open_storage
+from vitscale.data.stream import DatasetError, ErrorBudgetExceeded, ShardStream
+
+COUNTS = [7, 5, 9, 3, 6]  # 30 samples in uneven shards
+R = 24  # output resolution: small keeps the tests fast
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> Path:
+    return write_test_dataset(tmp_path_factory.mktemp("clean"), {"train": COUNTS, "val": [4, 3]})
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _stream(url, **kw) -> ShardStream:
+    kw.setdefault("batch_size", 4)
+    kw.setdefault("resolution", R)
+    return ShardStream(str(url), kw.pop("split", "train"), **kw)
+
+
+def _epoch(stream: ShardStream) -> list[dict]:
+    return [b for b in stream]
+
+
+def _global(key: str) -> int:
+    return int(key[-6:])
+
+
+def test_batches_have_the_contract_shapes(clean):
+    s = _stream(clean, seed=1)
+    batches = _epoch(s)
+    assert len(batches) == 30 // 4 == s.batches_per_epoch
+    for b in batches:
+        assert b["image"].dtype == torch.uint8 and b["image"].shape == (4, 3, R, R)
+        assert b["image"].is_contiguous()
+        assert b["label"].dtype == torch.int64 and b["label"].shape == (4,)
+        assert [_global(k) % 10 for k in b["key"]] == b["label"].tolist()  # label travels with key
+        assert b["valid"].all()
+    assert s.state_dict() == {"epoch": 1, "position": 0, "seed": 1}
+    assert s.skipped() == {}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ranks_partition_each_epoch_in_plan_order(clean, world):
+    for epoch in range(2):
+        keys = []
+        for rank in range(world):
+            s = _stream(clean, rank=rank, world_size=world, seed=9, batch_size=2, drop_last=False)
+            s.set_epoch(epoch)
+            got = [k for b in _epoch(s) for k in b["key"]]
+            assert got == rank_keys(str(clean), "train", rank=rank, world_size=world, epoch=epoch, seed=9)
+            assert len(got) == 30 // world
+            keys += got
+        assert len(set(keys)) == len(keys) and 30 - len(keys) < world
+
+
+def test_epochs_reshuffle_and_advance_automatically(clean):
+    s = _stream(clean, seed=3)
+    e0 = [k for b in _epoch(s) for k in b["key"]]
+    e1 = [k for b in _epoch(s) for k in b["key"]]
+    assert e0 != e1 and s.epoch == 2
+    s.set_epoch(0)
+    assert [k for b in _epoch(s) for k in b["key"]] == e0
+
+
+def test_workers_emit_the_same_batches_as_one_process(clean):
+    # 7 batches over 2 workers: uneven, so worker exhaustion order matters.
+    one = _epoch(_stream(clean, seed=4))
+    three = _epoch(_stream(clean, seed=4, num_workers=2))
+    assert len(one) == len(three) == 7
+    for a, b in zip(one, three):
+        assert a["key"] == b["key"]
+        assert torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"])
+
+
+def test_resume_is_bit_identical(clean):
+    s = _stream(clean, seed=5)
+    reference = _epoch(s) + _epoch(s)
+    interrupted = _stream(clean, seed=5)
+    it = iter(interrupted)
+    head = [next(it), next(it), next(it)]
+    state = interrupted.state_dict()
+    assert state == {"epoch": 0, "position": 12, "seed": 5}
+    del it
+    resumed = _stream(clean, seed=0, num_workers=2)  # the state's seed wins
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # survives a JSON checkpoint
+    assert len(resumed) == 4
+    tail = _epoch(resumed) + _epoch(resumed)
+    assert len(head + tail) == len(reference)
+    for a, b in zip(reference, head + tail):
+        assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+
+
+def test_state_after_last_batch_resumes_next_epoch(clean):
+    s = _stream(clean, seed=2)
+    for _ in s:
+        state = s.state_dict()
+    assert state == {"epoch": 1, "position": 0, "seed": 2}
+    with pytest.raises(ValueError, match="out of range"):
+        s.load_state_dict({"epoch": 0, "position": 31, "seed": 2})
+    with pytest.raises(ValueError, match="needs int"):
+        s.load_state_dict({"epoch": 0})
+
+
+def test_eval_mode_is_ordered_deterministic_and_complete(clean):
+    s = _stream(clean, split="val", train=False, batch_size=3)
+    e0, e1 = _epoch(s), _epoch(s)
+    assert [len(b["key"]) for b in e0] == [3, 3, 1]  # keeps the partial batch
+    assert [k for b in e0 for k in b["key"]] == [f"val{i:06d}" for i in range(7)]
+    for a, b in zip(e0, e1):
+        assert torch.equal(a["image"], b["image"])
+
+
+def test_multi_label(tmp_path):
+    root = write_test_dataset(tmp_path / "ml", {"train": [5, 5]}, num_classes=6, multi_label=True)
+    b = next(iter(_stream(root, batch_size=5)))
+    assert b["label"].dtype == torch.float32 and b["label"].shape == (5, 6)
+    for key, row in zip(b["key"], b["label"]):
+        g = _global(key)
+        assert set(torch.nonzero(row).flatten().tolist()) == {g % 6, (g * 7 + 1) % 6}
+
+
+def test_rank_reads_only_its_own_bytes(clean, tmp_path):
+    root = _copy(clean, tmp_path / "ds")
+    mine = set(rank_keys(str(root), "train", rank=1, world_size=3, epoch=0, seed=6))
+    # Overwrite every other sample's bytes with garbage: reading any of them would be a skip.
+    index = pq.read_table(root / "_index.parquet").to_pylist()
+    for row in index:
+        if row["split"] == "train" and row["key"] not in mine:
+            with open(root / row["shard"], "r+b") as f:
+                f.seek(row["offset"])
+                f.write(b"\xab" * row["size"])
+    s = _stream(root, rank=1, world_size=3, seed=6, batch_size=5)
+    keys = [k for b in _epoch(s) for k in b["key"]]
+    assert set(keys) == mine and s.skipped() == {}
+
+
+def _corrupting(bad: dict[str, str]):
+    def hook(key: str, sample: dict[str, bytes]) -> dict[str, bytes]:
+        kind = bad.get(key)
+        if kind == "jpeg":
+            sample["jpg"] = sample["jpg"][:100] + b"\x00" * 50
+        elif kind == "nolabel":
+            sample.pop("cls")
+        elif kind == "badlabel":
+            sample["cls"] = b"seven"
+        return sample
+
+    return hook
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory) -> Path:
+    bad = {"train000001": "jpeg", "train000008": "nolabel", "train000013": "badlabel"}
+    root = write_test_dataset(tmp_path_factory.mktemp("bad"), {"train": COUNTS}, hook=_corrupting(bad))
+    # Truncate the last shard in the middle of its 4th sample: samples 3..5 of it are unreadable.
+    last = root / "train-000004.tar"
+    rows = [r for r in pq.read_table(root / "_index.parquet").to_pylist() if r["shard"] == last.name]
+    os.truncate(last, rows[3]["offset"] + 700)
+    return root
+
+
+def test_bad_samples_are_skipped_counted_and_logged_once(damaged, caplog):
+    caplog.set_level(logging.WARNING, logger="vitscale.data.stream")
+    s = _stream(damaged, seed=1, batch_size=3, error_budget=10)
+    epochs = [_epoch(s), _epoch(s)]
+    # 6 bad samples: a corrupt JPEG, a missing and a malformed label, 3 cut off by truncation.
+    assert s.skipped() == {
+        "train-000000.tar": 2,
+        "train-000001.tar": 2,
+        "train-000002.tar": 2,
+        "train-000004.tar": 6,
+    }
+    invalid = sum(int((~b["valid"]).sum()) for batches in epochs for b in batches)
+    assert invalid == 12
+    messages = [r.getMessage() for r in caplog.records if "skipped sample" in r.getMessage()]
+    assert len(messages) == 6  # once per bad sample, not once per epoch
+    for key, why in [("train000001", "corrupt image"), ("train000008", "no label"),
+                     ("train000013", "malformed .cls"), ("train000027", "got 700 of"),
+                     ("train000028", "truncated")]:  # fmt: skip
+        assert any(key in m and why in m for m in messages), (key, messages)
+
+
+def test_ranks_stay_balanced_when_samples_are_lost(damaged):
+    for rank in range(2):
+        s = _stream(damaged, rank=rank, world_size=2, seed=1, batch_size=3, error_budget=10)
+        for _ in range(2):
+            batches = _epoch(s)
+            assert len(batches) == 5 and all(b["image"].shape == (3, 3, R, R) for b in batches)
+            for b in batches:  # refilled rows copy a surviving sample of the same batch
+                ok = np.flatnonzero(b["valid"].numpy())
+                for j, i in enumerate(np.flatnonzero(~b["valid"].numpy())):
+                    src = int(ok[j % len(ok)])
+                    assert b["key"][i] == b["key"][src] and torch.equal(b["image"][i], b["image"][src])
+                    assert b["label"][i] == b["label"][src]
+
+
+def test_error_budget_fails_with_the_shard_names(damaged):
+    s = _stream(damaged, seed=1, batch_size=3, error_budget=2)
+    with pytest.raises(ErrorBudgetExceeded, match=r"train-00000\d\.tar"):
+        _epoch(s)
+    s = _stream(damaged, seed=1, batch_size=3, error_budget=0.5)  # a fraction: 15 samples
+    assert len(_epoch(s)) == 10
+
+
+def test_broken_datasets_fail_before_training(clean, tmp_path):
+    def broken(name, change) -> Path:
+        root = _copy(clean, tmp_path / name)
+        change(root)
+        return root
+
+    def miscount(root):
+        meta = json.loads((root / "dataset.json").read_text())
+        meta["splits"]["train"]["shards"][2]["samples"] = 8
+        (root / "dataset.json").write_text(json.dumps(meta))
+
+    cases = [
+        (lambda r: (r / "train-000003.tar").unlink(), "missing.*train-000003.tar"),
+        (miscount, "disagrees.*train-000002.tar: index 9 vs manifest 8"),
+        (lambda r: (r / "dataset.json").unlink(), "no dataset.json"),
+        (lambda r: (r / "dataset.json").write_text("{not json"), "cannot read"),
+        (lambda r: (r / "_index.parquet").unlink(), "no index"),
+        (lambda r: (r / "_index.parquet").write_bytes(b"PAR1 garbage"), "cannot read"),
+    ]
+    for i, (change, match) in enumerate(cases):
+        with pytest.raises(DatasetError, match=match):
+            _stream(broken(f"case{i}", change))
+    with pytest.raises(DatasetError, match="split 'test' not in"):
+        _stream(clean, split="test")
+    with pytest.raises(ValueError, match="not one batch"):
+        _stream(clean, batch_size=16, world_size=2)
+
+
+def test_s3_stream_matches_local(clean, moto_s3):
+    storage = open_storage("s3://vitscale-test/datasets/tiny", endpoint_url=moto_s3)
+    storage.client.create_bucket(Bucket="vitscale-test")
+    for f in sorted(clean.iterdir()):
+        storage.write_file(f.name, f)
+    local = _epoch(_stream(clean, rank=1, world_size=2, seed=8))
+    remote = _epoch(
+        _stream("s3://vitscale-test/datasets/tiny", rank=1, world_size=2, seed=8, endpoint_url=moto_s3)
+    )
+    assert len(local) == len(remote) == 3
+    for a, b in zip(local, remote):
+        assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])

@@ -1,0 +1,469 @@
+"""Load and export weights: official Flax .npz, timm state dicts, vitscale's own export.
+
+Formats read by `load_pretrained` (chosen by file suffix / content):
+
+- ``.npz``: google-research/vision_transformer layout (``Transformer/encoderblock_0/...``,
+  ``embedding/kernel``, ``cls``, hybrid ResNet keys ``conv_root``, ``block1/unit1/...``, with
+  or without a ``ResNet/`` prefix) for ViT and hybrids; BiT layout (``resnet/root_block/...``)
+  for standalone ResNets. Entries named ``vitscale/<param>`` carry parameters that have no
+  official counterpart (2-D / per-layer / relative position tables) in PyTorch layout.
+- ``.pth`` / ``.pt`` / ``.bin`` (``torch.load(weights_only=True)``) and ``.safetensors``: a timm
+  state dict (optionally wrapped in ``state_dict`` / ``model`` / ``module``; ``module.``
+  prefixes stripped) or a vitscale export (a header ``{"format": "vitscale", "meta": ...}``).
+
+Position embeddings are resampled when the grid differs; a head whose class count differs
+(or a pre-logits layer the model does not have) is left as the model's zero-init one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from vitscale.models.factory import create_from_meta, model_meta
+from vitscale.models.hybrid import HybridEmbed
+from vitscale.models.posemb import resample_1d, resample_posemb, resample_relative_table
+from vitscale.models.resnet import ResNetV2
+from vitscale.models.vit import VisionTransformer
+
+__all__ = ["LoadReport", "create_from_checkpoint", "export_npz", "export_state_dict", "load_pretrained",
+           "read_checkpoint", "timm_state_dict"]
+
+EXTRA_PREFIX = "vitscale/"
+_HEAD_PREFIXES = ("head.", "pre_logits.")
+_MAX_LISTED = 25
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What `load_pretrained` did."""
+
+    path: str
+    source_format: str
+    """"npz", "timm" or "vitscale"."""
+    loaded: tuple[str, ...]
+    """Model parameters filled from the file."""
+    resampled: tuple[str, ...] = ()
+    """Position tables interpolated to the model's grid, e.g. "pos_embed: 14x14 -> 24x24"."""
+    kept: tuple[str, ...] = ()
+    """Model parameters left as initialised (head / pre-logits: fine-tuning case)."""
+    dropped: tuple[str, ...] = ()
+    """File entries deliberately not used (a head for another class count, unused pre-logits)."""
+    notes: tuple[str, ...] = ()
+    meta: Mapping[str, Any] | None = field(default=None, compare=False)
+    """vitscale export header, when the file had one."""
+
+    @property
+    def head_kept(self) -> bool:
+        """True when the classifier was not loaded (new class count): fine-tune from here."""
+        return any(name.startswith("head.") for name in self.kept)
+
+    def __str__(self) -> str:
+        lines = [f"loaded {len(self.loaded)} tensors from {self.path} ({self.source_format})"]
+        lines += [f"  resampled {r}" for r in self.resampled]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Name/layout rules between PyTorch parameters and the official Flax/BiT npz layouts.
+
+
+@dataclass(frozen=True)
+class _Rule:
+    name: str  # PyTorch state-dict key
+    keys: tuple[str, ...]  # npz keys
+    to_torch: Callable[[list[np.ndarray]], np.ndarray]
+    to_npz: Callable[[np.ndarray], list[np.ndarray]]
+
+
+def _same(name: str, key: str) -> _Rule:
+    return _Rule(name, (key,), lambda a: a[0], lambda w: [w])
+
+
+def _vector(name: str, key: str) -> _Rule:  # norms: some files store (1, 1, 1, C)
+    return _Rule(name, (key,), lambda a: a[0].reshape(-1), lambda w: [w])
+
+
+def _dense(name: str, key: str) -> _Rule:  # Flax (in, out) <-> torch (out, in)
+    return _Rule(name, (key,), lambda a: a[0].T, lambda w: [w.T])
+
+
+def _conv(name: str, key: str) -> _Rule:  # HWIO <-> OIHW
+    return _Rule(name, (key,), lambda a: a[0].transpose(3, 2, 0, 1), lambda w: [w.transpose(2, 3, 1, 0)])
+
+
+def _attention_rules(name: str, prefix: str, heads: int) -> list[_Rule]:
+    """Fused qkv (3D, D) <-> query/key/value kernels (D, heads, Dh); out (heads, Dh, D)."""
+    qkv = tuple(f"{prefix}{n}/kernel" for n in ("query", "key", "value"))
+    qkv_b = tuple(f"{prefix}{n}/bias" for n in ("query", "key", "value"))
+
+    def qkv_to_npz(w: np.ndarray) -> list[np.ndarray]:
+        d = w.shape[1]
+        return [p.reshape(heads, -1, d).transpose(2, 0, 1) for p in np.split(w, 3, axis=0)]
+
+    def out_to_torch(a: list[np.ndarray]) -> np.ndarray:
+        k = a[0]
+        return k.reshape(-1, k.shape[-1]).T
+
+    return [
+        _Rule(f"{name}.qkv.weight", qkv, lambda a: np.concatenate([k.reshape(k.shape[0], -1).T for k in a]),
+              qkv_to_npz),
+        _Rule(f"{name}.qkv.bias", qkv_b, lambda a: np.concatenate([b.reshape(-1) for b in a]),
+              lambda w: [p.reshape(heads, -1) for p in np.split(w, 3)]),
+        _Rule(f"{name}.proj.weight", (f"{prefix}out/kernel",), out_to_torch,
+              lambda w: [w.T.reshape(heads, -1, w.shape[0])]),
+        _same(f"{name}.proj.bias", f"{prefix}out/bias"),
+    ]
+
+
+def _vit_rules(model: VisionTransformer) -> list[_Rule]:
+    rules = [_conv("patch_embed.proj.weight", "embedding/kernel"), _same("patch_embed.proj.bias", "embedding/bias")]
+    if model.cls_token is not None:
+        rules.append(_same("cls_token", "cls"))
+    if model.pos_embed is not None and model.pos_embed.shape[0] == 1:
+        rules.append(_same("pos_embed", "Transformer/posembed_input/pos_embedding"))
+    final = "norm" if isinstance(model.norm, nn.LayerNorm) else "fc_norm"
+    rules += [_same(f"{final}.weight", "Transformer/encoder_norm/scale"),
+              _same(f"{final}.bias", "Transformer/encoder_norm/bias")]
+    for i in range(len(model.blocks)):
+        b, p = f"blocks.{i}", f"Transformer/encoderblock_{i}/"
+        rules += [_same(f"{b}.norm1.weight", f"{p}LayerNorm_0/scale"), _same(f"{b}.norm1.bias", f"{p}LayerNorm_0/bias"),
+                  _same(f"{b}.norm2.weight", f"{p}LayerNorm_2/scale"), _same(f"{b}.norm2.bias", f"{p}LayerNorm_2/bias")]
+        rules += _attention_rules(f"{b}.attn", f"{p}MultiHeadDotProductAttention_1/", model.cfg.dims.heads)
+        for r in range(2):
+            rules += [_dense(f"{b}.mlp.fc{r + 1}.weight", f"{p}MlpBlock_3/Dense_{r}/kernel"),
+                      _same(f"{b}.mlp.fc{r + 1}.bias", f"{p}MlpBlock_3/Dense_{r}/bias")]
+    rules += [_dense("pre_logits.fc.weight", "pre_logits/kernel"), _same("pre_logits.fc.bias", "pre_logits/bias"),
+              _dense("head.weight", "head/kernel"), _same("head.bias", "head/bias")]
+    if isinstance(model.patch_embed, HybridEmbed):
+        rules += _hybrid_backbone_rules(model.patch_embed.backbone, "patch_embed.backbone.")
+    return rules
+
+
+def _hybrid_backbone_rules(backbone: ResNetV2, t: str) -> list[_Rule]:
+    """Official vision_transformer hybrid names: conv_root, gn_root, block{i}/unit{j}/{conv,gn}{r}."""
+    rules = [_conv(f"{t}stem.conv.weight", "conv_root/kernel"),
+             _vector(f"{t}stem.norm.weight", "gn_root/scale"), _vector(f"{t}stem.norm.bias", "gn_root/bias")]
+    for i, stage in enumerate(backbone.stages):
+        for j, blk in enumerate(stage.blocks):
+            b, p = f"{t}stages.{i}.blocks.{j}.", f"block{i + 1}/unit{j + 1}/"
+            for r in (1, 2, 3):
+                rules += [_conv(f"{b}conv{r}.weight", f"{p}conv{r}/kernel"),
+                          _vector(f"{b}norm{r}.weight", f"{p}gn{r}/scale"),
+                          _vector(f"{b}norm{r}.bias", f"{p}gn{r}/bias")]
+            if blk.downsample is not None:
+                rules += [_conv(f"{b}downsample.conv.weight", f"{p}conv_proj/kernel"),
+                          _vector(f"{b}downsample.norm.weight", f"{p}gn_proj/scale"),
+                          _vector(f"{b}downsample.norm.bias", f"{p}gn_proj/bias")]
+    return rules
+
+
+def _bit_rules(model: ResNetV2) -> list[_Rule]:
+    """BiT npz names (big_transfer): resnet/root_block, resnet/block{i}/unit{jj}/{a,b,c}/..."""
+    if not model.cfg.dims.preact:
+        return _hybrid_backbone_rules(model, "")
+    p0, conv = "resnet/", "standardized_conv2d/kernel"
+    rules = [_conv("stem.conv.weight", f"{p0}root_block/{conv}"),
+             _vector("norm.weight", f"{p0}group_norm/gamma"), _vector("norm.bias", f"{p0}group_norm/beta")]
+    for i, stage in enumerate(model.stages):
+        for j, blk in enumerate(stage.blocks):
+            b, p = f"stages.{i}.blocks.{j}.", f"{p0}block{i + 1}/unit{j + 1:02d}/"
+            for r, u in zip((1, 2, 3), "abc"):
+                rules += [_conv(f"{b}conv{r}.weight", f"{p}{u}/{conv}"),
+                          _vector(f"{b}norm{r}.weight", f"{p}{u}/group_norm/gamma"),
+                          _vector(f"{b}norm{r}.bias", f"{p}{u}/group_norm/beta")]
+            if blk.downsample is not None:
+                rules.append(_conv(f"{b}downsample.conv.weight", f"{p}a/proj/{conv}"))
+    rules += [_Rule("head.weight", (f"{p0}head/conv2d/kernel",), lambda a: a[0].reshape(a[0].shape[-2:]).T,
+                    lambda w: [w.T[None, None]]),
+              _same("head.bias", f"{p0}head/conv2d/bias")]
+    return rules
+
+
+def _rules_for(model: nn.Module) -> list[_Rule]:
+    if isinstance(model, VisionTransformer):
+        return _vit_rules(model)
+    if isinstance(model, ResNetV2):
+        return _bit_rules(model)
+    raise ValueError(f"no checkpoint layout for {type(model).__name__}; expected a vitscale model")
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading files into a PyTorch-named dict.
+
+
+def _npz_to_state_dict(arrays: Mapping[str, np.ndarray], model: nn.Module) -> tuple[dict[str, Tensor], list[str]]:
+    """Convert npz arrays by the model's rules; returns (state dict, unexpected npz keys)."""
+    arrays = {k.removeprefix("ResNet/"): v for k, v in arrays.items()}
+    used: set[str] = set()
+    out: dict[str, Tensor] = {}
+    for rule in _rules_for(model):
+        if not all(k in arrays for k in rule.keys):
+            continue
+        used.update(rule.keys)
+        try:
+            value = rule.to_torch([np.asarray(arrays[k]) for k in rule.keys])
+        except ValueError as exc:  # reshape failed: the file's dims differ from the model's
+            raise ValueError(f"npz entries {list(rule.keys)} do not fit {rule.name}: {exc}") from exc
+        out[rule.name] = torch.from_numpy(np.ascontiguousarray(value))
+    for key, value in arrays.items():
+        if key.startswith(EXTRA_PREFIX):
+            used.add(key)
+            out[key[len(EXTRA_PREFIX):]] = torch.from_numpy(np.ascontiguousarray(value))
+    return out, sorted(set(arrays) - used)
+
+
+def _unwrap(obj: Any) -> dict[str, Tensor]:
+    """A flat name -> tensor dict from common wrappers (state_dict / model / module)."""
+    for _ in range(3):
+        if isinstance(obj, Mapping) and not any(isinstance(v, Tensor) for v in obj.values()):
+            inner = [obj[k] for k in ("state_dict", "model", "module", "model_state_dict") if k in obj]
+            if len(inner) == 1:
+                obj = inner[0]
+                continue
+        break
+    if not isinstance(obj, Mapping) or not obj or not all(isinstance(v, Tensor) for v in obj.values()):
+        raise ValueError("file is not a state dict (a mapping of parameter names to tensors)")
+    out = {}
+    for k, v in obj.items():
+        for prefix in ("module.", "_orig_mod."):
+            k = k.removeprefix(prefix)
+        out[str(k)] = v
+    return out
+
+
+def read_checkpoint(path: str | Path) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+    """Read a checkpoint file: (format, raw entries, vitscale meta or None).
+
+    format is "npz" (entries are numpy arrays under Flax names), "timm" or "vitscale"
+    (entries are tensors under PyTorch names). ValueError if unreadable.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"checkpoint {p} does not exist or is not a file")
+    try:
+        if p.suffix == ".npz":
+            with np.load(p, allow_pickle=False) as f:
+                return "npz", {k: f[k] for k in f.files}, None
+        if p.suffix == ".safetensors":
+            from safetensors import safe_open
+            from safetensors.torch import load_file
+
+            with safe_open(str(p), framework="pt") as f:
+                header = f.metadata() or {}
+            sd = load_file(str(p))
+            if header.get("format") == "vitscale":
+                return "vitscale", dict(sd), json.loads(header.get("meta", "{}"))
+            return "timm", _unwrap(sd), None
+        obj = torch.load(p, map_location="cpu", weights_only=True)
+    except ValueError:
+        raise
+    except Exception as exc:  # pickle/zip/safetensors errors: one user-facing error type
+        raise ValueError(f"cannot read checkpoint {p}: {type(exc).__name__}: {exc}") from exc
+    if isinstance(obj, Mapping) and obj.get("format") == "vitscale":
+        return "vitscale", _unwrap(obj.get("state_dict")), dict(obj.get("meta") or {})
+    try:
+        return "timm", _unwrap(obj), None
+    except ValueError as exc:
+        raise ValueError(f"cannot read checkpoint {p}: {exc}") from exc
+
+
+def _from_timm(sd: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+    """timm -> vitscale names: identical except the ResNetV2 head (timm: 1x1 conv `head.fc`)."""
+    out = dict(sd)
+    if isinstance(model, ResNetV2):
+        for suffix in ("weight", "bias"):
+            v = out.pop(f"head.fc.{suffix}", None)
+            if v is not None:
+                out[f"head.{suffix}"] = v.reshape(v.shape[0], -1) if suffix == "weight" else v
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Reconciling a state dict with the model.
+
+
+def _grid_of(n: int, meta: Mapping[str, Any] | None, model: nn.Module) -> tuple[int, int]:
+    stride = getattr(getattr(model, "spec", None), "stride", None)
+    if meta and "img_size" in meta and stride:
+        side = int(meta["img_size"]) // stride
+        if side * side == n:
+            return side, side
+    side = math.isqrt(n)
+    if side * side != n:
+        raise ValueError(f"cannot infer the source grid of {n} position embeddings (not square)")
+    return side, side
+
+
+def _resample(name: str, src: Tensor, dst: Tensor, model: nn.Module, file_prefix: int,
+              meta: Mapping[str, Any] | None) -> tuple[Tensor, str] | None:
+    """Resampled `src` shaped like `dst`, with a description; None if not a resampleable pair."""
+    if not isinstance(model, VisionTransformer) or src.dim() != dst.dim():
+        return None
+    if name == "pos_embed" and src.dim() == 3 and src.shape[0] == dst.shape[0] and src.shape[2] == dst.shape[2]:
+        prefix = model.num_prefix_tokens
+        if file_prefix != prefix:
+            return None
+        old = _grid_of(src.shape[1] - prefix, meta, model)
+        out = resample_posemb(src, model.cfg.grid, prefix, old_grid=old)
+        return out, f"pos_embed: {old[0]}x{old[1]} -> {model.cfg.grid[0]}x{model.cfg.grid[1]}"
+    if name in ("pos_embed_row", "pos_embed_col") and src.shape[0] == dst.shape[0] and src.shape[2] == dst.shape[2]:
+        return resample_1d(src, dst.shape[1]), f"{name}: {src.shape[1]} -> {dst.shape[1]}"
+    if name.endswith("attn.rel_bias") and src.shape[0] == dst.shape[0]:
+        new_len = (dst.shape[1] + 1) // 2
+        return resample_relative_table(src, new_len), f"{name}: {src.shape[1]} -> {dst.shape[1]} offsets"
+    return None
+
+
+def _listing(title: str, items: list[str]) -> str:
+    more = f" ... and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else ""
+    return f"{title} ({len(items)}): {', '.join(items[:_MAX_LISTED])}{more}"
+
+
+def load_pretrained(model: nn.Module, path: str | Path) -> LoadReport:
+    """Load official .npz, timm or vitscale weights into `model` in place.
+
+    Position embeddings are resampled to the model's grid; a head of another class count,
+    or pre-logits the model lacks, are not loaded (the model keeps its zero-init head) and
+    the report says so. Raises ValueError listing missing / unexpected / shape-mismatched
+    parameters when the file does not fit the model.
+    """
+    fmt, raw, meta = read_checkpoint(path)
+    if fmt == "npz":
+        sd, unexpected = _npz_to_state_dict(raw, model)
+    else:
+        sd, unexpected = _from_timm(raw, model), []
+    target = model.state_dict(keep_vars=True)
+    file_prefix = 1 if "cls_token" in sd else 0
+    loaded, resampled, kept, dropped, notes, mismatched = [], [], [], [], [], []
+    values: dict[str, Tensor] = {}
+    for name, src in sd.items():
+        if name not in target:
+            if name.startswith(_HEAD_PREFIXES):
+                dropped.append(name)
+            else:
+                unexpected.append(name)
+            continue
+        dst = target[name]
+        if tuple(src.shape) != tuple(dst.shape):
+            if name.startswith(_HEAD_PREFIXES):
+                dropped.append(name)
+                continue
+            res = _resample(name, src, dst, model, file_prefix, meta)
+            if res is None:
+                mismatched.append(f"{name} file {tuple(src.shape)} vs model {tuple(dst.shape)}")
+                continue
+            src, what = res
+            resampled.append(what)
+        values[name] = src
+    missing = []
+    for name in target:
+        if name in values:
+            continue
+        (kept if name.startswith(_HEAD_PREFIXES) else missing).append(name)
+    if missing or unexpected or mismatched:
+        parts = [f"checkpoint {path} ({fmt}) does not fit {type(model).__name__}"
+                 f" {getattr(getattr(model, 'spec', None), 'name', '')}".rstrip()]
+        for title, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
+            if items:
+                parts.append(_listing(title, items))
+        raise ValueError("\n  ".join(parts))
+    # Head and pre-logits go together: a head trained on other pre-logits features is useless.
+    if any(k.startswith("pre_logits.") for k in kept + dropped):
+        for name in [n for n in values if n.startswith("head.")]:
+            values.pop(name)
+            kept.append(name)
+            dropped.append(name)
+    with torch.no_grad():
+        for name, src in values.items():
+            target[name].copy_(src.to(dtype=target[name].dtype, device=target[name].device))
+            loaded.append(name)
+    if any(k.startswith("head.") for k in kept):
+        notes.append(f"classifier not loaded (file: {sorted(d for d in dropped if d.startswith('head.')) or 'none'});"
+                     f" kept the model's zero-init head with {getattr(model, 'num_classes', '?')} classes")
+    if any(d.startswith("pre_logits.") for d in dropped):
+        notes.append("pre-logits layer in the file dropped: the model has none (fine-tuning recipe)")
+    if meta and getattr(model, "spec", None) is not None and meta.get("name") != model.spec.name:
+        notes.append(f"file was exported from {meta.get('name')!r}, model is {model.spec.name!r}")
+    return LoadReport(str(path), fmt, tuple(loaded), tuple(resampled), tuple(sorted(set(kept))),
+                      tuple(sorted(set(dropped))), tuple(notes), meta)
+
+
+# ----------------------------------------------------------------------------------------------
+# Export.
+
+
+def _numpy(t: Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.float()  # numpy has no bfloat16; the official files are float32
+    return t.numpy()
+
+
+def export_npz(model: nn.Module, path: str | Path) -> None:
+    """Write `model` in the official Flax layout (BiT layout for standalone ResNets).
+
+    Parameters with no official counterpart are stored as ``vitscale/<name>`` in PyTorch layout.
+    Half-precision weights are written as float32.
+    """
+    sd = {k: _numpy(v) for k, v in model.state_dict().items()}
+    arrays: dict[str, np.ndarray] = {}
+    for rule in _rules_for(model):
+        if rule.name in sd:
+            for key, value in zip(rule.keys, rule.to_npz(sd.pop(rule.name))):
+                arrays[key] = np.ascontiguousarray(value)
+    for name, value in sd.items():
+        arrays[EXTRA_PREFIX + name] = value
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:  # an open file keeps numpy from appending ".npz" to the name
+        np.savez(f, **arrays)
+
+
+def timm_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The model's weights under timm's names (ViT / hybrid: identical; ResNetV2: head -> head.fc 1x1 conv)."""
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if isinstance(model, ResNetV2) and "head.weight" in sd:
+        w = sd.pop("head.weight")
+        sd["head.fc.weight"] = w.reshape(*w.shape, 1, 1)
+        sd["head.fc.bias"] = sd.pop("head.bias")
+    return sd
+
+
+def export_state_dict(model: nn.Module, path: str | Path, meta: Mapping[str, Any] | None = None) -> None:
+    """Write a vitscale export: state dict + header (name, num_classes, img_size, overrides).
+
+    ``.safetensors`` paths get the header as JSON metadata; anything else is a `torch.save`
+    of ``{"format": "vitscale", "version": 1, "meta": ..., "state_dict": ...}`` that loads with
+    ``weights_only=True``. meta=None uses `model_meta(model)`.
+    """
+    header = dict(meta) if meta is not None else model_meta(model)
+    for key in ("name", "num_classes", "img_size"):
+        if key not in header:
+            raise ValueError(f"export meta needs {key!r}; got keys {sorted(header)}")
+    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if p.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file(sd, str(p), metadata={"format": "vitscale", "meta": json.dumps(header)})
+    else:
+        torch.save({"format": "vitscale", "version": 1, "meta": header, "state_dict": sd}, p)
+
+
+def create_from_checkpoint(path: str | Path) -> tuple[nn.Module, LoadReport]:
+    """Rebuild a model from a vitscale export's header and load its weights."""
+    fmt, _, meta = read_checkpoint(path)
+    if fmt != "vitscale" or not meta:
+        raise ValueError(f"{path} is a {fmt} checkpoint without a vitscale header; use create_model + load_pretrained")
+    model = create_from_meta(meta)
+    return model, load_pretrained(model, path)
+
