@@ -52,13 +52,14 @@ def _sdpa_flops(q: torch.Size, k: torch.Size, v: torch.Size) -> int:
     return 2 * n * tq * tk * dk + 2 * n * tq * tk * dv
 
 
-def _counter_sees_sdpa() -> bool:
-    """Does FlopCounterMode count fused attention on this torch build and device (CPU)?
+def _counter_sees_sdpa(device: str = "cpu") -> bool:
+    """Does FlopCounterMode count fused attention on this torch build and device?
 
     torch 2.13 on CPU dispatches SDPA to a fused CPU kernel the counter has no formula for, so it
-    reports 0; other builds may count it. Anything else is a surprise worth failing on.
+    reports 0; on CUDA (memory-efficient / flash kernels) it counts it. Anything else is a
+    surprise worth failing on.
     """
-    q = torch.randn(2, 3, 5, 4)
+    q = torch.randn(2, 3, 5, 4, device=device)
     with FlopCounterMode(display=False) as counter:
         F.scaled_dot_product_attention(q, q, q)
     got, full = counter.get_total_flops(), _sdpa_flops(q.shape, q.shape, q.shape)
@@ -67,18 +68,25 @@ def _counter_sees_sdpa() -> bool:
     return got == full
 
 
-def _measure(model: torch.nn.Module, img: int, batch: int = 2) -> tuple[int, dict[str, dict[Any, int]], int]:
+def _measure(
+    model: torch.nn.Module, img: int, batch: int = 2, device: str = "cpu"
+) -> tuple[int, dict[str, dict[Any, int]], int]:
     """(counter total incl. attention products, counter's per-module counts, SDPA FLOPs added)."""
-    x = torch.randn(batch, 3, img, img)
+    x = torch.randn(batch, 3, img, img, device=device)
     rec = _RecordSDPA()
     with torch.no_grad(), FlopCounterMode(display=False) as counter, rec:
-        model.eval()(x)
-    added = 0 if _counter_sees_sdpa() else sum(_sdpa_flops(*c) for c in rec.calls)
+        model.to(device).eval()(x)
+    added = 0 if _counter_sees_sdpa(device) else sum(_sdpa_flops(*c) for c in rec.calls)
     return counter.get_total_flops() + added, counter.get_flop_counts(), added
 
 
 def _module_flops(counts: dict[str, dict[Any, int]], name: str) -> int:
     return sum(counts.get(name, {}).values())
+
+
+def _stage_flops(counts: dict[str, dict[Any, int]], prefix: str, stage: int, units: int) -> int:
+    """A ResNet stage's counter figure: the model calls its units directly, not the stage."""
+    return sum(_module_flops(counts, f"{prefix}.stages.{stage}.blocks.{j}") for j in range(units))
 
 
 TINY_VIT = {"depth": 2, "width": 32, "mlp_dim": 48, "heads": 2}
@@ -111,6 +119,17 @@ def test_vit_matches_flop_counter(name: str, img: int, over: dict[str, Any]) -> 
     assert _module_flops(counts, "VisionTransformer.head") == batch * parts["head"]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_vit_matches_flop_counter_on_cuda_where_sdpa_is_counted() -> None:
+    """The other branch: on CUDA the counter sees the fused attention, so nothing is added."""
+    model = create_model("ViT-B/16", num_classes=3, img_size=64, **TINY_VIT)
+    total, counts, added = _measure(model, 64, 2, device="cuda")
+    parts = fl.flops_breakdown("ViT-B/16", img_size=64, num_classes=3, **TINY_VIT)
+    assert _counter_sees_sdpa("cuda") and added == 0
+    assert total == 2 * sum(parts.values())
+
+
 def test_counter_blind_spot_is_exactly_the_attention_products() -> None:
     """Without the SDPA correction the counter is short by precisely our attention-product term."""
     model = create_model("ViT-B/16", num_classes=5, img_size=64, **TINY_VIT)
@@ -138,8 +157,8 @@ def test_resnet_matches_flop_counter(name: str, img: int, over: dict[str, Any]) 
     assert added == 0
     assert total == batch * sum(parts.values())
     assert _module_flops(counts, "ResNetV2.stem") == batch * parts["stem"]
-    for i in range(len(over["resnet_layers"])):
-        assert _module_flops(counts, f"ResNetV2.stages.{i}") == batch * parts[f"stage{i + 1}"]
+    for i, units in enumerate(over["resnet_layers"]):
+        assert _stage_flops(counts, "ResNetV2", i, units) == batch * parts[f"stage{i + 1}"]
     assert _module_flops(counts, "ResNetV2.head") == batch * parts["head"]
 
 
@@ -158,8 +177,8 @@ def test_hybrid_matches_flop_counter(name: str, img: int, over: dict[str, Any]) 
     assert total == batch * sum(parts.values())
     backbone = "VisionTransformer.patch_embed.backbone"
     assert _module_flops(counts, f"{backbone}.stem") == batch * parts["stem"]
-    for i in range(len(over["resnet_layers"])):
-        assert _module_flops(counts, f"{backbone}.stages.{i}") == batch * parts[f"stage{i + 1}"]
+    for i, units in enumerate(over["resnet_layers"]):
+        assert _stage_flops(counts, backbone, i, units) == batch * parts[f"stage{i + 1}"]
     assert _module_flops(counts, "VisionTransformer.patch_embed.proj") == batch * parts["patch_embed"]
 
 
@@ -354,7 +373,8 @@ def test_catalog_rows_cover_every_model_with_meta_params() -> None:
     assert {r["family"] for r in rows} == {"vit", "resnet", "hybrid"}
     json.dumps(rows)  # the --json output must serialise
     md = models_markdown(rows)
-    assert md.count("\n| ") == len(rows) + 1 and "| ViT-H/14 | vit | 632.0 |" in md
+    assert sum(line.startswith("| ") for line in md.splitlines()) == len(rows) + 1  # + header
+    assert "| ViT-H/14 | vit | 632.0 |" in md
 
 
 def test_flops_summary_totals() -> None:

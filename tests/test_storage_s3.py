@@ -41,6 +41,7 @@ class FaultProxy:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"  # keep-alive, as boto3 uses it
+            disable_nagle_algorithm = True  # else headers+body writes stall ~40 ms on delayed ACKs
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -222,10 +223,12 @@ def test_synthetic_multilabel_on_s3_and_corruption_found(moto_s3: str, bucket: s
 
 def test_flaky_server_loses_no_sample(moto_s3: str, bucket: str) -> None:
     url = f"s3://{bucket}/flaky"
-    write_dataset("digits", url, shard_size=300, max_side=16, endpoint_url=moto_s3, progress=False)
+    opts = {"count": 240, "classes": 4, "image_size": 24}
+    write_dataset("synthetic", url, shard_size=60, source_options=opts, endpoint_url=moto_s3, progress=False)
     direct = open_storage(url, endpoint_url=moto_s3)
     man = load_manifest(url, endpoint_url=moto_s3)
-    expected = {r["key"]: direct.read_range(r["shard"], r["offset"], r["size"]) for r in man.index.to_pylist()}
+    blobs = {name: direct.read_bytes(name) for name in man.shard_names()}
+    expected = {r["key"]: blobs[r["shard"]][r["offset"] : r["offset"] + r["size"]] for r in man.index.to_pylist()}
     port = int(moto_s3.rsplit(":", 1)[1])
     with FaultProxy(port, fault_rate=0.3, methods=("GET", "HEAD", "PUT"), seed=7) as proxy:
         flaky = open_storage(url, endpoint_url=proxy.url, retry=FAST_RETRY)
@@ -237,7 +240,7 @@ def test_flaky_server_loses_no_sample(moto_s3: str, bucket: str) -> None:
         for name in man.shard_names("train"):
             with flaky.open_read(name) as f:
                 streamed.update({s.key: s.files["jpg"] for s in iter_shard(f)})
-        assert len(streamed) == 1797
+        assert len(streamed) == 240
         assert verify_dataset(url, endpoint_url=proxy.url) == []
         # Writes through the proxy are retried as well.
         flaky.write_bytes("note.txt", b"written through faults")

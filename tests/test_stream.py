@@ -263,3 +263,26 @@ def test_s3_stream_matches_local(clean, moto_s3):
     assert len(local) == len(remote) == 3
     for a, b in zip(local, remote):
         assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+
+
+def test_reads_what_the_shard_writer_writes(tmp_path):
+    from vitscale.data.shards import write_dataset
+
+    out = tmp_path / "synthetic"
+    write_dataset("synthetic", str(out), shard_size=7, progress=False, workers=1,
+                  source_options={"count": 24, "image_size": 40, "classes": 5})  # fmt: skip
+    s = _stream(out, batch_size=6, world_size=2, rank=1, seed=2)
+    batches = _epoch(s)
+    assert len(batches) == 2 and s.skipped() == {}
+    keys = [k for b in batches for k in b["key"]]
+    assert keys == rank_keys(str(out), "train", rank=1, world_size=2, epoch=0, seed=2)
+    index = {r["key"]: r["labels"] for r in pq.read_table(out / "_index.parquet").to_pylist()}
+    assert [index[k][0] for k in keys] == [int(v) for b in batches for v in b["label"]]
+
+
+def test_run_bench_reports_throughput(clean):
+    from vitscale.data.bench import run_bench
+
+    r = run_bench(str(clean), resolution=R, seconds=0.3, batch_size=4)
+    assert r["workers"] == 1 and r["images"] > 0 and r["images_per_s"] > 0
+    assert r["images_per_cpu_s"] > 0 and r["skipped"] == 0

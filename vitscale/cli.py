@@ -20,26 +20,24 @@ def _print_json(obj: Any) -> None:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from vitscale.scaling.catalog import model_rows, render_models_markdown
+    from vitscale.scaling.catalog import model_rows, models_markdown
 
     rows = model_rows()
     if args.json:
         _print_json(rows)
     else:
-        print(render_models_markdown(rows))
+        print(models_markdown(rows))
     return 0
 
 
 def cmd_flops(args: argparse.Namespace) -> int:
-    from vitscale.scaling.catalog import flops_summary
+    from vitscale.scaling.catalog import flops_summary, summary_markdown
 
     summary = flops_summary(args.model, resolution=args.resolution, examples=args.examples, epochs=args.epochs)
     if args.json:
         _print_json(summary)
     else:
-        width = max(len(k) for k in summary)
-        for key, value in summary.items():
-            print(f"{key:<{width}}  {value}")
+        print(summary_markdown(summary))
     return 0
 
 
@@ -276,6 +274,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # User errors (bad config, missing data, unknown model): one clear line, no traceback.
         print(f"vitscale: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        if type(exc).__name__ != "PipelineFailed":
+            raise
+        # The workers' tracebacks are already in the log above; end with who failed and why.
+        print(f"vitscale: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

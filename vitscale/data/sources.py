@@ -410,6 +410,12 @@ class SyntheticSource(Source):
         else:
             grad = np.linspace(0.0, 1.0, h, dtype=np.float32)[:, None, None]  # (H, 1, 1)
         canvas = np.broadcast_to(c0 + (c1 - c0) * grad, (h, w, 3)).copy()
+        # Plus smooth random blotches (a 6x6 grid upsampled): real photos have structured
+        # backgrounds, and a near-flat one would make distinct images alike to perceptual hashes.
+        # Mostly brightness, little colour: hue is a class cue and must stay the object's.
+        grid = rng.uniform(-0.2, 0.2, size=(6, 6, 1)) + rng.uniform(-0.05, 0.05, size=(6, 6, 3))
+        blotch = Image.fromarray(((grid + 0.5) * 255).astype(np.uint8), mode="RGB").resize((w, h), Image.Resampling.BICUBIC)
+        canvas += np.asarray(blotch, dtype=np.float32) / 255.0 - 0.5
         for c in rng.permutation(labels):
             _draw_object(canvas, class_pattern(int(c)), rng)
         canvas += rng.normal(0.0, 0.04, size=canvas.shape).astype(np.float32)

@@ -284,6 +284,33 @@ def _is_missing(exc: BaseException) -> bool:
     return False
 
 
+_CLIENTS: dict[tuple[int, str | None, float], Any] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _shared_client(endpoint_url: str | None, read_timeout_s: float) -> Any:
+    """One boto3 S3 client per (process, endpoint, timeout).
+
+    Building a client loads botocore's service model (~0.3 s), and clients are thread-safe, so
+    storages share them. The pid is part of the key because connection pools must not cross fork.
+    """
+    key = (os.getpid(), endpoint_url, read_timeout_s)
+    with _CLIENTS_LOCK:
+        if key not in _CLIENTS:
+            import boto3
+            from botocore.config import Config
+
+            config = Config(
+                # One retry layer (ours), which also covers body streaming.
+                retries={"total_max_attempts": 1, "mode": "standard"},
+                connect_timeout=10,
+                read_timeout=read_timeout_s,
+                max_pool_connections=32,
+            )
+            _CLIENTS[key] = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
+        return _CLIENTS[key]
+
+
 class _ShortRead(Exception):
     """A body ended before the length the server announced (a dropped connection in disguise)."""
 
@@ -337,19 +364,7 @@ class S3Storage(Storage):
         if self._client is None:
             with self._lock:
                 if self._client is None:
-                    import boto3
-                    from botocore.config import Config
-
-                    config = Config(
-                        # One retry layer (ours), which also covers body streaming.
-                        retries={"total_max_attempts": 1, "mode": "standard"},
-                        connect_timeout=10,
-                        read_timeout=self.read_timeout_s,
-                        max_pool_connections=32,
-                    )
-                    self._client = boto3.session.Session().client(
-                        "s3", endpoint_url=self.endpoint_url, config=config
-                    )
+                    self._client = _shared_client(self.endpoint_url, self.read_timeout_s)
         return self._client
 
     def key_of(self, name: str) -> str:

@@ -315,29 +315,45 @@ class StreamSpec:
     """Everything that decides a stream's content (see :class:`ShardStream`)."""
 
     url: str
+    """Dataset folder or ``s3://bucket/prefix``."""
     split: str = "train"
     rank: int = 0
+    """This process's rank among ``world_size`` data-parallel ranks."""
     world_size: int = 1
     seed: int = 0
+    """Seeds shard order, sample shuffle and augmentation (with the epoch)."""
     batch_size: int = 64
+    """Per-rank batch size."""
     train: bool = True
+    """Shuffled order + random augmentation; False: manifest order + centre crop."""
     num_workers: int = 0
+    """DataLoader worker processes decoding for this rank (0: decode in this process)."""
     shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
+    """Window of the in-span sample shuffle (samples)."""
     error_budget: float = 0.001
+    """Skipped samples allowed per epoch: a fraction of the rank's epoch if < 1, else a count."""
     endpoint_url: str | None = None
+    """S3-protocol endpoint (MinIO, moto, Ceph); None: environment, then AWS."""
     drop_last: bool = True
+    """Drop the epoch's last partial batch (training) or keep it (evaluation)."""
     transform: TransformSpec = field(default_factory=TransformSpec)
+    """Crop/flip/resolution of each image."""
     prefetch_factor: int = 2
+    """Batches each worker prepares ahead."""
     pin_memory: bool = False
+    """Page-lock batches for faster, asynchronous host-to-GPU copies."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"need 0 <= rank < world_size, got rank={self.rank}, world_size={self.world_size}")
+            raise ValueError(
+                f"need 0 <= rank < world_size, got rank={self.rank}, world_size={self.world_size}"
+            )
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
-        if self.error_budget < 0 or (self.error_budget >= 1 and self.error_budget != int(self.error_budget)):
+        b = self.error_budget
+        if b < 0 or (b >= 1 and b != int(b)):
             raise ValueError(
                 f"error_budget is a fraction in [0, 1) or a whole count >= 1, got {self.error_budget}"
             )
@@ -507,7 +523,9 @@ class ShardStream:
         try:
             epoch, position, seed = int(state["epoch"]), int(state["position"]), int(state["seed"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"stream state needs int 'epoch', 'position', 'seed'; got {state!r}") from exc
+            raise ValueError(
+                f"stream state needs int 'epoch', 'position', 'seed'; got {state!r}"
+            ) from exc
         if epoch < 0 or seed < 0 or not 0 <= position <= self._end:
             raise ValueError(f"stream state out of range for this dataset/world size: {state!r}")
         if position == self._end:
@@ -520,7 +538,7 @@ class ShardStream:
         """Samples skipped so far (all epochs of this stream object), per shard name."""
         return dict(self._skipped)
 
-    def plan(self) -> RankPlan:
+    def epoch_plan(self) -> RankPlan:
         """The plan of the current epoch from the current position."""
         s = self.spec
         return plan(self.dataset.counts, self.seed, self.epoch, s.rank, s.world_size,
@@ -548,7 +566,7 @@ class ShardStream:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         s, gen = self.spec, self._generation
-        p = self.plan()
+        p = self.epoch_plan()
         index = self.dataset.load_index(r.shard for r in p.ranges)
         source = _EpochBatches(s, self.dataset, p, index, self._end)
         loader = DataLoader(

@@ -81,11 +81,28 @@ def preflight(config: PipelineConfig) -> dict[str, Any]:
     return facts
 
 
+def with_absolute_paths(config: PipelineConfig) -> PipelineConfig:
+    """Local paths made absolute on the driver: Ray workers run in a directory of their own."""
+    from dataclasses import replace
+
+    def absolute(url: str) -> str:
+        return url if "://" in url or not url else str(Path(url).expanduser().resolve())
+
+    return replace(
+        config,
+        data=replace(config.data, url=absolute(config.data.url)),
+        eval=replace(config.eval, datasets=tuple(absolute(u) for u in config.eval.datasets)),
+        finetune=replace(config.finetune, dataset=absolute(config.finetune.dataset)),
+        cluster=replace(config.cluster, storage_path=absolute(config.cluster.storage_path)),
+    )
+
+
 def run_pipeline(config: PipelineConfig, *, address: str | None = None) -> dict[str, Any]:
     """Run every stage of `config`; returns the summary printed as the final JSON line."""
     from vitscale.launch.ray_train import ensure_ray, launch_pretrain, run_directory
 
     t0 = time.time()
+    config = with_absolute_paths(config)
     preflight(config)
     _, run_name, run_dir = run_directory(config)
     run_dir.mkdir(parents=True, exist_ok=True)

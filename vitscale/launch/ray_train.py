@@ -29,6 +29,10 @@ class WorkerFailed(RuntimeError):
     """A training worker raised: carries the rank and the worker's own traceback."""
 
 
+class PipelineFailed(RuntimeError):
+    """A stage failed on the cluster; the message names the failed ranks and their errors."""
+
+
 def train_worker(payload: dict[str, Any]) -> None:
     """Entry point of every Ray Train worker."""
     config = build_pipeline(payload["config"])
@@ -41,12 +45,7 @@ def train_worker(payload: dict[str, Any]) -> None:
         with _resume_directory(world_size) as resume_from:
             ctx = WorkerContext(rank=rank, world_size=world_size, run_dir=run_dir, report=_report,
                                 resume_from=resume_from)
-            summary = pretrain(config, ctx)
-        if rank == 0:
-            ray.train.report({"summary": summary, **{f"final_{k}": v for k, v in summary.items()
-                                                     if isinstance(v, (int, float))}})
-        else:
-            ray.train.report({})
+            pretrain(config, ctx)  # its last step reports the final checkpoint and metrics
     except Exception as exc:
         # Ray shows its own traceback of the actor; print the worker's with its rank so the driver's
         # log says which rank failed and why, then re-raise for Ray's failure handling.
@@ -124,16 +123,20 @@ def launch_pretrain(config: PipelineConfig) -> dict[str, Any]:
     try:
         result = trainer.fit()
     except Exception as exc:  # noqa: BLE001 -- re-raised with the workers' own errors up front
-        raise RuntimeError(f"pre-training failed: {_root_cause(exc)}") from exc
-    metrics = dict(result.metrics or {})
+        raise PipelineFailed(f"pre-training failed: {_root_cause(exc)}") from exc
+    # Ray keeps the metrics reported with the latest checkpoint: the final step's.
+    last = dict(result.metrics or {})
+    summary = {key: last.get(key) for key in ("step", "epoch", "loss", "examples_seen", "cumulative_exaflops",
+                                              "images_per_s", "mfu", "skipped_samples")}
     return {"run_dir": str(run_dir), "checkpoint": result.checkpoint.path if result.checkpoint else None,
-            "summary": metrics.get("summary", {})}
+            "summary": summary}
 
 
 def _worker_env() -> dict[str, str]:
     # Workers inherit the driver's choice of accelerator and thread counts; DeepSpeed must not
     # probe for CUDA on CPU-only nodes.
-    env = {}
+    # Ray Train's print patch would echo every worker print a second time through its logger.
+    env = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
     for key in ("DS_ACCELERATOR", "OMP_NUM_THREADS", "VITSCALE_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL"):
         if key in os.environ:
             env[key] = os.environ[key]
@@ -141,15 +144,19 @@ def _worker_env() -> dict[str, str]:
 
 
 def _root_cause(exc: BaseException) -> str:
-    """The innermost worker error (with its rank) rather than Ray's wrapper exceptions."""
-    text = str(exc)
-    for line in text.splitlines():
-        if "WorkerFailed" in line or "rank " in line and "failed" in line:
-            return line.strip()
-    seen = exc
-    while seen.__cause__ is not None:
-        seen = seen.__cause__
-    return f"{type(seen).__name__}: {seen}"
+    """One line per failed rank ("rank 1: ValueError: ...") rather than Ray's wrapper exceptions."""
+    failures = getattr(exc, "worker_failures", None) or {}
+    lines = []
+    for rank, failure in sorted(failures.items()):
+        cause: BaseException | None = failure
+        while cause is not None and not isinstance(cause, WorkerFailed):
+            cause = cause.__cause__
+        if cause is not None:
+            lines.append(str(cause))
+        else:
+            text = [line for line in str(failure).splitlines() if line.strip()]
+            lines.append(f"rank {rank}: {text[-1] if text else type(failure).__name__}")
+    return "; ".join(lines) if lines else f"{type(exc).__name__}: {exc}"
 
 
 def ensure_ray(address: str | None, local_num_cpus: int | None) -> str:
@@ -160,5 +167,6 @@ def ensure_ray(address: str | None, local_num_cpus: int | None) -> str:
     if address:
         ray.init(address=address, log_to_driver=True)
         return f"joined Ray cluster at {address}"
-    ray.init(num_cpus=local_num_cpus, include_dashboard=False, log_to_driver=True)
+    # The dashboard also serves the state API that Ray Train's controller polls (and the Train view).
+    ray.init(num_cpus=local_num_cpus, log_to_driver=True)
     return f"started a local Ray with {ray.cluster_resources().get('CPU', 0):.0f} CPUs"

@@ -35,16 +35,45 @@ _EXPORTS: dict[str, str] = {
     "ViTConfig": "vit",
     "VisionTransformer": "vit",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "LoadReport",
+    "ModelSpec",
+    "OVERRIDES",
+    "ResNetConfig",
+    "ResNetDims",
+    "ResNetV2",
+    "ViTConfig",
+    "ViTDims",
+    "VisionTransformer",
+    "create_from_checkpoint",
+    "create_from_meta",
+    "create_model",
+    "export_npz",
+    "export_state_dict",
+    "load_pretrained",
+    "model_meta",
+    "model_names",
+    "parse_model_name",
+    "read_checkpoint",
+    "resample_posemb",
+    "timm_state_dict",
+]
 
 if TYPE_CHECKING:
-    from vitscale.models.checkpoints import (LoadReport, create_from_checkpoint, export_npz, export_state_dict,
-                                             load_pretrained, read_checkpoint, timm_state_dict)
+    from vitscale.models.checkpoints import (
+        LoadReport,
+        create_from_checkpoint,
+        export_npz,
+        export_state_dict,
+        load_pretrained,
+        read_checkpoint,
+        timm_state_dict,
+    )
     from vitscale.models.factory import OVERRIDES, create_from_meta, create_model, model_meta
     from vitscale.models.posemb import resample_posemb
     from vitscale.models.resnet import ResNetConfig, ResNetV2
     from vitscale.models.variants import ModelSpec, ResNetDims, ViTDims, model_names, parse_model_name
-    from vitscale.models.vit import ViTConfig, VisionTransformer
+    from vitscale.models.vit import VisionTransformer, ViTConfig
 
 
 def __getattr__(name: str) -> Any:

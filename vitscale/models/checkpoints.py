@@ -13,15 +13,22 @@ Formats read by `load_pretrained` (chosen by file suffix / content):
 
 Position embeddings are resampled when the grid differs; a head whose class count differs
 (or a pre-logits layer the model does not have) is left as the model's zero-init one.
+
+Known inexactness with official Flax weights (all round trips within vitscale are exact):
+GELU is exact here (timm) but tanh-approximated in Flax; for GAP models the official code
+applies ``encoder_norm`` before pooling while vitscale/timm apply ``fc_norm`` after it, and
+``Transformer/encoder_norm`` maps onto ``fc_norm``; weight standardisation uses
+``sqrt(var + 1e-8)`` where the Flax hybrid uses ``std + 1e-5``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -428,8 +435,11 @@ def export_npz(model: nn.Module, path: str | Path) -> None:
 
 
 def timm_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The model's weights under timm's names (ViT / hybrid: identical; ResNetV2: head -> head.fc 1x1 conv)."""
-    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """The model's weights under timm's names (ViT / hybrid: identical; ResNetV2: head -> head.fc 1x1 conv).
+
+    Tensors share storage with the model (no copy: ViT-L/H dicts are large); clone to keep a snapshot.
+    """
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
     if isinstance(model, ResNetV2) and "head.weight" in sd:
         w = sd.pop("head.weight")
         sd["head.fc.weight"] = w.reshape(*w.shape, 1, 1)

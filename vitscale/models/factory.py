@@ -5,14 +5,15 @@ Works under `with torch.device("meta"):` too, so parameter counts of ViT-H or R1
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
 
 from vitscale.models.hybrid import build_hybrid
 from vitscale.models.resnet import ResNetConfig, ResNetV2
 from vitscale.models.variants import ModelSpec, model_names, parse_model_name, with_overrides
-from vitscale.models.vit import ViTConfig, VisionTransformer
+from vitscale.models.vit import VisionTransformer, ViTConfig
 
 __all__ = ["OVERRIDES", "create_model", "create_from_meta", "model_meta", "model_names", "parse_model_name"]
 

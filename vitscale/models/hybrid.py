@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from vitscale.models.resnet import ResNetConfig, ResNetV2
 from vitscale.models.variants import ModelSpec
-from vitscale.models.vit import ViTConfig, VisionTransformer, lecun_normal_
+from vitscale.models.vit import VisionTransformer, ViTConfig, lecun_normal_
 
 
 class HybridEmbed(nn.Module):

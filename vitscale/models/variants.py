@@ -238,5 +238,5 @@ def with_overrides(
     resnet = spec.resnet
     if resnet is not None and resnet_layers is not None:
         resnet = dataclasses.replace(resnet, layers=tuple(resnet_layers))
-    stride = resnet.stride if (spec.family == "resnet" or spec.family == "hybrid") and resnet else spec.stride
+    stride = resnet.stride if resnet is not None else spec.stride  # hybrids: patch size 1 on the map
     return dataclasses.replace(spec, vit=vit, resnet=resnet, stride=stride)

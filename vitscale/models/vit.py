@@ -225,8 +225,8 @@ class VisionTransformer(nn.Module):
 
     def no_weight_decay(self) -> set[str]:
         """Parameter names that must not be weight-decayed (tokens, position tables)."""
-        return {n for n, _ in self.named_parameters() if n in {"cls_token", "pos_embed", "pos_embed_row",
-                                                               "pos_embed_col"} or n.endswith("attn.rel_bias")}
+        tables = {"cls_token", "pos_embed", "pos_embed_row", "pos_embed_col"}
+        return {n for n, _ in self.named_parameters() if n in tables or n.endswith("attn.rel_bias")}
 
     def reset_head(self, num_classes: int, bias_init: float = 0.0) -> None:
         """Fine-tuning head: drop pre-logits, attach a zero-init D x K linear layer."""

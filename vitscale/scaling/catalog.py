@@ -18,6 +18,7 @@ from vitscale.scaling.flops import (
     JFT300M_EXAMPLES,
     exaflops,
     flops_breakdown,
+    forward_flops,
     training_flops,
 )
 
@@ -34,7 +35,7 @@ def _gflops_or_none(name: str, img_size: int, num_classes: int) -> float | None:
     spec = parse_model_name(name)
     if spec.family != "resnet" and img_size % spec.stride != 0:
         return None
-    return sum(flops_breakdown(name, img_size=img_size, num_classes=num_classes).values()) / 1e9
+    return forward_flops(name, img_size=img_size, num_classes=num_classes) / 1e9
 
 
 def model_rows(resolutions: tuple[int, ...] = (224, 384), num_classes: int = 1000) -> list[dict[str, Any]]:

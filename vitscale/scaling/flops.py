@@ -198,7 +198,7 @@ def _positive_int(key: str, value: object) -> int:
     return value
 
 
-def resolve_spec(name: str, **overrides: Any) -> tuple[ModelSpec, str, int | None]:
+def _resolve(name: str, **overrides: Any) -> tuple[ModelSpec, str, int | None]:
     """(spec with dim overrides applied, classifier, representation_size) for `name`.
 
     ValueError for an unknown name, an unknown override, or one that does not apply.
@@ -243,16 +243,16 @@ def flops_breakdown(
     """
     _positive_int("img_size", img_size)
     _positive_int("num_classes", num_classes)
-    spec, classifier, rep = resolve_spec(name, **overrides)
+    spec, classifier, rep = _resolve(name, **overrides)
     parts: dict[str, int] = {}
     if spec.family == "resnet":
-        rdims = spec.resnet
-        if rdims is None:
+        dims = spec.resnet
+        if dims is None:
             raise ValueError(f"{spec.name} has no ResNet dims")
-        trunk, _ = resnet_flops(rdims, img_size, count_padding=count_padding)
+        trunk, _ = resnet_flops(dims, img_size, count_padding=count_padding)
         parts.update(trunk)
         # Global average pool (element-wise) then the C -> K linear head.
-        parts["head"] = linear_flops(1, rdims.out_channels, num_classes)
+        parts["head"] = linear_flops(1, dims.out_channels, num_classes)
         return parts
     vit, patch = spec.vit, spec.patch_size
     if vit is None or patch is None:
@@ -289,11 +289,9 @@ def forward_flops(
 
 def training_flops(forward_flops_per_example: int, examples: int) -> int:
     """Total training FLOPs: 3 x forward per example x examples seen (epochs x dataset size)."""
-    if isinstance(forward_flops_per_example, bool) or not isinstance(forward_flops_per_example, int) \
-            or forward_flops_per_example < 0:
-        raise ValueError(f"forward_flops_per_example must be an int >= 0, got {forward_flops_per_example!r}")
-    if isinstance(examples, bool) or not isinstance(examples, int) or examples < 0:
-        raise ValueError(f"examples must be an int >= 0, got {examples!r}")
+    for key, value in (("forward_flops_per_example", forward_flops_per_example), ("examples", examples)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{key} must be an int >= 0, got {value!r}")
     return TRAIN_FLOPS_MULTIPLIER * forward_flops_per_example * examples
 
 

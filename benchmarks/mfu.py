@@ -1,0 +1,141 @@
+"""Images/s and MFU of ViT-B/16 and ViT-L/16 training steps on whatever device is present.
+
+    python benchmarks/mfu.py [--models ViT-B/16 ViT-L/16] [--batch 128] [--steps 20] [--zero-stage 1]
+
+One process, one device, the vitscale model inside a DeepSpeed engine exactly as a worker builds
+it (bf16 on GPU), fed a fixed in-memory batch so the data loader is out of the picture. MFU is the
+paper-convention model FLOPs (3x forward, `scaling.flops`) per second over the device's dense bf16
+peak (`train.metrics.PEAK_BF16_FLOPS`). The peer measured in the same run is the device's own
+large-matmul throughput, so the printed ratio says how close the model step gets to what the
+hardware's matmul actually delivers here (on a CPU, where no peak table applies, that is the only
+meaningful denominator). Targets on one H200: >= 45% MFU for ViT-B/16, >= 50% for ViT-L/16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import time
+
+import torch
+
+
+def matmul_flops_per_s(device: torch.device, dtype: torch.dtype, n: int, seconds: float = 3.0) -> float:
+    """Achieved FLOP/s of square matmuls: the hardware's practical peak in this process."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        count += 1
+        if count % 8 == 0:
+            _sync(device)
+    _sync(device)
+    return 2 * n**3 * count / (time.perf_counter() - t0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _init_process_group() -> None:
+    if torch.distributed.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0"})
+    torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
+
+
+def bench_model(name: str, *, batch: int, steps: int, zero_stage: int, device: torch.device) -> dict:
+    from vitscale.config.schema import TrainConfig
+    from vitscale.models import create_model
+    from vitscale.scaling.flops import forward_flops
+    from vitscale.train.engine import build_engine, deepspeed_config
+    from vitscale.train.losses import classification_loss
+    from vitscale.train.optim import derive_batch, param_groups
+
+    on_gpu = device.type == "cuda"
+    precision = "bf16" if on_gpu else "fp32"
+    train = TrainConfig(global_batch=batch, micro_batch=batch, zero_stage=zero_stage, precision=precision)
+    model = create_model(name, num_classes=1000, img_size=224)
+    if on_gpu:
+        model = model.to(device)
+    engine = build_engine(model, param_groups(model, 0.1), deepspeed_config(train, derive_batch(batch, batch, 1),
+                                                                            on_gpu=on_gpu))
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    images = torch.randn(batch, 3, 224, 224, device=device, dtype=dtype)
+    labels = torch.randint(0, 1000, (batch,), device=device)
+    times = []
+    for i in range(steps + 3):  # 3 warm-up steps (allocator, autotuning)
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = classification_loss(engine(images), labels, kind="softmax")
+        engine.backward(loss)
+        engine.step()
+        _sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    step = sorted(times)[len(times) // 2]  # median: robust to a stray slow step
+    flops_per_image = 3 * forward_flops(name, img_size=224, num_classes=1000)
+    result = {"model": name, "batch": batch, "precision": precision, "zero_stage": zero_stage,
+              "step_s": step, "images_per_s": batch / step, "model_tflops_per_s": flops_per_image * batch / step / 1e12}
+    if on_gpu:
+        result["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    del engine, model
+    if on_gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["ViT-B/16", "ViT-L/16"])
+    parser.add_argument("--batch", type=int, default=None, help="per-step batch (default 256 on GPU, 8 on CPU)")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--zero-stage", type=int, default=1)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    from vitscale.train.metrics import peak_flops
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    on_gpu = device.type == "cuda"
+    batch = args.batch or (256 if on_gpu else 8)
+    steps = args.steps or (20 if on_gpu else 3)
+    _init_process_group()
+    peer = matmul_flops_per_s(device, torch.bfloat16 if on_gpu else torch.float32, 8192 if on_gpu else 1024)
+    peak = peak_flops("auto") if on_gpu else None
+    rows = []
+    for name in args.models:
+        r = bench_model(name, batch=batch, steps=steps, zero_stage=args.zero_stage, device=device)
+        achieved = r["model_tflops_per_s"] * 1e12
+        r["matmul_peer_tflops_per_s"] = peer / 1e12
+        r["ratio_to_matmul_peer"] = achieved / peer
+        r["mfu"] = achieved / peak if peak else None
+        rows.append(r)
+    device_name = torch.cuda.get_device_name(0) if on_gpu else "cpu"
+    if args.json:
+        print(json.dumps({"device": device_name, "results": rows}, indent=2))
+        return
+    print(f"device: {device_name}; large-matmul peer: {peer / 1e12:.1f} TFLOP/s"
+          + (f"; dense bf16 peak {peak / 1e12:.0f} TFLOP/s" if peak else "; no peak table for this device"))
+    print("| model | batch | images/s | model TFLOP/s | vs matmul peer | MFU |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        print(f"| {r['model']} | {r['batch']} | {r['images_per_s']:.1f} | {r['model_tflops_per_s']:.2f} | "
+              f"{r['ratio_to_matmul_peer']:.2f} | {mfu} |")
+
+
+if __name__ == "__main__":
+    main()

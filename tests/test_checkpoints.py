@@ -1,0 +1,245 @@
+"""Checkpoint import/export round trips on tiny models (vitscale.models.checkpoints)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from vitscale.models import (
+    create_from_checkpoint,
+    create_model,
+    export_npz,
+    export_state_dict,
+    load_pretrained,
+    timm_state_dict,
+)
+
+TINY = {"depth": 2, "width": 32, "mlp_dim": 64, "heads": 2}
+X32 = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+
+
+def randomize(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Every parameter non-zero random, so a parameter that fails to load changes the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            for name, p in module.named_parameters(recurse=False):
+                noise = torch.randn(p.shape, generator=g) * 0.1
+                is_scale = isinstance(module, (nn.LayerNorm, nn.GroupNorm)) and name == "weight"
+                p.copy_(noise + 1.0 if is_scale else noise)
+    return model.eval()
+
+
+def tiny_vit(seed: int = 0, **kw: object) -> nn.Module:
+    torch.manual_seed(seed)
+    opts = {"num_classes": 5, "img_size": 32, **TINY, **kw}
+    return create_model("ViT-Ti/8", **opts).eval()
+
+
+VARIANTS = [
+    {},
+    {"classifier": "gap"},
+    {"representation_size": 16},
+    {"pos_emb": "learn_2d", "pos_emb_placement": "every_layer"},
+    {"pos_emb": "learn_1d", "pos_emb_placement": "every_layer"},
+    {"pos_emb": "relative", "classifier": "gap"},
+    {"pos_emb": "none"},
+]
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(map(str, kw.values())) or "default")
+def test_npz_round_trip_gives_identical_logits(tmp_path: Path, kw: dict) -> None:
+    src = randomize(tiny_vit(**kw))
+    export_npz(src, tmp_path / "m.npz")
+    dst = tiny_vit(seed=1, **kw)
+    report = load_pretrained(dst, tmp_path / "m.npz")
+    assert report.source_format == "npz" and not report.kept and not report.resampled
+    assert len(report.loaded) == len(src.state_dict())
+    with torch.no_grad():
+        assert torch.equal(dst(X32), src(X32))
+
+
+def test_npz_uses_official_names_and_layouts(tmp_path: Path) -> None:
+    model = randomize(tiny_vit(representation_size=16))
+    export_npz(model, tmp_path / "m.npz")
+    w = dict(np.load(tmp_path / "m.npz"))
+    d, heads, dh = 32, 2, 16
+    assert not any(k.startswith("vitscale/") for k in w)  # default ViT is fully official
+    assert w["embedding/kernel"].shape == (8, 8, 3, d)  # HWIO
+    assert w["cls"].shape == (1, 1, d) and w["Transformer/posembed_input/pos_embedding"].shape == (1, 17, d)
+    mha = "Transformer/encoderblock_0/MultiHeadDotProductAttention_1/"
+    assert w[mha + "query/kernel"].shape == (d, heads, dh) and w[mha + "out/kernel"].shape == (heads, dh, d)
+    assert w["Transformer/encoderblock_1/MlpBlock_3/Dense_0/kernel"].shape == (d, 64)
+    assert {"Transformer/encoderblock_0/LayerNorm_0/scale", "Transformer/encoderblock_0/LayerNorm_2/bias",
+            "Transformer/encoder_norm/scale", "pre_logits/kernel", "head/bias"} <= set(w)
+    assert w["head/kernel"].shape == (16, 5)
+    # Semantics, computed the Flax way from the arrays (not by inverting our own mapping):
+    x = torch.randn(d)
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        q_torch = attn.qkv(x)[:d].reshape(heads, dh).numpy()
+        v_torch = attn.qkv(x)[2 * d:].reshape(heads, dh).numpy()
+        y = torch.randn(heads, dh)
+        out_torch = attn.proj(y.reshape(-1)).numpy()
+        patch = torch.randn(1, 3, 8, 8)
+        emb_torch = model.patch_embed.proj(patch).reshape(-1).numpy()
+    xn = x.numpy()
+    np.testing.assert_allclose(np.einsum("d,dhk->hk", xn, w[mha + "query/kernel"]) + w[mha + "query/bias"],
+                               q_torch, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.einsum("d,dhk->hk", xn, w[mha + "value/kernel"]) + w[mha + "value/bias"],
+                               v_torch, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.einsum("hk,hkd->d", y.numpy(), w[mha + "out/kernel"]) + w[mha + "out/bias"],
+                               out_torch, rtol=1e-5, atol=1e-6)
+    hwc = patch[0].permute(1, 2, 0).numpy()
+    np.testing.assert_allclose(np.einsum("ijc,ijcd->d", hwc, w["embedding/kernel"]) + w["embedding/bias"],
+                               emb_torch, rtol=1e-5, atol=1e-5)
+
+
+def test_hybrid_npz_round_trip_with_official_resnet_names(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    kw = {"num_classes": 3, "img_size": 32, "resnet_layers": (1, 2, 1), **TINY}
+    src = randomize(create_model("R50x1+ViT-Ti/16", **kw))
+    export_npz(src, tmp_path / "h.npz")
+    w = dict(np.load(tmp_path / "h.npz"))
+    assert w["conv_root/kernel"].shape == (7, 7, 3, 64) and w["gn_root/scale"].shape == (64,)
+    assert {"block1/unit1/conv1/kernel", "block1/unit1/gn3/bias", "block2/unit2/conv2/kernel",
+            "block3/unit1/conv_proj/kernel", "block3/unit1/gn_proj/scale"} <= set(w)
+    assert w["embedding/kernel"].shape == (1, 1, 1024, 32)
+    assert not any(k.startswith("vitscale/") for k in w)
+    # Files that nest the CNN under "ResNet/" load too.
+    np.savez(tmp_path / "nested.npz", **{(k if k.startswith(("Transformer", "embedding", "cls", "head")) else
+                                          "ResNet/" + k): v for k, v in w.items()})
+    for name in ("h.npz", "nested.npz"):
+        dst = create_model("R50x1+ViT-Ti/16", **kw).eval()
+        load_pretrained(dst, tmp_path / name)
+        with torch.no_grad():
+            assert torch.equal(dst(X32), src(X32))
+
+
+def test_bit_resnet_npz_and_timm_round_trip(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    kw = {"num_classes": 4, "img_size": 32, "resnet_layers": (1, 1, 1, 1)}
+    src = randomize(create_model("R50x1", **kw))
+    export_npz(src, tmp_path / "r.npz")
+    w = dict(np.load(tmp_path / "r.npz"))
+    assert w["resnet/root_block/standardized_conv2d/kernel"].shape == (7, 7, 3, 64)
+    assert {"resnet/block1/unit01/a/group_norm/gamma", "resnet/block4/unit01/a/proj/standardized_conv2d/kernel",
+            "resnet/group_norm/beta"} <= set(w)
+    assert w["resnet/head/conv2d/kernel"].shape == (1, 1, 2048, 4)
+    timm_sd = timm_state_dict(src)
+    assert timm_sd["head.fc.weight"].shape == (4, 2048, 1, 1) and "head.weight" not in timm_sd
+    torch.save(timm_sd, tmp_path / "r.pth")
+    for name in ("r.npz", "r.pth"):
+        dst = create_model("R50x1", **kw).eval()
+        load_pretrained(dst, tmp_path / name)
+        with torch.no_grad():
+            assert torch.equal(dst(X32), src(X32))
+
+
+@pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
+def test_vitscale_export_round_trip_and_rebuild(tmp_path: Path, suffix: str) -> None:
+    kw = {"pos_emb": "learn_2d", "classifier": "gap", "dropout": 0.1, "head_bias_init": -2.0}
+    src = randomize(tiny_vit(**kw))
+    path = tmp_path / f"m{suffix}"
+    export_state_dict(src, path)
+    dst = tiny_vit(seed=3, **kw)
+    report = load_pretrained(dst, path)
+    assert report.source_format == "vitscale" and report.meta is not None
+    assert report.meta["name"] == "ViT-Ti/8" and report.meta["num_classes"] == 5 and report.meta["img_size"] == 32
+    with torch.no_grad():
+        assert torch.equal(dst(X32), src(X32))
+    rebuilt, _ = create_from_checkpoint(path)
+    assert rebuilt.cfg == src.cfg
+    with torch.no_grad():
+        assert torch.equal(rebuilt.eval()(X32), src(X32))
+
+
+def test_timm_state_dict_with_wrappers_and_prefixes(tmp_path: Path) -> None:
+    src = randomize(tiny_vit())
+    sd = {f"module.{k}": v for k, v in timm_state_dict(src).items()}
+    torch.save({"model": sd, "epoch": 3}, tmp_path / "w.pth")
+    dst = tiny_vit(seed=2)
+    assert load_pretrained(dst, tmp_path / "w.pth").source_format == "timm"
+    with torch.no_grad():
+        assert torch.equal(dst(X32), src(X32))
+
+
+@pytest.mark.parametrize("fmt", ["npz", "pth"])
+def test_higher_resolution_resamples_position_embeddings(tmp_path: Path, fmt: str) -> None:
+    src = randomize(tiny_vit())
+    path = tmp_path / f"m.{fmt}"
+    export_npz(src, path) if fmt == "npz" else torch.save(timm_state_dict(src), path)
+    dst = tiny_vit(seed=1, img_size=64)
+    report = load_pretrained(dst, path)
+    assert report.resampled == ("pos_embed: 4x4 -> 8x8",)
+    assert dst.pos_embed.shape == (1, 65, 32)
+    assert torch.equal(dst.pos_embed[:, 0], src.pos_embed[:, 0])  # class token kept
+    grid = dst.pos_embed[0, 1:].reshape(8, 8, 32)
+    assert torch.equal(grid[0, 0], src.pos_embed[0, 1]) and torch.equal(grid[7, 7], src.pos_embed[0, 16])
+    assert torch.equal(dst.blocks[1].mlp.fc2.weight, src.blocks[1].mlp.fc2.weight)
+
+
+def test_2d_and_relative_tables_resample(tmp_path: Path) -> None:
+    for kw in ({"pos_emb": "learn_2d"}, {"pos_emb": "relative"}):
+        src = randomize(tiny_vit(**kw))
+        export_state_dict(src, tmp_path / "m.pth")
+        report = load_pretrained(tiny_vit(img_size=48, **kw), tmp_path / "m.pth")
+        assert report.resampled, kw
+
+
+def test_new_class_count_keeps_zero_head(tmp_path: Path) -> None:
+    src = randomize(tiny_vit())
+    export_npz(src, tmp_path / "m.npz")
+    dst = tiny_vit(seed=1, num_classes=3, head_bias_init=0.5)
+    report = load_pretrained(dst, tmp_path / "m.npz")
+    assert report.head_kept and report.kept == ("head.bias", "head.weight")
+    assert any("zero-init head" in n for n in report.notes)
+    assert torch.equal(dst.head.weight, torch.zeros(3, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(dst.forward_features(X32), src.forward_features(X32), rtol=0, atol=0)
+
+
+def test_pre_logits_dropped_for_fine_tuning(tmp_path: Path) -> None:
+    src = randomize(tiny_vit(representation_size=16))
+    torch.save(timm_state_dict(src), tmp_path / "m.pth")
+    dst = tiny_vit(seed=1)  # same class count, but no representation layer: the paper's recipe
+    report = load_pretrained(dst, tmp_path / "m.pth")
+    assert set(report.dropped) == {"pre_logits.fc.weight", "pre_logits.fc.bias", "head.weight", "head.bias"}
+    assert report.head_kept and any("pre-logits" in n for n in report.notes)
+    assert torch.equal(dst.head.weight, torch.zeros(5, 32))
+
+
+def test_mismatched_file_lists_missing_unexpected_and_shapes(tmp_path: Path) -> None:
+    src = randomize(tiny_vit(depth=3))
+    torch.save(timm_state_dict(src), tmp_path / "deep.pth")
+    with pytest.raises(ValueError, match=r"unexpected \(12\): blocks\.2\.norm1\.weight"):
+        load_pretrained(tiny_vit(), tmp_path / "deep.pth")
+    with pytest.raises(ValueError, match=r"missing \(12\): blocks\.3\.norm1\.weight"):
+        load_pretrained(tiny_vit(depth=4), tmp_path / "deep.pth")
+    wide = randomize(tiny_vit(width=64, mlp_dim=128))
+    export_npz(wide, tmp_path / "wide.npz")
+    with pytest.raises(ValueError, match=r"shape mismatch .*patch_embed\.proj\.weight file \(64, 3, 8, 8\)"):
+        load_pretrained(tiny_vit(), tmp_path / "wide.npz")
+    gap = randomize(tiny_vit(classifier="gap"))
+    torch.save(timm_state_dict(gap), tmp_path / "gap.pth")
+    with pytest.raises(ValueError, match="missing.*cls_token"):
+        load_pretrained(tiny_vit(), tmp_path / "gap.pth")
+
+
+def test_unreadable_files_raise_value_error(tmp_path: Path) -> None:
+    model = tiny_vit()
+    with pytest.raises(ValueError, match="does not exist"):
+        load_pretrained(model, tmp_path / "nope.pth")
+    (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="cannot read"):
+        load_pretrained(model, tmp_path / "junk.pth")
+    torch.save({"step": 3}, tmp_path / "nodict.pth")
+    with pytest.raises(ValueError, match="not a state dict"):
+        load_pretrained(model, tmp_path / "nodict.pth")
+    torch.save(timm_state_dict(model), tmp_path / "t.pth")
+    with pytest.raises(ValueError, match="without a vitscale header"):
+        create_from_checkpoint(tmp_path / "t.pth")

@@ -1,0 +1,128 @@
+"""Loader throughput: ``vitscale shards bench DEST`` and the pieces ``benchmarks/`` reuse.
+
+Throughput is reported two ways: images per wall-clock second, and images per CPU-second (all
+processes of the loader: this one plus its worker processes). The second is "images/s per core":
+it is what a loader costs, and it stays meaningful on a busy machine where wall-clock rates swing
+with the neighbours' load.
+"""
+
+from __future__ import annotations
+
+import itertools
+import resource
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from vitscale.data.stream import ShardStream
+
+__all__ = ["cpu_seconds", "measure", "run_bench"]
+
+
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process and its finished (joined) child processes."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def measure(
+    make_batches: Callable[[], Iterable[Any]],
+    batch_images: Callable[[Any], int],
+    seconds: float,
+    warmup_batches: int = 2,
+) -> dict[str, float]:
+    """Pull batches from ``make_batches()`` for about ``seconds`` after ``warmup_batches``.
+
+    ``make_batches`` may return a finite iterable (one epoch); it is called again until the time
+    is up. Worker processes must be gone when an epoch's iterator is dropped (DataLoader does
+    this), so their CPU time is counted. Returns images, wall_s, cpu_s, images_per_s,
+    images_per_cpu_s and startup_s (time to the first batch).
+    """
+    if seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+
+    def forever() -> Iterator[Any]:
+        for _ in itertools.count():
+            got = False
+            for batch in make_batches():
+                got = True
+                yield batch
+            if not got:
+                raise ValueError("the loader yielded no batches")
+
+    t_start = time.perf_counter()
+    it = forever()
+    for _ in range(warmup_batches):
+        next(it)
+    startup = time.perf_counter() - t_start
+    images = 0
+    wall0, cpu0 = time.perf_counter(), cpu_seconds()
+    while time.perf_counter() - wall0 < seconds:
+        images += batch_images(next(it))
+    wall = time.perf_counter() - wall0
+    it.close()  # drops the epoch's loader: its workers exit and are joined before we read CPU time
+    cpu = cpu_seconds() - cpu0
+    return {
+        "images": float(images),
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "images_per_s": images / wall,
+        "images_per_cpu_s": images / cpu if cpu > 0 else float("nan"),
+        "startup_s": startup,
+    }
+
+
+def run_bench(
+    dataset_url: str,
+    *,
+    split: str = "train",
+    resolution: int = 224,
+    seconds: float = 15.0,
+    workers: int = 1,
+    batch_size: int = 64,
+    endpoint_url: str | None = None,
+) -> dict[str, Any]:
+    """Training-mode :class:`ShardStream` throughput on ``dataset_url``.
+
+    ``workers=1`` decodes in this process (no loader workers), so ``images_per_s`` is the
+    single-core rate; ``workers=N>1`` uses N DataLoader worker processes. Returns images_per_s,
+    images_per_s_per_worker, images_per_cpu_s (per core, all processes counted), workers, images,
+    seconds, startup_s, resolution, batch_size and skipped (bad samples met).
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    stream = ShardStream(
+        dataset_url,
+        split,
+        batch_size=batch_size,
+        resolution=resolution,
+        train=True,
+        num_workers=0 if workers == 1 else workers,
+        endpoint_url=endpoint_url,
+        error_budget=0.5,  # a benchmark reports bad data, it does not stop on it
+    )
+    # One intra-op thread while decoding in this process, as DataLoader sets in its workers: the
+    # per-image resize is too small to gain from torch's thread pool.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        m = measure(lambda: stream, lambda b: len(b["key"]), seconds)
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "dataset": dataset_url,
+        "split": split,
+        "images_per_s": m["images_per_s"],
+        "images_per_s_per_worker": m["images_per_s"] / workers,
+        "images_per_cpu_s": m["images_per_cpu_s"],
+        "workers": workers,
+        "images": int(m["images"]),
+        "seconds": m["wall_s"],
+        "startup_s": m["startup_s"],
+        "resolution": resolution,
+        "batch_size": batch_size,
+        "skipped": sum(stream.skipped().values()),
+    }

@@ -1,0 +1,316 @@
+"""Remove near-duplicates of test images from a training set (the ViT paper de-duplicated its
+pre-training data against the downstream test sets).
+
+Each image gets a 64-bit DCT perceptual hash (pHash, our own numpy implementation rather than
+the ``imagehash`` package: grey, 32x32, 2-D DCT-II, the 8x8 lowest frequencies thresholded at their
+median). Two images are near-duplicates when their hashes differ in at most ``threshold`` bits.
+
+Search is a multi-index hash, not an all-pairs scan: the 64 bits are cut into ``m`` bands; if two
+hashes are within ``T`` bits, some band differs in at most ``T // m`` bits (pigeonhole). Each band
+of the training hashes is sorted once; every query band is probed with all bit flips of weight
+``<= T // m`` by binary search, and only the candidates this yields are compared in full. ``m`` is
+chosen by a cost model (probes x expected bucket size). The result is exact, same as brute force.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import math
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image
+
+from vitscale.data.progress import Progress
+from vitscale.data.shards import (
+    ShardWriter,
+    _check_empty_destination,
+    _labels_of,
+    iter_shard,
+    load_manifest,
+    write_index_and_meta,
+)
+from vitscale.data.storage import open_storage
+
+__all__ = [
+    "DEFAULT_THRESHOLD",
+    "BandPlan",
+    "dedup_dataset",
+    "hamming",
+    "hash_dataset",
+    "near_duplicate_pairs",
+    "phash",
+    "phash_pixels",
+    "plan_bands",
+]
+
+DEFAULT_THRESHOLD = 10
+"""Bits (of 64): catches resized, re-encoded and slightly cropped copies; distinct images sit
+around 32 bits apart, and a pair below 16 is rare (see tests/test_dedup.py)."""
+
+PAIRS_NAME = "dedup_pairs.parquet"
+SUMMARY_NAME = "dedup_summary.json"
+_HASH_SIDE = 32  # DCT input side
+_LOW = 8  # low-frequency block side: 8x8 = 64 bits
+
+
+@lru_cache(maxsize=4)
+def _dct_matrix(n: int) -> np.ndarray:
+    """Orthonormal DCT-II matrix (n, n): ``C @ x`` is the DCT of column vector ``x``."""
+    k = np.arange(n)[:, None]
+    i = np.arange(n)[None, :]
+    c = np.cos(math.pi * (2 * i + 1) * k / (2 * n)) * math.sqrt(2.0 / n)
+    c[0] /= math.sqrt(2.0)
+    return c
+
+
+def phash_pixels(grey: np.ndarray) -> int:
+    """pHash of a (32, 32) grey image array: 64 bits, row-major over the 8x8 low frequencies."""
+    if grey.shape != (_HASH_SIDE, _HASH_SIDE):
+        raise ValueError(f"phash_pixels needs a ({_HASH_SIDE}, {_HASH_SIDE}) array, got {grey.shape}")
+    c = _dct_matrix(_HASH_SIDE)
+    coeffs = c @ grey.astype(np.float64) @ c.T  # (32, 32) 2-D DCT-II
+    low = coeffs[:_LOW, :_LOW]  # (8, 8), DC included (as imagehash's phash does)
+    bits = (low > np.median(low)).ravel()  # (64,)
+    return int.from_bytes(np.packbits(bits).tobytes(), "big")
+
+
+def phash(image: Image.Image | bytes) -> int:
+    """64-bit pHash of a PIL image or encoded image bytes."""
+    img = image if isinstance(image, Image.Image) else Image.open(io.BytesIO(image))
+    if img.format == "JPEG":
+        img.draft("L", (2 * _HASH_SIDE, 2 * _HASH_SIDE))  # let libjpeg decode at reduced scale
+    grey = img.convert("L").resize((_HASH_SIDE, _HASH_SIDE), Image.Resampling.LANCZOS)
+    return phash_pixels(np.asarray(grey, dtype=np.float64))
+
+
+def hamming(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Bitwise Hamming distance of uint64 arrays (broadcasting)."""
+    return np.bitwise_count(np.asarray(a, np.uint64) ^ np.asarray(b, np.uint64)).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class BandPlan:
+    """How the 64 bits are cut for the multi-index search."""
+
+    widths: tuple[int, ...]
+    """Bits per band, summing to 64, most significant band first."""
+    radius: int
+    """Bit flips probed per band: ``threshold // len(widths)``."""
+
+    @property
+    def shifts(self) -> tuple[int, ...]:
+        """Right shift that brings each band to the low bits."""
+        ends = np.cumsum(self.widths)
+        return tuple(int(64 - e) for e in ends)
+
+
+def _band_widths(m: int) -> tuple[int, ...]:
+    return tuple(64 // m + (1 if j < 64 % m else 0) for j in range(m))
+
+
+def plan_bands(n_index: int, threshold: int) -> BandPlan:
+    """Pick the band count minimising (probes per query) x (1 + expected bucket size).
+
+    Pure function. ``threshold + 1`` bands make every probe exact (radius 0); fewer, wider bands
+    need Hamming-ball probes but give far smaller buckets on large sets.
+    """
+    if not 0 <= threshold < 64:
+        raise ValueError(f"threshold must be in [0, 63] bits, got {threshold}")
+    best: tuple[float, BandPlan] | None = None
+    for m in range(1, min(threshold + 1, 64) + 1):
+        widths = _band_widths(m)
+        r = threshold // m
+        probes = sum(sum(math.comb(w, k) for k in range(r + 1)) for w in widths)
+        cost = probes * (1.0 + n_index / 2.0 ** min(widths))
+        if best is None or cost < best[0]:
+            best = (cost, BandPlan(widths, r))
+    assert best is not None
+    return best[1]
+
+
+def _flip_masks(width: int, radius: int) -> np.ndarray:
+    """All ``width``-bit masks with at most ``radius`` bits set, (P,) uint64."""
+    masks = [0]
+    for k in range(1, radius + 1):
+        masks += [sum(1 << b for b in bits) for bits in itertools.combinations(range(width), k)]
+    return np.array(masks, dtype=np.uint64)
+
+
+def near_duplicate_pairs(
+    queries: np.ndarray, index: np.ndarray, threshold: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """All (query i, index j) with ``hamming(queries[i], index[j]) <= threshold``.
+
+    Returns ``(qi, ij, dist)`` int64 arrays sorted by (qi, ij); exactly the brute-force answer.
+    """
+    q = np.asarray(queries, dtype=np.uint64)
+    x = np.asarray(index, dtype=np.uint64)
+    empty = (np.zeros(0, np.int64),) * 3
+    if len(q) == 0 or len(x) == 0:
+        return empty
+    plan = plan_bands(len(x), threshold)
+    found: list[np.ndarray] = []
+    for width, shift in zip(plan.widths, plan.shifts):
+        band_mask = np.uint64((1 << width) - 1)
+        xb = (x >> np.uint64(shift)) & band_mask  # (N,) band values
+        order = np.argsort(xb, kind="stable")
+        xs = xb[order]
+        qb = (q >> np.uint64(shift)) & band_mask  # (Q,)
+        for flip in _flip_masks(width, plan.radius):
+            probe = qb ^ flip
+            lo = np.searchsorted(xs, probe, "left")
+            hi = np.searchsorted(xs, probe, "right")
+            counts = hi - lo  # (Q,) bucket sizes
+            total = int(counts.sum())
+            if total == 0:
+                continue
+            qi = np.repeat(np.arange(len(q)), counts)
+            # Positions lo[i] .. hi[i]-1 for every query, concatenated.
+            starts = np.repeat(lo - np.cumsum(counts) + counts, counts)
+            ij = order[starts + np.arange(total)]
+            keep = hamming(q[qi], x[ij]) <= threshold
+            found.append(qi[keep] * len(x) + ij[keep])
+    if not found:
+        return empty
+    flat = np.unique(np.concatenate(found))  # a pair can surface in several bands
+    qi, ij = flat // len(x), flat % len(x)
+    return qi.astype(np.int64), ij.astype(np.int64), hamming(q[qi], x[ij])
+
+
+def _iter_samples(url: str, endpoint_url: str | None) -> Iterator[tuple[str, str, Any]]:
+    """(split, shard, ShardSample) for every sample of a dataset, in manifest order."""
+    man = load_manifest(url, endpoint_url=endpoint_url)
+    storage = open_storage(url, endpoint_url=endpoint_url)
+    for split in man.meta["splits"]:
+        for name in man.shard_names(split):
+            with storage.open_read(name) as f:
+                for s in iter_shard(f):
+                    yield split, name, s
+
+
+def hash_dataset(url: str, *, endpoint_url: str | None = None, progress: bool = True) -> pa.Table:
+    """pHash of every image: table of split, shard, key, phash (uint64)."""
+    man = load_manifest(url, endpoint_url=endpoint_url)
+    total = sum(sp["samples"] for sp in man.meta["splits"].values())
+    cols: dict[str, list[Any]] = {"split": [], "shard": [], "key": [], "phash": []}
+    batch: list[tuple[str, str, str, bytes]] = []
+    with ThreadPoolExecutor(max_workers=4) as pool, Progress(total, f"hash {man.url}", unit="img", enabled=progress) as bar:
+
+        def flush() -> None:
+            hashes = list(pool.map(lambda t: phash(t[3]), batch))  # PIL decodes outside the GIL
+            for (split, shard, key, _), h in zip(batch, hashes):
+                cols["split"].append(split)
+                cols["shard"].append(shard)
+                cols["key"].append(key)
+                cols["phash"].append(h)
+            bar.update(len(batch))
+            batch.clear()
+
+        for split, shard, s in _iter_samples(url, endpoint_url):
+            batch.append((split, shard, s.key, s.files["jpg"]))
+            if len(batch) >= 256:
+                flush()
+        flush()
+    return pa.table({k: pa.array(v, type=pa.uint64() if k == "phash" else pa.string()) for k, v in cols.items()})
+
+
+def dedup_dataset(
+    train: str,
+    against: list[str],
+    out: str,
+    *,
+    threshold: int = DEFAULT_THRESHOLD,
+    endpoint_url: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Copy dataset ``train`` to ``out`` without images near-duplicating any image in ``against``.
+
+    Writes at ``out`` a complete dataset (shards, index, ``dataset.json`` with a ``dedup`` entry)
+    plus ``dedup_pairs.parquet`` (every pair found) and ``dedup_summary.json``; returns the summary.
+    """
+    if not against:
+        raise ValueError("dedup needs at least one --against dataset")
+    plan_bands(1, threshold)  # validates the threshold before any work
+    out_storage = open_storage(out, endpoint_url=endpoint_url)
+    _check_empty_destination(out_storage)
+    train_man = load_manifest(train, endpoint_url=endpoint_url)
+    train_h = hash_dataset(train, endpoint_url=endpoint_url, progress=progress)
+    x = train_h.column("phash").to_numpy()
+    t_split, t_shard, t_key = (train_h.column(c).to_pylist() for c in ("split", "shard", "key"))
+    pair_cols: dict[str, list[Any]] = {k: [] for k in (
+        "train_split", "train_shard", "train_key", "against", "against_split", "against_key", "distance")}
+    for url in against:
+        q_h = hash_dataset(url, endpoint_url=endpoint_url, progress=progress)
+        qi, ij, dist = near_duplicate_pairs(q_h.column("phash").to_numpy(), x, threshold)
+        q_split, q_key = q_h.column("split").to_pylist(), q_h.column("key").to_pylist()
+        for a, b, d in zip(qi.tolist(), ij.tolist(), dist.tolist()):
+            pair_cols["train_split"].append(t_split[b])
+            pair_cols["train_shard"].append(t_shard[b])
+            pair_cols["train_key"].append(t_key[b])
+            pair_cols["against"].append(url)
+            pair_cols["against_split"].append(q_split[a])
+            pair_cols["against_key"].append(q_key[a])
+            pair_cols["distance"].append(d)
+    pairs = pa.table(pair_cols, schema=pa.schema(
+        [(k, pa.int32() if k == "distance" else pa.string()) for k in pair_cols]))
+    drop = set(pair_cols["train_key"])
+
+    meta = train_man.meta
+    shard_size = max((sh["samples"] for sp in meta["splits"].values() for sh in sp["shards"]), default=1)
+    sizes = {r["key"]: (r["width"], r["height"]) for r in train_man.index.select(["key", "width", "height"]).to_pylist()}
+    new_splits: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    removed: dict[str, int] = {}
+    total = sum(sp["samples"] for sp in meta["splits"].values())
+    with Progress(total, f"copy {out_storage.url}", unit="img", enabled=progress) as bar:
+        writers = {s: ShardWriter(out_storage, s, shard_size, bool(meta["multi_label"])) for s in meta["splits"]}
+        try:
+            for split, _, s in _iter_samples(train, endpoint_url):
+                bar.update()
+                if s.key in drop:
+                    removed[split] = removed.get(split, 0) + 1
+                    continue
+                labels = _labels_of(s)
+                if labels is None or "jpg" not in s.files:
+                    raise ValueError(f"{train}: sample {s.key!r} lacks .jpg or labels; run `vitscale shards verify`")
+                w, h = sizes.get(s.key, (0, 0))
+                writers[split].add(s.key, s.files["jpg"], labels, w, h)
+            for split, wr in writers.items():
+                wr.finish_shard()
+                new_splits[split] = {"samples": len(wr.rows), "shards": wr.shards}
+                rows.extend(wr.rows)
+        except BaseException:
+            for wr in writers.values():
+                wr.abort()
+            raise
+    final_plan = plan_bands(len(x), threshold)
+    summary = {
+        "train": train_man.url,
+        "against": list(against),
+        "out": out_storage.url,
+        "hash": "phash-dct-64 (vitscale numpy implementation)",
+        "threshold": threshold,
+        "bands": len(final_plan.widths),
+        "probe_radius": final_plan.radius,
+        "train_samples": len(x),
+        "duplicate_pairs": pairs.num_rows,
+        "removed": {s: removed.get(s, 0) for s in meta["splits"]},
+        "removed_total": sum(removed.values()),
+        "kept": {s: v["samples"] for s, v in new_splits.items()},
+    }
+    buf = io.BytesIO()
+    pq.write_table(pairs, buf)
+    out_storage.write_bytes(PAIRS_NAME, buf.getvalue())
+    out_storage.write_bytes(SUMMARY_NAME, (json.dumps(summary, indent=2) + "\n").encode())
+    new_meta = {**meta, "splits": new_splits, "dedup": {k: summary[k] for k in ("train", "against", "threshold", "removed_total")}}
+    write_index_and_meta(out_storage, rows, new_meta)
+    return summary
