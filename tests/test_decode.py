@@ -57,12 +57,14 @@ def _tar_records(fmt: int, members: list[tuple[str, bytes]]) -> bytes:
 # ---------------------------------------------------------------- tar records
 
 
-@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
-@pytest.mark.parametrize("key", ["a1", "d" * 60 + "/" + "e" * 60 + "/x", "naïve_ключ"])
+@pytest.mark.parametrize(
+    "fmt, key",
+    [(f, k) for f in (tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT)
+     for k in ("a1", "d" * 60 + "/" + "e" * 60 + "/x", "naïve_ключ")
+     if f != tarfile.USTAR_FORMAT or k.isascii()],  # ustar cannot store non-ASCII names
+)  # fmt: skip
 def test_tar_record_roundtrip_across_formats(fmt, key):
     # Long names take the ustar prefix field, a GNU long-name member or a PAX path record.
-    if fmt == tarfile.USTAR_FORMAT and not key.isascii():
-        pytest.skip("ustar cannot store this name")
     raw = _tar_records(fmt, [(f"{key}.jpg", b"J" * 700), (f"{key}.cls", b"3")])
     raw = raw[: len(raw) - 1024]  # a sample's byte range has no end-of-archive blocks
     assert split_tar_record(raw, key, len(raw)) == {"jpg": b"J" * 700, "cls": b"3"}

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+    ray.init(num_cpus=2, log_to_driver=True)
     yield
     ray.shutdown()
 

@@ -37,6 +37,7 @@ class FaultProxy:
         self.upstream_port, self.fault_rate, self.methods = upstream_port, fault_rate, methods
         self.rng, self.lock = random.Random(seed), threading.Lock()
         self.counts = {"ok": 0, "500": 0, "503": 0, "drop": 0, "truncate": 0}
+        self.faulted_methods: dict[str, int] = {}
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -101,6 +102,8 @@ class FaultProxy:
             else:
                 kind = "ok"
             self.counts[kind] += 1
+            if kind != "ok":
+                self.faulted_methods[method] = self.faulted_methods.get(method, 0) + 1
             return kind
 
     @property
@@ -242,10 +245,16 @@ def test_flaky_server_loses_no_sample(moto_s3: str, bucket: str) -> None:
                 streamed.update({s.key: s.files["jpg"] for s in iter_shard(f)})
         assert len(streamed) == 240
         assert verify_dataset(url, endpoint_url=proxy.url) == []
-        # Writes through the proxy are retried as well.
+        # Writes through the proxy are retried as well: a whole dataset, uploads included.
         flaky.write_bytes("note.txt", b"written through faults")
+        url2 = f"s3://{bucket}/flaky-write"
+        write_dataset("synthetic", url2, shard_size=10, source_options={"count": 60, "classes": 3, "image_size": 16},
+                      endpoint_url=proxy.url, progress=False)
     assert proxy.counts["truncate"] > 0 and proxy.counts["drop"] > 0 and proxy.counts["500"] > 0
+    assert set(proxy.faulted_methods) == {"GET", "HEAD", "PUT"}, proxy.faulted_methods
     assert direct.read_bytes("note.txt") == b"written through faults"
+    assert verify_dataset(url2, endpoint_url=moto_s3) == []
+    assert load_manifest(url2, endpoint_url=moto_s3).index.num_rows == 60
 
 
 def test_persistent_failure_names_object(moto_s3: str, bucket: str) -> None:

@@ -176,7 +176,7 @@ def _decode_rgb(data: bytes, width: int, height: int, k: int) -> np.ndarray:
         with Image.open(io.BytesIO(data)) as img:
             # draft() picks a power-of-two DCT scale whose size is >= the requested one.
             img.draft("RGB", (-(-width // k), -(-height // k)))
-            return np.asarray(img.convert("RGB"))
+            return np.array(img.convert("RGB"))  # writable: torch.from_numpy wants that
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         raise BadSample(f"corrupt image: {exc}") from exc
 

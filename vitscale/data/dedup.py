@@ -32,8 +32,8 @@ from PIL import Image
 from vitscale.data.progress import Progress
 from vitscale.data.shards import (
     ShardWriter,
-    _check_empty_destination,
-    _labels_of,
+    ensure_empty_destination,
+    labels_of,
     iter_shard,
     load_manifest,
     write_index_and_meta,
@@ -133,7 +133,8 @@ def plan_bands(n_index: int, threshold: int) -> BandPlan:
         cost = probes * (1.0 + n_index / 2.0 ** min(widths))
         if best is None or cost < best[0]:
             best = (cost, BandPlan(widths, r))
-    assert best is not None
+    if best is None:  # unreachable: the loop runs at least once (m = 1)
+        raise RuntimeError("plan_bands found no plan")
     return best[1]
 
 
@@ -241,7 +242,7 @@ def dedup_dataset(
         raise ValueError("dedup needs at least one --against dataset")
     plan_bands(1, threshold)  # validates the threshold before any work
     out_storage = open_storage(out, endpoint_url=endpoint_url)
-    _check_empty_destination(out_storage)
+    ensure_empty_destination(out_storage)
     train_man = load_manifest(train, endpoint_url=endpoint_url)
     train_h = hash_dataset(train, endpoint_url=endpoint_url, progress=progress)
     x = train_h.column("phash").to_numpy()
@@ -279,7 +280,7 @@ def dedup_dataset(
                 if s.key in drop:
                     removed[split] = removed.get(split, 0) + 1
                     continue
-                labels = _labels_of(s)
+                labels = labels_of(s)
                 if labels is None or "jpg" not in s.files:
                     raise ValueError(f"{train}: sample {s.key!r} lacks .jpg or labels; run `vitscale shards verify`")
                 w, h = sizes.get(s.key, (0, 0))

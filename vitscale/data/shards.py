@@ -42,8 +42,10 @@ __all__ = [
     "assign_splits",
     "dataset_stats",
     "encode_image",
+    "ensure_empty_destination",
     "format_stats",
     "iter_shard",
+    "labels_of",
     "load_manifest",
     "parse_splits",
     "shard_name",
@@ -184,7 +186,8 @@ class ShardWriter:
         """Append one sample; starts/finishes shards as they fill."""
         if self._tar is None:
             self._open()
-        assert self._tar is not None and self._hf is not None  # for the type checker
+        if self._tar is None or self._hf is None:
+            raise RuntimeError("ShardWriter: shard failed to open")
         start = self._tar.offset
         self._tar.addfile(*_member(f"{key}.jpg", jpeg))
         if self.multi_label:
@@ -210,7 +213,8 @@ class ShardWriter:
         """Close the open shard (if any), upload it and record its entry."""
         if self._tar is None:
             return
-        assert self._hf is not None
+        if self._hf is None:
+            raise RuntimeError("ShardWriter: shard state lost")
         self._tar.close()
         self._tmp.close()
         name = shard_name(self.split, len(self.shards))
@@ -229,7 +233,8 @@ class ShardWriter:
             self._tar = self._hf = self._tmp = None
 
 
-def _check_empty_destination(storage: Storage) -> None:
+def ensure_empty_destination(storage: Storage) -> None:
+    """Refuse to write over an existing dataset (stale shards would linger and mislead)."""
     existing = [n for n in storage.list() if n == META_NAME or n.endswith(".tar") or n == INDEX_NAME]
     if existing:
         raise ValueError(
@@ -295,7 +300,7 @@ def write_dataset(
         opts.setdefault("seed", seed)
     src = open_source(source, **opts)
     storage = open_storage(out, endpoint_url=endpoint_url)
-    _check_empty_destination(storage)
+    ensure_empty_destination(storage)
     plan = assign_splits(len(src), splits, seed)
     n_workers = workers or min(8, os.cpu_count() or 1)
 
@@ -424,7 +429,8 @@ def iter_shard(f: BinaryIO) -> Iterator[ShardSample]:
         yield current
 
 
-def _labels_of(s: ShardSample) -> list[int] | None:
+def labels_of(s: ShardSample) -> list[int] | None:
+    """Labels from a sample's ``.cls`` or ``.json`` member; None when it has neither."""
     if "cls" in s.files:
         return [int(s.files["cls"].decode("ascii").strip())]
     if "json" in s.files:
@@ -485,7 +491,7 @@ def _verify_shard(
             for s in iter_shard(io.BufferedReader(hr, 1 << 20)):  # type: ignore[arg-type]
                 count += 1
                 row = idx.get((name, s.key))
-                labels = _labels_of(s)
+                labels = labels_of(s)
                 if "jpg" not in s.files or labels is None:
                     problems.append(f"{name}: sample {s.key!r} lacks .jpg or .cls/.json ({sorted(s.files)})")
                 if row is None:

@@ -249,7 +249,22 @@ def resolve_endpoint_url(endpoint_url: str | None = None) -> str | None:
 
 
 def _is_transient(exc: BaseException) -> bool:
-    """Whether ``exc`` is worth retrying: 5xx, throttling, dropped connections, short reads."""
+    """Whether ``exc`` is worth retrying: 5xx, throttling, dropped connections, short reads.
+
+    Wrappers such as boto3's ``S3UploadFailedError`` (raised by managed uploads) are judged by
+    the error they wrap.
+    """
+    from boto3.exceptions import S3UploadFailedError
+
+    if isinstance(exc, S3UploadFailedError):
+        inner = exc.__cause__ or exc.__context__
+        # Without a chained cause the message is all we have; managed uploads mostly fail on
+        # the network, so treat it as transient (attempts stay bounded).
+        return True if inner is None else _is_transient(inner)
+    return _is_transient_leaf(exc)
+
+
+def _is_transient_leaf(exc: BaseException) -> bool:
     import botocore.exceptions as bce
     import urllib3.exceptions as u3e
 
@@ -375,8 +390,12 @@ class S3Storage(Storage):
     def url_of(self, name: str) -> str:
         return f"s3://{self.bucket}/{self.key_of(name)}"
 
-    def _retrying(self, what: str, name: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` with bounded backoff on transient errors; final errors name the object."""
+    def _retrying(self, what: str, name: str | None, fn: Callable[[], T]) -> T:
+        """Run ``fn`` with bounded backoff on transient errors; final errors name the object.
+
+        ``name`` None means the dataset root itself (listing).
+        """
+        where = self.url_of(name) if name is not None else self.url
         attempt = 0
         while True:
             attempt += 1
@@ -384,13 +403,11 @@ class S3Storage(Storage):
                 return fn()
             except Exception as exc:  # noqa: BLE001 - classified below
                 if _is_missing(exc):
-                    raise FileNotFoundError(f"{what}: no such object {self.url_of(name)}") from exc
+                    raise FileNotFoundError(f"{what}: no such object {where}") from exc
                 if not _is_transient(exc):
-                    raise StorageError(f"{what} {self.url_of(name)} failed: {exc!r}") from exc
+                    raise StorageError(f"{what} {where} failed: {exc!r}") from exc
                 if attempt >= self.retry.max_attempts:
-                    raise StorageError(
-                        f"{what} {self.url_of(name)} failed after {attempt} attempts: {exc!r}"
-                    ) from exc
+                    raise StorageError(f"{what} {where} failed after {attempt} attempts: {exc!r}") from exc
                 delay = self.retry.delay(attempt)
                 log.debug("%s %s: transient %r, retry %d in %.2fs", what, name, exc, attempt, delay)
                 time.sleep(delay)
@@ -499,7 +516,7 @@ class S3Storage(Storage):
                     names.append(obj["Key"][len(root) :])
             return sorted(names)
 
-        return self._retrying("list", prefix or ".", go)
+        return self._retrying("list", None, go)
 
 
 class _S3RawStream(io.RawIOBase):

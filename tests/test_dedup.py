@@ -1,0 +1,159 @@
+"""Near-duplicate removal: pHash, banded search (== brute force), and planted duplicates end to end."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from vitscale.data.dedup import (
+    DEFAULT_THRESHOLD,
+    PAIRS_NAME,
+    SUMMARY_NAME,
+    dedup_dataset,
+    hamming,
+    near_duplicate_pairs,
+    phash,
+    phash_pixels,
+    plan_bands,
+)
+from vitscale.data.shards import load_manifest, verify_dataset, write_dataset
+from vitscale.data.storage import open_storage
+
+
+def _brute(q: np.ndarray, x: np.ndarray, t: int) -> set[tuple[int, int, int]]:
+    d = hamming(q[:, None], x[None, :])
+    return {(i, j, int(d[i, j])) for i, j in zip(*np.nonzero(d <= t))}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**64 - 1), min_size=0, max_size=60),
+    st.lists(st.tuples(st.integers(0, 59), st.lists(st.integers(0, 63), max_size=14)), max_size=20),
+    st.lists(st.integers(0, 2**64 - 1), max_size=10),
+    st.integers(0, 20),
+)
+def test_banded_search_equals_brute_force(
+    index: list[int], planted: list[tuple[int, list[int]]], extra: list[int], threshold: int
+) -> None:
+    x = np.array(index, dtype=np.uint64)
+    queries = list(extra)
+    for j, flips in planted:  # near copies of index entries: some within threshold, some not
+        if index:
+            queries.append(index[j % len(index)] ^ sum(1 << b for b in set(flips)))
+    q = np.array(queries, dtype=np.uint64)
+    qi, ij, dist = near_duplicate_pairs(q, x, threshold)
+    assert set(zip(qi.tolist(), ij.tolist(), dist.tolist())) == (_brute(q, x, threshold) if len(q) and len(x) else set())
+    assert len(set(zip(qi.tolist(), ij.tolist()))) == len(qi)  # each pair once
+
+
+@given(st.integers(1, 10**7), st.integers(0, 32))
+def test_plan_bands_pigeonhole(n: int, threshold: int) -> None:
+    plan = plan_bands(n, threshold)
+    m = len(plan.widths)
+    assert sum(plan.widths) == 64 and max(plan.widths) - min(plan.widths) <= 1
+    # Pigeonhole: T bits spread over m bands leave one band with <= T // m differing bits.
+    assert plan.radius == threshold // m and 1 <= m <= threshold + 1
+    assert plan.shifts[-1] == 0
+
+
+def test_plan_prefers_wide_bands_for_big_sets() -> None:
+    assert len(plan_bands(10, 8).widths) == 9  # small: exact-band lookups
+    assert len(plan_bands(10**8, 8).widths) < 9  # big: wider bands with ball probes
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.floats(0.2, 3.0), st.floats(-50, 50))
+def test_phash_ignores_brightness_and_contrast(seed: int, scale: float, shift: float) -> None:
+    # DCT is linear: a*x + b scales every AC coefficient by a > 0 (order kept) and moves only the
+    # DC one. If DC crosses the median it swaps places with one neighbour: at most 2 bits move.
+    grey = np.random.default_rng(seed).uniform(0, 255, size=(32, 32))
+    assert hamming(np.uint64(phash_pixels(grey)), np.uint64(phash_pixels(grey * scale + shift))) <= 2
+    assert phash_pixels(grey) == phash_pixels(grey * scale)
+
+
+def test_phash_rejects_wrong_shape() -> None:
+    with pytest.raises(ValueError, match="32, 32"):
+        phash_pixels(np.zeros((8, 8)))
+
+
+def _photo(rng: np.random.Generator, h: int = 240, w: int = 320) -> Image.Image:
+    """A photo-like image: 1/f^1.2 coloured noise (natural images have roughly this spectrum)."""
+    fy, fx = np.fft.fftfreq(h)[:, None], np.fft.rfftfreq(w)[None, :]
+    f = np.hypot(fx, fy)
+    f[0, 0] = 1.0
+    chans = []
+    for _ in range(3):
+        spec = (rng.normal(size=f.shape) + 1j * rng.normal(size=f.shape)) / f**1.2
+        spec[0, 0] = 0
+        chans.append(np.fft.irfft2(spec, s=(h, w)))
+    x = np.stack(chans, -1)  # (H, W, 3)
+    x = (x - x.mean()) / x.std() * 0.18 + 0.5
+    return Image.fromarray((np.clip(x, 0, 1) * 255).astype(np.uint8))
+
+
+def _save(img: Image.Image, path: Path, quality: int = 90) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path, "JPEG", quality=quality)
+
+
+def _crop(img: Image.Image, frac: float) -> Image.Image:
+    w, h = img.size
+    dx, dy = int(frac * w), int(frac * h)
+    return img.crop((dx, dy, w - dx, h - dy))
+
+
+def test_planted_duplicates_removed(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    train_imgs = [_photo(rng) for _ in range(40)]
+    for i, img in enumerate(train_imgs):
+        _save(img, tmp_path / "train_src" / f"c{i % 2}" / f"t{i:02d}.jpg")
+    # Test set: 12 unrelated images plus altered copies of 4 training images.
+    planted = {
+        3: train_imgs[3].resize((160, 120), Image.Resampling.BICUBIC),  # resized
+        8: train_imgs[8],  # re-encoded at low quality (below)
+        15: _crop(train_imgs[15], 0.02),  # slightly cropped
+        22: _crop(train_imgs[22], 0.02).resize((200, 150), Image.Resampling.BILINEAR),  # all of it
+    }
+    for i in range(12):
+        _save(_photo(rng), tmp_path / "test_src" / f"c{i % 2}" / f"new{i:02d}.jpg")
+    for i, img in planted.items():
+        _save(img, tmp_path / "test_src" / f"c{i % 2}" / f"copy{i:02d}.jpg", quality=40)
+    train, test, out = (str(tmp_path / n) for n in ("train", "test", "out"))
+    write_dataset(f"folder:{tmp_path / 'train_src'}", train, shard_size=16,
+                  splits={"train": 0.75, "minival": 0.25}, progress=False)
+    write_dataset(f"folder:{tmp_path / 'test_src'}", test, progress=False)
+
+    summary = dedup_dataset(train, [test], out, progress=False)
+
+    pairs = pq.read_table(io.BytesIO(open_storage(out).read_bytes(PAIRS_NAME))).to_pylist()
+    expected_train = {f"c{i % 2}_t{i:02d}" for i in planted}
+    assert {p["train_key"] for p in pairs} == expected_train, pairs
+    assert {p["against_key"] for p in pairs} == {f"c{i % 2}_copy{i:02d}" for i in planted}
+    assert all(p["distance"] <= DEFAULT_THRESHOLD for p in pairs)
+    assert summary["removed_total"] == 4 and summary["duplicate_pairs"] == 4
+    assert json.loads(open_storage(out).read_bytes(SUMMARY_NAME)) == summary
+
+    new = load_manifest(out)
+    kept = set(new.index.column("key").to_pylist())
+    assert kept == set(load_manifest(train).index.column("key").to_pylist()) - expected_train
+    assert sum(v["samples"] for v in new.meta["splits"].values()) == 36
+    assert sum(summary["kept"].values()) == 36 and new.meta["dedup"]["removed_total"] == 4
+    assert verify_dataset(out) == []
+
+    with pytest.raises(ValueError, match="already holds a dataset"):
+        dedup_dataset(train, [test], out, progress=False)
+
+
+def test_phash_separates_distinct_photos() -> None:
+    rng = np.random.default_rng(1)
+    hashes = np.array([phash(_photo(rng, 96, 128)) for _ in range(60)], dtype=np.uint64)
+    d = hamming(hashes[:, None], hashes[None, :])[np.triu_indices(60, 1)]
+    assert d.min() > DEFAULT_THRESHOLD and 26 < d.mean() < 38  # independent bits differ ~32

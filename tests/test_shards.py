@@ -1,0 +1,223 @@
+"""Shard writing, manifest, stats and verification on local folders (S3: test_storage_s3.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import webdataset as wds
+from hypothesis import given
+from hypothesis import strategies as st
+from PIL import Image
+
+from vitscale.data.progress import Progress, format_duration, format_progress
+from vitscale.data.shards import (
+    INDEX_NAME,
+    assign_splits,
+    dataset_stats,
+    encode_image,
+    format_stats,
+    load_manifest,
+    parse_splits,
+    verify_dataset,
+    write_dataset,
+)
+from vitscale.data.storage import open_storage
+
+DIGITS_KW = dict(shard_size=500, max_side=384, splits={"train": 0.9, "minival": 0.1}, progress=False)
+
+
+@pytest.fixture(scope="module")
+def digits_ds(tmp_path_factory: pytest.TempPathFactory) -> str:
+    out = str(tmp_path_factory.mktemp("digits") / "ds")
+    write_dataset("digits", out, **DIGITS_KW)
+    return out
+
+
+@given(
+    st.integers(0, 3000),
+    st.lists(st.integers(1, 100), min_size=1, max_size=4),
+    st.integers(0, 2**32 - 1),
+)
+def test_assign_splits_partition(n: int, weights: list[int], seed: int) -> None:
+    fracs = {f"s{j}": w / sum(weights) for j, w in enumerate(weights)}
+    if abs(sum(fracs.values()) - 1) > 1e-6:
+        return
+    plan = assign_splits(n, fracs, seed)
+    allidx = np.concatenate(list(plan.values()))
+    assert sorted(allidx.tolist()) == list(range(n))  # disjoint and covering
+    for s, idx in plan.items():
+        assert abs(len(idx) - fracs[s] * n) < 1.0 + 1e-9
+    again = assign_splits(n, fracs, seed)
+    assert all(np.array_equal(plan[s], again[s]) for s in plan)
+
+
+def test_assign_splits_seed_matters() -> None:
+    a = assign_splits(1000, {"train": 0.9, "minival": 0.1}, 0)
+    b = assign_splits(1000, {"train": 0.9, "minival": 0.1}, 1)
+    assert set(a["minival"].tolist()) != set(b["minival"].tolist())
+    assert len(a["minival"]) == 100
+
+
+def test_parse_splits() -> None:
+    assert parse_splits("train=0.9,minival=0.1") == {"train": 0.9, "minival": 0.1}
+    for bad, msg in [("train", "name=fraction"), ("train=0.5", "sum to 1"), ("a-b=1", "letters"), ("x=y", "not a number")]:
+        with pytest.raises(ValueError, match=msg):
+            parse_splits(bad)
+
+
+def test_encode_image_fits_never_enlarges() -> None:
+    big = Image.new("RGB", (1000, 500), (10, 200, 30))
+    jpeg, w, h = encode_image(big, 384, 90)
+    assert (w, h) == (384, 192) and Image.open(io.BytesIO(jpeg)).size == (384, 192)
+    small = Image.new("L", (50, 20), 128)
+    jpeg, w, h = encode_image(small, 384, 90)
+    img = Image.open(io.BytesIO(jpeg))
+    assert (w, h) == (50, 20) and img.format == "JPEG" and img.mode == "RGB"
+    rgba = Image.new("RGBA", (8, 8), (0, 0, 0, 0))
+    buf = io.BytesIO()
+    rgba.save(buf, "PNG")
+    jpeg, _, _ = encode_image(buf.getvalue(), 384, 95)
+    assert min(Image.open(io.BytesIO(jpeg)).getpixel((4, 4))) > 240  # transparent -> white
+
+
+def test_write_digits_layout_and_index(digits_ds: str) -> None:
+    man = load_manifest(digits_ds)
+    meta = man.meta
+    assert meta["num_classes"] == 10 and not meta["multi_label"] and meta["max_side"] == 384
+    assert {s: v["samples"] for s, v in meta["splits"].items()} == {"train": 1617, "minival": 180}
+    assert [sh["name"] for sh in meta["splits"]["train"]["shards"]] == [f"train-{i:06d}.tar" for i in range(4)]
+    assert [sh["samples"] for sh in meta["splits"]["train"]["shards"]] == [500, 500, 500, 117]
+    assert man.index.schema.field("labels").type == pa.list_(pa.int32())
+    assert man.index.num_rows == 1797 and len(set(man.index.column("key").to_pylist())) == 1797
+    store = open_storage(digits_ds)
+    rows = man.index.to_pylist()
+    for r in rows[::97]:
+        # One ranged read returns exactly the sample's tar members.
+        blob = store.read_range(r["shard"], r["offset"], r["size"])
+        members = {m.name: m for m in tarfile.open(fileobj=io.BytesIO(blob))}
+        tar = tarfile.open(fileobj=io.BytesIO(blob))
+        assert sorted(members) == [f"{r['key']}.cls", f"{r['key']}.jpg"]
+        assert int(tar.extractfile(members[f"{r['key']}.cls"]).read()) == r["labels"][0]  # type: ignore[union-attr]
+        img = Image.open(io.BytesIO(tar.extractfile(members[f"{r['key']}.jpg"]).read()))  # type: ignore[union-attr]
+        assert img.size == (64, 64) == (r["width"], r["height"])  # digits are not enlarged further
+    assert verify_dataset(digits_ds) == []
+
+
+def test_shards_read_by_webdataset(digits_ds: str) -> None:
+    urls = [str(Path(digits_ds) / n) for n in load_manifest(digits_ds).shard_names("minival")]
+    ds = wds.WebDataset(urls, shardshuffle=False).decode("pil").to_tuple("jpg", "cls")
+    got = list(ds)
+    assert len(got) == 180 and all(isinstance(img, Image.Image) and 0 <= c < 10 for img, c in got)
+
+
+def test_write_is_reproducible_and_seeded(tmp_path: Path) -> None:
+    kw = dict(shard_size=25, max_side=24, progress=False, splits={"train": 0.8, "test": 0.2},
+              source_options={"count": 50, "classes": 5, "image_size": 40})
+    a = write_dataset("synthetic", str(tmp_path / "a"), seed=1, **kw)
+    b = write_dataset("synthetic", str(tmp_path / "b"), seed=1, **kw)
+    c = write_dataset("synthetic", str(tmp_path / "c"), seed=2, **kw)
+    assert a["splits"] == b["splits"] and a["splits"] != c["splits"]
+    assert a["source_options"]["seed"] == 1  # the writer's seed seeds the synthetic source
+    stats = dataset_stats(str(tmp_path / "a"))
+    assert stats["splits"]["train"]["samples"] == 40 and stats["splits"]["test"]["samples"] == 10
+    sizes = load_manifest(str(tmp_path / "a")).index.column("width").to_pylist()
+    assert set(sizes) == {24}  # 40 px shrunk to max_side 24
+
+
+def test_multilabel_json_members(tmp_path: Path) -> None:
+    out = str(tmp_path / "ml")
+    meta = write_dataset("synthetic", out, shard_size=10, progress=False,
+                         source_options={"count": 12, "classes": 4, "image_size": 16, "multi_label": True})
+    assert meta["multi_label"]
+    man = load_manifest(out)
+    r = man.index.to_pylist()[3]
+    blob = open_storage(out).read_range(r["shard"], r["offset"], r["size"])
+    tar = tarfile.open(fileobj=io.BytesIO(blob))
+    assert tar.getnames() == [f"{r['key']}.jpg", f"{r['key']}.json"]
+    assert json.loads(tar.extractfile(f"{r['key']}.json").read()) == {"labels": r["labels"]}  # type: ignore[union-attr]
+    assert verify_dataset(out) == []
+
+
+def test_folder_source_end_to_end(tmp_path: Path) -> None:
+    for c, colour in [("red", (255, 0, 0)), ("blue", (0, 0, 255))]:
+        for i in range(3):
+            p = tmp_path / "src" / c / f"img.{i}.png"
+            p.parent.mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (600, 300), colour).save(p)
+    meta = write_dataset(f"folder:{tmp_path / 'src'}", str(tmp_path / "out"), max_side=100, progress=False)
+    assert meta["classes"] == ["blue", "red"] and meta["splits"]["train"]["samples"] == 6
+    idx = load_manifest(str(tmp_path / "out")).index
+    assert set(zip(idx.column("width").to_pylist(), idx.column("height").to_pylist())) == {(100, 50)}
+
+
+def test_refuses_to_overwrite(digits_ds: str) -> None:
+    with pytest.raises(ValueError, match="already holds a dataset"):
+        write_dataset("digits", digits_ds, progress=False)
+
+
+def test_validation_messages(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="shard_size"):
+        write_dataset("digits", str(tmp_path), shard_size=0)
+    with pytest.raises(ValueError, match="quality"):
+        write_dataset("digits", str(tmp_path), quality=100)
+    with pytest.raises(FileNotFoundError, match="dataset.json"):
+        load_manifest(str(tmp_path / "nothing"))
+
+
+def _copy(src: str, dst: Path) -> str:
+    s, d = open_storage(src), open_storage(str(dst))
+    for n in s.list():
+        d.write_bytes(n, s.read_bytes(n))
+    return str(dst)
+
+
+def test_verify_names_bad_shards(digits_ds: str, tmp_path: Path) -> None:
+    ds = _copy(digits_ds, tmp_path / "bad")
+    store = open_storage(ds)
+    raw = bytearray(store.read_bytes("train-000001.tar"))
+    raw[5000] ^= 0x01
+    store.write_bytes("train-000001.tar", bytes(raw))
+    store.write_bytes("train-000003.tar", store.read_bytes("train-000003.tar")[:20480])  # truncated
+    store.write_bytes("train-000099.tar", b"")  # stray
+    idx = pq.read_table(io.BytesIO(store.read_bytes(INDEX_NAME)))
+    drop = idx.column("shard").to_pylist().index("minival-000000.tar")
+    idx = idx.take([i for i in range(idx.num_rows) if i != drop])
+    buf = io.BytesIO()
+    pq.write_table(idx, buf)
+    store.write_bytes(INDEX_NAME, buf.getvalue())
+    problems = verify_dataset(ds)
+    bad = {p.split(":")[0] for p in problems}
+    assert bad == {"train-000001.tar", "train-000003.tar", "train-000099.tar", "minival-000000.tar"}, problems
+    assert any(p.startswith("train-000001.tar: sha256 mismatch") for p in problems)
+    assert any(p.startswith("train-000003.tar") and "samples in tar" in p for p in problems)
+    assert any(p.startswith("minival-000000.tar") and "missing from _index.parquet" in p for p in problems)
+
+
+def test_stats_and_format(digits_ds: str) -> None:
+    stats = dataset_stats(digits_ds)
+    assert stats["shards"] == 5 and stats["samples"] == 1797 and stats["classes"] == 10
+    assert stats["splits"]["minival"]["classes_present"] == 10
+    assert stats["splits"]["train"]["indexed_samples"] == 1617
+    text = format_stats(stats)
+    assert "1797 samples in 5 shards" in text and "minival" in text
+    json.dumps(stats)  # the CLI's --json
+
+
+def test_progress_line() -> None:
+    assert format_duration(3725) == "1:02:05" and format_duration(float("inf")) == "?"
+    line = format_progress("write", 50, 200, 10.0, unit="img")
+    assert "50/200" in line and " 25%" in line and "5.0 img/s" in line and "ETA 0:00:30" in line
+    assert "elapsed" in format_progress("hash", 7, None, 2.0)
+    out = io.StringIO()
+    with Progress(3, "x", stream=out, interval_s=0.0) as bar:
+        for _ in range(3):
+            bar.update()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 4 and "3/3" in lines[-1] and "100%" in lines[-1]
