@@ -151,15 +151,28 @@ def vitscale_ports(ports: list[dict[str, Any]]) -> dict[str, int]:
     return {p["name"]: p["containerPort"] for p in ports if p["name"].startswith("vitscale-")}
 
 
-def expected_ports(config: PipelineConfig) -> dict[str, int]:
-    """Rank r of a run serves Prometheus metrics on train.metrics_port + r (vitscale/train/loop.py)."""
-    assert config.train.metrics_port, "the pipeline run on Kubernetes must set train.metrics_port"
-    return {f"vitscale-r{r}": config.train.metrics_port + r for r in range(config.cluster.num_workers)}
-
-
 def cpus(quantity: str | int | float) -> float:
     text = str(quantity)
     return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def ranks_per_pod(config: PipelineConfig, limits: dict[str, Any]) -> int:
+    """The most Ray Train ranks one worker pod can host.
+
+    KubeRay hands the container limits to `ray start` (one Ray node per pod); each rank reserves
+    cluster.cpus_per_worker CPUs and, on GPU runs, cluster.gpus_per_worker GPUs.
+    """
+    fit = int(cpus(limits["cpu"]) // config.cluster.cpus_per_worker)
+    if config.cluster.use_gpu:
+        fit = min(fit, int(limits.get(GPU, 0) // config.cluster.gpus_per_worker))
+    return fit
+
+
+def expected_ports(config: PipelineConfig, limits: dict[str, Any]) -> dict[str, int]:
+    """The rank with local rank r in a pod serves Prometheus metrics on train.metrics_port + r
+    (vitscale/train/loop.py, r = Ray Train's get_local_rank()): one port per rank the pod can host."""
+    assert config.train.metrics_port, "the pipeline run on Kubernetes must set train.metrics_port"
+    return {f"vitscale-lr{r}": config.train.metrics_port + r for r in range(ranks_per_pod(config, limits))}
 
 
 def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -187,6 +200,11 @@ def pod_labels(overlay: str | None) -> dict[str, dict[str, str]]:
 def worker_ports(overlay: str | None) -> list[dict[str, Any]]:
     ports = container(base_spec()["workerGroupSpecs"][0]["template"])["ports"]
     return ports if overlay is None else patched(overlay, f"{WORKER_PREFIX}/ports", ports)
+
+
+def worker_limits(overlay: str | None) -> dict[str, Any]:
+    resources = container(base_spec()["workerGroupSpecs"][0]["template"])["resources"]
+    return (resources if overlay is None else patched(overlay, f"{WORKER_PREFIX}/resources", resources))["limits"]
 
 
 # --------------------------------------------------------------------------- source checks
@@ -234,15 +252,26 @@ def test_entrypoint_parser_rejects_what_it_cannot_read() -> None:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_worker_ports_are_every_rank_of_the_pipeline(overlay: str) -> None:
-    assert vitscale_ports(worker_ports(overlay)) == expected_ports(overlay_pipeline(overlay))
+def test_worker_ports_are_every_local_rank_a_pod_can_host(overlay: str) -> None:
+    config = overlay_pipeline(overlay)
+    assert vitscale_ports(worker_ports(overlay)) == expected_ports(config, worker_limits(overlay))
 
 
-def test_base_ports_cover_its_own_workers() -> None:
-    group = base_spec()["workerGroupSpecs"][0]
-    ranks = group["replicas"] * container(group["template"])["resources"]["limits"][GPU]
-    port = load_pipeline(ROOT / "pipelines" / "pretrain.yaml").train.metrics_port
-    assert vitscale_ports(worker_ports(None)) == {f"vitscale-r{r}": port + r for r in range(ranks)}
+def test_base_ports_are_its_one_gpu_pods_single_rank() -> None:
+    # Independent of the replica count: every one-GPU pod hosts local rank 0 only, on metrics_port.
+    config = load_pipeline(ROOT / "pipelines" / "pretrain.yaml")
+    assert worker_limits(None)[GPU] == 1
+    assert vitscale_ports(worker_ports(None)) == {"vitscale-lr0": config.train.metrics_port}
+    assert expected_ports(config, worker_limits(None)) == {"vitscale-lr0": config.train.metrics_port}
+
+
+def test_ranks_per_pod_counts_gpus_and_cpus() -> None:
+    gpu = load_pipeline(ROOT / "pipelines" / "pretrain.yaml")  # 10 CPUs, 1 GPU per rank
+    assert ranks_per_pod(gpu, {"cpu": "88", GPU: 8}) == 8  # a whole 8-GPU node: ports 9400..9407
+    assert ranks_per_pod(gpu, {"cpu": "40", GPU: 8}) == 4  # CPU-bound
+    assert ranks_per_pod(gpu, {"cpu": "11"}) == 0
+    cpu = load_pipeline(ROOT / "pipelines" / "quickstart.yaml")  # 1 CPU per rank, no GPU
+    assert ranks_per_pod(cpu, {"cpu": "2"}) == 2 and ranks_per_pod(cpu, {"cpu": "1500m"}) == 1
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -266,12 +295,9 @@ def test_cluster_is_big_enough_for_the_pipeline(overlay: str) -> None:
     group = base_spec()["workerGroupSpecs"][0]
     sizes = {k: patched(overlay, f"/spec/workerGroupSpecs/0/{k}", group[k]) for k in ("replicas", "minReplicas", "maxReplicas")}
     assert len(set(sizes.values())) == 1, f"fixed-size group expected, got {sizes}"
-    limits = patched(overlay, f"{WORKER_PREFIX}/resources", container(group["template"])["resources"])["limits"]
     # KubeRay hands the container limits to `ray start`; each rank reserves cpus_per_worker (and a GPU).
-    assert cpus(limits["cpu"]) >= config.cluster.cpus_per_worker
-    ranks_per_pod = int(limits.get(GPU, 0) // config.cluster.gpus_per_worker) if config.cluster.use_gpu else \
-        int(cpus(limits["cpu"]) // config.cluster.cpus_per_worker)
-    assert sizes["replicas"] * ranks_per_pod >= config.cluster.num_workers
+    fit = ranks_per_pod(config, worker_limits(overlay))
+    assert fit >= 1 and sizes["replicas"] * fit >= config.cluster.num_workers
 
 
 @pytest.mark.parametrize("overlay", [None, *OVERLAYS])
@@ -427,7 +453,7 @@ def test_built_overlay_is_one_rayjob_with_its_cluster(overlay: str, built: dict[
     config = overlay_pipeline(overlay)
     (group,) = cluster["workerGroupSpecs"]
     worker, head = container(group["template"]), container(cluster["headGroupSpec"]["template"])
-    assert vitscale_ports(worker["ports"]) == expected_ports(config)
+    assert vitscale_ports(worker["ports"]) == expected_ports(config, worker["resources"]["limits"])
     if OVERLAYS[overlay]:
         assert worker["resources"]["limits"][GPU] == config.cluster.gpus_per_worker
         assert group["replicas"] * worker["resources"]["limits"][GPU] >= config.cluster.num_workers

@@ -74,10 +74,34 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def test_killed_rank_resumes_to_the_same_weights_and_samples(local_ray: None, dataset: str, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def clean_run(local_ray: None, dataset: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     from vitscale.launch.pipeline import run_pipeline
 
-    clean = run_pipeline(config(dataset, tmp_path, "clean"))
+    return run_pipeline(config(dataset, tmp_path_factory.mktemp("runs"), "clean"))
+
+
+def test_export_round_trips_through_load_pretrained(clean_run: dict, tmp_path: Path) -> None:
+    from vitscale.cli import main
+    from vitscale.launch.export import find_checkpoint, model_from_checkpoint
+    from vitscale.models import create_model, load_pretrained
+
+    trained, run_config, facts = model_from_checkpoint(find_checkpoint(clean_run["run_dir"]))
+    images = torch.randn(3, 3, 16, 16)
+    expected = trained.eval()(images)
+    for fmt in ("pt", "npz"):
+        out = tmp_path / f"model.{fmt}"
+        assert main(["export", clean_run["run_dir"], "--out", str(out), "--format", fmt]) == 0
+        fresh = create_model(run_config.model.name, num_classes=facts["num_classes"], img_size=16,
+                             **run_config.model.overrides())
+        load_pretrained(fresh, out)
+        torch.testing.assert_close(fresh.eval()(images), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_killed_rank_resumes_to_the_same_weights_and_samples(clean_run: dict, dataset: str, tmp_path: Path) -> None:
+    from vitscale.launch.pipeline import run_pipeline
+
+    clean = clean_run
     # Rank 1 dies after step 5: past the step-3 checkpoint, in the middle of epoch 1.
     faulty = run_pipeline(config(dataset, tmp_path, "faulty", fault={"kill_rank": 1, "kill_at_step": 5}))
     assert (tmp_path / "faulty" / ".fault-fired-rank1-step5").exists()

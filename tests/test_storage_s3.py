@@ -172,8 +172,9 @@ def test_missing_object_error_names_it(moto_s3: str, bucket: str) -> None:
             call()
 
 
-def test_endpoint_from_environment(moto_s3: str, bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VITSCALE_S3_ENDPOINT_URL", moto_s3)
+@pytest.mark.parametrize("var", ["VITSCALE_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL"])
+def test_endpoint_from_environment(var: str, moto_s3: str, bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(var, moto_s3)
     st = open_storage(f"s3://{bucket}")
     assert isinstance(st, S3Storage) and st.endpoint_url == moto_s3
     st.write_bytes("x", b"1")

@@ -224,7 +224,8 @@ class TrainConfig:
     peak_flops: str = "auto"
     """Peak bf16 FLOP/s per device for MFU: "auto", "H200", "H100", "A100" or a number."""
     metrics_port: int | None = None
-    """Base port of the per-worker Prometheus endpoint (rank r serves on port+r); 0 = any free port; null = off."""
+    """Base port of the per-worker Prometheus endpoint (the worker with local rank r on a node serves on
+    port + r, so a one-GPU pod always answers on this port); 0 = any free port; null = off."""
     fault: FaultConfig = field(default_factory=FaultConfig)
     """Fault injection (tests and drills)."""
     record_samples: bool = False

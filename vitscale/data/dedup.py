@@ -204,7 +204,8 @@ def hash_dataset(url: str, *, endpoint_url: str | None = None, progress: bool = 
     total = sum(sp["samples"] for sp in man.meta["splits"].values())
     cols: dict[str, list[Any]] = {"split": [], "shard": [], "key": [], "phash": []}
     batch: list[tuple[str, str, str, bytes]] = []
-    with ThreadPoolExecutor(max_workers=4) as pool, Progress(total, f"hash {man.url}", unit="img", enabled=progress) as bar:
+    bar = Progress(total, f"hash {man.url}", unit="img", enabled=progress)
+    with ThreadPoolExecutor(max_workers=4) as pool, bar:
 
         def flush() -> None:
             hashes = list(pool.map(lambda t: phash(t[3]), batch))  # PIL decodes outside the GIL
@@ -221,7 +222,9 @@ def hash_dataset(url: str, *, endpoint_url: str | None = None, progress: bool = 
             if len(batch) >= 256:
                 flush()
         flush()
-    return pa.table({k: pa.array(v, type=pa.uint64() if k == "phash" else pa.string()) for k, v in cols.items()})
+    return pa.table(
+        {k: pa.array(v, type=pa.uint64() if k == "phash" else pa.string()) for k, v in cols.items()}
+    )
 
 
 def dedup_dataset(
@@ -267,13 +270,17 @@ def dedup_dataset(
 
     meta = train_man.meta
     shard_size = max((sh["samples"] for sp in meta["splits"].values() for sh in sp["shards"]), default=1)
-    sizes = {r["key"]: (r["width"], r["height"]) for r in train_man.index.select(["key", "width", "height"]).to_pylist()}
+    sizes = {
+        r["key"]: (r["width"], r["height"])
+        for r in train_man.index.select(["key", "width", "height"]).to_pylist()
+    }
     new_splits: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
     removed: dict[str, int] = {}
     total = sum(sp["samples"] for sp in meta["splits"].values())
     with Progress(total, f"copy {out_storage.url}", unit="img", enabled=progress) as bar:
-        writers = {s: ShardWriter(out_storage, s, shard_size, bool(meta["multi_label"])) for s in meta["splits"]}
+        multi = bool(meta["multi_label"])
+        writers = {s: ShardWriter(out_storage, s, shard_size, multi) for s in meta["splits"]}
         try:
             for split, _, s in _iter_samples(train, endpoint_url):
                 bar.update()
@@ -282,7 +289,9 @@ def dedup_dataset(
                     continue
                 labels = labels_of(s)
                 if labels is None or "jpg" not in s.files:
-                    raise ValueError(f"{train}: sample {s.key!r} lacks .jpg or labels; run `vitscale shards verify`")
+                    raise ValueError(
+                        f"{train}: sample {s.key!r} lacks .jpg or labels; run `vitscale shards verify`"
+                    )
                 w, h = sizes.get(s.key, (0, 0))
                 writers[split].add(s.key, s.files["jpg"], labels, w, h)
             for split, wr in writers.items():
@@ -312,6 +321,7 @@ def dedup_dataset(
     pq.write_table(pairs, buf)
     out_storage.write_bytes(PAIRS_NAME, buf.getvalue())
     out_storage.write_bytes(SUMMARY_NAME, (json.dumps(summary, indent=2) + "\n").encode())
-    new_meta = {**meta, "splits": new_splits, "dedup": {k: summary[k] for k in ("train", "against", "threshold", "removed_total")}}
+    dedup_note = {k: summary[k] for k in ("train", "against", "threshold", "removed_total")}
+    new_meta = {**meta, "splits": new_splits, "dedup": dedup_note}
     write_index_and_meta(out_storage, rows, new_meta)
     return summary

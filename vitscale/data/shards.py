@@ -206,7 +206,9 @@ class ShardWriter:
     def _open(self) -> None:
         self._tmp = tempfile.NamedTemporaryFile(prefix="vitscale-shard-", suffix=".tar", delete=False)
         self._hf = _HashingFile(self._tmp)
-        self._tar = tarfile.open(fileobj=self._hf, mode="w", format=tarfile.PAX_FORMAT)  # type: ignore[arg-type]
+        self._tar = tarfile.open(
+            fileobj=self._hf, mode="w", format=tarfile.PAX_FORMAT  # type: ignore[arg-type]
+        )
         self._count = 0
 
     def finish_shard(self) -> None:
@@ -222,7 +224,9 @@ class ShardWriter:
             self.storage.write_file(name, self._tmp.name)
         finally:
             os.unlink(self._tmp.name)
-        self.shards.append({"name": name, "samples": self._count, "sha256": self._hf.sha.hexdigest(), "bytes": self._hf.n})
+        self.shards.append(
+            {"name": name, "samples": self._count, "sha256": self._hf.sha.hexdigest(), "bytes": self._hf.n}
+        )
         self._tar = self._hf = self._tmp = None
 
     def abort(self) -> None:
@@ -252,7 +256,10 @@ def write_index_and_meta(storage: Storage, rows: list[dict[str, Any]], meta: dic
 
 
 def _encoded_in_order(
-    source: Source, order: np.ndarray, encode: Callable[[Sample], tuple[Sample, bytes, int, int]], workers: int
+    source: Source,
+    order: np.ndarray,
+    encode: Callable[[Sample], tuple[Sample, bytes, int, int]],
+    workers: int,
 ) -> Iterator[tuple[Sample, bytes, int, int]]:
     """Encode samples on a thread pool (PIL releases the GIL) while keeping write order."""
     window = max(4, 4 * workers)  # bounded in-flight work: memory stays flat on big sets
@@ -316,7 +323,9 @@ def write_dataset(
             try:
                 for sample, jpeg, w, h in _encoded_in_order(src, order, encode, n_workers):
                     if sample.key in seen:
-                        raise ValueError(f"{source}: duplicate sample key {sample.key!r}; keys must be unique")
+                        raise ValueError(
+                            f"{source}: duplicate sample key {sample.key!r}; keys must be unique"
+                        )
                     seen.add(sample.key)
                     writer.add(sample.key, jpeg, sample.labels, w, h)
                     bar.update()
@@ -467,7 +476,9 @@ def verify_dataset(url: str, *, endpoint_url: str | None = None, progress: bool 
         problems.append(f"{name}: in {INDEX_NAME} but not in {META_NAME}")
     for split, sp in meta["splits"].items():
         if sum(sh["samples"] for sh in sp["shards"]) != sp["samples"]:
-            problems.append(f"{META_NAME}: split {split!r} says {sp['samples']} samples but its shards sum differently")
+            problems.append(
+                f"{META_NAME}: split {split!r} says {sp['samples']} samples but its shards sum differently"
+            )
     with Progress(len(listed), f"verify {storage.url}", unit="shard", enabled=progress) as bar:
         for name, (split, sh) in listed.items():
             problems += _verify_shard(storage, name, split, sh, idx, indexed.get(name, 0), num_classes)
@@ -498,18 +509,25 @@ def _verify_shard(
                     problems.append(f"{name}: sample {s.key!r} missing from {INDEX_NAME}")
                     continue
                 if (row["offset"], row["size"]) != (s.offset, s.size):
-                    problems.append(f"{name}: sample {s.key!r} byte range in index {row['offset']}+{row['size']} != tar {s.offset}+{s.size}")
+                    problems.append(
+                        f"{name}: sample {s.key!r} byte range in index {row['offset']}+{row['size']}"
+                        f" != tar {s.offset}+{s.size}"
+                    )
                 if labels is not None and labels != list(row["labels"]):
                     problems.append(f"{name}: sample {s.key!r} labels {labels} != index {row['labels']}")
                 if labels and num_classes and not all(0 <= x < num_classes for x in labels):
                     problems.append(f"{name}: sample {s.key!r} label outside [0, {num_classes})")
                 if row["split"] != split:
-                    problems.append(f"{name}: sample {s.key!r} indexed under split {row['split']!r}, shard is {split!r}")
+                    problems.append(
+                        f"{name}: sample {s.key!r} indexed under split {row['split']!r}, shard is {split!r}"
+                    )
             hr.drain()
         except (OSError, tarfile.TarError, ValueError, UnicodeDecodeError) as exc:
             return problems + [f"{name}: unreadable after {count} samples: {exc}"]
     if hr.sha.hexdigest() != sh["sha256"]:
-        problems.append(f"{name}: sha256 mismatch (dataset.json {sh['sha256'][:12]}..., file {hr.sha.hexdigest()[:12]}...)")
+        problems.append(
+            f"{name}: sha256 mismatch (dataset.json {sh['sha256'][:12]}..., file {hr.sha.hexdigest()[:12]}...)"
+        )
     if hr.n != sh["bytes"]:
         problems.append(f"{name}: {hr.n} bytes, dataset.json says {sh['bytes']}")
     if count != sh["samples"]:

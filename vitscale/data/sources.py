@@ -182,7 +182,9 @@ def _read_table(path: Path) -> list[dict[str, Any]]:
     raise ValueError(f"manifest source: {path} must be .parquet, .csv or .tsv")
 
 
-def _pick_column(columns: Sequence[str], wanted: str | None, candidates: Sequence[str], what: str, path: Path) -> str:
+def _pick_column(
+    columns: Sequence[str], wanted: str | None, candidates: Sequence[str], what: str, path: Path
+) -> str:
     if wanted is not None:
         if wanted not in columns:
             raise ValueError(f"manifest {path}: missing {what} column {wanted!r} (columns: {list(columns)})")
@@ -231,7 +233,9 @@ class ManifestSource(Source):
             k = len(classes) if classes is not None else max(max(i) for i in ids) + 1
             bad = [i for ts in ids for i in ts if not 0 <= i < k]
             if bad:
-                raise ValueError(f"manifest {self.path}: label {bad[0]} outside [0, {k}); pass classes= to name all {k}")
+                raise ValueError(
+                    f"manifest {self.path}: label {bad[0]} outside [0, {k}); pass classes= to name all {k}"
+                )
             self.classes = tuple(classes) if classes is not None else tuple(str(i) for i in range(k))
         else:
             names = tuple(classes) if classes is not None else tuple(sorted(flat))
@@ -244,10 +248,13 @@ class ManifestSource(Source):
         self._labels = [tuple(sorted(set(i))) for i in ids]
         self.multi_label = any(len(ls) != 1 for ls in self._labels)
         self._paths = [str(r[pcol]) for r in rows]
-        raw_keys = [str(r["key"]) for r in rows] if "key" in cols else [
-            p.rsplit("/", 1)[-1].rsplit(".", 1)[0] if p.startswith("s3://") else Path(p).with_suffix("").as_posix()
-            for p in self._paths
-        ]
+        if "key" in cols:
+            raw_keys = [str(r["key"]) for r in rows]
+        else:  # the path without its extension (for s3:// the object name)
+            raw_keys = [
+                p.rsplit("/", 1)[-1].rsplit(".", 1)[0] if p.startswith("s3://") else Path(p).with_suffix("").as_posix()
+                for p in self._paths
+            ]
         self._keys = _unique_keys(raw_keys)
         self._stores: dict[str, Any] = {}
 
@@ -414,7 +421,8 @@ class SyntheticSource(Source):
         # backgrounds, and a near-flat one would make distinct images alike to perceptual hashes.
         # Mostly brightness, little colour: hue is a class cue and must stay the object's.
         grid = rng.uniform(-0.2, 0.2, size=(6, 6, 1)) + rng.uniform(-0.05, 0.05, size=(6, 6, 3))
-        blotch = Image.fromarray(((grid + 0.5) * 255).astype(np.uint8), mode="RGB").resize((w, h), Image.Resampling.BICUBIC)
+        blotch = Image.fromarray(((grid + 0.5) * 255).astype(np.uint8), mode="RGB")
+        blotch = blotch.resize((w, h), Image.Resampling.BICUBIC)
         canvas += np.asarray(blotch, dtype=np.float32) / 255.0 - 0.5
         for c in rng.permutation(labels):
             _draw_object(canvas, class_pattern(int(c)), rng)
@@ -443,7 +451,9 @@ def open_source(spec: str, **options: Any) -> Source:
     opts = {k: v for k, v in options.items() if v is not None}
     unknown = sorted(set(opts) - _OPTIONS[kind])
     if unknown:
-        raise ValueError(f"source {kind!r} does not take option(s) {unknown}; it takes {sorted(_OPTIONS[kind])}")
+        raise ValueError(
+            f"source {kind!r} does not take option(s) {unknown}; it takes {sorted(_OPTIONS[kind])}"
+        )
     if kind in ("folder", "manifest") and not arg:
         raise ValueError(f"source {kind!r} needs a path: {kind}:PATH")
     if kind in ("digits", "synthetic") and arg:

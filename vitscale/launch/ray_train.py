@@ -44,7 +44,7 @@ def train_worker(payload: dict[str, Any]) -> None:
     try:
         with _resume_directory(world_size) as resume_from:
             ctx = WorkerContext(rank=rank, world_size=world_size, run_dir=run_dir, report=_report,
-                                resume_from=resume_from)
+                                resume_from=resume_from, local_rank=context.get_local_rank())
             pretrain(config, ctx)  # its last step reports the final checkpoint and metrics
     except Exception as exc:
         # Ray shows its own traceback of the actor; print the worker's with its rank so the driver's

@@ -46,6 +46,8 @@ class WorkerContext:
     world_size: int
     run_dir: Path
     """Local (or shared-filesystem) run directory: metrics JSONL, sample logs, fault markers."""
+    local_rank: int = 0
+    """Rank among the workers on this node: picks this worker's metrics port."""
     report: ReportFn = field(default=lambda metrics, checkpoint_dir: None)
     """Report metrics (and a checkpoint directory) to the launcher; called by every rank."""
     resume_from: Path | None = None
@@ -90,7 +92,7 @@ def pretrain(config: PipelineConfig, ctx: WorkerContext) -> dict[str, Any]:
         state = _restore(engine, ctx)
     sink = MetricsSink(ctx.run_dir, run=ctx.run_dir.name, rank=ctx.rank,
                        port=None if train.metrics_port is None else
-                       (0 if train.metrics_port == 0 else train.metrics_port + ctx.rank))
+                       (0 if train.metrics_port == 0 else train.metrics_port + ctx.local_rank))
     if sink.port is not None:
         print(f"[vitscale] rank {ctx.rank}: Prometheus metrics on :{sink.port}/metrics", flush=True)
     samples_log = _SamplesLog(ctx) if train.record_samples else None

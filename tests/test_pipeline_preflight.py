@@ -1,0 +1,89 @@
+"""`vitscale run` refuses a broken pipeline on the driver, before Ray or any worker starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vitscale.cli import main
+from vitscale.data.shards import write_dataset
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    out = tmp_path_factory.mktemp("data") / "synthetic"
+    write_dataset("synthetic", str(out), shard_size=20, max_side=32, progress=False,
+                  source_options={"count": 40, "classes": 3, "image_size": 32})
+    return str(out)
+
+
+def run(tmp_path: Path, capsys: pytest.CaptureFixture, pipeline: dict) -> tuple[int, str]:
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(pipeline))
+    code = main(["run", str(path)])
+    return code, capsys.readouterr().err
+
+
+def base(dataset: str, tmp_path: Path) -> dict:
+    return {"stages": ["pretrain"], "data": {"url": dataset},
+            "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "heads": 2, "mlp_dim": 32},
+            "train": {"global_batch": 8, "micro_batch": 4, "max_steps": 1},
+            "cluster": {"num_workers": 2, "use_gpu": False, "cpus_per_worker": 1, "storage_path": str(tmp_path)}}
+
+
+def assert_no_ray_started() -> None:
+    import ray
+
+    assert not ray.is_initialized()
+
+
+def test_unknown_model_fails_before_ray(tmp_path: Path, capsys: pytest.CaptureFixture, dataset: str) -> None:
+    pipeline = base(dataset, tmp_path)
+    pipeline["model"]["name"] = "ViT-Q/16"
+    code, err = run(tmp_path, capsys, pipeline)
+    assert code == 2 and "ViT-Q/16" in err
+    assert_no_ray_started()
+
+
+def test_missing_dataset_fails_before_ray(tmp_path: Path, capsys: pytest.CaptureFixture, dataset: str) -> None:
+    pipeline = base(dataset, tmp_path)
+    pipeline["data"]["url"] = str(tmp_path / "nowhere")
+    code, err = run(tmp_path, capsys, pipeline)
+    assert code == 2 and "nowhere" in err and "vitscale shards write" in err
+    assert_no_ray_started()
+
+
+def test_missing_split_fails_before_ray(tmp_path: Path, capsys: pytest.CaptureFixture, dataset: str) -> None:
+    pipeline = base(dataset, tmp_path)
+    pipeline["data"]["split"] = "minival"
+    code, err = run(tmp_path, capsys, pipeline)
+    assert code == 2 and "data.split" in err and "minival" in err
+    assert_no_ray_started()
+
+
+def test_missing_shard_fails_before_ray(tmp_path: Path, capsys: pytest.CaptureFixture, dataset: str) -> None:
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(dataset, broken)
+    next(broken.glob("*.tar")).unlink()
+    pipeline = base(str(broken), tmp_path)
+    code, err = run(tmp_path, capsys, pipeline)
+    assert code == 2 and ".tar" in err
+    assert_no_ray_started()
+
+
+@pytest.mark.parametrize("key, value, named", [
+    ("zero_stage", 5, "train.zero_stage"),
+    ("global_batch", 6, "train.global_batch"),
+    ("bogus", 1, "train.bogus"),
+])
+def test_bad_train_settings_fail_before_ray(tmp_path: Path, capsys: pytest.CaptureFixture, dataset: str,
+                                            key: str, value: object, named: str) -> None:
+    pipeline = base(dataset, tmp_path)
+    pipeline["train"][key] = value
+    code, err = run(tmp_path, capsys, pipeline)
+    assert code == 2 and named in err
+    assert_no_ray_started()
