@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
@@ -40,6 +40,8 @@ def _brute(q: np.ndarray, x: np.ndarray, t: int) -> set[tuple[int, int, int]]:
     st.lists(st.integers(0, 2**64 - 1), max_size=10),
     st.integers(0, 20),
 )
+@example(index=[5, 2**63 + 5, 7], planted=[(0, []), (1, [63])], extra=[4], threshold=0)  # 64-bit band
+@example(index=[5, 2**40 + 5], planted=[(0, [1, 50])], extra=[], threshold=2)  # 32-bit bands
 def test_banded_search_equals_brute_force(
     index: list[int], planted: list[tuple[int, list[int]]], extra: list[int], threshold: int
 ) -> None:
@@ -54,9 +56,9 @@ def test_banded_search_equals_brute_force(
     assert len(set(zip(qi.tolist(), ij.tolist()))) == len(qi)  # each pair once
 
 
-@given(st.integers(1, 10**7), st.integers(0, 32))
-def test_plan_bands_pigeonhole(n: int, threshold: int) -> None:
-    plan = plan_bands(n, threshold)
+@given(st.integers(1, 10**7), st.integers(0, 32), st.integers(1, 10**6))
+def test_plan_bands_pigeonhole(n: int, threshold: int, n_queries: int) -> None:
+    plan = plan_bands(n, threshold, n_queries)
     m = len(plan.widths)
     assert sum(plan.widths) == 64 and max(plan.widths) - min(plan.widths) <= 1
     # Pigeonhole: T bits spread over m bands leave one band with <= T // m differing bits.

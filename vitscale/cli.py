@@ -75,30 +75,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- data verbs
 
 
-def _parse_splits(text: str | None) -> dict[str, float] | None:
-    if not text:
-        return None
-    splits: dict[str, float] = {}
-    for part in text.split(","):
-        name, sep, frac = part.partition("=")
-        if not sep:
-            raise ValueError(f"--split: expected name=fraction pairs like train=0.9,minival=0.1, got {part!r}")
-        try:
-            splits[name.strip()] = float(frac)
-        except ValueError:
-            raise ValueError(f"--split: {frac!r} is not a number (in {part!r})") from None
-    return splits
-
-
 def cmd_shards_write(args: argparse.Namespace) -> int:
-    from vitscale.data.shards import write_dataset
+    from vitscale.data.shards import parse_splits, write_dataset
 
     options = {k: v for k, v in (("count", args.count), ("classes", args.classes),
                                  ("image_size", args.image_size)) if v is not None}
     if args.multi_label:
         options["multi_label"] = True
     meta = write_dataset(args.source, args.out, shard_size=args.shard_size, max_side=args.max_side,
-                         quality=args.quality, seed=args.seed, splits=_parse_splits(args.split),
+                         quality=args.quality, seed=args.seed, splits=parse_splits(args.split) if args.split else None,
                          source_options=options, name=args.name, endpoint_url=args.endpoint_url)
     counts = {s: v["samples"] for s, v in meta["splits"].items()}
     print(json.dumps({"out": args.out, "classes": meta["num_classes"], "samples": counts}))
@@ -106,14 +91,13 @@ def cmd_shards_write(args: argparse.Namespace) -> int:
 
 
 def cmd_shards_stats(args: argparse.Namespace) -> int:
-    from vitscale.data.shards import dataset_stats
+    from vitscale.data.shards import dataset_stats, format_stats
 
     stats = dataset_stats(args.dest, endpoint_url=args.endpoint_url)
     if args.json:
         _print_json(stats)
     else:
-        for key, value in stats.items():
-            print(f"{key}: {value}")
+        print(format_stats(stats))
     return 0
 
 

@@ -117,20 +117,28 @@ def _band_widths(m: int) -> tuple[int, ...]:
     return tuple(64 // m + (1 if j < 64 % m else 0) for j in range(m))
 
 
-def plan_bands(n_index: int, threshold: int) -> BandPlan:
-    """Pick the band count minimising (probes per query) x (1 + expected bucket size).
+_TABLE_MAX_BITS = 24  # bands up to this wide get a dense bucket table (2^w int64 entries)
 
-    Pure function. ``threshold + 1`` bands make every probe exact (radius 0); fewer, wider bands
-    need Hamming-ball probes but give far smaller buckets on large sets.
+
+def plan_bands(n_index: int, threshold: int, n_queries: int | None = None) -> BandPlan:
+    """Pick the band count with the least estimated work for the multi-index search.
+
+    Pure function. Work = queries x probes x (lookup + expected bucket size) + table building.
+    ``threshold + 1`` bands make every probe exact (radius 0) but narrow bands mean big buckets
+    on large sets; fewer, wider bands need Hamming-ball probes and give tiny buckets.
     """
     if not 0 <= threshold < 64:
         raise ValueError(f"threshold must be in [0, 63] bits, got {threshold}")
+    n_q = n_index if n_queries is None else n_queries
     best: tuple[float, BandPlan] | None = None
     for m in range(1, min(threshold + 1, 64) + 1):
         widths = _band_widths(m)
         r = threshold // m
         probes = sum(sum(math.comb(w, k) for k in range(r + 1)) for w in widths)
-        cost = probes * (1.0 + n_index / 2.0 ** min(widths))
+        table = max(widths) <= _TABLE_MAX_BITS
+        lookup = 1.0 if table else math.log2(n_index + 2)
+        build = sum(2.0**w for w in widths) if table else m * n_index * math.log2(n_index + 2)
+        cost = n_q * probes * (lookup + n_index / 2.0 ** min(widths)) + build
         if best is None or cost < best[0]:
             best = (cost, BandPlan(widths, r))
     if best is None:  # unreachable: the loop runs at least once (m = 1)
@@ -158,26 +166,34 @@ def near_duplicate_pairs(
     empty = (np.zeros(0, np.int64),) * 3
     if len(q) == 0 or len(x) == 0:
         return empty
-    plan = plan_bands(len(x), threshold)
+    plan = plan_bands(len(x), threshold, len(q))
     found: list[np.ndarray] = []
     for width, shift in zip(plan.widths, plan.shifts):
         band_mask = np.uint64((1 << width) - 1)
         xb = (x >> np.uint64(shift)) & band_mask  # (N,) band values
         order = np.argsort(xb, kind="stable")
-        xs = xb[order]
         qb = (q >> np.uint64(shift)) & band_mask  # (Q,)
+        if width <= _TABLE_MAX_BITS:
+            # Dense table: bucket v holds order[bucket_at[v]:bucket_at[v + 1]]; O(1) per probe.
+            bucket_at = np.zeros((1 << width) + 1, dtype=np.int64)
+            np.cumsum(np.bincount(xb.astype(np.int64), minlength=1 << width), out=bucket_at[1:])
+        else:
+            xs = xb[order]  # sorted band values, probed by binary search
         for flip in _flip_masks(width, plan.radius):
             probe = qb ^ flip
-            lo = np.searchsorted(xs, probe, "left")
-            hi = np.searchsorted(xs, probe, "right")
+            if width <= _TABLE_MAX_BITS:
+                p64 = probe.astype(np.int64)
+                lo, hi = bucket_at[p64], bucket_at[p64 + 1]
+            else:
+                lo, hi = np.searchsorted(xs, probe, "left"), np.searchsorted(xs, probe, "right")
             counts = hi - lo  # (Q,) bucket sizes
             total = int(counts.sum())
             if total == 0:
                 continue
             qi = np.repeat(np.arange(len(q)), counts)
             # Positions lo[i] .. hi[i]-1 for every query, concatenated.
-            starts = np.repeat(lo - np.cumsum(counts) + counts, counts)
-            ij = order[starts + np.arange(total)]
+            first = np.repeat(lo - np.cumsum(counts) + counts, counts)
+            ij = order[first + np.arange(total)]
             keep = hamming(q[qi], x[ij]) <= threshold
             found.append(qi[keep] * len(x) + ij[keep])
     if not found:
@@ -302,15 +318,12 @@ def dedup_dataset(
             for wr in writers.values():
                 wr.abort()
             raise
-    final_plan = plan_bands(len(x), threshold)
     summary = {
         "train": train_man.url,
         "against": list(against),
         "out": out_storage.url,
         "hash": "phash-dct-64 (vitscale numpy implementation)",
         "threshold": threshold,
-        "bands": len(final_plan.widths),
-        "probe_radius": final_plan.radius,
         "train_samples": len(x),
         "duplicate_pairs": pairs.num_rows,
         "removed": {s: removed.get(s, 0) for s in meta["splits"]},

@@ -62,6 +62,7 @@ def model_from_checkpoint(checkpoint: str | Path) -> tuple[torch.nn.Module, Pipe
 def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "pt") -> dict[str, Any]:
     """Write the run's latest complete checkpoint as one fp32 file that `load_pretrained` reads."""
     from vitscale.models.checkpoints import export_npz, export_state_dict
+    from vitscale.models.factory import model_meta
 
     checkpoint = find_checkpoint(run_dir)
     model, config, facts = model_from_checkpoint(checkpoint)
@@ -70,9 +71,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "pt") -> dict
     if fmt == "npz":
         export_npz(model, out)
     elif fmt == "pt":
-        export_state_dict(model, out, meta={"model": config.model.name, "num_classes": facts["num_classes"],
-                                            "img_size": config.model.img_size,
-                                            "overrides": config.model.overrides()})
+        export_state_dict(model, out, meta=model_meta(model))  # `create_from_checkpoint` rebuilds from it
     else:
         raise ValueError(f"--format: must be pt or npz, got {fmt!r}")
     return {**facts, "out": str(out), "format": fmt}

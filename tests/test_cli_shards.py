@@ -1,0 +1,92 @@
+"""The `vitscale shards` verbs end to end, as a user runs them (in-process `main`, real files)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vitscale.cli import main
+
+
+def cli_json(capsys: pytest.CaptureFixture, *argv: str) -> object:
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> str:
+    out = str(tmp_path_factory.mktemp("ds") / "digits")
+    assert main(["shards", "write", "--source", "digits", "--out", out, "--shard-size", "400",
+                 "--split", "train=0.8,test=0.2", "--seed", "3"]) == 0
+    return out
+
+
+def test_write_stats_verify_agree(digits: str, capsys: pytest.CaptureFixture) -> None:
+    capsys.readouterr()
+    stats = cli_json(capsys, "shards", "stats", digits, "--json")
+    assert stats["samples"] == 1797 and stats["classes"] == 10
+    assert stats["shards"] == len(list(Path(digits).glob("*.tar")))
+    assert main(["shards", "verify", digits]) == 0
+
+
+def test_verify_names_a_corrupted_shard(digits: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(digits, copy)
+    shard = sorted(copy.glob("train-*.tar"))[1]
+    data = bytearray(shard.read_bytes())
+    data[5000] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["shards", "verify", str(copy)]) == 1
+    assert shard.name in capsys.readouterr().err
+
+
+def test_order_covers_each_split_once_across_ranks(digits: str, capsys: pytest.CaptureFixture) -> None:
+    capsys.readouterr()
+    world = 3
+    orders = [cli_json(capsys, "shards", "order", digits, "--rank", str(r), "--world-size", str(world),
+                       "--epoch", "1", "--json") for r in range(world)]
+    keys = [k for order in orders for k in order]
+    assert len({len(o) for o in orders}) == 1               # every rank the same number of samples
+    assert len(keys) == len(set(keys))                      # no sample twice
+    train = cli_json(capsys, "shards", "stats", digits, "--json")["splits"]["train"]["samples"]
+    assert train - len(keys) < world                        # at most world - 1 left out
+    tail = cli_json(capsys, "shards", "order", digits, "--rank", "1", "--world-size", str(world),
+                    "--epoch", "1", "--start", "17", "--json")
+    assert tail == orders[1][17:]                           # resume = the tail of the same order
+    other = cli_json(capsys, "shards", "order", digits, "--rank", "1", "--world-size", str(world),
+                     "--epoch", "2", "--json")
+    assert other != orders[1]                               # a new epoch, a new order
+
+
+def test_bench_reports_throughput(digits: str, capsys: pytest.CaptureFixture) -> None:
+    capsys.readouterr()
+    result = cli_json(capsys, "shards", "bench", digits, "--resolution", "32", "--seconds", "1",
+                      "--workers", "1", "--batch-size", "32", "--json")
+    assert result["images_per_s"] > 0 and result["workers"] == 1
+
+
+def test_dedup_drops_test_images_planted_in_train(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # The same digits written twice with different split seeds: every test image of one copy is in
+    # the other's training split, re-encoded, so dedup must find them.
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert main(["shards", "write", "--source", "digits", "--out", a, "--split", "train=0.9,test=0.1",
+                 "--seed", "1", "--image-size", "64"]) == 0
+    assert main(["shards", "write", "--source", "digits", "--out", b, "--split", "train=0.9,test=0.1",
+                 "--seed", "2", "--image-size", "64", "--quality", "75"]) == 0
+    capsys.readouterr()
+    summary = cli_json(capsys, "shards", "dedup", "--train", a, "--against", b, "--out", str(tmp_path / "clean"),
+                       "--threshold", "4")
+    stats = cli_json(capsys, "shards", "stats", str(tmp_path / "clean"), "--json")
+    removed = 1797 - stats["samples"]
+    assert removed >= 150, summary   # ~180 test images of b sit in a's splits (re-encoded at q75)
+    assert main(["shards", "verify", str(tmp_path / "clean")]) == 0
+
+
+def test_bad_source_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["shards", "write", "--source", "pictures", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown source" in capsys.readouterr().err

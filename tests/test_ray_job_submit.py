@@ -1,0 +1,70 @@
+"""`ray job submit ... -- vitscale run PIPELINE` against a real `ray start --head` cluster on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+RAY = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def head_node():
+    """A one-node Ray cluster started the way an operator would, stopped afterwards."""
+    if RAY is None:
+        pytest.skip("the ray CLI is not installed")
+    temp = tempfile.mkdtemp(prefix="rayjob-")  # short: Ray's unix sockets live under it
+    gcs, dashboard = _free_port(), _free_port()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    subprocess.run([RAY, "start", "--head", f"--port={gcs}", "--node-ip-address=127.0.0.1",
+                    f"--dashboard-port={dashboard}", "--dashboard-host=127.0.0.1", "--num-cpus=2",
+                    f"--temp-dir={temp}", "--disable-usage-stats"],
+                   check=True, env=env, capture_output=True, timeout=180)
+    try:
+        yield f"http://127.0.0.1:{dashboard}", env
+    finally:
+        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_job_submit_runs_the_pipeline_on_the_cluster(head_node: tuple[str, dict], tmp_path: Path) -> None:
+    address, env = head_node
+    pipeline = {
+        "name": "submitted",
+        "stages": ["pretrain"],
+        "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "mlp_dim": 32, "heads": 2},
+        "data": {"url": str(tmp_path / "data"), "num_workers": 0,
+                 "create_if_missing": {"kind": "synthetic", "count": 64, "classes": 4, "image_size": 32,
+                                       "shard_size": 20}},
+        "train": {"global_batch": 16, "micro_batch": 8, "max_steps": 3, "warmup_steps": 1, "zero_stage": 2,
+                  "precision": "fp32", "checkpoint_every": 3},
+        "cluster": {"num_workers": 2, "use_gpu": False, "cpus_per_worker": 1, "storage_path": str(tmp_path / "runs")},
+    }
+    path = tmp_path / "submitted.yaml"
+    path.write_text(yaml.safe_dump(pipeline))
+    vitscale = str(Path(sys.executable).parent / "vitscale")
+    done = subprocess.run([RAY, "job", "submit", "--address", address, "--", vitscale, "run", str(path)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "joined Ray cluster" in output  # the job's driver used the cluster, it did not start its own Ray
+    summary = json.loads(next(line for line in reversed(output.splitlines()) if line.startswith('{"pipeline"')))
+    assert summary["ok"] and summary["pretrain"]["step"] == 3
+    assert (tmp_path / "runs" / "submitted" / "checkpoint_000000003").is_dir()
