@@ -18,20 +18,13 @@ from vitscale.models import (
     timm_state_dict,
 )
 
-TINY = {"depth": 2, "width": 32, "mlp_dim": 64, "heads": 2}
-X32 = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+from model_helpers import TINY, X32  # noqa: E402  (tests/ is on sys.path)
+from model_helpers import randomize as _randomize  # noqa: E402
 
 
 def randomize(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Every parameter non-zero random, so a parameter that fails to load changes the logits."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in model.modules():
-            for name, p in module.named_parameters(recurse=False):
-                noise = torch.randn(p.shape, generator=g) * 0.1
-                is_scale = isinstance(module, (nn.LayerNorm, nn.GroupNorm)) and name == "weight"
-                p.copy_(noise + 1.0 if is_scale else noise)
-    return model.eval()
+    """Every parameter non-zero random, in eval mode (no dropout in logit comparisons)."""
+    return _randomize(model, seed).eval()
 
 
 def tiny_vit(seed: int = 0, **kw: object) -> nn.Module:

@@ -15,20 +15,7 @@ from vitscale.models import create_model, model_meta, model_names, parse_model_n
 from vitscale.models.layers import Attention
 from vitscale.models.resnet import StdConv2d, same_pad_amounts
 
-TINY = {"depth": 2, "width": 32, "mlp_dim": 64, "heads": 2}
-X32 = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-
-
-def randomize(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Every parameter non-zero random (the zero-init head would hide gradients otherwise)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in model.modules():
-            for name, p in module.named_parameters(recurse=False):
-                noise = torch.randn(p.shape, generator=g) * 0.1
-                is_scale = isinstance(module, (nn.LayerNorm, nn.GroupNorm)) and name == "weight"
-                p.copy_(noise + 1.0 if is_scale else noise)
-    return model
+from model_helpers import TINY, X32, randomize  # noqa: E402  (tests/ is on sys.path)
 
 
 def check_grads(model: nn.Module, x: torch.Tensor, num_classes: int) -> None:

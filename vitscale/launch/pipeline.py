@@ -117,7 +117,7 @@ def run_pipeline(config: PipelineConfig, *, address: str | None = None) -> dict[
         if stage == "pretrain":
             result = launch_pretrain(config)
             checkpoint = result["checkpoint"]
-            summary["pretrain"] = {**result["summary"], "checkpoint": checkpoint}
+            summary["pretrain"] = {**result["summary"], "checkpoint": checkpoint.path if checkpoint else None}
         elif stage == "fewshot":
             summary["fewshot"] = _run_fewshot_stage(config, checkpoint)
         else:
@@ -127,15 +127,22 @@ def run_pipeline(config: PipelineConfig, *, address: str | None = None) -> dict[
     return summary
 
 
-def _run_fewshot_stage(config: PipelineConfig, checkpoint: str | None) -> dict[str, Any]:
+def _run_fewshot_stage(config: PipelineConfig, checkpoint: Any) -> dict[str, Any]:
     """Few-shot linear probes of the pre-trained model, in a Ray task sized like one worker."""
     import ray
 
     from vitscale.config.loader import to_dict
-    from vitscale.launch.export import probe_checkpoint
 
     if checkpoint is None:
         raise ValueError("stages: fewshot needs a pretrain stage before it (no checkpoint to probe)")
     cpus = min(config.cluster.cpus_per_worker, float(ray.cluster_resources().get("CPU", 1)))
-    task = ray.remote(num_cpus=cpus, num_gpus=1 if config.cluster.use_gpu else 0)(probe_checkpoint)
+    task = ray.remote(num_cpus=cpus, num_gpus=1 if config.cluster.use_gpu else 0)(_probe)
     return ray.get(task.remote(to_dict(config), checkpoint))
+
+
+def _probe(config_dict: dict[str, Any], checkpoint: Any) -> dict[str, Any]:
+    """Runs in the Ray task: fetch the checkpoint (a no-op on a shared filesystem) and probe it."""
+    from vitscale.launch.export import probe_checkpoint
+
+    with checkpoint.as_directory() as directory:
+        return probe_checkpoint(config_dict, directory)

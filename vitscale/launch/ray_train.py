@@ -128,8 +128,8 @@ def launch_pretrain(config: PipelineConfig) -> dict[str, Any]:
     last = dict(result.metrics or {})
     summary = {key: last.get(key) for key in ("step", "epoch", "loss", "examples_seen", "cumulative_exaflops",
                                               "images_per_s", "mfu", "skipped_samples")}
-    return {"run_dir": str(run_dir), "checkpoint": result.checkpoint.path if result.checkpoint else None,
-            "summary": summary}
+    # `checkpoint` is a ray.train.Checkpoint: later stages read it wherever it lives (disk, NFS, S3).
+    return {"run_dir": str(run_dir), "checkpoint": result.checkpoint, "summary": summary}
 
 
 def _worker_env() -> dict[str, str]:
