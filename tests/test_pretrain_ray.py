@@ -78,7 +78,20 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def clean_run(local_ray: None, dataset: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     from vitscale.launch.pipeline import run_pipeline
 
-    return run_pipeline(config(dataset, tmp_path_factory.mktemp("runs"), "clean"))
+    # The clean run also runs the few-shot stage (a Ray task reading the final checkpoint) on digits.
+    root = tmp_path_factory.mktemp("runs")
+    cfg = config(dataset, root, "clean")
+    cfg = dataclasses.replace(cfg, stages=("pretrain", "fewshot"), eval=build_pipeline({
+        "eval": {"datasets": [str(root / "digits")], "shots": [5], "resolution": 16, "batch_size": 256,
+                 "create_if_missing": {"kind": "digits", "splits": {"train": 0.8, "test": 0.2}}}}).eval)
+    return run_pipeline(cfg)
+
+
+def test_fewshot_stage_probes_the_final_checkpoint(clean_run: dict) -> None:
+    probe = clean_run["fewshot"]
+    assert probe["checkpoint_step"] == 10
+    digits = next(v for k, v in probe.items() if k.endswith("digits"))
+    assert digits["chance"] == 0.1 and digits["5shot"] > 2 * digits["chance"]
 
 
 def test_export_round_trips_through_load_pretrained(clean_run: dict, tmp_path: Path) -> None:
