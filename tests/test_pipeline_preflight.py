@@ -87,3 +87,11 @@ def test_bad_train_settings_fail_before_ray(tmp_path: Path, capsys: pytest.Captu
     code, err = run(tmp_path, capsys, pipeline)
     assert code == 2 and named in err
     assert_no_ray_started()
+
+
+def test_stage_without_a_runner_fails_before_ray(tmp_path: Path, capsys: pytest.CaptureFixture, dataset: str) -> None:
+    pipeline = base(dataset, tmp_path)
+    pipeline["stages"] = ["pretrain", "study"]
+    code, err = run(tmp_path, capsys, pipeline)
+    assert code == 2 and "study" in err
+    assert_no_ray_started()
