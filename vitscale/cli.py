@@ -251,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `vitscale` console script."""
+    from vitscale.launch.errors import PipelineFailed
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
@@ -258,9 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # User errors (bad config, missing data, unknown model): one clear line, no traceback.
         print(f"vitscale: error: {exc}", file=sys.stderr)
         return 2
-    except RuntimeError as exc:
-        if type(exc).__name__ != "PipelineFailed":
-            raise
+    except PipelineFailed as exc:
         # The workers' tracebacks are already in the log above; end with who failed and why.
         print(f"vitscale: error: {exc}", file=sys.stderr)
         return 1

@@ -15,13 +15,17 @@ from vitscale.config.schema import EvalConfig
 from vitscale.eval.fewshot import extract_features, fewshot_accuracy
 
 
-def _eval_batches(url: str, split: str, cfg: EvalConfig, endpoint_url: str | None,
-                  device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _eval_stream(url: str, split: str, cfg: EvalConfig, endpoint_url: str | None) -> Any:
+    """All of `split`, in order, resized and centre-cropped (one rank: nothing is left out)."""
     from vitscale.data.stream import ShardStream
+
+    return ShardStream(url, split, rank=0, world_size=1, seed=cfg.seed, batch_size=cfg.batch_size,
+                       resolution=cfg.resolution, train=False, num_workers=0, endpoint_url=endpoint_url)
+
+
+def _batches(stream: Any, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     from vitscale.data.transforms import normalize_on_device
 
-    stream = ShardStream(url, split, rank=0, world_size=1, seed=cfg.seed, batch_size=cfg.batch_size,
-                         resolution=cfg.resolution, train=False, num_workers=0, endpoint_url=endpoint_url)
     for batch in stream:
         yield normalize_on_device(batch["image"].to(device)), batch["label"]
 
@@ -36,11 +40,13 @@ def fewshot_probe(model: torch.nn.Module, cfg: EvalConfig, *, endpoint_url: str 
     model = model.to(device).eval()
     results: dict[str, Any] = {}
     for url in cfg.datasets:
-        train_feats, train_labels = extract_features(
-            model, _eval_batches(url, cfg.train_split, cfg, endpoint_url, device), device)
+        train_stream = _eval_stream(url, cfg.train_split, cfg, endpoint_url)
+        if train_stream.dataset.multi_label:
+            raise ValueError(f"eval.datasets: {url} is multi-label; the few-shot probe needs one label per image")
+        num_classes = train_stream.dataset.num_classes  # from dataset.json, not from the labels seen
+        train_feats, train_labels = extract_features(model, _batches(train_stream, device), device)
         test_feats, test_labels = extract_features(
-            model, _eval_batches(url, cfg.test_split, cfg, endpoint_url, device), device)
-        num_classes = int(max(train_labels.max(), test_labels.max())) + 1
+            model, _batches(_eval_stream(url, cfg.test_split, cfg, endpoint_url), device), device)
         per_shot = {}
         for shots in cfg.shots:
             per_shot[f"{shots}shot"] = fewshot_accuracy(

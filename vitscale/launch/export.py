@@ -23,23 +23,19 @@ def find_checkpoint(path: str | Path) -> Path:
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such run or checkpoint directory")
-    if list(path.glob("MANIFEST-rank*.json")):
-        world = _world_size(path)
-        problems = ckpt.check_complete(path, world)
+    info = ckpt.manifest_info(path)
+    if info is not None:
+        problems = ckpt.check_complete(path, info[1])
         if problems:
             raise ValueError(f"{path} is an incomplete checkpoint:\n  " + "\n  ".join(problems))
         return path
     candidates = [p for p in path.glob("checkpoint_*") if p.is_dir()]
     if not candidates:
         raise FileNotFoundError(f"{path}: no checkpoint_* directories (is it a vitscale run directory?)")
-    found = ckpt.latest_complete(candidates, _world_size(max(candidates)))
+    found = ckpt.latest_complete(candidates)
     if found is None:
         raise ValueError(f"{path}: none of its {len(candidates)} checkpoints is complete")
     return found
-
-
-def _world_size(checkpoint: Path) -> int:
-    return ckpt.read_train_state(checkpoint).world_size
 
 
 def model_from_checkpoint(checkpoint: str | Path) -> tuple[torch.nn.Module, PipelineConfig, dict[str, Any]]:

@@ -85,6 +85,9 @@ def preflight(config: PipelineConfig) -> dict[str, Any]:
         for i, url in enumerate(config.eval.datasets):
             meta = ensure_dataset(url, config.eval.create_if_missing if i == 0 else None,
                                   config.data.endpoint_url, f"eval.datasets[{i}]")
+            if meta.get("multi_label"):
+                raise ValueError(f"eval.datasets[{i}]: {url} is multi-label; the few-shot probe needs one "
+                                 "label per image")
             for split in (config.eval.train_split, config.eval.test_split):
                 if split not in meta["splits"]:
                     raise ValueError(f"eval.datasets[{i}]: {url} has no split {split!r} (has {sorted(meta['splits'])})")

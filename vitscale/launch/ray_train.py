@@ -22,15 +22,12 @@ from ray.train.torch import TorchTrainer
 
 from vitscale.config.loader import build_pipeline, to_dict
 from vitscale.config.schema import PipelineConfig
+from vitscale.launch.errors import PipelineFailed
 from vitscale.train import checkpoint as ckpt
 
 
 class WorkerFailed(RuntimeError):
     """A training worker raised: carries the rank and the worker's own traceback."""
-
-
-class PipelineFailed(RuntimeError):
-    """A stage failed on the cluster; the message names the failed ranks and their errors."""
 
 
 def train_worker(payload: dict[str, Any]) -> None:
@@ -42,7 +39,7 @@ def train_worker(payload: dict[str, Any]) -> None:
     rank, world_size = context.get_world_rank(), context.get_world_size()
     run_dir = Path(payload["run_dir"])
     try:
-        with _resume_directory(world_size) as resume_from:
+        with _resume_directory(world_size, rank) as resume_from:
             ctx = WorkerContext(rank=rank, world_size=world_size, run_dir=run_dir, report=_report,
                                 resume_from=resume_from, local_rank=context.get_local_rank())
             pretrain(config, ctx)  # its last step reports the final checkpoint and metrics
@@ -62,7 +59,7 @@ def _report(metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
 
 
 @contextlib.contextmanager
-def _resume_directory(world_size: int) -> Iterator[Path | None]:
+def _resume_directory(world_size: int, rank: int) -> Iterator[Path | None]:
     """The newest COMPLETE checkpoint of this run as a local directory, or None for a fresh start.
 
     Ray hands back the latest reported checkpoint. If it is incomplete (a rank died while
@@ -75,13 +72,13 @@ def _resume_directory(world_size: int) -> Iterator[Path | None]:
         return
     with checkpoint.as_directory() as directory:
         directory = Path(directory)
-        if not ckpt.check_complete(directory, world_size, verify_hashes=True):
+        problems = ckpt.check_complete(directory, world_size, hash_ranks={0, rank})
+        if not problems:
             yield directory
             return
         siblings = [p for p in directory.parent.glob("checkpoint_*") if p.is_dir()]
-        fallback = ckpt.latest_complete(siblings, world_size)
+        fallback = ckpt.latest_complete(siblings, world_size, hash_ranks={0, rank})
         if fallback is None:
-            problems = ckpt.check_complete(directory, world_size)
             raise RuntimeError("no complete checkpoint to resume from:\n  " + "\n  ".join(problems))
         print(f"[vitscale] latest checkpoint {directory.name} is incomplete; resuming from {fallback.name}",
               flush=True)

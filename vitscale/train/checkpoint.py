@@ -21,7 +21,7 @@ import json
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -93,9 +93,16 @@ def write_rank_part(directory: Path, *, rank: int, stream_state: dict[str, Any],
     tmp.rename(directory / f"MANIFEST-rank{rank}.json")  # atomic: the manifest appears whole or not at all
 
 
-def check_complete(directory: Path, world_size: int, *, verify_hashes: bool = True) -> list[str]:
-    """Problems that make `directory` unusable as a checkpoint (empty list = complete)."""
+def check_complete(directory: Path, world_size: int, *, hash_ranks: Iterable[int] | None = None) -> list[str]:
+    """Problems that make `directory` unusable as a checkpoint (empty list = complete).
+
+    Every rank's manifest must be there and every listed file present at its recorded size. The
+    SHA-256 is re-computed for the files of `hash_ranks` (None = all ranks): a resuming rank reads
+    only rank 0's module states and its own shard, so it hashes those instead of the whole
+    checkpoint once per rank.
+    """
     directory = Path(directory)
+    to_hash = set(range(world_size)) if hash_ranks is None else set(hash_ranks)
     problems = []
     for rank in range(world_size):
         path = directory / f"MANIFEST-rank{rank}.json"
@@ -112,23 +119,28 @@ def check_complete(directory: Path, world_size: int, *, verify_hashes: bool = Tr
                 problems.append(f"{file}: listed by rank {rank} but missing")
             elif file.stat().st_size != info["bytes"]:
                 problems.append(f"{file}: {file.stat().st_size} bytes, manifest says {info['bytes']}")
-            elif verify_hashes and sha256_file(file) != info["sha256"]:
+            elif rank in to_hash and sha256_file(file) != info["sha256"]:
                 problems.append(f"{file}: SHA-256 differs from rank {rank}'s manifest")
     return problems
 
 
-def checkpoint_step(directory: Path) -> int | None:
-    """The step a (possibly incomplete) checkpoint directory was written at, from any manifest."""
+def manifest_info(directory: Path) -> tuple[int, int] | None:
+    """(step, world size) a possibly incomplete checkpoint was written at, from any manifest; None if none."""
     for path in sorted(Path(directory).glob("MANIFEST-rank*.json")):
-        return int(json.loads(path.read_text())["step"])
+        manifest = json.loads(path.read_text())
+        return int(manifest["step"]), int(manifest["world_size"])
     return None
 
 
-def latest_complete(candidates: list[Path], world_size: int) -> Path | None:
-    """The newest complete checkpoint among `candidates` (by step), or None."""
-    stepped = [(checkpoint_step(c), c) for c in candidates]
-    for step, path in sorted(((s, c) for s, c in stepped if s is not None), reverse=True):
-        if not check_complete(path, world_size):
+def latest_complete(candidates: list[Path], world_size: int | None = None,
+                    hash_ranks: Iterable[int] | None = None) -> Path | None:
+    """The newest complete checkpoint among `candidates` (by step), or None.
+
+    `world_size` None takes each candidate's own, as recorded in its manifests (for export).
+    """
+    infos = [(manifest_info(c), c) for c in candidates]
+    for (step, written_by), path in sorted(((i, c) for i, c in infos if i is not None), reverse=True):
+        if not check_complete(path, world_size or written_by, hash_ranks=hash_ranks):
             return path
     return None
 

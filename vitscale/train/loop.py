@@ -217,7 +217,8 @@ def _save_and_report(engine: Any, ctx: WorkerContext, state: ckpt.TrainState, st
 
 def _restore(engine: Any, ctx: WorkerContext) -> ckpt.TrainState:
     directory = Path(ctx.resume_from)
-    problems = ckpt.check_complete(directory, ctx.world_size)
+    # Sizes and presence of every rank's files, hashes of the two parts this rank reads.
+    problems = ckpt.check_complete(directory, ctx.world_size, hash_ranks={0, ctx.rank})
     if problems:
         raise RuntimeError("refusing to resume from an incomplete checkpoint:\n  " + "\n  ".join(problems))
     path, _ = engine.load_checkpoint(str(directory / ckpt.DEEPSPEED_DIR), tag=ckpt.DEEPSPEED_TAG,
