@@ -12,7 +12,7 @@ of ``--batch-size``, the same number of decode processes):
 
 Without ``--data`` it first makes photo-sized JPEGs (``--size``, default 500x375, from
 scikit-learn's two bundled photographs, randomly cropped, scaled, mirrored and colour-shifted) as
-a class-per-folder tree, and shards them with ``vitscale.data.shards.write_dataset``.
+a class-per-folder tree, and shards them with ``vitscale.data.tools.write.write_dataset``.
 
 Rates are images per CPU-second (all loader processes; "per core") and per wall-clock second;
 loaders are measured in interleaved rounds and the median round is kept, so load from other users
@@ -41,8 +41,8 @@ import webdataset as wds
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from vitscale.data.bench import measure
-from vitscale.data.stream import ShardStream
+from vitscale.data.loader.stream import ShardStream
+from vitscale.data.tools.bench import measure
 
 
 # ----------------------------------------------------------------------------- synthetic photos
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--data needs --jpegs (the per-file loader reads the same images)")
         data, jpegs = args.data, Path(args.jpegs)
     else:
-        from vitscale.data.shards import write_dataset
+        from vitscale.data.tools.write import write_dataset
 
         w, h = (int(v) for v in args.size.lower().split("x"))
         jpegs = make_jpeg_folder(Path(tmp.name) / "jpegs", args.images, (w, h), 10, seed=0)

@@ -56,7 +56,7 @@ def _init_process_group() -> None:
 
 
 def bench_model(name: str, *, batch: int, steps: int, zero_stage: int, device: torch.device) -> dict:
-    from vitscale.config.schema import TrainConfig
+    from vitscale.train.config import TrainConfig
     from vitscale.models import create_model
     from vitscale.scaling.flops import forward_flops
     from vitscale.train.engine import build_engine, deepspeed_config

@@ -49,9 +49,9 @@ def vitscale_step_seconds(model_name: str, img_size: int, batch: int, steps: int
                           num_classes: int) -> dict[str, float]:
     import ray
 
-    from vitscale.config import build_pipeline
-    from vitscale.data.shards import write_dataset
-    from vitscale.launch.pipeline import run_pipeline
+    from vitscale.stages import build_pipeline
+    from vitscale.data.tools.write import write_dataset
+    from vitscale.stages.run import run_pipeline
 
     data = workdir / "data"
     write_dataset("synthetic", str(data), shard_size=256, max_side=img_size, progress=False,

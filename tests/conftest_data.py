@@ -1,9 +1,9 @@
 """Tiny datasets in the shard contract, written with plain ``webdataset.TarWriter`` (not our writer).
 
-Used by the reader tests so they do not depend on ``vitscale.data.shards``; that the reader also
-accepts tars from a third-party writer is a useful check in itself. ``_index.parquet`` offsets are
-found by scanning the finished tar with ``tarfile`` (header offset of a sample's first member to the
-padded end of its last).
+Used by the reader tests so they do not depend on our writer (``vitscale.data.tools.write``); that
+the reader also accepts tars from a third-party writer is a useful check in itself.
+``_index.parquet`` offsets are found by scanning the finished tar with ``tarfile`` (header offset
+of a sample's first member to the padded end of its last).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from vitscale.cli import main
-from vitscale.config import ConfigError, PipelineConfig, apply_override, build_pipeline, load_pipeline, to_dict
+from vitscale.config import ConfigError, PipelineConfig, apply_override, to_dict
+from vitscale.stages import build_pipeline, load_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 PIPELINES = sorted((REPO / "pipelines").rglob("*.yaml"))
@@ -34,14 +35,14 @@ def test_pretrain_pipeline_is_the_papers_imagenet21k_recipe() -> None:
     assert (t.adam_beta1, t.adam_beta2, t.global_batch, t.base_lr, t.weight_decay) == (0.9, 0.999, 4096, 1e-3, 0.03)
     assert (t.warmup_steps, t.lr_decay, t.epochs, t.grad_clip, t.zero_stage, t.precision) == (
         10_000, "linear", 90, 1.0, 1, "bf16")
-    assert config.model.name == "ViT-B/16" and config.model.img_size == 224 and config.model.dropout == 0.1
+    assert config.model.name == "ViT-B/16" and config.model.img_size == 224 and config.model.options["dropout"] == 0.1
     assert config.cluster.use_gpu
 
 
 def test_recipes_override_only_what_table3_changes() -> None:
     config = load_pipeline(REPO / "pipelines" / "recipes" / "jft-vit-l16.yaml")
     assert config.model.name == "ViT-L/16" and config.train.base_lr == 4e-4 and config.train.epochs == 7
-    assert config.train.weight_decay == 0.1 and config.model.dropout == 0.0 and config.train.loss == "sigmoid"
+    assert config.train.weight_decay == 0.1 and config.model.options["dropout"] == 0.0 and config.train.loss == "sigmoid"
     assert config.train.global_batch == 4096  # inherited from pretrain.yaml
 
 
@@ -54,10 +55,10 @@ def test_precedence_cli_over_file_over_defaults(tmp_path: Path) -> None:
 
 
 def test_override_parses_yaml_values() -> None:
-    raw = apply_override({}, "eval.shots=[1, 5]")
+    raw = apply_override({}, "fewshot.shots=[1, 5]")
     raw = apply_override(raw, "train.grad_clip=null")
     config = build_pipeline(raw)
-    assert config.eval.shots == (1, 5) and config.train.grad_clip is None
+    assert config.fewshot.shots == (1, 5) and config.train.grad_clip is None
 
 
 @pytest.mark.parametrize("data, key", [

@@ -16,8 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from vitscale.data.decode import BadSample, decode_image_into, parse_label, split_tar_record
-from vitscale.data.transforms import TransformSpec, crop_box, normalize_on_device, sample_rng
+from vitscale.data.loader.decode import decode_image_into
+from vitscale.data.loader.reader import BadSample, parse_label, split_tar_record
+from vitscale.data.loader.transforms import TransformSpec, crop_box, normalize_on_device, sample_rng
 
 
 def _jpeg(arr: np.ndarray, quality: int = 95, mode: str | None = None) -> bytes:

@@ -13,19 +13,21 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from vitscale.data.dedup import (
+from vitscale.data.format import read_index, read_meta
+from vitscale.data.storage import open_storage
+from vitscale.data.tools.dedup import (
     DEFAULT_THRESHOLD,
     PAIRS_NAME,
     SUMMARY_NAME,
+    band_layout,
     dedup_dataset,
     hamming,
     near_duplicate_pairs,
     phash,
     phash_pixels,
-    plan_bands,
 )
-from vitscale.data.shards import load_manifest, verify_dataset, write_dataset
-from vitscale.data.storage import open_storage
+from vitscale.data.tools.verify import verify_dataset
+from vitscale.data.tools.write import write_dataset
 
 
 def _brute(q: np.ndarray, x: np.ndarray, t: int) -> set[tuple[int, int, int]]:
@@ -57,18 +59,18 @@ def test_banded_search_equals_brute_force(
 
 
 @given(st.integers(1, 10**7), st.integers(0, 32), st.integers(1, 10**6))
-def test_plan_bands_pigeonhole(n: int, threshold: int, n_queries: int) -> None:
-    plan = plan_bands(n, threshold, n_queries)
-    m = len(plan.widths)
-    assert sum(plan.widths) == 64 and max(plan.widths) - min(plan.widths) <= 1
+def test_band_layout_pigeonhole(n: int, threshold: int, n_queries: int) -> None:
+    layout = band_layout(n, threshold, n_queries)
+    m = len(layout.widths)
+    assert sum(layout.widths) == 64 and max(layout.widths) - min(layout.widths) <= 1
     # Pigeonhole: T bits spread over m bands leave one band with <= T // m differing bits.
-    assert plan.radius == threshold // m and 1 <= m <= threshold + 1
-    assert plan.shifts[-1] == 0
+    assert layout.radius == threshold // m and 1 <= m <= threshold + 1
+    assert layout.shifts[-1] == 0
 
 
-def test_plan_prefers_wide_bands_for_big_sets() -> None:
-    assert len(plan_bands(10, 8).widths) == 9  # small: exact-band lookups
-    assert len(plan_bands(10**8, 8).widths) < 9  # big: wider bands with ball probes
+def test_layout_prefers_wide_bands_for_big_sets() -> None:
+    assert len(band_layout(10, 8).widths) == 9  # small: exact-band lookups
+    assert len(band_layout(10**8, 8).widths) < 9  # big: wider bands with ball probes
 
 
 @settings(max_examples=40, deadline=None)
@@ -143,11 +145,11 @@ def test_planted_duplicates_removed(tmp_path: Path) -> None:
     assert summary["removed_total"] == 4 and summary["duplicate_pairs"] == 4
     assert json.loads(open_storage(out).read_bytes(SUMMARY_NAME)) == summary
 
-    new = load_manifest(out)
-    kept = set(new.index.column("key").to_pylist())
-    assert kept == set(load_manifest(train).index.column("key").to_pylist()) - expected_train
-    assert sum(v["samples"] for v in new.meta["splits"].values()) == 36
-    assert sum(summary["kept"].values()) == 36 and new.meta["dedup"]["removed_total"] == 4
+    new = read_meta(out)
+    kept = set(read_index(out).column("key").to_pylist())
+    assert kept == set(read_index(train).column("key").to_pylist()) - expected_train
+    assert sum(new.samples(s) for s in new.splits) == 36
+    assert sum(summary["kept"].values()) == 36 and new.extra["dedup"]["removed_total"] == 4
     assert verify_dataset(out) == []
 
     with pytest.raises(ValueError, match="already holds a dataset"):

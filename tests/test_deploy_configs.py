@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
-from vitscale.config import load_pipeline
-from vitscale.config.schema import PipelineConfig
+from vitscale.stages import load_pipeline
+from vitscale.config import PipelineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from vitscale.cli import main
-from vitscale.data.shards import write_dataset
+from vitscale.data.tools.write import write_dataset
 
 
 @pytest.fixture(scope="module")

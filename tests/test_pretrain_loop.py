@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vitscale.config import build_pipeline
-from vitscale.data.shards import write_dataset
+from vitscale.data.tools.write import write_dataset
+from vitscale.stages import build_pipeline
 from vitscale.train.checkpoint import check_complete
 
 pytest.importorskip("deepspeed")

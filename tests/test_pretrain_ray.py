@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vitscale.config import build_pipeline
-from vitscale.data.shards import write_dataset
+from vitscale.data.tools.write import write_dataset
+from vitscale.stages import build_pipeline
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -67,7 +67,7 @@ def effective_samples(run_dir: Path, rank: int) -> list[tuple[int, list[str]]]:
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from vitscale.launch.export import find_checkpoint, model_from_checkpoint
+    from vitscale.train.export import find_checkpoint, model_from_checkpoint
 
     model, _, facts = model_from_checkpoint(find_checkpoint(run_dir))
     assert facts["step"] == 10
@@ -76,14 +76,14 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def clean_run(local_ray: None, dataset: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from vitscale.launch.pipeline import run_pipeline
+    from vitscale.stages.run import run_pipeline
 
     # The clean run also runs the few-shot stage (a Ray task reading the final checkpoint) on digits.
     root = tmp_path_factory.mktemp("runs")
     cfg = config(dataset, root, "clean")
-    cfg = dataclasses.replace(cfg, stages=("pretrain", "fewshot"), eval=build_pipeline({
-        "eval": {"datasets": [str(root / "digits")], "shots": [5], "resolution": 16, "batch_size": 256,
-                 "create_if_missing": {"kind": "digits", "splits": {"train": 0.8, "test": 0.2}}}}).eval)
+    cfg = cfg.with_sections(stages=("pretrain", "fewshot"), fewshot=build_pipeline({
+        "fewshot": {"datasets": [str(root / "digits")], "shots": [5], "resolution": 16, "batch_size": 256,
+                 "create_if_missing": {"kind": "digits", "splits": {"train": 0.8, "test": 0.2}}}}).fewshot)
     return run_pipeline(cfg)
 
 
@@ -96,7 +96,7 @@ def test_fewshot_stage_probes_the_final_checkpoint(clean_run: dict) -> None:
 
 def test_export_round_trips_through_load_pretrained(clean_run: dict, tmp_path: Path) -> None:
     from vitscale.cli import main
-    from vitscale.launch.export import find_checkpoint, model_from_checkpoint
+    from vitscale.train.export import find_checkpoint, model_from_checkpoint
     from vitscale.models import create_model, load_pretrained
 
     trained, run_config, facts = model_from_checkpoint(find_checkpoint(clean_run["run_dir"]))
@@ -105,14 +105,13 @@ def test_export_round_trips_through_load_pretrained(clean_run: dict, tmp_path: P
     for fmt in ("pt", "npz"):
         out = tmp_path / f"model.{fmt}"
         assert main(["export", clean_run["run_dir"], "--out", str(out), "--format", fmt]) == 0
-        fresh = create_model(run_config.model.name, num_classes=facts["num_classes"], img_size=16,
-                             **run_config.model.overrides())
+        fresh = run_config.build(facts["num_classes"])
         load_pretrained(fresh, out)
         torch.testing.assert_close(fresh.eval()(images), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_killed_rank_resumes_to_the_same_weights_and_samples(clean_run: dict, dataset: str, tmp_path: Path) -> None:
-    from vitscale.launch.pipeline import run_pipeline
+    from vitscale.stages.run import run_pipeline
 
     clean = clean_run
     # Rank 1 dies after step 5: past the step-3 checkpoint, in the middle of epoch 1.
@@ -152,7 +151,7 @@ def _free_port() -> int:
 def test_metrics_endpoint_serves_prometheus_series_during_a_run(local_ray: None, dataset: str, tmp_path: Path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from vitscale.launch.pipeline import run_pipeline
+    from vitscale.stages.run import run_pipeline
 
     port = _free_port()
     scraped: list[str] = []
@@ -194,7 +193,7 @@ def test_worker_error_names_the_rank_and_the_cause(local_ray: None, dataset: str
 
     import pyarrow.parquet as pq
 
-    from vitscale.launch.pipeline import run_pipeline
+    from vitscale.stages.run import run_pipeline
     from vitscale.launch.ray_train import PipelineFailed
 
     broken = tmp_path / "broken-data"
@@ -208,9 +207,8 @@ def test_worker_error_names_the_rank_and_the_cause(local_ray: None, dataset: str
     shard.write_bytes(bytes(data))
 
     cfg = config(str(broken), tmp_path, "broken", max_steps=4)
-    cfg = dataclasses.replace(
-        cfg, data=dataclasses.replace(cfg.data, error_budget=0.0),
-        cluster=dataclasses.replace(cfg.cluster, max_failures=0))
+    cfg = cfg.with_sections(data=dataclasses.replace(cfg.data, error_budget=0.0),
+                            cluster=dataclasses.replace(cfg.cluster, max_failures=0))
     with pytest.raises(PipelineFailed) as err:
         run_pipeline(cfg)
     message = str(err.value)

@@ -1,9 +1,11 @@
-"""Shard writing, manifest, stats and verification on local folders (S3: test_storage_s3.py)."""
+"""Shard writing, the dataset contract (metadata + index), stats and verification on local folders
+(S3: test_storage_s3.py)."""
 
 from __future__ import annotations
 
 import io
 import json
+import re
 import tarfile
 from pathlib import Path
 
@@ -16,19 +18,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 from PIL import Image
 
-from vitscale.data.progress import Progress, format_duration, format_progress
-from vitscale.data.shards import (
+from vitscale.data.format import (
     INDEX_NAME,
-    assign_splits,
-    dataset_stats,
-    encode_image,
-    format_stats,
-    load_manifest,
-    parse_splits,
-    verify_dataset,
-    write_dataset,
+    META_NAME,
+    DatasetError,
+    DatasetMeta,
+    has_dataset,
+    open_dataset,
+    read_index,
+    read_meta,
 )
 from vitscale.data.storage import open_storage
+from vitscale.data.tools.progress import Progress, format_duration, format_progress
+from vitscale.data.tools.verify import dataset_stats, format_stats, verify_dataset
+from vitscale.data.tools.write import assign_splits, encode_image, parse_splits, write_dataset
 
 DIGITS_KW = dict(shard_size=500, max_side=384, splits={"train": 0.9, "minival": 0.1}, progress=False)
 
@@ -88,16 +91,18 @@ def test_encode_image_fits_never_enlarges() -> None:
 
 
 def test_write_digits_layout_and_index(digits_ds: str) -> None:
-    man = load_manifest(digits_ds)
-    meta = man.meta
-    assert meta["num_classes"] == 10 and not meta["multi_label"] and meta["max_side"] == 384
-    assert {s: v["samples"] for s, v in meta["splits"].items()} == {"train": 1617, "minival": 180}
-    assert [sh["name"] for sh in meta["splits"]["train"]["shards"]] == [f"train-{i:06d}.tar" for i in range(4)]
-    assert [sh["samples"] for sh in meta["splits"]["train"]["shards"]] == [500, 500, 500, 117]
-    assert man.index.schema.field("labels").type == pa.list_(pa.int32())
-    assert man.index.num_rows == 1797 and len(set(man.index.column("key").to_pylist())) == 1797
+    meta, index = read_meta(digits_ds), read_index(digits_ds)
+    assert meta.num_classes == 10 and not meta.multi_label and meta.max_side == 384
+    assert {s: meta.samples(s) for s in meta.splits} == {"train": 1617, "minival": 180}
+    assert meta.shard_names("train") == [f"train-{i:06d}.tar" for i in range(4)]
+    assert list(meta.splits["train"].counts) == [500, 500, 500, 117]
+    assert index.schema.field("labels").type == pa.list_(pa.int32())
+    assert index.num_rows == 1797 and len(set(index.column("key").to_pylist())) == 1797
     store = open_storage(digits_ds)
-    rows = man.index.to_pylist()
+    # The parsed metadata round-trips to the very bytes the writer wrote.
+    assert (json.dumps(meta.to_json(), indent=2) + "\n").encode() == store.read_bytes(META_NAME)
+    assert DatasetMeta.from_json(meta.to_json()) == meta
+    rows = index.to_pylist()
     for r in rows[::97]:
         # One ranged read returns exactly the sample's tar members.
         blob = store.read_range(r["shard"], r["offset"], r["size"])
@@ -111,7 +116,7 @@ def test_write_digits_layout_and_index(digits_ds: str) -> None:
 
 
 def test_shards_read_by_webdataset(digits_ds: str) -> None:
-    urls = [str(Path(digits_ds) / n) for n in load_manifest(digits_ds).shard_names("minival")]
+    urls = [str(Path(digits_ds) / n) for n in read_meta(digits_ds).shard_names("minival")]
     ds = wds.WebDataset(urls, shardshuffle=False).decode("pil").to_tuple("jpg", "cls")
     got = list(ds)
     assert len(got) == 180 and all(isinstance(img, Image.Image) and 0 <= c < 10 for img, c in got)
@@ -127,7 +132,7 @@ def test_write_is_reproducible_and_seeded(tmp_path: Path) -> None:
     assert a["source_options"]["seed"] == 1  # the writer's seed seeds the synthetic source
     stats = dataset_stats(str(tmp_path / "a"))
     assert stats["splits"]["train"]["samples"] == 40 and stats["splits"]["test"]["samples"] == 10
-    sizes = load_manifest(str(tmp_path / "a")).index.column("width").to_pylist()
+    sizes = read_index(str(tmp_path / "a")).column("width").to_pylist()
     assert set(sizes) == {24}  # 40 px shrunk to max_side 24
 
 
@@ -136,8 +141,7 @@ def test_multilabel_json_members(tmp_path: Path) -> None:
     meta = write_dataset("synthetic", out, shard_size=10, progress=False,
                          source_options={"count": 12, "classes": 4, "image_size": 16, "multi_label": True})
     assert meta["multi_label"]
-    man = load_manifest(out)
-    r = man.index.to_pylist()[3]
+    r = read_index(out).to_pylist()[3]
     blob = open_storage(out).read_range(r["shard"], r["offset"], r["size"])
     tar = tarfile.open(fileobj=io.BytesIO(blob))
     assert tar.getnames() == [f"{r['key']}.jpg", f"{r['key']}.json"]
@@ -153,7 +157,7 @@ def test_folder_source_end_to_end(tmp_path: Path) -> None:
             Image.new("RGB", (600, 300), colour).save(p)
     meta = write_dataset(f"folder:{tmp_path / 'src'}", str(tmp_path / "out"), max_side=100, progress=False)
     assert meta["classes"] == ["blue", "red"] and meta["splits"]["train"]["samples"] == 6
-    idx = load_manifest(str(tmp_path / "out")).index
+    idx = read_index(str(tmp_path / "out"))
     assert set(zip(idx.column("width").to_pylist(), idx.column("height").to_pylist())) == {(100, 50)}
 
 
@@ -168,7 +172,25 @@ def test_validation_messages(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="quality"):
         write_dataset("digits", str(tmp_path), quality=100)
     with pytest.raises(FileNotFoundError, match="dataset.json"):
-        load_manifest(str(tmp_path / "nothing"))
+        read_meta(str(tmp_path / "nothing"))
+
+
+def test_metadata_contract(digits_ds: str, tmp_path: Path) -> None:
+    assert has_dataset(digits_ds) and not has_dataset(str(tmp_path / "nothing"))
+    ds = _copy(digits_ds, tmp_path / "ds")
+    with pytest.raises(DatasetError, match=r"split 'test' not in .*dataset\.json; it has \['minival', 'train'\]"):
+        open_dataset(ds, "test")
+    with pytest.raises(DatasetError, match=r"no split 'test'; splits are \['train', 'minival'\]"):
+        read_meta(ds).samples("test")
+    store = open_storage(ds)
+    meta = json.loads(store.read_bytes(META_NAME))
+    del meta["num_classes"]
+    store.write_bytes(META_NAME, json.dumps(meta).encode())
+    with pytest.raises(DatasetError, match=re.escape(f"{store.url_of(META_NAME)} is malformed")):
+        read_meta(ds)
+    store.write_bytes(META_NAME, json.dumps({**meta, "num_classes": 0}).encode())
+    with pytest.raises(DatasetError, match="num_classes must be >= 1"):
+        read_meta(ds)
 
 
 def _copy(src: str, dst: Path) -> str:

@@ -1,4 +1,4 @@
-"""Image sources: folder, manifest, digits, synthetic."""
+"""Image sources: folder, image list, digits, synthetic."""
 
 from __future__ import annotations
 
@@ -15,15 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from vitscale.data.sources import (
-    DigitsSource,
-    SyntheticSource,
-    _unique_keys,
-    class_pattern,
-    image_of,
-    open_source,
-    parse_labels,
-)
+from vitscale.data.tools.sources import DigitsSource, _unique_keys, image_of, open_source, parse_labels
+from vitscale.data.tools.synthetic import SyntheticSource, class_pattern
 
 
 def _png(path: Path, colour: tuple[int, int, int], size: tuple[int, int] = (20, 12)) -> None:
@@ -75,17 +68,17 @@ def test_parse_labels_forms() -> None:
         parse_labels(2.5)
 
 
-def test_manifest_csv_multilabel_strings(tmp_path: Path) -> None:
+def test_image_list_csv_multilabel_strings(tmp_path: Path) -> None:
     for i in range(3):
         _png(tmp_path / "img" / f"{i}.png", (i, i, i))
     (tmp_path / "m.csv").write_text("image_path,labels\nimg/0.png,3;17\nimg/1.png,2\nimg/2.png,17\n")
-    src = open_source(f"manifest:{tmp_path / 'm.csv'}")
+    src = open_source(f"list:{tmp_path / 'm.csv'}")
     assert src.multi_label and len(src.classes) == 18
     assert [s.labels for s in src] == [(3, 17), (2,), (17,)]
     assert image_of(src[1].image).getpixel((0, 0)) == (1, 1, 1)
 
 
-def test_manifest_parquet_names_and_lists(tmp_path: Path) -> None:
+def test_image_list_parquet_names_and_lists(tmp_path: Path) -> None:
     for i in range(3):
         _png(tmp_path / f"{i}.png", (i, 0, 0))
     table = pa.table({
@@ -94,26 +87,26 @@ def test_manifest_parquet_names_and_lists(tmp_path: Path) -> None:
         "key": ["x.0", "x.1", "x.2"],
     })
     pq.write_table(table, tmp_path / "m.parquet")
-    src = open_source(f"manifest:{tmp_path / 'm.parquet'}")
+    src = open_source(f"list:{tmp_path / 'm.parquet'}")
     assert src.classes == ("cat", "dog") and not src.multi_label
     assert [s.labels for s in src] == [(1,), (0,), (1,)]
     assert [s.key for s in src] == ["x_0", "x_1", "x_2"]  # dots would break WebDataset keys
-    src2 = open_source(f"manifest:{tmp_path / 'm.parquet'}", classes=["dog", "cat", "bird"])
+    src2 = open_source(f"list:{tmp_path / 'm.parquet'}", classes=["dog", "cat", "bird"])
     assert [s.labels for s in src2] == [(0,), (1,), (0,)]
 
 
-def test_manifest_errors_name_the_problem(tmp_path: Path) -> None:
+def test_image_list_errors_name_the_problem(tmp_path: Path) -> None:
     (tmp_path / "m.csv").write_text("picture,label\na.png,1\n")
     with pytest.raises(ValueError, match=r"missing image path column; name one of \['path'"):
-        open_source(f"manifest:{tmp_path / 'm.csv'}")
+        open_source(f"list:{tmp_path / 'm.csv'}")
     with pytest.raises(ValueError, match="missing label column 'y'"):
-        open_source(f"manifest:{tmp_path / 'm.csv'}", path_column="picture", label_column="y")
-    src = open_source(f"manifest:{tmp_path / 'm.csv'}", path_column="picture")
+        open_source(f"list:{tmp_path / 'm.csv'}", path_column="picture", label_column="y")
+    src = open_source(f"list:{tmp_path / 'm.csv'}", path_column="picture")
     with pytest.raises(ValueError, match="a.png does not exist"):
         src[0]
     (tmp_path / "n.csv").write_text("path,label\na.png,5\n")
     with pytest.raises(ValueError, match=r"label 5 outside \[0, 2\)"):
-        open_source(f"manifest:{tmp_path / 'n.csv'}", classes=["a", "b"])
+        open_source(f"list:{tmp_path / 'n.csv'}", classes=["a", "b"])
 
 
 def test_open_source_validates() -> None:
@@ -123,7 +116,7 @@ def test_open_source_validates() -> None:
         open_source("digits", count=3)
     with pytest.raises(ValueError, match="needs a path"):
         open_source("folder:")
-    with pytest.raises(ValueError, match="classes must be >= 2"):
+    with pytest.raises(ValueError, match="synthetic.classes: must be >= 2"):
         SyntheticSource(classes=1)
 
 

@@ -18,8 +18,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import boto3
 import pytest
 
-from vitscale.data.shards import dataset_stats, iter_shard, load_manifest, verify_dataset, write_dataset
+from vitscale.data.format import read_index, read_meta
 from vitscale.data.storage import RetryPolicy, S3Storage, StorageError, open_storage
+from vitscale.data.tools.scan import iter_shard
+from vitscale.data.tools.verify import dataset_stats, verify_dataset
+from vitscale.data.tools.write import write_dataset
 
 FAST_RETRY = RetryPolicy(max_attempts=10, base_delay_s=0.001, max_delay_s=0.01)
 
@@ -230,18 +233,18 @@ def test_flaky_server_loses_no_sample(moto_s3: str, bucket: str) -> None:
     opts = {"count": 240, "classes": 4, "image_size": 24}
     write_dataset("synthetic", url, shard_size=60, source_options=opts, endpoint_url=moto_s3, progress=False)
     direct = open_storage(url, endpoint_url=moto_s3)
-    man = load_manifest(url, endpoint_url=moto_s3)
-    blobs = {name: direct.read_bytes(name) for name in man.shard_names()}
-    expected = {r["key"]: blobs[r["shard"]][r["offset"] : r["offset"] + r["size"]] for r in man.index.to_pylist()}
+    meta, rows = read_meta(url, endpoint_url=moto_s3), read_index(url, endpoint_url=moto_s3).to_pylist()
+    blobs = {name: direct.read_bytes(name) for name in meta.shard_names()}
+    expected = {r["key"]: blobs[r["shard"]][r["offset"] : r["offset"] + r["size"]] for r in rows}
     port = int(moto_s3.rsplit(":", 1)[1])
     with FaultProxy(port, fault_rate=0.3, methods=("GET", "HEAD", "PUT"), seed=7) as proxy:
         flaky = open_storage(url, endpoint_url=proxy.url, retry=FAST_RETRY)
         # Every sample through ranged reads ...
-        got = {r["key"]: flaky.read_range(r["shard"], r["offset"], r["size"]) for r in man.index.to_pylist()}
+        got = {r["key"]: flaky.read_range(r["shard"], r["offset"], r["size"]) for r in rows}
         assert got == expected
         # ... and through streamed whole-shard reads, which resume mid-body after a drop.
         streamed = {}
-        for name in man.shard_names("train"):
+        for name in meta.shard_names("train"):
             with flaky.open_read(name) as f:
                 streamed.update({s.key: s.files["jpg"] for s in iter_shard(f)})
         assert len(streamed) == 240
@@ -255,7 +258,7 @@ def test_flaky_server_loses_no_sample(moto_s3: str, bucket: str) -> None:
     assert set(proxy.faulted_methods) == {"GET", "HEAD", "PUT"}, proxy.faulted_methods
     assert direct.read_bytes("note.txt") == b"written through faults"
     assert verify_dataset(url2, endpoint_url=moto_s3) == []
-    assert load_manifest(url2, endpoint_url=moto_s3).index.num_rows == 60
+    assert read_index(url2, endpoint_url=moto_s3).num_rows == 60
 
 
 def test_persistent_failure_names_object(moto_s3: str, bucket: str) -> None:

@@ -1,4 +1,4 @@
-"""ShardStream end to end on tiny datasets: order = plan, resumption, workers, bad data, S3."""
+"""ShardStream end to end on tiny datasets: order = rank_keys, resumption, workers, bad data, S3."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from conftest_data import write_test_dataset
-from vitscale.data.plan import rank_keys
+from vitscale.data.format import DatasetError
+from vitscale.data.loader.stream import ErrorBudgetExceeded, ShardStream
+from vitscale.data.order import rank_keys
 from vitscale.data.storage import open_storage
-from vitscale.data.stream import DatasetError, ErrorBudgetExceeded, ShardStream
 
 COUNTS = [7, 5, 9, 3, 6]  # 30 samples in uneven shards
 R = 24  # output resolution: small keeps the tests fast
@@ -61,7 +62,7 @@ def test_batches_have_the_contract_shapes(clean):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_ranks_partition_each_epoch_in_plan_order(clean, world):
+def test_ranks_partition_each_epoch_in_rank_order(clean, world):
     for epoch in range(2):
         keys = []
         for rank in range(world):
@@ -181,7 +182,7 @@ def damaged(tmp_path_factory) -> Path:
 
 
 def test_bad_samples_are_skipped_counted_and_logged_once(damaged, caplog):
-    caplog.set_level(logging.WARNING, logger="vitscale.data.stream")
+    caplog.set_level(logging.WARNING, logger="vitscale.data.loader.stream")
     s = _stream(damaged, seed=1, batch_size=3, error_budget=10)
     epochs = [_epoch(s), _epoch(s)]
     # 6 bad samples: a corrupt JPEG, a missing and a malformed label, 3 cut off by truncation.
@@ -236,7 +237,7 @@ def test_broken_datasets_fail_before_training(clean, tmp_path):
 
     cases = [
         (lambda r: (r / "train-000003.tar").unlink(), "missing.*train-000003.tar"),
-        (miscount, "disagrees.*train-000002.tar: index 9 vs manifest 8"),
+        (miscount, "disagrees.*train-000002.tar: index 9 vs dataset.json 8"),
         (lambda r: (r / "dataset.json").unlink(), "no dataset.json"),
         (lambda r: (r / "dataset.json").write_text("{not json"), "cannot read"),
         (lambda r: (r / "_index.parquet").unlink(), "no index"),
@@ -266,7 +267,7 @@ def test_s3_stream_matches_local(clean, moto_s3):
 
 
 def test_reads_what_the_shard_writer_writes(tmp_path):
-    from vitscale.data.shards import write_dataset
+    from vitscale.data.tools.write import write_dataset
 
     out = tmp_path / "synthetic"
     write_dataset("synthetic", str(out), shard_size=7, progress=False, workers=1,
@@ -281,7 +282,7 @@ def test_reads_what_the_shard_writer_writes(tmp_path):
 
 
 def test_run_bench_reports_throughput(clean):
-    from vitscale.data.bench import run_bench
+    from vitscale.data.tools.bench import run_bench
 
     r = run_bench(str(clean), resolution=R, seconds=0.3, batch_size=4)
     assert r["workers"] == 1 and r["images"] > 0 and r["images_per_s"] > 0

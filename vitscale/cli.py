@@ -43,8 +43,8 @@ def cmd_flops(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     from vitscale.config import to_yaml
-    from vitscale.launch.pipeline import resolve_pipeline_path
-    from vitscale.config import load_pipeline
+    from vitscale.stages import load_pipeline
+    from vitscale.stages.run import resolve_pipeline_path
 
     config = load_pipeline(resolve_pipeline_path(args.pipeline), args.set)
     print(to_yaml(config), end="")
@@ -55,17 +55,17 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from vitscale.config import load_pipeline
-    from vitscale.launch.pipeline import resolve_pipeline_path, run_pipeline
+    from vitscale.stages import load_pipeline
+    from vitscale.stages.run import resolve_pipeline_path, run_pipeline
 
     config = load_pipeline(resolve_pipeline_path(args.pipeline), args.set)
-    summary = run_pipeline(config, address=args.address)
+    summary = run_pipeline(config, address=args.address, verbose=args.verbose)
     print(json.dumps(summary, default=str))
     return 0 if summary.get("ok", True) else 1
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from vitscale.launch.export import export_run
+    from vitscale.train.export import export_run
 
     info = export_run(args.run_dir, args.out, fmt=args.format)
     _print_json(info)
@@ -76,7 +76,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_shards_write(args: argparse.Namespace) -> int:
-    from vitscale.data.shards import parse_splits, write_dataset
+    from vitscale.data.tools.write import parse_splits, write_dataset
 
     options = {k: v for k, v in (("count", args.count), ("classes", args.classes),
                                  ("image_size", args.image_size)) if v is not None}
@@ -91,7 +91,7 @@ def cmd_shards_write(args: argparse.Namespace) -> int:
 
 
 def cmd_shards_stats(args: argparse.Namespace) -> int:
-    from vitscale.data.shards import dataset_stats, format_stats
+    from vitscale.data.tools.verify import dataset_stats, format_stats
 
     stats = dataset_stats(args.dest, endpoint_url=args.endpoint_url)
     if args.json:
@@ -102,7 +102,7 @@ def cmd_shards_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_shards_verify(args: argparse.Namespace) -> int:
-    from vitscale.data.shards import verify_dataset
+    from vitscale.data.tools.verify import verify_dataset
 
     problems = verify_dataset(args.dest, endpoint_url=args.endpoint_url)
     for problem in problems:
@@ -113,7 +113,7 @@ def cmd_shards_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_shards_order(args: argparse.Namespace) -> int:
-    from vitscale.data.plan import rank_keys
+    from vitscale.data.order import rank_keys
 
     keys = rank_keys(args.dest, args.split, rank=args.rank, world_size=args.world_size, epoch=args.epoch,
                      seed=args.seed, start=args.start, endpoint_url=args.endpoint_url)
@@ -125,7 +125,7 @@ def cmd_shards_order(args: argparse.Namespace) -> int:
 
 
 def cmd_shards_bench(args: argparse.Namespace) -> int:
-    from vitscale.data.bench import run_bench
+    from vitscale.data.tools.bench import run_bench
 
     result = run_bench(args.dest, split=args.split, resolution=args.resolution, seconds=args.seconds,
                        workers=args.workers, batch_size=args.batch_size, endpoint_url=args.endpoint_url)
@@ -137,7 +137,7 @@ def cmd_shards_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_shards_dedup(args: argparse.Namespace) -> int:
-    from vitscale.data.dedup import dedup_dataset
+    from vitscale.data.tools.dedup import dedup_dataset
 
     kwargs = {"endpoint_url": args.endpoint_url}
     if args.threshold is not None:
@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set train.base_lr=4e-4 (repeatable)")
     p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS or local)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show Ray's and DeepSpeed's own output here too (default: RUN_DIR/logs/ray.log)")
 
     p = verb("config", cmd_config, "Print the resolved pipeline config (defaults < file < --set).")
     p.add_argument("pipeline")
@@ -194,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint URL")
 
     p = verb("write", cmd_shards_write, "Write WebDataset shards from a source.", shard_verbs)
-    p.add_argument("--source", required=True, help="folder:PATH | manifest:FILE | digits | synthetic")
+    p.add_argument("--source", required=True, help="folder:PATH | list:FILE (an image list) | digits | synthetic")
     p.add_argument("--out", required=True, help="local folder or s3://bucket/prefix")
     p.add_argument("--shard-size", type=int, default=1000)
     p.add_argument("--max-side", type=int, default=384)

@@ -1,5 +1,6 @@
 """YAML pipeline files -> typed, validated `PipelineConfig`.
 
+This layer knows no stage: the registry (`vitscale.stages`) hands it the section classes.
 Precedence is CLI > file > defaults: the file's mapping is applied over the dataclass defaults,
 then each `--set dotted.key=value` override (its value parsed as YAML, so `4e-4`, `true`, `[1, 5]`
 and `null` mean what they look like). Any unknown key, wrong type or impossible value raises
@@ -13,11 +14,14 @@ import json
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterable
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import replace
+from typing import Any
 
 import yaml
 
-from vitscale.config.schema import ConfigError, PipelineConfig
+from vitscale.config.checks import ConfigError, one_of
+from vitscale.config.pipeline import PipelineConfig
 
 
 def _read_mapping(path: Path, _seen: frozenset) -> dict[str, Any]:
@@ -58,25 +62,72 @@ def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_pipeline(path: str | Path, overrides: Iterable[str] = ()) -> PipelineConfig:
-    """Read a pipeline YAML file (following `extends:`), apply `key=value` overrides, validate."""
+def read_pipeline(path: str | Path, overrides: Iterable[str] = ()) -> dict[str, Any]:
+    """The plain mapping of a pipeline YAML file (following `extends:`) with `key=value` overrides applied."""
     path = Path(path)
     raw = _read_mapping(path, frozenset())
     for item in overrides:
         raw = apply_override(raw, item)
-    return build_pipeline(raw, str(path))
+    return raw
 
 
-def build_pipeline(raw: dict[str, Any], source: str | None = None) -> PipelineConfig:
-    """Turn a plain mapping (parsed YAML) into a validated `PipelineConfig`."""
+def build_pipeline(raw: dict[str, Any], *, sections: Mapping[str, type], stage_names: Collection[str],
+                   source: str | None = None) -> PipelineConfig:
+    """Turn a plain mapping (parsed YAML) into a validated `PipelineConfig`.
+
+    `sections` maps each section name to its frozen config class and `stage_names` are the stages
+    that exist: both come from the stage registry (`vitscale.stages`), so this layer knows no stage.
+    Every section is built (defaults where `raw` is silent) and validated by its own `validate()`.
+    """
     try:
-        config = _build(PipelineConfig, raw, "")
+        raw = dict(raw)
+        top = {k: raw.pop(k) for k in ("name", "stages", "cluster") if k in raw}
+        unknown = sorted(set(raw) - set(sections))
+        if unknown:
+            known = ", ".join(["name", "stages", "cluster", *sorted(sections)])
+            raise ConfigError(unknown[0], f"unknown key; the top level accepts: {known}")
+        config = _build(PipelineConfig, top, "")
+        for stage in config.stages:
+            one_of(stage, tuple(stage_names), "stages")
+        built = {name: build_section(cls, raw.get(name, {}), name) for name, cls in sections.items()}
+        config = replace(config, sections=built, source=source)
         config.validate()
     except ConfigError as exc:
-        if exc.source is None and source is not None:
-            raise ConfigError(exc.key, str(exc).split(": ", 1)[1], source) from None
-        raise
+        raise exc.in_file(source) if source else exc from None
     return config
+
+
+def build_section(cls: type, raw: Any, name: str) -> Any:
+    """One config section from its mapping, validated (`ConfigError` naming `name.key`)."""
+    section = _build(cls, {} if raw is None else raw, f"{name}.")
+    validate = getattr(section, "validate", None)
+    if validate is not None:
+        validate()
+    return section
+
+
+def absolute_paths(config: PipelineConfig) -> PipelineConfig:
+    """Local paths made absolute (fields marked `metadata={"path": True}`), on the driver.
+
+    Ray workers run in a directory of their own, so a relative `data.url` must be resolved where
+    the user typed it. URLs (`s3://...`) and empty values are left alone.
+    """
+
+    def absolute(url: str) -> str:
+        return url if "://" in url or not url else str(Path(url).expanduser().resolve())
+
+    def fix(section: Any) -> Any:
+        changes: dict[str, Any] = {}
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if f.metadata.get("path") and isinstance(value, str):
+                changes[f.name] = absolute(value)
+            elif f.metadata.get("path") and isinstance(value, tuple):
+                changes[f.name] = tuple(absolute(v) for v in value)
+        return replace(section, **changes) if changes else section
+
+    sections = {name: fix(s) if dataclasses.is_dataclass(s) else s for name, s in config.sections.items()}
+    return replace(config, cluster=fix(config.cluster), sections=sections)
 
 
 def apply_override(raw: dict[str, Any], item: str) -> dict[str, Any]:
@@ -105,9 +156,26 @@ def apply_override(raw: dict[str, Any], item: str) -> dict[str, Any]:
     return out
 
 
-def to_dict(config: Any) -> dict[str, Any]:
-    """A config as plain data (tuples as lists), for YAML/JSON output and run directories."""
-    return json.loads(json.dumps(dataclasses.asdict(config)))
+def to_dict(config: Any) -> Any:
+    """A config as plain data (tuples as lists), for YAML/JSON output and run directories.
+
+    A pipeline is flattened to its YAML shape (sections at the top level); a section that is
+    written differently from its fields (the model: name, img_size and the model's own keyword
+    arguments) says how through `to_mapping()`.
+    """
+    if isinstance(config, PipelineConfig):
+        out = {"name": config.name, "stages": list(config.stages), "cluster": to_dict(config.cluster)}
+        out.update({name: to_dict(section) for name, section in config.sections.items()})
+        return out
+    if hasattr(config, "to_mapping"):
+        return json.loads(json.dumps(config.to_mapping()))
+    if dataclasses.is_dataclass(config):
+        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if isinstance(config, dict):
+        return {k: to_dict(v) for k, v in config.items()}
+    if isinstance(config, (list, tuple)):
+        return [to_dict(v) for v in config]
+    return config
 
 
 def to_yaml(config: Any) -> str:
@@ -117,7 +185,10 @@ def to_yaml(config: Any) -> str:
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:
     if not isinstance(raw, dict):
-        raise ConfigError(prefix or "<file>", f"must be a mapping, got {_describe(raw)}")
+        raise ConfigError(prefix.rstrip(".") or "<file>", f"must be a mapping, got {_describe(raw)}")
+    if hasattr(cls, "from_mapping"):
+        # A section whose keys are someone else's keyword arguments (the model's) parses itself.
+        return cls.from_mapping(raw, prefix.rstrip("."))
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))

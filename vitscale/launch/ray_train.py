@@ -20,8 +20,7 @@ import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from vitscale.config.loader import build_pipeline, to_dict
-from vitscale.config.schema import PipelineConfig
+from vitscale.config.pipeline import PipelineConfig
 from vitscale.launch.errors import PipelineFailed
 from vitscale.train import checkpoint as ckpt
 
@@ -31,8 +30,13 @@ class WorkerFailed(RuntimeError):
 
 
 def train_worker(payload: dict[str, Any]) -> None:
-    """Entry point of every Ray Train worker."""
-    config = build_pipeline(payload["config"])
+    """Entry point of every Ray Train worker.
+
+    The payload carries the validated, frozen `PipelineConfig` itself (Ray pickles it): the
+    driver checked it, and rebuilding it here would need the stage registry, which sits above
+    this layer.
+    """
+    config: PipelineConfig = payload["config"]
     from vitscale.train.loop import WorkerContext, pretrain  # torch/deepspeed load inside the worker
 
     context = ray.train.get_context()
@@ -85,33 +89,30 @@ def _resume_directory(world_size: int, rank: int) -> Iterator[Path | None]:
         yield fallback
 
 
-def run_directory(config: PipelineConfig) -> tuple[str, str, Path]:
-    """(storage_path, run_name, local run directory) of a pipeline's run."""
-    run_name = config.cluster.run_name or config.name
+def run_directory(config: PipelineConfig) -> tuple[str, Path]:
+    """(storage_path, local run directory) of a pipeline's run."""
     storage = config.cluster.storage_path
     if "://" in storage:
         # Checkpoints go to object storage; per-rank logs stay on each node's disk.
-        local = Path(os.path.expanduser("~/vitscale-runs-local")) / run_name
-        return storage, run_name, local
+        return storage, Path(os.path.expanduser("~/vitscale-runs-local")) / config.run_name
     storage = str(Path(os.path.expanduser(storage)).resolve())
-    return storage, run_name, Path(storage) / run_name
+    return storage, Path(storage) / config.run_name
 
 
-def launch_pretrain(config: PipelineConfig) -> dict[str, Any]:
-    """Run the pre-training stage on Ray Train; returns the final metrics and checkpoint path."""
-    storage, run_name, run_dir = run_directory(config)
-    run_dir.mkdir(parents=True, exist_ok=True)
+def launch_pretrain(config: PipelineConfig, run_dir: Path) -> tuple[Any, dict[str, Any]]:
+    """Run pre-training on Ray Train; returns (the final `ray.train.Checkpoint`, the final metrics)."""
+    storage, _ = run_directory(config)
     cluster = config.cluster
     resources = {"CPU": cluster.cpus_per_worker}
     if cluster.use_gpu:
         resources["GPU"] = cluster.gpus_per_worker
     trainer = TorchTrainer(
         train_worker,
-        train_loop_config={"config": to_dict(config), "run_dir": str(run_dir)},
+        train_loop_config={"config": config, "run_dir": str(run_dir)},
         scaling_config=ScalingConfig(num_workers=cluster.num_workers, use_gpu=cluster.use_gpu,
                                      resources_per_worker=resources),
         run_config=RunConfig(
-            name=run_name, storage_path=storage,
+            name=config.run_name, storage_path=storage,
             failure_config=FailureConfig(max_failures=cluster.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=config.train.keep_checkpoints),
             worker_runtime_env={"env_vars": _worker_env()},
@@ -123,10 +124,10 @@ def launch_pretrain(config: PipelineConfig) -> dict[str, Any]:
         raise PipelineFailed(f"pre-training failed: {_root_cause(exc)}") from exc
     # Ray keeps the metrics reported with the latest checkpoint: the final step's.
     last = dict(result.metrics or {})
-    summary = {key: last.get(key) for key in ("step", "epoch", "loss", "examples_seen", "cumulative_exaflops",
+    metrics = {key: last.get(key) for key in ("step", "epoch", "loss", "examples_seen", "cumulative_exaflops",
                                               "images_per_s", "mfu", "skipped_samples")}
     # `checkpoint` is a ray.train.Checkpoint: later stages read it wherever it lives (disk, NFS, S3).
-    return {"run_dir": str(run_dir), "checkpoint": result.checkpoint, "summary": summary}
+    return result.checkpoint, metrics
 
 
 def _worker_env() -> dict[str, str]:

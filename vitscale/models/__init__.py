@@ -20,25 +20,27 @@ _EXPORTS: dict[str, str] = {
     "load_pretrained": "checkpoints",
     "read_checkpoint": "checkpoints",
     "timm_state_dict": "checkpoints",
-    "OVERRIDES": "factory",
-    "create_from_meta": "factory",
+        "create_from_meta": "factory",
     "create_model": "factory",
+    "OPTIONS": "options",
+    "ModelConfig": "config",
     "model_meta": "factory",
     "resample_posemb": "posemb",
-    "ResNetConfig": "resnet",
+    "ResNetConfig": "options",
     "ResNetV2": "resnet",
     "ModelSpec": "variants",
     "ResNetDims": "variants",
     "ViTDims": "variants",
     "model_names": "variants",
     "parse_model_name": "variants",
-    "ViTConfig": "vit",
+    "ViTConfig": "options",
     "VisionTransformer": "vit",
 }
 __all__ = [
     "LoadReport",
+    "ModelConfig",
     "ModelSpec",
-    "OVERRIDES",
+    "OPTIONS",
     "ResNetConfig",
     "ResNetDims",
     "ResNetV2",
@@ -69,11 +71,13 @@ if TYPE_CHECKING:
         read_checkpoint,
         timm_state_dict,
     )
-    from vitscale.models.factory import OVERRIDES, create_from_meta, create_model, model_meta
+    from vitscale.models.config import ModelConfig
+    from vitscale.models.factory import create_from_meta, create_model, model_meta
+    from vitscale.models.options import OPTIONS, ResNetConfig, ViTConfig
     from vitscale.models.posemb import resample_posemb
-    from vitscale.models.resnet import ResNetConfig, ResNetV2
+    from vitscale.models.resnet import ResNetV2
     from vitscale.models.variants import ModelSpec, ResNetDims, ViTDims, model_names, parse_model_name
-    from vitscale.models.vit import VisionTransformer, ViTConfig
+    from vitscale.models.vit import VisionTransformer
 
 
 def __getattr__(name: str) -> Any:

@@ -10,25 +10,14 @@ from typing import Any
 
 from torch import nn
 
+from vitscale.config.checks import positive_int
 from vitscale.models.hybrid import build_hybrid
-from vitscale.models.resnet import ResNetConfig, ResNetV2
+from vitscale.models.options import DIM_OPTIONS, OPTIONS, VIT_OPTIONS, ResNetConfig, ViTConfig, check_option_names
+from vitscale.models.resnet import ResNetV2
 from vitscale.models.variants import ModelSpec, model_names, parse_model_name, with_overrides
-from vitscale.models.vit import VisionTransformer, ViTConfig
+from vitscale.models.vit import VisionTransformer
 
-__all__ = ["OVERRIDES", "create_model", "create_from_meta", "model_meta", "model_names", "parse_model_name"]
-
-_DIM_KEYS = ("depth", "width", "mlp_dim", "heads", "resnet_layers")
-_VIT_KEYS = ("classifier", "representation_size", "pos_emb", "pos_emb_placement", "dropout", "attention_dropout")
-_COMMON_KEYS = ("head_bias_init", "activation_checkpointing")
-OVERRIDES: tuple[str, ...] = _VIT_KEYS + _COMMON_KEYS + _DIM_KEYS
-"""Keyword overrides `create_model` accepts. `resnet_layers` (units per stage) is for tiny
-ResNet / hybrid test models; the others are documented on `ViTConfig`."""
-
-
-def _check_size(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+__all__ = ["OPTIONS", "create_model", "create_from_meta", "model_meta", "model_names", "parse_model_name"]
 
 
 def create_model(name: str, *, num_classes: int, img_size: int = 224, **overrides: Any) -> nn.Module:
@@ -38,26 +27,20 @@ def create_model(name: str, *, num_classes: int, img_size: int = 224, **override
         name: e.g. "ViT-B/16", "ViT-L/14", "R50x1", "R50x1+ViT-B/16".
         num_classes: classifier outputs (the head is zero-initialised).
         img_size: square input resolution the position embeddings are built for.
-        **overrides: any of `OVERRIDES`: classifier, representation_size, pos_emb,
-            pos_emb_placement, dropout, attention_dropout, head_bias_init,
-            activation_checkpointing, and dims depth / width / mlp_dim / heads / resnet_layers
-            (None = the table's value).
+        **overrides: any of `OPTIONS` (the fields of `ViTConfig` / `ResNetConfig` in
+            `options.py`, and dims depth / width / mlp_dim / heads / resnet_layers; None = the
+            table's value).
 
     Raises:
         ValueError: unknown name (with close matches), unknown override, a bad value, or an
             override that does not apply to the model family.
     """
-    unknown = sorted(set(overrides) - set(OVERRIDES))
-    if unknown:
-        raise ValueError(f"unknown override(s) {unknown} for create_model; allowed: {list(OVERRIDES)}")
     spec = parse_model_name(name)
-    _check_size("num_classes", num_classes)
-    _check_size("img_size", img_size)
-    spec = with_overrides(spec, **{k: overrides.pop(k) for k in _DIM_KEYS if k in overrides})
+    check_option_names(overrides, spec.family, spec.name)
+    positive_int(num_classes, "num_classes")
+    positive_int(img_size, "img_size")
+    spec = with_overrides(spec, **{k: overrides.pop(k) for k in DIM_OPTIONS if k in overrides})
     if spec.family == "resnet":
-        bad = sorted(k for k in overrides if k in _VIT_KEYS)
-        if bad:
-            raise ValueError(f"override(s) {bad} do not apply to ResNet model {spec.name}")
         if spec.resnet is None:  # narrows the type; parse_model_name always sets it for resnets
             raise ValueError(f"{spec.name} has no ResNet dims")
         model: nn.Module = ResNetV2(ResNetConfig(dims=spec.resnet, num_classes=num_classes, **overrides))
@@ -86,7 +69,7 @@ def model_meta(model: nn.Module) -> dict[str, Any]:
     base = parse_model_name(spec.name)
     over: dict[str, Any] = {}
     if isinstance(cfg, ViTConfig):
-        over = {k: getattr(cfg, k) for k in _VIT_KEYS}
+        over = {k: getattr(cfg, k) for k in VIT_OPTIONS}
         for k in ("depth", "width", "mlp_dim", "heads"):
             if base.vit is not None and getattr(cfg.dims, k) != getattr(base.vit, k):
                 over[k] = getattr(cfg.dims, k)

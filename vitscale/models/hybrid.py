@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from vitscale.models.resnet import ResNetConfig, ResNetV2
+from vitscale.models.options import ResNetConfig, ViTConfig
+from vitscale.models.resnet import ResNetV2
 from vitscale.models.variants import ModelSpec
-from vitscale.models.vit import VisionTransformer, ViTConfig, lecun_normal_
+from vitscale.models.vit import VisionTransformer, lecun_normal_
 
 
 class HybridEmbed(nn.Module):

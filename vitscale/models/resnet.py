@@ -16,13 +16,13 @@ norm2,conv3,norm3}``, ``stages.{i}.blocks.{j}.downsample.conv`` (+ ``.norm`` pos
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from vitscale.models.options import ResNetConfig
 from vitscale.models.variants import ResNetDims
 from vitscale.models.vit import zero_head
 
@@ -160,32 +160,6 @@ class Stem(nn.Module):
         ph = same_pad_amounts(x.shape[-2], 3, 2)
         pw = same_pad_amounts(x.shape[-1], 3, 2)
         return F.max_pool2d(F.pad(x, (*pw, *ph), value=float("-inf")), kernel_size=3, stride=2)
-
-
-@dataclass(frozen=True)
-class ResNetConfig:
-    """What a ResNetV2 is built from; validated on construction."""
-
-    dims: ResNetDims
-    """Units per stage, width multiplier, unit type."""
-    num_classes: int
-    """Classifier outputs; 0 = backbone only (no final norm for post-act, no head)."""
-    in_chans: int = 3
-    """Input image channels."""
-    head_bias_init: float = 0.0
-    """Initial classifier bias."""
-    activation_checkpointing: bool = False
-    """Recompute each unit in backward (torch.utils.checkpoint, use_reentrant=False)."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 0:
-            raise ValueError(f"num_classes must be an int >= 0, got {self.num_classes!r}")
-        if not self.dims.layers or any(n < 1 for n in self.dims.layers):
-            raise ValueError(f"resnet layers must be positive unit counts, got {self.dims.layers!r}")
-        if isinstance(self.head_bias_init, bool) or not isinstance(self.head_bias_init, (int, float)):
-            raise ValueError(f"head_bias_init must be a float, got {self.head_bias_init!r}")
-        if not isinstance(self.activation_checkpointing, bool):
-            raise ValueError(f"activation_checkpointing must be a bool, got {self.activation_checkpointing!r}")
 
 
 class ResNetV2(nn.Module):

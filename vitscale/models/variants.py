@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from vitscale.config.checks import check, positive_int
+
 Family = Literal["vit", "resnet", "hybrid"]
 
 
@@ -228,13 +230,11 @@ def with_overrides(
             continue
         if spec.vit is None:
             raise ValueError(f"override {key} does not apply to {spec.family} model {spec.name}")
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"override {key} must be a positive int or None, got {value!r}")
+        positive_int(value, key)
     vit = spec.vit
     if vit is not None:
         vit = dataclasses.replace(vit, **{k: v for k, v in vit_over.items() if v is not None})
-        if vit.width % vit.heads != 0:
-            raise ValueError(f"width={vit.width} must be divisible by heads={vit.heads}")
+        check(vit.width % vit.heads == 0, "width", f"width={vit.width} must be divisible by heads={vit.heads}")
     resnet = spec.resnet
     if resnet is not None and resnet_layers is not None:
         resnet = dataclasses.replace(resnet, layers=tuple(resnet_layers))

@@ -13,106 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from vitscale.config.checks import positive_int
 from vitscale.models.layers import LN_EPS, Block
 from vitscale.models.posemb import posemb_2d
-from vitscale.models.variants import ViTDims
-
-CLASSIFIERS: tuple[str, ...] = ("token", "gap")
-POS_EMBS: tuple[str, ...] = ("learn_1d", "learn_2d", "none", "relative")
-POS_EMB_PLACEMENTS: tuple[str, ...] = ("input", "every_layer", "every_layer_shared")
-
-
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
-
-
-def _check_rate(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
-
-
-def _check_pos_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-@dataclass(frozen=True)
-class ViTConfig:
-    """Everything a VisionTransformer is built from; validated on construction."""
-
-    dims: ViTDims
-    """Encoder depth / width / MLP width / heads."""
-    patch_size: int
-    """Patch size on the embedding's input (pixels; 1 for hybrids, on the CNN feature map)."""
-    grid: tuple[int, int]
-    """Patch grid (rows, cols) the position embeddings are built for."""
-    num_classes: int
-    """Classifier outputs."""
-    in_chans: int = 3
-    """Input image channels."""
-    classifier: str = "token"
-    """"token": zero-init class token; "gap": global average pool of patch tokens (App. D.3)."""
-    representation_size: int | None = None
-    """Width of the pre-logits layer (Linear + tanh) used in pre-training; None = absent."""
-    pos_emb: str = "learn_1d"
-    """"learn_1d" | "learn_2d" | "none" | "relative" (App. D.4)."""
-    pos_emb_placement: str = "input"
-    """"input" | "every_layer" (one per layer) | "every_layer_shared" (one, added before every layer)."""
-    dropout: float = 0.0
-    """Dropout after every dense layer except qkv, and after the position-embedding add."""
-    attention_dropout: float = 0.0
-    """Dropout on attention probabilities."""
-    head_bias_init: float = 0.0
-    """Initial classifier bias (e.g. -6.9 for sigmoid multi-label heads)."""
-    activation_checkpointing: bool = False
-    """Recompute each block in backward (torch.utils.checkpoint, use_reentrant=False)."""
-
-    def __post_init__(self) -> None:
-        for key in ("depth", "width", "mlp_dim", "heads"):
-            _check_pos_int(key, getattr(self.dims, key))
-        if self.dims.width % self.dims.heads != 0:
-            raise ValueError(f"width={self.dims.width} must be divisible by heads={self.dims.heads}")
-        _check_pos_int("patch_size", self.patch_size)
-        _check_pos_int("grid rows", self.grid[0])
-        _check_pos_int("grid cols", self.grid[1])
-        _check_pos_int("num_classes", self.num_classes)
-        _check_pos_int("in_chans", self.in_chans)
-        _check_choice("classifier", self.classifier, CLASSIFIERS)
-        if self.representation_size is not None:
-            _check_pos_int("representation_size", self.representation_size)
-        _check_choice("pos_emb", self.pos_emb, POS_EMBS)
-        _check_choice("pos_emb_placement", self.pos_emb_placement, POS_EMB_PLACEMENTS)
-        if self.pos_emb in ("none", "relative") and self.pos_emb_placement != "input":
-            raise ValueError(
-                f"pos_emb_placement={self.pos_emb_placement!r} applies to additive embeddings "
-                f"(learn_1d, learn_2d) only, not pos_emb={self.pos_emb!r}; use 'input'"
-            )
-        if self.pos_emb == "learn_2d" and self.dims.width % 2 != 0:
-            raise ValueError(f"pos_emb='learn_2d' needs an even width, got {self.dims.width}")
-        _check_rate("dropout", self.dropout)
-        _check_rate("attention_dropout", self.attention_dropout)
-        if isinstance(self.head_bias_init, bool) or not isinstance(self.head_bias_init, (int, float)):
-            raise ValueError(f"head_bias_init must be a float, got {self.head_bias_init!r}")
-        if not isinstance(self.activation_checkpointing, bool):
-            raise ValueError(f"activation_checkpointing must be a bool, got {self.activation_checkpointing!r}")
-
-    @property
-    def num_prefix_tokens(self) -> int:
-        """1 with a class token, 0 for GAP."""
-        return 1 if self.classifier == "token" else 0
-
-    @property
-    def seq_len(self) -> int:
-        """Tokens through the encoder: prefix + rows * cols."""
-        return self.num_prefix_tokens + self.grid[0] * self.grid[1]
-
+from vitscale.models.options import ViTConfig
 
 def lecun_normal_(weight: Tensor) -> None:
     """Flax's default kernel init: truncated normal (±2σ), variance 1/fan_in."""
@@ -230,7 +139,7 @@ class VisionTransformer(nn.Module):
 
     def reset_head(self, num_classes: int, bias_init: float = 0.0) -> None:
         """Fine-tuning head: drop pre-logits, attach a zero-init D x K linear layer."""
-        _check_pos_int("num_classes", num_classes)
+        positive_int(num_classes, "num_classes")
         self.pre_logits = nn.Identity()
         self.num_features = self.cfg.dims.width
         self.head = zero_head(self.num_features, num_classes, bias_init, like=self.head.weight)

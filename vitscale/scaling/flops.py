@@ -1,6 +1,6 @@
 """Analytic compute of every vitscale model, in the ViT paper's exaFLOPs convention.
 
-Convention (Dosovitskiy et al., ICLR 2021, Sec. 4.4 / Table 6; see /work/shared/vit-paper.md):
+Convention (Dosovitskiy et al., ICLR 2021, Sec. 4.4 / Table 6):
 
 - a multiply-add is 2 FLOPs;
 - every matrix product and convolution of the forward pass is counted, including both
@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vitscale.config.checks import one_of, positive_int
+from vitscale.models.options import CLASSIFIERS, DIM_OPTIONS, check_option_names
 from vitscale.models.variants import ModelSpec, ResNetDims, ViTDims, parse_model_name, with_overrides
 
 FLOPS_PER_MAC = 2
@@ -40,15 +42,11 @@ JFT_NUM_CLASSES = 18_291
 IN_CHANS = 3
 """RGB input; `create_model` always builds 3-channel stems."""
 
-_DIM_KEYS = ("depth", "width", "mlp_dim", "heads", "resnet_layers")
-_HEAD_KEYS = ("classifier", "representation_size")
-# create_model overrides that change no matmul or conv: accepted (so callers can pass the same
-# override dict to both) and ignored. Activation checkpointing re-runs the forward in backward
-# (hardware FLOPs ~4x); the paper's model-FLOPs convention stays at 3x.
-_NEUTRAL_KEYS = ("pos_emb", "pos_emb_placement", "dropout", "attention_dropout", "head_bias_init",
-                 "activation_checkpointing")
-FLOPS_OVERRIDES: tuple[str, ...] = _DIM_KEYS + _HEAD_KEYS + _NEUTRAL_KEYS
-"""Keyword overrides `forward_flops` accepts: the same names as `create_model`'s."""
+# Of the model's options only the dims, `classifier` and `representation_size` change compute.
+# Every other model option (position embeddings, dropout, head bias, activation checkpointing)
+# changes no matmul or conv: accepted, so callers pass the same options to `create_model` and here,
+# and ignored. Activation checkpointing re-runs the forward in backward (hardware FLOPs ~4x);
+# the paper's model-FLOPs convention stays at 3x.
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,32 +190,21 @@ def resnet_flops(dims: ResNetDims, img_size: int, *, count_padding: bool = False
 # --------------------------------------------------------------------------------------------
 
 
-def _positive_int(key: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key} must be a positive int, got {value!r}")
-    return value
-
-
 def _resolve(name: str, **overrides: Any) -> tuple[ModelSpec, str, int | None]:
     """(spec with dim overrides applied, classifier, representation_size) for `name`.
 
     ValueError for an unknown name, an unknown override, or one that does not apply.
     """
-    unknown = sorted(set(overrides) - set(FLOPS_OVERRIDES))
-    if unknown:
-        raise ValueError(f"unknown override(s) {unknown}; allowed: {list(FLOPS_OVERRIDES)}")
-    spec = with_overrides(parse_model_name(name), **{k: overrides[k] for k in _DIM_KEYS if k in overrides})
+    spec = parse_model_name(name)
+    check_option_names(overrides, spec.family, spec.name)  # the model's own list of options
+    spec = with_overrides(spec, **{k: overrides[k] for k in DIM_OPTIONS if k in overrides})
     classifier = overrides.get("classifier", "token")
     rep = overrides.get("representation_size")
-    if spec.family == "resnet":
-        bad = sorted(k for k in _HEAD_KEYS if k in overrides)
-        if bad:
-            raise ValueError(f"override(s) {bad} do not apply to ResNet model {spec.name}")
+    if spec.family == "resnet":  # check_option_names refused ViT-only options on a ResNet
         return spec, "gap", None
-    if classifier not in ("token", "gap"):
-        raise ValueError(f"classifier must be 'token' or 'gap', got {classifier!r}")
+    one_of(classifier, CLASSIFIERS, "classifier")
     if rep is not None:
-        _positive_int("representation_size", rep)
+        positive_int(rep, "representation_size")
     return spec, classifier, rep
 
 
@@ -238,11 +225,11 @@ def flops_breakdown(
             (as the models do); ResNets take any size.
         num_classes: classifier width (JFT pre-training: `JFT_NUM_CLASSES`).
         count_padding: count conv multiply-adds on zero padding (see module docstring).
-        **overrides: `FLOPS_OVERRIDES`, the same keywords as `create_model` (dims,
-            classifier, representation_size; compute-neutral ones are accepted and ignored).
+        **overrides: the model's options, the same keywords as `create_model`
+            (`models/options.py`); only dims, classifier and representation_size change compute.
     """
-    _positive_int("img_size", img_size)
-    _positive_int("num_classes", num_classes)
+    positive_int(img_size, "img_size")
+    positive_int(num_classes, "num_classes")
     spec, classifier, rep = _resolve(name, **overrides)
     parts: dict[str, int] = {}
     if spec.family == "resnet":

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vitscale.config.schema import TrainConfig
+from vitscale.train.config import TrainConfig
 from vitscale.train.optim import BatchPlan
 
 

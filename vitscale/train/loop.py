@@ -2,7 +2,7 @@
 
 Nothing here knows about Ray. The launcher hands in a `WorkerContext` (rank, world size, where
 the run lives, how to report, which checkpoint to resume from) and this module does the rest:
-model from `models/`, ZeRO engine from `engine.py`, the shard stream from `data/stream.py`, the
+model from `models/`, ZeRO engine from `engine.py`, the shard stream from `data/loader/stream.py`, the
 schedule from `optim.lr_at`, compute from `scaling.flops`.
 
 Exact resumption: step k of an epoch always consumes the samples at positions
@@ -25,9 +25,8 @@ from typing import Any, Callable
 import torch
 
 from vitscale.config.loader import to_yaml
-from vitscale.config.schema import PipelineConfig
-from vitscale.data.transforms import normalize_on_device
-from vitscale.models import create_model
+from vitscale.config.pipeline import PipelineConfig
+from vitscale.data.loader.transforms import normalize_on_device
 from vitscale.scaling.flops import forward_flops
 from vitscale.train import checkpoint as ckpt
 from vitscale.train.engine import build_engine, deepspeed_config, init_distributed, set_lr
@@ -56,7 +55,7 @@ class WorkerContext:
 
 def pretrain(config: PipelineConfig, ctx: WorkerContext) -> dict[str, Any]:
     """Run (or resume) pre-training to the configured number of steps; returns a summary."""
-    from vitscale.data.stream import ShardStream
+    from vitscale.data.loader.stream import ShardStream
 
     train, data, model_cfg = config.train, config.data, config.model
     on_gpu = torch.cuda.is_available() and config.cluster.use_gpu
@@ -79,12 +78,11 @@ def pretrain(config: PipelineConfig, ctx: WorkerContext) -> dict[str, Any]:
     total_steps = train.max_steps or steps_for(train.epochs, epoch_samples, batch.global_batch)
 
     torch.manual_seed(train.seed)  # identical initial weights on every rank
-    model = create_model(model_cfg.name, num_classes=num_classes, img_size=model_cfg.img_size,
-                         **model_cfg.overrides())
+    model = model_cfg.build(num_classes)
     engine = build_engine(model, param_groups(model, train.weight_decay),
                           deepspeed_config(train, batch, on_gpu=on_gpu))
     train_flops_per_example = 3 * forward_flops(model_cfg.name, img_size=model_cfg.img_size,
-                                                num_classes=num_classes, **_dims(model_cfg))
+                                                num_classes=num_classes, **model_cfg.options)
     peak = peak_flops(train.peak_flops) if on_gpu else None
 
     state = ckpt.TrainState(world_size=ctx.world_size)
@@ -177,12 +175,6 @@ def _masked_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor
             return logits.sum() * 0.0
         logits, labels = logits[keep], labels[keep]
     return classification_loss(logits, labels, kind=train.loss, label_smoothing=train.label_smoothing)
-
-
-def _dims(model_cfg: Any) -> dict[str, Any]:
-    """The overrides that change compute (tiny quickstart models), for the FLOPs count."""
-    keys = ("depth", "width", "mlp_dim", "heads", "classifier", "representation_size")
-    return {k: v for k, v in model_cfg.overrides().items() if k in keys}
 
 
 def _as_float(value: Any) -> float:

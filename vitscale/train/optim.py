@@ -18,6 +18,8 @@ from typing import Literal
 
 from torch import nn
 
+from vitscale.config.checks import non_negative_int, number, positive_int
+
 __all__ = [
     "BatchPlan",
     "DEFAULT_NO_DECAY_NAMES",
@@ -32,21 +34,6 @@ __all__ = [
 
 Decay = Literal["linear", "cosine"]
 _DECAYS: tuple[str, ...] = ("linear", "cosine")
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    # bool is an int subclass; `warmup_steps: true` in YAML is a typo, not 1.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _check_float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,15 +73,15 @@ def lr_at(
     Raises:
         ValueError: an argument is out of range; the message names it.
     """
-    _check_int("step", step, 0)
-    base = _check_float("base_lr", base_lr)
+    non_negative_int(step, "step")
+    base = number(base_lr, "base_lr")
     if base <= 0:
         raise ValueError(f"base_lr must be > 0, got {base_lr}")
-    _check_int("total_steps", total_steps, 1)
-    _check_int("warmup_steps", warmup_steps, 0)
+    positive_int(total_steps, "total_steps")
+    non_negative_int(warmup_steps, "warmup_steps")
     if decay not in _DECAYS:
         raise ValueError(f"decay must be one of {_DECAYS}, got {decay!r}")
-    end = _check_float("end_lr", end_lr)
+    end = number(end_lr, "end_lr")
     if not 0.0 <= end <= base:
         raise ValueError(f"end_lr must be in [0, base_lr={base}] (an absolute LR, not a ratio), got {end_lr}")
 
@@ -174,7 +161,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         ValueError: ``weight_decay`` is negative or not finite, or the model has no trainable
             parameters.
     """
-    wd = _check_float("weight_decay", weight_decay)
+    wd = number(weight_decay, "weight_decay")
     if wd < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
     decay_names, no_decay_names = split_decay(model)
@@ -209,9 +196,9 @@ class BatchPlan:
 
 def nearest_valid_global_batch(global_batch: int, micro_batch: int, world_size: int) -> int:
     """The multiple of ``micro_batch * world_size`` closest to ``global_batch`` (ties go up; >= one unit)."""
-    _check_int("train.global_batch", global_batch, 1)
-    _check_int("train.micro_batch", micro_batch, 1)
-    _check_int("world_size", world_size, 1)
+    positive_int(global_batch, "train.global_batch")
+    positive_int(micro_batch, "train.micro_batch")
+    positive_int(world_size, "world_size")
     unit = micro_batch * world_size
     below = (global_batch // unit) * unit
     above = below + unit
@@ -229,9 +216,9 @@ def derive_batch(global_batch: int, micro_batch: int, world_size: int) -> BatchP
             ``train.micro_batch`` and gives the nearest global batch and the largest micro batch
             (at most the requested one) that would work.
     """
-    _check_int("train.global_batch", global_batch, 1)
-    _check_int("train.micro_batch", micro_batch, 1)
-    _check_int("world_size", world_size, 1)
+    positive_int(global_batch, "train.global_batch")
+    positive_int(micro_batch, "train.micro_batch")
+    positive_int(world_size, "world_size")
     unit = micro_batch * world_size
     if global_batch % unit == 0:
         return BatchPlan(micro_batch, global_batch // unit, world_size, global_batch)
@@ -262,18 +249,18 @@ def steps_for(epochs: float, samples_per_epoch: int, global_batch: int) -> int:
     Raises:
         ValueError: ``epochs`` is not a positive finite number, or a count is not a positive integer.
     """
-    ep = _check_float("epochs", epochs)
+    ep = number(epochs, "epochs")
     if ep <= 0:
         raise ValueError(f"epochs must be > 0, got {epochs}")
-    _check_int("samples_per_epoch", samples_per_epoch, 1)
-    _check_int("train.global_batch", global_batch, 1)
+    positive_int(samples_per_epoch, "samples_per_epoch")
+    positive_int(global_batch, "train.global_batch")
     examples = max(1, round(ep * samples_per_epoch))
     return -(-examples // global_batch)  # ceil division on ints: exact for any size
 
 
 def epoch_at(step: int, global_batch: int, samples_per_epoch: int) -> float:
     """Fractional epoch reached after ``step`` optimiser steps (examples seen / epoch size)."""
-    _check_int("step", step, 0)
-    _check_int("train.global_batch", global_batch, 1)
-    _check_int("samples_per_epoch", samples_per_epoch, 1)
+    non_negative_int(step, "step")
+    positive_int(global_batch, "train.global_batch")
+    positive_int(samples_per_epoch, "samples_per_epoch")
     return step * global_batch / samples_per_epoch

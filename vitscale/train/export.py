@@ -1,4 +1,4 @@
-"""From a run's checkpoint to one fp32 model: `vitscale export`, and the probe stage's model.
+"""From a run's checkpoint to one fp32 model: `vitscale export`, and the fewshot stage's model.
 
 A training checkpoint is DeepSpeed's sharded state plus vitscale's resolved config. Consolidation
 gathers the ZeRO shards into one fp32 state dict (offline, no process group), rebuilds the model
@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import yaml
 
-from vitscale.config.loader import build_pipeline
-from vitscale.config.schema import PipelineConfig
+from vitscale.config.loader import build_section
+from vitscale.models.config import ModelConfig
 from vitscale.train import checkpoint as ckpt
 
 
@@ -38,21 +38,26 @@ def find_checkpoint(path: str | Path) -> Path:
     return found
 
 
-def model_from_checkpoint(checkpoint: str | Path) -> tuple[torch.nn.Module, PipelineConfig, dict[str, Any]]:
-    """(model with the trained fp32 weights, the run's config, facts) from a training checkpoint."""
-    from vitscale.models import create_model
+def model_from_checkpoint(checkpoint: str | Path) -> tuple[torch.nn.Module, ModelConfig, dict[str, Any]]:
+    """(model with the trained fp32 weights, the run's model config, facts) from a training checkpoint.
+
+    Reads only the `model` section (and `train.seed`) of the checkpoint's resolved config: the
+    weights fix everything else.
+    """
     from vitscale.train.engine import consolidated_state_dict
 
     checkpoint = Path(checkpoint)
-    config = build_pipeline(yaml.safe_load((checkpoint / "config.yaml").read_text()), str(checkpoint / "config.yaml"))
+    config_path = checkpoint / "config.yaml"
+    raw = yaml.safe_load(config_path.read_text()) or {}
+    model_config = build_section(ModelConfig, raw.get("model"), "model")
     state = consolidated_state_dict(checkpoint / ckpt.DEEPSPEED_DIR, ckpt.DEEPSPEED_TAG)
     num_classes = int(state["head.weight"].shape[0])
-    model = create_model(config.model.name, num_classes=num_classes, img_size=config.model.img_size,
-                         **config.model.overrides())
+    model = model_config.build(num_classes)
     model.load_state_dict(state, strict=True)
-    facts = {"model": config.model.name, "num_classes": num_classes, "img_size": config.model.img_size,
-             "step": ckpt.read_train_state(checkpoint).step, "checkpoint": str(checkpoint)}
-    return model, config, facts
+    facts = {"model": model_config.name, "num_classes": num_classes, "img_size": model_config.img_size,
+             "step": ckpt.read_train_state(checkpoint).step, "checkpoint": str(checkpoint),
+             "seed": int((raw.get("train") or {}).get("seed", 0))}
+    return model, model_config, facts
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "pt") -> dict[str, Any]:
@@ -71,23 +76,3 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "pt") -> dict
     else:
         raise ValueError(f"--format: must be pt or npz, got {fmt!r}")
     return {**facts, "out": str(out), "format": fmt}
-
-
-def probe_checkpoint(config_dict: dict[str, Any], checkpoint: str) -> dict[str, Any]:
-    """The fewshot stage: consolidate the checkpoint and run the few-shot probes (runs in a Ray task)."""
-    from vitscale.eval.probe import fewshot_probe
-
-    from vitscale.models import create_model
-
-    config = build_pipeline(config_dict)
-    model, _, facts = model_from_checkpoint(checkpoint)
-    results = {"checkpoint_step": facts["step"], **fewshot_probe(model, config.eval,
-                                                                 endpoint_url=config.data.endpoint_url)}
-    if config.eval.baseline:
-        # The same architecture with the initial weights the run started from (same seed): what the
-        # probe gets from random features, so the summary shows what pre-training added.
-        torch.manual_seed(config.train.seed)
-        untrained = create_model(config.model.name, num_classes=facts["num_classes"],
-                                 img_size=config.model.img_size, **config.model.overrides())
-        results["untrained_baseline"] = fewshot_probe(untrained, config.eval, endpoint_url=config.data.endpoint_url)
-    return results

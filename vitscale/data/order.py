@@ -1,8 +1,10 @@
-"""Which rank sees which sample, in which order: a pure function of the shard sizes and
-(seed, epoch, rank, world_size).
+"""Sample order: which rank sees which sample, in which order, as a pure function of the shard
+sizes and (seed, epoch, rank, world_size). Pure numpy; it opens nothing (except :func:`rank_keys`,
+which reads a dataset through :mod:`vitscale.data.format` for the CLI).
 
-Samples get a *global index* over the manifest: shard ``i`` (manifest order) holds indices
-``[base[i], base[i] + counts[i])`` in the order they sit in the tar. One epoch is planned so:
+Samples get a *global index* over the dataset: shard ``i`` (in ``dataset.json`` order) holds
+indices ``[base[i], base[i] + counts[i])`` in the order they sit in the tar. One epoch is ordered
+so:
 
 1. **Shard order.** A permutation of the shards drawn from (seed, epoch); the epoch's sample
    *sequence* is the shards' samples concatenated in that order (positions ``0 .. N-1``).
@@ -15,14 +17,14 @@ Samples get a *global index* over the manifest: shard ``i`` (manifest order) hol
    shuffle is one window of indices, whatever the dataset size, and a reader jumps around within
    one window (a few shards) at a time.
 
-Guarantees (property-tested in ``tests/test_plan.py``): per epoch the ranks' orders are disjoint,
+Guarantees (property-tested in ``tests/test_order.py``): per epoch the ranks' orders are disjoint,
 equally long and together miss fewer than ``world_size`` samples; the order depends only on
-(counts, seed, epoch, rank, world_size, shuffle_buffer) and changes with the epoch; planning from
+(counts, seed, epoch, rank, world_size, shuffle_buffer) and changes with the epoch; ordering from
 ``start=k`` yields exactly the tail ``[k:]`` of the order from 0.
 
 Batches within a rank are consecutive runs of ``batch_size`` positions; with several data-loader
 workers, batch ``b`` is built whole by worker ``b % num_workers`` (:func:`worker_batches`), which
-is the order PyTorch's ``DataLoader`` collects them in, so the emitted order equals the plan.
+is the order PyTorch's ``DataLoader`` collects them in, so the emitted order is this order.
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ import numpy as np
 
 __all__ = [
     "DEFAULT_SHUFFLE_BUFFER",
-    "RankPlan",
+    "RankOrder",
     "ShardRange",
     "num_batches",
-    "plan",
     "rank_keys",
+    "rank_order",
     "worker_batches",
 ]
 
@@ -60,7 +62,7 @@ class ShardRange:
 
 
 @dataclass(frozen=True, eq=False)
-class RankPlan:
+class RankOrder:
     """One rank's order for one epoch, from position ``start`` on (computed lazily per window)."""
 
     seed: int
@@ -75,7 +77,7 @@ class RankPlan:
     shard_order: np.ndarray
     """(num_shards,) int64: shard numbers in this epoch's sequence order."""
     bases: np.ndarray
-    """(num_shards + 1,) int64: global index of each shard's first sample (manifest order)."""
+    """(num_shards + 1,) int64: global index of each shard's first sample (dataset order)."""
     seq_offsets: np.ndarray
     """(num_shards + 1,) int64: sequence position of each shard in ``shard_order``'s order."""
 
@@ -149,12 +151,12 @@ class RankPlan:
         return tuple(out)
 
     def locate(self, global_index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(shard number, position inside the shard) of global indices (manifest order)."""
+        """(shard number, position inside the shard) of global indices (dataset order)."""
         shard = np.searchsorted(self.bases, global_index, side="right") - 1
         return shard, global_index - self.bases[shard]
 
 
-def plan(
+def rank_order(
     counts: Sequence[int],
     seed: int,
     epoch: int,
@@ -164,12 +166,12 @@ def plan(
     shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
     *,
     shuffle: bool = True,
-) -> RankPlan:
-    """Plan rank ``rank``'s samples for ``epoch``, from its position ``start`` on.
+) -> RankOrder:
+    """Rank ``rank``'s samples for ``epoch`` in order, from its position ``start`` on.
 
-    ``counts`` are the samples per shard in manifest order. With ``shuffle=False`` (evaluation)
-    shards keep manifest order and samples tar order; the rank split is the same. See the module
-    docstring for the algorithm and its guarantees.
+    ``counts`` are the samples per shard in ``dataset.json`` order. With ``shuffle=False``
+    (evaluation) shards keep that order and samples tar order; the rank split is the same. See the
+    module docstring for the algorithm and its guarantees.
     """
     c = np.asarray(list(counts), dtype=np.int64)
     if c.ndim != 1 or (c < 0).any():
@@ -194,7 +196,7 @@ def plan(
         order = np.arange(c.size, dtype=np.int64)
     seq_offsets = np.zeros(c.size + 1, dtype=np.int64)
     np.cumsum(c[order], out=seq_offsets[1:])
-    return RankPlan(
+    return RankOrder(
         seed=seed,
         epoch=epoch,
         rank=rank,
@@ -237,14 +239,14 @@ def rank_keys(
 ) -> list[str]:
     """Sample keys rank ``rank`` sees in ``epoch``, from position ``start``, in training order.
 
-    The same order :class:`vitscale.data.stream.ShardStream` emits (training mode), read from the
+    The same order :class:`vitscale.data.loader.stream.ShardStream` emits (training mode), read from the
     dataset's ``dataset.json`` and ``_index.parquet``; backs ``vitscale shards order``.
     """
-    # Imported here so this module stays a pure algorithm with no storage or parquet imports.
-    from vitscale.data.stream import open_dataset
+    # Imported here so importing this module stays a pure algorithm: no storage or parquet.
+    from vitscale.data.format import open_dataset
 
     ds = open_dataset(dataset_url, split, endpoint_url=endpoint_url)
-    p = plan(ds.counts, seed, epoch, rank, world_size, start, shuffle_buffer)
+    p = rank_order(ds.counts, seed, epoch, rank, world_size, start, shuffle_buffer)
     index = ds.load_index([r.shard for r in p.ranges])
     shard, local = p.locate(p.indices)
     return [index[int(s)].key(int(i)) for s, i in zip(shard, local)]

@@ -1,6 +1,7 @@
 """Augmentation geometry (pure functions of a per-sample RNG) and on-device normalisation.
 
-Decoding lives in :mod:`vitscale.data.decode`; this module only decides *which* pixels to take:
+Decoding lives in :mod:`vitscale.data.loader.decode`; this module only decides *which* pixels to
+take:
 
 - training: Inception-style random-resized crop (area ``scale`` = (0.08, 1), aspect ``ratio`` =
   (3/4, 4/3), the torchvision/timm recipe) then a horizontal flip with probability 1/2, resized to
@@ -27,6 +28,8 @@ import random
 from dataclasses import dataclass
 
 import torch
+
+from vitscale.config.checks import check, positive_int
 
 __all__ = [
     "CropBox",
@@ -57,16 +60,12 @@ class TransformSpec:
     """Evaluation only: side of the centre square as a fraction of the shorter image side."""
 
     def __post_init__(self) -> None:
-        if self.resolution < 1:
-            raise ValueError(f"TransformSpec.resolution must be >= 1, got {self.resolution}")
+        positive_int(self.resolution, "TransformSpec.resolution")
         lo, hi = self.scale
-        if not 0.0 < lo <= hi <= 1.0:
-            raise ValueError(f"TransformSpec.scale must satisfy 0 < lo <= hi <= 1, got {self.scale}")
+        check(0.0 < lo <= hi <= 1.0, "TransformSpec.scale", f"must satisfy 0 < lo <= hi <= 1, got {self.scale}")
         rlo, rhi = self.ratio
-        if not 0.0 < rlo <= rhi:
-            raise ValueError(f"TransformSpec.ratio must satisfy 0 < lo <= hi, got {self.ratio}")
-        if not 0.0 < self.eval_crop <= 1.0:
-            raise ValueError(f"TransformSpec.eval_crop must be in (0, 1], got {self.eval_crop}")
+        check(0.0 < rlo <= rhi, "TransformSpec.ratio", f"must satisfy 0 < lo <= hi, got {self.ratio}")
+        check(0.0 < self.eval_crop <= 1.0, "TransformSpec.eval_crop", f"must be in (0, 1], got {self.eval_crop}")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Remove near-duplicates of test images from a training set (the ViT paper de-duplicated its
-pre-training data against the downstream test sets).
+pre-training data against the downstream test sets): ``vitscale shards dedup``.
 
 Each image gets a 64-bit DCT perceptual hash (pHash, our own numpy implementation rather than
 the ``imagehash`` package: grey, 32x32, 2-D DCT-II, the 8x8 lowest frequencies thresholded at their
@@ -8,8 +8,9 @@ median). Two images are near-duplicates when their hashes differ in at most ``th
 Search is a multi-index hash, not an all-pairs scan: the 64 bits are cut into ``m`` bands; if two
 hashes are within ``T`` bits, some band differs in at most ``T // m`` bits (pigeonhole). Each band
 of the training hashes is sorted once; every query band is probed with all bit flips of weight
-``<= T // m`` by binary search, and only the candidates this yields are compared in full. ``m`` is
-chosen by a cost model (probes x expected bucket size). The result is exact, same as brute force.
+``<= T // m`` by binary search, and only the candidates this yields are compared in full. ``m`` (the
+:class:`BandLayout`) is chosen by a cost model (probes x expected bucket size). The result is
+exact, same as brute force.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import json
 import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -29,27 +30,23 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from vitscale.data.progress import Progress
-from vitscale.data.shards import (
-    ShardWriter,
-    ensure_empty_destination,
-    labels_of,
-    iter_shard,
-    load_manifest,
-    write_index_and_meta,
-)
+from vitscale.config.checks import check
+from vitscale.data.format import SplitMeta, read_index, read_meta, write_index_and_meta
 from vitscale.data.storage import open_storage
+from vitscale.data.tools.progress import Progress
+from vitscale.data.tools.scan import ShardSample, iter_shard, labels_of
+from vitscale.data.tools.write import ShardWriter, ensure_empty_destination
 
 __all__ = [
     "DEFAULT_THRESHOLD",
-    "BandPlan",
+    "BandLayout",
+    "band_layout",
     "dedup_dataset",
     "hamming",
     "hash_dataset",
     "near_duplicate_pairs",
     "phash",
     "phash_pixels",
-    "plan_bands",
 ]
 
 DEFAULT_THRESHOLD = 10
@@ -98,7 +95,7 @@ def hamming(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class BandPlan:
+class BandLayout:
     """How the 64 bits are cut for the multi-index search."""
 
     widths: tuple[int, ...]
@@ -120,17 +117,16 @@ def _band_widths(m: int) -> tuple[int, ...]:
 _TABLE_MAX_BITS = 24  # bands up to this wide get a dense bucket table (2^w int64 entries)
 
 
-def plan_bands(n_index: int, threshold: int, n_queries: int | None = None) -> BandPlan:
+def band_layout(n_index: int, threshold: int, n_queries: int | None = None) -> BandLayout:
     """Pick the band count with the least estimated work for the multi-index search.
 
     Pure function. Work = queries x probes x (lookup + expected bucket size) + table building.
     ``threshold + 1`` bands make every probe exact (radius 0) but narrow bands mean big buckets
     on large sets; fewer, wider bands need Hamming-ball probes and give tiny buckets.
     """
-    if not 0 <= threshold < 64:
-        raise ValueError(f"threshold must be in [0, 63] bits, got {threshold}")
+    check(0 <= threshold < 64, "threshold", f"must be in [0, 63] bits, got {threshold}")
     n_q = n_index if n_queries is None else n_queries
-    best: tuple[float, BandPlan] | None = None
+    best: tuple[float, BandLayout] | None = None
     for m in range(1, min(threshold + 1, 64) + 1):
         widths = _band_widths(m)
         r = threshold // m
@@ -140,9 +136,9 @@ def plan_bands(n_index: int, threshold: int, n_queries: int | None = None) -> Ba
         build = sum(2.0**w for w in widths) if table else m * n_index * math.log2(n_index + 2)
         cost = n_q * probes * (lookup + n_index / 2.0 ** min(widths)) + build
         if best is None or cost < best[0]:
-            best = (cost, BandPlan(widths, r))
+            best = (cost, BandLayout(widths, r))
     if best is None:  # unreachable: the loop runs at least once (m = 1)
-        raise RuntimeError("plan_bands found no plan")
+        raise RuntimeError("band_layout found no layout")
     return best[1]
 
 
@@ -166,9 +162,9 @@ def near_duplicate_pairs(
     empty = (np.zeros(0, np.int64),) * 3
     if len(q) == 0 or len(x) == 0:
         return empty
-    plan = plan_bands(len(x), threshold, len(q))
+    layout = band_layout(len(x), threshold, len(q))
     found: list[np.ndarray] = []
-    for width, shift in zip(plan.widths, plan.shifts):
+    for width, shift in zip(layout.widths, layout.shifts):
         band_mask = np.uint64((1 << width) - 1)
         xb = (x >> np.uint64(shift)) & band_mask  # (N,) band values
         order = np.argsort(xb, kind="stable")
@@ -179,7 +175,7 @@ def near_duplicate_pairs(
             np.cumsum(np.bincount(xb.astype(np.int64), minlength=1 << width), out=bucket_at[1:])
         else:
             xs = xb[order]  # sorted band values, probed by binary search
-        for flip in _flip_masks(width, plan.radius):
+        for flip in _flip_masks(width, layout.radius):
             probe = qb ^ flip
             if width <= _TABLE_MAX_BITS:
                 p64 = probe.astype(np.int64)
@@ -203,12 +199,12 @@ def near_duplicate_pairs(
     return qi.astype(np.int64), ij.astype(np.int64), hamming(q[qi], x[ij])
 
 
-def _iter_samples(url: str, endpoint_url: str | None) -> Iterator[tuple[str, str, Any]]:
-    """(split, shard, ShardSample) for every sample of a dataset, in manifest order."""
-    man = load_manifest(url, endpoint_url=endpoint_url)
+def _iter_samples(url: str, endpoint_url: str | None) -> Iterator[tuple[str, str, ShardSample]]:
+    """(split, shard, sample) for every sample of a dataset, in ``dataset.json`` order."""
     storage = open_storage(url, endpoint_url=endpoint_url)
-    for split in man.meta["splits"]:
-        for name in man.shard_names(split):
+    meta = read_meta(storage)
+    for split in meta.splits:
+        for name in meta.shard_names(split):
             with storage.open_read(name) as f:
                 for s in iter_shard(f):
                     yield split, name, s
@@ -216,11 +212,11 @@ def _iter_samples(url: str, endpoint_url: str | None) -> Iterator[tuple[str, str
 
 def hash_dataset(url: str, *, endpoint_url: str | None = None, progress: bool = True) -> pa.Table:
     """pHash of every image: table of split, shard, key, phash (uint64)."""
-    man = load_manifest(url, endpoint_url=endpoint_url)
-    total = sum(sp["samples"] for sp in man.meta["splits"].values())
+    storage = open_storage(url, endpoint_url=endpoint_url)
+    total = sum(sp.samples for sp in read_meta(storage).splits.values())
     cols: dict[str, list[Any]] = {"split": [], "shard": [], "key": [], "phash": []}
     batch: list[tuple[str, str, str, bytes]] = []
-    bar = Progress(total, f"hash {man.url}", unit="img", enabled=progress)
+    bar = Progress(total, f"hash {storage.url}", unit="img", enabled=progress)
     with ThreadPoolExecutor(max_workers=4) as pool, bar:
 
         def flush() -> None:
@@ -259,10 +255,11 @@ def dedup_dataset(
     """
     if not against:
         raise ValueError("dedup needs at least one --against dataset")
-    plan_bands(1, threshold)  # validates the threshold before any work
+    band_layout(1, threshold)  # validates the threshold before any work
     out_storage = open_storage(out, endpoint_url=endpoint_url)
     ensure_empty_destination(out_storage)
-    train_man = load_manifest(train, endpoint_url=endpoint_url)
+    train_storage = open_storage(train, endpoint_url=endpoint_url)
+    meta, train_index = read_meta(train_storage), read_index(train_storage)
     train_h = hash_dataset(train, endpoint_url=endpoint_url, progress=progress)
     x = train_h.column("phash").to_numpy()
     t_split, t_shard, t_key = (train_h.column(c).to_pylist() for c in ("split", "shard", "key"))
@@ -284,19 +281,17 @@ def dedup_dataset(
         [(k, pa.int32() if k == "distance" else pa.string()) for k in pair_cols]))
     drop = set(pair_cols["train_key"])
 
-    meta = train_man.meta
-    shard_size = max((sh["samples"] for sp in meta["splits"].values() for sh in sp["shards"]), default=1)
+    shard_size = max((sh.samples for sp in meta.splits.values() for sh in sp.shards), default=1)
     sizes = {
         r["key"]: (r["width"], r["height"])
-        for r in train_man.index.select(["key", "width", "height"]).to_pylist()
+        for r in train_index.select(["key", "width", "height"]).to_pylist()
     }
-    new_splits: dict[str, Any] = {}
+    new_splits: dict[str, SplitMeta] = {}
     rows: list[dict[str, Any]] = []
     removed: dict[str, int] = {}
-    total = sum(sp["samples"] for sp in meta["splits"].values())
+    total = sum(sp.samples for sp in meta.splits.values())
     with Progress(total, f"copy {out_storage.url}", unit="img", enabled=progress) as bar:
-        multi = bool(meta["multi_label"])
-        writers = {s: ShardWriter(out_storage, s, shard_size, multi) for s in meta["splits"]}
+        writers = {s: ShardWriter(out_storage, s, shard_size, meta.multi_label) for s in meta.splits}
         try:
             for split, _, s in _iter_samples(train, endpoint_url):
                 bar.update()
@@ -312,29 +307,29 @@ def dedup_dataset(
                 writers[split].add(s.key, s.files["jpg"], labels, w, h)
             for split, wr in writers.items():
                 wr.finish_shard()
-                new_splits[split] = {"samples": len(wr.rows), "shards": wr.shards}
+                new_splits[split] = SplitMeta(len(wr.rows), tuple(wr.shards))
                 rows.extend(wr.rows)
         except BaseException:
             for wr in writers.values():
                 wr.abort()
             raise
     summary = {
-        "train": train_man.url,
+        "train": train_storage.url,
         "against": list(against),
         "out": out_storage.url,
         "hash": "phash-dct-64 (vitscale numpy implementation)",
         "threshold": threshold,
         "train_samples": len(x),
         "duplicate_pairs": pairs.num_rows,
-        "removed": {s: removed.get(s, 0) for s in meta["splits"]},
+        "removed": {s: removed.get(s, 0) for s in meta.splits},
         "removed_total": sum(removed.values()),
-        "kept": {s: v["samples"] for s, v in new_splits.items()},
+        "kept": {s: v.samples for s, v in new_splits.items()},
     }
     buf = io.BytesIO()
     pq.write_table(pairs, buf)
     out_storage.write_bytes(PAIRS_NAME, buf.getvalue())
     out_storage.write_bytes(SUMMARY_NAME, (json.dumps(summary, indent=2) + "\n").encode())
     dedup_note = {k: summary[k] for k in ("train", "against", "threshold", "removed_total")}
-    new_meta = {**meta, "splits": new_splits, "dedup": dedup_note}
+    new_meta = replace(meta, splits=new_splits, extra={**meta.extra, "dedup": dedup_note})
     write_index_and_meta(out_storage, rows, new_meta)
     return summary

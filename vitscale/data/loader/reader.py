@@ -1,38 +1,21 @@
-"""Raw sample bytes -> arrays: tar-record parsing, label parsing, fast JPEG decode + crop.
+"""Bytes of one sample -> its tar members and labels: ranged reads of sample records, tar-record
+parsing and label parsing.
 
 A sample is read from its shard with one ranged read (``offset``/``size`` from ``_index.parquet``):
 the bytes hold the tar headers and padded members ``{key}.jpg`` and ``{key}.cls`` / ``{key}.json``.
-Everything that can be wrong with such bytes (short read, broken header, foreign member, corrupt
-JPEG, missing or malformed label) raises :class:`BadSample`, which the stream counts and skips.
-
-The image path is built for speed:
-
-- the JPEG is decoded by libjpeg-turbo (simplejpeg) at 1/2, 1/4 or 1/8 scale whenever the crop
-  still covers the output resolution at that scale (DCT-domain scaling: fewer pixels to decode;
-  only power-of-two factors, the others are slower than a full decode);
-- the crop is a view of the decoded pixels, resized in one antialiased bilinear uint8 call
-  (torch's vectorised kernel: same result as PIL's ``resize(size, box=crop)``, ~3x faster);
-- the result is written straight into a row of a preallocated ``uint8`` batch (3, R, R) - no
-  float conversion, no per-sample tensors kept.
-
-Inputs simplejpeg cannot turn into RGB (CMYK JPEGs, PNGs misnamed ``.jpg``) fall back to PIL.
+Everything that can be wrong with such bytes (short read, broken header, foreign member, missing or
+malformed label) raises :class:`BadSample`, which the stream counts and skips.
 """
 
 from __future__ import annotations
 
-import io
 import json
-import random
+import os
+from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-import simplejpeg
-import torch
-import torch.nn.functional as F
-from PIL import Image
+from vitscale.data.storage import LocalStorage, Storage
 
-from vitscale.data.transforms import CropBox, TransformSpec, crop_box
-
-__all__ = ["BadSample", "decode_image_into", "parse_label", "split_tar_record"]
+__all__ = ["BadSample", "SampleReader", "parse_label", "split_tar_record"]
 
 _BLOCK = 512
 _ZERO_BLOCK = bytes(_BLOCK)
@@ -156,70 +139,57 @@ def parse_label(members: dict[str, bytes], num_classes: int, multi_label: bool) 
     return labels
 
 
-def _reduction(box: CropBox, resolution: int) -> int:
-    """Largest k in {1, 2, 4, 8} such that the crop still spans >= ``resolution`` pixels at 1/k."""
-    k = 8
-    while k > 1 and min(box.width, box.height) / k < resolution:
-        k //= 2
-    return k
+class SampleReader:
+    """Ranged reads of sample records: pread on cached file descriptors locally, concurrent
+    coalesced GETs on object storage."""
 
+    def __init__(self, storage: Storage, max_gap: int = 256 << 10, threads: int = 16) -> None:
+        self.storage = storage
+        self.local = isinstance(storage, LocalStorage)
+        self.max_gap = max_gap
+        self.threads = threads
+        self._fds: dict[str, int] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
-def _decode_rgb(data: bytes, width: int, height: int, k: int) -> np.ndarray:
-    """(h', w', 3) uint8 RGB at about 1/k scale; simplejpeg first, PIL for what it cannot do."""
-    try:
-        return simplejpeg.decode_jpeg(
-            data, colorspace="RGB", min_width=-(-width // k), min_height=-(-height // k)
-        )
-    except ValueError:
-        pass  # CMYK/YCCK JPEG or not a JPEG at all: let PIL try, it raises if truly corrupt
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            # draft() picks a power-of-two DCT scale whose size is >= the requested one.
-            img.draft("RGB", (-(-width // k), -(-height // k)))
-            return np.array(img.convert("RGB"))  # writable: torch.from_numpy wants that
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise BadSample(f"corrupt image: {exc}") from exc
+    def _fd(self, name: str) -> int:
+        fd = self._fds.get(name)
+        if fd is None:
+            if len(self._fds) >= 64:  # bound open files: a window touches only a few shards
+                os.close(self._fds.pop(next(iter(self._fds))))
+            fd = os.open(self.storage.url_of(name), os.O_RDONLY)
+            self._fds[name] = fd
+        return fd
 
+    def close(self) -> None:
+        """Close cached file descriptors and the request thread pool."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
-def _image_size(data: bytes) -> tuple[int, int]:
-    """(width, height) from the JPEG header, or via PIL for anything else."""
-    try:
-        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-        return int(width), int(height)
-    except ValueError:
-        pass
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            return img.size
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise BadSample(f"corrupt image: {exc}") from exc
+    def read(self, requests: list[tuple[str, int, int]]) -> list[bytes]:
+        """Bytes of each (shard name, offset, size); shorter than size where the shard ends early."""
+        if self.local:
+            return [os.pread(self._fd(n), size, off) for n, off, size in requests]
+        # Coalesce requests into runs per shard whose gaps are small: one GET per run.
+        order = sorted(range(len(requests)), key=lambda i: (requests[i][0], requests[i][1]))
+        runs: list[tuple[str, int, int, list[int]]] = []
+        for i in order:
+            name, off, size = requests[i]
+            if runs and runs[-1][0] == name and off - runs[-1][2] <= self.max_gap:
+                r = runs[-1]
+                runs[-1] = (name, r[1], max(r[2], off + size), r[3] + [i])
+            else:
+                runs.append((name, off, off + size, [i]))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads)
+        blobs = self._pool.map(lambda r: self.storage.read_range(r[0], r[1], r[2] - r[1]), runs)
+        out: list[bytes] = [b""] * len(requests)
+        for (_, start, _, members), blob in zip(runs, blobs):
+            for i in members:
+                off = requests[i][1] - start
+                out[i] = blob[off : off + requests[i][2]]
+        return out
 
-
-def decode_image_into(
-    data: bytes, out: np.ndarray, spec: TransformSpec, rng: random.Random | None
-) -> None:
-    """Decode ``data``, crop/flip/resize per ``spec`` and write the result into ``out`` (3, R, R).
-
-    ``out`` is a row of a preallocated uint8 batch; ``rng`` (from ``sample_rng``) drives the
-    training crop and flip. Raises :class:`BadSample` for data that is not a decodable image.
-    """
-    r = spec.resolution
-    if out.shape != (3, r, r) or out.dtype != np.uint8:
-        raise ValueError(f"out must be a uint8 array of shape (3, {r}, {r}), got {out.dtype} {out.shape}")
-    width, height = _image_size(data)
-    box = crop_box(width, height, spec, rng)
-    pixels = _decode_rgb(data, width, height, _reduction(box, r))  # (h', w', 3)
-    h, w = pixels.shape[:2]
-    # The decoder rounds scaled sizes up: map the crop with the actual per-axis factors, to whole
-    # pixels (at most half a decoded pixel off; exact when decoding at full scale).
-    sx, sy = w / width, h / height
-    x0 = min(int(round(box.left * sx)), w - 1)
-    y0 = min(int(round(box.top * sy)), h - 1)
-    x1 = min(max(int(round((box.left + box.width) * sx)), x0 + 1), w)
-    y1 = min(max(int(round((box.top + box.height) * sy)), y0 + 1), h)
-    # (1, 3, y1-y0, x1-x0) channels-last view of the crop: no copy. torch's uint8 antialiased
-    # bilinear resize matches PIL's to within rounding and is ~3x faster on CPU.
-    crop = torch.from_numpy(pixels)[y0:y1, x0:x1].permute(2, 0, 1).unsqueeze(0)
-    resized = F.interpolate(crop, size=(r, r), mode="bilinear", antialias=True, align_corners=False)
-    chw = resized[0].numpy()  # (3, R, R)
-    out[...] = chw[:, :, ::-1] if box.flip else chw

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from vitscale.data.stream import ShardStream
+from vitscale.config.checks import positive, positive_int
+from vitscale.data.loader.stream import ShardStream
 
 __all__ = ["cpu_seconds", "measure", "run_bench"]
 
@@ -41,8 +42,7 @@ def measure(
     this), so their CPU time is counted. Returns images, wall_s, cpu_s, images_per_s,
     images_per_cpu_s and startup_s (time to the first batch).
     """
-    if seconds <= 0:
-        raise ValueError(f"seconds must be > 0, got {seconds}")
+    positive(seconds, "seconds")
 
     def forever() -> Iterator[Any]:
         for _ in itertools.count():
@@ -92,8 +92,7 @@ def run_bench(
     images_per_s_per_worker, images_per_cpu_s (per core, all processes counted), workers, images,
     seconds, startup_s, resolution, batch_size and skipped (bad samples met).
     """
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
+    positive_int(workers, "workers")
     stream = ShardStream(
         dataset_url,
         split,

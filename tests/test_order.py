@@ -1,15 +1,20 @@
-"""Property tests of the sample plan: partition, balance, determinism, resumption, locality."""
+"""Property tests of the sample order: partition, balance, determinism, resumption, locality;
+and the data package's layout (the order module stays pure, no module grows past 400 lines)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vitscale.data.plan import num_batches, plan, worker_batches
+import vitscale.data
+from vitscale.data.order import num_batches, rank_order, worker_batches
 
 counts_st = st.lists(st.integers(0, 40), min_size=1, max_size=12)
 world_st = st.integers(1, 8)
@@ -20,7 +25,7 @@ FAST = settings(max_examples=150, deadline=None)
 
 
 def all_ranks(counts, seed, epoch, world, buf, shuffle=True):
-    return [plan(counts, seed, epoch, r, world, 0, buf, shuffle=shuffle).indices for r in range(world)]
+    return [rank_order(counts, seed, epoch, r, world, 0, buf, shuffle=shuffle).indices for r in range(world)]
 
 
 @FAST
@@ -40,9 +45,9 @@ def test_epoch_is_a_balanced_partition(counts, seed, epoch, world, buf):
 @given(counts_st, seed_st, epoch_st, world_st, buffer_st, st.data())
 def test_resume_is_exactly_the_tail(counts, seed, epoch, world, buf, data):
     rank = data.draw(st.integers(0, world - 1))
-    full = plan(counts, seed, epoch, rank, world, 0, buf)
+    full = rank_order(counts, seed, epoch, rank, world, 0, buf)
     k = data.draw(st.integers(0, full.samples_per_rank))
-    resumed = plan(counts, seed, epoch, rank, world, k, buf)
+    resumed = rank_order(counts, seed, epoch, rank, world, k, buf)
     np.testing.assert_array_equal(resumed.indices, full.indices[k:])
     assert len(resumed) == full.samples_per_rank - k
     # Any slice of positions agrees with the materialised order (what loader workers compute).
@@ -69,7 +74,7 @@ def _range_members(p) -> np.ndarray:
 @given(counts_st, seed_st, epoch_st, world_st, buffer_st, st.data())
 def test_rank_reads_only_its_shard_ranges(counts, seed, epoch, world, buf, data):
     rank = data.draw(st.integers(0, world - 1))
-    p = plan(counts, seed, epoch, rank, world, 0, buf)
+    p = rank_order(counts, seed, epoch, rank, world, 0, buf)
     members = _range_members(p)
     # From the start, the ranges are exactly the rank's samples, each shard at most once ...
     np.testing.assert_array_equal(np.sort(members), np.sort(p.indices))
@@ -80,7 +85,7 @@ def test_rank_reads_only_its_shard_ranges(counts, seed, epoch, world, buf, data)
     assert all(r.lo < r.hi for r in p.ranges)
     # Resumed: a superset of what is left, a subset of the rank's span.
     k = data.draw(st.integers(0, p.samples_per_rank))
-    q = plan(counts, seed, epoch, rank, world, k, buf)
+    q = rank_order(counts, seed, epoch, rank, world, k, buf)
     rest = set(_range_members(q).tolist())
     assert set(q.indices.tolist()) <= rest <= set(members.tolist())
 
@@ -89,15 +94,15 @@ def test_rank_reads_only_its_shard_ranges(counts, seed, epoch, world, buf, data)
 @given(counts_st, seed_st, epoch_st, world_st, buffer_st, st.data())
 def test_sample_shuffle_stays_within_its_window(counts, seed, epoch, world, buf, data):
     rank = data.draw(st.integers(0, world - 1))
-    shuffled = plan(counts, seed, epoch, rank, world, 0, buf).indices
-    in_order = plan(counts, seed, epoch, rank, world, 0, 1).indices  # same shards, no window shuffle
+    shuffled = rank_order(counts, seed, epoch, rank, world, 0, buf).indices
+    in_order = rank_order(counts, seed, epoch, rank, world, 0, 1).indices  # same shards, no window shuffle
     for w in range(0, len(shuffled), buf):
         assert set(shuffled[w : w + buf].tolist()) == set(in_order[w : w + buf].tolist())
 
 
 @FAST
 @given(counts_st, world_st, buffer_st)
-def test_no_shuffle_keeps_manifest_order(counts, world, buf):
+def test_no_shuffle_keeps_dataset_order(counts, world, buf):
     orders = all_ranks(counts, 7, 3, world, buf, shuffle=False)
     m = sum(counts) // world
     np.testing.assert_array_equal(np.concatenate(orders), np.arange(world * m))
@@ -124,13 +129,13 @@ def test_workers_round_robin_rebuilds_the_batch_order(samples, workers, drop_las
 
 def test_epochs_reshuffle_shards_and_samples():
     counts = [50, 30, 45, 60, 25, 40]
-    seen = {tuple(plan(counts, 3, e, 0, 1).indices.tolist()) for e in range(4)}
+    seen = {tuple(rank_order(counts, 3, e, 0, 1).indices.tolist()) for e in range(4)}
     assert len(seen) == 4  # every epoch a new order
     # Sample order alone: one shard, so only the window shuffle can change anything.
-    a, b = plan([200], 3, 0, 0, 1).indices, plan([200], 3, 1, 0, 1).indices
+    a, b = rank_order([200], 3, 0, 0, 1).indices, rank_order([200], 3, 1, 0, 1).indices
     assert not np.array_equal(a, b) and not np.array_equal(a, np.arange(200))
     # Shard order alone: window of 1 keeps tar order inside shards, yet epochs differ.
-    orders = {tuple(plan(counts, 3, e, 0, 1, 0, 1).shard_order.tolist()) for e in range(4)}
+    orders = {tuple(rank_order(counts, 3, e, 0, 1, 0, 1).shard_order.tolist()) for e in range(4)}
     assert len(orders) > 1
     # The left-out samples move between epochs.
     left_out = [
@@ -139,15 +144,15 @@ def test_epochs_reshuffle_shards_and_samples():
     ]
     assert len({frozenset(s) for s in left_out}) > 1
     # Different seeds, different orders.
-    assert not np.array_equal(plan(counts, 3, 0, 0, 2).indices, plan(counts, 4, 0, 0, 2).indices)
+    assert not np.array_equal(rank_order(counts, 3, 0, 0, 2).indices, rank_order(counts, 4, 0, 0, 2).indices)
 
 
-def test_jft_scale_plan_is_lazy_and_fast():
-    # 303M samples in 30,300 shards over 512 ranks: planning and reading a batch's positions
+def test_jft_scale_order_is_lazy_and_fast():
+    # 303M samples in 30,300 shards over 512 ranks: ordering and reading a batch's positions
     # must not materialise the epoch (memory stays flat, start-up stays instant).
     counts = np.full(30_300, 10_000)
     t0 = time.perf_counter()
-    p = plan(counts, 0, 2, 511, 512, start=123_456)
+    p = rank_order(counts, 0, 2, 511, 512, start=123_456)
     batch = p.global_indices(200_000, 204_096)
     assert time.perf_counter() - t0 < 2.0
     assert batch.shape == (4096,) and len(np.unique(batch)) == 4096
@@ -167,6 +172,23 @@ def test_jft_scale_plan_is_lazy_and_fast():
 def test_bad_arguments_are_value_errors(kwargs, match):
     args = dict(counts=[10, 10], seed=0, epoch=0, rank=0, world_size=1) | kwargs
     with pytest.raises(ValueError, match=match):
-        plan(**args)
+        rank_order(**args)
     with pytest.raises(ValueError, match="counts"):
-        plan([3, -1], 0, 0, 0, 1)
+        rank_order([3, -1], 0, 0, 0, 1)
+
+
+def test_order_module_imports_nothing_from_the_loader():
+    # The order is pure numpy: importing it must not pull in the loader (torch, decoders).
+    code = (
+        "import sys, vitscale.data.order\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('vitscale.data.loader', 'torch')))\n"
+        "print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_no_data_module_is_over_400_lines():
+    root = Path(vitscale.data.__file__).parent
+    lines = {str(p.relative_to(root)): len(p.read_text().splitlines()) for p in root.rglob("*.py")}
+    assert {name: n for name, n in lines.items() if n > 400} == {}

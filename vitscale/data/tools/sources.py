@@ -1,4 +1,4 @@
-"""Image sources the shard writer reads: ``folder:PATH``, ``manifest:FILE``, ``digits``, ``synthetic``.
+"""Image sources the shard writer reads: ``folder:PATH``, ``list:FILE``, ``digits``, ``synthetic``.
 
 Every source is a random-access sequence of :class:`Sample` ``(key, image, labels)`` where
 ``image`` is a PIL image or the encoded bytes of an image file, and ``labels`` a tuple of class
@@ -10,38 +10,35 @@ Sources, with the options :func:`open_source` accepts:
 ``folder:PATH``
     ImageNet layout: one sub-folder per class (class names = sub-folder names, sorted), image files
     anywhere below each (``.jpg .jpeg .png .bmp .gif .webp .tif .tiff .ppm``, any case).
-``manifest:FILE``
-    A ``.parquet`` or ``.csv`` table with one row per image.
+``list:FILE``
+    An image list: a ``.parquet``, ``.csv`` or ``.tsv`` table with one row per image.
     Image column (first present): ``path``, ``image``, ``image_path``, ``file``, ``filename``.
     Label column (first present): ``labels``, ``label``, ``class``, ``class_id``, ``target``.
     A label cell is an int, a class name, a list of either, or a string joining several with
     ``;`` (``"3;17"``); any row with other than one label makes the dataset multi-label. Labels
     that are all integers are class indices (``classes`` names them, else ``"0".."K-1"``); names
     are mapped to indices in sorted order. An optional ``key`` column gives sample keys.
-    Relative paths resolve against ``root`` (default: the manifest's folder); ``s3://`` paths are
-    read through :mod:`vitscale.data.storage`. Options: ``root``, ``path_column``,
+    Relative paths resolve against ``root`` (default: the image list's folder); ``s3://`` paths
+    are read through :mod:`vitscale.data.storage`. Options: ``root``, ``path_column``,
     ``label_column``, ``classes``, ``endpoint_url``.
 ``digits``
     scikit-learn's bundled handwritten digits (1,797 8x8 grey images, 10 classes), upscaled to
     ``image_size`` (default 64) px with ``resample`` (``"bicubic"`` or ``"nearest"``), grey to RGB.
 ``synthetic``
-    Procedural, learnable images: each class is a fixed pattern (hue, grating orientation and
-    frequency, shape) placed at random position and scale over a noisy random background.
-    Options: ``count`` (1000), ``classes`` (10), ``image_size`` (None: photo-like random sizes
-    from 256 to 512 px a side; an int: square images), ``multi_label`` (False: one object; True:
-    1-3 objects of distinct classes), ``seed`` (0). Class patterns depend only on the class
-    index, so sets drawn with different seeds share them (train on one seed, test on another).
+    Procedural, learnable images (:mod:`vitscale.data.tools.synthetic`): each class is a fixed
+    pattern (hue, grating orientation and frequency, shape) placed at random position and scale
+    over a noisy random background. Options: ``count`` (1000), ``classes`` (10), ``image_size``
+    (None: photo-like random sizes from 256 to 512 px a side; an int: square images),
+    ``multi_label`` (False: one object; True: 1-3 objects of distinct classes), ``seed`` (0).
 """
 
 from __future__ import annotations
 
-import colorsys
 import csv
 import io
 import math
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -49,13 +46,14 @@ from typing import Any, NamedTuple
 import numpy as np
 from PIL import Image
 
+from vitscale.config.checks import check, one_of
+
 __all__ = [
     "Sample",
     "Source",
     "FolderSource",
-    "ManifestSource",
+    "ImageListSource",
     "DigitsSource",
-    "SyntheticSource",
     "open_source",
     "parse_labels",
     "IMAGE_EXTENSIONS",
@@ -152,18 +150,18 @@ class FolderSource(Source):
 
 
 def parse_labels(cell: Any) -> list[str]:
-    """Split one manifest label cell into label tokens: int, name, list, or ``"3;17"`` strings."""
+    """Split one image-list label cell into label tokens: int, name, list, or ``"3;17"`` strings."""
     if cell is None or (isinstance(cell, float) and math.isnan(cell)):
         return []
     if isinstance(cell, (list, tuple, np.ndarray)):
         return [t for c in cell for t in parse_labels(c)]
     if isinstance(cell, (bool, np.bool_)):
-        raise ValueError(f"manifest label {cell!r} is a boolean, expected a class index or name")
+        raise ValueError(f"label {cell!r} is a boolean, expected a class index or name")
     if isinstance(cell, (int, np.integer)):
         return [str(int(cell))]
     if isinstance(cell, (float, np.floating)):
         if not float(cell).is_integer():
-            raise ValueError(f"manifest label {cell!r} is not an integer class index")
+            raise ValueError(f"label {cell!r} is not an integer class index")
         return [str(int(cell))]
     text = str(cell).strip()
     if text.startswith("[") and text.endswith("]"):  # a list written to CSV as "[3, 17]"
@@ -179,7 +177,7 @@ def _read_table(path: Path) -> list[dict[str, Any]]:
     if path.suffix.lower() in (".csv", ".tsv"):
         with open(path, newline="") as f:
             return list(csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ","))
-    raise ValueError(f"manifest source: {path} must be .parquet, .csv or .tsv")
+    raise ValueError(f"image list {path} must be .parquet, .csv or .tsv")
 
 
 def _pick_column(
@@ -187,19 +185,19 @@ def _pick_column(
 ) -> str:
     if wanted is not None:
         if wanted not in columns:
-            raise ValueError(f"manifest {path}: missing {what} column {wanted!r} (columns: {list(columns)})")
+            raise ValueError(f"image list {path}: missing {what} column {wanted!r} (columns: {list(columns)})")
         return wanted
     for c in candidates:
         if c in columns:
             return c
     raise ValueError(
-        f"manifest {path}: missing {what} column; name one of {list(candidates)} "
+        f"image list {path}: missing {what} column; name one of {list(candidates)} "
         f"(columns present: {list(columns)})"
     )
 
 
-class ManifestSource(Source):
-    """Rows of a parquet/CSV manifest: image path + label(s); see the module docstring."""
+class ImageListSource(Source):
+    """Rows of an image list (parquet/CSV/TSV): image path + label(s); see the module docstring."""
 
     def __init__(
         self,
@@ -213,10 +211,10 @@ class ManifestSource(Source):
     ) -> None:
         self.path = Path(path).expanduser()
         if not self.path.is_file():
-            raise ValueError(f"manifest source: {self.path} does not exist")
+            raise ValueError(f"image list {self.path} does not exist")
         rows = _read_table(self.path)
         if not rows:
-            raise ValueError(f"manifest {self.path} has no rows")
+            raise ValueError(f"image list {self.path} has no rows")
         cols = list(rows[0].keys())
         pcol = _pick_column(cols, path_column, PATH_COLUMNS, "image path", self.path)
         lcol = _pick_column(cols, label_column, LABEL_COLUMNS, "label", self.path)
@@ -226,7 +224,7 @@ class ManifestSource(Source):
         tokens = [parse_labels(r[lcol]) for r in rows]
         for n, t in enumerate(tokens):
             if not t:
-                raise ValueError(f"manifest {self.path}: row {n} ({rows[n][pcol]}) has no label")
+                raise ValueError(f"image list {self.path}: row {n} ({rows[n][pcol]}) has no label")
         flat = {t for ts in tokens for t in ts}
         if all(re.fullmatch(r"-?\d+", t) for t in flat):
             ids = [[int(t) for t in ts] for ts in tokens]
@@ -234,7 +232,7 @@ class ManifestSource(Source):
             bad = [i for ts in ids for i in ts if not 0 <= i < k]
             if bad:
                 raise ValueError(
-                    f"manifest {self.path}: label {bad[0]} outside [0, {k}); pass classes= to name all {k}"
+                    f"image list {self.path}: label {bad[0]} outside [0, {k}); pass classes= to name all {k}"
                 )
             self.classes = tuple(classes) if classes is not None else tuple(str(i) for i in range(k))
         else:
@@ -242,7 +240,7 @@ class ManifestSource(Source):
             lookup = {c: i for i, c in enumerate(names)}
             missing = sorted(flat - set(lookup))
             if missing:
-                raise ValueError(f"manifest {self.path}: labels {missing[:5]} are not in classes")
+                raise ValueError(f"image list {self.path}: labels {missing[:5]} are not in classes")
             ids = [[lookup[t] for t in ts] for ts in tokens]
             self.classes = names
         self._labels = [tuple(sorted(set(i))) for i in ids]
@@ -273,7 +271,7 @@ class ManifestSource(Source):
         if not path.is_absolute():
             path = self.root / path
         if not path.is_file():
-            raise ValueError(f"manifest {self.path}: image {path} does not exist")
+            raise ValueError(f"image list {self.path}: image {path} does not exist")
         return path.read_bytes()
 
     def __getitem__(self, i: int) -> Sample:  # type: ignore[override]
@@ -294,11 +292,9 @@ class DigitsSource(Source):
     """scikit-learn's bundled 8x8 handwritten digits, upscaled and turned RGB (no download)."""
 
     def __init__(self, *, image_size: int = 64, resample: str = "bicubic") -> None:
-        if image_size < 8:
-            raise ValueError(f"digits: image_size must be >= 8, got {image_size}")
+        check(image_size >= 8, "digits.image_size", f"must be >= 8, got {image_size}")
         modes = {"bicubic": Image.Resampling.BICUBIC, "nearest": Image.Resampling.NEAREST}
-        if resample not in modes:
-            raise ValueError(f"digits: resample must be one of {sorted(modes)}, got {resample!r}")
+        one_of(resample, sorted(modes), "digits.resample")
         self.image_size = image_size
         self._resample = modes[resample]
         self._images, self._targets = _digits()
@@ -317,153 +313,42 @@ class DigitsSource(Source):
         return Sample(f"digits-{i:04d}", img.convert("RGB"), (int(self._targets[i]),))
 
 
-@dataclass(frozen=True)
-class ClassPattern:
-    """The fixed look of one synthetic class."""
-
-    hue: float
-    """Foreground hue in [0, 1)."""
-    angle: float
-    """Grating orientation in radians, [0, pi)."""
-    cycles: float
-    """Grating cycles across the object."""
-    shape: int
-    """0 disc, 1 square, 2 diamond."""
-
-
-def class_pattern(c: int) -> ClassPattern:
-    """Class ``c``'s pattern: golden-ratio sequences keep neighbouring classes far apart."""
-    return ClassPattern(
-        hue=(c * 0.6180339887) % 1.0,
-        angle=math.pi * ((c * 0.3819660113 + 0.125) % 1.0),
-        cycles=2.0 + (c % 3),
-        shape=(c // 3) % 3,
-    )
-
-
-def _draw_object(canvas: np.ndarray, pat: ClassPattern, rng: np.random.Generator) -> None:
-    """Paint one object of pattern ``pat`` into ``canvas`` (H, W, 3) float in [0, 1], in place."""
-    h, w, _ = canvas.shape
-    side = min(h, w)
-    r = side * rng.uniform(0.18, 0.32)  # half-size of the object
-    cy, cx = rng.uniform(r, h - r), rng.uniform(r, w - r)
-    y0, y1 = max(0, int(cy - r)), min(h, int(cy + r) + 1)
-    x0, x1 = max(0, int(cx - r)), min(w, int(cx + r) + 1)
-    yy, xx = np.mgrid[y0:y1, x0:x1].astype(np.float32)  # (h', w') pixel coordinates
-    dy, dx = (yy - cy) / r, (xx - cx) / r  # object-relative, in [-1, 1]
-    if pat.shape == 0:
-        mask = dx**2 + dy**2 <= 1.0
-    elif pat.shape == 1:
-        mask = np.maximum(np.abs(dx), np.abs(dy)) <= 0.85
-    else:
-        mask = np.abs(dx) + np.abs(dy) <= 1.0
-    angle = pat.angle + rng.normal(0.0, 0.08)
-    phase = rng.uniform(0, 2 * math.pi)
-    u = dx * math.cos(angle) + dy * math.sin(angle)
-    grating = 0.5 + 0.5 * np.sin(math.pi * pat.cycles * u + phase)  # (h', w') in [0, 1]
-    hue = (pat.hue + rng.normal(0.0, 0.02)) % 1.0
-    bright = np.array(colorsys.hsv_to_rgb(hue, rng.uniform(0.75, 1.0), rng.uniform(0.8, 1.0)), np.float32)
-    dark = bright * rng.uniform(0.1, 0.3)
-    fill = dark + (bright - dark) * grating[..., None]  # (h', w', 3)
-    region = canvas[y0:y1, x0:x1]
-    region[mask] = fill[mask]
-
-
-class SyntheticSource(Source):
-    """Procedural images whose class is a learnable visual pattern; deterministic by seed."""
-
-    def __init__(
-        self,
-        *,
-        count: int = 1000,
-        classes: int = 10,
-        image_size: int | None = None,
-        multi_label: bool = False,
-        seed: int = 0,
-    ) -> None:
-        if count < 1:
-            raise ValueError(f"synthetic: count must be >= 1, got {count}")
-        if classes < 2:
-            raise ValueError(f"synthetic: classes must be >= 2, got {classes}")
-        if image_size is not None and image_size < 8:
-            raise ValueError(f"synthetic: image_size must be >= 8 or None, got {image_size}")
-        if multi_label and classes < 3:
-            raise ValueError("synthetic: multi_label needs classes >= 3")
-        self.count, self.num_classes, self.image_size, self.seed = count, classes, image_size, seed
-        self.name = "synthetic"
-        self.classes = tuple(f"class_{c:03d}" for c in range(classes))
-        self.multi_label = multi_label
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, i: int) -> Sample:  # type: ignore[override]
-        i = self._check_index(i)
-        # One independent stream per (seed, index): random access and order-free determinism.
-        rng = np.random.default_rng([self.seed, i])
-        if self.image_size is None:
-            h, w = (int(v) for v in rng.integers(256, 513, size=2))
-        else:
-            h = w = self.image_size
-        if self.multi_label:
-            n_obj = int(rng.integers(1, 4))
-            labels = tuple(sorted(int(c) for c in rng.choice(self.num_classes, n_obj, replace=False)))
-        else:
-            labels = (i % self.num_classes,)  # balanced classes
-        # Background: a grey-ish linear gradient between two random colours, (H, W, 3).
-        c0, c1 = rng.uniform(0.2, 0.8, size=(2, 3)).astype(np.float32) * 0.5 + 0.25
-        if rng.random() < 0.5:
-            grad = np.linspace(0.0, 1.0, w, dtype=np.float32)[None, :, None]  # (1, W, 1)
-        else:
-            grad = np.linspace(0.0, 1.0, h, dtype=np.float32)[:, None, None]  # (H, 1, 1)
-        canvas = np.broadcast_to(c0 + (c1 - c0) * grad, (h, w, 3)).copy()
-        # Plus smooth random blotches (a 6x6 grid upsampled): real photos have structured
-        # backgrounds, and a near-flat one would make distinct images alike to perceptual hashes.
-        # Mostly brightness, little colour: hue is a class cue and must stay the object's.
-        grid = rng.uniform(-0.2, 0.2, size=(6, 6, 1)) + rng.uniform(-0.05, 0.05, size=(6, 6, 3))
-        blotch = Image.fromarray(((grid + 0.5) * 255).astype(np.uint8), mode="RGB")
-        blotch = blotch.resize((w, h), Image.Resampling.BICUBIC)
-        canvas += np.asarray(blotch, dtype=np.float32) / 255.0 - 0.5
-        for c in rng.permutation(labels):
-            _draw_object(canvas, class_pattern(int(c)), rng)
-        canvas += rng.normal(0.0, 0.04, size=canvas.shape).astype(np.float32)
-        pixels = (np.clip(canvas, 0.0, 1.0) * 255.0).round().astype(np.uint8)
-        return Sample(f"synth-s{self.seed}-{i:07d}", Image.fromarray(pixels, mode="RGB"), labels)
-
-
 _OPTIONS = {
     "folder": set(),
-    "manifest": {"root", "path_column", "label_column", "classes", "endpoint_url"},
+    "list": {"root", "path_column", "label_column", "classes", "endpoint_url"},
     "digits": {"image_size", "resample"},
     "synthetic": {"count", "classes", "image_size", "multi_label", "seed"},
 }
 
 
 def open_source(spec: str, **options: Any) -> Source:
-    """Open a source from ``folder:PATH``, ``manifest:FILE``, ``digits`` or ``synthetic``.
+    """Open a source from ``folder:PATH``, ``list:FILE``, ``digits`` or ``synthetic``.
 
     ``options`` are the keyword options listed in the module docstring; an option a source does
     not take is an error (options whose value is ``None`` are ignored).
     """
     kind, _, arg = spec.partition(":")
     if kind not in _OPTIONS:
-        raise ValueError(f"unknown source {spec!r}: use folder:PATH, manifest:FILE, digits or synthetic")
+        raise ValueError(f"unknown source {spec!r}: use folder:PATH, list:FILE, digits or synthetic")
     opts = {k: v for k, v in options.items() if v is not None}
     unknown = sorted(set(opts) - _OPTIONS[kind])
     if unknown:
         raise ValueError(
             f"source {kind!r} does not take option(s) {unknown}; it takes {sorted(_OPTIONS[kind])}"
         )
-    if kind in ("folder", "manifest") and not arg:
+    if kind in ("folder", "list") and not arg:
         raise ValueError(f"source {kind!r} needs a path: {kind}:PATH")
     if kind in ("digits", "synthetic") and arg:
         raise ValueError(f"source {kind!r} takes no path (got {spec!r})")
     if kind == "folder":
         return FolderSource(arg)
-    if kind == "manifest":
-        return ManifestSource(arg, **opts)
+    if kind == "list":
+        return ImageListSource(arg, **opts)
     if kind == "digits":
         return DigitsSource(**opts)
+    # Imported here: the synthetic source subclasses Source from this module.
+    from vitscale.data.tools.synthetic import SyntheticSource
+
     return SyntheticSource(**opts)
 
 

@@ -1,0 +1,94 @@
+"""The shape of the package: imports point one way, Ray and DeepSpeed stay at their edges.
+
+Layers, lowest first (docs/architecture.md):
+  config  <-  models, data, scaling.flops  <-  train, eval  <-  launch, stages, scaling.study  <-  cli
+A module may import its own layer and the layers below it, never one above.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "vitscale"
+
+LAYERS = {
+    "config": 0,
+    "models": 1, "data": 1, "scaling": 1, "scaling.flops": 1, "scaling.catalog": 1,
+    "train": 2, "eval": 2,
+    "launch": 3, "stages": 3, "scaling.study": 3,
+    "cli": 4, "__main__": 4,
+}
+
+
+def layer_of(module: str) -> int:
+    """The layer of a dotted module name inside vitscale (longest matching prefix)."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        key = ".".join(parts[:n])
+        if key in LAYERS:
+            return LAYERS[key]
+    raise KeyError(f"vitscale.{module} belongs to no layer; add it to LAYERS and docs/architecture.md")
+
+
+def modules() -> list[tuple[str, Path]]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).with_suffix("")
+        parts = [p for p in rel.parts if p != "__init__"]
+        if parts:
+            out.append((".".join(parts), path))
+    return out
+
+
+def imports_of(path: Path) -> list[str]:
+    """Every module imported anywhere in the file (lazy imports inside functions count too)."""
+    tree = ast.parse(path.read_text())
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+@pytest.mark.parametrize("module, path", modules(), ids=[m for m, _ in modules()])
+def test_imports_point_down(module: str, path: Path) -> None:
+    mine = layer_of(module)
+    upward = [name for name in imports_of(path) if name.startswith("vitscale.")
+              and layer_of(name.removeprefix("vitscale.")) > mine]
+    assert not upward, f"vitscale.{module} (layer {mine}) imports from a layer above: {upward}"
+
+
+def test_ray_only_in_launch_and_stages() -> None:
+    offenders = [m for m, path in modules()
+                 if any(n == "ray" or n.startswith("ray.") for n in imports_of(path))
+                 and not m.startswith(("launch", "stages", "scaling.study"))]
+    assert not offenders
+
+
+def test_deepspeed_only_in_the_engine() -> None:
+    offenders = [m for m, path in modules()
+                 if any(n == "deepspeed" or n.startswith("deepspeed.") for n in imports_of(path))]
+    assert offenders == ["train.engine"]
+
+
+def test_models_import_nothing_distributed() -> None:
+    for module, path in modules():
+        if module.startswith("models"):
+            bad = [n for n in imports_of(path) if n.split(".")[0] in ("ray", "deepspeed", "torch.distributed")
+                   or n.startswith("torch.distributed")]
+            assert not bad, (module, bad)
+
+
+def test_no_second_list_of_model_options() -> None:
+    """The model's options are named in models/options.py; no other layer lists them."""
+    for module, path in modules():
+        if module.startswith("models"):
+            continue
+        text = path.read_text()
+        for option in ("pos_emb_placement", "attention_dropout", "activation_checkpointing"):
+            assert option not in text, f"vitscale.{module} names the model option {option!r}"

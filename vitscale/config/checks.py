@@ -1,0 +1,100 @@
+"""The one set of value checks every layer uses, and the error they raise.
+
+Config dataclasses call these in their `validate()` with the dotted YAML key (`train.base_lr`);
+library functions that take user-supplied arguments (`create_model`, `forward_flops`, the loader)
+call them with the argument's name. Either way the error names the key, so a user can act on it.
+Numbers must also be finite: `nan` and `inf` are never a sensible learning rate, size or count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A value a user must fix; the message names the dotted key (and the file when known)."""
+
+    def __init__(self, key: str, message: str, source: str | None = None):
+        self.key = key
+        self.message = message
+        self.source = source
+        where = f" (in {source})" if source else ""
+        super().__init__(f"{key}: {message}{where}")
+
+    def in_file(self, source: str) -> ConfigError:
+        """The same error, naming the file it came from (unless it already names one)."""
+        return self if self.source else ConfigError(self.key, self.message, source)
+
+
+def check(ok: bool, key: str, message: str) -> None:
+    """Raise `ConfigError(key, message)` unless `ok`."""
+    if not ok:
+        raise ConfigError(key, message)
+
+
+def _number(value: Any, key: str) -> float:
+    check(isinstance(value, (int, float)) and not isinstance(value, bool), key,
+          f"must be a number, got {value!r}")
+    check(math.isfinite(value), key, f"must be finite, got {value!r}")
+    return float(value)
+
+
+def positive(value: float | int | None, key: str) -> None:
+    """A finite number > 0 (None passes: "not set")."""
+    if value is not None:
+        check(_number(value, key) > 0, key, f"must be > 0, got {value!r}")
+
+
+def non_negative(value: float | int | None, key: str) -> None:
+    """A finite number >= 0 (None passes: "not set")."""
+    if value is not None:
+        check(_number(value, key) >= 0, key, f"must be >= 0, got {value!r}")
+
+
+def finite(value: float | int | None, key: str) -> None:
+    """Any finite number (None passes)."""
+    if value is not None:
+        _number(value, key)
+
+
+def probability(value: float, key: str) -> None:
+    """A rate in [0, 1): dropout, label smoothing, Adam betas."""
+    check(0.0 <= _number(value, key) < 1.0, key, f"must be in [0, 1), got {value!r}")
+
+
+def fraction(value: float, key: str) -> None:
+    """A fraction in [0, 1], both ends allowed."""
+    check(0.0 <= _number(value, key) <= 1.0, key, f"must be in [0, 1], got {value!r}")
+
+
+def one_of(value: Any, choices: Collection[Any], key: str) -> None:
+    """One of a fixed set of choices."""
+    check(value in choices, key, f"must be one of {list(choices)}, got {value!r}")
+
+
+def positive_int(value: Any, key: str) -> int:
+    """An int >= 1 (not a bool, not a float); returns it. For arguments of library functions."""
+    check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, key,
+          f"must be a positive int, got {value!r}")
+    return value
+
+
+def plain_name(value: Any, key: str) -> str:
+    """A name that becomes one path component: no separators, not '.' or '..', not empty."""
+    check(isinstance(value, str) and value not in ("", ".", "..") and "/" not in value and "\\" not in value
+          and "\0" not in value, key, f"must be a plain name (no '/', '\\', '..'), got {value!r}")
+    return value
+
+
+def non_negative_int(value: Any, key: str) -> int:
+    """An int >= 0 (not a bool: `warmup_steps: true` is a typo, not 1); returns it."""
+    check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, key,
+          f"must be an int >= 0, got {value!r}")
+    return value
+
+
+def number(value: Any, key: str) -> float:
+    """Any finite int or float (not a bool); returns it as a float."""
+    return _number(value, key)

@@ -1,0 +1,100 @@
+"""A whole pipeline: its name, the stages it runs, where it runs, and one config section per stage.
+
+The sections are not listed here: each stage declares the sections it owns
+(`vitscale/stages/`), and the loader builds every registered section from the YAML (defaults
+where the file is silent). `config.train` reads the `train` section; `config.section("train")`
+says the same thing explicitly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from vitscale.config.checks import check, plain_name, positive
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where and how wide the Ray Train job runs."""
+
+    num_workers: int = 8
+    """Ray Train workers (one per GPU)."""
+    use_gpu: bool = True
+    """Give each worker a GPU."""
+    cpus_per_worker: float = 8.0
+    """CPU cores reserved per worker (data loading happens there)."""
+    gpus_per_worker: float = 1.0
+    """GPUs per worker when use_gpu."""
+    storage_path: str = field(default="~/vitscale-runs", metadata={"path": True})
+    """Run storage shared by all nodes: a local/NFS path or s3://bucket/prefix."""
+    run_name: str | None = None
+    """Stable run name: re-submitting a job with the same name resumes it; null = pipeline name."""
+    max_failures: int = 3
+    """Worker-group restarts Ray Train attempts before giving up (-1 = unlimited)."""
+    address: str | None = None
+    """Ray address; null = $RAY_ADDRESS, or a new local Ray on this machine."""
+    local_num_cpus: int | None = None
+    """CPUs a locally started Ray may use; null = all."""
+
+    def validate(self) -> None:
+        positive(self.num_workers, "cluster.num_workers")
+        positive(self.cpus_per_worker, "cluster.cpus_per_worker")
+        positive(self.gpus_per_worker, "cluster.gpus_per_worker")
+        check(self.max_failures >= -1, "cluster.max_failures", f"must be >= -1, got {self.max_failures}")
+        positive(self.local_num_cpus, "cluster.local_num_cpus")
+        if self.run_name is not None:
+            plain_name(self.run_name, "cluster.run_name")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """A whole pipeline: which stages run, where, and every stage's config section."""
+
+    name: str = "pipeline"
+    """Pipeline name; the default run name."""
+    stages: tuple[str, ...] = ("pretrain",)
+    """Stages to run, in order (`vitscale/stages/__init__.py` lists the registered ones)."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Where and how wide the Ray jobs run."""
+    sections: Mapping[str, Any] = field(default_factory=dict)
+    """Section name ("model", "data", "train", "fewshot", ...) -> that section's frozen config."""
+    source: str | None = field(default=None, compare=False)
+    """The file the config came from (named in errors found later, e.g. by a stage's preflight)."""
+
+    def validate(self) -> None:
+        plain_name(self.name, "name")
+        check(len(self.stages) > 0, "stages", "needs at least one stage")
+        self.cluster.validate()
+
+    @property
+    def run_name(self) -> str:
+        """The run's stable name: `cluster.run_name`, else the pipeline's name."""
+        return self.cluster.run_name or self.name
+
+    def section(self, name: str) -> Any:
+        """The config section `name` (KeyError naming the sections there are)."""
+        sections = self.__dict__.get("sections") or {}
+        if name not in sections:
+            raise KeyError(f"no config section {name!r}; sections: {sorted(sections)}")
+        return sections[name]
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called when normal lookup fails: `config.train` is `config.section("train")`.
+        # Dunder and private names must fail normally (pickle and copy probe them).
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self.section(name)
+        except KeyError as exc:
+            raise AttributeError(str(exc)) from None
+
+    def with_sections(self, **changes: Any) -> PipelineConfig:
+        """A copy with top-level fields (name, stages, cluster) and/or whole sections replaced."""
+        own = {f.name for f in fields(self)}
+        top = {k: v for k, v in changes.items() if k in own}
+        rest = {k: v for k, v in changes.items() if k not in own}
+        for key in rest:
+            self.section(key)  # only existing sections can be replaced
+        return replace(self, **top, sections={**self.sections, **rest})

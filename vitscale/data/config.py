@@ -1,0 +1,85 @@
+"""The `data` section (what a training stage reads) and the source a missing dataset is written from.
+
+Field names are the YAML keys: `data.url`, `data.create_if_missing.kind`, ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vitscale.config.checks import check, fraction, non_negative, positive
+
+SOURCE_KINDS = ("synthetic", "digits")
+SOURCE_PREFIXES = ("folder:", "list:")
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """What `vitscale shards write` would be given; used to create a dataset that is absent."""
+
+    kind: str = "synthetic"
+    """"synthetic", "digits", "folder:PATH" (one folder per class) or "list:FILE" (an image list)."""
+    count: int = 2000
+    """Number of images (synthetic only)."""
+    classes: int = 10
+    """Number of classes (synthetic only)."""
+    image_size: int = 64
+    """Side of generated images in pixels (synthetic only)."""
+    multi_label: bool = False
+    """Generate JFT-style multi-label samples (synthetic only)."""
+    shard_size: int = 500
+    """Samples per tar shard."""
+    max_side: int = 384
+    """Images are pre-resized so their longer side is at most this."""
+    quality: int = 90
+    """JPEG quality of the written shards."""
+    splits: dict[str, float] = field(default_factory=lambda: {"train": 1.0})
+    """Named fractions carved reproducibly from the source, e.g. {train: 0.9, minival: 0.1}."""
+
+    def validate(self, prefix: str) -> None:
+        check(self.kind in SOURCE_KINDS or self.kind.startswith(SOURCE_PREFIXES), f"{prefix}.kind",
+              f"must be synthetic, digits, folder:PATH or list:FILE, got {self.kind!r}")
+        for key in ("count", "classes", "image_size", "shard_size", "max_side"):
+            positive(getattr(self, key), f"{prefix}.{key}")
+        check(1 <= self.quality <= 95, f"{prefix}.quality", f"must be in [1, 95] (JPEG), got {self.quality}")
+        for name, share in self.splits.items():
+            positive(share, f"{prefix}.splits.{name}")
+        check(bool(self.splits), f"{prefix}.splits", "needs at least one split with a positive fraction")
+        check(abs(sum(self.splits.values()) - 1.0) < 1e-6, f"{prefix}.splits",
+              f"fractions must add up to 1, got {sum(self.splits.values())}")
+
+    def source_options(self) -> dict[str, object]:
+        """The options `open_source` takes for this kind (only the synthetic source has any)."""
+        if self.kind != "synthetic":
+            return {}
+        return {"count": self.count, "classes": self.classes, "image_size": self.image_size,
+                "multi_label": self.multi_label}
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    url: str = field(default="data/synthetic", metadata={"path": True})
+    """Pre-training dataset: a local folder or s3://bucket/prefix of WebDataset shards."""
+    split: str = "train"
+    """Split of the dataset to pre-train on."""
+    create_if_missing: SourceConfig | None = None
+    """When set and `url` holds no dataset, write one from this source first (quickstart)."""
+    endpoint_url: str | None = None
+    """S3-compatible endpoint (MinIO, moto, ...); null = AWS or $AWS_ENDPOINT_URL."""
+    num_workers: int = 2
+    """DataLoader worker processes per training rank."""
+    shuffle_buffer: int = 10_000
+    """Bounded shuffle window in samples: memory stays flat however large the dataset."""
+    seed: int = 0
+    """Seed of the shard and sample order (which rank sees which sample, in which order)."""
+    error_budget: float = 0.001
+    """Fraction of corrupt/unreadable samples tolerated before the run fails, naming the shards."""
+
+    def validate(self) -> None:
+        check(bool(self.url), "data.url", "must name a folder or s3:// prefix")
+        non_negative(self.num_workers, "data.num_workers")
+        positive(self.shuffle_buffer, "data.shuffle_buffer")
+        non_negative(self.seed, "data.seed")
+        fraction(self.error_budget, "data.error_budget")
+        if self.create_if_missing is not None:
+            self.create_if_missing.validate("data.create_if_missing")

@@ -1,0 +1,100 @@
+"""Image bytes -> pixels: fast JPEG decode, crop and resize into a row of a uint8 batch.
+
+The image path is built for speed:
+
+- the JPEG is decoded by libjpeg-turbo (simplejpeg) at 1/2, 1/4 or 1/8 scale whenever the crop
+  still covers the output resolution at that scale (DCT-domain scaling: fewer pixels to decode;
+  only power-of-two factors, the others are slower than a full decode);
+- the crop is a view of the decoded pixels, resized in one antialiased bilinear uint8 call
+  (torch's vectorised kernel: same result as PIL's ``resize(size, box=crop)``, ~3x faster);
+- the result is written straight into a row of a preallocated ``uint8`` batch (3, R, R) - no
+  float conversion, no per-sample tensors kept.
+
+Inputs simplejpeg cannot turn into RGB (CMYK JPEGs, PNGs misnamed ``.jpg``) fall back to PIL; data
+that is no decodable image raises :class:`~vitscale.data.loader.reader.BadSample`.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+
+import numpy as np
+import simplejpeg
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from vitscale.data.loader.reader import BadSample
+from vitscale.data.loader.transforms import CropBox, TransformSpec, crop_box
+
+__all__ = ["decode_image_into"]
+
+
+def _reduction(box: CropBox, resolution: int) -> int:
+    """Largest k in {1, 2, 4, 8} such that the crop still spans >= ``resolution`` pixels at 1/k."""
+    k = 8
+    while k > 1 and min(box.width, box.height) / k < resolution:
+        k //= 2
+    return k
+
+
+def _decode_rgb(data: bytes, width: int, height: int, k: int) -> np.ndarray:
+    """(h', w', 3) uint8 RGB at about 1/k scale; simplejpeg first, PIL for what it cannot do."""
+    try:
+        return simplejpeg.decode_jpeg(
+            data, colorspace="RGB", min_width=-(-width // k), min_height=-(-height // k)
+        )
+    except ValueError:
+        pass  # CMYK/YCCK JPEG or not a JPEG at all: let PIL try, it raises if truly corrupt
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            # draft() picks a power-of-two DCT scale whose size is >= the requested one.
+            img.draft("RGB", (-(-width // k), -(-height // k)))
+            return np.array(img.convert("RGB"))  # writable: torch.from_numpy wants that
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise BadSample(f"corrupt image: {exc}") from exc
+
+
+def _image_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from the JPEG header, or via PIL for anything else."""
+    try:
+        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+        return int(width), int(height)
+    except ValueError:
+        pass
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.size
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise BadSample(f"corrupt image: {exc}") from exc
+
+
+def decode_image_into(
+    data: bytes, out: np.ndarray, spec: TransformSpec, rng: random.Random | None
+) -> None:
+    """Decode ``data``, crop/flip/resize per ``spec`` and write the result into ``out`` (3, R, R).
+
+    ``out`` is a row of a preallocated uint8 batch; ``rng`` (from ``sample_rng``) drives the
+    training crop and flip. Raises :class:`BadSample` for data that is not a decodable image.
+    """
+    r = spec.resolution
+    if out.shape != (3, r, r) or out.dtype != np.uint8:
+        raise ValueError(f"out must be a uint8 array of shape (3, {r}, {r}), got {out.dtype} {out.shape}")
+    width, height = _image_size(data)
+    box = crop_box(width, height, spec, rng)
+    pixels = _decode_rgb(data, width, height, _reduction(box, r))  # (h', w', 3)
+    h, w = pixels.shape[:2]
+    # The decoder rounds scaled sizes up: map the crop with the actual per-axis factors, to whole
+    # pixels (at most half a decoded pixel off; exact when decoding at full scale).
+    sx, sy = w / width, h / height
+    x0 = min(int(round(box.left * sx)), w - 1)
+    y0 = min(int(round(box.top * sy)), h - 1)
+    x1 = min(max(int(round((box.left + box.width) * sx)), x0 + 1), w)
+    y1 = min(max(int(round((box.top + box.height) * sy)), y0 + 1), h)
+    # (1, 3, y1-y0, x1-x0) channels-last view of the crop: no copy. torch's uint8 antialiased
+    # bilinear resize matches PIL's to within rounding and is ~3x faster on CPU.
+    crop = torch.from_numpy(pixels)[y0:y1, x0:x1].permute(2, 0, 1).unsqueeze(0)
+    resized = F.interpolate(crop, size=(r, r), mode="bilinear", antialias=True, align_corners=False)
+    chw = resized[0].numpy()  # (3, R, R)
+    out[...] = chw[:, :, ::-1] if box.flip else chw

@@ -1,0 +1,331 @@
+"""The training loader: this rank's samples, in :mod:`vitscale.data.order`'s order, as uint8 batches.
+
+``ShardStream`` reads a dataset written by ``vitscale shards write`` (``dataset.json``,
+``_index.parquet``, ``{split}-NNNNNN.tar``; see :mod:`vitscale.data.format`) from a folder or
+``s3://``:
+
+- the order is :func:`vitscale.data.order.rank_order`'s: disjoint, equal-length per rank,
+  reshuffled per epoch, resumable at any sample;
+- each sample is fetched with a ranged read of its bytes (offsets from the index), so a rank reads
+  only its own samples; with ``num_workers`` loader processes, batch ``b`` is built whole by worker
+  ``b % num_workers``, which is the order ``DataLoader`` hands batches out, so the emitted order is
+  the same whatever the worker count;
+- augmentation draws from ``sample_rng(seed, epoch, global index)``: a resumed stream yields
+  bit-identical batches.
+
+Epochs. Iterating the stream yields the rest of the current epoch (``len(stream)`` batches) and
+then stops; the epoch counter advances as the epoch's last batch is handed out, so the next ``for``
+loop runs the next epoch and a checkpoint taken after the last batch resumes at the next epoch's
+start. ``set_epoch(e)`` jumps to the start of epoch ``e``. ``state_dict()`` counts every batch
+already handed out (``position`` = samples of this epoch consumed by this rank).
+
+Bad samples (truncated tar, corrupt JPEG, missing/malformed label) are skipped, counted per shard
+(:meth:`ShardStream.skipped`) and logged once with shard and key. Every rank still emits the same
+number of batches of the same shape: a batch that lost samples refills those rows with copies of
+its surviving samples and marks them ``valid=False`` (a batch that lost all its samples is zeros,
+label 0, all ``valid=False``). Past ``error_budget`` skipped samples in an epoch (a fraction of the
+rank's epoch if < 1, else a count) the stream raises :class:`ErrorBudgetExceeded` naming the shards.
+A missing shard, an unreadable ``dataset.json``/index or an index that disagrees with
+``dataset.json`` raises :class:`~vitscale.data.format.DatasetError` in the constructor, before any
+training step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from vitscale.config.checks import check, non_negative, positive_int
+from vitscale.data.format import OpenDataset, ShardIndex, open_dataset
+from vitscale.data.loader.decode import decode_image_into
+from vitscale.data.loader.reader import BadSample, SampleReader, parse_label, split_tar_record
+from vitscale.data.loader.transforms import TransformSpec, sample_rng
+from vitscale.data.order import DEFAULT_SHUFFLE_BUFFER, RankOrder, num_batches, rank_order, worker_batches
+
+__all__ = ["ErrorBudgetExceeded", "ShardStream", "StreamSpec"]
+
+log = logging.getLogger(__name__)
+
+
+class ErrorBudgetExceeded(RuntimeError):
+    """More samples were skipped in an epoch than ``error_budget`` allows."""
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """Everything that decides a stream's content (see :class:`ShardStream`)."""
+
+    url: str
+    """Dataset folder or ``s3://bucket/prefix``."""
+    split: str = "train"
+    rank: int = 0
+    """This process's rank among ``world_size`` data-parallel ranks."""
+    world_size: int = 1
+    seed: int = 0
+    """Seeds shard order, sample shuffle and augmentation (with the epoch)."""
+    batch_size: int = 64
+    """Per-rank batch size."""
+    train: bool = True
+    """Shuffled order + random augmentation; False: dataset order + centre crop."""
+    num_workers: int = 0
+    """DataLoader worker processes decoding for this rank (0: decode in this process)."""
+    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
+    """Window of the in-span sample shuffle (samples)."""
+    error_budget: float = 0.001
+    """Skipped samples allowed per epoch: a fraction of the rank's epoch if < 1, else a count."""
+    endpoint_url: str | None = None
+    """S3-protocol endpoint (MinIO, moto, Ceph); None: environment, then AWS."""
+    drop_last: bool = True
+    """Drop the epoch's last partial batch (training) or keep it (evaluation)."""
+    transform: TransformSpec = field(default_factory=TransformSpec)
+    """Crop/flip/resolution of each image."""
+    prefetch_factor: int = 2
+    """Batches each worker prepares ahead."""
+    pin_memory: bool = False
+    """Page-lock batches for faster, asynchronous host-to-GPU copies."""
+
+    def __post_init__(self) -> None:
+        positive_int(self.world_size, "world_size")
+        check(0 <= self.rank < self.world_size, "rank",
+              f"must be in [0, world_size={self.world_size}), got {self.rank}")
+        positive_int(self.batch_size, "batch_size")
+        non_negative(self.num_workers, "num_workers")
+        b = self.error_budget
+        non_negative(b, "error_budget")
+        check(b < 1 or b == int(b), "error_budget", f"is a fraction in [0, 1) or a whole count >= 1, got {b}")
+        non_negative(self.seed, "seed")
+        positive_int(self.shuffle_buffer, "shuffle_buffer")
+        positive_int(self.prefetch_factor, "prefetch_factor")
+
+
+class _EpochBatches(IterableDataset):
+    """One epoch of one rank from ``order.start``: worker ``w`` builds batches ``b % W == w``."""
+
+    def __init__(
+        self, spec: StreamSpec, ds: OpenDataset, order: RankOrder, index: dict[int, ShardIndex], end: int
+    ) -> None:
+        self.spec, self.ds, self.order, self.index, self.end = spec, ds, order, index, end
+        self.batches = -(-(end - order.start) // spec.batch_size)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        bs, start = self.spec.batch_size, self.order.start
+        reader = SampleReader(self.ds.storage)
+        try:
+            for b in worker_batches(self.batches, worker, workers):
+                lo = start + b * bs
+                yield self._build(reader, lo, min(lo + bs, self.end), shared=info is not None)
+        finally:
+            reader.close()
+
+    def _build(self, reader: SampleReader, lo: int, hi: int, shared: bool) -> dict[str, Any]:
+        ds, tspec = self.ds, self.spec.transform
+        g = self.order.global_indices(lo, hi)  # (n,) global sample indices, in emit order
+        shard, local = self.order.locate(g)
+        n, r = len(g), tspec.resolution
+        entries = [self.index[int(s)] for s in shard]
+        requests = [
+            (ds.shard_names[int(s)], int(e.offsets[i]), int(e.sizes[i]))
+            for s, e, i in zip(shard, entries, local)
+        ]
+        keys = [e.key(int(i)) for e, i in zip(entries, local)]
+        raws = reader.read(requests)
+        # (n, 3, R, R) uint8 filled in place; in shared memory when a worker process sends it.
+        images = torch.empty((n, 3, r, r), dtype=torch.uint8)
+        if shared:
+            images.share_memory_()
+        pixels = images.numpy()
+        labels: list[list[int]] = [[] for _ in range(n)]
+        valid = np.zeros(n, dtype=bool)
+        skipped: list[tuple[str, str, str]] = []
+        for i in range(n):
+            try:
+                members = split_tar_record(raws[i], keys[i], requests[i][2])
+                labels[i] = parse_label(members, ds.num_classes, ds.multi_label)
+                data = members.get("jpg", members.get("jpeg"))
+                if data is None:
+                    raise BadSample(f"no .jpg member among {sorted(members)}")
+                rng = sample_rng(self.order.seed, self.order.epoch, int(g[i])) if tspec.train else None
+                decode_image_into(data, pixels[i], tspec, rng)
+                valid[i] = True
+            except BadSample as exc:
+                skipped.append((requests[i][0], keys[i], str(exc)))
+        if not valid.all():
+            survivors = np.flatnonzero(valid)
+            for j, i in enumerate(np.flatnonzero(~valid)):
+                if survivors.size:  # keep the batch shape: refill with a surviving sample
+                    src = int(survivors[j % survivors.size])
+                    pixels[i], labels[i], keys[i] = pixels[src], labels[src], keys[src]
+                else:
+                    pixels[i], labels[i] = 0, []
+        if ds.multi_label:
+            label = torch.zeros((n, ds.num_classes), dtype=torch.float32)  # (n, K) multi-hot
+            for i, ls in enumerate(labels):
+                label[i, ls] = 1.0
+        else:
+            label = torch.tensor([ls[0] if ls else 0 for ls in labels], dtype=torch.int64)  # (n,)
+        return {
+            "image": images,
+            "label": label,
+            "key": keys,
+            "valid": torch.from_numpy(valid),
+            "_skipped": skipped,
+            "_count": hi - lo,
+        }
+
+
+class ShardStream:
+    """This rank's batches of a sharded dataset; see the module docstring for the guarantees.
+
+    Batches are dicts: ``image`` uint8 (B, 3, R, R) contiguous (normalise on the device with
+    :func:`vitscale.data.loader.transforms.normalize_on_device`), ``label`` int64 (B,) or, for multi-label
+    datasets, float32 multi-hot (B, K), ``key`` list[str], ``valid`` bool (B,) (False only for rows
+    refilled after a skipped sample). ``train=False`` gives the centre-crop evaluation transform,
+    no shuffling, and keeps the last partial batch (``drop_last`` defaults to ``train``).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        split: str = "train",
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        batch_size: int = 64,
+        resolution: int = 224,
+        train: bool = True,
+        num_workers: int = 0,
+        shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
+        error_budget: float = 0.001,
+        endpoint_url: str | None = None,
+        drop_last: bool | None = None,
+        transform: TransformSpec | None = None,
+        prefetch_factor: int = 2,
+        pin_memory: bool = False,
+    ) -> None:
+        if transform is None:
+            transform = TransformSpec(resolution=resolution, train=train)
+        elif transform.resolution != resolution or transform.train != train:
+            raise ValueError("transform.resolution/train must match resolution/train")
+        self.spec = StreamSpec(
+            url=url, split=split, rank=rank, world_size=world_size, seed=seed,
+            batch_size=batch_size, train=train, num_workers=num_workers,
+            shuffle_buffer=shuffle_buffer, error_budget=error_budget, endpoint_url=endpoint_url,
+            drop_last=train if drop_last is None else drop_last, transform=transform,
+            prefetch_factor=prefetch_factor, pin_memory=pin_memory,
+        )  # fmt: skip
+        self.dataset = open_dataset(url, split, endpoint_url=endpoint_url)
+        self.samples_per_epoch = sum(self.dataset.counts) // world_size
+        """Samples per rank per epoch (before dropping a partial last batch)."""
+        self.batches_per_epoch = num_batches(self.samples_per_epoch, batch_size, self.spec.drop_last)
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"split {split!r} has {sum(self.dataset.counts)} samples: {self.samples_per_epoch} "
+                f"per rank over {world_size} ranks, not one batch of {batch_size}; use a smaller "
+                "batch_size or world_size"
+            )
+        self.epoch = 0
+        self.position = 0
+        self.seed = seed
+        self._skipped: Counter[str] = Counter()
+        self._epoch_skipped: Counter[str] = Counter()
+        self._logged: set[tuple[str, str]] = set()
+        self._generation = 0  # bumped by set_epoch/load_state_dict: stale iterators stop
+
+    @property
+    def _end(self) -> int:
+        """Position after the epoch's last emitted sample (a partial batch dropped or not)."""
+        return min(self.batches_per_epoch * self.spec.batch_size, self.samples_per_epoch)
+
+    def __len__(self) -> int:
+        """Batches left in the current epoch."""
+        return -(-(self._end - self.position) // self.spec.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its first sample on the next iteration."""
+        non_negative(epoch, "epoch")
+        self.epoch, self.position = int(epoch), 0
+        self._epoch_skipped.clear()
+        self._generation += 1
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch", "position", "seed"}``: where the next batch starts."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state`` (from :meth:`state_dict`); its seed replaces the constructor's."""
+        try:
+            epoch, position, seed = int(state["epoch"]), int(state["position"]), int(state["seed"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"stream state needs int 'epoch', 'position', 'seed'; got {state!r}"
+            ) from exc
+        if epoch < 0 or seed < 0 or not 0 <= position <= self._end:
+            raise ValueError(f"stream state out of range for this dataset/world size: {state!r}")
+        if position == self._end:
+            epoch, position = epoch + 1, 0
+        self.epoch, self.position, self.seed = epoch, position, seed
+        self._epoch_skipped.clear()
+        self._generation += 1
+
+    def skipped(self) -> dict[str, int]:
+        """Samples skipped so far (all epochs of this stream object), per shard name."""
+        return dict(self._skipped)
+
+    def epoch_order(self) -> RankOrder:
+        """This rank's order of the current epoch from the current position."""
+        s = self.spec
+        return rank_order(self.dataset.counts, self.seed, self.epoch, s.rank, s.world_size,
+                    self.position, s.shuffle_buffer, shuffle=s.train)  # fmt: skip
+
+    def _budget(self) -> float:
+        b = self.spec.error_budget
+        return b * self.samples_per_epoch if b < 1 else b
+
+    def _account(self, skipped: list[tuple[str, str, str]]) -> None:
+        for shard, key, why in skipped:
+            self._skipped[shard] += 1
+            self._epoch_skipped[shard] += 1
+            if (shard, key) not in self._logged:
+                self._logged.add((shard, key))
+                log.warning("skipped sample %s in %s: %s", key, self.dataset.storage.url_of(shard), why)
+        total = sum(self._epoch_skipped.values())
+        if skipped and total > self._budget():
+            worst = ", ".join(f"{s} ({c})" for s, c in self._epoch_skipped.most_common(20))
+            raise ErrorBudgetExceeded(
+                f"{total} samples skipped in epoch {self.epoch} on rank {self.spec.rank}, over the "
+                f"error budget {self.spec.error_budget} ({self._budget():.0f} samples); bad shards: "
+                f"{worst}. Repair or rewrite them, or raise error_budget."
+            )
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        s, gen = self.spec, self._generation
+        order = self.epoch_order()
+        index = self.dataset.load_index(r.shard for r in order.ranges)
+        source = _EpochBatches(s, self.dataset, order, index, self._end)
+        loader = DataLoader(
+            source,
+            batch_size=None,  # batches are built whole inside the workers
+            num_workers=s.num_workers,
+            prefetch_factor=s.prefetch_factor if s.num_workers else None,
+            pin_memory=s.pin_memory,
+        )
+        for batch in loader:
+            if gen != self._generation:
+                return  # set_epoch/load_state_dict was called: this iterator is stale
+            self._account(batch.pop("_skipped"))
+            self.position += batch.pop("_count")
+            if self.position >= self._end:  # last batch: a checkpoint now resumes next epoch
+                self.epoch, self.position = self.epoch + 1, 0
+                self._epoch_skipped.clear()
+                self._generation += 1
+            yield batch

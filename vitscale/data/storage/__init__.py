@@ -1,0 +1,51 @@
+"""Where datasets live: a local folder or an ``s3://bucket/prefix``, behind one small interface.
+
+``open_storage(url)`` returns a :class:`Storage` whose names are relative to the dataset root
+(``"train-000000.tar"``, ``"_index.parquet"``). Both back ends offer the same calls:
+
+- ``read_bytes(name)``, ``read_range(name, start, length)``, ``open_read(name)`` (a seekable,
+  buffered binary stream), ``size(name)``;
+- ``write_bytes(name, data)``, ``write_file(name, local_path)`` (multipart upload on S3 for large
+  shards), ``exists(name)``, ``list(prefix="")``, ``url_of(name)``.
+
+Modules: :mod:`~vitscale.data.storage.base` (the interface), :mod:`~vitscale.data.storage.local`
+(folders), :mod:`~vitscale.data.storage.s3` (boto3) and :mod:`~vitscale.data.storage.retry` (the
+one retry layer for object stores). This module only picks the back end for a url.
+"""
+
+from __future__ import annotations
+
+from vitscale.data.storage.base import Storage, StorageError
+from vitscale.data.storage.local import LocalStorage
+from vitscale.data.storage.retry import RetryPolicy
+from vitscale.data.storage.s3 import ENDPOINT_ENV_VARS, S3Storage, resolve_endpoint_url
+
+__all__ = [
+    "ENDPOINT_ENV_VARS",
+    "LocalStorage",
+    "RetryPolicy",
+    "S3Storage",
+    "Storage",
+    "StorageError",
+    "open_storage",
+    "resolve_endpoint_url",
+]
+
+
+def open_storage(
+    url: str, *, endpoint_url: str | None = None, retry: RetryPolicy | None = None
+) -> Storage:
+    """Open ``url``: ``s3://bucket/prefix`` (S3 via boto3) or a local folder (``file://`` optional).
+
+    ``endpoint_url`` points S3 at another S3-protocol server (MinIO, moto, Ceph); without it the
+    environment variables ``VITSCALE_S3_ENDPOINT_URL`` then ``AWS_ENDPOINT_URL`` are consulted.
+    """
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"a dataset url must be a non-empty string, got {url!r}")
+    if url.startswith("s3://"):
+        rest = url[len("s3://") :]
+        bucket, _, prefix = rest.partition("/")
+        return S3Storage(bucket, prefix, endpoint_url=endpoint_url, retry=retry or RetryPolicy())
+    if "://" in url and not url.startswith("file://"):
+        raise ValueError(f"unsupported dataset url {url!r}: use a local path, file:// or s3://")
+    return LocalStorage(url[len("file://") :] if url.startswith("file://") else url)

@@ -1,0 +1,68 @@
+"""The storage interface both back ends implement, and the error a failed operation raises.
+
+Names are relative to the dataset root (``"train-000000.tar"``, ``"_index.parquet"``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import BinaryIO
+
+__all__ = ["Storage", "StorageError", "check_name"]
+
+
+class StorageError(OSError):
+    """A storage operation failed for good (after retries, or with a non-transient error)."""
+
+
+class Storage:
+    """Interface shared by the local and S3 back ends; names are relative to the dataset root."""
+
+    url: str
+
+    def read_bytes(self, name: str) -> bytes:
+        """The whole object ``name``."""
+        raise NotImplementedError
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        """``length`` bytes of ``name`` from byte ``start`` (fewer only at end of object)."""
+        raise NotImplementedError
+
+    def open_read(self, name: str) -> BinaryIO:
+        """A buffered, seekable binary stream over ``name``; close it when done."""
+        raise NotImplementedError
+
+    def size(self, name: str) -> int:
+        """Object size in bytes."""
+        raise NotImplementedError
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        """Create or replace ``name`` with ``data`` (atomically for readers)."""
+        raise NotImplementedError
+
+    def write_file(self, name: str, local_path: str | os.PathLike[str]) -> None:
+        """Upload or copy the local file ``local_path`` to ``name`` (multipart on S3 when large)."""
+        raise NotImplementedError
+
+    def exists(self, name: str) -> bool:
+        """Whether object ``name`` exists."""
+        raise NotImplementedError
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Sorted names (relative to the root) starting with ``prefix``."""
+        raise NotImplementedError
+
+    def url_of(self, name: str) -> str:
+        """A full address of ``name`` for messages and other tools."""
+        raise NotImplementedError
+
+    def _check_range(self, start: int, length: int) -> None:
+        if start < 0 or length < 0:
+            raise ValueError(f"read_range needs start >= 0 and length >= 0, got {start}, {length}")
+
+
+def check_name(name: str) -> str:
+    """``name`` if it is a relative path inside the root (no leading ``/``, no ``.``/``..``)."""
+    if not name or name.startswith("/") or any(p in ("..", ".") for p in name.split("/")):
+        raise ValueError(f"storage names are relative paths without '.'/'..', got {name!r}")
+    return name

@@ -1,0 +1,99 @@
+"""Local-folder storage: plain files, written atomically (write a hidden part file, rename)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import BinaryIO
+
+from vitscale.data.storage.base import Storage, StorageError, check_name
+
+__all__ = ["LocalStorage"]
+
+
+def _create_part_file(path: Path) -> tuple[int, str]:
+    """Create a hidden sibling ``.NAME.<random>.part`` for an atomic write-then-rename.
+
+    Unlike ``mkstemp`` (always 0600) this honours the umask, so finished files get the usual
+    permissions of the folder's other files.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{os.urandom(6).hex()}.part"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), str(tmp)
+        except FileExistsError:
+            continue
+    raise StorageError(f"cannot create a temporary file next to {path}")
+
+
+class LocalStorage(Storage):
+    """A dataset in a local folder."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).expanduser().resolve()
+        self.url = str(self.root)
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({self.url!r})"
+
+    def _path(self, name: str) -> Path:
+        return self.root / check_name(name)
+
+    def read_bytes(self, name: str) -> bytes:
+        return self._path(name).read_bytes()
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        self._check_range(start, length)
+        with open(self._path(name), "rb") as f:
+            f.seek(start)
+            return f.read(length)
+
+    def open_read(self, name: str) -> BinaryIO:
+        return open(self._path(name), "rb")
+
+    def size(self, name: str) -> int:
+        return self._path(name).stat().st_size
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        path = self._path(name)
+        # Write then rename so a reader never sees a half-written shard or index.
+        fd, tmp = _create_part_file(path)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def write_file(self, name: str, local_path: str | os.PathLike[str]) -> None:
+        path = self._path(name)
+        fd, tmp = _create_part_file(path)
+        os.close(fd)
+        try:
+            shutil.copyfile(local_path, tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def exists(self, name: str) -> bool:
+        return self._path(name).is_file()
+
+    def list(self, prefix: str = "") -> list[str]:
+        if not self.root.is_dir():
+            return []
+        names = []
+        for dirpath, _, files in os.walk(self.root):
+            for f in files:
+                if f.endswith(".part") and f.startswith("."):
+                    continue  # an in-flight atomic write
+                rel = Path(dirpath, f).relative_to(self.root).as_posix()
+                if rel.startswith(prefix):
+                    names.append(rel)
+        return sorted(names)
+
+    def url_of(self, name: str) -> str:
+        return str(self._path(name))

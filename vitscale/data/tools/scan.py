@@ -1,0 +1,57 @@
+"""Read a whole shard front to back: its samples in tar order, members grouped by key.
+
+For the offline tools that visit every sample (verify, dedup); the training loader instead reads
+single samples by byte range (:mod:`vitscale.data.loader.reader`).
+"""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+__all__ = ["ShardSample", "iter_shard", "labels_of"]
+
+
+@dataclass(frozen=True)
+class ShardSample:
+    """One sample read back from a shard: its members by extension and tar byte range."""
+
+    key: str
+    files: dict[str, bytes]
+    offset: int
+    size: int
+
+
+def iter_shard(f: BinaryIO) -> Iterator[ShardSample]:
+    """Samples of a shard stream in order, grouping members by key (the name up to its first dot)."""
+    current: ShardSample | None = None
+    with tarfile.open(fileobj=f, mode="r|") as tar:
+        for info in tar:
+            if not info.isfile():
+                continue
+            base = info.name.rsplit("/", 1)[-1]
+            key, _, ext = base.partition(".")
+            key = info.name[: len(info.name) - len(base)] + key
+            data = tar.extractfile(info).read()  # type: ignore[union-attr]
+            end = info.offset_data + ((info.size + 511) // 512) * 512
+            if current is not None and current.key == key:
+                current.files[ext] = data
+                current = ShardSample(key, current.files, current.offset, end - current.offset)
+            else:
+                if current is not None:
+                    yield current
+                current = ShardSample(key, {ext: data}, info.offset, end - info.offset)
+    if current is not None:
+        yield current
+
+
+def labels_of(s: ShardSample) -> list[int] | None:
+    """Labels from a sample's ``.cls`` or ``.json`` member; None when it has neither."""
+    if "cls" in s.files:
+        return [int(s.files["cls"].decode("ascii").strip())]
+    if "json" in s.files:
+        return [int(x) for x in json.loads(s.files["json"])["labels"]]
+    return None

@@ -1,0 +1,193 @@
+"""Check and describe a written dataset: ``vitscale shards verify`` and ``vitscale shards stats``.
+
+:func:`verify_dataset` re-hashes every shard and cross-checks counts, keys, labels and byte ranges
+between the tars, ``_index.parquet`` and ``dataset.json``; :func:`dataset_stats` summarises a
+dataset from its metadata and index without opening a shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import tarfile
+from typing import Any, BinaryIO
+
+import numpy as np
+import pyarrow as pa
+
+from vitscale.data.format import INDEX_NAME, META_NAME, ShardMeta, read_index, read_meta
+from vitscale.data.storage import Storage, open_storage
+from vitscale.data.tools.progress import Progress
+from vitscale.data.tools.scan import iter_shard, labels_of
+
+__all__ = ["dataset_stats", "format_stats", "verify_dataset"]
+
+
+class _HashingReader(io.RawIOBase):
+    """Read-through wrapper that SHA-256s and counts the bytes read."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.sha, self.n = f, hashlib.sha256(), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        data = self.f.read(len(b))
+        n = len(data)
+        b[:n] = data
+        self.sha.update(data)
+        self.n += n
+        return n
+
+    def drain(self) -> None:
+        """Read (and hash) whatever the tar reader left: end-of-archive padding."""
+        while self.read(1 << 20):
+            pass
+
+
+
+def verify_dataset(url: str, *, endpoint_url: str | None = None, progress: bool = False) -> list[str]:
+    """Re-hash every shard and check counts, keys, labels and byte ranges against ``dataset.json``
+    and ``_index.parquet``.
+
+    Returns the problems found, each naming the shard (or file) at fault; an empty list means ok.
+    """
+    storage = open_storage(url, endpoint_url=endpoint_url)
+    try:
+        meta, index = read_meta(storage), read_index(storage)
+    except (OSError, ValueError, pa.ArrowException) as exc:
+        return [f"{url}: cannot load {META_NAME}/{INDEX_NAME}: {exc}"]
+    problems: list[str] = []
+    num_classes = meta.num_classes
+    idx: dict[tuple[str, str], dict[str, Any]] = {}
+    keys: set[str] = set()
+    for r in index.to_pylist():
+        if r["key"] in keys:
+            problems.append(f"{INDEX_NAME}: key {r['key']!r} ({r['shard']}) appears more than once")
+        keys.add(r["key"])
+        idx[(r["shard"], r["key"])] = r
+    listed = {sh.name: (split, sh) for split, sp in meta.splits.items() for sh in sp.shards}
+    stray = sorted(n for n in storage.list() if n.endswith(".tar") and n not in listed)
+    problems += [f"{n}: shard not listed in {META_NAME}" for n in stray]
+    indexed = {}
+    for r in idx.values():
+        indexed[r["shard"]] = indexed.get(r["shard"], 0) + 1
+    for name in sorted(set(indexed) - set(listed)):
+        problems.append(f"{name}: in {INDEX_NAME} but not in {META_NAME}")
+    for split, sp in meta.splits.items():
+        if sum(sh.samples for sh in sp.shards) != sp.samples:
+            problems.append(
+                f"{META_NAME}: split {split!r} says {sp.samples} samples but its shards sum differently"
+            )
+    with Progress(len(listed), f"verify {storage.url}", unit="shard", enabled=progress) as bar:
+        for name, (split, sh) in listed.items():
+            problems += _verify_shard(storage, name, split, sh, idx, indexed.get(name, 0), num_classes)
+            bar.update()
+    return problems
+
+
+def _verify_shard(
+    storage: Storage, name: str, split: str, sh: ShardMeta, idx: dict[tuple[str, str], dict[str, Any]],
+    n_indexed: int, num_classes: int,
+) -> list[str]:
+    problems: list[str] = []
+    try:
+        f = storage.open_read(name)
+    except OSError as exc:
+        return [f"{name}: cannot read: {exc}"]
+    with f:
+        hr = _HashingReader(f)
+        count = 0
+        try:
+            for s in iter_shard(io.BufferedReader(hr, 1 << 20)):  # type: ignore[arg-type]
+                count += 1
+                row = idx.get((name, s.key))
+                labels = labels_of(s)
+                if "jpg" not in s.files or labels is None:
+                    problems.append(f"{name}: sample {s.key!r} lacks .jpg or .cls/.json ({sorted(s.files)})")
+                if row is None:
+                    problems.append(f"{name}: sample {s.key!r} missing from {INDEX_NAME}")
+                    continue
+                if (row["offset"], row["size"]) != (s.offset, s.size):
+                    problems.append(
+                        f"{name}: sample {s.key!r} byte range in index {row['offset']}+{row['size']}"
+                        f" != tar {s.offset}+{s.size}"
+                    )
+                if labels is not None and labels != list(row["labels"]):
+                    problems.append(f"{name}: sample {s.key!r} labels {labels} != index {row['labels']}")
+                if labels and num_classes and not all(0 <= x < num_classes for x in labels):
+                    problems.append(f"{name}: sample {s.key!r} label outside [0, {num_classes})")
+                if row["split"] != split:
+                    problems.append(
+                        f"{name}: sample {s.key!r} indexed under split {row['split']!r}, shard is {split!r}"
+                    )
+            hr.drain()
+        except (OSError, tarfile.TarError, ValueError, UnicodeDecodeError) as exc:
+            return problems + [f"{name}: unreadable after {count} samples: {exc}"]
+    if hr.sha.hexdigest() != sh.sha256:
+        problems.append(
+            f"{name}: sha256 mismatch ({META_NAME} {(sh.sha256 or '')[:12]}..., file {hr.sha.hexdigest()[:12]}...)"
+        )
+    if hr.n != sh.nbytes:
+        problems.append(f"{name}: {hr.n} bytes, {META_NAME} says {sh.nbytes}")
+    if count != sh.samples:
+        problems.append(f"{name}: {count} samples in tar, {META_NAME} says {sh.samples}")
+    if n_indexed != sh.samples:
+        problems.append(f"{name}: {n_indexed} rows in {INDEX_NAME}, {META_NAME} says {sh.samples}")
+    return problems
+
+
+def dataset_stats(url: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
+    """Counts of a dataset from its metadata and index: shards, samples, bytes, classes, per split."""
+    storage = open_storage(url, endpoint_url=endpoint_url)
+    meta, index = read_meta(storage), read_index(storage)
+    split_col = index.column("split").to_pylist()
+    label_col = index.column("labels").to_pylist()
+    splits: dict[str, Any] = {}
+    for split, sp in meta.splits.items():
+        per_class = np.zeros(meta.num_classes, dtype=np.int64)
+        n_indexed = 0
+        for s, ls in zip(split_col, label_col):
+            if s == split:
+                n_indexed += 1
+                per_class[ls] += 1
+        splits[split] = {
+            "shards": len(sp.shards),
+            "samples": sp.samples,
+            "indexed_samples": n_indexed,
+            "bytes": sum(sh.nbytes or 0 for sh in sp.shards),
+            "classes_present": int((per_class > 0).sum()),
+            "min_per_class": int(per_class.min()) if len(per_class) else 0,
+            "max_per_class": int(per_class.max()) if len(per_class) else 0,
+        }
+    return {
+        "url": storage.url,
+        "name": meta.name,
+        "shards": sum(v["shards"] for v in splits.values()),
+        "samples": sum(v["samples"] for v in splits.values()),
+        "bytes": sum(v["bytes"] for v in splits.values()),
+        "classes": meta.num_classes,
+        "multi_label": meta.multi_label,
+        "max_side": meta.max_side,
+        "quality": meta.quality,
+        "splits": splits,
+    }
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    """A human-readable table of :func:`dataset_stats` output (the CLI's default view)."""
+    lines = [
+        f"{stats['name']}  {stats['url']}",
+        f"{stats['samples']} samples in {stats['shards']} shards, {stats['bytes'] / 1e6:.1f} MB, "
+        f"{stats['classes']} classes{' (multi-label)' if stats['multi_label'] else ''}, "
+        f"max side {stats['max_side']} px, JPEG q{stats['quality']}",
+        f"{'split':<12}{'shards':>8}{'samples':>10}{'MB':>10}{'classes':>9}{'min/cls':>9}{'max/cls':>9}",
+    ]
+    for s, v in stats["splits"].items():
+        lines.append(
+            f"{s:<12}{v['shards']:>8}{v['samples']:>10}{v['bytes'] / 1e6:>10.1f}"
+            f"{v['classes_present']:>9}{v['min_per_class']:>9}{v['max_per_class']:>9}"
+        )
+    return "\n".join(lines)
+

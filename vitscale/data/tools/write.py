@@ -1,0 +1,312 @@
+"""Write a dataset: shuffle a source's samples into splits, encode JPEGs, pack them into shards.
+
+``write_dataset`` backs ``vitscale shards write``; :class:`ShardWriter` is the shard packer that
+dedup reuses to copy a dataset. The files it writes and their schema are
+:mod:`vitscale.data.format`'s; their bytes are reproducible (fixed tar metadata, seeded order).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from vitscale.config.checks import check, positive_int
+from vitscale.data.format import (
+    INDEX_NAME,
+    META_NAME,
+    DatasetMeta,
+    ShardMeta,
+    SplitMeta,
+    shard_name,
+    write_index_and_meta,
+)
+from vitscale.data.storage import Storage, open_storage
+from vitscale.data.tools.progress import Progress
+from vitscale.data.tools.sources import Sample, Source, image_of, open_source
+
+__all__ = [
+    "ShardWriter",
+    "assign_splits",
+    "encode_image",
+    "ensure_empty_destination",
+    "parse_splits",
+    "write_dataset",
+]
+
+
+def parse_splits(text: str) -> dict[str, float]:
+    """``"train=0.9,minival=0.1"`` -> ``{"train": 0.9, "minival": 0.1}`` (the CLI's ``--split``)."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, frac = part.partition("=")
+        if not eq:
+            raise ValueError(f"--split item {part!r} must look like name=fraction, e.g. train=0.9")
+        try:
+            out[name.strip()] = float(frac)
+        except ValueError:
+            raise ValueError(f"--split {name!r}: fraction {frac!r} is not a number") from None
+    _check_splits(out)
+    return out
+
+
+def _check_splits(splits: dict[str, float]) -> None:
+    if not splits:
+        raise ValueError("splits must name at least one split, e.g. {'train': 1.0}")
+    for name, frac in splits.items():
+        if not name or not all(c.isalnum() or c in "_" for c in name):
+            raise ValueError(f"split name {name!r} must be letters, digits or '_' (it names shard files)")
+        if not 0.0 < frac <= 1.0:
+            raise ValueError(f"split {name!r}: fraction {frac} must be in (0, 1]")
+    if abs(sum(splits.values()) - 1.0) > 1e-6:
+        raise ValueError(f"split fractions must sum to 1, got {sum(splits.values()):.6g} ({splits})")
+
+
+def assign_splits(n: int, splits: dict[str, float], seed: int) -> dict[str, np.ndarray]:
+    """Carve ``range(n)`` into splits: a seeded permutation cut by largest-remainder counts.
+
+    Pure function of (n, splits, seed). Each returned array holds source indices in the order they
+    are written (shuffled, so shards mix classes); arrays are disjoint and cover ``range(n)``, and
+    each split's size is within 1 of ``fraction * n``.
+    """
+    _check_splits(splits)
+    names = list(splits)
+    exact = np.array([splits[s] * n for s in names])
+    counts = np.floor(exact).astype(np.int64)
+    # Hand the leftover samples to the largest fractional parts (ties: first listed split).
+    for j in np.argsort(-(exact - counts), kind="stable")[: n - int(counts.sum())]:
+        counts[j] += 1
+    perm = np.random.default_rng(seed).permutation(n)
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    return {s: perm[bounds[j] : bounds[j + 1]] for j, s in enumerate(names)}
+
+
+def encode_image(image: Image.Image | bytes, max_side: int, quality: int) -> tuple[bytes, int, int]:
+    """Fit ``image`` within ``max_side`` (never enlarging), convert to RGB, encode JPEG.
+
+    Returns ``(jpeg_bytes, width, height)``.
+    """
+    img = image_of(image)
+    # thumbnail() shrinks in place keeping the aspect ratio, never enlarges, and for JPEG input
+    # lets libjpeg decode at 1/2, 1/4 or 1/8 scale first (draft), which is much faster.
+    img.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
+    img = ImageOps.exif_transpose(img)
+    if img.mode in ("RGBA", "LA") or (img.mode == "P" and "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        flat = Image.new("RGB", rgba.size, (255, 255, 255))
+        flat.paste(rgba, mask=rgba.getchannel("A"))  # transparent -> white, not black
+        img = flat
+    elif img.mode != "RGB":
+        img = img.convert("RGB")
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=quality)
+    return buf.getvalue(), img.width, img.height
+
+
+class _HashingFile:
+    """A write-only file wrapper that SHA-256s and counts what passes through."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.sha, self.n = f, hashlib.sha256(), 0
+
+    def write(self, b: bytes) -> int:
+        self.sha.update(b)
+        self.n += len(b)
+        return self.f.write(b)
+
+    def tell(self) -> int:
+        return self.n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _member(name: str, data: bytes) -> tuple[tarfile.TarInfo, io.BytesIO]:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(data), 0o444, 0  # fixed metadata: reproducible bytes
+    return info, io.BytesIO(data)
+
+
+@dataclass
+class ShardWriter:
+    """Writes one split's shards to ``storage`` through a local spool file, one shard at a time."""
+
+    storage: Storage
+    split: str
+    shard_size: int
+    multi_label: bool
+    shards: list[ShardMeta] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    _tmp: Any = None
+    _tar: tarfile.TarFile | None = None
+    _hf: _HashingFile | None = None
+    _count: int = 0
+
+    def add(self, key: str, jpeg: bytes, labels: Sequence[int], width: int, height: int) -> None:
+        """Append one sample; starts/finishes shards as they fill."""
+        if self._tar is None:
+            self._open()
+        if self._tar is None or self._hf is None:
+            raise RuntimeError("ShardWriter: shard failed to open")
+        start = self._tar.offset
+        self._tar.addfile(*_member(f"{key}.jpg", jpeg))
+        if self.multi_label:
+            self._tar.addfile(*_member(f"{key}.json", json.dumps({"labels": list(labels)}).encode()))
+        else:
+            self._tar.addfile(*_member(f"{key}.cls", str(labels[0]).encode("ascii")))
+        name = shard_name(self.split, len(self.shards))
+        self.rows.append(
+            dict(split=self.split, shard=name, key=key, labels=list(labels), offset=start,
+                 size=self._tar.offset - start, width=width, height=height)
+        )
+        self._count += 1
+        if self._count >= self.shard_size:
+            self.finish_shard()
+
+    def _open(self) -> None:
+        self._tmp = tempfile.NamedTemporaryFile(prefix="vitscale-shard-", suffix=".tar", delete=False)
+        self._hf = _HashingFile(self._tmp)
+        self._tar = tarfile.open(
+            fileobj=self._hf, mode="w", format=tarfile.PAX_FORMAT  # type: ignore[arg-type]
+        )
+        self._count = 0
+
+    def finish_shard(self) -> None:
+        """Close the open shard (if any), upload it and record its entry."""
+        if self._tar is None:
+            return
+        if self._hf is None:
+            raise RuntimeError("ShardWriter: shard state lost")
+        self._tar.close()
+        self._tmp.close()
+        name = shard_name(self.split, len(self.shards))
+        try:
+            self.storage.write_file(name, self._tmp.name)
+        finally:
+            os.unlink(self._tmp.name)
+        self.shards.append(ShardMeta(name, self._count, self._hf.sha.hexdigest(), self._hf.n))
+        self._tar = self._hf = self._tmp = None
+
+    def abort(self) -> None:
+        """Drop the open shard's spool file after an error."""
+        if self._tmp is not None:
+            self._tmp.close()
+            os.unlink(self._tmp.name)
+            self._tar = self._hf = self._tmp = None
+
+
+def ensure_empty_destination(storage: Storage) -> None:
+    """Refuse to write over an existing dataset (stale shards would linger and mislead)."""
+    existing = [n for n in storage.list() if n == META_NAME or n.endswith(".tar") or n == INDEX_NAME]
+    if existing:
+        raise ValueError(
+            f"{storage.url} already holds a dataset ({existing[0]}); write to a new --out or delete it first"
+        )
+
+
+
+def _encoded_in_order(
+    source: Source,
+    order: np.ndarray,
+    encode: Callable[[Sample], tuple[Sample, bytes, int, int]],
+    workers: int,
+) -> Iterator[tuple[Sample, bytes, int, int]]:
+    """Encode samples on a thread pool (PIL releases the GIL) while keeping write order."""
+    window = max(4, 4 * workers)  # bounded in-flight work: memory stays flat on big sets
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        pending: list[Any] = []
+        for i in order:
+            pending.append(pool.submit(lambda j=int(i): encode(source[j])))
+            if len(pending) >= window:
+                yield pending.pop(0).result()
+        for fut in pending:
+            yield fut.result()
+
+
+def write_dataset(
+    source: str,
+    out: str,
+    *,
+    shard_size: int = 1000,
+    max_side: int = 384,
+    quality: int = 90,
+    seed: int = 0,
+    splits: dict[str, float] | None = None,
+    source_options: dict[str, Any] | None = None,
+    name: str | None = None,
+    endpoint_url: str | None = None,
+    progress: bool = True,
+    workers: int | None = None,
+) -> dict[str, Any]:
+    """Write ``source`` (see :func:`vitscale.data.tools.sources.open_source`) as shards at ``out``.
+
+    Images are shrunk to fit ``max_side`` (never enlarged) and JPEG-encoded at ``quality``;
+    samples are shuffled and carved into ``splits`` (default ``{"train": 1.0}``) from ``seed``.
+    ``seed`` also seeds the synthetic source unless ``source_options`` sets its own. Returns the
+    ``dataset.json`` content.
+    """
+    positive_int(shard_size, "shard_size")
+    check(max_side >= 8, "max_side", f"must be >= 8 px, got {max_side}")
+    check(1 <= quality <= 95, "quality", f"must be in [1, 95] (JPEG), got {quality}")
+    splits = dict(splits) if splits else {"train": 1.0}
+    opts = dict(source_options or {})
+    if source.partition(":")[0] == "synthetic":
+        opts.setdefault("seed", seed)
+    src = open_source(source, **opts)
+    storage = open_storage(out, endpoint_url=endpoint_url)
+    ensure_empty_destination(storage)
+    by_split = assign_splits(len(src), splits, seed)
+    n_workers = workers or min(8, os.cpu_count() or 1)
+
+    def encode(s: Sample) -> tuple[Sample, bytes, int, int]:
+        return (s, *encode_image(s.image, max_side, quality))
+
+    meta_splits: dict[str, SplitMeta] = {}
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    with Progress(len(src), f"write {storage.url}", unit="img", enabled=progress) as bar:
+        for split, order in by_split.items():
+            writer = ShardWriter(storage, split, shard_size, src.multi_label)
+            try:
+                for sample, jpeg, w, h in _encoded_in_order(src, order, encode, n_workers):
+                    if sample.key in seen:
+                        raise ValueError(
+                            f"{source}: duplicate sample key {sample.key!r}; keys must be unique"
+                        )
+                    seen.add(sample.key)
+                    writer.add(sample.key, jpeg, sample.labels, w, h)
+                    bar.update()
+                writer.finish_shard()
+            except BaseException:
+                writer.abort()
+                raise
+            meta_splits[split] = SplitMeta(len(order), tuple(writer.shards))
+            rows.extend(writer.rows)
+    meta = DatasetMeta(
+        name=name or src.name,
+        classes=tuple(src.classes),
+        num_classes=len(src.classes),
+        multi_label=src.multi_label,
+        splits=meta_splits,
+        max_side=max_side,
+        quality=quality,
+        extra={
+            "seed": seed,
+            "source": source,
+            "source_options": {k: v for k, v in opts.items() if isinstance(v, (int, float, str, bool, list))},
+            "format": 1,
+        },
+    )
+    write_index_and_meta(storage, rows, meta)
+    return meta.to_json()
+

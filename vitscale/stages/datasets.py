@@ -1,0 +1,34 @@
+"""The datasets stages read, made when missing and checked on the driver before Ray starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vitscale.config.checks import ConfigError
+from vitscale.data.config import SourceConfig
+
+
+def ensure_dataset(url: str, source: SourceConfig | None, endpoint_url: str | None, key: str) -> Any:
+    """The dataset's metadata (`DatasetMeta`); writes the dataset first from `source` when absent.
+
+    `key` is the config key that named `url` (e.g. "data.url"): errors name it.
+    """
+    from vitscale.data.format import has_dataset, read_meta
+    from vitscale.data.tools.write import write_dataset
+
+    if not has_dataset(url, endpoint_url=endpoint_url):
+        if source is None:
+            raise FileNotFoundError(f"{key}: no dataset at {url} (no dataset.json); write one with "
+                                    f"`vitscale shards write --source ... --out {url}`")
+        print(f"[vitscale] writing {source.kind} dataset to {url}", flush=True)
+        write_dataset(source.kind, url, shard_size=source.shard_size, max_side=source.max_side,
+                      quality=source.quality, seed=0, splits=dict(source.splits),
+                      source_options=source.source_options(), endpoint_url=endpoint_url)
+    return read_meta(url, endpoint_url=endpoint_url)
+
+
+def require_split(meta: Any, split: str, key: str, url: str) -> int:
+    """Samples in `split` of the dataset at `url`; a `ConfigError` naming `key` when it has no such split."""
+    if split not in meta.splits:
+        raise ConfigError(key, f"{split!r} is not a split of {url} (splits: {sorted(meta.splits)})")
+    return meta.samples(split)

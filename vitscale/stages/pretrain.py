@@ -1,0 +1,62 @@
+"""The pretrain stage: a model (`model:`) trained on a dataset (`data:`) with a recipe (`train:`).
+
+Runs on Ray Train (`launch/ray_train.py`), every worker in `train/loop.py`; makes `Pretrained`.
+"""
+
+from __future__ import annotations
+
+from vitscale.config.checks import ConfigError, check
+from vitscale.config.pipeline import PipelineConfig
+from vitscale.data.config import DataConfig
+from vitscale.models.config import ModelConfig
+from vitscale.stages.base import Pretrained, Stage, StageContext
+from vitscale.stages.datasets import ensure_dataset, require_split
+from vitscale.train.config import TrainConfig
+
+
+def check_pretrain(config: PipelineConfig) -> None:
+    """The recipe against the cluster: the batch splits evenly over workers, the fault hits one."""
+    train, cluster = config.train, config.cluster
+    fault = train.fault
+    check(fault.kill_rank is None or fault.kill_rank < cluster.num_workers, "train.fault.kill_rank",
+          f"({fault.kill_rank}) must be below cluster.num_workers ({cluster.num_workers})")
+    per_step = train.micro_batch * cluster.num_workers
+    if train.global_batch % per_step:
+        lower = max(per_step, train.global_batch // per_step * per_step)
+        raise ConfigError(
+            "train.global_batch",
+            f"({train.global_batch}) must be a multiple of train.micro_batch x cluster.num_workers "
+            f"= {train.micro_batch} x {cluster.num_workers} = {per_step}; try {lower} or {lower + per_step}")
+
+
+def prepare_pretrain(config: PipelineConfig) -> None:
+    """The dataset exists (or is written from `data.create_if_missing`), has the split, fills a step."""
+    from vitscale.data.format import open_dataset
+
+    data, train = config.data, config.train
+    meta = ensure_dataset(data.url, data.create_if_missing, data.endpoint_url, "data.url")
+    samples = require_split(meta, data.split, "data.split", data.url)
+    open_dataset(data.url, data.split, endpoint_url=data.endpoint_url)  # the index agrees with dataset.json
+    # Each rank reads samples // world_size of an epoch (order.py): one optimizer step must fit in it.
+    world = config.cluster.num_workers
+    per_rank_step = train.global_batch // world
+    check(samples // world >= per_rank_step, "train.global_batch",
+          f"({train.global_batch}) cannot be filled: split {data.split!r} of {data.url} has {samples} samples, "
+          f"{samples // world} per worker, and one step needs {per_rank_step} per worker")
+
+
+def run_pretrain(config: PipelineConfig, context: StageContext) -> Pretrained:
+    from vitscale.launch.ray_train import launch_pretrain
+
+    checkpoint, metrics = launch_pretrain(config, context.run_dir)
+    return Pretrained(checkpoint=checkpoint, metrics=metrics)
+
+
+STAGE = Stage(
+    name="pretrain",
+    sections={"model": ModelConfig, "data": DataConfig, "train": TrainConfig},
+    check=check_pretrain,
+    prepare=prepare_pretrain,
+    run=run_pretrain,
+    produces=Pretrained,
+)

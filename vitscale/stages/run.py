@@ -1,0 +1,81 @@
+"""`vitscale run`: check every stage on the driver, then run them in order on Ray.
+
+Everything that can be wrong with a pipeline (config, model name, missing or inconsistent data)
+is found before a single Ray worker starts: the config when it is loaded, each stage's
+`prepare` here, before Ray is even connected.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from vitscale.config.checks import ConfigError
+from vitscale.config.loader import absolute_paths, to_yaml
+from vitscale.config.pipeline import PipelineConfig
+from vitscale.stages import get_stage
+from vitscale.stages.base import StageContext
+
+PIPELINES_DIR = Path(__file__).resolve().parents[2] / "pipelines"
+
+
+def resolve_pipeline_path(name_or_path: str) -> Path:
+    """A pipeline file from a path, or a name under pipelines/ (e.g. "pretrain", "recipes/jft-vit-l16")."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    for root in (Path.cwd() / "pipelines", PIPELINES_DIR):
+        for candidate in (root / name_or_path, root / f"{name_or_path}.yaml",
+                          root / "recipes" / f"{name_or_path}.yaml"):
+            if candidate.is_file():
+                return candidate
+    available = sorted(str(p.relative_to(PIPELINES_DIR).with_suffix("")) for p in PIPELINES_DIR.rglob("*.yaml"))
+    raise FileNotFoundError(f"no pipeline file {name_or_path!r}; pipelines shipped: {', '.join(available)}")
+
+
+def preflight(config: PipelineConfig) -> PipelineConfig:
+    """Every stage's driver-side checks (may write a missing dataset); returns the config with absolute paths."""
+    config = absolute_paths(config)
+    for name in config.stages:
+        stage = get_stage(name)
+        if stage.prepare is not None:
+            try:
+                stage.prepare(config)
+            except ConfigError as exc:
+                raise exc.in_file(config.source) if config.source else exc from None
+    return config
+
+
+def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose: bool = True) -> dict[str, Any]:
+    """Run every stage of `config`; prints a summary table and returns the summary (the final JSON line)."""
+    from vitscale.launch.console import route_ray_output, summary_table
+    from vitscale.launch.ray_train import ensure_ray, run_directory
+
+    t0 = time.time()
+    config = preflight(config)
+    _, run_dir = run_directory(config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(config))
+    print(f"[vitscale] run directory: {run_dir}", flush=True)
+    print(f"[vitscale] {ensure_ray(address or config.cluster.address, config.cluster.local_num_cpus)}", flush=True)
+    routed = route_ray_output(run_dir / "logs" / "ray.log", verbose=verbose)
+    if routed:
+        print(f"[vitscale] {routed}", flush=True)
+
+    context = StageContext(run_dir=run_dir, run_name=config.run_name)
+    summary: dict[str, Any] = {"pipeline": config.name, "run": config.run_name, "run_dir": str(run_dir), "ok": True}
+    table: list[tuple[str, list[tuple[str, str]]]] = []
+    for name in config.stages:
+        print(f"[vitscale] stage {name}", flush=True)
+        started = time.time()
+        result = get_stage(name).run(config, context)
+        context.results.append(result)
+        summary[name] = result.summary()
+        table.append((name, [*result.rows(), ("time", f"{time.time() - started:.0f} s")]))
+    summary["seconds"] = round(time.time() - t0, 1)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    print(f"\n{config.name}: done in {summary['seconds']:.0f} s, run directory {run_dir}\n"
+          f"{summary_table(table)}\n", flush=True)
+    return summary
