@@ -68,3 +68,9 @@ def test_job_submit_runs_the_pipeline_on_the_cluster(head_node: tuple[str, dict]
     summary = json.loads(next(line for line in reversed(output.splitlines()) if line.startswith('{"pipeline"')))
     assert summary["ok"] and summary["pretrain"]["step"] == 3
     assert (tmp_path / "runs" / "submitted" / "checkpoint_000000003").is_dir()
+    # The console shows vitscale's own lines and its summary table; Ray's per-report dumps and
+    # DeepSpeed's tables go to the run's log file instead.
+    assert "[vitscale] stage pretrain" in output and "final loss" in output
+    assert "TrainingReport(" not in output and "DeepSpeed" not in output
+    log = (tmp_path / "runs" / "submitted" / "logs" / "ray.log").read_text()
+    assert "TrainingReport(" in log or "DeepSpeed" in log

@@ -13,6 +13,18 @@ SOURCE_KINDS = ("synthetic", "digits")
 SOURCE_PREFIXES = ("folder:", "list:")
 
 
+def check_splits(splits: dict[str, float], key: str = "splits") -> None:
+    """Named fractions of a source: names that can name shard files, fractions in (0, 1] summing to 1."""
+    check(bool(splits), key, "must name at least one split, e.g. {train: 1.0}")
+    for name, share in splits.items():
+        check(bool(name) and all(c.isalnum() or c == "_" for c in name), key,
+              f"split name {name!r} must be letters, digits or '_' (it names shard files)")
+        positive(share, f"{key}.{name}")
+        check(share <= 1.0, f"{key}.{name}", f"fraction {share} must be in (0, 1]")
+    check(abs(sum(splits.values()) - 1.0) <= 1e-6, key,
+          f"fractions must sum to 1, got {sum(splits.values()):.6g} ({splits})")
+
+
 @dataclass(frozen=True)
 class SourceConfig:
     """What `vitscale shards write` would be given; used to create a dataset that is absent."""
@@ -42,11 +54,7 @@ class SourceConfig:
         for key in ("count", "classes", "image_size", "shard_size", "max_side"):
             positive(getattr(self, key), f"{prefix}.{key}")
         check(1 <= self.quality <= 95, f"{prefix}.quality", f"must be in [1, 95] (JPEG), got {self.quality}")
-        for name, share in self.splits.items():
-            positive(share, f"{prefix}.splits.{name}")
-        check(bool(self.splits), f"{prefix}.splits", "needs at least one split with a positive fraction")
-        check(abs(sum(self.splits.values()) - 1.0) < 1e-6, f"{prefix}.splits",
-              f"fractions must add up to 1, got {sum(self.splits.values())}")
+        check_splits(self.splits, f"{prefix}.splits")
 
     def source_options(self) -> dict[str, object]:
         """The options `open_source` takes for this kind (only the synthetic source has any)."""

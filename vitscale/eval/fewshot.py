@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from vitscale.config.checks import check, positive_int
+
 __all__ = ["extract_features", "fewshot_accuracy", "fit_least_squares", "predict", "sample_shots"]
 
 ArrayLike = torch.Tensor | np.ndarray
@@ -67,8 +69,7 @@ def fit_least_squares(features: ArrayLike, labels: ArrayLike, num_classes: int, 
         raise ValueError(f"features has {x.shape[0]} rows but labels has {y.shape[0]}")
     if x.shape[0] == 0:
         raise ValueError("features is empty: need at least one example")
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
-        raise ValueError(f"num_classes must be an integer >= 2, got {num_classes!r}")
+    check(positive_int(num_classes, "num_classes") >= 2, "num_classes", f"must be >= 2, got {num_classes!r}")
     if not (math.isfinite(l2) and l2 > 0):
         raise ValueError(f"l2 must be a positive finite number, got {l2}")
     y = y.to(device=x.device, dtype=torch.long)
@@ -105,10 +106,8 @@ def sample_shots(labels: ArrayLike, num_classes: int, shots: int, seed: int) -> 
         ValueError: ``shots`` < 1, or some class has fewer than ``shots`` examples (named).
     """
     y = np.asarray(torch.as_tensor(labels).cpu().numpy()).reshape(-1)
-    if isinstance(shots, bool) or not isinstance(shots, int) or shots < 1:
-        raise ValueError(f"shots must be an integer >= 1, got {shots!r}")
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
-        raise ValueError(f"num_classes must be an integer >= 1, got {num_classes!r}")
+    positive_int(shots, "shots")
+    positive_int(num_classes, "num_classes")
     rng = np.random.default_rng(seed)
     chosen = []
     for c in range(num_classes):

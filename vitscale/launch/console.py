@@ -39,6 +39,21 @@ class LogRouter:
             self.console.flush()
 
 
+def quiet_driver_logs(log_path: Path, *, verbose: bool) -> None:
+    """Before `ray.init`: Ray's and DeepSpeed's driver-side INFO lines go to `log_path`; warnings stay visible."""
+    if verbose:
+        return
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    file_handler = logging.FileHandler(log_path)
+    file_handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    for name in ("ray", "DeepSpeed", "deepspeed"):
+        logger = logging.getLogger(name)
+        for handler in logger.handlers:
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                handler.setLevel(max(handler.level, logging.WARNING))
+        logger.addHandler(file_handler)
+
+
 def route_ray_output(log_path: Path, *, verbose: bool) -> str | None:
     """After `ray.init`: send worker output to `log_path`, keep vitscale's lines on the terminal.
 
@@ -56,20 +71,7 @@ def route_ray_output(log_path: Path, *, verbose: bool) -> str | None:
         dispatcher.add_handler("vitscale", LogRouter(log_path))
     except (ImportError, AttributeError, KeyError, ValueError):
         return None
-    _quiet_driver_loggers(log_path)
     return f"workers' full output: {log_path} (--verbose shows it here)"
-
-
-def _quiet_driver_loggers(log_path: Path) -> None:
-    """Ray's and DeepSpeed's driver-side INFO lines go to the log file; warnings stay visible."""
-    file_handler = logging.FileHandler(log_path)
-    file_handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    for name in ("ray", "DeepSpeed", "deepspeed"):
-        logger = logging.getLogger(name)
-        for handler in logger.handlers:
-            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-                handler.setLevel(max(handler.level, logging.WARNING))
-        logger.addHandler(file_handler)
 
 
 def summary_table(sections: list[tuple[str, list[tuple[str, str]]]]) -> str:

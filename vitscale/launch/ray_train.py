@@ -163,8 +163,13 @@ def ensure_ray(address: str | None, local_num_cpus: int | None) -> str:
         return "already connected"
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
-        return f"joined Ray cluster at {address}"
+        context = ray.init(address=address, log_to_driver=True)
+        return f"joined Ray cluster at {address}{_dashboard(context)}"
     # The dashboard also serves the state API that Ray Train's controller polls (and the Train view).
-    ray.init(num_cpus=local_num_cpus, log_to_driver=True)
-    return f"started a local Ray with {ray.cluster_resources().get('CPU', 0):.0f} CPUs"
+    context = ray.init(num_cpus=local_num_cpus, log_to_driver=True)
+    return f"started a local Ray with {ray.cluster_resources().get('CPU', 0):.0f} CPUs{_dashboard(context)}"
+
+
+def _dashboard(context: Any) -> str:
+    url = getattr(context, "dashboard_url", None)
+    return f"; dashboard http://{url}" if url else ""

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from vitscale.config.checks import positive_int
 from vitscale.models.options import ResNetConfig
 from vitscale.models.variants import ResNetDims
 from vitscale.models.vit import zero_head
@@ -204,8 +205,7 @@ class ResNetV2(nn.Module):
 
     def reset_head(self, num_classes: int, bias_init: float = 0.0) -> None:
         """Replace the classifier with a zero-init C x K linear layer."""
-        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
-            raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+        positive_int(num_classes, "num_classes")
         like = self.stem.conv.weight
         self.head = zero_head(self.num_features, num_classes, bias_init, like=like)
         self.cfg = dataclasses.replace(self.cfg, num_classes=num_classes, head_bias_init=float(bias_init))

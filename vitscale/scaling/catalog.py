@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from vitscale.config.checks import check, positive_int
 from vitscale.models.factory import create_model, model_names, parse_model_name
 from vitscale.scaling.flops import (
     JFT300M_EXAMPLES,
@@ -45,8 +46,9 @@ def model_rows(resolutions: tuple[int, ...] = (224, 384), num_classes: int = 100
     embeddings grow with resolution). ``gflops_<res>`` is forward GFLOPs per example, None when
     the resolution is not a multiple of the model's token stride (e.g. ViT-B/14 at 384).
     """
-    if not resolutions or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in resolutions):
-        raise ValueError(f"resolutions must be a non-empty tuple of positive ints, got {resolutions!r}")
+    check(bool(resolutions), "resolutions", "needs at least one resolution")
+    for r in resolutions:
+        positive_int(r, "resolutions")
     rows = []
     for name in model_names():
         row: dict[str, Any] = {
@@ -85,8 +87,7 @@ def flops_summary(
     """
     if examples is None:
         examples = JFT300M_EXAMPLES
-    if isinstance(examples, bool) or not isinstance(examples, int) or examples < 1:
-        raise ValueError(f"examples must be a positive int, got {examples!r}")
+    positive_int(examples, "examples")
     if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not math.isfinite(epochs) or epochs <= 0:
         raise ValueError(f"epochs must be a positive number, got {epochs!r}")
     spec = parse_model_name(model)

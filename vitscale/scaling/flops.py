@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vitscale.config.checks import one_of, positive_int
+from vitscale.config.checks import non_negative_int, one_of, positive_int
 from vitscale.models.options import CLASSIFIERS, DIM_OPTIONS, check_option_names
 from vitscale.models.variants import ModelSpec, ResNetDims, ViTDims, parse_model_name, with_overrides
 
@@ -276,9 +276,8 @@ def forward_flops(
 
 def training_flops(forward_flops_per_example: int, examples: int) -> int:
     """Total training FLOPs: 3 x forward per example x examples seen (epochs x dataset size)."""
-    for key, value in (("forward_flops_per_example", forward_flops_per_example), ("examples", examples)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{key} must be an int >= 0, got {value!r}")
+    non_negative_int(forward_flops_per_example, "forward_flops_per_example")
+    non_negative_int(examples, "examples")
     return TRAIN_FLOPS_MULTIPLIER * forward_flops_per_example * examples
 
 

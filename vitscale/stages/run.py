@@ -50,7 +50,7 @@ def preflight(config: PipelineConfig) -> PipelineConfig:
 
 def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose: bool = True) -> dict[str, Any]:
     """Run every stage of `config`; prints a summary table and returns the summary (the final JSON line)."""
-    from vitscale.launch.console import route_ray_output, summary_table
+    from vitscale.launch.console import quiet_driver_logs, route_ray_output, summary_table
     from vitscale.launch.ray_train import ensure_ray, run_directory
 
     t0 = time.time()
@@ -59,8 +59,10 @@ def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(config))
     print(f"[vitscale] run directory: {run_dir}", flush=True)
+    log_path = run_dir / "logs" / "ray.log"
+    quiet_driver_logs(log_path, verbose=verbose)
     print(f"[vitscale] {ensure_ray(address or config.cluster.address, config.cluster.local_num_cpus)}", flush=True)
-    routed = route_ray_output(run_dir / "logs" / "ray.log", verbose=verbose)
+    routed = route_ray_output(log_path, verbose=verbose)
     if routed:
         print(f"[vitscale] {routed}", flush=True)
 

@@ -49,6 +49,8 @@ from typing import IO
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from vitscale.config.checks import check, non_negative_int
+
 __all__ = ["MetricsSink", "PEAK_BF16_FLOPS", "StepMetrics", "mfu", "peak_flops"]
 
 #: Dense bf16 tensor-core peak FLOP/s per GPU (NVIDIA data sheets; the "with sparsity" figures are
@@ -207,10 +209,10 @@ class MetricsSink:
         port: int | None = None,
         addr: str = "0.0.0.0",
     ) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
-        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
-            raise ValueError(f"metrics port must be an integer in [0, 65535] or None, got {port!r}")
+        non_negative_int(rank, "rank")
+        if port is not None:
+            check(non_negative_int(port, "metrics port") <= 65535, "metrics port",
+                  f"must be an integer in [0, 65535] or None, got {port!r}")
         self.run = run
         self.rank = rank
         self.path = Path(run_dir) / "metrics" / f"rank{rank}.jsonl"

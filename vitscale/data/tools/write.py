@@ -22,6 +22,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from vitscale.config.checks import check, positive_int
+from vitscale.data.config import check_splits
 from vitscale.data.format import (
     INDEX_NAME,
     META_NAME,
@@ -56,20 +57,8 @@ def parse_splits(text: str) -> dict[str, float]:
             out[name.strip()] = float(frac)
         except ValueError:
             raise ValueError(f"--split {name!r}: fraction {frac!r} is not a number") from None
-    _check_splits(out)
+    check_splits(out)
     return out
-
-
-def _check_splits(splits: dict[str, float]) -> None:
-    if not splits:
-        raise ValueError("splits must name at least one split, e.g. {'train': 1.0}")
-    for name, frac in splits.items():
-        if not name or not all(c.isalnum() or c in "_" for c in name):
-            raise ValueError(f"split name {name!r} must be letters, digits or '_' (it names shard files)")
-        if not 0.0 < frac <= 1.0:
-            raise ValueError(f"split {name!r}: fraction {frac} must be in (0, 1]")
-    if abs(sum(splits.values()) - 1.0) > 1e-6:
-        raise ValueError(f"split fractions must sum to 1, got {sum(splits.values()):.6g} ({splits})")
 
 
 def assign_splits(n: int, splits: dict[str, float], seed: int) -> dict[str, np.ndarray]:
@@ -79,7 +68,7 @@ def assign_splits(n: int, splits: dict[str, float], seed: int) -> dict[str, np.n
     are written (shuffled, so shards mix classes); arrays are disjoint and cover ``range(n)``, and
     each split's size is within 1 of ``fraction * n``.
     """
-    _check_splits(splits)
+    check_splits(splits)
     names = list(splits)
     exact = np.array([splits[s] * n for s in names])
     counts = np.floor(exact).astype(np.int64)
