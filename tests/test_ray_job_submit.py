@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -31,7 +32,12 @@ def head_node():
         pytest.skip("the ray CLI is not installed")
     temp = tempfile.mkdtemp(prefix="rayjob-")  # short: Ray's unix sockets live under it
     gcs, dashboard = _free_port(), _free_port()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    # Token authentication, as every vitscale deployment runs Ray (Ray >= 2.52): the head, the job's
+    # driver and `ray job submit` all read the same token, here from a file of this test's own.
+    token = Path(temp) / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN_PATH": str(token)}
     env.pop("RAY_ADDRESS", None)
     subprocess.run([RAY, "start", "--head", f"--port={gcs}", "--node-ip-address=127.0.0.1",
                     f"--dashboard-port={dashboard}", "--dashboard-host=127.0.0.1", "--num-cpus=2",
