@@ -11,6 +11,8 @@ import torch
 
 from vitscale.data.tools.write import write_dataset
 from vitscale.stages import build_pipeline
+from vitscale.stages.pretrain import pretraining_job
+from vitscale.train.job import TrainJob
 from vitscale.train.checkpoint import check_complete
 
 pytest.importorskip("deepspeed")
@@ -39,15 +41,16 @@ def process_group() -> None:
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
 
 
-def tiny_config(url: str, **train: object) -> object:
-    return build_pipeline({
+def tiny_config(url: str, **train: object) -> TrainJob:
+    """The pre-training job of a tiny pipeline: what a Ray Train worker is handed."""
+    return pretraining_job(build_pipeline({
         "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 2, "width": 32, "mlp_dim": 64, "heads": 2},
         "data": {"url": url, "num_workers": 0, "shuffle_buffer": 64},
         "train": {"global_batch": 16, "micro_batch": 8, "max_steps": 6, "warmup_steps": 2, "base_lr": 1e-3,
                   "zero_stage": 2, "precision": "fp32", "checkpoint_every": 3, "log_every": 1,
                   "record_samples": True, **train},
         "cluster": {"num_workers": 1, "use_gpu": False},
-    })
+    }))
 
 
 class Recorder:
@@ -73,12 +76,12 @@ def final_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path: Path, tiny_dataset: str,
                                                           process_group: None) -> None:
-    from vitscale.train.loop import WorkerContext, pretrain
+    from vitscale.train.loop import WorkerContext, train
 
     config = tiny_config(tiny_dataset)
     whole = Recorder(tmp_path / "whole")
     (tmp_path / "whole").mkdir()
-    summary = pretrain(config, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-a", report=whole))
+    summary = train(config, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-a", report=whole))
     assert summary["steps"] == 6
     assert [m["step"] for m in whole.metrics] == [1, 2, 3, 4, 5, 6]
     assert check_complete(tmp_path / "whole" / "checkpoint_000000003", 1) == []
@@ -86,7 +89,7 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path: Path, tiny_d
     # Resume the same run from its step-3 checkpoint: the last three steps must be bit-identical.
     resumed = Recorder(tmp_path / "resumed")
     (tmp_path / "resumed").mkdir()
-    pretrain(config, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-b", report=resumed,
+    train(config, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-b", report=resumed,
                                    resume_from=tmp_path / "whole" / "checkpoint_000000003"))
     assert [m["step"] for m in resumed.metrics] == [4, 5, 6]
     a = final_weights(tmp_path / "whole" / "checkpoint_000000006")
@@ -108,11 +111,11 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path: Path, tiny_d
 
 
 def test_loss_goes_down(tmp_path: Path, tiny_dataset: str, process_group: None) -> None:
-    from vitscale.train.loop import WorkerContext, pretrain
+    from vitscale.train.loop import WorkerContext, train
 
     config = tiny_config(tiny_dataset, max_steps=30, base_lr=3e-3, checkpoint_every=30, warmup_steps=3)
     seen = Recorder(tmp_path)
-    pretrain(config, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run", report=seen))
+    train(config, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run", report=seen))
     losses = [m["loss"] for m in seen.metrics]
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
     jsonl = (tmp_path / "run" / "metrics" / "rank0.jsonl").read_text().splitlines()
@@ -123,11 +126,11 @@ def test_loss_goes_down(tmp_path: Path, tiny_dataset: str, process_group: None) 
 def test_every_zero_stage_trains_and_checkpoints(tmp_path: Path, tiny_dataset: str, process_group: None,
                                                  stage: int, offload: bool) -> None:
     """ZeRO 0-3 (and CPU offload) for real: train, checkpoint, consolidate to one fp32 state dict."""
-    from vitscale.train.loop import WorkerContext, pretrain
+    from vitscale.train.loop import WorkerContext, train
 
     config = tiny_config(tiny_dataset, zero_stage=stage, offload=offload, max_steps=3, checkpoint_every=3)
     seen = Recorder(tmp_path)
-    summary = pretrain(config, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run", report=seen))
+    summary = train(config, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run", report=seen))
     assert summary["steps"] == 3 and all(m["loss"] > 0 for m in seen.metrics)
     weights = final_weights(tmp_path / "checkpoint_000000003")
     assert weights["head.weight"].dtype == torch.float32

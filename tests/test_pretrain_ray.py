@@ -97,7 +97,7 @@ def test_fewshot_stage_probes_the_final_checkpoint(clean_run: dict) -> None:
 def test_export_round_trips_through_load_pretrained(clean_run: dict, tmp_path: Path) -> None:
     from vitscale.cli import main
     from vitscale.train.export import find_checkpoint, model_from_checkpoint
-    from vitscale.models import create_model, load_pretrained
+    from vitscale.models import load_pretrained
 
     trained, run_config, facts = model_from_checkpoint(find_checkpoint(clean_run["run_dir"]))
     images = torch.randn(3, 3, 16, 16)

@@ -1,8 +1,7 @@
-"""Ray Train wiring: a TorchTrainer whose workers run `vitscale.train.loop.pretrain`.
+"""Ray Train wiring: a TorchTrainer whose workers run `vitscale.train.loop.train` on a `TrainJob`.
 
-Ray stays at this edge. The worker function turns its plain-dict payload back into the typed
-config on its first line, finds the checkpoint to resume from, and hands a `WorkerContext` to the
-loop. Fault tolerance is Ray Train V2's: `FailureConfig(max_failures)` restarts the worker group
+Ray stays at this edge. The worker function takes the typed job from its payload on its first
+line, finds the checkpoint to resume from, and hands a `WorkerContext` to the loop. Fault tolerance is Ray Train V2's: `FailureConfig(max_failures)` restarts the worker group
 after a crash and `ray.train.get_checkpoint()` returns the latest reported checkpoint; a
 re-submitted job with the same (storage_path, name) resumes the same way.
 """
@@ -20,9 +19,10 @@ import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from vitscale.config.pipeline import PipelineConfig
+from vitscale.config.pipeline import ClusterConfig
 from vitscale.launch.errors import PipelineFailed
 from vitscale.train import checkpoint as ckpt
+from vitscale.train.job import TrainJob
 
 
 class WorkerFailed(RuntimeError):
@@ -30,14 +30,13 @@ class WorkerFailed(RuntimeError):
 
 
 def train_worker(payload: dict[str, Any]) -> None:
-    """Entry point of every Ray Train worker.
+    """Entry point of every Ray Train worker: run the `TrainJob` in the payload.
 
-    The payload carries the validated, frozen `PipelineConfig` itself (Ray pickles it): the
-    driver checked it, and rebuilding it here would need the stage registry, which sits above
-    this layer.
+    The payload carries the validated, frozen `TrainJob` itself (Ray pickles it): the driver
+    checked every value in it, so the worker only runs it.
     """
-    config: PipelineConfig = payload["config"]
-    from vitscale.train.loop import WorkerContext, pretrain  # torch/deepspeed load inside the worker
+    job: TrainJob = payload["job"]
+    from vitscale.train.loop import WorkerContext, train  # torch/deepspeed load inside the worker
 
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
@@ -46,7 +45,7 @@ def train_worker(payload: dict[str, Any]) -> None:
         with _resume_directory(world_size, rank) as resume_from:
             ctx = WorkerContext(rank=rank, world_size=world_size, run_dir=run_dir, report=_report,
                                 resume_from=resume_from, local_rank=context.get_local_rank())
-            pretrain(config, ctx)  # its last step reports the final checkpoint and metrics
+            train(job, ctx)  # its last step reports the final checkpoint and metrics
     except Exception as exc:
         # Ray shows its own traceback of the actor; print the worker's with its rank so the driver's
         # log says which rank failed and why, then re-raise for Ray's failure handling.
@@ -89,45 +88,61 @@ def _resume_directory(world_size: int, rank: int) -> Iterator[Path | None]:
         yield fallback
 
 
-def run_directory(config: PipelineConfig) -> tuple[str, Path]:
-    """(storage_path, local run directory) of a pipeline's run."""
-    storage = config.cluster.storage_path
+def run_directory(cluster: ClusterConfig, run_name: str) -> tuple[str, Path]:
+    """(storage_path, local run directory) of the run `run_name`."""
+    storage = cluster.storage_path
     if "://" in storage:
         # Checkpoints go to object storage; per-rank logs stay on each node's disk.
-        return storage, Path(os.path.expanduser("~/vitscale-runs-local")) / config.run_name
+        return storage, Path(os.path.expanduser("~/vitscale-runs-local")) / run_name
     storage = str(Path(os.path.expanduser(storage)).resolve())
-    return storage, Path(storage) / config.run_name
+    return storage, Path(storage) / run_name
 
 
-def launch_pretrain(config: PipelineConfig, run_dir: Path) -> tuple[Any, dict[str, Any]]:
-    """Run pre-training on Ray Train; returns (the final `ray.train.Checkpoint`, the final metrics)."""
-    storage, _ = run_directory(config)
-    cluster = config.cluster
+FINAL_METRICS = ("step", "epoch", "loss", "examples_seen", "cumulative_exaflops", "images_per_s", "mfu",
+                 "skipped_samples")
+"""The final step's metrics a stage keeps (plus every `*_accuracy*` the job's evaluations report)."""
+
+
+def trainer_for(job: TrainJob, cluster: ClusterConfig, run_name: str, run_dir: Path,
+                callbacks: list[Any] | None = None) -> TorchTrainer:
+    """The TorchTrainer that runs `job` as the run `run_name` (resumes it if that run has checkpoints)."""
+    storage, _ = run_directory(cluster, run_name)
     resources = {"CPU": cluster.cpus_per_worker}
     if cluster.use_gpu:
         resources["GPU"] = cluster.gpus_per_worker
-    trainer = TorchTrainer(
+    return TorchTrainer(
         train_worker,
-        train_loop_config={"config": config, "run_dir": str(run_dir)},
+        train_loop_config={"job": job, "run_dir": str(run_dir)},
         scaling_config=ScalingConfig(num_workers=cluster.num_workers, use_gpu=cluster.use_gpu,
                                      resources_per_worker=resources),
         run_config=RunConfig(
-            name=config.run_name, storage_path=storage,
+            name=run_name, storage_path=storage,
             failure_config=FailureConfig(max_failures=cluster.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=config.train.keep_checkpoints),
+            checkpoint_config=CheckpointConfig(num_to_keep=job.train.keep_checkpoints),
             worker_runtime_env={"env_vars": _worker_env()},
+            callbacks=callbacks,
         ),
     )
-    try:
-        result = trainer.fit()
-    except Exception as exc:  # noqa: BLE001 -- re-raised with the workers' own errors up front
-        raise PipelineFailed(f"pre-training failed: {_root_cause(exc)}") from exc
-    # Ray keeps the metrics reported with the latest checkpoint: the final step's.
+
+
+def final_metrics(result: Any) -> dict[str, Any]:
+    """The metrics Ray kept with the latest checkpoint: the final step's, accuracies included."""
     last = dict(result.metrics or {})
-    metrics = {key: last.get(key) for key in ("step", "epoch", "loss", "examples_seen", "cumulative_exaflops",
-                                              "images_per_s", "mfu", "skipped_samples")}
+    out = {key: last.get(key) for key in FINAL_METRICS}
+    out.update({k: v for k, v in last.items() if "_accuracy" in k})
+    return out
+
+
+def launch_training(job: TrainJob, cluster: ClusterConfig, run_name: str, run_dir: Path,
+                    what: str = "training") -> tuple[Any, dict[str, Any]]:
+    """Run `job` on Ray Train; returns (the final `ray.train.Checkpoint`, the final metrics)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        result = trainer_for(job, cluster, run_name, run_dir).fit()
+    except Exception as exc:  # noqa: BLE001 -- re-raised with the workers' own errors up front
+        raise PipelineFailed(f"{what} failed: {_root_cause(exc)}") from exc
     # `checkpoint` is a ray.train.Checkpoint: later stages read it wherever it lives (disk, NFS, S3).
-    return result.checkpoint, metrics
+    return result.checkpoint, final_metrics(result)
 
 
 def _worker_env() -> dict[str, str]:

@@ -24,7 +24,6 @@ from torch import Tensor, nn
 
 from vitscale.config.checks import positive_int
 from vitscale.models.options import ResNetConfig
-from vitscale.models.variants import ResNetDims
 from vitscale.models.vit import zero_head
 
 GN_GROUPS = 32

@@ -6,12 +6,14 @@ Runs on Ray Train (`launch/ray_train.py`), every worker in `train/loop.py`; make
 from __future__ import annotations
 
 from vitscale.config.checks import ConfigError, check
+from vitscale.config.loader import to_yaml
 from vitscale.config.pipeline import PipelineConfig
 from vitscale.data.config import DataConfig
 from vitscale.models.config import ModelConfig
 from vitscale.stages.base import Pretrained, Stage, StageContext
 from vitscale.stages.datasets import ensure_dataset, require_split
 from vitscale.train.config import TrainConfig
+from vitscale.train.job import TrainJob
 
 
 def check_pretrain(config: PipelineConfig) -> None:
@@ -45,10 +47,17 @@ def prepare_pretrain(config: PipelineConfig) -> None:
           f"{samples // world} per worker, and one step needs {per_rank_step} per worker")
 
 
-def run_pretrain(config: PipelineConfig, context: StageContext) -> Pretrained:
-    from vitscale.launch.ray_train import launch_pretrain
+def pretraining_job(config: PipelineConfig) -> TrainJob:
+    """The pipeline's pre-training as a `TrainJob`: its model, data and recipe, from random weights."""
+    return TrainJob(model=config.model, data=config.data, train=config.train, use_gpu=config.cluster.use_gpu,
+                    config_yaml=to_yaml(config))
 
-    checkpoint, metrics = launch_pretrain(config, context.run_dir)
+
+def run_pretrain(config: PipelineConfig, context: StageContext) -> Pretrained:
+    from vitscale.launch.ray_train import launch_training
+
+    checkpoint, metrics = launch_training(pretraining_job(config), config.cluster, config.run_name, context.run_dir,
+                                          what="pre-training")
     return Pretrained(checkpoint=checkpoint, metrics=metrics)
 
 

@@ -55,7 +55,7 @@ def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose:
 
     t0 = time.time()
     config = preflight(config)
-    _, run_dir = run_directory(config)
+    _, run_dir = run_directory(config.cluster, config.run_name)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(config))
     print(f"[vitscale] run directory: {run_dir}", flush=True)

@@ -4,7 +4,7 @@ Layout of one checkpoint directory (every rank writes its own part into a local 
 merges the folders of all ranks into one directory of the run's storage):
 
     deepspeed/state/...          DeepSpeed's files: module states (rank 0) and one ZeRO shard per rank
-    rank{r}.pt                   this rank's stream state and RNG states
+    rank{r}.pt                   this rank's stream state and RNG states (and Polyak average, if on)
     train_state.json             step, epoch, examples seen, cumulative FLOPs (rank 0)
     config.yaml                  the resolved pipeline config (rank 0)
     MANIFEST-rank{r}.json        SHA-256 of every file rank r wrote -- written LAST by that rank
@@ -71,14 +71,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def write_rank_part(directory: Path, *, rank: int, stream_state: dict[str, Any], train_state: TrainState,
-                    config_yaml: str) -> None:
+                    config_yaml: str, polyak: dict[str, torch.Tensor] | None = None) -> None:
     """Write this rank's non-DeepSpeed files, then its manifest over everything it wrote.
 
     Call after the engine has saved into `directory / DEEPSPEED_DIR` (all ranks save: ZeRO shards
     optimizer state per rank).
     """
     directory = Path(directory)
-    torch.save({"stream": stream_state, "rng": rng_state()}, directory / f"rank{rank}.pt")
+    part: dict[str, Any] = {"stream": stream_state, "rng": rng_state()}
+    if polyak is not None:
+        part["polyak"] = polyak  # every rank keeps the (identical) average it resumes from: no cross-rank read
+    torch.save(part, directory / f"rank{rank}.pt")
     if rank == 0:
         (directory / TRAIN_STATE).write_text(json.dumps(asdict(train_state), indent=2))
         (directory / "config.yaml").write_text(config_yaml)

@@ -49,6 +49,10 @@ class TrainConfig:
     """"linear" or "cosine" decay after warm-up."""
     weight_decay: float = 0.03
     """Decoupled weight decay (not on biases, norms, tokens, position embeddings)."""
+    optimizer: str = "adamw"
+    """"adamw" (pre-training, App. B.1) or "sgd" with momentum (fine-tuning, App. B.1.1)."""
+    momentum: float = 0.9
+    """SGD momentum (optimizer "sgd" only)."""
     adam_beta1: float = 0.9
     """Adam β1."""
     adam_beta2: float = 0.999
@@ -78,6 +82,11 @@ class TrainConfig:
     metrics_port: int | None = None
     """Base port of the per-worker Prometheus endpoint (the worker with local rank r on a node serves on
     port + r, so a one-GPU pod always answers on this port); 0 = any free port; null = off."""
+    polyak: float | None = None
+    """Polyak averaging of the weights (an exponential moving average with this factor, e.g. 0.9999),
+    evaluated beside the raw weights; null = off. Needs zero_stage <= 2 (whole weights on every rank)."""
+    eval_every: int | None = None
+    """Evaluate the job's evaluation sets every N steps (and always after the last); null = last only."""
     fault: FaultConfig = field(default_factory=FaultConfig)
     """Fault injection (tests and drills)."""
     record_samples: bool = False
@@ -97,6 +106,8 @@ class TrainConfig:
         non_negative(self.warmup_steps, "train.warmup_steps")
         one_of(self.lr_decay, ("linear", "cosine"), "train.lr_decay")
         non_negative(self.weight_decay, "train.weight_decay")
+        one_of(self.optimizer, ("adamw", "sgd"), "train.optimizer")
+        probability(self.momentum, "train.momentum")
         probability(self.adam_beta1, "train.adam_beta1")
         probability(self.adam_beta2, "train.adam_beta2")
         positive(self.grad_clip, "train.grad_clip")
@@ -110,6 +121,11 @@ class TrainConfig:
         positive(self.keep_checkpoints, "train.keep_checkpoints")
         positive(self.log_every, "train.log_every")
         non_negative(self.seed, "train.seed")
+        if self.polyak is not None:
+            probability(self.polyak, "train.polyak")
+            check(self.zero_stage <= 2, "train.polyak",
+                  "needs train.zero_stage <= 2 (stage 3 shards the weights being averaged)")
+        positive(self.eval_every, "train.eval_every")
         check(self.metrics_port is None or 0 <= self.metrics_port < 65536, "train.metrics_port",
               f"must be a TCP port or null, got {self.metrics_port}")
         if self.peak_flops not in PEAK_FLOPS_NAMES:

@@ -11,7 +11,9 @@ every optimizer step, so a resumed run needs no scheduler state to land on the s
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,26 +37,32 @@ def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool) -> d
         "train_micro_batch_size_per_gpu": batch.micro_batch,
         "gradient_accumulation_steps": batch.grad_accum_steps,
         "zero_optimization": zero,
-        # Adam with decoupled weight decay (AdamW); per-group decay comes from the param groups, the
-        # lr is overwritten every step from lr_at(step).
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": train.base_lr, "betas": [train.adam_beta1, train.adam_beta2], "eps": 1e-8,
-                       "weight_decay": train.weight_decay},
-        },
+        # Adam with decoupled weight decay (AdamW) for pre-training, SGD with momentum for fine-tuning;
+        # per-group decay comes from the param groups, the lr is overwritten every step from lr_at(step).
+        "optimizer": _optimizer(train),
         "bf16": {"enabled": train.precision == "bf16"},
         "steps_per_print": 10**9,  # vitscale prints its own progress lines
         "wall_clock_breakdown": False,
     }
     if train.grad_clip is not None:
         config["gradient_clipping"] = train.grad_clip
-    if train.offload:
+    if train.offload and train.optimizer == "adamw":
         # DeepSpeedCPUAdam steps the offloaded fp32 master weights on the host.
         config["zero_force_ds_cpu_optimizer"] = True
     else:
         # A plain torch AdamW: no fused CUDA op to compile, identical maths on CPU and GPU.
         config["zero_allow_untested_optimizer"] = True
+        if train.offload:  # SGD: the torch optimizer steps the offloaded fp32 master weights on the host
+            config["zero_force_ds_cpu_optimizer"] = False
     return config
+
+
+def _optimizer(train: TrainConfig) -> dict[str, Any]:
+    if train.optimizer == "sgd":
+        return {"type": "SGD", "params": {"lr": train.base_lr, "momentum": train.momentum,
+                                          "weight_decay": train.weight_decay}}
+    return {"type": "AdamW", "params": {"lr": train.base_lr, "betas": [train.adam_beta1, train.adam_beta2],
+                                        "eps": 1e-8, "weight_decay": train.weight_decay}}
 
 
 def init_distributed(on_gpu: bool) -> None:
@@ -77,9 +85,14 @@ def build_engine(model: torch.nn.Module, param_groups: list[dict[str, Any]], ds_
     optimizer = None
     config = dict(ds_config)
     if not config.get("zero_force_ds_cpu_optimizer"):
-        opt = config.pop("optimizer")["params"]
-        optimizer = torch.optim.AdamW(param_groups, lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"],
-                                      weight_decay=opt["weight_decay"])
+        spec = config.pop("optimizer")
+        opt = spec["params"]
+        if spec["type"] == "SGD":
+            optimizer = torch.optim.SGD(param_groups, lr=opt["lr"], momentum=opt["momentum"],
+                                        weight_decay=opt["weight_decay"])
+        else:
+            optimizer = torch.optim.AdamW(param_groups, lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"],
+                                          weight_decay=opt["weight_decay"])
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
@@ -87,6 +100,22 @@ def build_engine(model: torch.nn.Module, param_groups: list[dict[str, Any]], ds_
         config=config,
     )
     return engine
+
+
+@contextlib.contextmanager
+def whole_weights(engine: Any) -> Iterator[torch.nn.Module]:
+    """The engine's module with every parameter whole, on every rank (a collective: all ranks enter).
+
+    ZeRO-3 partitions parameters across ranks; evaluation needs them gathered. Stages 0-2 keep
+    whole parameters already, so this is a no-op there.
+    """
+    if getattr(engine, "zero_optimization_stage", lambda: 0)() == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+            yield engine.module
+    else:
+        yield engine.module
 
 
 def set_lr(engine: Any, lr: float) -> None:

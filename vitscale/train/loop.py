@@ -1,7 +1,9 @@
-"""The pre-training loop that runs on every worker: plain PyTorch around a DeepSpeed engine.
+"""The training loop that runs on every worker: plain PyTorch around a DeepSpeed engine.
 
-Nothing here knows about Ray. The launcher hands in a `WorkerContext` (rank, world size, where
-the run lives, how to report, which checkpoint to resume from) and this module does the rest:
+Pre-training and fine-tuning are the same loop over a `TrainJob` (`train/job.py`); they differ in
+the recipe, the initial weights and what is evaluated. Nothing here knows about Ray. The launcher
+hands in a `WorkerContext` (rank, world size, where the run lives, how to report, which checkpoint
+to resume from) and this module does the rest:
 model from `models/`, ZeRO engine from `engine.py`, the shard stream from `data/loader/stream.py`, the
 schedule from `optim.lr_at`, compute from `scaling.flops`.
 
@@ -24,12 +26,12 @@ from typing import Any, Callable
 
 import torch
 
-from vitscale.config.loader import to_yaml
-from vitscale.config.pipeline import PipelineConfig
 from vitscale.data.loader.transforms import normalize_on_device
 from vitscale.scaling.flops import forward_flops
 from vitscale.train import checkpoint as ckpt
-from vitscale.train.engine import build_engine, deepspeed_config, init_distributed, set_lr
+from vitscale.train.engine import build_engine, deepspeed_config, init_distributed, set_lr, whole_weights
+from vitscale.train.evaluate import Polyak, accuracy
+from vitscale.train.job import TrainJob
 from vitscale.train.losses import classification_loss
 from vitscale.train.metrics import MetricsSink, StepMetrics, mfu, peak_flops
 from vitscale.train.optim import derive_batch, lr_at, param_groups, steps_for
@@ -53,12 +55,12 @@ class WorkerContext:
     """A complete checkpoint directory to resume from, or None to start fresh."""
 
 
-def pretrain(config: PipelineConfig, ctx: WorkerContext) -> dict[str, Any]:
-    """Run (or resume) pre-training to the configured number of steps; returns a summary."""
+def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
+    """Run (or resume) a training job to its configured number of steps; returns a summary."""
     from vitscale.data.loader.stream import ShardStream
 
-    train, data, model_cfg = config.train, config.data, config.model
-    on_gpu = torch.cuda.is_available() and config.cluster.use_gpu
+    train, data, model_cfg = job.train, job.data, job.model
+    on_gpu = torch.cuda.is_available() and job.use_gpu
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     init_distributed(on_gpu)
 
@@ -67,7 +69,7 @@ def pretrain(config: PipelineConfig, ctx: WorkerContext) -> dict[str, Any]:
         data.url, data.split, rank=ctx.rank, world_size=ctx.world_size, seed=data.seed,
         batch_size=batch.micro_batch, resolution=model_cfg.img_size, train=True,
         num_workers=data.num_workers, shuffle_buffer=data.shuffle_buffer, error_budget=data.error_budget,
-        endpoint_url=data.endpoint_url)
+        endpoint_url=data.endpoint_url, carve=job.carve)
     num_classes = stream.dataset.num_classes
     per_rank_step = batch.micro_batch * batch.grad_accum_steps
     steps_per_epoch = stream.samples_per_epoch // per_rank_step
@@ -79,6 +81,16 @@ def pretrain(config: PipelineConfig, ctx: WorkerContext) -> dict[str, Any]:
 
     torch.manual_seed(train.seed)  # identical initial weights on every rank
     model = model_cfg.build(num_classes)
+    if job.init is not None:
+        from vitscale.models.checkpoints import load_pretrained
+
+        # Fine-tuning: pre-trained weights; head and pre-logits dropped, position embeddings
+        # resampled to this resolution (Sec. 3.2), the zero-initialised head kept.
+        report = load_pretrained(model, job.init)
+        if ctx.rank == 0 and ctx.resume_from is None:
+            print(f"[vitscale] initialised from {job.init}: {len(report.loaded)} tensors"
+                  + (f", resampled {', '.join(report.resampled)}" if report.resampled else ""), flush=True)
+    polyak = Polyak(model, train.polyak) if train.polyak is not None else None
     engine = build_engine(model, param_groups(model, train.weight_decay),
                           deepspeed_config(train, batch, on_gpu=on_gpu))
     train_flops_per_example = 3 * forward_flops(model_cfg.name, img_size=model_cfg.img_size,
@@ -87,14 +99,14 @@ def pretrain(config: PipelineConfig, ctx: WorkerContext) -> dict[str, Any]:
 
     state = ckpt.TrainState(world_size=ctx.world_size)
     if ctx.resume_from is not None:
-        state = _restore(engine, ctx)
+        state = _restore(engine, ctx, polyak)
     sink = MetricsSink(ctx.run_dir, run=ctx.run_dir.name, rank=ctx.rank,
                        port=None if train.metrics_port is None else
                        (0 if train.metrics_port == 0 else train.metrics_port + ctx.local_rank))
     if sink.port is not None:
         print(f"[vitscale] rank {ctx.rank}: Prometheus metrics on :{sink.port}/metrics", flush=True)
     samples_log = _SamplesLog(ctx) if train.record_samples else None
-    config_yaml = to_yaml(config)
+    compute_dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
 
     step = state.step
     examples, flops = state.examples_seen, state.flops
@@ -128,6 +140,8 @@ def pretrain(config: PipelineConfig, ctx: WorkerContext) -> dict[str, Any]:
             step_loss += loss.detach() / batch.grad_accum_steps
             keys.extend(micro["key"])
         grad_norm = engine.get_global_grad_norm()
+        if polyak is not None:
+            polyak.update(engine.module)
         step += 1
         if step % steps_per_epoch == 0:
             batches = None  # epoch finished: the next step opens the next epoch's plan
@@ -150,16 +164,43 @@ def pretrain(config: PipelineConfig, ctx: WorkerContext) -> dict[str, Any]:
         if ctx.rank == 0 and (step % train.log_every == 0 or step == total_steps):
             _progress_line(metrics, total_steps, time.perf_counter() - t_run, step - state.step)
         _maybe_die(train, ctx, step)
+        scores: dict[str, float] = {}
+        if job.evals and (step == total_steps or (train.eval_every and step % train.eval_every == 0)):
+            scores = _evaluate(job, engine, polyak, ctx, device, compute_dtype)
         if step % train.checkpoint_every == 0 or step == total_steps:
             new_state = ckpt.TrainState(step=step, examples_seen=examples, flops=flops, world_size=ctx.world_size)
             stream_state = {"epoch": step // steps_per_epoch,
                             "position": (step % steps_per_epoch) * per_rank_step, "seed": data.seed}
-            _save_and_report(engine, ctx, new_state, stream_state, config_yaml, metrics)
-        elif step % train.log_every == 0:
-            ctx.report(_report_metrics(metrics), None)
+            _save_and_report(engine, ctx, new_state, stream_state, job.config_yaml, metrics, scores, polyak)
+        elif step % train.log_every == 0 or scores:
+            ctx.report({**_report_metrics(metrics), **scores}, None)
     sink.close()
     return {"steps": step, "total_steps": total_steps, "examples_seen": examples, "exaflops": flops / 1e18,
-            "final_loss": loss_value, "num_classes": num_classes, "skipped_samples": stream.skipped()}
+            "final_loss": loss_value, "num_classes": num_classes, "skipped_samples": stream.skipped(), **scores}
+
+
+def _evaluate(job: TrainJob, engine: Any, polyak: Polyak | None, ctx: WorkerContext, device: torch.device,
+              dtype: torch.dtype) -> dict[str, float]:
+    """Accuracy on every evaluation set, with the raw and (if on) the averaged weights; rank 0 measures.
+
+    Every rank enters (gathering ZeRO-3 weights is a collective) and waits at the barrier, so
+    ranks stay in step; the scores are rank 0's, which is whose metrics Ray keeps.
+    """
+    scores: dict[str, float] = {}
+    with whole_weights(engine) as model:
+        if ctx.rank == 0:
+            for eval_set in job.evals:
+                def measure(m: torch.nn.Module) -> float:
+                    return accuracy(m, eval_set, resolution=job.model.img_size, batch_size=job.eval_batch,
+                                    device=device, dtype=dtype, endpoint_url=job.data.endpoint_url)
+
+                scores[f"{eval_set.name}_accuracy"] = measure(model)
+                if polyak is not None:
+                    with polyak.swapped_in(model) as averaged:
+                        scores[f"{eval_set.name}_accuracy_polyak"] = measure(averaged)
+            print("[vitscale] " + "  ".join(f"{k} {v:.4f}" for k, v in scores.items()), flush=True)
+        torch.distributed.barrier()
+    return scores
 
 
 def _masked_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor | None, train: Any) -> torch.Tensor:
@@ -197,17 +238,17 @@ def _progress_line(m: StepMetrics, total_steps: int, elapsed: float, steps_done:
 
 
 def _save_and_report(engine: Any, ctx: WorkerContext, state: ckpt.TrainState, stream_state: dict[str, Any],
-                     config_yaml: str, metrics: StepMetrics) -> None:
+                     config_yaml: str, metrics: StepMetrics, scores: dict[str, float], polyak: Polyak | None) -> None:
     with tempfile.TemporaryDirectory(prefix=f"vitscale-ckpt-r{ctx.rank}-") as tmp:
         directory = Path(tmp)
         # Every rank calls save: ZeRO keeps one optimizer shard per rank (DeepSpeed barriers inside).
         engine.save_checkpoint(str(directory / ckpt.DEEPSPEED_DIR), tag=ckpt.DEEPSPEED_TAG)
         ckpt.write_rank_part(directory, rank=ctx.rank, stream_state=stream_state, train_state=state,
-                             config_yaml=config_yaml)
-        ctx.report(_report_metrics(metrics), directory)
+                             config_yaml=config_yaml, polyak=None if polyak is None else polyak.state_dict())
+        ctx.report({**_report_metrics(metrics), **scores}, directory)
 
 
-def _restore(engine: Any, ctx: WorkerContext) -> ckpt.TrainState:
+def _restore(engine: Any, ctx: WorkerContext, polyak: Polyak | None) -> ckpt.TrainState:
     directory = Path(ctx.resume_from)
     # Sizes and presence of every rank's files, hashes of the two parts this rank reads.
     problems = ckpt.check_complete(directory, ctx.world_size, hash_ranks={0, ctx.rank})
@@ -219,6 +260,10 @@ def _restore(engine: Any, ctx: WorkerContext) -> ckpt.TrainState:
         raise RuntimeError(f"DeepSpeed could not load {directory / ckpt.DEEPSPEED_DIR}")
     part = ckpt.read_rank_part(directory, ctx.rank)
     ckpt.set_rng_state(part["rng"])
+    if polyak is not None:
+        if "polyak" not in part:
+            raise RuntimeError(f"{directory} has no Polyak average to resume (train.polyak was off when it was saved)")
+        polyak.load_state_dict(part["polyak"])
     state = ckpt.read_train_state(directory)
     if ctx.rank == 0:
         print(f"[vitscale] resumed from {directory} at step {state.step} "

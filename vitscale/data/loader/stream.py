@@ -43,6 +43,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from vitscale.config.checks import check, non_negative, positive_int
+from vitscale.data.carve import Carve
 from vitscale.data.format import OpenDataset, ShardIndex, open_dataset
 from vitscale.data.loader.decode import decode_image_into
 from vitscale.data.loader.reader import BadSample, SampleReader, parse_label, split_tar_record
@@ -211,6 +212,7 @@ class ShardStream:
         transform: TransformSpec | None = None,
         prefetch_factor: int = 2,
         pin_memory: bool = False,
+        carve: Carve | None = None,
     ) -> None:
         if transform is None:
             transform = TransformSpec(resolution=resolution, train=train)
@@ -223,7 +225,8 @@ class ShardStream:
             drop_last=train if drop_last is None else drop_last, transform=transform,
             prefetch_factor=prefetch_factor, pin_memory=pin_memory,
         )  # fmt: skip
-        self.dataset = open_dataset(url, split, endpoint_url=endpoint_url)
+        # `carve` reads one part (dev or rest) of a carve of the split instead of all of it.
+        self.dataset = open_dataset(url, split, endpoint_url=endpoint_url, carve=carve)
         self.samples_per_epoch = sum(self.dataset.counts) // world_size
         """Samples per rank per epoch (before dropping a partial last batch)."""
         self.batches_per_epoch = num_batches(self.samples_per_epoch, batch_size, self.spec.drop_last)

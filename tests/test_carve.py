@@ -1,0 +1,70 @@
+"""The dev carve (minival): reproducible, nested, disjoint and complete; the stream reads one part of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vitscale.data.carve import Carve, in_dev
+from vitscale.data.format import open_dataset, read_index
+from vitscale.data.loader.stream import ShardStream
+from vitscale.data.tools.write import write_dataset
+
+keys = st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=200, unique=True)
+
+
+@given(keys, st.floats(0.01, 0.99), st.integers(0, 2**31))
+def test_dev_and_rest_partition_the_split(ks: list[str], fraction: float, seed: int) -> None:
+    dev, rest = Carve(fraction, seed, "dev").select(ks), Carve(fraction, seed, "rest").select(ks)
+    assert np.all(dev ^ rest)  # each key in exactly one part
+    assert np.array_equal(dev, in_dev(list(reversed(ks)), fraction, seed)[::-1])  # order-free
+
+
+@given(keys, st.floats(0.01, 0.98), st.floats(0.0, 1.0), st.integers(0, 1000))
+def test_smaller_carves_are_nested_in_larger_ones(ks: list[str], small: float, extra: float, seed: int) -> None:
+    large = small + (0.99 - small) * extra
+    assert not np.any(in_dev(ks, small, seed) & ~in_dev(ks, large, seed))
+
+
+@settings(max_examples=20)
+@given(st.floats(0.02, 0.5), st.integers(0, 1000))
+def test_the_dev_share_is_close_to_the_fraction(fraction: float, seed: int) -> None:
+    n = 4000
+    share = in_dev([f"sample-{i:06d}" for i in range(n)], fraction, seed).mean()
+    assert abs(share - fraction) < 4 * np.sqrt(fraction * (1 - fraction) / n) + 1e-9
+
+
+def test_bad_carves_are_refused() -> None:
+    for fraction in (0.0, 1.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="fraction"):
+            Carve(fraction)
+    with pytest.raises(ValueError, match="part"):
+        Carve(0.1, part="test")
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    out = tmp_path_factory.mktemp("carve") / "synthetic"
+    write_dataset("synthetic", str(out), shard_size=23, max_side=32, progress=False,
+                  source_options={"count": 120, "classes": 3, "image_size": 32})
+    return str(out)
+
+
+def test_stream_reads_exactly_one_part(dataset: str) -> None:
+    train_keys = [k for k, s in zip(read_index(dataset).column("key").to_pylist(),
+                                    read_index(dataset).column("split").to_pylist()) if s == "train"]
+    expected_dev = {k for k, d in zip(train_keys, in_dev(train_keys, 0.2, 7)) if d}
+    seen = {}
+    for part in ("dev", "rest"):
+        carve = Carve(0.2, 7, part)
+        ds = open_dataset(dataset, "train", carve=carve)
+        stream = ShardStream(dataset, "train", batch_size=8, resolution=16, train=False, carve=carve)
+        got = [k for batch in stream for k, v in zip(batch["key"], batch["valid"]) if v]
+        assert len(got) == sum(ds.counts) == len(set(got))
+        seen[part] = set(got)
+    assert seen["dev"] == expected_dev
+    assert seen["dev"] | seen["rest"] == set(train_keys) and not seen["dev"] & seen["rest"]

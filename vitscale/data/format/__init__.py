@@ -1,0 +1,40 @@
+"""The dataset contract: the one module that names, reads, writes and validates a dataset's files.
+
+A dataset folder (local or ``s3://``) holds ``{split}-{n:06d}.tar`` shards, ``_index.parquet``
+(one row per sample: split, shard, key, labels, offset, size, width, height; ``offset``/``size``
+cover the sample's tar members incl. headers and padding, so one ranged read fetches a sample) and
+``dataset.json``, the dataset's metadata (name, classes, splits with per-shard sample counts,
+SHA-256 and bytes). The index and then ``dataset.json`` are written last: a folder with a
+``dataset.json`` is complete.
+
+Each sample is ``{key}.jpg`` plus ``{key}.cls`` (ASCII class index) for single-label data or
+``{key}.json`` (``{"labels": [...]}``) for multi-label data.
+
+Every reader and writer (the training stream, the shard writer, stats, verify, dedup, bench) goes
+through here: :func:`read_meta` parses ``dataset.json`` into a validated :class:`DatasetMeta`,
+:func:`read_index` loads the whole index, :func:`open_dataset` checks one split against its shards
+and index before any training, and :func:`write_index_and_meta` writes both files in that order.
+"""
+
+from vitscale.data.format.meta import (
+    INDEX_COLUMNS,
+    INDEX_NAME,
+    INDEX_SCHEMA,
+    META_NAME,
+    DatasetError,
+    DatasetMeta,
+    ShardMeta,
+    SplitMeta,
+    has_dataset,
+    read_index,
+    read_meta,
+    shard_name,
+    write_index_and_meta,
+)
+from vitscale.data.format.split import OpenDataset, ShardIndex, open_dataset
+
+__all__ = [
+    "INDEX_COLUMNS", "INDEX_NAME", "INDEX_SCHEMA", "META_NAME", "DatasetError", "DatasetMeta",
+    "OpenDataset", "ShardIndex", "ShardMeta", "SplitMeta", "has_dataset", "open_dataset",
+    "read_index", "read_meta", "shard_name", "write_index_and_meta",
+]

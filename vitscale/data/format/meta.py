@@ -1,0 +1,211 @@
+"""dataset.json (the metadata) and _index.parquet (the index): names, schema, reading and writing.
+
+See the package docstring (`vitscale.data.format`) for the contract.
+"""
+
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from vitscale.data.storage import Storage, open_storage
+
+
+META_NAME = "dataset.json"
+INDEX_NAME = "_index.parquet"
+INDEX_SCHEMA = pa.schema(
+    [
+        ("split", pa.string()),
+        ("shard", pa.string()),
+        ("key", pa.string()),
+        ("labels", pa.list_(pa.int32())),
+        ("offset", pa.int64()),
+        ("size", pa.int64()),
+        ("width", pa.int32()),
+        ("height", pa.int32()),
+    ]
+)
+INDEX_COLUMNS = ("split", "shard", "key", "offset", "size")
+"""The index columns a reader needs (third-party writers may leave out the others)."""
+
+
+def shard_name(split: str, n: int) -> str:
+    """``{split}-{n:06d}.tar``."""
+    return f"{split}-{n:06d}.tar"
+
+
+class DatasetError(ValueError):
+    """The dataset cannot be used: missing shard, unreadable metadata/index, or they disagree."""
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    """One shard's entry in ``dataset.json``."""
+
+    name: str
+    samples: int
+    sha256: str | None = None
+    nbytes: int | None = None
+    """File size (``"bytes"`` in ``dataset.json``)."""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "samples": self.samples}
+        if self.sha256 is not None:
+            out["sha256"] = self.sha256
+        if self.nbytes is not None:
+            out["bytes"] = self.nbytes
+        return out
+
+
+@dataclass(frozen=True)
+class SplitMeta:
+    """One split's entry: its sample count as stored, and its shards in order."""
+
+    samples: int
+    shards: tuple[ShardMeta, ...]
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return tuple(sh.name for sh in self.shards)
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Samples per shard, in order."""
+        return tuple(sh.samples for sh in self.shards)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"samples": self.samples, "shards": [sh.to_json() for sh in self.shards]}
+
+
+def _opt_int(v: Any) -> int | None:
+    return None if v is None else int(v)
+
+
+_TYPED_KEYS = ("name", "classes", "num_classes", "multi_label", "splits", "max_side", "quality")
+
+
+@dataclass(frozen=True)
+class DatasetMeta:
+    """A dataset's metadata: ``dataset.json`` parsed and validated."""
+
+    name: str
+    num_classes: int
+    multi_label: bool
+    splits: Mapping[str, SplitMeta]
+    classes: tuple[str, ...] = ()
+    max_side: int | None = None
+    quality: int | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Every other key (seed, source, source_options, format, dedup, ...), in file order."""
+
+    def split(self, split: str) -> SplitMeta:
+        """The entry of ``split``; :class:`DatasetError` naming the splits there are."""
+        if split not in self.splits:
+            raise DatasetError(f"no split {split!r}; splits are {list(self.splits)}")
+        return self.splits[split]
+
+    def samples(self, split: str) -> int:
+        """Samples of ``split``, as ``dataset.json`` states them."""
+        return self.split(split).samples
+
+    def shard_names(self, split: str | None = None) -> list[str]:
+        """Shard file names in ``dataset.json`` order, for one split or all."""
+        splits = [split] if split is not None else list(self.splits)
+        return [n for s in splits for n in self.split(s).shard_names]
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``dataset.json`` object (key order as the writer has always written it)."""
+        out: dict[str, Any] = {
+            "name": self.name,
+            "classes": list(self.classes),
+            "num_classes": self.num_classes,
+            "multi_label": self.multi_label,
+            "splits": {s: sp.to_json() for s, sp in self.splits.items()},
+        }
+        if self.max_side is not None:
+            out["max_side"] = self.max_side
+        if self.quality is not None:
+            out["quality"] = self.quality
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = META_NAME) -> DatasetMeta:
+        """Parse and validate a ``dataset.json`` object; errors name ``where``."""
+        if not isinstance(obj, dict) or not isinstance(obj.get("splits"), dict):
+            raise DatasetError(f"{where} has no 'splits' mapping")
+        try:
+            splits = {}
+            for s, sp in obj["splits"].items():
+                shards = tuple(
+                    ShardMeta(str(sh["name"]), int(sh["samples"]), sh.get("sha256"), _opt_int(sh.get("bytes")))
+                    for sh in sp["shards"]
+                )
+                samples = int(sp["samples"]) if "samples" in sp else sum(sh.samples for sh in shards)
+                splits[str(s)] = SplitMeta(samples, shards)
+            meta = cls(
+                name=str(obj.get("name", "")),
+                num_classes=int(obj["num_classes"]),
+                multi_label=bool(obj.get("multi_label", False)),
+                splits=splits,
+                classes=tuple(str(c) for c in obj.get("classes", ())),
+                max_side=_opt_int(obj.get("max_side")),
+                quality=_opt_int(obj.get("quality")),
+                extra={k: v for k, v in obj.items() if k not in _TYPED_KEYS},
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise DatasetError(f"{where} is malformed: {exc!r}") from exc
+        if meta.num_classes < 1:
+            raise DatasetError(f"{where}: num_classes must be >= 1")
+        return meta
+
+
+def _storage(url: str | Storage, endpoint_url: str | None) -> Storage:
+    return url if isinstance(url, Storage) else open_storage(url, endpoint_url=endpoint_url)
+
+
+def has_dataset(url: str | Storage, *, endpoint_url: str | None = None) -> bool:
+    """Whether a complete dataset (its ``dataset.json``) is at ``url``."""
+    return _storage(url, endpoint_url).exists(META_NAME)
+
+
+def read_meta(url: str | Storage, *, endpoint_url: str | None = None) -> DatasetMeta:
+    """The metadata of the dataset at ``url`` (a folder, ``s3://bucket/prefix`` or a Storage).
+
+    Raises FileNotFoundError when there is no ``dataset.json``, :class:`DatasetError` naming it
+    when it is unreadable or malformed.
+    """
+    storage = _storage(url, endpoint_url)
+    where = storage.url_of(META_NAME)
+    try:
+        obj = json.loads(storage.read_bytes(META_NAME))
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"no {META_NAME} at {where}: not a vitscale dataset, or its write did not finish "
+            "(write one with `vitscale shards write`)"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"cannot read {where}: {exc}") from exc
+    return DatasetMeta.from_json(obj, where)
+
+
+def read_index(url: str | Storage, *, endpoint_url: str | None = None) -> pa.Table:
+    """The whole ``_index.parquet`` of the dataset at ``url`` (tools; the stream reads per shard)."""
+    storage = _storage(url, endpoint_url)
+    return pq.read_table(io.BytesIO(storage.read_bytes(INDEX_NAME)))
+
+
+def write_index_and_meta(storage: Storage, rows: list[dict[str, Any]], meta: DatasetMeta) -> None:
+    """Write ``_index.parquet`` then ``dataset.json`` (last: its presence marks a complete set)."""
+    table = pa.Table.from_pylist(rows, schema=INDEX_SCHEMA)
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    storage.write_bytes(INDEX_NAME, buf.getvalue())
+    storage.write_bytes(META_NAME, (json.dumps(meta.to_json(), indent=2) + "\n").encode())

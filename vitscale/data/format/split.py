@@ -1,0 +1,203 @@
+"""One split of a dataset, validated against its shards and index before training; optionally one part of a carve.
+
+See the package docstring (`vitscale.data.format`) for the contract.
+"""
+
+
+from __future__ import annotations
+
+import atexit
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from vitscale.data.carve import Carve
+from vitscale.data.storage import LocalStorage, Storage, open_storage
+
+from vitscale.data.format.meta import INDEX_COLUMNS, INDEX_NAME, META_NAME, DatasetError, DatasetMeta, read_meta
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """Where each sample of one shard lives, in tar order."""
+
+    offsets: np.ndarray
+    """(n,) int64 byte offset of the sample's first tar header."""
+    sizes: np.ndarray
+    """(n,) int64 bytes of the sample's record, padding included."""
+    keys: pa.Array
+    """(n,) sample keys (an Arrow array: no Python objects per sample, cheap to fork)."""
+
+    def key(self, i: int) -> str:
+        """Key of the shard's ``i``-th sample."""
+        return str(self.keys[i].as_py())
+
+
+@dataclass(frozen=True, eq=False)
+class OpenDataset:
+    """A validated split of a dataset: its metadata plus a local path to its index."""
+
+    storage: Storage
+    split: str
+    meta: DatasetMeta
+    shard_names: tuple[str, ...]
+    counts: tuple[int, ...]
+    """Samples per shard this view reads (all of the split, or one part of a carve)."""
+    index_path: str
+    carve: Carve | None = None
+    """Read only one part (dev or rest) of a carve of the split; None = the whole split."""
+
+    @property
+    def name(self) -> str:
+        return self.meta.name
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        return self.meta.classes
+
+    @property
+    def num_classes(self) -> int:
+        return self.meta.num_classes
+
+    @property
+    def multi_label(self) -> bool:
+        return self.meta.multi_label
+
+    def load_index(self, shards: Iterable[int]) -> dict[int, ShardIndex]:
+        """Index rows of the given shard numbers only (parquet filter pushdown, not a full scan)."""
+        wanted = sorted(set(int(s) for s in shards))
+        if not wanted:
+            return {}
+        names = [self.shard_names[s] for s in wanted]
+        url = self.storage.url_of(INDEX_NAME)
+        try:
+            table = pq.read_table(
+                self.index_path,
+                columns=["shard", "key", "offset", "size"],
+                filters=[("split", "=", self.split), ("shard", "in", names)],
+            )
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise DatasetError(f"cannot read {url}: {exc}") from exc
+        table = table.sort_by([("shard", "ascending"), ("offset", "ascending")])
+        vc = pc.value_counts(table.column("shard"))  # in order of appearance = sorted order
+        found = dict(zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()))
+        offsets = table.column("offset").to_numpy().astype(np.int64)
+        sizes = table.column("size").to_numpy().astype(np.int64)
+        keys = table.column("key").combine_chunks()
+        out: dict[int, ShardIndex] = {}
+        row = 0
+        by_name = {n: s for s, n in zip(wanted, names)}
+        for name in vc.field("values").to_pylist():
+            n = found[name]
+            s = by_name[name]
+            listed = self.meta.splits[self.split].counts[s]
+            if n != listed:
+                raise DatasetError(
+                    f"{url} has {n} rows for shard {name}, {META_NAME} says {listed}: "
+                    f"rewrite the index or {META_NAME}"
+                )
+            shard = ShardIndex(offsets[row : row + n], sizes[row : row + n], keys.slice(row, n))
+            if self.carve is not None:
+                keep = np.flatnonzero(self.carve.select(shard.keys.to_pylist()))
+                shard = ShardIndex(shard.offsets[keep], shard.sizes[keep], shard.keys.take(pa.array(keep)))
+            if len(shard.offsets) != self.counts[s]:
+                raise DatasetError(f"{url}: shard {name} selects {len(shard.offsets)} samples of "
+                                   f"{self.carve}, expected {self.counts[s]}")
+            out[s] = shard
+            row += n
+        for s, name in zip(wanted, names):
+            if s not in out and self.counts[s] > 0:
+                raise DatasetError(f"{url} has no rows for shard {name}")
+        return out
+
+
+def _local_index_path(storage: Storage) -> str:
+    """A local file path for the index: the file itself, or a temp copy of a remote one."""
+    if isinstance(storage, LocalStorage):
+        path = storage.url_of(INDEX_NAME)
+        if not os.path.isfile(path):
+            raise DatasetError(f"no index at {path}: rewrite the dataset with `vitscale shards write`")
+        return path
+    fd, path = tempfile.mkstemp(prefix="vitscale-index-", suffix=".parquet")
+    atexit.register(lambda: os.path.exists(path) and os.unlink(path))
+    try:
+        with os.fdopen(fd, "wb") as dst, storage.open_read(INDEX_NAME) as src:
+            while chunk := src.read(8 << 20):  # streamed: a JFT-sized index never sits in memory
+                dst.write(chunk)
+    except FileNotFoundError as exc:
+        raise DatasetError(f"no index at {storage.url_of(INDEX_NAME)}") from exc
+    return path
+
+
+def _index_counts(path: str, split: str, url: str) -> Counter[str]:
+    """Rows per shard of ``split``, streamed in record batches (memory stays flat)."""
+    try:
+        pf = pq.ParquetFile(path)
+        missing = set(INDEX_COLUMNS) - set(pf.schema_arrow.names)
+        if missing:
+            raise DatasetError(f"{url} lacks columns {sorted(missing)}")
+        counts: Counter[str] = Counter()
+        for batch in pf.iter_batches(columns=["split", "shard"], batch_size=1 << 20):
+            shards = batch.column(1).filter(pc.equal(batch.column(0), split))
+            vc = pc.value_counts(shards)
+            counts.update(dict(zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist())))
+        return counts
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise DatasetError(f"cannot read {url}: {exc}") from exc
+
+
+def open_dataset(url: str, split: str, *, endpoint_url: str | None = None, carve: Carve | None = None) -> OpenDataset:
+    """Open and validate ``split`` of the dataset at ``url`` (folder or ``s3://bucket/prefix``).
+
+    Checks, failing with :class:`DatasetError` before any training: ``dataset.json`` is readable and
+    lists the split; every listed shard exists; ``_index.parquet`` has the contract's columns and,
+    per shard, exactly as many rows as ``dataset.json``'s sample count.
+    """
+    storage = open_storage(url, endpoint_url=endpoint_url)
+    meta_url, index_url = storage.url_of(META_NAME), storage.url_of(INDEX_NAME)
+    try:
+        meta = read_meta(storage)
+    except FileNotFoundError as exc:
+        raise DatasetError(str(exc)) from exc
+    if split not in meta.splits:
+        raise DatasetError(f"split {split!r} not in {meta_url}; it has {sorted(meta.splits)}")
+    names, counts = meta.splits[split].shard_names, meta.splits[split].counts
+    present = set(storage.list())
+    missing = [n for n in names if n not in present]
+    if missing:
+        raise DatasetError(
+            f"{len(missing)} shard(s) of split {split!r} missing under {storage.url}: "
+            f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}"
+        )
+    if INDEX_NAME not in present:
+        raise DatasetError(f"no index at {index_url}")
+    index_path = _local_index_path(storage)
+    rows = _index_counts(index_path, split, index_url)
+    bad = [(n, rows.get(n, 0), c) for n, c in zip(names, counts) if rows.get(n, 0) != c]
+    extra = sorted(set(rows) - set(names))
+    if bad or extra:
+        detail = "; ".join(f"{n}: index {r} vs {META_NAME} {c}" for n, r, c in bad[:10])
+        if extra:
+            detail += f"; index rows for shards not in {META_NAME}: {', '.join(extra[:10])}"
+        raise DatasetError(
+            f"{index_url} disagrees with {meta_url} for split {split!r} ({detail}): "
+            "the dataset is damaged or half-written; rewrite it"
+        )
+    if carve is not None:
+        counts = _carved_counts(index_path, split, names, carve)
+    return OpenDataset(storage, split, meta, names, counts, index_path, carve)
+
+
+def _carved_counts(index_path: str, split: str, names: tuple[str, ...], carve: Carve) -> tuple[int, ...]:
+    """Samples per shard in one part of a carve (reads the split's keys once)."""
+    table = pq.read_table(index_path, columns=["shard", "key"], filters=[("split", "=", split)])
+    selected = carve.select(table.column("key").to_pylist())
+    per_shard = Counter(s for s, keep in zip(table.column("shard").to_pylist(), selected) if keep)
+    return tuple(per_shard.get(n, 0) for n in names)
