@@ -47,3 +47,14 @@ def moto_s3() -> Iterator[str]:
             yield f"http://127.0.0.1:{port}"
         finally:
             server.stop()
+
+
+@pytest.fixture(scope="session")
+def process_group() -> None:
+    """A one-rank gloo group in this process, as Ray Train would set up for a worker."""
+    import torch
+
+    if not torch.distributed.is_initialized():
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+                           "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)

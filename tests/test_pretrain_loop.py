@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
@@ -30,15 +29,6 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
     write_dataset("synthetic", str(out), shard_size=37, max_side=32, seed=0,
                   source_options={"count": 160, "classes": 4, "image_size": 32}, progress=False)
     return str(out)
-
-
-@pytest.fixture(scope="module")
-def process_group() -> None:
-    """A one-rank gloo group in this process, as Ray Train would set up for a worker."""
-    if not torch.distributed.is_initialized():
-        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
-                           "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
 
 
 def tiny_config(url: str, **train: object) -> TrainJob:

@@ -22,6 +22,7 @@ from vitscale.stages.base import Stage
 REGISTRY: dict[str, str] = {
     "pretrain": "vitscale.stages.pretrain",
     "fewshot": "vitscale.stages.fewshot",
+    "finetune": "vitscale.stages.finetune",
 }
 """Stage name -> the module defining its `STAGE` (imported on first use: no torch or Ray at import)."""
 

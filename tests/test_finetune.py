@@ -1,0 +1,118 @@
+"""Fine-tuning: Table 4 presets, the dev-then-test protocol, and the real loop from pre-trained weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from vitscale.config import ConfigError
+from vitscale.data.carve import Carve
+from vitscale.data.tools.write import write_dataset
+from vitscale.eval.finetune import PRESETS, FinetuneConfig, final_job, finetune_model, selection_job
+from vitscale.models import ModelConfig, create_model, export_state_dict
+from vitscale.stages import build_pipeline
+from vitscale.train.job import EvalSet, TrainJob
+
+pytest.importorskip("deepspeed")
+
+TINY = ModelConfig.from_mapping({"name": "ViT-Ti/8", "img_size": 16, "depth": 2, "width": 32, "mlp_dim": 64,
+                                 "heads": 2, "representation_size": 32})
+
+
+def test_presets_are_table_4() -> None:
+    assert PRESETS["imagenet"].steps == 20_000 and PRESETS["imagenet"].lr_grid == (0.003, 0.01, 0.03, 0.06)
+    for name in ("cifar10", "cifar100"):
+        assert (PRESETS[name].steps, PRESETS[name].lr_grid, PRESETS[name].dev_fraction) == (
+            10_000, (0.001, 0.003, 0.01, 0.03), 0.02)
+    for name in ("pets", "flowers"):
+        assert (PRESETS[name].steps, PRESETS[name].dev_fraction) == (500, 0.10)
+    assert (PRESETS["vtab"].steps, PRESETS["vtab"].lr_grid, PRESETS["vtab"].dev_fraction) == (2500, (0.01,), 0.2)
+
+
+def test_the_recipe_is_the_papers() -> None:
+    cfg = FinetuneConfig(dataset="d", preset="cifar10")
+    recipe = cfg.recipe(0.003)
+    assert (recipe.optimizer, recipe.momentum, recipe.global_batch, recipe.lr_decay, recipe.weight_decay,
+            recipe.grad_clip, recipe.max_steps, recipe.base_lr) == ("sgd", 0.9, 512, "cosine", 0.0, 1.0, 10_000, 0.003)
+    assert cfg.resolution == 384 and cfg.dev_share() == 0.02 and cfg.single_lr() is None
+    assert FinetuneConfig(dataset="d", preset="vtab").single_lr() == 0.01  # one setting for every task
+    assert FinetuneConfig(dataset="d", preset="pets", steps=7, base_lr=0.5).recipe(0.5).max_steps == 7
+
+
+def test_the_model_drops_pre_logits_and_takes_the_new_resolution() -> None:
+    model = finetune_model(TINY, 32)
+    assert model.img_size == 32 and "representation_size" not in model.options and model.options["depth"] == 2
+
+
+def test_a_selection_job_cannot_read_the_test_split() -> None:
+    cfg = FinetuneConfig(dataset="d", preset="pets")
+    job = selection_job(cfg, TINY, None, 0.01, use_gpu=False, endpoint_url=None)
+    assert [e.name for e in job.evals] == ["dev"] and job.carve == Carve(0.1, 0, "rest")
+    assert job.evals[0].carve == Carve(0.1, 0, "dev") and job.evals[0].split == "train"
+    for extra in (EvalSet("test", "d", "test"), EvalSet("train", "d", "train")):
+        with pytest.raises(ValueError, match="selecting on a dev carve"):
+            TrainJob(model=job.model, data=job.data, train=job.train, carve=job.carve, evals=(*job.evals, extra))
+    with pytest.raises(ValueError, match="selecting on a dev carve"):  # training on the dev part itself
+        TrainJob(model=job.model, data=job.data, train=job.train, carve=Carve(0.1, 0, "dev"), evals=job.evals)
+    final = final_job(cfg, TINY, None, 0.01, use_gpu=False, endpoint_url=None)
+    assert [(e.name, e.split, e.carve) for e in final.evals] == [("test", "test", None)] and final.carve is None
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({"preset": "mnist"}, "finetune.preset"),
+    ({"dev_fraction": 1.0}, "finetune.dev_fraction"),
+    ({"momentum": 1.0}, "finetune.momentum"),
+    ({"base_lr": -1}, "finetune.base_lr"),
+    ({"lr_grid": [0.01, float("nan")]}, "finetune.lr_grid[1]"),
+    ({"test_split": "train"}, "finetune.test_split"),
+    ({"polyak": 0.999, "zero_stage": 3}, "finetune.polyak"),
+])
+def test_bad_finetune_settings_name_the_key(raw: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        build_pipeline({"finetune": {"dataset": "d", **raw}})
+    assert err.value.key == key
+
+
+def test_the_stage_needs_weights_and_one_learning_rate() -> None:
+    with pytest.raises(ConfigError) as err:
+        build_pipeline({"stages": ["finetune"], "finetune": {"dataset": "d", "base_lr": 0.01}})
+    assert err.value.key == "finetune.checkpoint"
+    with pytest.raises(ConfigError, match="sweep stage") as err:
+        build_pipeline({"stages": ["pretrain", "finetune"], "finetune": {"dataset": "d", "preset": "cifar10"},
+                        "cluster": {"num_workers": 2}, "train": {"global_batch": 128}})
+    assert err.value.key == "finetune.base_lr"
+    build_pipeline({"stages": ["pretrain", "finetune"], "finetune": {"dataset": "d", "preset": "vtab",
+                    "micro_batch": 16, "batch": 32}, "cluster": {"num_workers": 2}, "train": {"global_batch": 128}})
+
+
+@pytest.fixture(scope="module")
+def downstream(tmp_path_factory: pytest.TempPathFactory) -> str:
+    out = tmp_path_factory.mktemp("ft") / "synthetic"
+    write_dataset("synthetic", str(out), shard_size=40, max_side=32, progress=False, seed=3,
+                  splits={"train": 0.8, "test": 0.2}, source_options={"count": 200, "classes": 4, "image_size": 32})
+    return str(out)
+
+
+def test_finetuning_runs_through_the_pretraining_loop(downstream: str, tmp_path: Path, process_group: None) -> None:
+    from vitscale.train.loop import WorkerContext, train
+
+    # "Pre-trained" weights at 16 px with pre-logits and a 7-class head: all three must be adapted.
+    torch.manual_seed(0)
+    pretrained = create_model("ViT-Ti/8", num_classes=7, img_size=16, depth=2, width=32, mlp_dim=64, heads=2,
+                              representation_size=32)
+    init = tmp_path / "pretrained.pt"
+    export_state_dict(pretrained, init)
+    cfg = FinetuneConfig(dataset=downstream, steps=12, batch=16, micro_batch=8, resolution=32, precision="fp32",
+                         checkpoint_every=12, log_every=4, eval_every=6, num_workers=0, polyak=0.9, dev_fraction=0.2)
+    job = selection_job(cfg, finetune_model(TINY, 32), str(init), 0.05, use_gpu=False, endpoint_url=None)
+    seen: list[dict] = []
+    summary = train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run",
+                                       report=lambda metrics, directory: seen.append(metrics)))
+    assert summary["steps"] == 12 and summary["num_classes"] == 4
+    scored = [m for m in seen if "dev_accuracy" in m]
+    assert [m["step"] for m in scored] == [6, 12]  # eval_every and the last step
+    for m in scored:
+        assert 0.0 <= m["dev_accuracy"] <= 1.0 and 0.0 <= m["dev_accuracy_polyak"] <= 1.0
+    assert not any("test_accuracy" in m for m in seen)
