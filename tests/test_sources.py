@@ -111,7 +111,7 @@ def test_image_list_errors_name_the_problem(tmp_path: Path) -> None:
 
 def test_open_source_validates() -> None:
     with pytest.raises(ValueError, match="unknown source"):
-        open_source("imagenet")
+        open_source("jft300m")
     with pytest.raises(ValueError, match=r"does not take option\(s\) \['count'\]"):
         open_source("digits", count=3)
     with pytest.raises(ValueError, match="needs a path"):

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from vitscale.config.checks import check, fraction, non_negative, positive
 
 SOURCE_KINDS = ("synthetic", "digits")
-SOURCE_PREFIXES = ("folder:", "list:")
+SOURCE_PREFIXES = ("folder:", "list:", "cifar10:", "cifar100:", "pets:", "flowers102:", "imagenet:")
+PREDEFINED_SPLIT_PREFIXES = ("cifar10:", "cifar100:", "pets:", "flowers102:", "imagenet:")
+"""Sources with the dataset's own splits (data/tools/downstream.py): `splits` fractions are refused."""
 
 
 def check_splits(splits: dict[str, float], key: str = "splits") -> None:
@@ -30,7 +32,9 @@ class SourceConfig:
     """What `vitscale shards write` would be given; used to create a dataset that is absent."""
 
     kind: str = "synthetic"
-    """"synthetic", "digits", "folder:PATH" (one folder per class) or "list:FILE" (an image list)."""
+    """"synthetic", "digits", "folder:PATH" (one folder per class), "list:FILE" (an image list), or a
+    transfer dataset's distributed files: "cifar10:DIR", "cifar100:DIR", "pets:DIR", "flowers102:DIR",
+    "imagenet:DIR" (these bring their own splits)."""
     count: int = 2000
     """Number of images (synthetic only)."""
     classes: int = 10
@@ -45,16 +49,21 @@ class SourceConfig:
     """Images are pre-resized so their longer side is at most this."""
     quality: int = 90
     """JPEG quality of the written shards."""
-    splits: dict[str, float] = field(default_factory=lambda: {"train": 1.0})
-    """Named fractions carved reproducibly from the source, e.g. {train: 0.9, minival: 0.1}."""
+    splits: dict[str, float] | None = None
+    """Named fractions carved reproducibly from the source, e.g. {train: 0.9, minival: 0.1}; null =
+    the source's own splits (cifar10:, pets:, ...), else {train: 1.0}."""
 
     def validate(self, prefix: str) -> None:
         check(self.kind in SOURCE_KINDS or self.kind.startswith(SOURCE_PREFIXES), f"{prefix}.kind",
-              f"must be synthetic, digits, folder:PATH or list:FILE, got {self.kind!r}")
+              f"must be synthetic, digits, folder:PATH, list:FILE, cifar10:DIR, cifar100:DIR, pets:DIR, "
+              f"flowers102:DIR or imagenet:DIR, got {self.kind!r}")
         for key in ("count", "classes", "image_size", "shard_size", "max_side"):
             positive(getattr(self, key), f"{prefix}.{key}")
         check(1 <= self.quality <= 95, f"{prefix}.quality", f"must be in [1, 95] (JPEG), got {self.quality}")
-        check_splits(self.splits, f"{prefix}.splits")
+        if self.splits is not None:
+            check(not self.kind.startswith(PREDEFINED_SPLIT_PREFIXES), f"{prefix}.splits",
+                  f"{self.kind.partition(':')[0]} has its own splits; leave splits out")
+            check_splits(self.splits, f"{prefix}.splits")
 
     def source_options(self) -> dict[str, object]:
         """The options `open_source` takes for this kind (only the synthetic source has any)."""

@@ -22,7 +22,7 @@ def ensure_dataset(url: str, source: SourceConfig | None, endpoint_url: str | No
                                     f"`vitscale shards write --source ... --out {url}`")
         print(f"[vitscale] writing {source.kind} dataset to {url}", flush=True)
         write_dataset(source.kind, url, shard_size=source.shard_size, max_side=source.max_side,
-                      quality=source.quality, seed=0, splits=dict(source.splits),
+                      quality=source.quality, seed=0, splits=dict(source.splits) if source.splits else None,
                       source_options=source.source_options(), endpoint_url=endpoint_url)
     return read_meta(url, endpoint_url=endpoint_url)
 

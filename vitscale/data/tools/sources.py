@@ -30,6 +30,9 @@ Sources, with the options :func:`open_source` accepts:
     over a noisy random background. Options: ``count`` (1000), ``classes`` (10), ``image_size``
     (None: photo-like random sizes from 256 to 512 px a side; an int: square images),
     ``multi_label`` (False: one object; True: 1-3 objects of distinct classes), ``seed`` (0).
+``cifar10:DIR``, ``cifar100:DIR``, ``pets:DIR``, ``flowers102:DIR``, ``imagenet:DIR``
+    The paper's transfer datasets read from the files they are distributed in, with their own
+    predefined splits (:meth:`Source.predefined_splits`): :mod:`vitscale.data.tools.downstream`.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ __all__ = [
     "FolderSource",
     "ImageListSource",
     "DigitsSource",
+    "DOWNSTREAM_KINDS",
     "open_source",
     "parse_labels",
     "IMAGE_EXTENSIONS",
@@ -90,6 +94,14 @@ class Source(Sequence[Sample]):
     def __iter__(self) -> Iterator[Sample]:
         for i in range(len(self)):
             yield self[i]
+
+    def predefined_splits(self) -> dict[str, np.ndarray] | None:
+        """The dataset's own splits (name -> source indices, disjoint), or None: carve by fractions.
+
+        A source that returns splits is written as they are (``write_dataset`` refuses ``--split``
+        fractions for it); see :mod:`vitscale.data.tools.downstream`.
+        """
+        return None
 
     def _check_index(self, i: int) -> int:
         n = len(self)
@@ -313,31 +325,43 @@ class DigitsSource(Source):
         return Sample(f"digits-{i:04d}", img.convert("RGB"), (int(self._targets[i]),))
 
 
+DOWNSTREAM_KINDS = ("cifar10", "cifar100", "pets", "flowers102", "imagenet")
+"""The paper's transfer datasets, read in their distributed formats (data/tools/downstream.py)."""
+
 _OPTIONS = {
     "folder": set(),
     "list": {"root", "path_column", "label_column", "classes", "endpoint_url"},
     "digits": {"image_size", "resample"},
     "synthetic": {"count", "classes", "image_size", "multi_label", "seed"},
+    **{kind: set() for kind in DOWNSTREAM_KINDS},
 }
 
 
 def open_source(spec: str, **options: Any) -> Source:
-    """Open a source from ``folder:PATH``, ``list:FILE``, ``digits`` or ``synthetic``.
+    """Open a source from ``folder:PATH``, ``list:FILE``, ``digits``, ``synthetic`` or a transfer
+    dataset's files (``cifar10:DIR``, ``cifar100:DIR``, ``pets:DIR``, ``flowers102:DIR``,
+    ``imagenet:DIR``: :mod:`vitscale.data.tools.downstream`).
 
     ``options`` are the keyword options listed in the module docstring; an option a source does
     not take is an error (options whose value is ``None`` are ignored).
     """
     kind, _, arg = spec.partition(":")
     if kind not in _OPTIONS:
-        raise ValueError(f"unknown source {spec!r}: use folder:PATH, list:FILE, digits or synthetic")
+        raise ValueError(f"unknown source {spec!r}: use folder:PATH, list:FILE, digits, synthetic or "
+                         f"{', '.join(k + ':DIR' for k in DOWNSTREAM_KINDS)}")
     opts = {k: v for k, v in options.items() if v is not None}
     unknown = sorted(set(opts) - _OPTIONS[kind])
     if unknown:
         raise ValueError(
             f"source {kind!r} does not take option(s) {unknown}; it takes {sorted(_OPTIONS[kind])}"
         )
-    if kind in ("folder", "list") and not arg:
+    downstream = kind in DOWNSTREAM_KINDS
+    if (kind in ("folder", "list") or downstream) and not arg:
         raise ValueError(f"source {kind!r} needs a path: {kind}:PATH")
+    if downstream:  # imported here: these sources subclass Source from this module
+        from vitscale.data.tools.downstream import open_downstream
+
+        return open_downstream(kind, arg, **opts)
     if kind in ("digits", "synthetic") and arg:
         raise ValueError(f"source {kind!r} takes no path (got {spec!r})")
     if kind == "folder":

@@ -222,6 +222,31 @@ def _encoded_in_order(
             yield fut.result()
 
 
+def _predefined_splits(
+    src: Source, spec: str, seed: int, fractions: dict[str, float] | None
+) -> dict[str, np.ndarray] | None:
+    """The source's own splits, each in a seeded shuffled order (shards mix classes); None if it has none."""
+    own = src.predefined_splits()
+    if own is None:
+        return None
+    if fractions:
+        raise ValueError(f"--split: source {spec!r} has its own splits ({', '.join(own)}); leave --split out")
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    seen = np.zeros(len(src), dtype=bool)
+    for name, idx in own.items():
+        idx = np.asarray(idx, dtype=np.int64)
+        check(bool(name) and all(c.isalnum() or c == "_" for c in name), "splits",
+              f"{spec}: split name {name!r} must be letters, digits or '_' (it names shard files)")
+        if not idx.size:
+            raise ValueError(f"{spec}: split {name!r} has no samples")
+        if idx.min() < 0 or idx.max() >= len(src) or seen[idx].any() or len(np.unique(idx)) != idx.size:
+            raise ValueError(f"{spec}: split {name!r} repeats samples or has indices outside [0, {len(src)})")
+        seen[idx] = True
+        out[name] = idx[rng.permutation(idx.size)]
+    return out
+
+
 def write_dataset(
     source: str,
     out: str,
@@ -241,20 +266,24 @@ def write_dataset(
 
     Images are shrunk to fit ``max_side`` (never enlarged) and JPEG-encoded at ``quality``;
     samples are shuffled and carved into ``splits`` (default ``{"train": 1.0}``) from ``seed``.
+    A source with its own splits (:meth:`Source.predefined_splits`: CIFAR, Pets, Flowers,
+    ImageNet) is written with exactly those, each shuffled from ``seed``; ``splits`` must then be
+    left out.
     ``seed`` also seeds the synthetic source unless ``source_options`` sets its own. Returns the
     ``dataset.json`` content.
     """
     positive_int(shard_size, "shard_size")
     check(max_side >= 8, "max_side", f"must be >= 8 px, got {max_side}")
     check(1 <= quality <= 95, "quality", f"must be in [1, 95] (JPEG), got {quality}")
-    splits = dict(splits) if splits else {"train": 1.0}
     opts = dict(source_options or {})
     if source.partition(":")[0] == "synthetic":
         opts.setdefault("seed", seed)
     src = open_source(source, **opts)
+    by_split = _predefined_splits(src, source, seed, splits)
+    if by_split is None:
+        by_split = assign_splits(len(src), dict(splits) if splits else {"train": 1.0}, seed)
     storage = open_storage(out, endpoint_url=endpoint_url)
     ensure_empty_destination(storage)
-    by_split = assign_splits(len(src), splits, seed)
     n_workers = workers or min(8, os.cpu_count() or 1)
 
     def encode(s: Sample) -> tuple[Sample, bytes, int, int]:
