@@ -64,11 +64,42 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if summary.get("ok", True) else 1
 
 
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from vitscale.config import apply_override
+    from vitscale.stages import build_pipeline
+    from vitscale.stages.finetune import finetune_pipeline
+    from vitscale.stages.run import run_pipeline
+
+    raw = finetune_pipeline(args.checkpoint, args.data, preset=args.preset, base_lr=args.lr, model=args.model,
+                            img_size=args.img_size, resolution=args.resolution, steps=args.steps)
+    for item in args.set:
+        raw = apply_override(raw, item)
+    summary = run_pipeline(build_pipeline(raw, "vitscale finetune"), address=args.address, verbose=args.verbose)
+    print(json.dumps(summary, default=str))
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from vitscale.train.export import export_run
 
     info = export_run(args.run_dir, args.out, fmt=args.format)
     _print_json(info)
+    return 0
+
+
+def cmd_fewshot(args: argparse.Namespace) -> int:
+    from vitscale.eval.checkpoint_probe import fewshot_checkpoint, fewshot_table
+
+    fewshot = {"datasets": tuple(args.data), "shots": tuple(args.shots) if args.shots else None,
+               "seeds": args.seeds, "seed": args.seed, "l2": args.l2, "resolution": args.resolution,
+               "train_split": args.train_split, "test_split": args.test_split, "batch_size": args.batch_size,
+               "error_budget": args.error_budget}
+    report = fewshot_checkpoint(args.checkpoint, fewshot, model_name=args.model, img_size=args.img_size,
+                                endpoint_url=args.endpoint_url)
+    if args.json:
+        _print_json(report)
+    else:
+        print(fewshot_table(report))
     return 0
 
 
@@ -170,6 +201,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true",
                    help="show Ray's and DeepSpeed's own output here too (default: RUN_DIR/logs/ray.log)")
 
+    p = verb("finetune", cmd_finetune,
+             "Fine-tune a checkpoint on a sharded dataset with the paper's recipe (SGD, cosine, Table 4 presets) "
+             "and test it once.")
+    p.add_argument("checkpoint", help="run directory, vitscale export (.pt/.safetensors), official .npz or timm file")
+    p.add_argument("--data", required=True, help="downstream dataset (vitscale shards) with train and test splits")
+    p.add_argument("--preset", default=None, help="imagenet | cifar10 | cifar100 | pets | flowers | vtab (Table 4)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the preset's, if it has one)")
+    p.add_argument("--model", default=None, help='architecture of a .npz/timm file, e.g. "ViT-B/16"')
+    p.add_argument("--img-size", type=int, default=None, help="resolution the .npz/timm file was trained at")
+    p.add_argument("--resolution", type=int, default=None, help="fine-tuning resolution (default 384)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the preset's)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any pipeline value, e.g. --set finetune.batch=64 --set cluster.num_workers=1")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS or local)")
+    p.add_argument("--verbose", action="store_true", help="show Ray's and DeepSpeed's own output here too")
+
     p = verb("config", cmd_config, "Print the resolved pipeline config (defaults < file < --set).")
     p.add_argument("pipeline")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -189,6 +236,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--format", choices=("pt", "npz"), default="pt")
 
+    p = verb("fewshot", cmd_fewshot, "Few-shot linear probe of a checkpoint (closed-form least squares, Sec. 4.1), "
+             "in this process: mean and std over seeds per dataset and shot count.")
+    p.add_argument("checkpoint", help="run directory, vitscale export (.pt/.safetensors), official .npz or timm file")
+    p.add_argument("--data", action="append", required=True, metavar="SHARDS",
+                   help="dataset (vitscale shards) with train and test splits (repeatable)")
+    p.add_argument("--shots", type=int, nargs="+", default=None, help="examples per class (default: 1 5 10 25)")
+    p.add_argument("--seeds", type=int, default=None, help="few-shot draws per shot count (default: 3)")
+    p.add_argument("--seed", type=int, default=None, help="first seed of the draws (default: 0)")
+    p.add_argument("--l2", type=float, default=None, help="ridge strength (default: 1024, as big_vision)")
+    p.add_argument("--resolution", type=int, default=None, help="probe resolution (default: the model's)")
+    p.add_argument("--train-split", default=None, help="split the shots are drawn from (default: train)")
+    p.add_argument("--test-split", default=None, help="split accuracy is measured on (default: test)")
+    p.add_argument("--model", default=None, help='architecture of a .npz/timm file, e.g. "ViT-B/16"')
+    p.add_argument("--img-size", type=int, default=None, help="resolution the .npz/timm file was trained at (224)")
+    p.add_argument("--batch-size", type=int, default=None, help="images per forward pass (default: 128)")
+    p.add_argument("--error-budget", type=float, default=None,
+                   help="fraction of unreadable samples tolerated per split (default: 0.001)")
+    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint URL")
+    p.add_argument("--json", action="store_true")
+
     shards = verbs.add_parser("shards", help="Write, inspect, verify, order, benchmark and de-duplicate shards.")
     shard_verbs = shards.add_subparsers(dest="shards_verb", required=True, metavar="VERB")
 
@@ -196,7 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint URL")
 
     p = verb("write", cmd_shards_write, "Write WebDataset shards from a source.", shard_verbs)
-    p.add_argument("--source", required=True, help="folder:PATH | list:FILE (an image list) | digits | synthetic")
+    p.add_argument("--source", required=True, help="folder:PATH | list:FILE (an image list) | digits | synthetic | "
+                   "cifar10:DIR | cifar100:DIR | pets:DIR | flowers102:DIR | imagenet:DIR "
+                   "(a transfer dataset's distributed files, written with its own splits)")
     p.add_argument("--out", required=True, help="local folder or s3://bucket/prefix")
     p.add_argument("--shard-size", type=int, default=1000)
     p.add_argument("--max-side", type=int, default=384)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from vitscale.config.checks import check, fraction, non_negative, positive
 
-SOURCE_KINDS = ("synthetic", "digits")
+SOURCE_KINDS = ("synthetic", "fractal", "digits")
 SOURCE_PREFIXES = ("folder:", "list:", "cifar10:", "cifar100:", "pets:", "flowers102:", "imagenet:")
 PREDEFINED_SPLIT_PREFIXES = ("cifar10:", "cifar100:", "pets:", "flowers102:", "imagenet:")
 """Sources with the dataset's own splits (data/tools/downstream.py): `splits` fractions are refused."""
@@ -32,15 +32,15 @@ class SourceConfig:
     """What `vitscale shards write` would be given; used to create a dataset that is absent."""
 
     kind: str = "synthetic"
-    """"synthetic", "digits", "folder:PATH" (one folder per class), "list:FILE" (an image list), or a
-    transfer dataset's distributed files: "cifar10:DIR", "cifar100:DIR", "pets:DIR", "flowers102:DIR",
-    "imagenet:DIR" (these bring their own splits)."""
+    """"synthetic", "fractal" (FractalDB-style IFS classes), "digits", "folder:PATH" (one folder per
+    class), "list:FILE" (an image list), or a transfer dataset's distributed files: "cifar10:DIR",
+    "cifar100:DIR", "pets:DIR", "flowers102:DIR", "imagenet:DIR" (these bring their own splits)."""
     count: int = 2000
-    """Number of images (synthetic only)."""
+    """Number of images (synthetic and fractal only)."""
     classes: int = 10
-    """Number of classes (synthetic only)."""
+    """Number of classes (synthetic and fractal only)."""
     image_size: int = 64
-    """Side of generated images in pixels (synthetic only)."""
+    """Side of generated images in pixels (synthetic and fractal only)."""
     multi_label: bool = False
     """Generate JFT-style multi-label samples (synthetic only)."""
     shard_size: int = 500
@@ -55,8 +55,8 @@ class SourceConfig:
 
     def validate(self, prefix: str) -> None:
         check(self.kind in SOURCE_KINDS or self.kind.startswith(SOURCE_PREFIXES), f"{prefix}.kind",
-              f"must be synthetic, digits, folder:PATH, list:FILE, cifar10:DIR, cifar100:DIR, pets:DIR, "
-              f"flowers102:DIR or imagenet:DIR, got {self.kind!r}")
+              f"must be synthetic, fractal, digits, folder:PATH, list:FILE, cifar10:DIR, cifar100:DIR, "
+              f"pets:DIR, flowers102:DIR or imagenet:DIR, got {self.kind!r}")
         for key in ("count", "classes", "image_size", "shard_size", "max_side"):
             positive(getattr(self, key), f"{prefix}.{key}")
         check(1 <= self.quality <= 95, f"{prefix}.quality", f"must be in [1, 95] (JPEG), got {self.quality}")
@@ -66,7 +66,9 @@ class SourceConfig:
             check_splits(self.splits, f"{prefix}.splits")
 
     def source_options(self) -> dict[str, object]:
-        """The options `open_source` takes for this kind (only the synthetic source has any)."""
+        """The options `open_source` takes for this kind (only the synthetic and fractal sources have any)."""
+        if self.kind == "fractal":
+            return {"count": self.count, "classes": self.classes, "image_size": self.image_size}
         if self.kind != "synthetic":
             return {}
         return {"count": self.count, "classes": self.classes, "image_size": self.image_size,

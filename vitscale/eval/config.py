@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vitscale.config.checks import check, non_negative, positive
+from vitscale.config.checks import check, fraction, non_negative, positive, positive_int
 from vitscale.data.config import SourceConfig
 
 
@@ -22,25 +22,37 @@ class FewshotConfig:
     """Split accuracy is reported on."""
     shots: tuple[int, ...] = (1, 5, 10, 25)
     """Examples per class."""
-    l2: float = 1.0
-    """Ridge regularisation of the least-squares fit."""
+    l2: float = 1024.0
+    """Ridge strength of the least-squares fit, one fixed value (big_vision's `l2_reg = 2**10`)."""
     resolution: int = 224
     """Evaluation resolution (resize + centre crop)."""
     batch_size: int = 128
     """Images per forward pass during feature extraction."""
     seed: int = 0
-    """Seed of the few-shot example draw."""
+    """First seed of the few-shot example draws: the draws use seeds `seed` .. `seed + seeds - 1`."""
+    seeds: int = 3
+    """Independent few-shot draws per dataset and shot count, reported as mean, std and per-seed
+    values. 3 as in big_vision (`num_seeds`, seeds 0, 1, 2), so the numbers compare with its; each draw
+    is one small solve on features extracted once, so more seeds cost almost nothing."""
+    error_budget: float = 0.001
+    """Fraction of a probe split's samples that may be unreadable (skipped, never counted) before
+    the probe fails naming the shards; as `data.error_budget`."""
     baseline: bool = False
     """Also probe the same architecture with its initial (untrained) weights, to show what training added."""
 
     def validate(self) -> None:
+        check(len(set(self.datasets)) == len(self.datasets), "fewshot.datasets",
+              f"lists a dataset twice: {list(self.datasets)}")
         check(len(self.shots) > 0, "fewshot.shots", "needs at least one shot count")
         for i, shots in enumerate(self.shots):
             positive(shots, f"fewshot.shots[{i}]")
-        non_negative(self.l2, "fewshot.l2")
+        check(len(set(self.shots)) == len(self.shots), "fewshot.shots", f"lists a shot count twice: {list(self.shots)}")
+        positive(self.l2, "fewshot.l2")
         positive(self.resolution, "fewshot.resolution")
         positive(self.batch_size, "fewshot.batch_size")
         non_negative(self.seed, "fewshot.seed")
+        positive_int(self.seeds, "fewshot.seeds")
+        fraction(self.error_budget, "fewshot.error_budget")
         check(self.train_split != self.test_split, "fewshot.test_split",
               f"must differ from fewshot.train_split ({self.train_split!r}): the probe is tested on held-out data")
         if self.create_if_missing is not None:

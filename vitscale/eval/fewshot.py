@@ -1,29 +1,58 @@
-"""Few-shot linear evaluation (ViT paper, Sec. 4.1 "Metrics").
+"""Few-shot linear evaluation (ViT paper, Sec. 4.1 "Metrics"), as big_vision's evaluator does it.
 
 Freeze the model, take representations of ``k`` training images per class (k = 1, 5, 10, 25), fit a
 regularised least-squares map from representations to {-1, +1}^K targets **in closed form**, and
 report top-1 accuracy on the test set. No SGD, no hyper-parameters beyond the ridge strength, so it
 is cheap enough to run during pre-training.
 
-The solve (``A`` = features with a ones column appended, shape (n, p = d + 1); ``Y`` = targets (n, K)):
+The reference is big_vision's ``big_vision/evaluators/fewshot_lsr.py`` (the successor of the
+paper's code) with its standard settings from ``big_vision/configs/common_fewshot.py``. Choice by
+choice, what big_vision does → what vitscale does:
+
+- **Representation**: the model's ``pre_logits`` → the same, ``model.forward_features`` (after the
+  pre-logits layer when the model has one).
+- **Rows that are not data**: batch padding (``_mask == 0``) is dropped before the fit → rows the
+  training stream refilled after a bad sample (``valid == False``, copies of another row) are
+  dropped from the few-shot *and* the test set (:func:`extract_features`), so they never count.
+- **Feature normalisation**: per-dimension mean and population std (+ 1e-5) of the few-shot subset,
+  applied to the test features too → the same (:func:`fewshot_accuracy`, ``standardize=True``).
+- **Bias**: a constant column of ``BIAS_CONSTANT = 100`` appended to the features, so the bias is
+  "almost unregularised" (penalty ``l2 / 100²``) → the same (:data:`BIAS_CONSTANT`); the returned
+  weight matrix has the bias row already multiplied back, so it is used with a ones column.
+- **Targets**: ``2 * one_hot(y, K) - 1``, i.e. {-1, 1}^K → the same.
+- **L2 strength**: one fixed ``l2_reg = 2**10 = 1024``; its eigendecomposition cache could serve a
+  sweep, but none is done → the same: one fixed ``fewshot.l2`` (default 1024), no sweep.
+- **Solve**: primal ``(XᵀX + λI)⁻¹XᵀY`` when n >= p, dual ``Xᵀ(XXᵀ + λI)⁻¹Y`` otherwise, through
+  ``eigh`` of the Gram matrix in float32 on the host → the same primal/dual choice (p counts the
+  bias column), solved directly (``torch.linalg.solve``) in float64 on the features' device.
+- **Shots**: 1, 5, 10, 25 → the same default (``fewshot.shots``).
+- **Seeds**: ``num_seeds = 3``, seeds 0, 1, 2 → the same default: ``fewshot.seeds = 3`` draws, seeds
+  ``fewshot.seed`` (0) to ``fewshot.seed + 2``.
+- **Draw per seed**: ``rng = default_rng(seed)``; per class in order, ``rng.permutation`` of its
+  indices; the k-shot set is the first k of each (so nested across k) → the same draw, the same
+  indices (:func:`sample_shots`, returned sorted).
+- **A class with fewer than k examples**: silently uses fewer → refused, the class named.
+- **Reporting**: one number per (dataset, shots, seed) → the mean, the spread (std over seeds,
+  ddof=1) and the per-seed values (``eval/probe.py``).
+
+The solve (``A = [X, c·1]`` with ``c`` = :data:`BIAS_CONSTANT`, shape (n, p = d + 1); ``Y`` the
+targets (n, K)):
 
 * primal, when ``n >= p``:  ``W = (AᵀA + λI_p)⁻¹ AᵀY``  — a p x p system;
 * dual,   when ``n <  p``:  ``W = Aᵀ(AAᵀ + λI_n)⁻¹ Y``  — an n x n system.
 
 The two are the same matrix for λ > 0 (push-through identity), so the cheaper one is taken: 10-way
-5-shot on a ViT-L representation is a 50 x 50 solve instead of 1025 x 1025. The bias (last row of
-``W``) is regularised like every other weight, which is what an appended ones column means; with
-:func:`fewshot_accuracy`'s default standardisation the features are centred, so this costs nothing.
-All linear algebra runs in float64 on the features' device.
-
-Standardising features with the few-shot set's mean and std before the fit (and the test features
-with the same statistics) follows big_vision's few-shot evaluator, the successor of the paper's code.
+5-shot on a ViT-L representation is a 50 x 50 solve instead of 1025 x 1025. In terms of weights and
+bias (``scores = X w + b``) this minimises ``||Xw + b - Y||² + λ(||w||² + ||b||² / c²)``. With the
+few-shot subset standardised (so centred) and exactly ``k`` examples per class, the bias comes out
+the same for every class whatever ``c`` is and never changes a prediction; ``c`` matters only when
+:func:`fit_least_squares` is used on its own, on uncentred features.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -31,9 +60,14 @@ from torch import nn
 
 from vitscale.config.checks import check, positive_int
 
-__all__ = ["extract_features", "fewshot_accuracy", "fit_least_squares", "predict", "sample_shots"]
+__all__ = ["BIAS_CONSTANT", "class_indices", "extract_features", "fewshot_accuracy", "fit_least_squares", "predict",
+           "sample_shots"]
 
 ArrayLike = torch.Tensor | np.ndarray
+
+BIAS_CONSTANT = 100.0
+"""Value of the constant feature the bias is fitted on (big_vision's ``BIAS_CONSTANT``): large, so the
+bias is almost unregularised (its penalty is ``l2 / BIAS_CONSTANT²``)."""
 
 
 def _as_tensor(x: ArrayLike, name: str, ndim: int) -> torch.Tensor:
@@ -43,25 +77,30 @@ def _as_tensor(x: ArrayLike, name: str, ndim: int) -> torch.Tensor:
     return t
 
 
-def _augment(features: torch.Tensor) -> torch.Tensor:
-    """(n, d) → (n, d + 1) float64 with a ones column for the bias."""
+def _augment(features: torch.Tensor, constant: float = 1.0) -> torch.Tensor:
+    """(n, d) → (n, d + 1) float64 with a constant column (the bias's feature)."""
     x = features.to(torch.float64)
-    return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], dim=1)
+    return torch.cat([x, torch.full((x.shape[0], 1), constant, dtype=x.dtype, device=x.device)], dim=1)
 
 
-def fit_least_squares(features: ArrayLike, labels: ArrayLike, num_classes: int, l2: float) -> torch.Tensor:
+def fit_least_squares(features: ArrayLike, labels: ArrayLike, num_classes: int, l2: float, *,
+                      bias_constant: float = BIAS_CONSTANT) -> torch.Tensor:
     """Closed-form ridge regression from ``features`` (n, d) to {-1, +1}^K one-vs-rest targets.
 
-    Minimises ``||A W - Y||² + l2 ||W||²`` with ``A = [features, 1]`` and ``Y = 2·onehot(labels) - 1``;
-    see the module docstring for the primal/dual choice.
+    Minimises ``||A V - Y||² + l2 ||V||²`` with ``A = [features, bias_constant]`` and
+    ``Y = 2·onehot(labels) - 1`` (big_vision's parametrisation; see the module docstring for the
+    primal/dual choice), then returns ``W = V`` with its last row multiplied by ``bias_constant``, so
+    that ``[features, 1] @ W`` are the scores. Equivalently: ``scores = features @ w + b`` minimising
+    ``||features w + b - Y||² + l2 (||w||² + ||b||² / bias_constant²)``.
 
     Returns:
         ``W`` of shape (d + 1, num_classes), float64, on the features' device; the last row is the
         bias. Use with :func:`predict`.
 
     Raises:
-        ValueError: shapes disagree, a label is outside [0, num_classes), or ``l2`` is not > 0
-            (without regularisation the system is singular whenever n < d + 1).
+        ValueError: shapes disagree, a label is outside [0, num_classes), ``l2`` is not > 0
+            (without regularisation the system is singular whenever n < d + 1), or
+            ``bias_constant`` is not > 0.
     """
     x = _as_tensor(features, "features", 2)
     y = _as_tensor(labels, "labels", 1)
@@ -72,18 +111,23 @@ def fit_least_squares(features: ArrayLike, labels: ArrayLike, num_classes: int, 
     check(positive_int(num_classes, "num_classes") >= 2, "num_classes", f"must be >= 2, got {num_classes!r}")
     if not (math.isfinite(l2) and l2 > 0):
         raise ValueError(f"l2 must be a positive finite number, got {l2}")
+    if not (math.isfinite(bias_constant) and bias_constant > 0):
+        raise ValueError(f"bias_constant must be a positive finite number, got {bias_constant}")
     y = y.to(device=x.device, dtype=torch.long)
     if int(y.min()) < 0 or int(y.max()) >= num_classes:
         raise ValueError(f"labels must lie in [0, {num_classes}), got range [{int(y.min())}, {int(y.max())}]")
 
-    a = _augment(x)  # (n, p)
+    a = _augment(x, bias_constant)  # (n, p)
     targets = 2.0 * torch.nn.functional.one_hot(y, num_classes).to(torch.float64) - 1.0  # (n, K)
     n, p = a.shape
     if n >= p:
         gram = a.T @ a + l2 * torch.eye(p, dtype=a.dtype, device=a.device)  # (p, p)
-        return torch.linalg.solve(gram, a.T @ targets)  # (p, K)
-    gram = a @ a.T + l2 * torch.eye(n, dtype=a.dtype, device=a.device)  # (n, n)
-    return a.T @ torch.linalg.solve(gram, targets)  # (p, n) @ (n, K) = (p, K)
+        w = torch.linalg.solve(gram, a.T @ targets)  # (p, K)
+    else:
+        gram = a @ a.T + l2 * torch.eye(n, dtype=a.dtype, device=a.device)  # (n, n)
+        w = a.T @ torch.linalg.solve(gram, targets)  # (p, n) @ (n, K) = (p, K)
+    w[-1] *= bias_constant  # weight of the constant column → the bias itself
+    return w
 
 
 def predict(features: ArrayLike, weights: torch.Tensor) -> torch.Tensor:
@@ -97,25 +141,40 @@ def predict(features: ArrayLike, weights: torch.Tensor) -> torch.Tensor:
     return scores.argmax(dim=1)
 
 
-def sample_shots(labels: ArrayLike, num_classes: int, shots: int, seed: int) -> np.ndarray:
-    """Indices of exactly ``shots`` examples of each class 0..num_classes-1, chosen by ``seed``.
+def class_indices(labels: ArrayLike, num_classes: int) -> list[np.ndarray]:
+    """For each class 0..num_classes-1, the ascending indices of its examples (``np.where(labels == c)[0]``).
 
-    The same (labels, shots, seed) always gives the same indices; the result is sorted.
-
-    Raises:
-        ValueError: ``shots`` < 1, or some class has fewer than ``shots`` examples (named).
+    One stable sort instead of ``num_classes`` scans (ImageNet: 1000 classes x 1.28M labels).
+    Labels outside [0, num_classes) belong to no class.
     """
     y = np.asarray(torch.as_tensor(labels).cpu().numpy()).reshape(-1)
-    positive_int(shots, "shots")
     positive_int(num_classes, "num_classes")
+    order = np.argsort(y, kind="stable")
+    bounds = np.searchsorted(y[order], np.arange(num_classes + 1), side="left")
+    return [order[bounds[c]:bounds[c + 1]] for c in range(num_classes)]
+
+
+def sample_shots(labels: ArrayLike, num_classes: int, shots: int, seed: int) -> np.ndarray:
+    """Indices of exactly ``shots`` examples of each class 0..num_classes-1, drawn as big_vision draws them.
+
+    ``rng = numpy.random.default_rng(seed)``; for each class in order, ``rng.permutation`` of its
+    ascending indices; the first ``shots`` of each. So the draw of a class does not depend on
+    ``shots``: for one seed the 1-shot set lies in the 5-shot set, which lies in the 10-shot set.
+    The same (labels, seed) always gives the same indices; the result is sorted.
+
+    Raises:
+        ValueError: ``shots`` < 1, or some class has fewer than ``shots`` examples (the first such
+            class named; big_vision would silently use fewer).
+    """
+    positive_int(shots, "shots")
+    groups = class_indices(labels, num_classes)
+    short = [c for c, g in enumerate(groups) if g.size < shots]
+    if short:
+        more = f" (and {len(short) - 1} more classes)" if len(short) > 1 else ""
+        raise ValueError(f"class {short[0]} has {groups[short[0]].size} training examples, fewer than "
+                         f"shots={shots}{more}")
     rng = np.random.default_rng(seed)
-    chosen = []
-    for c in range(num_classes):
-        idx = np.flatnonzero(y == c)
-        if idx.size < shots:
-            raise ValueError(f"class {c} has {idx.size} training examples, fewer than shots={shots}")
-        chosen.append(rng.choice(idx, size=shots, replace=False))
-    return np.sort(np.concatenate(chosen))
+    return np.sort(np.concatenate([rng.permutation(g)[:shots] for g in groups]))
 
 
 def fewshot_accuracy(
@@ -129,8 +188,9 @@ def fewshot_accuracy(
     l2: float,
     seed: int,
     standardize: bool = True,
+    bias_constant: float = BIAS_CONSTANT,
 ) -> float:
-    """Top-1 test accuracy of a ``shots``-per-class closed-form least-squares probe.
+    """Top-1 test accuracy of a ``shots``-per-class closed-form least-squares probe (one seed).
 
     Samples ``shots`` training examples per class (:func:`sample_shots`, deterministic by ``seed``),
     standardises features with that subset's per-dimension mean and std (``standardize``; big_vision
@@ -155,33 +215,37 @@ def fewshot_accuracy(
     xt = xte.to(device=xtr.device, dtype=torch.float64)  # (m, d)
     if standardize:
         mean = x.mean(dim=0, keepdim=True)
-        # Population std as in big_vision; + 1e-5 keeps dimensions that are constant over the
-        # few-shot subset (dead units, tiny subsets) finite instead of dividing by zero.
+        # Population std + 1e-5 as in big_vision: dimensions constant over the few-shot subset
+        # (dead units, 1-shot of a 2-class set) stay finite instead of dividing by zero.
         std = x.std(dim=0, unbiased=False, keepdim=True) + 1e-5
         x, xt = (x - mean) / std, (xt - mean) / std
-    w = fit_least_squares(x, ytr.to(xtr.device)[idx], num_classes, l2)
+    w = fit_least_squares(x, ytr.to(xtr.device)[idx], num_classes, l2, bias_constant=bias_constant)
     pred = predict(xt, w)
     return float((pred.cpu() == yte.cpu().long()).double().mean())
 
 
 @torch.no_grad()
 def extract_features(
-    model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str
+    model: nn.Module, batches: Iterable[Sequence[torch.Tensor]], device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Frozen representations of every image in ``batches``: ``model.forward_features`` in eval mode.
+    """Frozen representations of every valid image in ``batches``: ``model.forward_features`` in eval mode.
 
     Args:
         model: exposes ``forward_features(images) -> (B, D)``, the image representation (the
             pre-logits output the paper's probe uses). The model's train/eval mode is restored after.
-        batches: an iterable of ``(images (B, C, H, W), labels (B,))``.
+        batches: an iterable of ``(images (B, C, H, W), labels (B,))`` or
+            ``(images, labels, valid (B,) bool)``. Rows with ``valid == False`` (the training
+            stream's refills after a bad sample: copies of another row) are dropped before the
+            forward pass, so they never count, in the few-shot set or in the test set.
         device: where to run the model (it must already live there).
 
     Returns:
-        ``(features (N, D) float32, labels (N,) int64)`` on the CPU, in the order of ``batches``.
+        ``(features (N, D) float32, labels (N,) int64)`` on the CPU, in the order of ``batches``,
+        N = the number of valid rows.
 
     Raises:
         ValueError: the model has no ``forward_features``, it returns something other than (B, D),
-            or ``batches`` is empty.
+            a ``valid`` mask has the wrong shape, or there is no valid row at all.
     """
     forward = getattr(model, "forward_features", None)
     if not callable(forward):
@@ -190,7 +254,16 @@ def extract_features(
     model.eval()
     feats, labels = [], []
     try:
-        for images, y in batches:
+        for images, y, *rest in batches:
+            y = torch.as_tensor(y)
+            if rest:
+                keep = torch.as_tensor(rest[0]).to(torch.bool).reshape(-1)
+                if keep.shape[0] != images.shape[0]:
+                    raise ValueError(f"valid has {keep.shape[0]} rows but the batch has {images.shape[0]} images")
+                if not bool(keep.all()):
+                    images, y = images[keep.to(images.device)], y[keep.to(y.device)]
+                if images.shape[0] == 0:
+                    continue
             out = forward(images.to(device, non_blocking=True))
             if out.ndim != 2 or out.shape[0] != images.shape[0]:
                 raise ValueError(
@@ -198,9 +271,9 @@ def extract_features(
                     f"got shape {tuple(out.shape)} for a batch of {images.shape[0]}"
                 )
             feats.append(out.float().cpu())
-            labels.append(torch.as_tensor(y).long().cpu())
+            labels.append(y.long().cpu())
     finally:
         model.train(was_training)
     if not feats:
-        raise ValueError("batches is empty: no images to extract features from")
+        raise ValueError("batches is empty: no (valid) images to extract features from")
     return torch.cat(feats), torch.cat(labels)

@@ -9,9 +9,11 @@ warnings and errors still show, INFO goes to the log file.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -72,6 +74,21 @@ def route_ray_output(log_path: Path, *, verbose: bool) -> str | None:
     except (ImportError, AttributeError, KeyError, ValueError):
         return None
     return f"workers' full output: {log_path} (--verbose shows it here)"
+
+
+@contextlib.contextmanager
+def library_output_to(log_path: Path, *, verbose: bool) -> Iterator[None]:
+    """Within: what libraries print on the driver (Tune's progress tables, hints) goes to `log_path`.
+
+    vitscale's own lines still reach the terminal: the Ray output router keeps the terminal it
+    was given, and this only swaps `sys.stdout`/`sys.stderr` that `print` looks up at call time.
+    """
+    if verbose:
+        yield
+        return
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a", buffering=1) as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        yield
 
 
 def summary_table(sections: list[tuple[str, list[tuple[str, str]]]]) -> str:

@@ -23,6 +23,7 @@ REGISTRY: dict[str, str] = {
     "pretrain": "vitscale.stages.pretrain",
     "fewshot": "vitscale.stages.fewshot",
     "finetune": "vitscale.stages.finetune",
+    "sweep": "vitscale.stages.sweep",
 }
 """Stage name -> the module defining its `STAGE` (imported on first use: no torch or Ray at import)."""
 
@@ -47,9 +48,15 @@ def config_sections() -> dict[str, type]:
     return sections
 
 
-def build_pipeline(raw: Mapping[str, Any], source: str | None = None) -> PipelineConfig:
-    """A validated pipeline from plain data (parsed YAML): sections, then each stage's own checks."""
+def build_pipeline(raw: Mapping[str, Any], source: str | None = None, *, stage_checks: bool = True) -> PipelineConfig:
+    """A validated pipeline from plain data (parsed YAML): sections, then each stage's own checks.
+
+    `stage_checks=False` validates the sections only: a sweep re-validates each trial's values
+    that way from inside its own check.
+    """
     config = _build_pipeline(dict(raw), sections=config_sections(), stage_names=tuple(REGISTRY), source=source)
+    if not stage_checks:
+        return config
     try:
         made: list[type] = []
         for name in config.stages:

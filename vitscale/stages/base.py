@@ -40,6 +40,8 @@ class StageContext:
     """The run's stable name (`cluster.run_name` or the pipeline's name)."""
     results: list[Any] = field(default_factory=list)
     """Results of the stages that already ran, in order."""
+    verbose: bool = True
+    """Whether libraries' own output may reach the terminal (`vitscale run --verbose`)."""
 
     def need(self, kind: type[T]) -> T:
         """The latest result of type `kind` (the registry guarantees some earlier stage makes one)."""

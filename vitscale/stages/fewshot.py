@@ -15,7 +15,7 @@ from vitscale.data.config import DataConfig
 from vitscale.eval.config import FewshotConfig
 from vitscale.models.config import ModelConfig
 from vitscale.stages.base import Pretrained, Stage, StageContext
-from vitscale.stages.datasets import ensure_dataset, require_split
+from vitscale.stages.datasets import ensure_dataset
 
 
 @dataclass(frozen=True)
@@ -33,11 +33,14 @@ class FewshotResult:
         for url, per_shot in self.probes.items():
             if not isinstance(per_shot, dict) or url == "untrained_baseline":
                 continue
-            shots = [k for k in per_shot if k.endswith("shot")]
-            text = "  ".join(f"{k} {per_shot[k]:.3f}" for k in shots)
+            shots = [k for k in per_shot if k.endswith("shot")]  # "5shot": the mean over seeds
+            text = "  ".join(f"{k} {per_shot[k]:.3f}" + (f"±{per_shot[k + '_std']:.3f}" if k + "_std" in per_shot else "")
+                             for k in shots)
             if isinstance(baseline.get(url), dict):
                 text += "   untrained: " + "  ".join(f"{k} {baseline[url][k]:.3f}" for k in shots)
-            rows.append((url.rstrip("/").rsplit("/", 1)[-1], f"{text}   chance {per_shot['chance']:.3f}"))
+            seeds = self.probes.get("seeds")
+            spread = f"   ({len(seeds)} seeds)" if isinstance(seeds, list) else ""
+            rows.append((url.rstrip("/").rsplit("/", 1)[-1], f"{text}   chance {per_shot['chance']:.3f}{spread}"))
         return rows
 
 
@@ -54,18 +57,15 @@ def check_fewshot(config: PipelineConfig) -> None:
 
 
 def prepare_fewshot(config: PipelineConfig) -> None:
-    """Every probe dataset exists, is single-label, has both splits, and can supply the shots."""
+    """Every probe dataset exists, is single-label, has both splits, and can supply the shots
+    (`check_probe_dataset`: the same checks as `vitscale fewshot`)."""
+    from vitscale.eval.probe import check_probe_dataset
+
     fewshot = config.fewshot
     for i, url in enumerate(fewshot.datasets):
         key = f"fewshot.datasets[{i}]"
         meta = ensure_dataset(url, fewshot.create_if_missing if i == 0 else None, config.data.endpoint_url, key)
-        check(not meta.multi_label, key, f"{url} is multi-label; the few-shot probe needs one label per image")
-        train = require_split(meta, fewshot.train_split, "fewshot.train_split", url)
-        require_split(meta, fewshot.test_split, "fewshot.test_split", url)
-        most = max(fewshot.shots)
-        check(train >= most * meta.num_classes, "fewshot.shots",
-              f"{most} shots x {meta.num_classes} classes need {most * meta.num_classes} examples; split "
-              f"{fewshot.train_split!r} of {url} has {train}")
+        check_probe_dataset(meta, url, fewshot, key)
 
 
 def run_fewshot(config: PipelineConfig, context: StageContext) -> FewshotResult:

@@ -66,7 +66,7 @@ def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose:
     if routed:
         print(f"[vitscale] {routed}", flush=True)
 
-    context = StageContext(run_dir=run_dir, run_name=config.run_name)
+    context = StageContext(run_dir=run_dir, run_name=config.run_name, verbose=verbose)
     summary: dict[str, Any] = {"pipeline": config.name, "run": config.run_name, "run_dir": str(run_dir), "ok": True}
     table: list[tuple[str, list[tuple[str, str]]]] = []
     for name in config.stages:

@@ -65,9 +65,18 @@ def _optimizer(train: TrainConfig) -> dict[str, Any]:
                                         "eps": 1e-8, "weight_decay": train.weight_decay}}
 
 
+def _deepspeed() -> Any:
+    """DeepSpeed, told the accelerator when there is no GPU: its auto-detection would warn on every import."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    return deepspeed
+
+
 def init_distributed(on_gpu: bool) -> None:
     """Join the process group Ray Train (or torchrun) set up, with NCCL on GPU and gloo on CPU."""
-    import deepspeed
+    deepspeed = _deepspeed()
 
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
@@ -78,7 +87,7 @@ def init_distributed(on_gpu: bool) -> None:
 
 def build_engine(model: torch.nn.Module, param_groups: list[dict[str, Any]], ds_config: dict[str, Any]) -> Any:
     """Wrap `model` in a DeepSpeed engine with the given parameter groups and config."""
-    import deepspeed
+    deepspeed = _deepspeed()
 
     # DeepSpeed reads LOCAL_RANK to pick a device; Ray Train sets the rank through its own context.
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -110,8 +119,7 @@ def whole_weights(engine: Any) -> Iterator[torch.nn.Module]:
     whole parameters already, so this is a no-op there.
     """
     if getattr(engine, "zero_optimization_stage", lambda: 0)() == 3:
-        import deepspeed
-
+        deepspeed = _deepspeed()
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
             yield engine.module
     else:
@@ -131,12 +139,16 @@ def consolidated_state_dict(deepspeed_dir: str | os.PathLike, tag: str) -> dict[
     zero_to_fp32 gathers them offline (no process group needed). Stage 0 keeps whole module
     weights in the model-states file, in the training dtype, which is fp32 unless bf16 was on.
     """
+    _deepspeed()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     directory = os.path.join(os.fspath(deepspeed_dir), tag)
     names = os.listdir(directory)
     if any("optim_states" in n for n in names):
-        state = get_fp32_state_dict_from_zero_checkpoint(os.fspath(deepspeed_dir), tag=tag)
+        # zero_to_fp32 prints its progress ("Processing zero checkpoint ...", a tqdm bar); a
+        # vitscale verb's output is vitscale's, so that goes nowhere (failures still raise).
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            state = get_fp32_state_dict_from_zero_checkpoint(os.fspath(deepspeed_dir), tag=tag)
         return {k: v.float() for k, v in state.items()}
     model_states = [n for n in names if n.endswith("model_states.pt")]
     if not model_states:

@@ -1,4 +1,4 @@
-"""Image sources the shard writer reads: ``folder:PATH``, ``list:FILE``, ``digits``, ``synthetic``.
+"""Image sources the shard writer reads: ``folder:PATH``, ``list:FILE``, ``digits``, ``synthetic``, ``fractal``.
 
 Every source is a random-access sequence of :class:`Sample` ``(key, image, labels)`` where
 ``image`` is a PIL image or the encoded bytes of an image file, and ``labels`` a tuple of class
@@ -30,6 +30,13 @@ Sources, with the options :func:`open_source` accepts:
     over a noisy random background. Options: ``count`` (1000), ``classes`` (10), ``image_size``
     (None: photo-like random sizes from 256 to 512 px a side; an int: square images),
     ``multi_label`` (False: one object; True: 1-3 objects of distinct classes), ``seed`` (0).
+``fractal``
+    Formula-driven images in the manner of FractalDB (:mod:`vitscale.data.tools.fractal`): each
+    class is a random iterated function system kept only if its attractor's filling rate is in
+    bounds, each image its chaos-game rendering with FractalDB's per-image variation (one map
+    parameter perturbed, flips, small rotation, scale, offset), grey strokes. Options: ``count``
+    (1000), ``classes`` (10), ``image_size`` (64), ``points`` (chaos-game points per image, default
+    one per pixel), ``ink`` (``"random"``, ``"dark"`` on light or ``"light"`` on black), ``seed`` (0).
 ``cifar10:DIR``, ``cifar100:DIR``, ``pets:DIR``, ``flowers102:DIR``, ``imagenet:DIR``
     The paper's transfer datasets read from the files they are distributed in, with their own
     predefined splits (:meth:`Source.predefined_splits`): :mod:`vitscale.data.tools.downstream`.
@@ -333,12 +340,13 @@ _OPTIONS = {
     "list": {"root", "path_column", "label_column", "classes", "endpoint_url"},
     "digits": {"image_size", "resample"},
     "synthetic": {"count", "classes", "image_size", "multi_label", "seed"},
+    "fractal": {"count", "classes", "image_size", "points", "ink", "seed"},
     **{kind: set() for kind in DOWNSTREAM_KINDS},
 }
 
 
 def open_source(spec: str, **options: Any) -> Source:
-    """Open a source from ``folder:PATH``, ``list:FILE``, ``digits``, ``synthetic`` or a transfer
+    """Open a source from ``folder:PATH``, ``list:FILE``, ``digits``, ``synthetic``, ``fractal`` or a transfer
     dataset's files (``cifar10:DIR``, ``cifar100:DIR``, ``pets:DIR``, ``flowers102:DIR``,
     ``imagenet:DIR``: :mod:`vitscale.data.tools.downstream`).
 
@@ -347,7 +355,7 @@ def open_source(spec: str, **options: Any) -> Source:
     """
     kind, _, arg = spec.partition(":")
     if kind not in _OPTIONS:
-        raise ValueError(f"unknown source {spec!r}: use folder:PATH, list:FILE, digits, synthetic or "
+        raise ValueError(f"unknown source {spec!r}: use folder:PATH, list:FILE, digits, synthetic, fractal or "
                          f"{', '.join(k + ':DIR' for k in DOWNSTREAM_KINDS)}")
     opts = {k: v for k, v in options.items() if v is not None}
     unknown = sorted(set(opts) - _OPTIONS[kind])
@@ -362,7 +370,7 @@ def open_source(spec: str, **options: Any) -> Source:
         from vitscale.data.tools.downstream import open_downstream
 
         return open_downstream(kind, arg, **opts)
-    if kind in ("digits", "synthetic") and arg:
+    if kind in ("digits", "synthetic", "fractal") and arg:
         raise ValueError(f"source {kind!r} takes no path (got {spec!r})")
     if kind == "folder":
         return FolderSource(arg)
@@ -370,6 +378,10 @@ def open_source(spec: str, **options: Any) -> Source:
         return ImageListSource(arg, **opts)
     if kind == "digits":
         return DigitsSource(**opts)
+    if kind == "fractal":  # imported here: it subclasses Source from this module
+        from vitscale.data.tools.fractal import FractalSource
+
+        return FractalSource(**opts)
     # Imported here: the synthetic source subclasses Source from this module.
     from vitscale.data.tools.synthetic import SyntheticSource
 

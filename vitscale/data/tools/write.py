@@ -269,14 +269,14 @@ def write_dataset(
     A source with its own splits (:meth:`Source.predefined_splits`: CIFAR, Pets, Flowers,
     ImageNet) is written with exactly those, each shuffled from ``seed``; ``splits`` must then be
     left out.
-    ``seed`` also seeds the synthetic source unless ``source_options`` sets its own. Returns the
-    ``dataset.json`` content.
+    ``seed`` also seeds the synthetic and fractal sources unless ``source_options`` sets their own.
+    Returns the ``dataset.json`` content.
     """
     positive_int(shard_size, "shard_size")
     check(max_side >= 8, "max_side", f"must be >= 8 px, got {max_side}")
     check(1 <= quality <= 95, "quality", f"must be in [1, 95] (JPEG), got {quality}")
     opts = dict(source_options or {})
-    if source.partition(":")[0] == "synthetic":
+    if source.partition(":")[0] in ("synthetic", "fractal"):
         opts.setdefault("seed", seed)
     src = open_source(source, **opts)
     by_split = _predefined_splits(src, source, seed, splits)

@@ -1,0 +1,364 @@
+"""The sweep stage: Ray Tune over Ray Train trials, selected on a dev split, the winner retrained and tested once.
+
+Each trial is a Tune function that builds and fits a `TorchTrainer` (Ray 2.60's pattern for Tune
+over Train V2): the trial's run is named after its trial id, so a restarted trial resumes its own
+checkpoints, and `TuneReportCallback` forwards rank 0's reports to Tune (and so to TensorBoard
+and the schedulers). A trial trains on the rest of a dev carve of the training split and is scored
+on its dev part (`data/carve.py`); it cannot read the test split (`eval/finetune.py`). The best
+trial's settings are then retrained on the whole training split and tested once.
+
+`target: finetune` sweeps fine-tuning (Table 4's learning-rate grid by default); `target: pretrain`
+sweeps pre-training (Sec. 4.3's weight decay x dropout x label smoothing on a smaller dataset).
+Re-running the same command resumes a sweep whose driver died (`Tuner.restore`): finished trials
+are not run again, unfinished ones continue from their checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from vitscale.config.checks import ConfigError, check, non_negative, one_of, positive
+from vitscale.config.loader import to_dict, to_yaml
+from vitscale.config.pipeline import PipelineConfig
+from vitscale.data.carve import Carve
+from vitscale.data.config import DataConfig
+from vitscale.eval.finetune import FinetuneConfig, final_job, finetune_model, selection_job
+from vitscale.models.config import ModelConfig
+from vitscale.stages.base import Pretrained, Stage, StageContext
+from vitscale.train.config import TrainConfig
+from vitscale.train.job import EvalSet, TrainJob
+
+TARGETS = {"finetune": ("finetune.", "model."), "pretrain": ("train.", "model.", "data.")}
+"""What a sweep tunes, and the config sections its hyper-parameters may come from."""
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """A grid (or random draws) of hyper-parameters, each trial scored on the dev split."""
+
+    target: str = "finetune"
+    """"finetune" (Table 4 LR grids) or "pretrain" (Sec. 4.3 regularisation sweeps)."""
+    space: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    """Dotted config key -> values, e.g. {finetune.base_lr: [0.001, 0.01]}; empty = finetune.lr_grid / the preset's."""
+    scheduler: str = "grid"
+    """"grid" (every combination), "random" (`num_samples` draws) or "asha" (the grid, weak trials stopped early)."""
+    num_samples: int = 8
+    """Trials drawn by the random scheduler."""
+    metric: str = "dev_accuracy"
+    """Selection metric (maximised), measured on the dev carve of the training split."""
+    max_concurrent: int | None = None
+    """Trials at once; null = as many as the cluster's CPUs/GPUs fit with `workers_per_trial` each."""
+    workers_per_trial: int | None = None
+    """Ray Train workers per trial; null = cluster.num_workers."""
+    grace_period: int | None = None
+    """ASHA: steps every trial runs before the first cut; null = a quarter of the trial's steps."""
+    reduction_factor: int = 3
+    """ASHA: keep the best 1/reduction_factor at each rung."""
+    evaluations: int = 8
+    """Dev evaluations per trial under ASHA (its rungs need scores along the way)."""
+    dev_fraction: float = 0.02
+    """Pretrain target: share of the pre-training split held out as the dev set."""
+    retrain: bool = True
+    """Retrain the winner on the whole training split and test it once."""
+    trial_retries: int = 1
+    """Times a failed trial is retried before it is a row with its error (the sweep goes on)."""
+    seed: int = 0
+    """Seed of the random scheduler's draws."""
+
+    def validate(self) -> None:
+        one_of(self.target, tuple(TARGETS), "sweep.target")
+        one_of(self.scheduler, ("grid", "random", "asha"), "sweep.scheduler")
+        for key, values in self.space.items():
+            check(bool(values), f"sweep.space.{key}", "needs at least one value")
+        for key in ("num_samples", "max_concurrent", "workers_per_trial", "grace_period", "evaluations"):
+            positive(getattr(self, key), f"sweep.{key}")
+        check(self.reduction_factor >= 2, "sweep.reduction_factor", f"must be >= 2, got {self.reduction_factor}")
+        positive(self.dev_fraction, "sweep.dev_fraction")
+        check(self.dev_fraction < 1, "sweep.dev_fraction", f"must be below 1, got {self.dev_fraction}")
+        non_negative(self.trial_retries, "sweep.trial_retries")
+        non_negative(self.seed, "sweep.seed")
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """Every trial as a row, the selected settings, and the winner's one test accuracy."""
+
+    directory: str
+    trials: tuple[dict[str, Any], ...]
+    selected: dict[str, Any]
+    final: dict[str, Any]
+
+    def summary(self) -> dict[str, Any]:
+        return {"directory": self.directory, "trials": len(self.trials), "selected": self.selected, **self.final}
+
+    def rows(self) -> list[tuple[str, str]]:
+        out = []
+        for row in self.trials:
+            params = "  ".join(f"{k.split('.')[-1]} {v:g}" if isinstance(v, float) else f"{k.split('.')[-1]} {v}"
+                               for k, v in row["params"].items())
+            score = row.get("metric")
+            text = f"{row['status']:<9} " + (f"{score:.4f}" if isinstance(score, float) else "-")
+            out.append((f"trial {row['trial_id']}", f"{params}   {text}"))
+        if self.selected:
+            out.append(("selected", json.dumps(self.selected["params"]) + f"  (dev {self.selected['metric']:.4f})"))
+        if "test_accuracy" in self.final:
+            out.append(("test accuracy", f"{self.final['test_accuracy']:.4f}  (winner retrained, tested once)"))
+        out.append(("results", f"{self.directory}/results.md"))
+        return out
+
+
+# -- the search space -----------------------------------------------------------------------------
+
+
+def search_space(config: PipelineConfig) -> dict[str, tuple[Any, ...]]:
+    """`sweep.space`, or for a fine-tuning sweep without one, the learning-rate grid (Table 4)."""
+    if config.sweep.space:
+        return dict(config.sweep.space)
+    grid = config.finetune.grid() if config.sweep.target == "finetune" else ()
+    return {"finetune.base_lr": grid} if grid else {}
+
+
+def with_params(config: PipelineConfig, params: dict[str, Any]) -> PipelineConfig:
+    """The pipeline with one trial's values set, re-validated (a bad value names its key)."""
+    from vitscale.stages import build_pipeline
+
+    raw = copy.deepcopy(to_dict(config))
+    for key, value in params.items():
+        node = raw
+        *path, last = key.split(".")
+        for part in path:
+            if not isinstance(node.get(part), dict):
+                raise ConfigError(f"sweep.space.{key}", f"{part!r} is not a config section")
+            node = node[part]
+        node[last] = list(value) if isinstance(value, tuple) else value
+    try:
+        # Values are checked by their sections; the stages' cross-checks ran on the base pipeline.
+        return build_pipeline(raw, config.source, stage_checks=False)
+    except ConfigError as exc:
+        named = next((k for k in params if exc.key == k or exc.key.startswith((f"{k}.", f"{k}["))), None)
+        if named is None:
+            raise
+        raise ConfigError(f"sweep.space.{named}", f"{params[named]!r}: {exc.message}", exc.source) from None
+
+
+def combinations(space: dict[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """Every point of the grid, in order (pure)."""
+    keys = list(space)
+    return [dict(zip(keys, values)) for values in itertools.product(*(space[k] for k in keys))]
+
+
+def check_sweep(config: PipelineConfig) -> None:
+    sweep = config.sweep
+    space = search_space(config)
+    check(bool(space), "sweep.space", "nothing to sweep: name hyper-parameters (or a finetune preset/lr_grid)")
+    prefixes = TARGETS[sweep.target]
+    for key in space:
+        check(key.startswith(prefixes), f"sweep.space.{key}",
+              f"a {sweep.target} sweep tunes keys under {', '.join(p.rstrip('.') for p in prefixes)}")
+    for key, values in space.items():
+        for value in values:  # each value on its own: a bad one is named before any trial starts
+            with_params(config, {key: value})
+    if sweep.target == "finetune":
+        from vitscale.stages.finetune import pretrained_earlier
+
+        check(bool(config.finetune.dataset), "finetune.dataset", "a fine-tuning sweep needs a downstream dataset")
+        check(config.finetune.checkpoint is not None or pretrained_earlier(config, "sweep"), "finetune.checkpoint",
+              "nothing to fine-tune: set it, or put the pretrain stage before the sweep")
+
+
+def prepare_sweep(config: PipelineConfig) -> None:
+    if config.sweep.target == "finetune":
+        from vitscale.stages.finetune import check_checkpoint, check_downstream
+
+        meta = check_downstream(config)
+        check_checkpoint(config, meta.num_classes)
+    else:
+        from vitscale.data.format import open_dataset
+        from vitscale.stages.pretrain import prepare_pretrain
+
+        prepare_pretrain(config)
+        dev = open_dataset(config.data.url, config.data.split, endpoint_url=config.data.endpoint_url,
+                           carve=Carve(config.sweep.dev_fraction, config.data.seed, "dev"))
+        check(sum(dev.counts) >= 1, "sweep.dev_fraction", f"the dev carve of {config.data.url} is empty")
+
+
+# -- the jobs -------------------------------------------------------------------------------------
+
+
+def trial_job(config: PipelineConfig, model: ModelConfig | None, init: str | None, *, final: bool) -> TrainJob:
+    """A trial's selection job, or (`final`) the winner's retrain on the whole split, tested once."""
+    yaml = to_yaml(config)
+    if config.sweep.target == "finetune":
+        fc = config.finetune
+        lr = fc.single_lr() or fc.grid()[0]
+        build = final_job if final else selection_job
+        job = build(fc, finetune_model(model or config.model, fc.resolution), init, lr,
+                    use_gpu=config.cluster.use_gpu, endpoint_url=config.data.endpoint_url, config_yaml=yaml)
+    else:
+        data = config.data
+        carve = Carve(config.sweep.dev_fraction, data.seed, "rest")
+        evals = (EvalSet("dev", data.url, data.split, replace(carve, part="dev")),)
+        job = TrainJob(model=config.model, data=data, train=config.train, use_gpu=config.cluster.use_gpu,
+                       carve=None if final else carve, evals=() if final else evals, config_yaml=yaml)
+    if config.sweep.scheduler == "asha" and not final:
+        steps = job.train.max_steps or 0
+        every = max(1, steps // config.sweep.evaluations) if steps else None
+        job = replace(job, train=replace(job.train, eval_every=every))
+    return job
+
+
+def trial_cluster(config: PipelineConfig) -> Any:
+    return replace(config.cluster, num_workers=config.sweep.workers_per_trial or config.cluster.num_workers)
+
+
+def _trial(params: dict[str, Any], base: PipelineConfig, model: ModelConfig | None, init: str | None,
+           logs: str) -> None:
+    """One Tune trial: a TorchTrainer run of the selection job with this trial's values."""
+    import ray.tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from vitscale.launch.ray_train import final_metrics, trainer_for
+
+    started = time.time()
+    trial_id = ray.tune.get_context().get_trial_id()
+    config = with_params(base, params)
+    job = trial_job(config, model, init, final=False)
+    # Named after the trial id (no timestamp): a restarted trial finds and resumes its own checkpoints.
+    trainer = trainer_for(job, trial_cluster(config), f"{base.run_name}-trial-{trial_id}",
+                          Path(logs) / trial_id, callbacks=[TuneReportCallback()])
+    result = trainer.fit()
+    ray.tune.report({**final_metrics(result), "started_at": started, "finished_at": time.time()})
+
+
+# -- the stage ------------------------------------------------------------------------------------
+
+
+def run_sweep(config: PipelineConfig, context: StageContext) -> SweepResult:
+    import ray
+    from ray import tune
+
+    from vitscale.eval.tables import plot_metric, write_table
+    from vitscale.launch.console import library_output_to
+    from vitscale.launch.ray_train import launch_training, run_directory
+
+    sweep = config.sweep
+    directory = context.run_dir / "sweep"
+    directory.mkdir(parents=True, exist_ok=True)
+    model, init = None, None
+    if sweep.target == "finetune":
+        from vitscale.stages.finetune import initial_weights
+
+        model, init = initial_weights(config, context)
+    space = search_space(config)
+    tune_space = {k: (tune.choice(list(v)) if sweep.scheduler == "random" else tune.grid_search(list(v)))
+                  for k, v in space.items()}
+    # The trial function only drives its TorchTrainer: it takes no CPU from the workers (Ray wants
+    # some resource in a trial's bundle, so it asks for a token 64 MiB of memory).
+    trainable = tune.with_resources(
+        tune.with_parameters(_trial, base=config, model=model, init=init, logs=str(directory / "trials")),
+        {"cpu": 0, "memory": 64 * 2**20})
+    storage, _ = run_directory(config.cluster, config.run_name)
+    tune_storage = f"{storage.rstrip('/')}/{config.run_name}" if "://" in storage else str(context.run_dir)
+    experiment = f"{tune_storage}/sweep-trials"
+    metric = sweep.metric
+    scheduler = None
+    if sweep.scheduler == "asha":
+        from ray.tune.schedulers import ASHAScheduler
+
+        steps = trial_job(config, model, init, final=False).train.max_steps or 1
+        scheduler = ASHAScheduler(time_attr="step", max_t=steps, grace_period=sweep.grace_period or max(1, steps // 4),
+                                  reduction_factor=sweep.reduction_factor)
+    concurrent = sweep.max_concurrent or _concurrency(trial_cluster(config), ray.cluster_resources())
+    # The dev metric is reported when it is measured (every eval_every steps and at the end); the
+    # reports between carry training metrics only. Tune's strict check would call those errors;
+    # ASHA already ignores results without its metric.
+    os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
+    if tune.Tuner.can_restore(experiment):
+        print(f"[vitscale] resuming the sweep in {experiment}", flush=True)
+        tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True, resume_errored=True)
+    else:
+        tuner = tune.Tuner(
+            trainable, param_space=tune_space,
+            tune_config=tune.TuneConfig(metric=metric, mode="max", scheduler=scheduler, max_concurrent_trials=concurrent,
+                                        num_samples=sweep.num_samples if sweep.scheduler == "random" else 1),
+            run_config=tune.RunConfig(name="sweep-trials", storage_path=tune_storage, verbose=0,
+                                      failure_config=tune.FailureConfig(max_failures=sweep.trial_retries)))
+    print(f"[vitscale] sweep: {len(combinations(space)) if sweep.scheduler != 'random' else sweep.num_samples} "
+          f"trial(s), {concurrent} at a time, {sweep.scheduler}; TensorBoard: tensorboard --logdir {context.run_dir}",
+          flush=True)
+    with library_output_to(context.run_dir / "logs" / "tune.log", verbose=context.verbose):
+        grid = tuner.fit()  # Tune's own progress tables go to the log; vitscale's lines stay on the terminal
+    pre_exaflops = sum(float(r.metrics.get("cumulative_exaflops") or 0) for r in context.results
+                       if isinstance(r, Pretrained))
+    rows = tuple(sorted((_row(result, space, metric, pre_exaflops) for result in grid),
+                        key=lambda r: str(r["trial_id"])))
+    scored = [r for r in rows if isinstance(r.get("metric"), float)]
+    if not scored:
+        raise ConfigError("sweep", f"no trial reported {metric}; see {directory}/results.md")
+    best = max(scored, key=lambda r: r["metric"])
+    selected = {"trial_id": best["trial_id"], "params": best["params"], "metric": best["metric"], "metric_name": metric}
+    final: dict[str, Any] = {}
+    if sweep.retrain:
+        print(f"[vitscale] retraining the winner {json.dumps(best['params'])} on the whole training split", flush=True)
+        winner = with_params(config, best["params"])
+        _, metrics = launch_training(trial_job(winner, model, init, final=True), config.cluster,
+                                     f"{config.run_name}-sweep-final", directory / "final", what="the winner's retrain")
+        final = {k: v for k, v in metrics.items() if k.startswith("test_accuracy")}
+        final["final_exaflops"] = metrics.get("cumulative_exaflops")
+    write_table([_flat(r) for r in rows], directory, "results")
+    (directory / "selected.json").write_text(json.dumps({**selected, **final}, indent=2, default=str))
+    x = next(iter(space))
+    plot_metric([{**_flat(r)} for r in rows], x, "metric", directory / "lr_vs_accuracy.png",
+                log_x=x.endswith("lr"), title=f"{metric} per trial")
+    return SweepResult(directory=str(directory), trials=rows, selected=selected, final=final)
+
+
+def _concurrency(cluster: Any, resources: dict[str, float]) -> int:
+    """Trials the cluster fits at once: the limiting resource over one trial's workers."""
+    fits = [int(resources.get("CPU", 0) // (cluster.cpus_per_worker * cluster.num_workers))]
+    if cluster.use_gpu:
+        fits.append(int(resources.get("GPU", 0) // (cluster.gpus_per_worker * cluster.num_workers)))
+    return max(1, min(fits))
+
+
+def _row(result: Any, space: dict[str, Any], metric: str, pre_exaflops: float) -> dict[str, Any]:
+    """One trial as a table row; a failed trial keeps its error and the sweep goes on."""
+    metrics = dict(result.metrics or {})
+    config = dict(result.config or {})
+    history = getattr(result, "metrics_dataframe", None)
+    best = None
+    if history is not None and metric in getattr(history, "columns", ()):
+        values = history[metric].dropna()
+        best = float(values.iloc[-1]) if len(values) else None
+    trial_id = metrics.get("trial_id") or Path(str(result.path)).name
+    status = "error" if result.error else ("finished" if "finished_at" in metrics else "stopped")
+    return {
+        "trial_id": trial_id, "params": {k: config.get(k) for k in space}, "metric": best,
+        "steps": metrics.get("step"), "wall_time_s": metrics.get("time_total_s"),
+        "started_at": metrics.get("started_at"), "finished_at": metrics.get("finished_at"), "status": status,
+        "pretrain_exaflops": pre_exaflops, "finetune_exaflops": metrics.get("cumulative_exaflops"),
+        "error": str(result.error).splitlines()[0][:300] if result.error else None,
+    }
+
+
+def _flat(row: dict[str, Any]) -> dict[str, Any]:
+    return {"trial_id": row["trial_id"], **row["params"], **{k: v for k, v in row.items()
+                                                              if k not in ("trial_id", "params")}}
+
+
+STAGE = Stage(
+    name="sweep",
+    sections={"sweep": SweepConfig, "finetune": FinetuneConfig, "model": ModelConfig, "data": DataConfig,
+              "train": TrainConfig},
+    check=check_sweep,
+    prepare=prepare_sweep,
+    run=run_sweep,
+    produces=SweepResult,
+)
