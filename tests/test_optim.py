@@ -294,3 +294,19 @@ def test_steps_for_covers_the_data(epochs: float, n: int, g: int) -> None:
 def test_steps_for_bad_args(args: tuple, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         steps_for(*args)
+
+
+@given(st.integers(1, 10**6), st.integers(1, 16), st.integers(1, 64), st.floats(0.1, 20))
+def test_schedule_length_fills_whole_steps_from_each_ranks_share(samples: int, world: int, per_rank: int,
+                                                                 epochs: float) -> None:
+    from vitscale.train.optim import schedule_length
+
+    global_batch = per_rank * world
+    if samples // world < per_rank:
+        with pytest.raises(ValueError, match="cannot fill one step"):
+            schedule_length(samples, world, global_batch, epochs, None)
+        return
+    per_epoch, total = schedule_length(samples, world, global_batch, epochs, None)
+    assert per_epoch == (samples // world) // per_rank  # whole steps of this rank's share
+    assert total == steps_for(epochs, per_epoch * global_batch, global_batch)
+    assert schedule_length(samples, world, global_batch, epochs, 7) == (per_epoch, 7)

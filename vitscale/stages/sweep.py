@@ -207,11 +207,21 @@ def trial_job(config: PipelineConfig, model: ModelConfig | None, init: str | Non
         evals = (EvalSet("dev", data.url, data.split, replace(carve, part="dev")),)
         job = TrainJob(model=config.model, data=data, train=config.train, use_gpu=config.cluster.use_gpu,
                        carve=None if final else carve, evals=() if final else evals, config_yaml=yaml)
-    if config.sweep.scheduler == "asha" and not final:
-        steps = job.train.max_steps or 0
-        every = max(1, steps // config.sweep.evaluations) if steps else None
-        job = replace(job, train=replace(job.train, eval_every=every))
+    if config.sweep.scheduler == "asha" and not final and job.train.eval_every is None:
+        job = replace(job, evaluations=config.sweep.evaluations)
     return job
+
+
+def trial_steps(config: PipelineConfig, job: TrainJob) -> int:
+    """A trial's total steps (ASHA's horizon), computed as the loop will from the trained samples."""
+    from vitscale.data.format import open_dataset
+    from vitscale.train.optim import schedule_length
+
+    if job.train.max_steps:
+        return job.train.max_steps
+    samples = sum(open_dataset(job.data.url, job.data.split, endpoint_url=job.data.endpoint_url, carve=job.carve).counts)
+    world = trial_cluster(config).num_workers
+    return schedule_length(samples, world, job.train.global_batch, job.train.epochs, None)[1]
 
 
 def trial_cluster(config: PipelineConfig) -> Any:
@@ -272,7 +282,7 @@ def run_sweep(config: PipelineConfig, context: StageContext) -> SweepResult:
     if sweep.scheduler == "asha":
         from ray.tune.schedulers import ASHAScheduler
 
-        steps = trial_job(config, model, init, final=False).train.max_steps or 1
+        steps = trial_steps(config, trial_job(config, model, init, final=False))
         scheduler = ASHAScheduler(time_attr="step", max_t=steps, grace_period=sweep.grace_period or max(1, steps // 4),
                                   reduction_factor=sweep.reduction_factor)
     concurrent = sweep.max_concurrent or _concurrency(trial_cluster(config), ray.cluster_resources())

@@ -50,6 +50,9 @@ class TrainJob:
     """Evaluated every `train.eval_every` steps and after the last step, on rank 0."""
     eval_batch: int = 128
     """Images per forward pass during evaluation."""
+    evaluations: int | None = None
+    """Evaluate this many times, evenly spaced over the run, when `train.eval_every` is not set
+    (a sweep's ASHA rungs need scores along the way, whatever the schedule's length)."""
     config_yaml: str = ""
     """The resolved config, written into every checkpoint."""
 

@@ -34,7 +34,7 @@ from vitscale.train.evaluate import Polyak, accuracy
 from vitscale.train.job import TrainJob
 from vitscale.train.losses import classification_loss
 from vitscale.train.metrics import MetricsSink, StepMetrics, mfu, peak_flops
-from vitscale.train.optim import derive_batch, lr_at, param_groups, steps_for
+from vitscale.train.optim import derive_batch, lr_at, param_groups, schedule_length
 
 ReportFn = Callable[[dict[str, Any], "Path | None"], None]
 
@@ -72,12 +72,9 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         endpoint_url=data.endpoint_url, carve=job.carve)
     num_classes = stream.dataset.num_classes
     per_rank_step = batch.micro_batch * batch.grad_accum_steps
-    steps_per_epoch = stream.samples_per_epoch // per_rank_step
-    if steps_per_epoch == 0:
-        raise ValueError(f"data.url: {stream.samples_per_epoch} samples per rank cannot fill one step of "
-                         f"{per_rank_step} (train.global_batch / world size); use a smaller train.global_batch")
-    epoch_samples = steps_per_epoch * batch.global_batch
-    total_steps = train.max_steps or steps_for(train.epochs, epoch_samples, batch.global_batch)
+    steps_per_epoch, total_steps = schedule_length(sum(stream.dataset.counts), ctx.world_size,
+                                                   batch.global_batch, train.epochs, train.max_steps)
+    eval_every = train.eval_every or (max(1, total_steps // job.evaluations) if job.evaluations else None)
 
     torch.manual_seed(train.seed)  # identical initial weights on every rank
     model = model_cfg.build(num_classes)
@@ -165,7 +162,7 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
             _progress_line(metrics, total_steps, time.perf_counter() - t_run, step - state.step)
         _maybe_die(train, ctx, step)
         scores: dict[str, float] = {}
-        if job.evals and (step == total_steps or (train.eval_every and step % train.eval_every == 0)):
+        if job.evals and (step == total_steps or (eval_every and step % eval_every == 0)):
             scores = _evaluate(job, engine, polyak, ctx, device, compute_dtype)
         if step % train.checkpoint_every == 0 or step == total_steps:
             new_state = ckpt.TrainState(step=step, examples_seen=examples, flops=flops, world_size=ctx.world_size)

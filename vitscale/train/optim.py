@@ -258,6 +258,23 @@ def steps_for(epochs: float, samples_per_epoch: int, global_batch: int) -> int:
     return -(-examples // global_batch)  # ceil division on ints: exact for any size
 
 
+def schedule_length(split_samples: int, world_size: int, global_batch: int, epochs: float,
+                    max_steps: int | None) -> tuple[int, int]:
+    """(steps per epoch, total steps) of a run over a split of `split_samples` samples.
+
+    Each rank reads `split_samples // world_size` samples an epoch (data/order.py) and an epoch is
+    the whole optimizer steps those fill; the schedule is `max_steps` or `epochs` of such epochs.
+    The loop and the driver (ASHA's horizon) both use this, so they agree on the step count.
+    """
+    per_rank_step = global_batch // world_size
+    steps_per_epoch = (split_samples // world_size) // per_rank_step
+    if steps_per_epoch == 0:
+        raise ValueError(f"data.url: {split_samples // world_size} samples per rank cannot fill one step of "
+                         f"{per_rank_step} (train.global_batch / world size); use a smaller train.global_batch")
+    total = max_steps or steps_for(epochs, steps_per_epoch * global_batch, global_batch)
+    return steps_per_epoch, total
+
+
 def epoch_at(step: int, global_batch: int, samples_per_epoch: int) -> float:
     """Fractional epoch reached after ``step`` optimiser steps (examples seen / epoch size)."""
     non_negative_int(step, "step")

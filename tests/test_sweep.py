@@ -1,0 +1,127 @@
+"""The sweep stage's driver side: search spaces, trial jobs, and one-line errors before any trial starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vitscale.config import ConfigError
+from vitscale.data.tools.write import write_dataset
+from vitscale.stages import build_pipeline
+from vitscale.stages.run import preflight
+from vitscale.stages.sweep import combinations, search_space, trial_job, with_params
+
+MODEL = {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "mlp_dim": 32, "heads": 2}
+CLUSTER = {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1}
+
+
+def sweep_pipeline(**sections: dict) -> dict:
+    raw = {"stages": ["sweep"], "model": MODEL, "cluster": CLUSTER,
+           "finetune": {"dataset": "d", "checkpoint": "w.npz", "preset": "pets", "batch": 8, "micro_batch": 8,
+                        "resolution": 16}}
+    for name, section in sections.items():
+        raw[name] = {**raw.get(name, {}), **section}
+    return raw
+
+
+def test_a_finetune_sweep_defaults_to_table_4s_grid() -> None:
+    config = build_pipeline(sweep_pipeline())
+    assert search_space(config) == {"finetune.base_lr": (0.001, 0.003, 0.01, 0.03)}
+
+
+def test_combinations_are_the_grid_in_order() -> None:
+    grid = combinations({"a": (1, 2), "b": ("x", "y", "z")})
+    assert len(grid) == 6 and grid[0] == {"a": 1, "b": "x"} and grid[-1] == {"a": 2, "b": "z"}
+    assert combinations({}) == [{}]
+
+
+@pytest.mark.parametrize("sweep, key", [
+    ({"space": {"finetune.bogus": [1]}}, "sweep.space.finetune.bogus"),
+    ({"space": {"finetune.base_lr": [0.01, -1.0]}}, "sweep.space.finetune.base_lr"),
+    ({"space": {"train.weight_decay": [0.1]}}, "sweep.space.train.weight_decay"),  # not a fine-tuning knob
+    ({"space": {"model.dropout": [0.1, 1.5]}}, "sweep.space.model.dropout"),
+    ({"space": {"model.bogus_option": [1]}}, "sweep.space.model.bogus_option"),
+    ({"space": {"finetune.base_lr": []}}, "sweep.space.finetune.base_lr"),
+    ({"scheduler": "hyperband"}, "sweep.scheduler"),
+    ({"target": "pretrain", "space": {"finetune.base_lr": [0.1]}}, "sweep.space.finetune.base_lr"),
+])
+def test_bad_sweeps_are_refused_before_any_trial(sweep: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        build_pipeline(sweep_pipeline(sweep=sweep))
+    assert err.value.key == key
+
+
+def test_a_regularisation_sweep_tunes_pretraining() -> None:
+    space = {"train.weight_decay": [0.03, 0.1], "model.dropout": [0.0, 0.1], "train.label_smoothing": [0.0, 0.1]}
+    config = build_pipeline({"stages": ["sweep"], "model": MODEL, "cluster": CLUSTER,
+                             "train": {"global_batch": 8, "micro_batch": 8, "max_steps": 5},
+                             "sweep": {"target": "pretrain", "space": space, "scheduler": "asha"}})
+    assert len(combinations(search_space(config))) == 8
+    trial = with_params(config, {"train.weight_decay": 0.1, "model.dropout": 0.1})
+    assert trial.train.weight_decay == 0.1 and trial.model.options["dropout"] == 0.1
+    job = trial_job(trial, None, None, final=False)
+    assert [e.name for e in job.evals] == ["dev"] and job.carve.part == "rest" and job.evaluations == 8
+    final = trial_job(trial, None, None, final=True)
+    assert final.carve is None and final.evals == ()
+
+
+def test_finetune_trials_score_on_dev_and_only_the_winner_sees_test() -> None:
+    config = build_pipeline(sweep_pipeline(sweep={"scheduler": "asha", "evaluations": 4}, finetune={"steps": 40}))
+    trial = with_params(config, {"finetune.base_lr": 0.01})
+    job = trial_job(trial, None, "w.npz", final=False)
+    assert job.train.base_lr == 0.01 and job.train.optimizer == "sgd" and job.evaluations == 4
+    assert [(e.name, e.split, e.carve.part) for e in job.evals] == [("dev", "train", "dev")]
+    final = trial_job(trial, None, "w.npz", final=True)
+    assert [(e.name, e.split) for e in final.evals] == [("test", "test")] and final.carve is None
+
+
+def test_fine_tuning_needs_weights() -> None:
+    raw = sweep_pipeline()
+    raw["finetune"].pop("checkpoint")
+    with pytest.raises(ConfigError) as err:
+        build_pipeline(raw)
+    assert err.value.key == "finetune.checkpoint"
+    build_pipeline({**raw, "stages": ["pretrain", "sweep"], "train": {"global_batch": 8, "micro_batch": 8}})
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("sweep-data")
+    opts = {"classes": 3, "image_size": 16}
+    write_dataset("synthetic", str(root / "small"), shard_size=20, max_side=16, progress=False,
+                  splits={"train": 0.7, "test": 0.3}, source_options={"count": 30, **opts})
+    write_dataset("synthetic", str(root / "no-test"), shard_size=20, max_side=16, progress=False,
+                  source_options={"count": 30, **opts})
+    return {name: str(root / name) for name in ("small", "no-test")}
+
+
+def test_data_that_cannot_serve_the_protocol_is_refused_on_the_driver(datasets: dict, tmp_path: Path) -> None:
+    import torch
+
+    from vitscale.models import create_model, export_state_dict
+
+    weights = tmp_path / "w.pt"
+    torch.manual_seed(0)
+    export_state_dict(create_model("ViT-Ti/8", num_classes=5, img_size=16, depth=1, width=32, mlp_dim=32, heads=2),
+                      weights)
+    cases = [
+        ({"dataset": datasets["no-test"]}, "finetune.test_split"),              # no test split
+        ({"dataset": datasets["small"], "dev_fraction": 0.01}, "finetune.dev_fraction"),  # dev carve of 21 is empty
+        ({"dataset": datasets["small"], "batch": 32, "micro_batch": 32}, "finetune.batch"),  # 21 cannot fill 32
+        ({"dataset": datasets["small"], "checkpoint": str(tmp_path / "absent.pt")}, "finetune.checkpoint"),
+    ]
+    for finetune, key in cases:
+        config = build_pipeline(sweep_pipeline(finetune={"checkpoint": str(weights), **finetune}))
+        with pytest.raises(ConfigError) as err:
+            preflight(config)
+        assert err.value.key == key, (finetune, err.value)
+    # A timm file names no architecture: the `model:` section does, and one that does not fit is refused.
+    from vitscale.models import timm_state_dict
+
+    other = create_model("ViT-Ti/8", num_classes=5, img_size=16, depth=2, width=64, mlp_dim=64, heads=2)
+    torch.save(timm_state_dict(other), tmp_path / "other.pth")
+    config = build_pipeline(sweep_pipeline(finetune={"dataset": datasets["small"], "checkpoint": str(tmp_path / "other.pth")}))
+    with pytest.raises(ConfigError, match="does not fit") as err:
+        preflight(config)
+    assert err.value.key == "finetune.checkpoint"
