@@ -29,6 +29,8 @@ class StageResult(Protocol):
         """(what, value) lines for the human-readable table at the end of `vitscale run`."""
         ...
 
+    # Optional: `headline() -> dict`, keys merged into the top level of the final JSON line.
+
 
 @dataclass
 class StageContext:

@@ -75,6 +75,7 @@ def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose:
         result = get_stage(name).run(config, context)
         context.results.append(result)
         summary[name] = result.summary()
+        summary.update(getattr(result, "headline", dict)())  # a stage's result at a glance, at the top level
         table.append((name, [*result.rows(), ("time", f"{time.time() - started:.0f} s")]))
     summary["seconds"] = round(time.time() - t0, 1)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

@@ -67,6 +67,9 @@ class SweepConfig:
     """Pretrain target: share of the pre-training split held out as the dev set."""
     retrain: bool = True
     """Retrain the winner on the whole training split and test it once."""
+    scratch_baseline: bool = False
+    """Also run the same fine-tuning sweep from random weights (same architecture, recipe and budget),
+    so the summary shows what pre-training adds."""
     trial_retries: int = 1
     """Times a failed trial is retried before it is a row with its error (the sweep goes on)."""
     seed: int = 0
@@ -84,6 +87,8 @@ class SweepConfig:
         check(self.dev_fraction < 1, "sweep.dev_fraction", f"must be below 1, got {self.dev_fraction}")
         non_negative(self.trial_retries, "sweep.trial_retries")
         non_negative(self.seed, "sweep.seed")
+        check(not (self.scratch_baseline and self.target != "finetune"), "sweep.scratch_baseline",
+              "compares fine-tuning from pre-trained and random weights: needs sweep.target finetune")
 
 
 @dataclass(frozen=True)
@@ -94,9 +99,26 @@ class SweepResult:
     trials: tuple[dict[str, Any], ...]
     selected: dict[str, Any]
     final: dict[str, Any]
+    scratch: dict[str, Any] | None = None
+    """The same sweep from random weights (`sweep.scratch_baseline`): its selection and test accuracy."""
 
     def summary(self) -> dict[str, Any]:
-        return {"directory": self.directory, "trials": len(self.trials), "selected": self.selected, **self.final}
+        out = {"directory": self.directory, "trials": len(self.trials), "selected": self.selected, **self.final}
+        if self.scratch is not None:
+            out["scratch"] = self.scratch
+        return out
+
+    def headline(self) -> dict[str, Any]:
+        """Top-level keys of the final JSON line: the transfer result at a glance."""
+        lr = self.selected.get("params", {}).get("finetune.base_lr")
+        out: dict[str, Any] = {"sweep_dir": self.directory}
+        if "test_accuracy" in self.final:
+            out["finetune"] = {"pretrained": {"test_accuracy": self.final["test_accuracy"], "best_lr": lr}}
+            if self.scratch is not None and "test_accuracy" in self.scratch:
+                out["finetune"]["scratch"] = {
+                    "test_accuracy": self.scratch["test_accuracy"],
+                    "best_lr": self.scratch["selected"].get("params", {}).get("finetune.base_lr")}
+        return out
 
     def rows(self) -> list[tuple[str, str]]:
         out = []
@@ -110,6 +132,9 @@ class SweepResult:
             out.append(("selected", json.dumps(self.selected["params"]) + f"  (dev {self.selected['metric']:.4f})"))
         if "test_accuracy" in self.final:
             out.append(("test accuracy", f"{self.final['test_accuracy']:.4f}  (winner retrained, tested once)"))
+        if self.scratch is not None and "test_accuracy" in self.scratch:
+            params = json.dumps(self.scratch["selected"]["params"])
+            out.append(("from scratch", f"{self.scratch['test_accuracy']:.4f}  (same sweep from random weights, {params})"))
         out.append(("results", f"{self.directory}/results.md"))
         return out
 
@@ -251,6 +276,24 @@ def _trial(params: dict[str, Any], base: PipelineConfig, model: ModelConfig | No
 
 
 def run_sweep(config: PipelineConfig, context: StageContext) -> SweepResult:
+    model, init = None, None
+    if config.sweep.target == "finetune":
+        from vitscale.stages.finetune import initial_weights
+
+        model, init = initial_weights(config, context)
+    directory = context.run_dir / "sweep"
+    rows, selected, final = _search(config, context, model, init, directory, "")
+    scratch = None
+    if config.sweep.scratch_baseline:
+        print("[vitscale] the same sweep from random weights (same architecture, recipe and budget)", flush=True)
+        _, scratch_selected, scratch_final = _search(config, context, model, None, directory / "scratch", "-scratch")
+        scratch = {"selected": scratch_selected, **scratch_final}
+    return SweepResult(directory=str(directory), trials=rows, selected=selected, final=final, scratch=scratch)
+
+
+def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | None, init: str | None,
+            directory: Path, label: str) -> tuple[tuple[dict[str, Any], ...], dict[str, Any], dict[str, Any]]:
+    """Run the trials on Tune, select on the dev metric, retrain the winner and test it once."""
     import ray
     from ray import tune
 
@@ -259,13 +302,7 @@ def run_sweep(config: PipelineConfig, context: StageContext) -> SweepResult:
     from vitscale.launch.ray_train import launch_training, run_directory
 
     sweep = config.sweep
-    directory = context.run_dir / "sweep"
     directory.mkdir(parents=True, exist_ok=True)
-    model, init = None, None
-    if sweep.target == "finetune":
-        from vitscale.stages.finetune import initial_weights
-
-        model, init = initial_weights(config, context)
     space = search_space(config)
     tune_space = {k: (tune.choice(list(v)) if sweep.scheduler == "random" else tune.grid_search(list(v)))
                   for k, v in space.items()}
@@ -276,7 +313,7 @@ def run_sweep(config: PipelineConfig, context: StageContext) -> SweepResult:
         {"cpu": 0, "memory": 64 * 2**20})
     storage, _ = run_directory(config.cluster, config.run_name)
     tune_storage = f"{storage.rstrip('/')}/{config.run_name}" if "://" in storage else str(context.run_dir)
-    experiment = f"{tune_storage}/sweep-trials"
+    experiment = f"{tune_storage}/sweep-trials{label}"
     metric = sweep.metric
     scheduler = None
     if sweep.scheduler == "asha":
@@ -298,17 +335,21 @@ def run_sweep(config: PipelineConfig, context: StageContext) -> SweepResult:
             trainable, param_space=tune_space,
             tune_config=tune.TuneConfig(metric=metric, mode="max", scheduler=scheduler, max_concurrent_trials=concurrent,
                                         num_samples=sweep.num_samples if sweep.scheduler == "random" else 1),
-            run_config=tune.RunConfig(name="sweep-trials", storage_path=tune_storage, verbose=0,
+            run_config=tune.RunConfig(name=f"sweep-trials{label}", storage_path=tune_storage, verbose=0,
                                       failure_config=tune.FailureConfig(max_failures=sweep.trial_retries)))
-    print(f"[vitscale] sweep: {len(combinations(space)) if sweep.scheduler != 'random' else sweep.num_samples} "
-          f"trial(s), {concurrent} at a time, {sweep.scheduler}; TensorBoard: tensorboard --logdir {context.run_dir}",
-          flush=True)
+    count = len(combinations(space)) if sweep.scheduler != "random" else sweep.num_samples
+    print(f"[vitscale] sweep{label}: {count} trial(s), {concurrent} at a time, {sweep.scheduler}; "
+          f"TensorBoard: tensorboard --logdir {context.run_dir}", flush=True)
     with library_output_to(context.run_dir / "logs" / "tune.log", verbose=context.verbose):
         grid = tuner.fit()  # Tune's own progress tables go to the log; vitscale's lines stay on the terminal
-    pre_exaflops = sum(float(r.metrics.get("cumulative_exaflops") or 0) for r in context.results
-                       if isinstance(r, Pretrained))
+    pre_exaflops = 0.0 if init is None else sum(float(r.metrics.get("cumulative_exaflops") or 0)
+                                                 for r in context.results if isinstance(r, Pretrained))
     rows = tuple(sorted((_row(result, space, metric, pre_exaflops) for result in grid),
                         key=lambda r: str(r["trial_id"])))
+    write_table([_flat(r) for r in rows], directory, "results")
+    x = next(iter(space))
+    plot_metric([_flat(r) for r in rows], x, "metric", directory / "lr_vs_accuracy.png",
+                log_x=x.endswith("lr"), title=f"{metric} per trial")
     scored = [r for r in rows if isinstance(r.get("metric"), float)]
     if not scored:
         raise ConfigError("sweep", f"no trial reported {metric}; see {directory}/results.md")
@@ -319,15 +360,12 @@ def run_sweep(config: PipelineConfig, context: StageContext) -> SweepResult:
         print(f"[vitscale] retraining the winner {json.dumps(best['params'])} on the whole training split", flush=True)
         winner = with_params(config, best["params"])
         _, metrics = launch_training(trial_job(winner, model, init, final=True), config.cluster,
-                                     f"{config.run_name}-sweep-final", directory / "final", what="the winner's retrain")
+                                     f"{config.run_name}-sweep{label}-final", directory / "final",
+                                     what="the winner's retrain")
         final = {k: v for k, v in metrics.items() if k.startswith("test_accuracy")}
         final["final_exaflops"] = metrics.get("cumulative_exaflops")
-    write_table([_flat(r) for r in rows], directory, "results")
     (directory / "selected.json").write_text(json.dumps({**selected, **final}, indent=2, default=str))
-    x = next(iter(space))
-    plot_metric([{**_flat(r)} for r in rows], x, "metric", directory / "lr_vs_accuracy.png",
-                log_x=x.endswith("lr"), title=f"{metric} per trial")
-    return SweepResult(directory=str(directory), trials=rows, selected=selected, final=final)
+    return rows, selected, final
 
 
 def _concurrency(cluster: Any, resources: dict[str, float]) -> int:
