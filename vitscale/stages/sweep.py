@@ -33,6 +33,7 @@ from vitscale.eval.finetune import FinetuneConfig, final_job, finetune_model, se
 from vitscale.models.config import ModelConfig
 from vitscale.stages.base import Pretrained, Stage, StageContext
 from vitscale.train.config import TrainConfig
+from vitscale.stages.sweep_results import SweepResult, flat_row, trial_row
 from vitscale.train.job import EvalSet, TrainJob
 
 TARGETS = {"finetune": ("finetune.", "model."), "pretrain": ("train.", "model.", "data.")}
@@ -89,54 +90,6 @@ class SweepConfig:
         non_negative(self.seed, "sweep.seed")
         check(not (self.scratch_baseline and self.target != "finetune"), "sweep.scratch_baseline",
               "compares fine-tuning from pre-trained and random weights: needs sweep.target finetune")
-
-
-@dataclass(frozen=True)
-class SweepResult:
-    """Every trial as a row, the selected settings, and the winner's one test accuracy."""
-
-    directory: str
-    trials: tuple[dict[str, Any], ...]
-    selected: dict[str, Any]
-    final: dict[str, Any]
-    scratch: dict[str, Any] | None = None
-    """The same sweep from random weights (`sweep.scratch_baseline`): its selection and test accuracy."""
-
-    def summary(self) -> dict[str, Any]:
-        out = {"directory": self.directory, "trials": len(self.trials), "selected": self.selected, **self.final}
-        if self.scratch is not None:
-            out["scratch"] = self.scratch
-        return out
-
-    def headline(self) -> dict[str, Any]:
-        """Top-level keys of the final JSON line: the transfer result at a glance."""
-        lr = self.selected.get("params", {}).get("finetune.base_lr")
-        out: dict[str, Any] = {"sweep_dir": self.directory}
-        if "test_accuracy" in self.final:
-            out["finetune"] = {"pretrained": {"test_accuracy": self.final["test_accuracy"], "best_lr": lr}}
-            if self.scratch is not None and "test_accuracy" in self.scratch:
-                out["finetune"]["scratch"] = {
-                    "test_accuracy": self.scratch["test_accuracy"],
-                    "best_lr": self.scratch["selected"].get("params", {}).get("finetune.base_lr")}
-        return out
-
-    def rows(self) -> list[tuple[str, str]]:
-        out = []
-        for row in self.trials:
-            params = "  ".join(f"{k.split('.')[-1]} {v:g}" if isinstance(v, float) else f"{k.split('.')[-1]} {v}"
-                               for k, v in row["params"].items())
-            score = row.get("metric")
-            text = f"{row['status']:<9} " + (f"{score:.4f}" if isinstance(score, float) else "-")
-            out.append((f"trial {row['trial_id']}", f"{params}   {text}"))
-        if self.selected:
-            out.append(("selected", json.dumps(self.selected["params"]) + f"  (dev {self.selected['metric']:.4f})"))
-        if "test_accuracy" in self.final:
-            out.append(("test accuracy", f"{self.final['test_accuracy']:.4f}  (winner retrained, tested once)"))
-        if self.scratch is not None and "test_accuracy" in self.scratch:
-            params = json.dumps(self.scratch["selected"]["params"])
-            out.append(("from scratch", f"{self.scratch['test_accuracy']:.4f}  (same sweep from random weights, {params})"))
-        out.append(("results", f"{self.directory}/results.md"))
-        return out
 
 
 # -- the search space -----------------------------------------------------------------------------
@@ -344,11 +297,11 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
         grid = tuner.fit()  # Tune's own progress tables go to the log; vitscale's lines stay on the terminal
     pre_exaflops = 0.0 if init is None else sum(float(r.metrics.get("cumulative_exaflops") or 0)
                                                  for r in context.results if isinstance(r, Pretrained))
-    rows = tuple(sorted((_row(result, space, metric, pre_exaflops) for result in grid),
+    rows = tuple(sorted((trial_row(result, space, metric, pre_exaflops) for result in grid),
                         key=lambda r: str(r["trial_id"])))
-    write_table([_flat(r) for r in rows], directory, "results")
+    write_table([flat_row(r) for r in rows], directory, "results")
     x = next(iter(space))
-    plot_metric([_flat(r) for r in rows], x, "metric", directory / "lr_vs_accuracy.png",
+    plot_metric([flat_row(r) for r in rows], x, "metric", directory / "lr_vs_accuracy.png",
                 log_x=x.endswith("lr"), title=f"{metric} per trial")
     scored = [r for r in rows if isinstance(r.get("metric"), float)]
     if not scored:
@@ -374,31 +327,6 @@ def _concurrency(cluster: Any, resources: dict[str, float]) -> int:
     if cluster.use_gpu:
         fits.append(int(resources.get("GPU", 0) // (cluster.gpus_per_worker * cluster.num_workers)))
     return max(1, min(fits))
-
-
-def _row(result: Any, space: dict[str, Any], metric: str, pre_exaflops: float) -> dict[str, Any]:
-    """One trial as a table row; a failed trial keeps its error and the sweep goes on."""
-    metrics = dict(result.metrics or {})
-    config = dict(result.config or {})
-    history = getattr(result, "metrics_dataframe", None)
-    best = None
-    if history is not None and metric in getattr(history, "columns", ()):
-        values = history[metric].dropna()
-        best = float(values.iloc[-1]) if len(values) else None
-    trial_id = metrics.get("trial_id") or Path(str(result.path)).name
-    status = "error" if result.error else ("finished" if "finished_at" in metrics else "stopped")
-    return {
-        "trial_id": trial_id, "params": {k: config.get(k) for k in space}, "metric": best,
-        "steps": metrics.get("step"), "wall_time_s": metrics.get("time_total_s"),
-        "started_at": metrics.get("started_at"), "finished_at": metrics.get("finished_at"), "status": status,
-        "pretrain_exaflops": pre_exaflops, "finetune_exaflops": metrics.get("cumulative_exaflops"),
-        "error": str(result.error).splitlines()[0][:300] if result.error else None,
-    }
-
-
-def _flat(row: dict[str, Any]) -> dict[str, Any]:
-    return {"trial_id": row["trial_id"], **row["params"], **{k: v for k, v in row.items()
-                                                              if k not in ("trial_id", "params")}}
 
 
 STAGE = Stage(
