@@ -17,10 +17,15 @@ keys = st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=200, uniq
 
 
 @given(keys, st.floats(0.01, 0.99), st.integers(0, 2**31))
-def test_dev_and_rest_partition_the_split(ks: list[str], fraction: float, seed: int) -> None:
-    dev, rest = Carve(fraction, seed, "dev").select(ks), Carve(fraction, seed, "rest").select(ks)
+def test_dev_and_rest_partition_the_split_exactly(ks: list[str], fraction: float, seed: int) -> None:
+    dev = Carve(fraction, seed, "dev").resolved(ks).select(ks)
+    rest = Carve(fraction, seed, "rest").resolved(ks).select(ks)
     assert np.all(dev ^ rest)  # each key in exactly one part
+    assert dev.sum() == round(fraction * len(ks))  # exact: 200 of 1000 for VTAB-1k, not "about 200"
     assert np.array_equal(dev, in_dev(list(reversed(ks)), fraction, seed)[::-1])  # order-free
+    # A shard placed on its own, with the split's threshold, agrees with the whole split.
+    half = ks[: len(ks) // 2]
+    assert np.array_equal(Carve(fraction, seed, "dev").resolved(ks).select(half), dev[: len(half)])
 
 
 @given(keys, st.floats(0.01, 0.98), st.floats(0.0, 1.0), st.integers(0, 1000))
@@ -31,10 +36,13 @@ def test_smaller_carves_are_nested_in_larger_ones(ks: list[str], small: float, e
 
 @settings(max_examples=20)
 @given(st.floats(0.02, 0.5), st.integers(0, 1000))
-def test_the_dev_share_is_close_to_the_fraction(fraction: float, seed: int) -> None:
+def test_the_dev_share_is_the_fraction_and_unbiased(fraction: float, seed: int) -> None:
     n = 4000
-    share = in_dev([f"sample-{i:06d}" for i in range(n)], fraction, seed).mean()
-    assert abs(share - fraction) < 4 * np.sqrt(fraction * (1 - fraction) / n) + 1e-9
+    picked = in_dev([f"sample-{i:06d}" for i in range(n)], fraction, seed)
+    assert picked.sum() == round(fraction * n)
+    # ...and it is a uniform choice: the dev part has no bias toward early or late keys.
+    positions = np.flatnonzero(picked)
+    assert abs(positions.mean() - (n - 1) / 2) < 4 * n / np.sqrt(12 * max(len(positions), 1))
 
 
 def test_bad_carves_are_refused() -> None:
@@ -43,6 +51,8 @@ def test_bad_carves_are_refused() -> None:
             Carve(fraction)
     with pytest.raises(ValueError, match="part"):
         Carve(0.1, part="test")
+    with pytest.raises(ValueError, match="resolve"):
+        Carve(0.1).select(["a"])
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +67,7 @@ def test_stream_reads_exactly_one_part(dataset: str) -> None:
     train_keys = [k for k, s in zip(read_index(dataset).column("key").to_pylist(),
                                     read_index(dataset).column("split").to_pylist()) if s == "train"]
     expected_dev = {k for k, d in zip(train_keys, in_dev(train_keys, 0.2, 7)) if d}
+    assert len(expected_dev) == round(0.2 * len(train_keys))
     seen = {}
     for part in ("dev", "rest"):
         carve = Carve(0.2, 7, part)

@@ -1,21 +1,25 @@
 """A dev split carved from a training split (the paper's minival), as a pure function of the sample key.
 
 App. B.1.1: hyper-parameters are selected on a dev split held out from the training set (10% for
-Pets and Flowers, 2% for CIFAR, 1% for ImageNet); the winner is retrained on the whole training
-split and tested once. A sample belongs to the dev part when a keyed hash of (seed, key) falls
-below `fraction`. So the carve is:
+Pets and Flowers, 2% for CIFAR, 1% for ImageNet; VTAB-1k: 200 of 1000); the winner is retrained
+on the whole training split and tested once. Every sample gets a keyed hash of (seed, key) in
+[0, 1); the dev part is the round(fraction x n) samples with the smallest hashes. So the carve is:
 
+- exact: a 0.2 carve of 1000 samples has 200 dev samples, not "about 200";
 - reproducible: the same (seed, fraction) always selects the same samples, on any machine, in any
   shard layout, with no file written;
 - nested: a smaller fraction selects a subset of a larger one (same seed);
 - disjoint and complete: every sample of the split is in exactly one of "dev" and "rest".
+
+Selecting needs the split's hashes once (`threshold`); then any shard's samples are placed by
+comparing their own hashes with it, without the rest of the split.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -33,6 +37,8 @@ class Carve:
     """Seed of the carve (a different seed selects a different dev part)."""
     part: str = "rest"
     """"dev" (selection reads this) or "rest" (selection trains on this)."""
+    threshold: float | None = None
+    """Hashes below this are dev; set by `resolved` from the split's keys (None = not resolved yet)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.fraction < 1.0:
@@ -40,9 +46,15 @@ class Carve:
         if self.part not in PARTS:
             raise ValueError(f"carve part must be one of {PARTS}, got {self.part!r}")
 
+    def resolved(self, split_keys: Iterable[str]) -> Carve:
+        """This carve with its threshold computed from all keys of the split."""
+        return replace(self, threshold=dev_threshold(split_keys, self.fraction, self.seed))
+
     def select(self, keys: Iterable[str]) -> np.ndarray:
-        """(n,) bool: which of `keys` this part holds."""
-        dev = in_dev(keys, self.fraction, self.seed)
+        """(n,) bool: which of `keys` this part holds (the carve must be `resolved` on their split)."""
+        if self.threshold is None:
+            raise ValueError("resolve the carve on its split's keys first (Carve.resolved)")
+        dev = hashes(keys, self.seed) < self.threshold
         return dev if self.part == "dev" else ~dev
 
 
@@ -52,6 +64,22 @@ def key_hash(key: str, seed: int) -> float:
     return int.from_bytes(digest, "little") / _SCALE
 
 
+def hashes(keys: Iterable[str], seed: int) -> np.ndarray:
+    """(n,) float64 keyed hashes of `keys`."""
+    return np.fromiter((key_hash(k, seed) for k in keys), dtype=np.float64)
+
+
+def dev_threshold(split_keys: Iterable[str], fraction: float, seed: int) -> float:
+    """The hash below which exactly round(fraction x n) of the split's n samples fall."""
+    h = np.sort(hashes(split_keys, seed))
+    k = int(round(fraction * len(h)))
+    if k >= len(h):
+        return 1.0
+    # Between the k-th and (k+1)-th smallest: exactly k below (64-bit hashes of distinct keys do not tie).
+    return float(h[k]) if k == 0 else float((h[k - 1] + h[k]) / 2)
+
+
 def in_dev(keys: Iterable[str], fraction: float, seed: int) -> np.ndarray:
-    """(n,) bool: True where the sample with that key is in the dev carve of `fraction`."""
-    return np.fromiter((key_hash(k, seed) < fraction for k in keys), dtype=bool)
+    """(n,) bool: True where the sample is in the dev carve of `fraction` of these keys (all of a split)."""
+    keys = list(keys)
+    return hashes(keys, seed) < dev_threshold(keys, fraction, seed)

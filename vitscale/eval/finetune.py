@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from vitscale.config.checks import check, non_negative, one_of, positive, probability
 from vitscale.data.carve import Carve
-from vitscale.data.config import DataConfig
+from vitscale.data.config import DataConfig, SourceConfig
 from vitscale.models.config import ModelConfig
 from vitscale.train.config import TrainConfig
 from vitscale.train.job import EvalSet, TrainJob
@@ -47,6 +47,8 @@ class FinetuneConfig:
 
     dataset: str = field(default="", metadata={"path": True})
     """Downstream dataset (folder or s3:// prefix) with a training and a test split."""
+    create_if_missing: SourceConfig | None = None
+    """Write the downstream dataset from this source when it is absent (quickstart: digits)."""
     preset: str | None = None
     """A row of Table 4: imagenet, cifar10, cifar100, pets, flowers, vtab (steps, LR grid, dev share)."""
     checkpoint: str | None = field(default=None, metadata={"path": True})
@@ -100,6 +102,8 @@ class FinetuneConfig:
     def validate(self) -> None:
         if self.preset is not None:
             one_of(self.preset, tuple(PRESETS), "finetune.preset")
+        if self.create_if_missing is not None:
+            self.create_if_missing.validate("finetune.create_if_missing")
         if self.dev_fraction is not None:
             positive(self.dev_fraction, "finetune.dev_fraction")
             check(self.dev_fraction < 1, "finetune.dev_fraction", f"must be below 1, got {self.dev_fraction}")

@@ -70,7 +70,7 @@ def check_downstream(config: PipelineConfig, key: str = "finetune") -> Any:
     from vitscale.data.format import open_dataset
 
     fc = config.finetune
-    meta = ensure_dataset(fc.dataset, None, config.data.endpoint_url, f"{key}.dataset")
+    meta = ensure_dataset(fc.dataset, fc.create_if_missing, config.data.endpoint_url, f"{key}.dataset")
     check(not meta.multi_label, f"{key}.dataset", f"{fc.dataset} is multi-label; fine-tuning needs one label per image")
     train = require_split(meta, fc.train_split, f"{key}.train_split", fc.dataset)
     require_split(meta, fc.test_split, f"{key}.test_split", fc.dataset)

@@ -191,13 +191,15 @@ def open_dataset(url: str, split: str, *, endpoint_url: str | None = None, carve
             "the dataset is damaged or half-written; rewrite it"
         )
     if carve is not None:
-        counts = _carved_counts(index_path, split, names, carve)
+        carve, counts = _carved_counts(index_path, split, names, carve)
     return OpenDataset(storage, split, meta, names, counts, index_path, carve)
 
 
-def _carved_counts(index_path: str, split: str, names: tuple[str, ...], carve: Carve) -> tuple[int, ...]:
-    """Samples per shard in one part of a carve (reads the split's keys once)."""
+def _carved_counts(index_path: str, split: str, names: tuple[str, ...], carve: Carve) -> tuple[Carve, tuple[int, ...]]:
+    """The carve resolved on the split's keys, and samples per shard in its part (reads the keys once)."""
     table = pq.read_table(index_path, columns=["shard", "key"], filters=[("split", "=", split)])
-    selected = carve.select(table.column("key").to_pylist())
+    keys = table.column("key").to_pylist()
+    carve = carve.resolved(keys)
+    selected = carve.select(keys)
     per_shard = Counter(s for s, keep in zip(table.column("shard").to_pylist(), selected) if keep)
-    return tuple(per_shard.get(n, 0) for n in names)
+    return carve, tuple(per_shard.get(n, 0) for n in names)
