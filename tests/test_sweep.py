@@ -45,6 +45,7 @@ def test_combinations_are_the_grid_in_order() -> None:
     ({"space": {"finetune.base_lr": []}}, "sweep.space.finetune.base_lr"),
     ({"scheduler": "hyperband"}, "sweep.scheduler"),
     ({"target": "pretrain", "space": {"finetune.base_lr": [0.1]}}, "sweep.space.finetune.base_lr"),
+    ({"workers_per_trial": 2}, "finetune.batch"),  # 8 images cannot split as 8 per worker over 2 workers
 ])
 def test_bad_sweeps_are_refused_before_any_trial(sweep: dict, key: str) -> None:
     with pytest.raises(ConfigError) as err:

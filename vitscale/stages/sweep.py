@@ -143,6 +143,15 @@ def check_sweep(config: PipelineConfig) -> None:
     for key, values in space.items():
         for value in values:  # each value on its own: a bad one is named before any trial starts
             with_params(config, {key: value})
+    workers = trial_cluster(config).num_workers
+    for point in combinations(space):  # every trial's batch splits evenly over its workers
+        trial = with_params(config, point)
+        batch, micro, key = ((trial.finetune.batch, trial.finetune.micro_batch, "finetune.batch")
+                             if sweep.target == "finetune" else
+                             (trial.train.global_batch, trial.train.micro_batch, "train.global_batch"))
+        check(batch % (micro * workers) == 0, key,
+              f"({batch}) must be a multiple of its micro batch x sweep.workers_per_trial = {micro} x {workers}"
+              + (f" (trial {point})" if point else ""))
     if sweep.target == "finetune":
         from vitscale.stages.finetune import pretrained_earlier
 
@@ -207,7 +216,7 @@ def trial_cluster(config: PipelineConfig) -> Any:
 
 
 def _trial(params: dict[str, Any], base: PipelineConfig, model: ModelConfig | None, init: str | None,
-           logs: str) -> None:
+           logs: str, finished: dict[str, dict[str, Any]] | None = None) -> None:
     """One Tune trial: a TorchTrainer run of the selection job with this trial's values."""
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
@@ -216,6 +225,11 @@ def _trial(params: dict[str, Any], base: PipelineConfig, model: ModelConfig | No
 
     started = time.time()
     trial_id = ray.tune.get_context().get_trial_id()
+    if finished and trial_id in finished:
+        # It finished after Tune's last snapshot of the experiment and before the driver died: its
+        # final report is on record, so report it again (its times included) rather than retrain.
+        ray.tune.report(finished[trial_id])
+        return
     config = with_params(base, params)
     job = trial_job(config, model, init, final=False)
     # Named after the trial id (no timestamp): a restarted trial finds and resumes its own checkpoints.
@@ -259,14 +273,16 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
     space = search_space(config)
     tune_space = {k: (tune.choice(list(v)) if sweep.scheduler == "random" else tune.grid_search(list(v)))
                   for k, v in space.items()}
-    # The trial function only drives its TorchTrainer: it takes no CPU from the workers (Ray wants
-    # some resource in a trial's bundle, so it asks for a token 64 MiB of memory).
-    trainable = tune.with_resources(
-        tune.with_parameters(_trial, base=config, model=model, init=init, logs=str(directory / "trials")),
-        {"cpu": 0, "memory": 64 * 2**20})
     storage, _ = run_directory(config.cluster, config.run_name)
     tune_storage = f"{storage.rstrip('/')}/{config.run_name}" if "://" in storage else str(context.run_dir)
     experiment = f"{tune_storage}/sweep-trials{label}"
+    restoring = tune.Tuner.can_restore(experiment)
+    # The trial function only drives its TorchTrainer: it takes no CPU from the workers (Ray wants
+    # some resource in a trial's bundle, so it asks for a token 64 MiB of memory).
+    trainable = tune.with_resources(
+        tune.with_parameters(_trial, base=config, model=model, init=init, logs=str(directory / "trials"),
+                             finished=_finished_trials(experiment) if restoring else {}),
+        {"cpu": 0, "memory": 64 * 2**20})
     metric = sweep.metric
     scheduler = None
     if sweep.scheduler == "asha":
@@ -280,7 +296,7 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
     # reports between carry training metrics only. Tune's strict check would call those errors;
     # ASHA already ignores results without its metric.
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
-    if tune.Tuner.can_restore(experiment):
+    if restoring:
         print(f"[vitscale] resuming the sweep in {experiment}", flush=True)
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True, resume_errored=True)
     else:
@@ -312,13 +328,39 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
     if sweep.retrain:
         print(f"[vitscale] retraining the winner {json.dumps(best['params'])} on the whole training split", flush=True)
         winner = with_params(config, best["params"])
-        _, metrics = launch_training(trial_job(winner, model, init, final=True), config.cluster,
+        # The same world size as the trials: the winner's recipe (batch split, schedule) unchanged.
+        _, metrics = launch_training(trial_job(winner, model, init, final=True), trial_cluster(config),
                                      f"{config.run_name}-sweep{label}-final", directory / "final",
                                      what="the winner's retrain")
         final = {k: v for k, v in metrics.items() if k.startswith("test_accuracy")}
         final["final_exaflops"] = metrics.get("cumulative_exaflops")
     (directory / "selected.json").write_text(json.dumps({**selected, **final}, indent=2, default=str))
     return rows, selected, final
+
+
+def _finished_trials(experiment: str) -> dict[str, dict[str, Any]]:
+    """Trial id -> its final report, for every trial whose result.json in the experiment has one.
+
+    Tune copies its trials' states and results to the experiment folder every >= 10 s, and a trial
+    ends one event after its last report: a snapshot can hold the final report of a trial it still
+    calls running, and `Tuner.restore(resume_unfinished=True)` would then train that trial again,
+    with new start and finish times. Local experiments only (an s3:// experiment is not read).
+    """
+    from vitscale.launch.ray_train import FINAL_METRICS
+
+    out: dict[str, dict[str, Any]] = {}
+    if "://" in experiment:
+        return out
+    for path in Path(experiment).glob("*/result.json"):
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by the kill
+                continue
+            if "finished_at" in record and "trial_id" in record:
+                out[record["trial_id"]] = {k: v for k, v in record.items() if k in FINAL_METRICS or "_accuracy" in k
+                                           or k in ("started_at", "finished_at")}
+    return out
 
 
 def _concurrency(cluster: Any, resources: dict[str, float]) -> int:
