@@ -73,8 +73,25 @@ def trial_row(result: Any, space: dict[str, Any], metric: str, pre_exaflops: flo
         "steps": metrics.get("step"), "wall_time_s": metrics.get("time_total_s"),
         "started_at": metrics.get("started_at"), "finished_at": metrics.get("finished_at"), "status": status,
         "pretrain_exaflops": pre_exaflops, "finetune_exaflops": metrics.get("cumulative_exaflops"),
-        "error": str(result.error).splitlines()[0][:300] if result.error else None,
+        "error": error_text(result.error) if result.error else None,
     }
+
+
+def error_text(error: BaseException) -> str:
+    """A failed trial's cause in one line: the workers' own errors, not Ray's wrappers around them.
+
+    Tune hands back a `RayTaskError` whose first line is the trial actor's name and pid (with ANSI
+    colours); Ray Train's `WorkerGroupError` inside it keeps each rank's exception.
+    """
+    import re
+
+    cause = getattr(error, "cause", None) or error
+    if getattr(cause, "worker_failures", None):
+        from vitscale.launch.ray_train import _root_cause
+
+        return _root_cause(cause)[:300]
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(cause).__name__)[:300]
 
 
 def flat_row(row: dict[str, Any]) -> dict[str, Any]:

@@ -108,6 +108,7 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
     step = state.step
     examples, flops = state.examples_seen, state.flops
     loss_value = float("nan")
+    scores: dict[str, float] = {}  # stays empty when a run resumed at its last step has nothing left to do
     batches = None
     t_run = time.perf_counter()
     while step < total_steps:
@@ -161,7 +162,7 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         if ctx.rank == 0 and (step % train.log_every == 0 or step == total_steps):
             _progress_line(metrics, total_steps, time.perf_counter() - t_run, step - state.step)
         _maybe_die(train, ctx, step)
-        scores: dict[str, float] = {}
+        scores = {}
         if job.evals and (step == total_steps or (eval_every and step % eval_every == 0)):
             scores = _evaluate(job, engine, polyak, ctx, device, compute_dtype)
         if step % train.checkpoint_every == 0 or step == total_steps:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageFilter
 
 from vitscale.config.checks import check, one_of, positive_int
 from vitscale.data.tools.sources import Sample, Source
@@ -203,6 +203,7 @@ class FractalSource(Source):
         image_size: int | None = None,
         points: int | None = None,
         ink: str = "random",
+        blur: float = 0.0,
         seed: int = 0,
     ) -> None:
         positive_int(count, "fractal.count")
@@ -211,6 +212,9 @@ class FractalSource(Source):
         check(size >= 16, "fractal.image_size", f"must be >= 16, got {image_size}")
         check(points is None or points >= 256, "fractal.points", f"must be >= 256 or None, got {points}")
         one_of(ink, INKS, "fractal.ink")
+        check(0.0 <= blur <= size / 4, "fractal.blur", f"must be in [0, image_size / 4], got {blur}")
+        self.blur = float(blur)
+        """Gaussian blur radius of the strokes in pixels (0: FractalDB's hard-edged patches)."""
         self.count, self.num_classes, self.image_size, self.seed, self.ink = count, classes, size, seed, ink
         self.points = points if points is not None else max(1024, size * size)
         """Chaos-game points per image (default: one per pixel, at least 1024)."""
@@ -241,7 +245,11 @@ class FractalSource(Source):
         ink = np.zeros(size * size, bool)
         ink[flat[mask]] = True
         level = rng.uniform(0.75, 1.0)  # stroke contrast
-        grey = ink.reshape(size, size) * level
+        grey = ink.reshape(size, size).astype(np.float64)
+        if self.blur > 0:  # soft strokes, as an upscaled scan
+            soft = Image.fromarray((grey * 255).astype(np.uint8), mode="L").filter(ImageFilter.GaussianBlur(self.blur))
+            grey = np.asarray(soft, dtype=np.float64) / max(1.0, float(np.asarray(soft).max()))
+        grey = grey * level
         dark = self.ink == "dark" or (self.ink == "random" and rng.random() < 0.5)
         if dark:
             grey = 1.0 - grey

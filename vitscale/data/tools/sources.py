@@ -36,7 +36,8 @@ Sources, with the options :func:`open_source` accepts:
     bounds, each image its chaos-game rendering with FractalDB's per-image variation (one map
     parameter perturbed, flips, small rotation, scale, offset), grey strokes. Options: ``count``
     (1000), ``classes`` (10), ``image_size`` (64), ``points`` (chaos-game points per image, default
-    one per pixel), ``ink`` (``"random"``, ``"dark"`` on light or ``"light"`` on black), ``seed`` (0).
+    one per pixel), ``ink`` (``"random"``, ``"dark"`` on light or ``"light"`` on black), ``blur``
+    (Gaussian radius of the strokes in px, 0), ``seed`` (0).
 ``cifar10:DIR``, ``cifar100:DIR``, ``pets:DIR``, ``flowers102:DIR``, ``imagenet:DIR``
     The paper's transfer datasets read from the files they are distributed in, with their own
     predefined splits (:meth:`Source.predefined_splits`): :mod:`vitscale.data.tools.downstream`.
@@ -340,7 +341,7 @@ _OPTIONS = {
     "list": {"root", "path_column", "label_column", "classes", "endpoint_url"},
     "digits": {"image_size", "resample"},
     "synthetic": {"count", "classes", "image_size", "multi_label", "seed"},
-    "fractal": {"count", "classes", "image_size", "points", "ink", "seed"},
+    "fractal": {"count", "classes", "image_size", "points", "ink", "blur", "seed"},
     **{kind: set() for kind in DOWNSTREAM_KINDS},
 }
 
