@@ -68,9 +68,13 @@ def trial_row(result: Any, space: dict[str, Any], metric: str, pre_exaflops: flo
         best = float(values.iloc[-1]) if len(values) else None
     trial_id = metrics.get("trial_id") or Path(str(result.path)).name
     status = "error" if result.error else ("finished" if "finished_at" in metrics else "stopped")
+    started, ended = metrics.get("started_at"), metrics.get("finished_at")
+    # Tune's time_total_s restarts with a restarted trial (one that finished before a driver died
+    # and is reported again takes ~0 s); the trial's own start and finish times do not.
+    wall = ended - started if started is not None and ended is not None else metrics.get("time_total_s")
     return {
         "trial_id": trial_id, "params": {k: config.get(k) for k in space}, "metric": best,
-        "steps": metrics.get("step"), "wall_time_s": metrics.get("time_total_s"),
+        "steps": metrics.get("step"), "wall_time_s": wall,
         "started_at": metrics.get("started_at"), "finished_at": metrics.get("finished_at"), "status": status,
         "pretrain_exaflops": pre_exaflops, "finetune_exaflops": metrics.get("cumulative_exaflops"),
         "error": error_text(result.error) if result.error else None,
