@@ -1,0 +1,196 @@
+"""How much of the full grid's training does ASHA spend to find the grid's best learning rate?
+
+    python benchmarks/sweep_efficiency.py [--steps 400] [--lrs 0.001 0.002 ... 1.0] [--work DIR [--reuse]] [--json]
+
+The same search space runs twice through the real sweep stage (`vitscale run`, a local Ray, one
+Ray Train worker per trial): first `sweep.scheduler: grid` (every trial to the end), then
+`sweep.scheduler: asha` (the stage's defaults: grace period a quarter of the steps, reduction
+factor 3, 8 dev evaluations per trial). The problem: fine-tuning a small ViT from random weights
+on scikit-learn's handwritten digits (10 classes, 32 px, 80/20 train/test, 20% of the training
+split carved off as the dev set), SGD momentum with the paper's recipe, 10 learning rates over
+three decades by default.
+
+Counted: trial-steps, the sum over trials of the last optimizer step each trial reached (the
+`steps` column of `RUN_DIR/sweep/results.parquet`); evaluations are not counted. Reported: both
+totals, ASHA's fraction of the grid's, both best dev accuracies, and whether ASHA's best reached
+the grid's best or came within 0.5 points of it. Target: ASHA spends <= 35% of the grid's
+trial-steps and reaches the grid's best (within 0.5 points).
+
+Not part of the test suite; a run takes several minutes on 2 CPU cores (Ray Train's start-up per
+trial dominates). The winner is not retrained (`sweep.retrain: false`): selection is what is compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MODEL = {"name": "ViT-Ti/8", "img_size": 32, "depth": 2, "width": 64, "mlp_dim": 128, "heads": 2}
+LRS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+TARGET = 0.35
+TOLERANCE = 0.005
+"""Within 0.5 points of dev accuracy counts as reaching the grid's best."""
+
+
+def prepare(work: Path) -> tuple[str, str]:
+    """The digits dataset and a randomly initialised ViT (a vitscale export), made once per work dir."""
+    import torch
+
+    from vitscale.data.tools.write import write_dataset
+    from vitscale.models import create_model, export_state_dict
+
+    data, weights = work / "digits", work / "random-init.pt"
+    if not (data / "dataset.json").exists():
+        write_dataset("digits", str(data), shard_size=500, max_side=32, seed=0, progress=False,
+                      splits={"train": 0.8, "test": 0.2}, source_options={"image_size": 32})
+    if not weights.exists():
+        torch.manual_seed(0)
+        options = {k: v for k, v in MODEL.items() if k != "name"}
+        export_state_dict(create_model(MODEL["name"], num_classes=10, **options), weights)
+    return str(data), str(weights)
+
+
+def pipeline(work: Path, name: str, scheduler: str, data: str, weights: str, args: argparse.Namespace) -> Path:
+    raw = {
+        "name": name,
+        "stages": ["sweep"],
+        "model": MODEL,
+        "finetune": {"dataset": data, "checkpoint": weights, "lr_grid": list(args.lrs), "steps": args.steps,
+                     "batch": args.batch, "micro_batch": args.batch, "resolution": 32, "precision": "fp32",
+                     "num_workers": 0, "dev_fraction": 0.2, "log_every": max(1, args.steps // 8),
+                     "checkpoint_every": args.steps},
+        "sweep": {"scheduler": scheduler, "workers_per_trial": 1, "retrain": False},
+        "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "max_failures": 0,
+                    "local_num_cpus": args.cpus, "storage_path": str(work / "runs")},
+    }
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def run_sweep(path: Path, log: Path) -> float:
+    """`vitscale run PIPELINE` to the end; returns its wall time in seconds."""
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    vitscale = str(Path(sys.executable).parent / "vitscale")
+    t0 = time.perf_counter()
+    with log.open("w") as out:
+        done = subprocess.run([vitscale, "run", str(path)], check=False, stdout=out, stderr=subprocess.STDOUT, env=env)
+    if done.returncode != 0:
+        sys.exit(f"{path.name} failed (exit {done.returncode}); see {log}\n" + log.read_text()[-3000:])
+    return time.perf_counter() - t0
+
+
+def trials(run_dir: Path) -> list[dict[str, Any]]:
+    import pandas as pd
+
+    table = pd.read_parquet(run_dir / "sweep" / "results.parquet")
+    return [{"lr": float(r["finetune.base_lr"]), "steps": int(r["steps"]) if r["steps"] == r["steps"] else 0,
+             "dev_accuracy": None if r["metric"] != r["metric"] else float(r["metric"]), "status": r["status"]}
+            for r in table.to_dict("records")]
+
+
+def summarise(grid: list[dict[str, Any]], asha: list[dict[str, Any]], args: argparse.Namespace,
+              seconds: dict[str, float]) -> dict[str, Any]:
+    def best(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return max((r for r in rows if r["dev_accuracy"] is not None), key=lambda r: r["dev_accuracy"])
+
+    grid_steps, asha_steps = sum(r["steps"] for r in grid), sum(r["steps"] for r in asha)
+    g, a = best(grid), best(asha)
+    fraction = asha_steps / grid_steps
+    reached = a["dev_accuracy"] >= g["dev_accuracy"] - TOLERANCE
+    return {
+        "search_space": {"finetune.base_lr": list(args.lrs)}, "steps_per_trial": args.steps, "batch": args.batch,
+        "grid_trial_steps": grid_steps, "asha_trial_steps": asha_steps, "asha_fraction": fraction,
+        "grid_best_dev_accuracy": g["dev_accuracy"], "grid_best_lr": g["lr"],
+        "asha_best_dev_accuracy": a["dev_accuracy"], "asha_best_lr": a["lr"],
+        "asha_reached_grid_best": a["dev_accuracy"] >= g["dev_accuracy"], "asha_within_tolerance": reached,
+        "tolerance": TOLERANCE, "target_fraction": TARGET, "meets_target": reached and fraction <= TARGET,
+        "seconds": seconds, "trials": {"grid": grid, "asha": asha},
+    }
+
+
+def print_table(s: dict[str, Any]) -> None:
+    lrs = s["search_space"]["finetune.base_lr"]
+    print(f"\nASHA vs the full grid: {len(lrs)} learning rates {min(lrs):g}..{max(lrs):g}, "
+          f"{s['steps_per_trial']} steps of batch {s['batch']} per trial\n")
+    grid = {r["lr"]: r for r in s["trials"]["grid"]}
+    asha = {r["lr"]: r for r in s["trials"]["asha"]}
+
+    def acc(r: dict[str, Any] | None) -> str:
+        return "-" if r is None or r["dev_accuracy"] is None else f"{r['dev_accuracy']:.4f}"
+
+    print(f"{'lr':>8}  {'grid steps':>10}  {'grid dev':>8}  {'asha steps':>10}  {'asha dev':>8}  asha status")
+    for lr in sorted(set(grid) | set(asha)):
+        g, a = grid.get(lr), asha.get(lr)
+        print(f"{lr:>8g}  {g['steps'] if g else '-':>10}  {acc(g):>8}  {a['steps'] if a else '-':>10}  "
+              f"{acc(a):>8}  {a['status'] if a else '-'}")
+    print()
+    rows = [
+        ("trial-steps", f"{s['grid_trial_steps']}", f"{s['asha_trial_steps']}"),
+        ("best dev accuracy", f"{s['grid_best_dev_accuracy']:.4f}", f"{s['asha_best_dev_accuracy']:.4f}"),
+        ("best learning rate", f"{s['grid_best_lr']:g}", f"{s['asha_best_lr']:g}"),
+        ("wall time (s)", f"{s['seconds']['grid']:.0f}", f"{s['seconds']['asha']:.0f}"),
+    ]
+    print(f"{'':<20}{'grid':>10}{'asha':>10}")
+    for label, g, a in rows:
+        print(f"{label:<20}{g:>10}{a:>10}")
+    print()
+    print(f"ASHA spends {s['asha_fraction']:.1%} of the grid's trial-steps (target <= {s['target_fraction']:.0%})")
+    print(f"ASHA reached the grid's best: {'yes' if s['asha_reached_grid_best'] else 'no'}; "
+          f"within {s['tolerance'] * 100:.1f} points: {'yes' if s['asha_within_tolerance'] else 'no'}")
+    print(f"target met: {'yes' if s['meets_target'] else 'no'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=400, help="optimizer steps per trial")
+    parser.add_argument("--batch", type=int, default=32, help="global batch (one worker)")
+    parser.add_argument("--lrs", type=float, nargs="+", default=LRS, help="the learning-rate grid")
+    parser.add_argument("--cpus", type=int, default=os.cpu_count() or 2, help="CPUs of the local Ray")
+    parser.add_argument("--work", type=Path, default=None, help="working folder (default: a temporary one)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="reuse a finished sweep in --work whose pipeline is unchanged (e.g. the grid)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = parser.parse_args()
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="sweep-efficiency-"))
+    work.mkdir(parents=True, exist_ok=True)
+    data, weights = prepare(work)
+    seconds, results = {}, {}
+    for scheduler in ("grid", "asha"):
+        name = f"efficiency-{scheduler}"
+        previous = (work / f"{name}.yaml").read_text() if (work / f"{name}.yaml").exists() else None
+        path = pipeline(work, name, scheduler, data, weights, args)
+        done = work / "runs" / name / "sweep" / "results.parquet"
+        if args.reuse and previous == path.read_text() and done.exists():
+            seconds[scheduler] = float("nan")  # reused: this run did not time it
+            if not args.json:
+                print(f"[benchmark] {scheduler}: reusing the finished {name} in {work}", flush=True)
+        else:
+            for old in (work / "runs").glob(f"{name}*"):  # a fresh sweep, not a resumed one
+                shutil.rmtree(old)
+            if not args.json:
+                print(f"[benchmark] {scheduler}: running {name} (log {work / f'{name}.log'})", flush=True)
+            seconds[scheduler] = run_sweep(path, work / f"{name}.log")
+        results[scheduler] = trials(work / "runs" / name)
+    summary = summarise(results["grid"], results["asha"], args, seconds)
+    summary["work"] = str(work)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print_table(summary)
+
+
+if __name__ == "__main__":
+    main()
