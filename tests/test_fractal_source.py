@@ -100,11 +100,15 @@ def test_images_of_a_class_are_alike() -> None:
     assert correct / (k * n) > 0.4  # chance is 1/8; typically ~0.7
 
 
-def test_ink_polarity() -> None:
-    dark = _grey(FractalSource(count=1, image_size=32, ink="dark"), 0)
+def test_ink_polarity_and_blur() -> None:
+    dark = _grey(FractalSource(count=1, image_size=32), 0)  # the default: dark ink, soft strokes
     light = _grey(FractalSource(count=1, image_size=32, ink="light"), 0)
     assert dark[0, 0] == 255 and light[0, 0] == 0  # background
     assert dark.min() < 80 and light.max() > 180  # strokes
+    sharp = _grey(FractalSource(count=1, image_size=32, blur=0), 0)
+    assert len(np.unique(sharp)) == 2 and len(np.unique(dark)) > 10  # FractalDB's hard edges vs soft ones
+    with pytest.raises(ConfigError, match="fractal.blur"):
+        FractalSource(image_size=32, blur=20)
 
 
 def test_open_source_and_config(tmp_path: Path) -> None:

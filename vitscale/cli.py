@@ -264,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verb("write", cmd_shards_write, "Write WebDataset shards from a source.", shard_verbs)
     p.add_argument("--source", required=True, help="folder:PATH | list:FILE (an image list) | digits | synthetic | "
-                   "cifar10:DIR | cifar100:DIR | pets:DIR | flowers102:DIR | imagenet:DIR "
+                   "fractal | cifar10:DIR | cifar100:DIR | pets:DIR | flowers102:DIR | imagenet:DIR "
                    "(a transfer dataset's distributed files, written with its own splits)")
     p.add_argument("--out", required=True, help="local folder or s3://bucket/prefix")
     p.add_argument("--shard-size", type=int, default=1000)
@@ -273,9 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--split", default=None, help="named fractions, e.g. train=0.9,minival=0.05,test=0.05")
     p.add_argument("--name", default=None, help="dataset name (default: from the source)")
-    p.add_argument("--count", type=int, default=None, help="synthetic: number of images")
-    p.add_argument("--classes", type=int, default=None, help="synthetic: number of classes")
-    p.add_argument("--image-size", type=int, default=None, help="synthetic/digits: image side in pixels")
+    p.add_argument("--count", type=int, default=None, help="synthetic/fractal: number of images")
+    p.add_argument("--classes", type=int, default=None, help="synthetic/fractal: number of classes")
+    p.add_argument("--image-size", type=int, default=None, help="synthetic/fractal/digits: image side in pixels")
     p.add_argument("--multi-label", action="store_true", help="synthetic: JFT-style multi-label samples")
     endpoint(p)
 

@@ -36,8 +36,9 @@ Sources, with the options :func:`open_source` accepts:
     bounds, each image its chaos-game rendering with FractalDB's per-image variation (one map
     parameter perturbed, flips, small rotation, scale, offset), grey strokes. Options: ``count``
     (1000), ``classes`` (10), ``image_size`` (64), ``points`` (chaos-game points per image, default
-    one per pixel), ``ink`` (``"random"``, ``"dark"`` on light or ``"light"`` on black), ``blur``
-    (Gaussian radius of the strokes in px, 0), ``seed`` (0).
+    one per pixel), ``ink`` (``"dark"`` on light, ``"light"`` on black or ``"random"``; default
+    dark), ``blur`` (Gaussian radius of the strokes in px; default ``image_size / 32``, 0 for
+    FractalDB's hard edges), ``seed`` (0).
 ``cifar10:DIR``, ``cifar100:DIR``, ``pets:DIR``, ``flowers102:DIR``, ``imagenet:DIR``
     The paper's transfer datasets read from the files they are distributed in, with their own
     predefined splits (:meth:`Source.predefined_splits`): :mod:`vitscale.data.tools.downstream`.
