@@ -79,19 +79,39 @@ class Attention(nn.Module):
         idx = relative_index(seq_len, self.rel_bias.device)
         return self.rel_bias[:, idx].unsqueeze(0)
 
-    def forward(self, x: Tensor) -> Tensor:
-        b, t, d = x.shape
+    def _qkv_bias(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """q, k, v (B, heads, T, D_h) and the logit bias (1, heads, T, T) or None."""
+        b, t, _ = x.shape
         # (B, T, 3D) -> (3, B, heads, T, D_h)
         qkv = self.qkv(x).reshape(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         bias = self.logit_bias(t)
-        if bias is not None:
-            bias = bias.to(q.dtype)
+        return q, k, v, (bias.to(q.dtype) if bias is not None else None)
+
+    def _out(self, y: Tensor) -> Tensor:  # (B, heads, T, D_h) -> (B, T, D)
+        b, _, t, _ = y.shape
+        return self.proj_drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v, bias = self._qkv_bias(x)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0.0
         )  # (B, heads, T, D_h)
-        y = y.transpose(1, 2).reshape(b, t, d)
-        return self.proj_drop(self.proj(y))
+        return self._out(y)
+
+    def forward_with_attention(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """`forward` with the attention probabilities made explicit, for analyses (no dropout).
+
+        Returns (output (B, T, D), probabilities (B, heads, T, T), rows summing to 1): the
+        softmax(q k^T / sqrt(D_h) + bias) that SDPA computes inside without handing it out.
+        Training keeps the fused kernel; only this path materialises the T x T matrices.
+        """
+        q, k, v, bias = self._qkv_bias(x)
+        logits = q @ k.transpose(-2, -1) * self.head_dim**-0.5  # (B, heads, T, T)
+        if bias is not None:
+            logits = logits + bias
+        probs = logits.float().softmax(dim=-1).to(q.dtype)
+        return self._out(probs @ v), probs
 
 
 class Mlp(nn.Module):
@@ -142,3 +162,9 @@ class Block(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D)
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
+
+    def forward_with_attention(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(`forward`'s output (B, T, D), attention probabilities (B, heads, T, T))."""
+        y, probs = self.attn.forward_with_attention(self.norm1(x))
+        x = x + y
+        return x + self.mlp(self.norm2(x)), probs

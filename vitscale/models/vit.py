@@ -176,6 +176,19 @@ class VisionTransformer(nn.Module):
 
     def forward_encoder(self, x: Tensor) -> Tensor:
         """(B, C, H, W) -> (B, T, D) encoder output after the final `norm` (identity for GAP)."""
+        return self._encode(x)
+
+    def forward_attention(self, x: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """(`forward_encoder`'s output, each layer's attention probabilities (B, heads, T, T)).
+
+        For analyses (Sec. 4.5): the attention is computed explicitly (`Attention.forward_with_attention`),
+        so call it under `torch.no_grad()` in eval mode; training never takes this path.
+        """
+        maps: list[Tensor] = []
+        return self._encode(x, maps), maps
+
+    def _encode(self, x: Tensor, attention: list[Tensor] | None = None) -> Tensor:
+        """The encoder; with a list, every block's attention probabilities are appended to it."""
         self._check_input(x)
         x = self.patch_embed(x)  # (B, N, D)
         if self.cls_token is not None:
@@ -189,7 +202,11 @@ class VisionTransformer(nn.Module):
                     x = x + emb
             if i == 0:
                 x = self.pos_drop(x)
-            x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False) if ckpt else blk(x)
+            if attention is not None:
+                x, probs = blk.forward_with_attention(x)
+                attention.append(probs)
+            else:
+                x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False) if ckpt else blk(x)
         return self.norm(x)
 
     def forward_features(self, x: Tensor) -> Tensor:
