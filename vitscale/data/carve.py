@@ -83,3 +83,13 @@ def in_dev(keys: Iterable[str], fraction: float, seed: int) -> np.ndarray:
     """(n,) bool: True where the sample is in the dev carve of `fraction` of these keys (all of a split)."""
     keys = list(keys)
     return hashes(keys, seed) < dev_threshold(keys, fraction, seed)
+
+
+def subset(count: int, split_size: int, seed: int) -> Carve | None:
+    """The first `count` samples of a split of `split_size` in the fixed keyed-hash permutation of
+    `seed`, as the part of a carve a job reads (None: the whole split). The same machinery as the
+    dev carve, so a subset is exact, reproducible and nested (a smaller one inside a larger one):
+    the paper's 9M/30M/90M subsets of JFT-300M (Sec. 4.3) for any dataset."""
+    if count >= split_size:
+        return None
+    return Carve(count / split_size, seed, "dev")  # dev_threshold rounds count / n x n back to count

@@ -93,6 +93,10 @@ class DataConfig:
     """Seed of the shard and sample order (which rank sees which sample, in which order)."""
     error_budget: float = 0.001
     """Fraction of corrupt/unreadable samples tolerated before the run fails, naming the shards."""
+    subset: int | None = None
+    """Train on the first N samples of the split in a fixed permutation (the keyed hash of each
+    sample's key with `data.seed`, `data/carve.py`): reproducible, and nested, as the paper's
+    9M/30M/90M subsets of JFT-300M are (a smaller subset lies inside a larger one); null = all."""
 
     def validate(self) -> None:
         check(bool(self.url), "data.url", "must name a folder or s3:// prefix")
@@ -100,5 +104,6 @@ class DataConfig:
         positive(self.shuffle_buffer, "data.shuffle_buffer")
         non_negative(self.seed, "data.seed")
         fraction(self.error_budget, "data.error_budget")
+        positive(self.subset, "data.subset")
         if self.create_if_missing is not None:
             self.create_if_missing.validate("data.create_if_missing")

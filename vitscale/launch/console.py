@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 PREFIX = "[vitscale]"
+_WORKERS_QUIET = threading.Event()
+"""Set while workers' own lines go to the log only (`workers_off_terminal`)."""
 _RAY_HANDLER = "ray_print_logs"  # the name ray.init gives its own printing handler
 
 
@@ -36,7 +38,7 @@ class LogRouter:
         with self._lock:
             for line in data.get("lines", ()):
                 self.log.write(f"{tag} {line}\n")
-                if line.lstrip().startswith(PREFIX):
+                if line.lstrip().startswith(PREFIX) and not _WORKERS_QUIET.is_set():
                     self.console.write(line.lstrip() + "\n")
             self.console.flush()
 
@@ -74,6 +76,17 @@ def route_ray_output(log_path: Path, *, verbose: bool) -> str | None:
     except (ImportError, AttributeError, KeyError, ValueError):
         return None
     return f"workers' full output: {log_path} (--verbose shows it here)"
+
+
+@contextlib.contextmanager
+def workers_off_terminal() -> Iterator[None]:
+    """Within: workers' own "[vitscale]" lines go to the log only. A study runs many trainings at
+    once; their interleaved step lines would be noise, so it prints one line per cell instead."""
+    _WORKERS_QUIET.set()
+    try:
+        yield
+    finally:
+        _WORKERS_QUIET.clear()
 
 
 @contextlib.contextmanager

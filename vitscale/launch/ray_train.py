@@ -103,6 +103,14 @@ FINAL_METRICS = ("step", "epoch", "loss", "examples_seen", "cumulative_exaflops"
 """The final step's metrics a stage keeps (plus every `*_accuracy*` the job's evaluations report)."""
 
 
+def concurrent_runs(cluster: ClusterConfig, resources: dict[str, float]) -> int:
+    """Runs of `cluster`'s width the Ray cluster fits at once: the limiting resource over one run's workers."""
+    fits = [int(resources.get("CPU", 0) // (cluster.cpus_per_worker * cluster.num_workers))]
+    if cluster.use_gpu:
+        fits.append(int(resources.get("GPU", 0) // (cluster.gpus_per_worker * cluster.num_workers)))
+    return max(1, min(fits))
+
+
 def trainer_for(job: TrainJob, cluster: ClusterConfig, run_name: str, run_dir: Path,
                 callbacks: list[Any] | None = None) -> TorchTrainer:
     """The TorchTrainer that runs `job` as the run `run_name` (resumes it if that run has checkpoints)."""

@@ -69,6 +69,7 @@ def flops_summary(
     examples: int | None = None,
     epochs: float = 1.0,
     num_classes: int = 1000,
+    **options: Any,
 ) -> dict[str, Any]:
     """Compute of training `model` for `epochs` over a dataset of `examples` images.
 
@@ -79,6 +80,8 @@ def flops_summary(
             303,000,000).
         epochs: passes over the dataset (may be fractional); examples seen = round(epochs * examples).
         num_classes: classifier width (FLOPs and params).
+        **options: the model's options (`create_model`'s keywords, e.g. representation_size=768
+            for the paper's JFT pre-training head, or shrunk dims), as in a pipeline's `model:`.
 
     Returns:
         model (canonical), family, resolution, num_classes, params, forward_gflops (per example),
@@ -91,7 +94,7 @@ def flops_summary(
     if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not math.isfinite(epochs) or epochs <= 0:
         raise ValueError(f"epochs must be a positive number, got {epochs!r}")
     spec = parse_model_name(model)
-    parts = flops_breakdown(spec.name, img_size=resolution, num_classes=num_classes)
+    parts = flops_breakdown(spec.name, img_size=resolution, num_classes=num_classes, **options)
     fwd = sum(parts.values())
     seen = round(epochs * examples)
     return {
@@ -99,7 +102,7 @@ def flops_summary(
         "family": spec.family,
         "resolution": resolution,
         "num_classes": num_classes,
-        "params": count_params(spec.name, num_classes=num_classes, img_size=resolution),
+        "params": count_params(spec.name, num_classes=num_classes, img_size=resolution, **options),
         "forward_gflops": fwd / 1e9,
         "train_gflops_per_example": training_flops(fwd, 1) / 1e9,
         "examples": examples,

@@ -24,6 +24,7 @@ REGISTRY: dict[str, str] = {
     "fewshot": "vitscale.stages.fewshot",
     "finetune": "vitscale.stages.finetune",
     "sweep": "vitscale.stages.sweep",
+    "study": "vitscale.stages.study",
 }
 """Stage name -> the module defining its `STAGE` (imported on first use: no torch or Ray at import)."""
 

@@ -39,6 +39,10 @@ def prepare_pretrain(config: PipelineConfig) -> None:
     meta = ensure_dataset(data.url, data.create_if_missing, data.endpoint_url, "data.url")
     samples = require_split(meta, data.split, "data.split", data.url)
     open_dataset(data.url, data.split, endpoint_url=data.endpoint_url)  # the index agrees with dataset.json
+    if data.subset is not None:
+        check(data.subset <= samples, "data.subset",
+              f"({data.subset}) is larger than split {data.split!r} of {data.url} ({samples} samples)")
+        samples = data.subset
     # Each rank reads samples // world_size of an epoch (order.py): one optimizer step must fit in it.
     world = config.cluster.num_workers
     per_rank_step = train.global_batch // world
@@ -48,9 +52,16 @@ def prepare_pretrain(config: PipelineConfig) -> None:
 
 
 def pretraining_job(config: PipelineConfig) -> TrainJob:
-    """The pipeline's pre-training as a `TrainJob`: its model, data and recipe, from random weights."""
-    return TrainJob(model=config.model, data=config.data, train=config.train, use_gpu=config.cluster.use_gpu,
-                    config_yaml=to_yaml(config))
+    """The pipeline's pre-training as a `TrainJob`: its model, data (or `data.subset` of it) and
+    recipe, from random weights."""
+    data, carve = config.data, None
+    if data.subset is not None:
+        from vitscale.data.carve import subset
+        from vitscale.data.format import read_meta
+
+        carve = subset(data.subset, read_meta(data.url, endpoint_url=data.endpoint_url).samples(data.split), data.seed)
+    return TrainJob(model=config.model, data=data, train=config.train, use_gpu=config.cluster.use_gpu,
+                    carve=carve, config_yaml=to_yaml(config))
 
 
 def run_pretrain(config: PipelineConfig, context: StageContext) -> Pretrained:

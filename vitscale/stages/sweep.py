@@ -143,6 +143,8 @@ def check_sweep(config: PipelineConfig) -> None:
     for key, values in space.items():
         for value in values:  # each value on its own: a bad one is named before any trial starts
             with_params(config, {key: value})
+    check(sweep.target != "pretrain" or config.data.subset is None, "data.subset",
+          "a pre-training sweep carves its dev set from the whole split; leave data.subset out")
     workers = trial_cluster(config).num_workers
     for point in combinations(space):  # every trial's batch splits evenly over its workers
         trial = with_params(config, point)
@@ -266,7 +268,7 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
 
     from vitscale.eval.tables import plot_metric, write_table
     from vitscale.launch.console import library_output_to
-    from vitscale.launch.ray_train import launch_training, run_directory
+    from vitscale.launch.ray_train import concurrent_runs, launch_training, run_directory
 
     sweep = config.sweep
     directory.mkdir(parents=True, exist_ok=True)
@@ -291,7 +293,7 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
         steps = trial_steps(config, trial_job(config, model, init, final=False))
         scheduler = ASHAScheduler(time_attr="step", max_t=steps, grace_period=sweep.grace_period or max(1, steps // 4),
                                   reduction_factor=sweep.reduction_factor)
-    concurrent = sweep.max_concurrent or _concurrency(trial_cluster(config), ray.cluster_resources())
+    concurrent = sweep.max_concurrent or concurrent_runs(trial_cluster(config), ray.cluster_resources())
     # The dev metric is reported when it is measured (every eval_every steps and at the end); the
     # reports between carry training metrics only. Tune's strict check would call those errors;
     # ASHA already ignores results without its metric.
@@ -361,14 +363,6 @@ def _finished_trials(experiment: str) -> dict[str, dict[str, Any]]:
                 out[record["trial_id"]] = {k: v for k, v in record.items() if k in FINAL_METRICS or "_accuracy" in k
                                            or k in ("started_at", "finished_at")}
     return out
-
-
-def _concurrency(cluster: Any, resources: dict[str, float]) -> int:
-    """Trials the cluster fits at once: the limiting resource over one trial's workers."""
-    fits = [int(resources.get("CPU", 0) // (cluster.cpus_per_worker * cluster.num_workers))]
-    if cluster.use_gpu:
-        fits.append(int(resources.get("GPU", 0) // (cluster.gpus_per_worker * cluster.num_workers)))
-    return max(1, min(fits))
 
 
 STAGE = Stage(

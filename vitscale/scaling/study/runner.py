@@ -1,0 +1,202 @@
+"""Cells on Ray: as many at once as the cluster fits, each a Ray task that runs the cell's stages.
+
+A cell's task drives its own Ray Train run (and probe task, or Tune sweep) exactly as `vitscale
+run` would for the cell's pipeline, the way a Tune trial drives a `TorchTrainer`; the driver here
+only schedules, records and reports. Each cell's run has a stable name under
+`STUDY_DIR/cells/`, so a re-run of the study resumes an interrupted cell from its checkpoints,
+and stages a cell already finished (recorded in `state/CELL.stages.json`) are not run again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vitscale.config.pipeline import PipelineConfig
+from vitscale.scaling.study.cells import Cell, cell_run
+from vitscale.scaling.study.plan import PlannedCell
+from vitscale.scaling.study.state import CellRecord, StudyState, runnable
+
+PROGRESS_EVERY_S = 15.0
+"""Seconds between a running cell's progress lines."""
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A stage finished in an earlier run of the cell: its summary, as a stage result."""
+
+    name: str
+    recorded: dict[str, Any]
+
+    def summary(self) -> dict[str, Any]:
+        return self.recorded
+
+    def rows(self) -> list[tuple[str, str]]:
+        return []
+
+
+def _restored(name: str, summary: dict[str, Any]) -> Any:
+    """A finished stage's result rebuilt for later stages (the pre-trained model's checkpoint)."""
+    if name != "pretrain":
+        return Recorded(name, summary)
+    from ray.train import Checkpoint
+
+    from vitscale.stages.base import Pretrained
+
+    metrics = {k: v for k, v in summary.items() if k not in ("checkpoint", "wall_s", "finished_at")}
+    return Pretrained(checkpoint=Checkpoint(summary["checkpoint"]), metrics=metrics)
+
+
+def run_cell(config: PipelineConfig, cell_id: str, state_url: str, endpoint_url: str | None) -> dict[str, Any]:
+    """In the cell's Ray task: its stages in order, skipping those an earlier run finished."""
+    from vitscale.launch.ray_train import run_directory
+    from vitscale.stages import get_stage
+    from vitscale.stages.base import StageContext
+
+    state = StudyState(state_url, endpoint_url)
+    done = state.stages(cell_id)
+    _, run_dir = run_directory(config.cluster, config.run_name)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    context = StageContext(run_dir=run_dir, run_name=config.run_name, verbose=False)
+    for name in config.stages:
+        if name in done:
+            context.results.append(_restored(name, done[name]))
+            continue
+        started = time.time()
+        result = get_stage(name).run(config, context)
+        context.results.append(result)
+        state.stage_done(cell_id, name, {**result.summary(), "wall_s": time.time() - started})
+    return state.stages(cell_id)
+
+
+def accuracies(stages: dict[str, Any], finetune_dataset: str | None) -> dict[str, float]:
+    """Transfer accuracy per "DATASET PROTOCOL" column from a cell's stage summaries (pure)."""
+    out: dict[str, float] = {}
+    for url, per_shot in (stages.get("fewshot") or {}).items():
+        if url == "untrained_baseline" or not isinstance(per_shot, dict):
+            continue
+        for k, v in per_shot.items():
+            if k.endswith("shot") and isinstance(v, (int, float)):
+                out[f"{dataset_name(url)} fewshot {k}"] = float(v)
+    for stage in ("finetune", "sweep"):
+        value = (stages.get(stage) or {}).get("test_accuracy")
+        if isinstance(value, (int, float)) and finetune_dataset:
+            out[f"{dataset_name(finetune_dataset)} {stage}"] = float(value)
+    return out
+
+
+def dataset_name(url: str) -> str:
+    return url.rstrip("/").rsplit("/", 1)[-1]
+
+
+def devices(config: PipelineConfig) -> float:
+    """Devices one run holds: its GPUs, or its workers on CPU."""
+    cluster = config.cluster
+    return cluster.num_workers * (cluster.gpus_per_worker if cluster.use_gpu else 1)
+
+
+def _progress(config: PipelineConfig, planned: PlannedCell) -> str | None:
+    """The cell's latest step from rank 0's metrics file (local runs), as one line."""
+    from vitscale.launch.ray_train import run_directory
+
+    path = run_directory(config.cluster, config.run_name)[1] / "metrics" / "rank0.jsonl"
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 4096))
+            last = json.loads(f.read().splitlines()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+    share = last.get("examples_seen", 0) / max(1, planned.examples_seen)
+    return (f"step {last.get('step')} ({share:.0%} of {planned.examples_seen:,} examples) "
+            f"loss {last.get('loss', float('nan')):.4f}, {last.get('images_per_s', 0):.0f} img/s")
+
+
+def run_cells(config: PipelineConfig, cells: list[Cell], planned: list[PlannedCell], state: StudyState,
+              *, retries: int, max_concurrent: int | None) -> dict[str, CellRecord]:
+    """Run every cell that is not done (nor failed for good); returns every cell's record."""
+    import ray
+
+    from vitscale.launch.console import workers_off_terminal
+    from vitscale.launch.ray_train import concurrent_runs
+
+    plans = {p.id: p for p in planned}
+    records = {c.id: state.record(c.id) for c in cells}
+    runs = {c.id: cell_run(config, c, state.cells_storage()) for c in cells}
+    queue = [c for c in cells if runnable(records[c.id], retries)]
+    done = sum(r.status == "done" for r in records.values())
+    resumed = [c.id for c in queue if records[c.id].runs]
+    width = concurrent_runs(runs[cells[0].id].cluster, ray.cluster_resources()) if cells else 1
+    at_once = max_concurrent or width
+    print(f"[vitscale] study: {len(cells)} cells, {done} done, {len(queue)} to run"
+          + (f" ({len(resumed)} resumed)" if resumed else "") + f", {at_once} at a time; state in {state.url}",
+          flush=True)
+    task = ray.remote(num_cpus=0, max_retries=0)(run_cell)
+    running: dict[Any, tuple[Cell, float]] = {}
+    last_line: dict[str, tuple[float, str]] = {}
+    endpoint = config.data.endpoint_url
+    with workers_off_terminal():
+        while queue or running:
+            while queue and len(running) < at_once:
+                cell = queue.pop(0)
+                record = records[cell.id]
+                record.status, record.runs, record.error = "running", record.runs + 1, None
+                record.started_at = record.started_at or time.time()
+                state.write(record)
+                print(f"[vitscale] cell {cell.id}: started (run {record.runs})", flush=True)
+                running[task.remote(runs[cell.id], cell.id, state.url, endpoint)] = (cell, time.time())
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=5.0)
+            for ref in ready:
+                cell, started = running.pop(ref)
+                record = records[cell.id]
+                record.wall_s += time.time() - started
+                try:
+                    stages = ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 -- a failed cell is a row with its error; the study goes on
+                    record.failures += 1
+                    record.error = _one_line(exc)
+                    record.status = "failed"
+                    again = record.failures <= retries
+                    print(f"[vitscale] cell {cell.id}: failed ({record.error})"
+                          + ("; running it again" if again else "; failed for good"), flush=True)
+                    if again:
+                        queue.append(cell)
+                else:
+                    _finish(record, stages, runs[cell.id])
+                    print(f"[vitscale] cell {cell.id}: done in {record.wall_s:.0f} s, "
+                          + ", ".join(f"{k} {v:.3f}" for k, v in record.accuracies.items()), flush=True)
+                state.write(record)
+                finished = sum(r.status == "done" for r in records.values())
+                spent = sum(r.exaflops or 0.0 for r in records.values())
+                print(f"[vitscale] cells {finished}/{len(cells)} done; {spent:.4g} of "
+                      f"{sum(p.exaflops for p in planned):.4g} planned exaFLOPs spent", flush=True)
+            now = time.time()
+            for cell, _ in running.values():
+                line = _progress(runs[cell.id], plans[cell.id])
+                previous = last_line.get(cell.id)
+                if line and (previous is None or (line != previous[1] and now - previous[0] >= PROGRESS_EVERY_S)):
+                    last_line[cell.id] = (now, line)
+                    print(f"[vitscale] cell {cell.id}: {line}", flush=True)
+    return records
+
+
+def _finish(record: CellRecord, stages: dict[str, Any], config: PipelineConfig) -> None:
+    pretrain = stages.get("pretrain") or {}
+    record.status, record.finished_at = "done", time.time()
+    record.examples_seen = pretrain.get("examples_seen")
+    record.exaflops = pretrain.get("cumulative_exaflops")
+    record.pretrain_wall_s = float(pretrain.get("wall_s") or 0.0)
+    record.device_hours = record.pretrain_wall_s / 3600 * devices(config)
+    record.accuracies = accuracies(stages, config.finetune.dataset if {"finetune", "sweep"} & set(config.stages)
+                                   else None)
+
+
+def _one_line(exc: BaseException) -> str:
+    """The root error of a failed cell task, in one line."""
+    cause = getattr(exc, "cause", None) or exc
+    text = [line for line in str(cause).splitlines() if line.strip()]
+    return (text[-1] if text else type(cause).__name__)[:500]
+
+

@@ -1,0 +1,152 @@
+"""The study stage: a scaling study of (model x epochs x data size) cells, each pre-trained and
+transferred by the existing stages, to Table 6's table, Figure 5's plot and per-family fits.
+
+`vitscale/scaling/study/` has the pieces (cells, plan, state, runner, fits, report); this module
+is the stage's shape: checks when the pipeline loads (every cell is a valid pipeline), checks
+against the data before Ray starts (sizes, budget, downstream splits), and the run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vitscale.config.checks import ConfigError, check
+from vitscale.config.pipeline import PipelineConfig
+from vitscale.data.config import DataConfig
+from vitscale.eval.config import FewshotConfig
+from vitscale.eval.finetune import FinetuneConfig
+from vitscale.models.config import ModelConfig
+from vitscale.scaling.study.cells import build_cell, resolve_cells
+from vitscale.scaling.study.config import StudyConfig
+from vitscale.scaling.study.plan import DataFacts, PlannedCell, plan_study
+from vitscale.stages.base import Stage, StageContext
+from vitscale.stages.sweep import SweepConfig
+from vitscale.train.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class StudyResult:
+    directory: str
+    records: dict[str, Any]
+    """Cell id -> its record (as plain data)."""
+    planned_exaflops: float
+    report: Any
+    """The `StudyReport` written at the end."""
+
+    def summary(self) -> dict[str, Any]:
+        failed = [i for i, r in self.records.items() if r["status"] == "failed"]
+        return {"directory": self.directory, "cells": len(self.records),
+                "done": sum(r["status"] == "done" for r in self.records.values()), "failed": failed,
+                "exaflops_spent": sum(r["exaflops"] or 0.0 for r in self.records.values()),
+                "exaflops_planned": self.planned_exaflops, "metric": self.report.metric,
+                "fits": {f: fit.row() for f, fit in self.report.fits.items()}, "no_fit": self.report.refused,
+                "files": self.report.files}
+
+    def headline(self) -> dict[str, Any]:
+        return {"study_dir": self.directory}
+
+    def rows(self) -> list[tuple[str, str]]:
+        metric = self.report.metric
+        out = []
+        for row in self.report.rows:
+            score = row.get(metric) if metric else None
+            text = f"{row['status']:<7} " + (f"{score:.4f}" if isinstance(score, float) else "-")
+            if isinstance(row.get("exaflops"), float):
+                text += f"  {row['exaflops']:.3g} exaFLOPs"
+            if row.get("error"):
+                text += f"  ({row['error'][:120]})"
+            out.append((row["cell"], text))
+        for family, fit in self.report.fits.items():
+            out.append((f"fit {family}", f"E = {fit.a:.3g}(C + {fit.d:.3g})^-{fit.b:.3f} + {fit.c:.4f} "
+                                         f"(b ± {fit.b_std:.2g}, c ± {fit.c_std:.2g}; {fit.points} cells)"))
+        for family, why in self.report.refused.items():
+            out.append((f"fit {family}", f"none: {why}"))
+        out.append(("results", f"{self.directory}/results.md"))
+        return out
+
+
+def check_study(config: PipelineConfig) -> None:
+    """Every cell is a pipeline the loader and its stages accept (a bad model names its cell)."""
+    study = config.section("study")
+    check(bool(study.models) or bool(study.cells), "study.models", "a study needs models (or cells)")
+    for cell in resolve_cells(config):
+        build_cell(cell, config.source)
+
+
+def data_facts(config: PipelineConfig, *, planning: bool) -> DataFacts:
+    """The pre-training split's size and classes: from the dataset (written from its source when
+    missing), or, when planning a study whose data is not readable yet, from `study.planned_*`."""
+    from vitscale.data.format import has_dataset
+    from vitscale.stages.datasets import ensure_dataset, require_split
+
+    data, study = config.data, config.section("study")
+    if study.planned_examples is not None and data.create_if_missing is None \
+            and not has_dataset(data.url, endpoint_url=data.endpoint_url):
+        check(planning, "data.url", f"no dataset at {data.url}: study.planned_examples can plan a study, "
+                                    f"but running it needs the data")
+        return DataFacts(study.planned_examples, study.planned_classes, planned=True)
+    meta = ensure_dataset(data.url, data.create_if_missing, data.endpoint_url, "data.url")
+    samples = require_split(meta, data.split, "data.split", data.url)
+    if study.planned_examples is not None:
+        check((study.planned_examples, study.planned_classes) == (samples, meta.num_classes), "study.planned_examples",
+              f"plans {study.planned_examples} samples and {study.planned_classes} classes, but split "
+              f"{data.split!r} of {data.url} has {samples} and {meta.num_classes}")
+    return DataFacts(samples, meta.num_classes)
+
+
+def plan(config: PipelineConfig, *, planning: bool = False) -> tuple[DataFacts, list[PlannedCell]]:
+    """Every cell's planned compute, after checking each cell against the data (before any compute)."""
+    from vitscale.stages.run import preflight
+
+    cells = resolve_cells(config)
+    facts = data_facts(config, planning=planning)
+    planned = plan_study(cells, facts, config.section("study").max_exaflops)
+    if not facts.planned:
+        checked: set[str] = set()
+        for cell in cells:
+            built = build_cell(cell, config.source)
+            key = repr((built.data, built.stages, built.train.global_batch, built.train.micro_batch, built.model))
+            if key in checked:
+                continue  # the same data checks as a cell already checked
+            checked.add(key)
+            try:
+                preflight(built)
+            except (ConfigError, FileNotFoundError) as exc:
+                raise ConfigError(cell.key, str(exc)) from None
+    return facts, planned
+
+
+def prepare_study(config: PipelineConfig) -> None:
+    plan(config)
+
+
+def run_study(config: PipelineConfig, context: StageContext) -> StudyResult:
+    from vitscale.scaling.study.report import publish_report
+    from vitscale.scaling.study.runner import run_cells
+    from vitscale.scaling.study.state import StudyState
+
+    study = config.section("study")
+    directory = study.directory or str(context.run_dir / "study")
+    cells = resolve_cells(config)
+    facts, planned = plan(config)
+    state = StudyState(directory, config.data.endpoint_url)
+    state.write_plan({"study": config.run_name, "planned_at": time.time(), "fit_metric": study.fit_metric,
+                      "data": {"url": config.data.url, "split": config.data.split, "examples": facts.examples,
+                               "num_classes": facts.num_classes},
+                      "cells": [p.row() | {"data_size": c.data_size, "key": c.key} for c, p in zip(cells, planned)]})
+    records = run_cells(config, cells, planned, state, retries=study.retries, max_concurrent=study.max_concurrent)
+    report = publish_report(state, study.fit_metric)
+    return StudyResult(directory, {i: vars(r) for i, r in records.items()}, sum(p.exaflops for p in planned), report)
+
+
+STAGE = Stage(
+    name="study",
+    sections={"study": StudyConfig, "model": ModelConfig, "data": DataConfig, "train": TrainConfig,
+              "fewshot": FewshotConfig, "finetune": FinetuneConfig, "sweep": SweepConfig},
+    check=check_study,
+    prepare=prepare_study,
+    run=run_study,
+    produces=StudyResult,
+)
