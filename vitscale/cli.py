@@ -33,7 +33,13 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_flops(args: argparse.Namespace) -> int:
     from vitscale.scaling.catalog import flops_summary, summary_markdown
 
-    summary = flops_summary(args.model, resolution=args.resolution, examples=args.examples, epochs=args.epochs)
+    from vitscale.config.loader import apply_override
+
+    options: dict = {}
+    for item in args.option:  # YAML values, as a pipeline's `model:` section reads them
+        options = apply_override(options, item)
+    summary = flops_summary(args.model, resolution=args.resolution, examples=args.examples, epochs=args.epochs,
+                            num_classes=args.classes, **options)
     if args.json:
         _print_json(summary)
     else:
@@ -100,6 +106,21 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
         _print_json(report)
     else:
         print(fewshot_table(report))
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from vitscale.inspect.run import inspect_checkpoint
+
+    report = inspect_checkpoint(args.checkpoint, args.images, args.out, count=args.count, split=args.split,
+                                model_name=args.model, img_size=args.img_size, endpoint_url=args.endpoint_url)
+    if args.json:
+        _print_json(report)
+    else:
+        print(f"{report['checkpoint']} ({report['format']}, {report['model']} at {report['img_size']}): "
+              f"{len(report['image_keys'])} images of {args.images} ({args.split})")
+        print("\n".join([*(f"  note: {note}" for note in report["notes"]),
+                         *(f"  wrote {args.out}/{name}" for name in report["files"])]))
     return 0
 
 
@@ -229,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resolution", type=int, default=224)
     p.add_argument("--examples", type=int, default=None, help="dataset size (default: JFT-300M)")
     p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--classes", type=int, default=1000, help="classifier width (JFT-300M: 18291)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a model option, as in a pipeline's model: section (e.g. representation_size=768)")
     p.add_argument("--json", action="store_true")
 
     p = verb("export", cmd_export, "Write a run's latest checkpoint as one fp32 model file.")
@@ -255,6 +279,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of unreadable samples tolerated per split (default: 0.001)")
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint URL")
     p.add_argument("--json", action="store_true")
+
+    p = verb("inspect", cmd_inspect, "The paper's model analyses of a ViT or hybrid (Sec. 4.5, Figures 6-7): "
+             "embedding-filter components, position-embedding similarity, attention distance, attention "
+             "rollout; PNGs and parquet tables.")
+    p.add_argument("checkpoint", help="run directory, vitscale export (.pt/.safetensors), official .npz or timm file")
+    p.add_argument("--images", required=True, metavar="SHARDS", help="dataset (vitscale shards) of sample images")
+    p.add_argument("--out", required=True, help="folder for the PNGs, parquet tables and inspect.json")
+    p.add_argument("--count", type=int, default=8, help="sample images, the first readable ones (default: 8)")
+    p.add_argument("--split", default="train", help="split the images are read from (default: train)")
+    p.add_argument("--model", default=None, help='architecture of a .npz/timm file, e.g. "ViT-B/16"')
+    p.add_argument("--img-size", type=int, default=None, help="resolution the .npz/timm file was trained at (224)")
+    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint URL")
+    p.add_argument("--json", action="store_true", help="print inspect.json's content instead of a summary")
+
+    from vitscale.scaling.study.commands import add_study_verbs
+
+    add_study_verbs(verbs, verb)
 
     shards = verbs.add_parser("shards", help="Write, inspect, verify, order, benchmark and de-duplicate shards.")
     shard_verbs = shards.add_subparsers(dest="shards_verb", required=True, metavar="VERB")
