@@ -215,3 +215,30 @@ def test_sink_rejects_bad_args(tmp_path: Path) -> None:
         MetricsSink(tmp_path, run="r", rank=0, port=70000)
     with pytest.raises(ValueError, match="rank"):
         MetricsSink(tmp_path, run="r", rank=-1)
+
+
+def test_nonfinite_losses_and_checkpoints_are_counted_for_the_alerts(tmp_path: Path) -> None:
+    sink = MetricsSink(tmp_path, run="demo", rank=0, port=0, addr="127.0.0.1")
+    try:
+        before = _scrape(sink.port)
+        # The counter is there at 0 before any step, so an alert's increase() sees the first NaN.
+        assert _value(before, "vitscale_nonfinite_loss_total", run="demo", rank="0") == 0
+        assert "vitscale_last_checkpoint_timestamp_seconds" not in before or not before[
+            "vitscale_last_checkpoint_timestamp_seconds"].samples
+        sink.record(_step(1))
+        sink.record(_step(2, loss=float("nan")))
+        sink.record(_step(3, loss=float("inf")))
+        sink.record(_step(4))
+        sink.checkpoint_saved(2.5, finished_at=1_700_000_000.0)
+        sink.checkpoint_saved(0.5, finished_at=1_700_000_600.0)
+        after = _scrape(sink.port)
+        with pytest.raises(ValueError, match="finite"):
+            sink.checkpoint_saved(float("nan"))
+    finally:
+        sink.close()
+    assert _value(after, "vitscale_nonfinite_loss_total", run="demo", rank="0") == 2
+    assert _value(after, "vitscale_checkpoint_seconds_count", run="demo", rank="0") == 2
+    assert _value(after, "vitscale_checkpoint_seconds_sum", run="demo", rank="0") == 3.0
+    assert _value(after, "vitscale_last_checkpoint_timestamp_seconds", run="demo", rank="0") == 1_700_000_600.0
+    with pytest.raises(ValueError, match="after close"):
+        sink.checkpoint_saved(1.0)

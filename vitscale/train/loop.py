@@ -92,7 +92,8 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
                           deepspeed_config(train, batch, on_gpu=on_gpu))
     train_flops_per_example = 3 * forward_flops(model_cfg.name, img_size=model_cfg.img_size,
                                                 num_classes=num_classes, **model_cfg.options)
-    peak = peak_flops(train.peak_flops) if on_gpu else None
+    # "auto" knows no peak without CUDA (MFU left out); a peak the user states is used on any device.
+    peak = peak_flops(train.peak_flops) if on_gpu or train.peak_flops != "auto" else None
 
     state = ckpt.TrainState(world_size=ctx.world_size)
     if ctx.resume_from is not None:
@@ -169,7 +170,9 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
             new_state = ckpt.TrainState(step=step, examples_seen=examples, flops=flops, world_size=ctx.world_size)
             stream_state = {"epoch": step // steps_per_epoch,
                             "position": (step % steps_per_epoch) * per_rank_step, "seed": data.seed}
+            t_save = time.perf_counter()
             _save_and_report(engine, ctx, new_state, stream_state, job.config_yaml, metrics, scores, polyak)
+            sink.checkpoint_saved(time.perf_counter() - t_save)
         elif step % train.log_every == 0 or scores:
             ctx.report({**_report_metrics(metrics), **scores}, None)
     sink.close()

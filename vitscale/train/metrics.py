@@ -26,7 +26,13 @@ vitscale_examples_seen_total        counter    examples consumed since the run b
 vitscale_train_flops_total          counter    training FLOPs since the run began (FLOPs, not exa)
 vitscale_mfu_ratio                  gauge      model FLOPs utilisation in [0, 1]; absent if unknown
 vitscale_skipped_samples_total      counter    undecodable samples skipped, label ``shard``
+vitscale_nonfinite_loss_total       counter    steps whose loss was NaN or infinite
+vitscale_checkpoint_seconds         histogram  wall time to save one checkpoint (this rank's part)
+vitscale_last_checkpoint_timestamp  gauge      Unix time the last checkpoint save finished
+_seconds                                       (absent until this process saved one)
 ==================================  =========  =====================================================
+
+The alert rules and Grafana dashboard built on these series are in ``k8s/monitoring/``.
 
 The histograms' ``_sum`` series let a dashboard compute the input-bound fraction as
 ``rate(vitscale_data_wait_seconds_sum[5m]) / rate(vitscale_step_seconds_sum[5m])``.
@@ -172,6 +178,8 @@ def peak_flops(device_name_or_value: str | float | int | None, *, device_name: s
 
 # Step times span milliseconds (tiny CPU runs) to a minute (huge models, slow storage).
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
+# Checkpoints: a tiny CPU model in well under a second to ZeRO-3 shards of a huge one on slow storage.
+_CHECKPOINT_BUCKETS = (0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 180.0, 600.0, 1800.0, float("inf"))
 
 
 def _json_safe(value: object) -> object:
@@ -264,6 +272,15 @@ class MetricsSink:
         self._skipped = Counter(
             "vitscale_skipped_samples", "Samples skipped (undecodable or invalid), by shard.", (*labels, "shard"), registry=r
         )
+        self._nonfinite = Counter("vitscale_nonfinite_loss", "Steps whose loss was NaN or infinite.", labels, registry=r)
+        self._nonfinite.labels(self.run, str(self.rank))  # at 0 from the start, so increase() sees the first one
+        self._ckpt_time = Histogram(
+            "vitscale_checkpoint_seconds", "Wall time to save one checkpoint (this rank's part).", labels,
+            buckets=_CHECKPOINT_BUCKETS, registry=r,
+        )
+        self._ckpt_last = Gauge(
+            "vitscale_last_checkpoint_timestamp_seconds", "Unix time the last checkpoint save finished.", labels, registry=r
+        )
 
     def _advance(self, key: str, counter_child: Counter, cumulative: float) -> None:
         delta = cumulative - self._last.get(key, 0.0)
@@ -311,6 +328,23 @@ class MetricsSink:
             self._advance("flops", self._flops.labels(*lv), m.cumulative_exaflops * 1e18)
             for shard, count in by_shard.items():
                 self._advance(f"skipped/{shard}", self._skipped.labels(*lv, shard), float(count))
+            if not math.isfinite(m.loss):
+                self._nonfinite.labels(*lv).inc()
+
+    def checkpoint_saved(self, seconds: float, finished_at: float | None = None) -> None:
+        """Record a finished checkpoint save: how long it took and when it finished (Unix time, default now).
+
+        Raises:
+            ValueError: the sink is closed, or ``seconds`` is negative or not finite.
+        """
+        if self._file is None:
+            raise ValueError("MetricsSink.checkpoint_saved() after close()")
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"checkpoint seconds must be a finite number >= 0, got {seconds!r}")
+        with self._lock:
+            lv = (self.run, str(self.rank))
+            self._ckpt_time.labels(*lv).observe(seconds)
+            self._ckpt_last.labels(*lv).set(time.time() if finished_at is None else finished_at)
 
     def close(self) -> None:
         """Stop the HTTP server (if any) and close the JSONL file. Safe to call twice."""
