@@ -1,7 +1,7 @@
 """The shape of the package: imports point one way, Ray and DeepSpeed stay at their edges.
 
 Layers, lowest first (docs/architecture.md):
-  config  <-  models, data, scaling.flops  <-  train, eval  <-  launch, stages, scaling.study  <-  cli
+  config  <-  models, data, scaling.flops  <-  train, eval, inspect  <-  launch, stages, scaling.study  <-  cli
 A module may import its own layer and the layers below it, never one above.
 """
 
@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vitscale"
 LAYERS = {
     "config": 0,
     "models": 1, "data": 1, "scaling": 1, "scaling.flops": 1, "scaling.catalog": 1,
-    "train": 2, "eval": 2,
+    "train": 2, "eval": 2, "inspect": 2,
     "launch": 3, "stages": 3, "scaling.study": 3,
     "cli": 4, "__main__": 4,
 }
