@@ -174,10 +174,13 @@ def _corrupting(bad: dict[str, str]):
 def damaged(tmp_path_factory) -> Path:
     bad = {"train000001": "jpeg", "train000008": "nolabel", "train000013": "badlabel"}
     root = write_test_dataset(tmp_path_factory.mktemp("bad"), {"train": COUNTS}, hook=_corrupting(bad))
-    # Truncate the last shard in the middle of its 4th sample: samples 3..5 of it are unreadable.
+    # Overwrite the last shard from the middle of its 4th sample on (its size stays what
+    # dataset.json says): samples 3..5 of it are unreadable.
     last = root / "train-000004.tar"
     rows = [r for r in pq.read_table(root / "_index.parquet").to_pylist() if r["shard"] == last.name]
-    os.truncate(last, rows[3]["offset"] + 700)
+    with open(last, "r+b") as f:
+        f.seek(rows[3]["offset"] + 100)
+        f.write(b"\xab" * (last.stat().st_size - rows[3]["offset"] - 100))
     return root
 
 
@@ -185,7 +188,7 @@ def test_bad_samples_are_skipped_counted_and_logged_once(damaged, caplog):
     caplog.set_level(logging.WARNING, logger="vitscale.data.loader.stream")
     s = _stream(damaged, seed=1, batch_size=3, error_budget=10)
     epochs = [_epoch(s), _epoch(s)]
-    # 6 bad samples: a corrupt JPEG, a missing and a malformed label, 3 cut off by truncation.
+    # 6 bad samples: a corrupt JPEG, a missing and a malformed label, 3 overwritten.
     assert s.skipped() == {
         "train-000000.tar": 2,
         "train-000001.tar": 2,
@@ -197,8 +200,8 @@ def test_bad_samples_are_skipped_counted_and_logged_once(damaged, caplog):
     messages = [r.getMessage() for r in caplog.records if "skipped sample" in r.getMessage()]
     assert len(messages) == 6  # once per bad sample, not once per epoch
     for key, why in [("train000001", "corrupt image"), ("train000008", "no label"),
-                     ("train000013", "malformed .cls"), ("train000027", "got 700 of"),
-                     ("train000028", "truncated")]:  # fmt: skip
+                     ("train000013", "malformed .cls"), ("train000027", "checksum mismatch"),
+                     ("train000028", "checksum mismatch")]:  # fmt: skip
         assert any(key in m and why in m for m in messages), (key, messages)
 
 
@@ -224,6 +227,15 @@ def test_error_budget_fails_with_the_shard_names(damaged):
     assert len(_epoch(s)) == 10
 
 
+def _truncate_without_bytes(root: Path) -> None:
+    """A shard cut short in a dataset whose dataset.json gives no shard sizes (third-party writers)."""
+    meta = json.loads((root / "dataset.json").read_text())
+    for shard in meta["splits"]["train"]["shards"]:
+        shard.pop("bytes")
+    (root / "dataset.json").write_text(json.dumps(meta))
+    os.truncate(root / "train-000001.tar", 4096)
+
+
 def test_broken_datasets_fail_before_training(clean, tmp_path):
     def broken(name, change) -> Path:
         root = _copy(clean, tmp_path / name)
@@ -242,6 +254,10 @@ def test_broken_datasets_fail_before_training(clean, tmp_path):
         (lambda r: (r / "dataset.json").write_text("{not json"), "cannot read"),
         (lambda r: (r / "_index.parquet").unlink(), "no index"),
         (lambda r: (r / "_index.parquet").write_bytes(b"PAR1 garbage"), "cannot read"),
+        # A shard cut short, or grown, is found before training, not when a sample fails to read.
+        (lambda r: os.truncate(r / "train-000001.tar", 4096), "train-000001.tar is 4096 bytes, dataset.json says"),
+        (lambda r: open(r / "train-000002.tar", "ab").write(b"\0" * 512), "train-000002.tar is .* bytes, dataset.json"),
+        (_truncate_without_bytes, "train-000001.tar is 4096 bytes, its indexed samples end at byte"),
     ]
     for i, (change, match) in enumerate(cases):
         with pytest.raises(DatasetError, match=match):

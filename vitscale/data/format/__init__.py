@@ -1,8 +1,9 @@
 """The dataset contract: the one module that names, reads, writes and validates a dataset's files.
 
 A dataset folder (local or ``s3://``) holds ``{split}-{n:06d}.tar`` shards, ``_index.parquet``
-(one row per sample: split, shard, key, labels, offset, size, width, height; ``offset``/``size``
-cover the sample's tar members incl. headers and padding, so one ranged read fetches a sample) and
+(one row per sample: split, shard, key, labels, offset, size, width, height, crc32; ``offset``/``size``
+cover the sample's tar members incl. headers and padding, so one ranged read fetches a sample, and
+``crc32`` is the ``zlib.crc32`` of those bytes, checked on every read) and
 ``dataset.json``, the dataset's metadata (name, classes, splits with per-shard sample counts,
 SHA-256 and bytes). The index and then ``dataset.json`` are written last: a folder with a
 ``dataset.json`` is complete.
@@ -17,6 +18,7 @@ and index before any training, and :func:`write_index_and_meta` writes both file
 """
 
 from vitscale.data.format.meta import (
+    CRC_COLUMN,
     INDEX_COLUMNS,
     INDEX_NAME,
     INDEX_SCHEMA,
@@ -34,7 +36,7 @@ from vitscale.data.format.meta import (
 from vitscale.data.format.split import OpenDataset, ShardIndex, open_dataset
 
 __all__ = [
-    "INDEX_COLUMNS", "INDEX_NAME", "INDEX_SCHEMA", "META_NAME", "DatasetError", "DatasetMeta",
+    "CRC_COLUMN", "INDEX_COLUMNS", "INDEX_NAME", "INDEX_SCHEMA", "META_NAME", "DatasetError", "DatasetMeta",
     "OpenDataset", "ShardIndex", "ShardMeta", "SplitMeta", "has_dataset", "open_dataset",
     "read_index", "read_meta", "shard_name", "write_index_and_meta",
 ]

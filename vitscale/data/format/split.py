@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from vitscale.data.carve import Carve
 from vitscale.data.storage import LocalStorage, Storage, open_storage
 
-from vitscale.data.format.meta import INDEX_COLUMNS, INDEX_NAME, META_NAME, DatasetError, DatasetMeta, read_meta
+from vitscale.data.format.meta import CRC_COLUMN, INDEX_COLUMNS, INDEX_NAME, META_NAME, DatasetError, DatasetMeta, read_meta
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,18 @@ class ShardIndex:
     """(n,) int64 bytes of the sample's record, padding included."""
     keys: pa.Array
     """(n,) sample keys (an Arrow array: no Python objects per sample, cheap to fork)."""
+    crcs: np.ndarray | None = None
+    """(n,) int64 ``zlib.crc32`` of each sample's record, -1 where the index has none; None: no
+    ``crc32`` column (datasets written before it existed)."""
+
+    def crc(self, i: int) -> int:
+        """The checksum of the shard's ``i``-th sample, or -1 when there is none to check."""
+        return -1 if self.crcs is None else int(self.crcs[i])
+
+    def take(self, keep: np.ndarray) -> ShardIndex:
+        """The rows ``keep`` (positions), in that order."""
+        return ShardIndex(self.offsets[keep], self.sizes[keep], self.keys.take(pa.array(keep)),
+                          None if self.crcs is None else self.crcs[keep])
 
     def key(self, i: int) -> str:
         """Key of the shard's ``i``-th sample."""
@@ -53,6 +65,8 @@ class OpenDataset:
     index_path: str
     carve: Carve | None = None
     """Read only one part (dev or rest) of a carve of the split; None = the whole split."""
+    has_crc: bool = False
+    """The index has the ``crc32`` column: each sample's bytes are checked when read."""
 
     @property
     def name(self) -> str:
@@ -80,7 +94,7 @@ class OpenDataset:
         try:
             table = pq.read_table(
                 self.index_path,
-                columns=["shard", "key", "offset", "size"],
+                columns=["shard", "key", "offset", "size"] + ([CRC_COLUMN] if self.has_crc else []),
                 filters=[("split", "=", self.split), ("shard", "in", names)],
             )
         except (OSError, pa.ArrowInvalid) as exc:
@@ -91,6 +105,8 @@ class OpenDataset:
         offsets = table.column("offset").to_numpy().astype(np.int64)
         sizes = table.column("size").to_numpy().astype(np.int64)
         keys = table.column("key").combine_chunks()
+        crcs = (table.column(CRC_COLUMN).fill_null(-1).to_numpy().astype(np.int64)
+                if self.has_crc else None)
         out: dict[int, ShardIndex] = {}
         row = 0
         by_name = {n: s for s, n in zip(wanted, names)}
@@ -103,10 +119,10 @@ class OpenDataset:
                     f"{url} has {n} rows for shard {name}, {META_NAME} says {listed}: "
                     f"rewrite the index or {META_NAME}"
                 )
-            shard = ShardIndex(offsets[row : row + n], sizes[row : row + n], keys.slice(row, n))
+            shard = ShardIndex(offsets[row : row + n], sizes[row : row + n], keys.slice(row, n),
+                               None if crcs is None else crcs[row : row + n])
             if self.carve is not None:
-                keep = np.flatnonzero(self.carve.select(shard.keys.to_pylist()))
-                shard = ShardIndex(shard.offsets[keep], shard.sizes[keep], shard.keys.take(pa.array(keep)))
+                shard = shard.take(np.flatnonzero(self.carve.select(shard.keys.to_pylist())))
             if len(shard.offsets) != self.counts[s]:
                 raise DatasetError(f"{url}: shard {name} selects {len(shard.offsets)} samples of "
                                    f"{self.carve}, expected {self.counts[s]}")
@@ -136,29 +152,64 @@ def _local_index_path(storage: Storage) -> str:
     return path
 
 
-def _index_counts(path: str, split: str, url: str) -> Counter[str]:
-    """Rows per shard of ``split``, streamed in record batches (memory stays flat)."""
+@dataclass(frozen=True)
+class _IndexSummary:
+    counts: Counter[str]
+    """Rows per shard of the split."""
+    ends: dict[str, int]
+    """Per shard, the byte where its last indexed record ends (the shard is at least this long)."""
+    has_crc: bool
+
+
+def _index_summary(path: str, split: str, url: str) -> _IndexSummary:
+    """Rows per shard of ``split`` and where their records end, streamed in record batches
+    (memory stays flat)."""
     try:
         pf = pq.ParquetFile(path)
-        missing = set(INDEX_COLUMNS) - set(pf.schema_arrow.names)
+        names = set(pf.schema_arrow.names)
+        missing = set(INDEX_COLUMNS) - names
         if missing:
             raise DatasetError(f"{url} lacks columns {sorted(missing)}")
         counts: Counter[str] = Counter()
-        for batch in pf.iter_batches(columns=["split", "shard"], batch_size=1 << 20):
-            shards = batch.column(1).filter(pc.equal(batch.column(0), split))
+        ends: dict[str, int] = {}
+        for batch in pf.iter_batches(columns=["split", "shard", "offset", "size"], batch_size=1 << 20):
+            mine = pc.equal(batch.column(0), split)
+            shards = batch.column(1).filter(mine)
             vc = pc.value_counts(shards)
             counts.update(dict(zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist())))
-        return counts
+            end = pc.add(batch.column(2).filter(mine), batch.column(3).filter(mine))
+            grouped = pa.table({"shard": shards, "end": end}).group_by("shard").aggregate([("end", "max")])
+            for name, e in zip(grouped.column("shard").to_pylist(), grouped.column("end_max").to_pylist()):
+                ends[name] = max(ends.get(name, 0), int(e))
+        return _IndexSummary(counts, ends, CRC_COLUMN in names)
     except (OSError, pa.ArrowInvalid) as exc:
         raise DatasetError(f"cannot read {url}: {exc}") from exc
+
+
+def _check_shard_sizes(meta: DatasetMeta, split: str, sizes: dict[str, int], ends: dict[str, int],
+                       url: str) -> None:
+    """Every shard as long as ``dataset.json`` says, and long enough for its indexed records."""
+    bad = []
+    for shard in meta.splits[split].shards:
+        size = sizes[shard.name]
+        if shard.nbytes is not None and size != shard.nbytes:
+            bad.append(f"{shard.name} is {size} bytes, {META_NAME} says {shard.nbytes}")
+        elif ends.get(shard.name, 0) > size:
+            bad.append(f"{shard.name} is {size} bytes, its indexed samples end at byte {ends[shard.name]}")
+    if bad:
+        raise DatasetError(
+            f"{len(bad)} shard(s) of split {split!r} under {url} have the wrong size ({'; '.join(bad[:10])}"
+            f"{' ...' if len(bad) > 10 else ''}): truncated or replaced; rewrite or re-copy them"
+        )
 
 
 def open_dataset(url: str, split: str, *, endpoint_url: str | None = None, carve: Carve | None = None) -> OpenDataset:
     """Open and validate ``split`` of the dataset at ``url`` (folder or ``s3://bucket/prefix``).
 
     Checks, failing with :class:`DatasetError` before any training: ``dataset.json`` is readable and
-    lists the split; every listed shard exists; ``_index.parquet`` has the contract's columns and,
-    per shard, exactly as many rows as ``dataset.json``'s sample count.
+    lists the split; every listed shard exists with the byte size ``dataset.json`` gives it (and is
+    long enough for every record the index places in it); ``_index.parquet`` has the contract's
+    columns and, per shard, exactly as many rows as ``dataset.json``'s sample count.
     """
     storage = open_storage(url, endpoint_url=endpoint_url)
     meta_url, index_url = storage.url_of(META_NAME), storage.url_of(INDEX_NAME)
@@ -169,7 +220,7 @@ def open_dataset(url: str, split: str, *, endpoint_url: str | None = None, carve
     if split not in meta.splits:
         raise DatasetError(f"split {split!r} not in {meta_url}; it has {sorted(meta.splits)}")
     names, counts = meta.splits[split].shard_names, meta.splits[split].counts
-    present = set(storage.list())
+    present = storage.list_sizes()
     missing = [n for n in names if n not in present]
     if missing:
         raise DatasetError(
@@ -179,7 +230,8 @@ def open_dataset(url: str, split: str, *, endpoint_url: str | None = None, carve
     if INDEX_NAME not in present:
         raise DatasetError(f"no index at {index_url}")
     index_path = _local_index_path(storage)
-    rows = _index_counts(index_path, split, index_url)
+    summary = _index_summary(index_path, split, index_url)
+    rows = summary.counts
     bad = [(n, rows.get(n, 0), c) for n, c in zip(names, counts) if rows.get(n, 0) != c]
     extra = sorted(set(rows) - set(names))
     if bad or extra:
@@ -190,9 +242,10 @@ def open_dataset(url: str, split: str, *, endpoint_url: str | None = None, carve
             f"{index_url} disagrees with {meta_url} for split {split!r} ({detail}): "
             "the dataset is damaged or half-written; rewrite it"
         )
+    _check_shard_sizes(meta, split, present, summary.ends, storage.url)
     if carve is not None:
         carve, counts = _carved_counts(index_path, split, names, carve)
-    return OpenDataset(storage, split, meta, names, counts, index_path, carve)
+    return OpenDataset(storage, split, meta, names, counts, index_path, carve, summary.has_crc)
 
 
 def _carved_counts(index_path: str, split: str, names: tuple[str, ...], carve: Carve) -> tuple[Carve, tuple[int, ...]]:

@@ -11,7 +11,11 @@ The image path is built for speed:
   float conversion, no per-sample tensors kept.
 
 Inputs simplejpeg cannot turn into RGB (CMYK JPEGs, PNGs misnamed ``.jpg``) fall back to PIL; data
-that is no decodable image raises :class:`~vitscale.data.loader.reader.BadSample`.
+that is no decodable image raises :class:`~vitscale.data.loader.tar.BadSample`, whatever the
+decoder raised: PIL's plugins answer damaged input with ``OSError``, ``SyntaxError``,
+``struct.error``, ``IndexError``, ``EOFError``... and an image is untrusted bytes. An image whose
+header claims more than :data:`MAX_PIXELS` pixels is refused before decoding, so a damaged size
+field cannot make one sample take seconds or gigabytes.
 """
 
 from __future__ import annotations
@@ -25,10 +29,16 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from vitscale.data.loader.reader import BadSample
+from vitscale.data.loader.tar import BadSample
 from vitscale.data.loader.transforms import CropBox, TransformSpec, crop_box
 
-__all__ = ["decode_image_into"]
+__all__ = ["MAX_PIXELS", "decode_image_into"]
+
+MAX_PIXELS = 1 << 27
+"""Largest image (width x height, about 134 M pixels: 11,585 px square) a sample may claim.
+
+Written shards hold images shrunk to ``max_side`` (384 px by default); anything this large is a
+damaged header or a decompression bomb."""
 
 
 def _reduction(box: CropBox, resolution: int) -> int:
@@ -52,22 +62,24 @@ def _decode_rgb(data: bytes, width: int, height: int, k: int) -> np.ndarray:
             # draft() picks a power-of-two DCT scale whose size is >= the requested one.
             img.draft("RGB", (-(-width // k), -(-height // k)))
             return np.array(img.convert("RGB"))  # writable: torch.from_numpy wants that
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise BadSample(f"corrupt image: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 -- any decoder failure on untrusted bytes is a bad sample
+        raise BadSample(f"corrupt image: {type(exc).__name__}: {exc}") from exc
 
 
 def _image_size(data: bytes) -> tuple[int, int]:
     """(width, height) from the JPEG header, or via PIL for anything else."""
     try:
         height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-        return int(width), int(height)
+        width, height = int(width), int(height)
     except ValueError:
-        pass
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            return img.size
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise BadSample(f"corrupt image: {exc}") from exc
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                width, height = img.size
+        except Exception as exc:  # noqa: BLE001 -- any decoder failure on untrusted bytes is a bad sample
+            raise BadSample(f"corrupt image: {type(exc).__name__}: {exc}") from exc
+    if width < 1 or height < 1 or width * height > MAX_PIXELS:
+        raise BadSample(f"image header claims {width}x{height} pixels (limit {MAX_PIXELS} pixels)")
+    return width, height
 
 
 def decode_image_into(

@@ -1,110 +1,35 @@
-"""Bytes of one sample -> its tar members and labels: ranged reads of sample records, tar-record
-parsing and label parsing.
+"""Bytes of samples: ranged reads of sample records, their checksums, and label parsing.
 
 A sample is read from its shard with one ranged read (``offset``/``size`` from ``_index.parquet``):
-the bytes hold the tar headers and padded members ``{key}.jpg`` and ``{key}.cls`` / ``{key}.json``.
-Everything that can be wrong with such bytes (short read, broken header, foreign member, missing or
-malformed label) raises :class:`BadSample`, which the stream counts and skips.
+the bytes hold the tar headers and padded members ``{key}.jpg`` and ``{key}.cls`` / ``{key}.json``
+(split by :mod:`vitscale.data.loader.tar`). Everything that can be wrong with such bytes (short
+read, checksum mismatch, broken header, foreign member, missing or malformed label) raises
+:class:`BadSample`, which the stream counts and skips.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
+from vitscale.data.loader.tar import BadSample, split_tar_record
 from vitscale.data.storage import LocalStorage, Storage
 
-__all__ = ["BadSample", "SampleReader", "parse_label", "split_tar_record"]
-
-_BLOCK = 512
-_ZERO_BLOCK = bytes(_BLOCK)
+__all__ = ["BadSample", "SampleReader", "check_crc", "parse_label", "split_tar_record"]
 
 
-class BadSample(ValueError):
-    """One sample cannot be used (truncated, corrupt, unlabeled); the stream skips and counts it."""
+def check_crc(raw: bytes, expected: int) -> None:
+    """Raise :class:`BadSample` unless ``zlib.crc32(raw) == expected`` (``expected < 0``: no checksum).
 
-
-def _octal(field: bytes) -> int:
-    """A tar numeric field: NUL/space-terminated octal, or GNU base-256 when the top bit is set."""
-    if field and field[0] & 0x80:
-        return int.from_bytes(field[1:], "big")
-    text = field.split(b"\0", 1)[0].strip()
-    return int(text, 8) if text else 0
-
-
-def _pax_path(data: bytes) -> str | None:
-    """The ``path`` record of a PAX extended header, if any (``"<len> path=<value>\\n"``)."""
-    pos = 0
-    while pos < len(data):
-        space = data.find(b" ", pos)
-        if space < 0:
-            break
-        length = int(data[pos:space])
-        record = data[space + 1 : pos + length - 1]  # without the trailing newline
-        pos += length
-        name, _, value = record.partition(b"=")
-        if name == b"path":
-            return value.decode("utf-8")
-    return None
-
-
-def split_tar_record(raw: bytes, key: str, expected_size: int | None = None) -> dict[str, bytes]:
-    """The members of one sample's tar record, as ``{extension: bytes}`` (``"jpg"``, ``"cls"``).
-
-    ``raw`` is the byte range of the sample in its shard; ``key`` the sample key from the index.
-    Raises :class:`BadSample` on a short read, a header with a bad checksum, a member that runs past
-    the end, or a member whose name does not start with ``key + "."`` (index and shard disagree).
+    The index's ``crc32`` column (see :mod:`vitscale.data.format`) covers the sample's whole byte
+    range, so a flipped bit anywhere in it (headers, image, label) is caught before parsing.
     """
-    if expected_size is not None and len(raw) != expected_size:
-        raise BadSample(f"truncated read: got {len(raw)} of {expected_size} bytes")
-    members: dict[str, bytes] = {}
-    pos, n = 0, len(raw)
-    long_name: str | None = None
-    while pos + _BLOCK <= n:
-        hdr = raw[pos : pos + _BLOCK]
-        if hdr == _ZERO_BLOCK:
-            break  # end-of-archive marker: nothing of this sample follows
-        # Checksum: sum of all header bytes with the checksum field itself read as spaces.
-        try:
-            stored = _octal(hdr[148:156])
-            size = _octal(hdr[124:136])
-        except ValueError as exc:
-            raise BadSample(f"malformed tar header at byte {pos}") from exc
-        if stored != sum(hdr[:148]) + 8 * 32 + sum(hdr[156:]):
-            raise BadSample(f"tar header checksum mismatch at byte {pos}")
-        start = pos + _BLOCK
-        end = start + size
-        if end > n:
-            raise BadSample(f"tar member runs past the end of the record ({end} > {n} bytes)")
-        data = raw[start:end]
-        pos = start + -(-size // _BLOCK) * _BLOCK
-        kind = hdr[156:157]
-        if kind in (b"x", b"g"):
-            long_name = _pax_path(data) or long_name
-            continue
-        if kind == b"L":  # GNU long name for the next member
-            long_name = data.rstrip(b"\0").decode("utf-8")
-            continue
-        if kind not in (b"0", b"\0", b"7"):
-            long_name = None
-            continue  # directories, links: not sample data
-        if long_name is not None:
-            name, long_name = long_name, None
-        else:
-            name = hdr[0:100].split(b"\0", 1)[0].decode("utf-8")
-            if hdr[257:262] == b"ustar":
-                prefix = hdr[345:500].split(b"\0", 1)[0].decode("utf-8")
-                if prefix:
-                    name = f"{prefix}/{name}"
-        if not name.startswith(key + "."):
-            raise BadSample(f"member {name!r} does not belong to sample {key!r}")
-        members[name[len(key) + 1 :].lower()] = data
-    if pos < n and raw[pos:].strip(b"\0"):
-        raise BadSample(f"{n - pos} stray bytes after the last tar member")
-    if not members:
-        raise BadSample("no tar members in the sample's byte range")
-    return members
+    if expected >= 0:
+        got = zlib.crc32(raw)
+        if got != expected:
+            raise BadSample(f"checksum mismatch: crc32 {got:08x}, the index says {expected:08x}")
 
 
 def parse_label(members: dict[str, bytes], num_classes: int, multi_label: bool) -> list[int]:
@@ -127,7 +52,7 @@ def parse_label(members: dict[str, bytes], num_classes: int, multi_label: bool) 
             ):
                 raise ValueError("'labels' must be a list of ints")
             labels = list(raw)
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # "[[[[..." recurses
             raise BadSample(f"malformed .json label {members['json'][:64]!r}: {exc}") from exc
     else:
         raise BadSample(f"no label member (.cls or .json) among {sorted(members)}")

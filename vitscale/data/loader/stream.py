@@ -45,8 +45,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from vitscale.config.checks import check, non_negative, positive_int
 from vitscale.data.carve import Carve
 from vitscale.data.format import OpenDataset, ShardIndex, open_dataset
-from vitscale.data.loader.decode import decode_image_into
-from vitscale.data.loader.reader import BadSample, SampleReader, parse_label, split_tar_record
+from vitscale.data.loader.reader import BadSample, SampleReader
+from vitscale.data.loader.sample import decode_sample
 from vitscale.data.loader.transforms import TransformSpec, sample_rng
 from vitscale.data.order import DEFAULT_SHUFFLE_BUFFER, RankOrder, num_batches, rank_order, worker_batches
 
@@ -138,6 +138,7 @@ class _EpochBatches(IterableDataset):
             for s, e, i in zip(shard, entries, local)
         ]
         keys = [e.key(int(i)) for e, i in zip(entries, local)]
+        crcs = [e.crc(int(i)) for e, i in zip(entries, local)]
         raws = reader.read(requests)
         # (n, 3, R, R) uint8 filled in place; in shared memory when a worker process sends it.
         images = torch.empty((n, 3, r, r), dtype=torch.uint8)
@@ -149,13 +150,10 @@ class _EpochBatches(IterableDataset):
         skipped: list[tuple[str, str, str]] = []
         for i in range(n):
             try:
-                members = split_tar_record(raws[i], keys[i], requests[i][2])
-                labels[i] = parse_label(members, ds.num_classes, ds.multi_label)
-                data = members.get("jpg", members.get("jpeg"))
-                if data is None:
-                    raise BadSample(f"no .jpg member among {sorted(members)}")
                 rng = sample_rng(self.order.seed, self.order.epoch, int(g[i])) if tspec.train else None
-                decode_image_into(data, pixels[i], tspec, rng)
+                labels[i] = decode_sample(raws[i], keys[i], size=requests[i][2], crc=crcs[i],
+                                          num_classes=ds.num_classes, multi_label=ds.multi_label,
+                                          spec=tspec, rng=rng, out=pixels[i])
                 valid[i] = True
             except BadSample as exc:
                 skipped.append((requests[i][0], keys[i], str(exc)))

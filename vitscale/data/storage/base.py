@@ -52,6 +52,19 @@ class Storage:
         """Sorted names (relative to the root) starting with ``prefix``."""
         raise NotImplementedError
 
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """``{name: size in bytes}`` of the objects whose names start with ``prefix``, sorted by name
+        (one listing, no request per object)."""
+        raise NotImplementedError
+
+    def delete(self, name: str) -> None:
+        """Remove object ``name`` (FileNotFoundError if there is none)."""
+        raise NotImplementedError
+
+    def rename(self, src: str, dst: str) -> None:
+        """Move ``src`` to ``dst``, replacing it (atomic on a local disk; copy + delete on S3)."""
+        raise NotImplementedError
+
     def url_of(self, name: str) -> str:
         """A full address of ``name`` for messages and other tools."""
         raise NotImplementedError

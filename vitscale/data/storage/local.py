@@ -83,17 +83,32 @@ class LocalStorage(Storage):
         return self._path(name).is_file()
 
     def list(self, prefix: str = "") -> list[str]:
+        return sorted(self.list_sizes(prefix))
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
         if not self.root.is_dir():
-            return []
-        names = []
+            return {}
+        sizes = {}
         for dirpath, _, files in os.walk(self.root):
             for f in files:
                 if f.endswith(".part") and f.startswith("."):
                     continue  # an in-flight atomic write
-                rel = Path(dirpath, f).relative_to(self.root).as_posix()
+                path = Path(dirpath, f)
+                rel = path.relative_to(self.root).as_posix()
                 if rel.startswith(prefix):
-                    names.append(rel)
-        return sorted(names)
+                    try:
+                        sizes[rel] = path.stat().st_size
+                    except FileNotFoundError:
+                        continue  # removed while we listed
+        return dict(sorted(sizes.items()))
+
+    def delete(self, name: str) -> None:
+        self._path(name).unlink()
+
+    def rename(self, src: str, dst: str) -> None:
+        target = self._path(dst)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(self._path(src), target)
 
     def url_of(self, name: str) -> str:
         return str(self._path(name))

@@ -242,19 +242,33 @@ class S3Storage(Storage):
         )
 
     def list(self, prefix: str = "") -> list[str]:
+        return sorted(self.list_sizes(prefix))
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
         root = f"{self.prefix}/" if self.prefix else ""
 
-        def go() -> list[str]:
-            names = []
+        def go() -> dict[str, int]:
+            sizes = {}
             pages = self.client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=root + prefix
             )
             for page in pages:
                 for obj in page.get("Contents", []):
-                    names.append(obj["Key"][len(root) :])
-            return sorted(names)
+                    sizes[obj["Key"][len(root) :]] = int(obj["Size"])
+            return dict(sorted(sizes.items()))
 
         return self._retrying("list", None, go)
+
+    def delete(self, name: str) -> None:
+        self._retrying("delete", name,
+                       lambda: self.client.delete_object(Bucket=self.bucket, Key=self.key_of(name)))
+
+    def rename(self, src: str, dst: str) -> None:
+        # S3 has no rename: a server-side copy (multipart above 5 GB, done by boto3) then a delete.
+        self._retrying("copy", src, lambda: self.client.copy(
+            {"Bucket": self.bucket, "Key": self.key_of(src)}, self.bucket, self.key_of(dst),
+            Config=self._transfer_config()))
+        self.delete(src)
 
 
 class _S3RawStream(io.RawIOBase):

@@ -13,6 +13,7 @@ import json
 import os
 import tarfile
 import tempfile
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -103,13 +104,18 @@ def encode_image(image: Image.Image | bytes, max_side: int, quality: int) -> tup
 
 
 class _HashingFile:
-    """A write-only file wrapper that SHA-256s and counts what passes through."""
+    """A write-only file wrapper that SHA-256s and counts what passes through, and CRC-32s what
+    passed since the last :meth:`mark` (one sample's record: the index's ``crc32``)."""
 
     def __init__(self, f: BinaryIO) -> None:
-        self.f, self.sha, self.n = f, hashlib.sha256(), 0
+        self.f, self.sha, self.n, self.crc = f, hashlib.sha256(), 0, 0
+
+    def mark(self) -> None:
+        self.crc = 0
 
     def write(self, b: bytes) -> int:
         self.sha.update(b)
+        self.crc = zlib.crc32(b, self.crc)
         self.n += len(b)
         return self.f.write(b)
 
@@ -148,6 +154,7 @@ class ShardWriter:
         if self._tar is None or self._hf is None:
             raise RuntimeError("ShardWriter: shard failed to open")
         start = self._tar.offset
+        self._hf.mark()
         self._tar.addfile(*_member(f"{key}.jpg", jpeg))
         if self.multi_label:
             self._tar.addfile(*_member(f"{key}.json", json.dumps({"labels": list(labels)}).encode()))
@@ -156,7 +163,7 @@ class ShardWriter:
         name = shard_name(self.split, len(self.shards))
         self.rows.append(
             dict(split=self.split, shard=name, key=key, labels=list(labels), offset=start,
-                 size=self._tar.offset - start, width=width, height=height)
+                 size=self._tar.offset - start, width=width, height=height, crc32=self._hf.crc)
         )
         self._count += 1
         if self._count >= self.shard_size:

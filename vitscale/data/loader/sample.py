@@ -1,0 +1,53 @@
+"""One sample's bytes -> its labels and pixels: the whole chain every sample goes through.
+
+The chain is size, checksum, tar members, label, image. Each step raises
+:class:`~vitscale.data.loader.tar.BadSample` on bad input and nothing else, so the stream can skip
+and count a damaged sample without knowing which step found the damage; the fuzz tests
+(``tests/test_sample_fuzz.py``) hold this function to that.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from vitscale.data.loader.decode import decode_image_into
+from vitscale.data.loader.reader import check_crc, parse_label
+from vitscale.data.loader.tar import BadSample, split_tar_record
+from vitscale.data.loader.transforms import TransformSpec
+
+__all__ = ["IMAGE_MEMBERS", "decode_sample"]
+
+IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
+"""Member extensions that hold a sample's image, first found wins (vitscale writes ``jpg``;
+adopted WebDataset shards may hold any of these)."""
+
+
+def decode_sample(
+    raw: bytes,
+    key: str,
+    *,
+    size: int,
+    crc: int,
+    num_classes: int,
+    multi_label: bool,
+    spec: TransformSpec,
+    rng: random.Random | None,
+    out: np.ndarray,
+) -> list[int]:
+    """Check and decode one sample record into ``out`` (3, R, R) uint8; returns its class ids.
+
+    ``size`` and ``crc`` are the index's (``crc < 0``: the index has no checksum for it); ``rng``
+    drives the training crop. Raises :class:`BadSample` for anything wrong with ``raw``.
+    """
+    if len(raw) != size:
+        raise BadSample(f"truncated read: got {len(raw)} of {size} bytes")
+    check_crc(raw, crc)
+    members = split_tar_record(raw, key)
+    labels = parse_label(members, num_classes, multi_label)
+    data = next((members[ext] for ext in IMAGE_MEMBERS if ext in members), None)
+    if data is None:
+        raise BadSample(f"no image member ({', '.join(IMAGE_MEMBERS)}) among {sorted(members)[:10]}")
+    decode_image_into(data, out, spec, rng)
+    return labels
