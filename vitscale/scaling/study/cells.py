@@ -56,9 +56,30 @@ def slug(text: str) -> str:
 
 
 def settings_hash(raw: dict[str, Any]) -> str:
-    """Six hex digits of the sections that decide a cell's result (and its stages)."""
-    decided = {k: raw.get(k) for k in (*RESULT_SECTIONS, "stages")}
+    """Six hex digits of the sections that decide a cell's result (and its stages).
+
+    Only values that differ from vitscale's defaults count: a later vitscale that adds a config
+    key (with a default that changes nothing) keeps every cell's id, so its studies still resume.
+    """
+    defaults = _defaults()
+    decided = {k: _changed(raw.get(k), defaults.get(k)) for k in RESULT_SECTIONS}
+    decided["stages"] = raw.get("stages")
     return hashlib.sha256(json.dumps(decided, sort_keys=True, default=str).encode()).hexdigest()[:6]
+
+
+def _defaults() -> dict[str, Any]:
+    from vitscale.config.loader import build_section
+    from vitscale.stages import config_sections
+
+    return {name: to_dict(build_section(cls, {}, name)) for name, cls in config_sections().items()
+            if name in RESULT_SECTIONS}
+
+
+def _changed(value: Any, default: Any) -> Any:
+    """`value` without the keys (recursively) that equal `default`'s."""
+    if isinstance(value, dict) and isinstance(default, dict):
+        return {k: _changed(v, default.get(k)) for k, v in value.items() if k not in default or v != default[k]}
+    return value
 
 
 def resolve_cells(config: PipelineConfig) -> list[Cell]:
