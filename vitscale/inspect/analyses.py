@@ -82,6 +82,12 @@ def patch_distances(grid: tuple[int, int], stride: int) -> np.ndarray:
     return np.linalg.norm(centres[:, None, :] - centres[None, :, :], axis=-1)
 
 
+def uniform_attention_distance(grid: tuple[int, int], stride: int) -> float:
+    """The mean attention distance (pixels) of a head attending to every patch equally: the scale
+    against which a head is local (below) or global (near or above)."""
+    return float(patch_distances(grid, stride).mean())
+
+
 def mean_attention_distance(attention: np.ndarray, grid: tuple[int, int], stride: int,
                             prefix: int = 0) -> np.ndarray:
     """Attention-weighted mean pixel distance per image and head ("attention distance", App. D.7).

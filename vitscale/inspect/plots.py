@@ -46,7 +46,8 @@ def plot_filter_components(components: np.ndarray, explained: np.ndarray, path: 
     k = len(components)
     cols = min(7, k)
     rows = -(-k // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(1.3 * cols, 1.45 * rows + 0.6), dpi=120, squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(1.3 * cols, 1.45 * rows + 0.6), dpi=120, squeeze=False,
+                             layout="constrained")
     for i, ax in enumerate(axes.ravel()):
         ax.axis("off")
         if i < k:
@@ -74,8 +75,7 @@ def plot_position_similarity(similarity: np.ndarray, path: Path, *, title: str) 
     rows, cols = similarity.shape[:2]
     mosaic = similarity_mosaic(similarity)
     fig, ax = plt.subplots(figsize=(6.4, 6.4 * rows / cols + 0.4), dpi=140)
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("white")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="white")  # the gaps between tiles
     image = ax.imshow(mosaic, cmap=cmap, vmin=-1, vmax=1, interpolation="nearest")
     # One tick per tile, at its centre: the query position's row / column (1-based, as the paper).
     ax.set_xticks([c * (cols + 1) + (cols - 1) / 2 for c in range(cols)], [str(c + 1) for c in range(cols)],
@@ -92,10 +92,12 @@ def plot_position_similarity(similarity: np.ndarray, path: Path, *, title: str) 
     return _save(fig, path)
 
 
-def plot_attention_distance(distance: np.ndarray, path: Path, *, title: str, image_px: int) -> Path:
+def plot_attention_distance(distance: np.ndarray, path: Path, *, title: str, image_px: int,
+                            uniform_px: float) -> Path:
     """Figure 7 (right): one dot per head at its layer's depth; y = mean attention distance (px).
 
-    `distance` is (layers, heads), already averaged over the images.
+    `distance` is (layers, heads), already averaged over the images; a dashed line marks
+    `uniform_px`, the distance of attention spread evenly over all patches.
     """
     plt = _pyplot()
     layers, heads = distance.shape
@@ -104,6 +106,7 @@ def plot_attention_distance(distance: np.ndarray, path: Path, *, title: str, ima
     colours = plt.get_cmap("tab20" if heads > 10 else "tab10")
     for h in range(heads):
         ax.scatter(depth, distance[:, h], s=16, color=colours(h % colours.N), label=f"head {h + 1}")
+    ax.axhline(uniform_px, color="grey", linestyle="--", linewidth=1, label="uniform attention")
     ax.set_xlabel("Network depth (layer)")
     ax.set_ylabel("Mean attention distance (pixels)")
     ax.set_xticks(depth)
@@ -111,7 +114,7 @@ def plot_attention_distance(distance: np.ndarray, path: Path, *, title: str, ima
     # runs to about 0.57 x 224 px); higher when a head reaches further.
     ax.set_ylim(0, max(float(np.nanmax(distance)) * 1.1, 1e-6, image_px * 0.5))
     ax.grid(True, alpha=0.3)
-    if heads <= 16:
+    if heads <= 16:  # more heads than that: the colours alone, a legend would cover the dots
         ax.legend(fontsize=6, ncol=2 if heads > 8 else 1, loc="best", frameon=False)
     ax.set_title(title, fontsize=9)
     return _save(fig, path)
@@ -127,22 +130,25 @@ def upsample(mask: np.ndarray, size: tuple[int, int]) -> np.ndarray:
 
 
 def plot_rollout(images: np.ndarray, maps: np.ndarray, captions: list[str], path: Path, *, title: str) -> Path:
-    """Figure 6: each input image above the same image weighted by its attention rollout map.
+    """Figure 6: per image, the input, the input weighted by its attention rollout, and the map itself.
 
     images: (B, H, W, 3) uint8; maps: (B, rows, cols) rollout from the output token to the patches.
+    The middle row is the paper's picture (image x mask scaled to max 1); the bottom row shows the
+    map on its own colour scale, so a nearly flat map (an untrained model) still shows its shape.
     """
     plt = _pyplot()
     b = len(images)
-    fig, axes = plt.subplots(2, b, figsize=(1.6 * b + 0.4, 3.6), dpi=130, squeeze=False)
+    fig, axes = plt.subplots(3, b, figsize=(1.5 * b + 0.6, 5.4), dpi=130, squeeze=False, layout="constrained")
     for i in range(b):
-        mask = upsample(maps[i], images.shape[1:3])[..., None]  # (H, W, 1) in [0, 1]
+        mask = upsample(maps[i], images.shape[1:3])  # (H, W) in [0, 1]
         axes[0, i].imshow(images[i])
-        axes[1, i].imshow((images[i] * mask).astype(np.uint8))
+        axes[1, i].imshow((images[i] * mask[..., None]).astype(np.uint8))
+        axes[2, i].imshow(maps[i], cmap="inferno", interpolation="nearest")
         axes[0, i].set_title(captions[i], fontsize=6)
         for ax in axes[:, i]:
             ax.set_xticks([])
             ax.set_yticks([])
-    axes[0, 0].set_ylabel("input", fontsize=8)
-    axes[1, 0].set_ylabel("attention", fontsize=8)
+    for row, label in enumerate(("input", "input x rollout", "rollout per patch")):
+        axes[row, 0].set_ylabel(label, fontsize=8)
     fig.suptitle(title, fontsize=9)
     return _save(fig, path)

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vitscale.inspect.analyses import attention_rollout, filter_components, position_similarity, rollout_map
+from vitscale.inspect.analyses import (attention_rollout, filter_components, position_similarity, rollout_map,
+                                       uniform_attention_distance)
 from vitscale.inspect.extract import (attention_stats, check_inspectable, patch_filters, position_table,
                                       resnet_refusal)
 from vitscale.inspect.images import sample_images
@@ -88,12 +89,13 @@ def _attention(model: Any, images: Any, out: Path, name: str, img_size: int,
     paths = [_write_parquet({"layer": layer + 1, "head": head + 1, "distance_px": mean.ravel(),
                              "distance_px_std": stats.distance.std(axis=1).ravel(), "images": np.full(mean.size, n)},
                             out / "attention_distance.parquet")]
+    grid, prefix = model.cfg.grid, model.num_prefix_tokens
+    uniform = uniform_attention_distance(grid, int(model.patch_embed.stride))
     paths.append(plot_attention_distance(
-        mean, out / "attention_distance.png", image_px=img_size,
+        mean, out / "attention_distance.png", image_px=img_size, uniform_px=uniform,
         title=f"{name}: mean attention distance of each head by layer\n(attention-weighted pixel distance "
               f"between query and key patches, mean over {n} images)"))
 
-    grid, prefix = model.cfg.grid, model.num_prefix_tokens
     maps = rollout_map(attention_rollout(stats.head_mean), grid, prefix)  # (B, rows, cols)
     image, row, col = _grid_index(maps.shape)
     paths.append(_write_parquet({"image": image, "key": np.asarray(images.keys)[image], "row": row + 1,
@@ -104,6 +106,7 @@ def _attention(model: Any, images: Any, out: Path, name: str, img_size: int,
         title=f"{name}: attention rollout from the output ({source}) to the input patches\n"
               "(Abnar & Zuidema 2020: heads averaged, + identity, rows renormalised, layers multiplied)"))
     return paths, {"layers": int(mean.shape[0]), "heads": int(mean.shape[1]),
+                   "uniform_distance_px": round(uniform, 3),
                    "distance_px_by_layer": [round(float(v), 3) for v in mean.mean(axis=1)]}
 
 
