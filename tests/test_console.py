@@ -34,3 +34,28 @@ def test_summary_table_names_each_stage_once() -> None:
     assert lines[1].split() == ["steps", "252"]  # the stage is not repeated
     assert lines[2].split()[:2] == ["fewshot", "digits"]
     assert summary_table([]) == ""
+
+
+def test_ray_notices_go_to_the_log_only(tmp_path) -> None:
+    import io
+    import logging
+
+    from vitscale.launch.console import quiet_driver_logs
+
+    logger = logging.getLogger("ray")
+    terminal = io.StringIO()
+    handler = logging.StreamHandler(terminal)
+    logger.addHandler(handler)
+    try:
+        quiet_driver_logs(tmp_path / "ray.log", verbose=False)
+        for fn, text in (("authentication_token_setup.py", "Token authentication is enabled"),
+                         ("worker.py", "a real warning")):
+            logger.handle(logger.makeRecord("ray", logging.WARNING, fn, 1, text, None, None))
+        assert "a real warning" in terminal.getvalue() and "Token" not in terminal.getvalue()
+        assert "Token authentication is enabled" in (tmp_path / "ray.log").read_text()
+    finally:
+        logger.removeHandler(handler)
+        for h in list(logger.handlers):
+            if isinstance(h, logging.FileHandler) and h.baseFilename == str(tmp_path / "ray.log"):
+                logger.removeHandler(h)
+                h.close()

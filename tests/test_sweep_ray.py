@@ -16,9 +16,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
+from ray_runs import RUN_TIMEOUT_S, kill_tree, run, start
 
 from vitscale.data.tools.write import write_dataset
 
@@ -41,7 +40,6 @@ pytest.importorskip("ray")
 BIN = Path(sys.executable).parent
 VITSCALE = str(BIN / "vitscale")
 MODEL = {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "mlp_dim": 32, "heads": 2}
-RUN_TIMEOUT_S = 1200  # one `vitscale run`; Ray Train's start-up dominates on a busy 2-core machine
 
 
 @pytest.fixture(scope="module")
@@ -85,51 +83,6 @@ def write_pipeline(path: Path, assets: dict[str, str], name: str, space: dict[st
     }
     path.write_text(yaml.safe_dump(raw))
     return path
-
-
-# -- running `vitscale run` -----------------------------------------------------------------------
-
-
-def start(pipeline: Path, log: Path) -> subprocess.Popen:
-    """`vitscale run PIPELINE` in its own session (process group), its output in `log`."""
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)  # a local Ray of its own, which dies with the driver
-    with log.open("w") as out:
-        return subprocess.Popen([VITSCALE, "run", str(pipeline)], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-
-
-def kill_tree(proc: subprocess.Popen) -> list[Any]:
-    """SIGKILL the driver's process group and every process it started (Ray's GCS, raylet, workers).
-
-    Returns the processes still alive 30 s later (none, when the kill worked).
-    """
-    try:
-        root = psutil.Process(proc.pid)
-        tree = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        tree = []
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for process in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
-    proc.wait()
-    _, alive = psutil.wait_procs(tree, timeout=30)
-    return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-
-
-def run(pipeline: Path, log: Path) -> str:
-    """Run the pipeline to the end; returns its terminal output."""
-    proc = start(pipeline, log)
-    try:
-        proc.wait(timeout=RUN_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-    output = log.read_text()
-    assert proc.returncode == 0, output[-6000:]
-    return output
 
 
 # -- reading what Tune and the stage wrote --------------------------------------------------------

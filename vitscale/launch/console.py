@@ -55,7 +55,17 @@ def quiet_driver_logs(log_path: Path, *, verbose: bool) -> None:
         for handler in logger.handlers:
             if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
                 handler.setLevel(max(handler.level, logging.WARNING))
+                handler.addFilter(_not_notices)
         logger.addHandler(file_handler)
+
+
+NOTICES = ("authentication_token_setup",)
+"""Modules whose warnings are notices, not problems: Ray's "token authentication is enabled" (what
+vitscale wants; docs say how to pass the token). They go to the log file only."""
+
+
+def _not_notices(record: logging.LogRecord) -> bool:
+    return record.module not in NOTICES
 
 
 def route_ray_output(log_path: Path, *, verbose: bool) -> str | None:

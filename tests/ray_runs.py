@@ -1,0 +1,58 @@
+"""Running `vitscale run` as a user would, in its own process group, and killing it from outside."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+VITSCALE = str(Path(sys.executable).parent / "vitscale")
+RUN_TIMEOUT_S = 1200  # one `vitscale run`; Ray Train's start-up dominates on a busy 2-core machine
+
+
+def start(pipeline: Path, log: Path) -> subprocess.Popen:
+    """`vitscale run PIPELINE` in its own session (process group), its output in `log`."""
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)  # a local Ray of its own, which dies with the driver
+    with log.open("w") as out:
+        return subprocess.Popen([VITSCALE, "run", str(pipeline)], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+
+def kill_tree(proc: subprocess.Popen) -> list[Any]:
+    """SIGKILL the driver's process group and every process it started (Ray's GCS, raylet, workers).
+
+    Returns the processes still alive 30 s later (none, when the kill worked).
+    """
+    try:
+        root = psutil.Process(proc.pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    proc.wait()
+    _, alive = psutil.wait_procs(tree, timeout=30)
+    return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def run(pipeline: Path, log: Path) -> str:
+    """Run the pipeline to the end; returns its terminal output."""
+    proc = start(pipeline, log)
+    try:
+        proc.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    output = log.read_text()
+    assert proc.returncode == 0, output[-6000:]
+    return output
