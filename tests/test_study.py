@@ -210,9 +210,9 @@ def test_runnable_cells() -> None:
     assert not runnable(CellRecord("a", status="failed", failures=2), retries=1)  # failed for good
 
 
-def _fake_study(directory: Path) -> StudyState:
+def _fake_study(directory: Path | str, endpoint_url: str | None = None) -> StudyState:
     """A study directory as the runner leaves it: a plan and records (six ViT cells, two ResNets, one running)."""
-    state = StudyState(str(directory))
+    state = StudyState(str(directory), endpoint_url)
     cells, rng = [], np.random.default_rng(0)
     for i, (family, c) in enumerate([("vit", c) for c in np.geomspace(1e-6, 1e-4, 6)] + [("resnet", 2e-6), ("resnet", 2e-5),
                                                                                           ("hybrid", 3e-5)]):
@@ -265,3 +265,19 @@ def test_cli_study_plan_refusal_and_report(tmp_path: Path, capsys: pytest.Captur
     assert main(["study", "recommend", str(tmp_path / "study"), "--budget", "1e-4"]) == 0
     assert "-> ViT" in capsys.readouterr().out
     assert main(["study", "report", str(tmp_path / "nowhere")]) == 2
+
+
+def test_study_state_and_report_on_s3(moto_s3: str) -> None:
+    import boto3
+
+    from vitscale.scaling.study.report import publish_report
+
+    boto3.client("s3", endpoint_url=moto_s3).create_bucket(Bucket="studies")
+    state = _fake_study("s3://studies/my-study", moto_s3)
+    assert state.record("vit-0").status == "done" and state.record("hybrid-8").status == "running"
+    assert state.cells_storage() == "s3://studies/my-study/cells"
+    state.stage_done("vit-0", "pretrain", {"checkpoint": "s3://studies/my-study/cells/vit-0/checkpoint_000001"})
+    assert state.stages("vit-0")["pretrain"]["checkpoint"].endswith("checkpoint_000001")
+    report = publish_report(state)
+    assert "s3://studies/my-study/results.parquet" in report.files
+    assert state.storage.exists("compute_vs_accuracy.png") and state.storage.exists("fits.md")
