@@ -281,3 +281,16 @@ def test_study_state_and_report_on_s3(moto_s3: str) -> None:
     report = publish_report(state)
     assert "s3://studies/my-study/results.parquet" in report.files
     assert state.storage.exists("compute_vs_accuracy.png") and state.storage.exists("fits.md")
+
+
+def test_checkpoint_uri_keeps_the_scheme() -> None:
+    import pyarrow.fs as pafs
+    from ray.train import Checkpoint
+
+    from vitscale.scaling.study.runner import checkpoint_uri
+
+    local = Checkpoint("/runs/cell/checkpoint_000003")
+    remote = Checkpoint("bucket/study/cells/c/checkpoint_000003",
+                        filesystem=pafs.S3FileSystem(endpoint_override="http://127.0.0.1:1", anonymous=True))
+    assert checkpoint_uri(local) == "/runs/cell/checkpoint_000003"
+    assert checkpoint_uri(remote) == "s3://bucket/study/cells/c/checkpoint_000003"

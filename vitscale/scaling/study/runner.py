@@ -46,8 +46,15 @@ def _restored(name: str, summary: dict[str, Any]) -> Any:
 
     from vitscale.stages.base import Pretrained
 
-    metrics = {k: v for k, v in summary.items() if k not in ("checkpoint", "wall_s", "finished_at")}
-    return Pretrained(checkpoint=Checkpoint(summary["checkpoint"]), metrics=metrics)
+    metrics = {k: v for k, v in summary.items() if k not in ("checkpoint", "checkpoint_uri", "wall_s", "finished_at")}
+    return Pretrained(checkpoint=Checkpoint(summary.get("checkpoint_uri") or summary["checkpoint"]), metrics=metrics)
+
+
+def checkpoint_uri(checkpoint: Any) -> str | None:
+    """Where a `ray.train.Checkpoint` lives as a URI: its `path` drops the scheme of object storage."""
+    path = getattr(checkpoint, "path", None)
+    kind = getattr(getattr(checkpoint, "filesystem", None), "type_name", "local")
+    return None if path is None else (path if kind == "local" or "://" in path else f"{kind}://{path}")
 
 
 def run_cell(config: PipelineConfig, cell_id: str, state_url: str, endpoint_url: str | None) -> dict[str, Any]:
@@ -68,7 +75,8 @@ def run_cell(config: PipelineConfig, cell_id: str, state_url: str, endpoint_url:
         started = time.time()
         result = get_stage(name).run(config, context)
         context.results.append(result)
-        state.stage_done(cell_id, name, {**result.summary(), "wall_s": time.time() - started})
+        extra = {"checkpoint_uri": checkpoint_uri(result.checkpoint)} if hasattr(result, "checkpoint") else {}
+        state.stage_done(cell_id, name, {**result.summary(), **extra, "wall_s": time.time() - started})
     return state.stages(cell_id)
 
 
