@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -57,7 +58,7 @@ def test_batches_have_the_contract_shapes(clean):
         assert b["label"].dtype == torch.int64 and b["label"].shape == (4,)
         assert [_global(k) % 10 for k in b["key"]] == b["label"].tolist()  # label travels with key
         assert b["valid"].all()
-    assert s.state_dict() == {"epoch": 1, "position": 0, "seed": 1}
+    assert s.state_dict() == {"epoch": 1, "position": 0, "seed": 1, "skipped": 0}
     assert s.skipped() == {}
 
 
@@ -101,7 +102,7 @@ def test_resume_is_bit_identical(clean):
     it = iter(interrupted)
     head = [next(it), next(it), next(it)]
     state = interrupted.state_dict()
-    assert state == {"epoch": 0, "position": 12, "seed": 5}
+    assert state == {"epoch": 0, "position": 12, "seed": 5, "skipped": 0}
     del it
     resumed = _stream(clean, seed=0, num_workers=2)  # the state's seed wins
     resumed.load_state_dict(json.loads(json.dumps(state)))  # survives a JSON checkpoint
@@ -116,7 +117,7 @@ def test_state_after_last_batch_resumes_next_epoch(clean):
     s = _stream(clean, seed=2)
     for _ in s:
         state = s.state_dict()
-    assert state == {"epoch": 1, "position": 0, "seed": 2}
+    assert state == {"epoch": 1, "position": 0, "seed": 2, "skipped": 0}
     with pytest.raises(ValueError, match="out of range"):
         s.load_state_dict({"epoch": 0, "position": 31, "seed": 2})
     with pytest.raises(ValueError, match="needs int"):
@@ -186,7 +187,7 @@ def damaged(tmp_path_factory) -> Path:
 
 def test_bad_samples_are_skipped_counted_and_logged_once(damaged, caplog):
     caplog.set_level(logging.WARNING, logger="vitscale.data.loader.stream")
-    s = _stream(damaged, seed=1, batch_size=3, error_budget=10)
+    s = _stream(damaged, seed=1, batch_size=3, error_budget=1.0)
     epochs = [_epoch(s), _epoch(s)]
     # 6 bad samples: a corrupt JPEG, a missing and a malformed label, 3 overwritten.
     assert s.skipped() == {
@@ -207,7 +208,7 @@ def test_bad_samples_are_skipped_counted_and_logged_once(damaged, caplog):
 
 def test_ranks_stay_balanced_when_samples_are_lost(damaged):
     for rank in range(2):
-        s = _stream(damaged, rank=rank, world_size=2, seed=1, batch_size=3, error_budget=10)
+        s = _stream(damaged, rank=rank, world_size=2, seed=1, batch_size=3, error_budget=1.0)
         for _ in range(2):
             batches = _epoch(s)
             assert len(batches) == 5 and all(b["image"].shape == (3, 3, R, R) for b in batches)
@@ -219,12 +220,64 @@ def test_ranks_stay_balanced_when_samples_are_lost(damaged):
                     assert b["label"][i] == b["label"][src]
 
 
-def test_error_budget_fails_with_the_shard_names(damaged):
-    s = _stream(damaged, seed=1, batch_size=3, error_budget=2)
+def test_error_budget_is_a_fraction_of_the_epoch(damaged):
+    # 6 of 30 samples are bad. 0.1 of the epoch = 3 samples: exceeded, naming the shards.
+    s = _stream(damaged, seed=1, batch_size=3, error_budget=0.1)
     with pytest.raises(ErrorBudgetExceeded, match=r"train-00000\d\.tar"):
         _epoch(s)
-    s = _stream(damaged, seed=1, batch_size=3, error_budget=0.5)  # a fraction: 15 samples
-    assert len(_epoch(s)) == 10
+    assert len(_epoch(_stream(damaged, seed=1, batch_size=3, error_budget=0.2))) == 10  # 6 of 6 allowed
+    # 1.0 means every sample may be skipped (it once meant "one sample").
+    assert len(_epoch(_stream(damaged, seed=1, batch_size=3, error_budget=1.0))) == 10
+    for bad in (2, 1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="error_budget"):
+            _stream(damaged, error_budget=bad)
+
+
+def test_error_budget_counts_all_ranks_and_every_rank_stops_together(damaged):
+    def run(budget: float) -> int | None:
+        """Batches both ranks took before they stopped (None: the epoch finished)."""
+        ranks = [_stream(damaged, rank=r, world_size=2, seed=1, batch_size=3, error_budget=budget) for r in (0, 1)]
+        its = [iter(s) for s in ranks]
+        for n in range(5):
+            for it in its:
+                next(it)  # a rank alone never stops: it cannot know the others' count
+            total = sum(s.epoch_skipped() for s in ranks)  # what the loop's all-reduce computes
+            stopped = []
+            for s in ranks:
+                with contextlib.suppress(ErrorBudgetExceeded):
+                    s.check_error_budget(total)
+                    continue
+                stopped.append(s.spec.rank)
+            assert stopped in ([], [0, 1])  # all ranks or none
+            if stopped:
+                return n + 1
+        return None
+
+    assert run(0.2) is None  # 6 of 30: allowed
+    assert run(0.1) is not None  # 6 of 30 > 3: stopped, on both ranks at the same batch
+
+
+def test_error_budget_count_survives_a_restart(damaged):
+    def batches_until_stop(s: ShardStream, state: dict | None = None) -> tuple[int, list[dict]]:
+        if state is not None:
+            s.load_state_dict(state)
+        states, n = [], 0
+        try:
+            for _ in s:
+                n += 1
+                states.append(s.state_dict())
+        except ErrorBudgetExceeded:
+            return n, states
+        return -1, states
+
+    whole, states = batches_until_stop(_stream(damaged, seed=1, batch_size=3, error_budget=0.1))
+    assert whole > 0
+    resumable = [(i, st) for i, st in enumerate(states) if st["skipped"] > 0]
+    assert resumable, "the test needs a checkpoint taken after a skip"
+    i, state = resumable[-1]
+    # A restart from that checkpoint stops where the uninterrupted stream stopped, not later.
+    resumed, _ = batches_until_stop(_stream(damaged, seed=1, batch_size=3, error_budget=0.1), state)
+    assert i + 1 + resumed == whole
 
 
 def _truncate_without_bytes(root: Path) -> None:

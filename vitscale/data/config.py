@@ -92,7 +92,9 @@ class DataConfig:
     seed: int = 0
     """Seed of the shard and sample order (which rank sees which sample, in which order)."""
     error_budget: float = 0.001
-    """Fraction of corrupt/unreadable samples tolerated before the run fails, naming the shards."""
+    """Fraction of an epoch's samples (all ranks together) that may be corrupt or unreadable and
+    skipped; one more stops the run at once, naming the shards. 0.001 = 0.1%, 1.0 = all of them
+    (never stops), 0 = none. The count is kept in checkpoints: a restart goes on counting."""
     subset: int | None = None
     """Train on the first N samples of the split in a fixed permutation (the keyed hash of each
     sample's key with `data.seed`, `data/carve.py`): reproducible, and nested, as the paper's

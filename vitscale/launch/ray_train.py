@@ -21,6 +21,7 @@ from ray.train.torch import TorchTrainer
 
 from vitscale.config.pipeline import ClusterConfig
 from vitscale.launch.errors import PipelineFailed
+from vitscale.launch.failures import DeterministicFailure, StopOnDeterministicFailure, deterministic_cause
 from vitscale.train import checkpoint as ckpt
 from vitscale.train.job import TrainJob
 
@@ -50,7 +51,9 @@ def train_worker(payload: dict[str, Any]) -> None:
         # Ray shows its own traceback of the actor; print the worker's with its rank so the driver's
         # log says which rank failed and why, then re-raise for Ray's failure handling.
         print(f"[vitscale] rank {rank} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}", flush=True)
-        raise WorkerFailed(f"rank {rank}: {type(exc).__name__}: {exc}") from exc
+        failure = WorkerFailed(f"rank {rank}: {type(exc).__name__}: {exc}")
+        failure.deterministic = deterministic_cause(exc) is not None  # survives pickling; the cause does not
+        raise failure from exc
 
 
 def _report(metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
@@ -128,7 +131,8 @@ def trainer_for(job: TrainJob, cluster: ClusterConfig, run_name: str, run_dir: P
             failure_config=FailureConfig(max_failures=cluster.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=job.train.keep_checkpoints),
             worker_runtime_env={"env_vars": _worker_env()},
-            callbacks=callbacks,
+            # Bad data or an exceeded error budget ends the run at once: a restart repeats it.
+            callbacks=[StopOnDeterministicFailure(), *(callbacks or [])],
         ),
     )
 
@@ -166,6 +170,9 @@ def _worker_env() -> dict[str, str]:
 
 def _root_cause(exc: BaseException) -> str:
     """One line per failed rank ("rank 1: ValueError: ...") rather than Ray's wrapper exceptions."""
+    stopped = getattr(exc, "controller_failure", None)
+    if isinstance(stopped, DeterministicFailure):
+        return str(stopped)
     failures = getattr(exc, "worker_failures", None) or {}
     lines = []
     for rank, failure in sorted(failures.items()):

@@ -144,6 +144,7 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         step += 1
         if step % steps_per_epoch == 0:
             batches = None  # epoch finished: the next step opens the next epoch's plan
+        _check_error_budget(stream, device)
         examples += batch.global_batch
         flops += train_flops_per_example * batch.global_batch
         # Mean loss over all ranks: what the user compares across runs; one tiny all-reduce per step.
@@ -170,6 +171,8 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
             new_state = ckpt.TrainState(step=step, examples_seen=examples, flops=flops, world_size=ctx.world_size)
             stream_state = {"epoch": step // steps_per_epoch,
                             "position": (step % steps_per_epoch) * per_rank_step, "seed": data.seed}
+            # The error budget's count of the epoch so far (all ranks): a restart goes on counting.
+            stream_state["skipped"] = stream.state_dict()["skipped"] if stream_state["position"] else 0
             t_save = time.perf_counter()
             _save_and_report(engine, ctx, new_state, stream_state, job.config_yaml, metrics, scores, polyak)
             sink.checkpoint_saved(time.perf_counter() - t_save)
@@ -178,6 +181,17 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
     sink.close()
     return {"steps": step, "total_steps": total_steps, "examples_seen": examples, "exaflops": flops / 1e18,
             "final_loss": loss_value, "num_classes": num_classes, "skipped_samples": stream.skipped(), **scores}
+
+
+def _check_error_budget(stream: Any, device: torch.device) -> None:
+    """Sum the epoch's skipped samples over all ranks and check `data.error_budget` against it.
+
+    Every rank runs it after every step and sees the same sum, so all ranks raise
+    `ErrorBudgetExceeded` at the same step (no rank is left waiting in a collective); the launcher
+    then ends the run instead of restarting it (`launch/failures.py`)."""
+    skipped = torch.tensor(float(stream.epoch_skipped()), device=device)
+    torch.distributed.all_reduce(skipped, op=torch.distributed.ReduceOp.SUM)
+    stream.check_error_budget(int(skipped.item()))
 
 
 def _evaluate(job: TrainJob, engine: Any, polyak: Polyak | None, ctx: WorkerContext, device: torch.device,

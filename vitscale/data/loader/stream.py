@@ -23,8 +23,17 @@ Bad samples (truncated tar, corrupt JPEG, missing/malformed label) are skipped, 
 (:meth:`ShardStream.skipped`) and logged once with shard and key. Every rank still emits the same
 number of batches of the same shape: a batch that lost samples refills those rows with copies of
 its surviving samples and marks them ``valid=False`` (a batch that lost all its samples is zeros,
-label 0, all ``valid=False``). Past ``error_budget`` skipped samples in an epoch (a fraction of the
-rank's epoch if < 1, else a count) the stream raises :class:`ErrorBudgetExceeded` naming the shards.
+label 0, all ``valid=False``).
+
+Error budget. ``error_budget`` is a fraction of the epoch's samples across all ranks (the split's
+sample count): ``0.001`` lets 0.1% of them be skipped in an epoch, ``1.0`` lets all of them, ``0``
+none. One more skipped sample raises :class:`ErrorBudgetExceeded` naming the shards. A single
+rank checks after every batch. With several ranks no rank knows the others' count, so the caller
+sums :meth:`ShardStream.epoch_skipped` over the ranks once per step and passes the sum to
+:meth:`ShardStream.check_error_budget` (``train/loop.py`` does), so every rank stops at the same
+step rather than one rank leaving the others waiting in a collective. The count so far in the
+epoch travels in :meth:`ShardStream.state_dict` (``skipped``) into checkpoints: a restart resumes
+it, never resets it.
 A missing shard, an unreadable ``dataset.json``/index or an index that disagrees with
 ``dataset.json`` raises :class:`~vitscale.data.format.DatasetError` in the constructor, before any
 training step.
@@ -42,7 +51,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from vitscale.config.checks import check, non_negative, positive_int
+from vitscale.config.checks import check, fraction, non_negative, positive_int
 from vitscale.data.carve import Carve
 from vitscale.data.format import OpenDataset, ShardIndex, open_dataset
 from vitscale.data.loader.reader import BadSample, SampleReader
@@ -56,7 +65,8 @@ log = logging.getLogger(__name__)
 
 
 class ErrorBudgetExceeded(RuntimeError):
-    """More samples were skipped in an epoch than ``error_budget`` allows."""
+    """More samples were skipped in an epoch than ``error_budget`` allows. Deterministic: the same
+    samples fail again on a retry, so the launcher stops the run instead of restarting it."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +90,8 @@ class StreamSpec:
     shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
     """Window of the in-span sample shuffle (samples)."""
     error_budget: float = 0.001
-    """Skipped samples allowed per epoch: a fraction of the rank's epoch if < 1, else a count."""
+    """Skipped samples allowed per epoch, as a fraction of the epoch's samples across all ranks
+    (1.0: all of them)."""
     endpoint_url: str | None = None
     """S3-protocol endpoint (MinIO, moto, Ceph); None: environment, then AWS."""
     drop_last: bool = True
@@ -98,9 +109,7 @@ class StreamSpec:
               f"must be in [0, world_size={self.world_size}), got {self.rank}")
         positive_int(self.batch_size, "batch_size")
         non_negative(self.num_workers, "num_workers")
-        b = self.error_budget
-        non_negative(b, "error_budget")
-        check(b < 1 or b == int(b), "error_budget", f"is a fraction in [0, 1) or a whole count >= 1, got {b}")
+        fraction(self.error_budget, "error_budget")
         non_negative(self.seed, "seed")
         positive_int(self.shuffle_buffer, "shuffle_buffer")
         positive_int(self.prefetch_factor, "prefetch_factor")
@@ -238,7 +247,9 @@ class ShardStream:
         self.position = 0
         self.seed = seed
         self._skipped: Counter[str] = Counter()
-        self._epoch_skipped: Counter[str] = Counter()
+        self._epoch_skipped: Counter[str] = Counter()  # this rank's, since the epoch or a resume began
+        self._skipped_before = 0  # all ranks' count in this epoch before the resume (from a checkpoint)
+        self._skipped_total = 0  # all ranks' count in this epoch at the last check
         self._logged: set[tuple[str, str]] = set()
         self._generation = 0  # bumped by set_epoch/load_state_dict: stale iterators stop
 
@@ -255,27 +266,32 @@ class ShardStream:
         """Start epoch ``epoch`` from its first sample on the next iteration."""
         non_negative(epoch, "epoch")
         self.epoch, self.position = int(epoch), 0
-        self._epoch_skipped.clear()
+        self._reset_epoch_count(0)
         self._generation += 1
 
     def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "position", "seed"}``: where the next batch starts."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+        """``{"epoch", "position", "seed", "skipped"}``: where the next batch starts, and how many
+        samples all ranks had skipped in this epoch at the last budget check."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "skipped": self._skipped_total if self.position else 0}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at ``state`` (from :meth:`state_dict`); its seed replaces the constructor's."""
+        """Resume at ``state`` (from :meth:`state_dict`); its seed replaces the constructor's.
+
+        ``skipped`` (optional: older checkpoints lack it) is the count of the epoch so far, all
+        ranks together; the error budget goes on from there."""
         try:
             epoch, position, seed = int(state["epoch"]), int(state["position"]), int(state["seed"])
-        except (KeyError, TypeError, ValueError) as exc:
+            skipped = int(state.get("skipped", 0))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(
                 f"stream state needs int 'epoch', 'position', 'seed'; got {state!r}"
             ) from exc
-        if epoch < 0 or seed < 0 or not 0 <= position <= self._end:
+        if epoch < 0 or seed < 0 or skipped < 0 or not 0 <= position <= self._end:
             raise ValueError(f"stream state out of range for this dataset/world size: {state!r}")
         if position == self._end:
             epoch, position = epoch + 1, 0
         self.epoch, self.position, self.seed = epoch, position, seed
-        self._epoch_skipped.clear()
+        self._reset_epoch_count(skipped if position else 0)
         self._generation += 1
 
     def skipped(self) -> dict[str, int]:
@@ -288,9 +304,34 @@ class ShardStream:
         return rank_order(self.dataset.counts, self.seed, self.epoch, s.rank, s.world_size,
                     self.position, s.shuffle_buffer, shuffle=s.train)  # fmt: skip
 
-    def _budget(self) -> float:
-        b = self.spec.error_budget
-        return b * self.samples_per_epoch if b < 1 else b
+    def _reset_epoch_count(self, before: int) -> None:
+        self._epoch_skipped.clear()
+        self._skipped_before = self._skipped_total = before
+
+    def budget_samples(self) -> float:
+        """Samples of an epoch, all ranks together, that may be skipped: ``error_budget`` x the
+        epoch's samples."""
+        return self.spec.error_budget * sum(self.dataset.counts)
+
+    def epoch_skipped(self) -> int:
+        """Samples this rank skipped in the current epoch since it started or was resumed (for
+        the caller to sum over ranks; see :meth:`check_error_budget`)."""
+        return sum(self._epoch_skipped.values())
+
+    def check_error_budget(self, skipped_all_ranks: int) -> None:
+        """Raise :class:`ErrorBudgetExceeded` if the epoch's skipped samples (``skipped_all_ranks``:
+        :meth:`epoch_skipped` summed over all ranks; plus the count restored from a checkpoint)
+        exceed the budget; otherwise remember the total for :meth:`state_dict`."""
+        total = self._skipped_before + int(skipped_all_ranks)
+        self._skipped_total = total
+        if total > self.budget_samples():
+            mine = ", ".join(f"{s} ({c})" for s, c in self._epoch_skipped.most_common(20)) or "none"
+            raise ErrorBudgetExceeded(
+                f"{total} samples skipped in epoch {self.epoch} (all {self.spec.world_size} rank(s)), over "
+                f"the error budget {self.spec.error_budget} of {sum(self.dataset.counts)} samples "
+                f"({self.budget_samples():.0f}); bad shards on rank {self.spec.rank}: {mine}. Repair or "
+                "rewrite them, or raise error_budget."
+            )
 
     def _account(self, skipped: list[tuple[str, str, str]]) -> None:
         for shard, key, why in skipped:
@@ -299,14 +340,8 @@ class ShardStream:
             if (shard, key) not in self._logged:
                 self._logged.add((shard, key))
                 log.warning("skipped sample %s in %s: %s", key, self.dataset.storage.url_of(shard), why)
-        total = sum(self._epoch_skipped.values())
-        if skipped and total > self._budget():
-            worst = ", ".join(f"{s} ({c})" for s, c in self._epoch_skipped.most_common(20))
-            raise ErrorBudgetExceeded(
-                f"{total} samples skipped in epoch {self.epoch} on rank {self.spec.rank}, over the "
-                f"error budget {self.spec.error_budget} ({self._budget():.0f} samples); bad shards: "
-                f"{worst}. Repair or rewrite them, or raise error_budget."
-            )
+        if skipped and self.spec.world_size == 1:  # several ranks: the caller sums and checks
+            self.check_error_budget(self.epoch_skipped())
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         s, gen = self.spec, self._generation
@@ -323,10 +358,13 @@ class ShardStream:
         for batch in loader:
             if gen != self._generation:
                 return  # set_epoch/load_state_dict was called: this iterator is stale
+            if self.position == 0:
+                self._reset_epoch_count(0)  # a new epoch's first batch
             self._account(batch.pop("_skipped"))
             self.position += batch.pop("_count")
             if self.position >= self._end:  # last batch: a checkpoint now resumes next epoch
+                # The epoch's count stays until the next epoch's first batch, so the caller's
+                # check after this step still sees it.
                 self.epoch, self.position = self.epoch + 1, 0
-                self._epoch_skipped.clear()
                 self._generation += 1
             yield batch

@@ -1,0 +1,63 @@
+"""Deterministic worker failures end a run at once; others are left to Ray's restarts."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+
+from vitscale.config.checks import ConfigError
+from vitscale.data.format import DatasetError
+from vitscale.data.loader.stream import ErrorBudgetExceeded
+from vitscale.launch.failures import DeterministicFailure, StopOnDeterministicFailure, deterministic_cause
+from vitscale.launch.ray_train import WorkerFailed, _root_cause
+
+
+def _as_controller_sees_it(rank: int, exc: BaseException) -> BaseException:
+    """What `train_worker` raises for `exc`, after the trip to Ray's controller (pickled, wrapped)."""
+    failure = WorkerFailed(f"rank {rank}: {type(exc).__name__}: {exc}")
+    failure.deterministic = deterministic_cause(exc) is not None
+    failure.__cause__ = exc
+    shipped = pickle.loads(pickle.dumps(failure))  # the cause chain does not survive this
+    assert shipped.__cause__ is None
+    return UserExceptionWithTraceback(shipped, traceback_str="Traceback ...")
+
+
+@pytest.mark.parametrize("exc", [
+    ErrorBudgetExceeded("12 samples skipped in epoch 0, over the error budget; bad shards: train-000003.tar (12)"),
+    DatasetError("1 shard(s) of split 'train' missing"),
+    ConfigError("data.url", "must name a folder"),
+])  # fmt: skip
+def test_deterministic_failures_stop_the_run(exc):
+    callback = StopOnDeterministicFailure()
+    with pytest.raises(DeterministicFailure) as stopped:
+        callback.after_exception(None, {0: _as_controller_sees_it(0, RuntimeError("peer gone")),
+                                        1: _as_controller_sees_it(1, exc)})
+    message = str(stopped.value)
+    assert message.startswith(f"rank 1: {type(exc).__name__}: ") and "not retried" in message
+    assert "rank 0" not in message  # the collateral failure of the other rank is not the cause
+
+
+def test_other_failures_are_left_to_restarts():
+    callback = StopOnDeterministicFailure()
+    for exc in (RuntimeError("NCCL timeout"), MemoryError(), OSError("connection reset")):
+        callback.after_exception(None, {0: _as_controller_sees_it(0, exc)})  # no exception: Ray retries
+
+
+def test_a_cause_deep_in_the_chain_counts():
+    try:
+        try:
+            raise ErrorBudgetExceeded("over")
+        except ErrorBudgetExceeded as inner:
+            raise RuntimeError("while training") from inner
+    except RuntimeError as outer:
+        assert isinstance(deterministic_cause(outer), ErrorBudgetExceeded)
+    assert deterministic_cause(ValueError("plain")) is None
+
+
+def test_the_cli_line_is_the_workers_own():
+    from ray.train.v2.api.exceptions import ControllerError
+
+    stopped = DeterministicFailure("rank 1: ErrorBudgetExceeded: over (not retried: a restart would fail the same way)")
+    assert _root_cause(ControllerError(stopped)) == str(stopped)
