@@ -1,0 +1,85 @@
+"""A real Prometheus server (Debian's `prometheus` package) on loopback, for tests, and promtool.
+
+`ensure_prometheus()` installs the package when it is missing (apt-get update once, then
+apt-get install -y prometheus: what `make install-test-tools` does), so a fresh machine runs the
+monitoring tests instead of skipping them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def ensure_prometheus() -> tuple[str, str]:
+    """(prometheus, promtool) executables, installing Debian's package if they are not on PATH."""
+    if shutil.which("prometheus") is None or shutil.which("promtool") is None:
+        for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "prometheus"]):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed (run `make install-test-tools` as root):\n{done.stderr[-2000:]}")
+    return shutil.which("prometheus"), shutil.which("promtool")  # type: ignore[return-value]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PrometheusServer:
+    """Scrapes `targets` (host:port) every second; stopped by stop()."""
+
+    def __init__(self, workdir: Path, targets: list[str], rule_file: Path | None = None) -> None:
+        prometheus, _ = ensure_prometheus()
+        self.port = free_port()
+        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                  "scrape_configs": [{"job_name": "vitscale", "static_configs": [{"targets": targets}]}]}
+        if rule_file is not None:
+            config["rule_files"] = [str(rule_file)]
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self._log = (workdir / "prometheus.log").open("w")
+        self._proc = subprocess.Popen(
+            [prometheus, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"], stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"prometheus did not become ready: {(workdir / 'prometheus.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+
+    def query(self, expr: str, at: float | None = None) -> dict[str, Any]:
+        """The HTTP API's answer to an instant query (status, data or error), errors included."""
+        params = {"query": expr, **({} if at is None else {"time": f"{at:.3f}"})}
+        url = f"http://127.0.0.1:{self.port}/api/v1/query?{urllib.parse.urlencode(params)}"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:  # 400/422: a bad expression; the body says why
+            return json.loads(e.read())
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._log.close()
