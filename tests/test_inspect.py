@@ -18,7 +18,7 @@ from vitscale.data.tools.write import write_dataset
 from vitscale.inspect.analyses import (attention_rollout, filter_components, mean_attention_distance,
                                        patch_distances, position_similarity, rollout_map,
                                        uniform_attention_distance)
-from vitscale.inspect.extract import patch_filters, position_table
+from vitscale.inspect.extract import images_per_pass, patch_filters, position_table
 from vitscale.models import create_model, export_state_dict
 from vitscale.models.factory import model_meta
 
@@ -193,6 +193,14 @@ def test_explicit_attention_path_gives_the_fused_path_output(options: dict) -> N
     assert torch.allclose(maps[0].sum(-1), torch.ones(2, TINY["heads"], t), atol=1e-5)
 
 
+def test_large_models_look_at_fewer_images_per_pass() -> None:
+    with torch.device("meta"):
+        small = create_model("ViT-Ti/8", num_classes=2, img_size=32, **TINY)
+        large = create_model("ViT-L/16", num_classes=2, img_size=384)
+    assert images_per_pass(small) == 16
+    assert images_per_pass(large) == 2  # 24 layers x 16 heads x 577^2 x 4 bytes = 511 MiB per image
+
+
 # --- the verb -----------------------------------------------------------------------------------------------
 
 SIZE = 32
@@ -247,6 +255,24 @@ def test_inspect_writes_every_figure_and_its_numbers(images: str, tmp_path: Path
     assert len(report["image_keys"]) == 3 and report["notes"] == []
 
 
+def test_an_npz_file_is_read_with_model_and_img_size_as_fewshot_reads_it(images: str, tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from vitscale.models import export_npz
+
+    torch.manual_seed(0)
+    model = create_model("ViT-Ti/16", num_classes=3, img_size=SIZE)  # the full Ti (npz files carry no overrides)
+    export_npz(model, tmp_path / "vit.npz")
+    distances = []
+    for argv in ([_export(model, tmp_path / "vit.pt")], [str(tmp_path / "vit.npz"), "--model", "ViT-Ti/16",
+                                                          "--img-size", str(SIZE)]):
+        out = tmp_path / argv[0].rsplit(".", 1)[1]
+        assert main(["inspect", *argv, "--images", images, "--out", str(out), "--count", "2"]) == 0
+        distances.append(pq.read_table(out / "attention_distance.parquet").to_pandas().distance_px.to_numpy())
+    capsys.readouterr()
+    assert len(distances[0]) == 12 * 3 and np.allclose(distances[0], distances[1], atol=1e-4)
+    assert "--model" in _error(capsys, str(tmp_path / "vit.npz"), "--images", images, "--out", str(tmp_path / "o"))
+
+
 def test_a_hybrid_skips_the_filter_figure_with_a_note(images: str, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     model = create_model("R50x1+ViT-Ti/16", num_classes=3, img_size=SIZE, resnet_layers=(1, 1, 1), **TINY)
@@ -268,6 +294,24 @@ def test_a_resnet_is_refused_in_one_line(images: str, tmp_path: Path, capsys: py
     torch.save({}, tmp_path / "weights.pth")  # named as a ResNet: refused before the file is read
     assert "is a ResNet" in _error(capsys, str(tmp_path / "weights.pth"), "--model", "R50x1", "--images", images,
                                    "--out", str(tmp_path / "o"))
+
+
+def test_sample_images_are_the_first_readable_ones(tmp_path: Path) -> None:
+    from conftest_data import write_test_dataset
+
+    from vitscale.inspect.images import sample_images
+
+    def corrupt(key: str, sample: dict[str, bytes]) -> dict[str, bytes]:
+        if key == "train000001":
+            sample["jpg"] = sample["jpg"][:100] + b"\x00" * 50
+        return sample
+
+    write_test_dataset(tmp_path / "d", {"train": [6]}, num_classes=3, size=(20, 16), hook=corrupt)
+    sample = sample_images(str(tmp_path / "d"), "train", 4, 16)
+    assert sample.pixels.shape == (4, 3, 16, 16) and sample.pixels.dtype == torch.uint8
+    assert sorted(sample.keys) == ["train000000", "train000002", "train000003", "train000004"]
+    assert sample_images(str(tmp_path / "d"), "train", 4, 16).keys == sample.keys  # the same images every run
+    assert len(sample_images(str(tmp_path / "d"), "train", 50, 16).keys) == 5  # all the split has
 
 
 def test_bad_arguments_are_one_line_errors(images: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

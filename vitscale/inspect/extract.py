@@ -74,6 +74,16 @@ class AttentionStats:
     """Per layer (B, T, T) attention averaged over heads."""
 
 
+def images_per_pass(model: VisionTransformer, budget_bytes: int = 2**30, most: int = 16) -> int:
+    """Images per forward pass so that every layer's (B, heads, T, T) float32 maps fit in `budget_bytes`.
+
+    `forward_attention` hands back all layers at once: 16 images of ViT-L/16 at 384 px would be 8 GiB.
+    """
+    t = model.cfg.seq_len
+    per_image = len(model.blocks) * model.cfg.dims.heads * t * t * 4
+    return max(1, min(most, budget_bytes // per_image))
+
+
 @torch.no_grad()
 def attention_stats(model: VisionTransformer, batches: Iterable[torch.Tensor], device: torch.device) -> AttentionStats:
     """Run the images (batches of (B, C, H, W) normalised floats) and reduce their attention."""

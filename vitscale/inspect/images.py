@@ -41,9 +41,10 @@ def sample_images(url: str, split: str, count: int, resolution: int, *,
     samples = meta.samples(split)
     if samples == 0:
         raise ConfigError("--split", f"split {split!r} of {url} has no samples")
-    # Bad samples are skipped however many there are: any `count` readable images will do.
+    # Bad samples are skipped however many there are (a budget of all of them): any `count` readable
+    # images will do.
     stream = ShardStream(url, split, batch_size=min(count, samples), resolution=resolution, train=False,
-                         num_workers=0, error_budget=samples, endpoint_url=endpoint_url)
+                         num_workers=0, error_budget=1.0, endpoint_url=endpoint_url)
     pixels: list[torch.Tensor] = []
     keys: list[str] = []
     captions: list[str] = []

@@ -26,14 +26,13 @@ import torch
 
 from vitscale.inspect.analyses import (attention_rollout, filter_components, position_similarity, rollout_map,
                                        uniform_attention_distance)
-from vitscale.inspect.extract import (attention_stats, check_inspectable, patch_filters, position_table,
-                                      resnet_refusal)
+from vitscale.inspect.extract import (attention_stats, check_inspectable, images_per_pass, patch_filters,
+                                      position_table, resnet_refusal)
 from vitscale.inspect.images import sample_images
 from vitscale.inspect.plots import (plot_attention_distance, plot_filter_components, plot_position_similarity,
                                     plot_rollout)
 
 COMPONENTS = 28  # Figure 7 (left) shows the top 28 principal components
-BATCH = 16  # images per forward pass: the explicit attention maps are (B, heads, T, T) per layer
 
 
 def _write_parquet(columns: dict[str, Any], path: Path) -> Path:
@@ -81,7 +80,8 @@ def _attention(model: Any, images: Any, out: Path, name: str, img_size: int,
                device: torch.device) -> tuple[list[Path], dict[str, Any]]:
     from vitscale.data.loader.transforms import normalize_on_device
 
-    batches = (normalize_on_device(images.pixels[i:i + BATCH]) for i in range(0, len(images.keys), BATCH))
+    step = images_per_pass(model)
+    batches = (normalize_on_device(images.pixels[i:i + step]) for i in range(0, len(images.keys), step))
     stats = attention_stats(model, batches, device)
     n = len(images.keys)
     mean = stats.distance.mean(axis=1)  # (layers, heads): over images
