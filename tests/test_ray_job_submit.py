@@ -87,3 +87,34 @@ def test_job_submit_runs_the_pipeline_on_the_cluster(head_node: tuple[str, dict]
     assert "TrainingReport(" not in output and "DeepSpeed" not in output
     log = (tmp_path / "runs" / "submitted" / "logs" / "ray.log").read_text()
     assert "TrainingReport(" in log or "DeepSpeed" in log
+
+
+def test_job_api_refuses_a_submission_without_the_token(head_node: tuple[str, dict], tmp_path: Path) -> None:
+    """The ShadowRay hole closed: no token (or a wrong one), no job; the right token, the job runs."""
+    import urllib.error
+    import urllib.request
+
+    address, env = head_node
+    home = tmp_path / "home"  # no ~/.ray/auth_token to fall back on
+    home.mkdir()
+    no_token = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")} | {"HOME": str(home)}
+    wrong = no_token | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    for label, client_env in (("no token", no_token), ("wrong token", wrong)):
+        for _ in range(12):
+            done = subprocess.run([RAY, "job", "submit", "--address", address, "--", "echo", "submitted-ok"],
+                                  env=client_env, capture_output=True, text=True, timeout=300)
+            if "No available agent to submit job" not in done.stdout + done.stderr:
+                break
+            time.sleep(5)
+        assert done.returncode != 0 and "submitted-ok" not in done.stdout, (label, done.stdout[-2000:], done.stderr[-2000:])
+    # The raw job API as a scanner would call it: refused as unauthenticated.
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{address}/api/jobs/", timeout=30)
+    assert refused.value.code in (401, 403)
+    for _ in range(12):
+        done = subprocess.run([RAY, "job", "submit", "--address", address, "--", "echo", "submitted-ok"],
+                              env=env, capture_output=True, text=True, timeout=300)
+        if "No available agent to submit job" not in done.stdout + done.stderr:
+            break
+        time.sleep(5)
+    assert done.returncode == 0 and "submitted-ok" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
