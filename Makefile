@@ -10,7 +10,7 @@ TORCH_CONSTRAINTS ?= constraints/cpu.txt
 PIP = $(VENV)/bin/python -m pip
 CONSTRAIN = $(if $(TORCH_CONSTRAINTS),-c $(TORCH_CONSTRAINTS))
 
-.PHONY: install quickstart test test-fast bench
+.PHONY: install install-test-tools quickstart test test-fast bench
 
 $(VENV)/.installed: pyproject.toml $(TORCH_CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -21,10 +21,16 @@ $(VENV)/.installed: pyproject.toml $(TORCH_CONSTRAINTS)
 
 install: $(VENV)/.installed
 
+# Debian's prometheus package (prometheus + promtool) for tests/test_monitoring.py, which also installs
+# it on first use when run as root; kubectl (with its kustomize) renders k8s/ for the k8s tests.
+install-test-tools:
+	command -v promtool >/dev/null || (apt-get update && apt-get install -y prometheus)
+	command -v kubectl >/dev/null || echo "kubectl not found: install it to run the k8s/ tests"
+
 quickstart: install
 	$(VENV)/bin/vitscale run pipelines/quickstart.yaml
 
-test: install
+test: install install-test-tools
 	$(VENV)/bin/python -m pytest -q
 
 test-fast: install
