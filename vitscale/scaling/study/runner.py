@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from vitscale.config.pipeline import PipelineConfig
+from vitscale.launch.errors import PipelineFailed
 from vitscale.scaling.study.cells import Cell, cell_run
 from vitscale.scaling.study.plan import PlannedCell
 from vitscale.scaling.study.state import CellRecord, StudyState, runnable
@@ -162,6 +163,17 @@ def run_cells(config: PipelineConfig, cells: list[Cell], planned: list[PlannedCe
                 record.wall_s += time.time() - started
                 try:
                     stages = ray.get(ref)
+                except (ray.exceptions.LocalRayletDiedError, ray.exceptions.NodeDiedError) as exc:
+                    # The machine under the cell went away, not the cell: it stays "running" (a
+                    # re-run resumes it) and no failure is counted against it.
+                    record.error = _one_line(exc)
+                    state.write(record)
+                    if isinstance(exc, ray.exceptions.LocalRayletDiedError):
+                        raise PipelineFailed(f"the local Ray node died under cell {cell.id} ({record.error}); run the "
+                                             "same command again: finished cells are kept, interrupted ones resume") from exc
+                    print(f"[vitscale] cell {cell.id}: its node died; running it again", flush=True)
+                    queue.append(cell)
+                    continue
                 except Exception as exc:  # noqa: BLE001 -- a failed cell is a row with its error; the study goes on
                     record.failures += 1
                     record.error = _one_line(exc)
