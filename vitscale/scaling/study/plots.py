@@ -53,7 +53,7 @@ def plot_compute(rows: Sequence[dict[str, Any]], metric: str, fits: dict[str, An
     ax.set_ylabel(metric)
     ax.set_title(f"Transfer accuracy vs pre-training compute ({len(points)} cells)", fontsize=10)
     ax.grid(True, which="both", alpha=0.25)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="best", framealpha=0.6)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
