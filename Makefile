@@ -24,8 +24,9 @@ install: $(VENV)/.installed
 # Debian's prometheus package (prometheus + promtool) for tests/test_monitoring.py, which also installs
 # it on first use when run as root; kubectl (with its kustomize) renders k8s/ for the k8s tests.
 install-test-tools:
-	command -v promtool >/dev/null || (apt-get update && apt-get install -y prometheus)
-	command -v kubectl >/dev/null || echo "kubectl not found: install it to run the k8s/ tests"
+	(command -v promtool && command -v kubectl) >/dev/null || apt-get update
+	command -v promtool >/dev/null || apt-get install -y prometheus
+	command -v kubectl >/dev/null || apt-get install -y kubectl || echo "kubectl not found: install it to run the k8s/ tests"
 
 quickstart: install
 	$(VENV)/bin/vitscale run pipelines/quickstart.yaml
