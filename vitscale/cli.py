@@ -134,11 +134,18 @@ def cmd_shards_write(args: argparse.Namespace) -> int:
                                  ("image_size", args.image_size)) if v is not None}
     if args.multi_label:
         options["multi_label"] = True
-    meta = write_dataset(args.source, args.out, shard_size=args.shard_size, max_side=args.max_side,
-                         quality=args.quality, seed=args.seed, splits=parse_splits(args.split) if args.split else None,
-                         source_options=options, name=args.name, endpoint_url=args.endpoint_url)
+    try:
+        meta = write_dataset(args.source, args.out, shard_size=args.shard_size, max_side=args.max_side,
+                             quality=args.quality, seed=args.seed,
+                             splits=parse_splits(args.split) if args.split else None, source_options=options,
+                             name=args.name, endpoint_url=args.endpoint_url, max_bad=args.max_bad,
+                             max_pixels=args.max_pixels)
+    except OSError as exc:  # storage trouble (disk full, permissions, S3 after retries): one line
+        raise ValueError(f"shards write to {args.out}: {type(exc).__name__}: {exc}") from exc
     counts = {s: v["samples"] for s, v in meta["splits"].items()}
-    print(json.dumps({"out": args.out, "classes": meta["num_classes"], "samples": counts}))
+    bad = meta.get("bad_files", [])
+    print(json.dumps({"out": args.out, "classes": meta["num_classes"], "samples": counts, "bad": len(bad),
+                      "bad_files": [f"{b['file']}: {b['error']}" for b in bad]}))
     return 0
 
 
@@ -318,6 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--classes", type=int, default=None, help="synthetic/fractal: number of classes")
     p.add_argument("--image-size", type=int, default=None, help="synthetic/fractal/digits: image side in pixels")
     p.add_argument("--multi-label", action="store_true", help="synthetic: JFT-style multi-label samples")
+    p.add_argument("--max-bad", type=int, default=100,
+                   help="unreadable source files skipped and listed before the write stops (default 100)")
+    p.add_argument("--max-pixels", type=int, default=None,
+                   help="larger source images are skipped as decompression bombs (default 89478485, PIL's)")
     endpoint(p)
 
     p = verb("stats", cmd_shards_stats, "Shards, samples and classes of a dataset.", shard_verbs)

@@ -59,6 +59,7 @@ import numpy as np
 from PIL import Image
 
 from vitscale.config.checks import check, one_of
+from vitscale.data.tools.keys import unique_keys
 
 __all__ = [
     "Sample",
@@ -112,6 +113,10 @@ class Source(Sequence[Sample]):
         """
         return None
 
+    def origin(self, i: int) -> str:
+        """Where sample ``i`` comes from, for messages: its file, or the source and index."""
+        return f"{self.name}[{i}]"
+
     def _check_index(self, i: int) -> int:
         n = len(self)
         if not -n <= i < n:
@@ -119,23 +124,7 @@ class Source(Sequence[Sample]):
         return i % n
 
 
-_KEY_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
-
-
-def _unique_keys(raw: Sequence[str]) -> list[str]:
-    """Keys safe inside tar names (no dots, slashes): ``[A-Za-z0-9_-]``, de-collided by suffix.
-
-    WebDataset splits a member name at the first dot of its base name, so keys carry no dots.
-    """
-    out: list[str] = []
-    seen: set[str] = set()
-    for i, r in enumerate(raw):
-        k = _KEY_UNSAFE.sub("_", r).strip("_") or f"sample{i}"
-        if k in seen:
-            k = f"{k}_{i}"
-        seen.add(k)
-        out.append(k)
-    return out
+_unique_keys = unique_keys  # the name downstream sources and tests import
 
 
 class FolderSource(Source):
@@ -163,6 +152,9 @@ class FolderSource(Source):
 
     def __len__(self) -> int:
         return len(self._files)
+
+    def origin(self, i: int) -> str:
+        return str(self._files[i][0])
 
     def __getitem__(self, i: int) -> Sample:  # type: ignore[override]
         i = self._check_index(i)
@@ -294,6 +286,10 @@ class ImageListSource(Source):
         if not path.is_file():
             raise ValueError(f"image list {self.path}: image {path} does not exist")
         return path.read_bytes()
+
+    def origin(self, i: int) -> str:
+        p = self._paths[i]
+        return p if p.startswith("s3://") or Path(p).is_absolute() else str(self.root / p)
 
     def __getitem__(self, i: int) -> Sample:  # type: ignore[override]
         i = self._check_index(i)

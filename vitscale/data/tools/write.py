@@ -3,6 +3,12 @@
 ``write_dataset`` backs ``vitscale shards write``; :class:`ShardWriter` is the shard packer that
 dedup reuses to copy a dataset. The files it writes and their schema are
 :mod:`vitscale.data.format`'s; their bytes are reproducible (fixed tar metadata, seeded order).
+
+Source files that are no readable image (not an image, empty, truncated, a decompression bomb:
+:mod:`vitscale.data.tools.images`) are skipped, counted and listed (``bad_files`` in the summary
+and in ``dataset.json``) up to ``max_bad``; one more stops the write with one line naming the file.
+The destination is claimed, filled and published by :mod:`vitscale.data.tools.publish`: a failed
+or interrupted write never leaves a dataset, and writing again to the same place works.
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import numpy as np
-from PIL import Image, ImageOps
 
 from vitscale.config.checks import check, positive_int
 from vitscale.data.config import check_splits
@@ -34,8 +39,10 @@ from vitscale.data.format import (
     write_index_and_meta,
 )
 from vitscale.data.storage import Storage, open_storage
+from vitscale.data.tools import publish
+from vitscale.data.tools.images import MAX_PIXELS, UnreadableImage, encode_image
 from vitscale.data.tools.progress import Progress
-from vitscale.data.tools.sources import Sample, Source, image_of, open_source
+from vitscale.data.tools.sources import Sample, Source, open_source
 
 __all__ = [
     "ShardWriter",
@@ -79,28 +86,6 @@ def assign_splits(n: int, splits: dict[str, float], seed: int) -> dict[str, np.n
     perm = np.random.default_rng(seed).permutation(n)
     bounds = np.concatenate([[0], np.cumsum(counts)])
     return {s: perm[bounds[j] : bounds[j + 1]] for j, s in enumerate(names)}
-
-
-def encode_image(image: Image.Image | bytes, max_side: int, quality: int) -> tuple[bytes, int, int]:
-    """Fit ``image`` within ``max_side`` (never enlarging), convert to RGB, encode JPEG.
-
-    Returns ``(jpeg_bytes, width, height)``.
-    """
-    img = image_of(image)
-    # thumbnail() shrinks in place keeping the aspect ratio, never enlarges, and for JPEG input
-    # lets libjpeg decode at 1/2, 1/4 or 1/8 scale first (draft), which is much faster.
-    img.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
-    img = ImageOps.exif_transpose(img)
-    if img.mode in ("RGBA", "LA") or (img.mode == "P" and "transparency" in img.info):
-        rgba = img.convert("RGBA")
-        flat = Image.new("RGB", rgba.size, (255, 255, 255))
-        flat.paste(rgba, mask=rgba.getchannel("A"))  # transparent -> white, not black
-        img = flat
-    elif img.mode != "RGB":
-        img = img.convert("RGB")
-    buf = io.BytesIO()
-    img.save(buf, format="JPEG", quality=quality)
-    return buf.getvalue(), img.width, img.height
 
 
 class _HashingFile:
@@ -211,18 +196,31 @@ def ensure_empty_destination(storage: Storage) -> None:
 
 
 
+_Encoded = tuple[Sample, bytes, int, int] | tuple[int, str]
+"""A sample with its JPEG and size, or (source index, why it was skipped)."""
+
+
 def _encoded_in_order(
     source: Source,
     order: np.ndarray,
     encode: Callable[[Sample], tuple[Sample, bytes, int, int]],
     workers: int,
-) -> Iterator[tuple[Sample, bytes, int, int]]:
+) -> Iterator[_Encoded]:
     """Encode samples on a thread pool (PIL releases the GIL) while keeping write order."""
+
+    def one(j: int) -> _Encoded:
+        try:
+            return encode(source[j])
+        except UnreadableImage as exc:
+            return j, str(exc)
+        except (OSError, ValueError) as exc:  # the file is gone or unreadable (disk, object store)
+            return j, f"cannot read: {type(exc).__name__}: {exc}"
+
     window = max(4, 4 * workers)  # bounded in-flight work: memory stays flat on big sets
     with ThreadPoolExecutor(max_workers=workers) as pool:
         pending: list[Any] = []
         for i in order:
-            pending.append(pool.submit(lambda j=int(i): encode(source[j])))
+            pending.append(pool.submit(one, int(i)))
             if len(pending) >= window:
                 yield pending.pop(0).result()
         for fut in pending:
@@ -268,6 +266,8 @@ def write_dataset(
     endpoint_url: str | None = None,
     progress: bool = True,
     workers: int | None = None,
+    max_bad: int = 100,
+    max_pixels: int | None = None,
 ) -> dict[str, Any]:
     """Write ``source`` (see :func:`vitscale.data.tools.sources.open_source`) as shards at ``out``.
 
@@ -277,9 +277,13 @@ def write_dataset(
     ImageNet) is written with exactly those, each shuffled from ``seed``; ``splits`` must then be
     left out.
     ``seed`` also seeds the synthetic and fractal sources unless ``source_options`` sets their own.
-    Returns the ``dataset.json`` content.
+    Up to ``max_bad`` unreadable source files (or images over ``max_pixels``) are skipped and
+    listed; one more raises ``ValueError`` naming it (``max_pixels`` None: :data:`MAX_PIXELS`). Returns the ``dataset.json`` content.
     """
     positive_int(shard_size, "shard_size")
+    check(isinstance(max_bad, int) and max_bad >= 0, "max_bad", f"must be an integer >= 0, got {max_bad!r}")
+    max_pixels = MAX_PIXELS if max_pixels is None else max_pixels
+    positive_int(max_pixels, "max_pixels")
     check(max_side >= 8, "max_side", f"must be >= 8 px, got {max_side}")
     check(1 <= quality <= 95, "quality", f"must be in [1, 95] (JPEG), got {quality}")
     opts = dict(source_options or {})
@@ -290,39 +294,60 @@ def write_dataset(
     if by_split is None:
         by_split = assign_splits(len(src), dict(splits) if splits else {"train": 1.0}, seed)
     storage = open_storage(out, endpoint_url=endpoint_url)
-    ensure_empty_destination(storage)
+    publish.claim(storage)
     n_workers = workers or min(8, os.cpu_count() or 1)
 
     def encode(s: Sample) -> tuple[Sample, bytes, int, int]:
-        return (s, *encode_image(s.image, max_side, quality))
+        return (s, *encode_image(s.image, max_side, quality, max_pixels))
 
     meta_splits: dict[str, SplitMeta] = {}
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
-    with Progress(len(src), f"write {storage.url}", unit="img", enabled=progress) as bar:
-        for split, order in by_split.items():
-            writer = ShardWriter(storage, split, shard_size, src.multi_label)
-            try:
-                for sample, jpeg, w, h in _encoded_in_order(src, order, encode, n_workers):
-                    if sample.key in seen:
-                        raise ValueError(
-                            f"{source}: duplicate sample key {sample.key!r}; keys must be unique"
-                        )
-                    seen.add(sample.key)
-                    writer.add(sample.key, jpeg, sample.labels, w, h)
-                    bar.update()
-                writer.finish_shard()
-            except BaseException:
-                writer.abort()
-                raise
-            meta_splits[split] = SplitMeta(len(order), tuple(writer.shards))
-            rows.extend(writer.rows)
-    meta = DatasetMeta(
+    bad: list[dict[str, str]] = []
+    try:
+        with Progress(len(src), f"write {storage.url}", unit="img", enabled=progress) as bar:
+            for split, order in by_split.items():
+                writer = ShardWriter(storage, split, shard_size, src.multi_label)
+                try:
+                    for item in _encoded_in_order(src, order, encode, n_workers):
+                        bar.update()
+                        if len(item) == 2:
+                            bad.append({"file": src.origin(item[0]), "error": item[1]})
+                            if len(bad) > max_bad:
+                                raise ValueError(f"{len(bad)} unreadable source files, more than --max-bad "
+                                                 f"{max_bad}; the last: {bad[-1]['file']}: {bad[-1]['error']}")
+                            continue
+                        sample, jpeg, w, h = item
+                        if sample.key in seen:
+                            raise ValueError(f"{source}: duplicate sample key {sample.key!r}; keys must be unique")
+                        seen.add(sample.key)
+                        writer.add(sample.key, jpeg, sample.labels, w, h)
+                    writer.finish_shard()
+                finally:
+                    writer.abort()  # drops an unfinished shard's spool file (a no-op once finished)
+                meta_splits[split] = SplitMeta(len(writer.rows), tuple(writer.shards))
+                rows.extend(writer.rows)
+        empty = [s for s, sp in meta_splits.items() if sp.samples == 0]
+        if empty:
+            raise ValueError(f"{source}: split {empty[0]!r} has no readable images "
+                             f"({len(bad)} skipped, e.g. {bad[0]['file'] if bad else '-'})")
+        meta = _meta(src, name, meta_splits, max_side, quality, seed, source, opts, bad)
+        write_index_and_meta(storage, rows, meta)
+    except BaseException as exc:
+        publish.abort(storage, exc)
+        raise
+    publish.release(storage)
+    return meta.to_json()
+
+
+def _meta(src: Source, name: str | None, splits: dict[str, SplitMeta], max_side: int, quality: int, seed: int,
+          source: str, opts: dict[str, Any], bad: list[dict[str, str]]) -> DatasetMeta:
+    return DatasetMeta(
         name=name or src.name,
         classes=tuple(src.classes),
         num_classes=len(src.classes),
         multi_label=src.multi_label,
-        splits=meta_splits,
+        splits=splits,
         max_side=max_side,
         quality=quality,
         extra={
@@ -330,8 +355,7 @@ def write_dataset(
             "source": source,
             "source_options": {k: v for k, v in opts.items() if isinstance(v, (int, float, str, bool, list))},
             "format": 1,
+            "bad_files": bad,
         },
     )
-    write_index_and_meta(storage, rows, meta)
-    return meta.to_json()
 

@@ -1,0 +1,125 @@
+"""Source image -> the JPEG a shard stores: every PIL mode turned into 8-bit RGB the same way.
+
+What each mode becomes (``to_rgb``):
+
+- ``RGB``, ``L``, ``1``, ``YCbCr``, ``LAB``, ``HSV``: PIL's own conversion to RGB.
+- ``CMYK``: PIL's conversion (``R = 255 - C - K`` per channel); Adobe's inverted CMYK JPEGs are
+  read by PIL with the inversion already undone.
+- ``I;16``, ``I;16L``, ``I;16B``, ``I;16N`` (16-bit integer grey): scaled to 8 bits,
+  ``v * 255 / 65535``, not clipped at 255 (PIL's own conversion would make them nearly all white).
+- ``I`` (32-bit integer grey): scaled from ``[0, 65535]`` when every value fits 16 bits (PIL
+  decodes 16-bit PNGs and TIFFs to ``I``), otherwise from ``[0, 2**31 - 1]``; negatives become 0.
+- ``F`` (32-bit float grey): taken as intensities in ``[0, 1]``, clipped, times 255; NaN becomes 0.
+- ``P`` (palette), ``PA``, ``LA``, ``La``, ``RGBA``, ``RGBa`` and a palette or grey image with a
+  transparent colour: composited on :data:`BACKGROUND` (white), so transparent pixels are white,
+  as a browser or a slide shows them, not the black that dropping alpha would give.
+
+EXIF orientation is applied (a phone photo stored sideways is written upright). Images larger
+than :data:`MAX_PIXELS` (width x height) are refused before they are decoded, as decompression
+bombs; anything PIL cannot open or decode (not an image, empty, truncated) raises
+:class:`UnreadableImage`. The shard writer skips and counts such files (``--max-bad``).
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+from PIL import Image, ImageOps
+
+__all__ = ["BACKGROUND", "MAX_PIXELS", "UnreadableImage", "encode_image", "open_image", "to_rgb"]
+
+BACKGROUND = (255, 255, 255)
+"""What transparent pixels are composited on: white."""
+
+MAX_PIXELS = 89_478_485
+"""Largest source image, in pixels (width x height), that is decoded: PIL's own decompression-bomb
+threshold (``Image.MAX_IMAGE_PIXELS``, about 9459 x 9459). Larger files are skipped as bad."""
+
+_ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
+_INT16_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
+class UnreadableImage(ValueError):
+    """A source file that is no image PIL can decode (or a decompression bomb); skipped and counted."""
+
+
+def open_image(image: Image.Image | bytes, max_pixels: int = MAX_PIXELS) -> Image.Image:
+    """A PIL image from a source's bytes (header read, pixels not yet decoded), size-checked."""
+    if isinstance(image, Image.Image):
+        img = image
+    else:
+        if not image:
+            raise UnreadableImage("empty file")
+        try:
+            with warnings.catch_warnings():
+                # Our own limit below decides; PIL's warning about big images is noise here.
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                img = Image.open(io.BytesIO(image))
+        except Image.DecompressionBombError as exc:
+            raise UnreadableImage(f"decompression bomb: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 -- PIL answers junk with many exception types
+            raise UnreadableImage(f"not an image PIL can read: {type(exc).__name__}: {exc}") from exc
+    if img.width * img.height > max_pixels:
+        raise UnreadableImage(f"decompression bomb: {img.width}x{img.height} pixels, over the limit "
+                              f"of {max_pixels} pixels")
+    return img
+
+
+def _grey_to_rgb(arr: np.ndarray) -> Image.Image:
+    return Image.fromarray(np.round(arr).astype(np.uint8), mode="L").convert("RGB")
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """``img`` as 8-bit RGB, by the rules in the module docstring."""
+    mode = img.mode
+    if mode == "RGB":
+        return img
+    if mode in _INT16_MODES:
+        return _grey_to_rgb(np.asarray(img, dtype=np.float64) * (255.0 / 65535.0))
+    if mode == "I":
+        arr = np.clip(np.asarray(img, dtype=np.float64), 0, None)
+        top = 65535.0 if arr.size == 0 or arr.max() <= 65535 else 2.0**31 - 1
+        return _grey_to_rgb(arr * (255.0 / top))
+    if mode == "F":
+        arr = np.nan_to_num(np.asarray(img, dtype=np.float64), nan=0.0, posinf=1.0, neginf=0.0)
+        return _grey_to_rgb(np.clip(arr, 0.0, 1.0) * 255.0)
+    if mode in _ALPHA_MODES or (mode in ("P", "L", "RGB") and "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        flat = Image.new("RGB", rgba.size, BACKGROUND)
+        flat.paste(rgba, mask=rgba.getchannel("A"))
+        return flat
+    return img.convert("RGB")
+
+
+def encode_image(image: Image.Image | bytes, max_side: int, quality: int,
+                 max_pixels: int = MAX_PIXELS) -> tuple[bytes, int, int]:
+    """Fit ``image`` within ``max_side`` (never enlarging), upright and RGB, and encode a JPEG.
+
+    Returns ``(jpeg_bytes, width, height)``; raises :class:`UnreadableImage` for a file that is no
+    decodable image or is larger than ``max_pixels``.
+    """
+    img = open_image(image, max_pixels)
+    try:
+        # Orientation first, from the header: thumbnail() may decode at a reduced scale (draft)
+        # and the transposed size decides which side is the long one.
+        orientation = img.getexif().get(0x0112, 1)
+        if img.mode in _INT16_MODES + ("I", "F"):
+            img = to_rgb(img)  # resampling these modes in PIL is partial; convert first
+        # thumbnail() shrinks in place keeping the aspect ratio, never enlarges, and for JPEG input
+        # lets libjpeg decode at 1/2, 1/4 or 1/8 scale first (draft), which is much faster.
+        img.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
+        if orientation != 1:
+            exif = Image.Exif()
+            exif[0x0112] = orientation
+            img.info["exif"] = exif.tobytes()
+            img = ImageOps.exif_transpose(img)
+        img = to_rgb(img)
+        buf = io.BytesIO()
+        img.save(buf, format="JPEG", quality=quality)
+    except UnreadableImage:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- truncated or damaged data fails while decoding
+        raise UnreadableImage(f"cannot decode: {type(exc).__name__}: {exc}") from exc
+    return buf.getvalue(), img.width, img.height

@@ -1,0 +1,35 @@
+"""Sample keys from source names: safe inside tar member names, and never two alike."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+__all__ = ["unique_keys"]
+
+_KEY_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+def unique_keys(raw: Sequence[str]) -> list[str]:
+    """Keys safe inside tar names (no dots, slashes): ``[A-Za-z0-9_-]``, de-collided by suffix.
+
+    WebDataset splits a member name at the first dot of its base name, so keys carry no dots.
+    Names that clean up to the same key (``a.jpg`` and ``a.png``, ``a b`` and ``a_b``) get a
+    suffix ``_{i}`` (``i`` = the name's position), and further ``_2``, ``_3``... should that
+    suffixed key itself be another name's key: the result never repeats a key.
+    """
+    cleaned = [_KEY_UNSAFE.sub("_", r).strip("_") or f"sample{i}" for i, r in enumerate(raw)]
+    taken = set(cleaned)  # a suffixed key must not take a key a later name cleans up to
+    out: list[str] = []
+    seen: set[str] = set()
+    for i, k in enumerate(cleaned):
+        if k in seen:
+            base, n = f"{k}_{i}", 1
+            k = base
+            while k in seen or k in taken:
+                n += 1
+                k = f"{base}_{n}"
+            taken.add(k)
+        seen.add(k)
+        out.append(k)
+    return out

@@ -1,0 +1,74 @@
+"""Where a write lands: the destination is claimed, filled, then published; never a half-dataset.
+
+A dataset is visible to readers only through its ``dataset.json`` (:func:`vitscale.data.format.has_dataset`,
+``open_dataset``). The writer therefore:
+
+1. claims the destination (:func:`claim`): refuses one that holds a dataset, or shards/an index
+   that no vitscale write left; clears what an interrupted earlier write left (named by the
+   :data:`WRITING` marker it leaves there), so a re-run to the same destination works;
+2. writes the shards and ``_index.parquet``, each under a staging name first (a hidden ``.part``
+   file renamed into place on a local disk; on S3 a PUT, which no reader sees until it completes);
+3. writes ``dataset.json`` last, the same way, and removes the marker (:func:`release`).
+
+An error or interruption before step 3 leaves no ``dataset.json``: the folder is never read as a
+dataset. :func:`abort` removes what the failed write put there, best effort: an error while
+cleaning up is added to the original error as a note, never raised in its place, and the marker
+stays so the next write clears the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+
+from vitscale.data.format import INDEX_NAME, META_NAME
+from vitscale.data.storage import Storage
+
+__all__ = ["WRITING", "abort", "claim", "release"]
+
+log = logging.getLogger(__name__)
+
+WRITING = ".vitscale-writing"
+"""Marker object: a vitscale write into this destination began and has not finished."""
+
+_SHARD = re.compile(r"[A-Za-z0-9_]+-\d{6}\.tar")
+
+
+def _ours(names: list[str]) -> list[str]:
+    return [n for n in names if n == INDEX_NAME or _SHARD.fullmatch(n)]
+
+
+def claim(storage: Storage) -> None:
+    """Make ``storage`` ready for a new dataset and mark it as being written (see the module doc)."""
+    names = storage.list()
+    if META_NAME in names:
+        raise ValueError(f"{storage.url} already holds a dataset ({META_NAME}); write to a new --out or delete it first")
+    leftovers = _ours(names)
+    if leftovers and WRITING not in names:
+        raise ValueError(f"{storage.url} holds {leftovers[0]} but no {META_NAME}, and no vitscale write left it "
+                         "there; write to a new --out or delete those files first")
+    for name in leftovers:  # an interrupted earlier write's shards and index
+        storage.delete(name)
+    storage.write_bytes(WRITING, json.dumps({"pid": os.getpid(), "started": time.time()}).encode())
+
+
+def release(storage: Storage) -> None:
+    """The write finished (``dataset.json`` is in place): remove the marker."""
+    try:
+        storage.delete(WRITING)
+    except OSError as exc:  # the dataset is complete; a stale marker only costs the next claim a look
+        log.warning("could not remove %s: %s", storage.url_of(WRITING), exc)
+
+
+def abort(storage: Storage, error: BaseException) -> None:
+    """Remove the shards and index a failed write left; never raise over ``error``."""
+    try:
+        for name in _ours(storage.list()):
+            storage.delete(name)
+        storage.delete(WRITING)
+    except Exception as cleanup:  # noqa: BLE001 -- the original error is the one to report
+        error.add_note(f"while cleaning up {storage.url}: {type(cleanup).__name__}: {cleanup} "
+                       "(the next write to it clears what is left)")
