@@ -98,3 +98,16 @@ def non_negative_int(value: Any, key: str) -> int:
 def number(value: Any, key: str) -> float:
     """Any finite int or float (not a bool); returns it as a float."""
     return _number(value, key)
+
+
+def check_address(value: Any, key: str) -> str:
+    """An IPv4/IPv6 address or host name a server can bind ("127.0.0.1", "0.0.0.0", "::", "localhost")."""
+    import ipaddress
+
+    check(isinstance(value, str) and value != "", key, f"must be an address to bind, got {value!r}")
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        check(all(part.isalnum() or part.replace("-", "").isalnum() for part in value.split(".")) and len(value) < 254,
+              key, f"must be an IP address or host name, got {value!r}")
+    return value

@@ -8,8 +8,10 @@ says the same thing explicitly.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 from vitscale.config.checks import check, plain_name, positive
@@ -37,6 +39,12 @@ class ClusterConfig:
     """Ray address; null = $RAY_ADDRESS, or a new local Ray on this machine."""
     local_num_cpus: int | None = None
     """CPUs a locally started Ray may use; null = all."""
+
+    def run_storage(self, run_name: str) -> str:
+        """Where the run `run_name` keeps its checkpoints: `storage_path/run_name` (a folder or URL)."""
+        if "://" in self.storage_path:
+            return f"{self.storage_path.rstrip('/')}/{run_name}"
+        return str(Path(os.path.expanduser(self.storage_path)).resolve() / run_name)
 
     def validate(self) -> None:
         positive(self.num_workers, "cluster.num_workers")

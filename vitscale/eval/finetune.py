@@ -17,6 +17,7 @@ from vitscale.data.config import DataConfig, SourceConfig
 from vitscale.models.config import ModelConfig
 from vitscale.train.config import TrainConfig
 from vitscale.train.job import EvalSet, TrainJob
+from vitscale.train.resume import FINETUNE_SCOPE
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,8 @@ def selection_job(cfg: FinetuneConfig, model: ModelConfig, init: str | None, bas
     carve = Carve(cfg.dev_share(), cfg.dev_seed, "rest")
     dev = EvalSet("dev", cfg.dataset, cfg.train_split, replace(carve, part="dev"))
     return TrainJob(model=model, data=cfg.data(endpoint_url), train=cfg.recipe(base_lr), use_gpu=use_gpu,
-                    carve=carve, init=init, evals=(dev,), eval_batch=cfg.eval_batch, config_yaml=config_yaml)
+                    carve=carve, init=init, evals=(dev,), eval_batch=cfg.eval_batch, config_yaml=config_yaml,
+                    resume_scope=FINETUNE_SCOPE)
 
 
 def final_job(cfg: FinetuneConfig, model: ModelConfig, init: str | None, base_lr: float, *,
@@ -194,4 +196,5 @@ def final_job(cfg: FinetuneConfig, model: ModelConfig, init: str | None, base_lr
     """The run that counts: the whole training split, tested once on the test split."""
     test = EvalSet("test", cfg.dataset, cfg.test_split)
     return TrainJob(model=model, data=cfg.data(endpoint_url), train=cfg.recipe(base_lr), use_gpu=use_gpu,
-                    init=init, evals=(test,), eval_batch=cfg.eval_batch, config_yaml=config_yaml)
+                    init=init, evals=(test,), eval_batch=cfg.eval_batch, config_yaml=config_yaml,
+                    resume_scope=FINETUNE_SCOPE)

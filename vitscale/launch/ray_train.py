@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import posixpath
 import traceback
 from pathlib import Path
 from typing import Any, Iterator
@@ -43,9 +44,12 @@ def train_worker(payload: dict[str, Any]) -> None:
     rank, world_size = context.get_world_rank(), context.get_world_size()
     run_dir = Path(payload["run_dir"])
     try:
-        with _resume_directory(world_size, rank) as resume_from:
+        with contextlib.ExitStack() as downloaded:
+            resume_from = _resume_directory(world_size, rank, downloaded)
+            # `restored` releases a downloaded checkpoint as soon as the loop has loaded it.
             ctx = WorkerContext(rank=rank, world_size=world_size, run_dir=run_dir, report=_report,
-                                resume_from=resume_from, local_rank=context.get_local_rank())
+                                resume_from=resume_from, local_rank=context.get_local_rank(),
+                                restored=downloaded.close, storage=payload.get("storage"))
             train(job, ctx)  # its last step reports the final checkpoint and metrics
     except Exception as exc:
         # Ray shows its own traceback of the actor; print the worker's with its rank so the driver's
@@ -64,31 +68,53 @@ def _report(metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
                      checkpoint_dir_name=f"checkpoint_{int(metrics['step']):09d}")
 
 
-@contextlib.contextmanager
-def _resume_directory(world_size: int, rank: int) -> Iterator[Path | None]:
+def _resume_directory(world_size: int, rank: int, downloads: contextlib.ExitStack) -> Path | None:
     """The newest COMPLETE checkpoint of this run as a local directory, or None for a fresh start.
 
     Ray hands back the latest reported checkpoint. If it is incomplete (a rank died while
-    uploading) and the storage is a local or shared filesystem, older sibling checkpoints are
-    searched; otherwise the run fails rather than resume from half a checkpoint.
+    uploading, a damaged manifest), older checkpoints are searched in the run's storage itself
+    (a local folder, NFS or object storage: never a temporary download folder). A copy fetched
+    from object storage stays until `downloads` is closed; incomplete ones are released at once.
+    A checkpoint written by another world size is handed on as it is: the loop refuses it naming
+    the change (`train/resume.py`) rather than falling back to an older one.
     """
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        yield None
+    latest = ray.train.get_checkpoint()
+    if latest is None:
+        return None
+    problems: list[str] = []
+    for candidate in _newest_first(latest):
+        fetched = contextlib.ExitStack()
+        directory = Path(fetched.enter_context(candidate.as_directory()))
+        info = ckpt.manifest_info(directory)
+        found = ckpt.check_complete(directory, world_size, hash_ranks={0, rank})
+        if not found or (candidate is latest and info is not None and info[1] != world_size):
+            downloads.push(fetched.close)
+            if candidate is not latest:
+                print(f"[vitscale] latest checkpoint {posixpath.basename(latest.path)} is incomplete; "
+                      f"resuming from {posixpath.basename(candidate.path)}", flush=True)
+            return directory
+        fetched.close()
+        problems.extend(found)
+    raise RuntimeError("no complete checkpoint to resume from:\n  " + "\n  ".join(problems))
+
+
+def _newest_first(latest: Any) -> Iterator[Any]:
+    """`latest`, then the run's other `checkpoint_*` folders beside it in storage, newest first."""
+    import pyarrow.fs
+
+    yield latest
+    parent = posixpath.dirname(latest.path.rstrip("/"))
+    try:
+        infos = latest.filesystem.get_file_info(pyarrow.fs.FileSelector(parent))
+    except (OSError, ValueError):
         return
-    with checkpoint.as_directory() as directory:
-        directory = Path(directory)
-        problems = ckpt.check_complete(directory, world_size, hash_ranks={0, rank})
-        if not problems:
-            yield directory
-            return
-        siblings = [p for p in directory.parent.glob("checkpoint_*") if p.is_dir()]
-        fallback = ckpt.latest_complete(siblings, world_size, hash_ranks={0, rank})
-        if fallback is None:
-            raise RuntimeError("no complete checkpoint to resume from:\n  " + "\n  ".join(problems))
-        print(f"[vitscale] latest checkpoint {directory.name} is incomplete; resuming from {fallback.name}",
-              flush=True)
-        yield fallback
+    names = sorted((posixpath.basename(i.path) for i in infos
+                    if i.type == pyarrow.fs.FileType.Directory and posixpath.basename(i.path).startswith("checkpoint_")),
+                   reverse=True)  # checkpoint_{step:09d}: the name orders by step
+    for name in names:
+        path = posixpath.join(parent, name)
+        if path.rstrip("/") != latest.path.rstrip("/"):
+            yield ray.train.Checkpoint(path, filesystem=latest.filesystem)
 
 
 def run_directory(cluster: ClusterConfig, run_name: str) -> tuple[str, Path]:
@@ -123,13 +149,18 @@ def trainer_for(job: TrainJob, cluster: ClusterConfig, run_name: str, run_dir: P
         resources["GPU"] = cluster.gpus_per_worker
     return TorchTrainer(
         train_worker,
-        train_loop_config={"job": job, "run_dir": str(run_dir)},
+        train_loop_config={"job": job, "run_dir": str(run_dir), "storage": cluster.run_storage(run_name)},
         scaling_config=ScalingConfig(num_workers=cluster.num_workers, use_gpu=cluster.use_gpu,
                                      resources_per_worker=resources),
         run_config=RunConfig(
             name=run_name, storage_path=storage,
             failure_config=FailureConfig(max_failures=cluster.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=job.train.keep_checkpoints),
+            # Ranked by the loop's `checkpoint_score` (the step, lowered once a step was skipped as
+            # non-finite): rotation keeps the last checkpoint before the first bad step; Ray keeps
+            # the newest one whatever its score.
+            checkpoint_config=CheckpointConfig(num_to_keep=job.train.keep_checkpoints,
+                                               checkpoint_score_attribute="checkpoint_score",
+                                               checkpoint_score_order="max"),
             worker_runtime_env={"env_vars": _worker_env()},
             # Bad data or an exceeded error budget ends the run at once: a restart repeats it.
             callbacks=[StopOnDeterministicFailure(), *(callbacks or [])],

@@ -111,8 +111,18 @@ def check_checkpoint(config: PipelineConfig, num_classes: int) -> None:
 
 
 def prepare_finetune(config: PipelineConfig) -> None:
+    from vitscale.train.resume import FINETUNE_SCOPE, refuse_changed_run_in
+
     meta = check_downstream(config)
     check_checkpoint(config, meta.num_classes)
+    # A re-run resumes the fine-tuning run of the same name: refuse a changed recipe before Ray starts.
+    refuse_changed_run_in(config.cluster.run_storage(finetune_run_name(config)), to_yaml(config), FINETUNE_SCOPE,
+                          config.cluster.num_workers)
+
+
+def finetune_run_name(config: PipelineConfig) -> str:
+    """The fine-tuning run's name: the pipeline's run name + "-finetune"."""
+    return f"{config.run_name}-finetune"
 
 
 def _model_of_run(checkpoint_dir: Path) -> ModelConfig:
@@ -165,7 +175,7 @@ def run_finetune(config: PipelineConfig, context: StageContext) -> Finetuned:
         raise RuntimeError("finetune.base_lr is not set")
     job = final_job(fc, finetune_model(model, fc.resolution), init, lr, use_gpu=config.cluster.use_gpu,
                     endpoint_url=config.data.endpoint_url, config_yaml=to_yaml(config))
-    name = f"{config.run_name}-finetune"
+    name = finetune_run_name(config)
     checkpoint, metrics = launch_training(job, config.cluster, name, context.run_dir / "finetune", what="fine-tuning")
     return Finetuned(checkpoint=checkpoint, base_lr=lr, metrics=metrics)
 

@@ -49,6 +49,10 @@ def prepare_pretrain(config: PipelineConfig) -> None:
     check(samples // world >= per_rank_step, "train.global_batch",
           f"({train.global_batch}) cannot be filled: split {data.split!r} of {data.url} has {samples} samples, "
           f"{samples // world} per worker, and one step needs {per_rank_step} per worker")
+    # Re-submitting a run with the same name resumes it: refuse a changed one now, not on the workers.
+    from vitscale.train.resume import PRETRAIN_SCOPE, refuse_changed_run_in
+
+    refuse_changed_run_in(config.cluster.run_storage(config.run_name), to_yaml(config), PRETRAIN_SCOPE, world)
 
 
 def pretraining_job(config: PipelineConfig) -> TrainJob:

@@ -9,8 +9,8 @@ merges the folders of all ranks into one directory of the run's storage):
     config.yaml                  the resolved pipeline config (rank 0)
     MANIFEST-rank{r}.json        SHA-256 of every file rank r wrote -- written LAST by that rank
 
-A checkpoint is complete when the manifests of all ranks are present and every file they list
-has the recorded size and hash. `latest_complete` skips anything else (a rank that died mid-save,
+A checkpoint is complete when the manifests of all ranks are present, readable and agree on the
+step, and every file they list has the recorded size and hash. `latest_complete` skips anything else (a rank that died mid-save,
 an interrupted upload), so a resume never loads half a checkpoint.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +40,10 @@ class TrainState:
     examples_seen: int = 0
     flops: float = 0.0
     world_size: int = 1
+    skipped_steps: int = 0
+    """Steps not applied because their loss or gradients were not finite (the run's whole history)."""
+    first_skipped_step: int | None = None
+    """The first such step; checkpoints written before it outrank later ones in rotation."""
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -96,25 +101,51 @@ def write_rank_part(directory: Path, *, rank: int, stream_state: dict[str, Any],
     tmp.rename(directory / f"MANIFEST-rank{rank}.json")  # atomic: the manifest appears whole or not at all
 
 
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """A rank's manifest, or None when it is unreadable, truncated or not a manifest.
+
+    A damaged manifest makes its checkpoint incomplete (resume and export fall back to an older
+    one); it must never end a run in a JSONDecodeError.
+    """
+    try:
+        manifest = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return None
+    if not all(isinstance(manifest.get(k), int) and not isinstance(manifest.get(k), bool)
+               for k in ("rank", "step", "world_size")):
+        return None
+    if not all(isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
+               for v in manifest["files"].values()):
+        return None
+    return manifest
+
+
 def check_complete(directory: Path, world_size: int, *, hash_ranks: Iterable[int] | None = None) -> list[str]:
     """Problems that make `directory` unusable as a checkpoint (empty list = complete).
 
-    Every rank's manifest must be there and every listed file present at its recorded size. The
-    SHA-256 is re-computed for the files of `hash_ranks` (None = all ranks): a resuming rank reads
-    only rank 0's module states and its own shard, so it hashes those instead of the whole
-    checkpoint once per rank.
+    Every rank's manifest must be there, readable, and agree with the others on the step, and every
+    listed file must be present at its recorded size. The SHA-256 is re-computed for the files of
+    `hash_ranks` (None = all ranks): a resuming rank reads only rank 0's module states and its own
+    shard, so it hashes those instead of the whole checkpoint once per rank.
     """
     directory = Path(directory)
     to_hash = set(range(world_size)) if hash_ranks is None else set(hash_ranks)
     problems = []
+    steps: dict[int, int] = {}
     for rank in range(world_size):
         path = directory / f"MANIFEST-rank{rank}.json"
         if not path.exists():
             problems.append(f"{directory}: no manifest from rank {rank}")
             continue
-        manifest = json.loads(path.read_text())
-        if manifest.get("world_size") != world_size:
-            problems.append(f"{directory}: written by {manifest.get('world_size')} workers, this run has "
+        manifest = read_manifest(path)
+        if manifest is None:
+            problems.append(f"{path}: unreadable or truncated manifest")
+            continue
+        steps[rank] = manifest["step"]
+        if manifest["world_size"] != world_size:
+            problems.append(f"{directory}: written by {manifest['world_size']} workers, this run has "
                             f"{world_size} (a ZeRO checkpoint resumes on the same number of workers)")
         for rel, info in manifest["files"].items():
             file = directory / rel
@@ -124,14 +155,19 @@ def check_complete(directory: Path, world_size: int, *, hash_ranks: Iterable[int
                 problems.append(f"{file}: {file.stat().st_size} bytes, manifest says {info['bytes']}")
             elif rank in to_hash and sha256_file(file) != info["sha256"]:
                 problems.append(f"{file}: SHA-256 differs from rank {rank}'s manifest")
+    if len(set(steps.values())) > 1:
+        problems.append(f"{directory}: ranks' manifests disagree on the step: "
+                        + ", ".join(f"rank {r} step {s}" for r, s in sorted(steps.items())))
     return problems
 
 
 def manifest_info(directory: Path) -> tuple[int, int] | None:
-    """(step, world size) a possibly incomplete checkpoint was written at, from any manifest; None if none."""
+    """(step, world size) a possibly incomplete checkpoint was written at, from any readable manifest;
+    None if it has none."""
     for path in sorted(Path(directory).glob("MANIFEST-rank*.json")):
-        manifest = json.loads(path.read_text())
-        return int(manifest["step"]), int(manifest["world_size"])
+        manifest = read_manifest(path)
+        if manifest is not None:
+            return manifest["step"], manifest["world_size"]
     return None
 
 
@@ -154,4 +190,9 @@ def read_train_state(directory: Path) -> TrainState:
 
 def read_rank_part(directory: Path, rank: int) -> dict[str, Any]:
     """This rank's stream state and RNG states (plain data and tensors: loaded with weights_only)."""
-    return torch.load(Path(directory) / f"rank{rank}.pt", weights_only=True)
+    path = Path(directory) / f"rank{rank}.pt"
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ValueError(f"{path}: refusing to load: it holds objects that are not tensors or plain data "
+                         f"({str(exc).strip().splitlines()[0] if str(exc).strip() else 'unpickling refused'})") from None

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vitscale.config.checks import ConfigError, check, finite, non_negative, one_of, positive, probability
+from vitscale.config.checks import (ConfigError, check, check_address, finite, non_negative, non_negative_int, one_of,
+                                    positive, probability)
 
 PEAK_FLOPS_NAMES = ("auto", "H200", "H100", "A100")
 
@@ -82,6 +83,13 @@ class TrainConfig:
     metrics_port: int | None = None
     """Base port of the per-worker Prometheus endpoint (the worker with local rank r on a node serves on
     port + r, so a one-GPU pod always answers on this port); 0 = any free port; null = off."""
+    metrics_addr: str = "127.0.0.1"
+    """Interface the Prometheus endpoint binds: loopback by default (the metrics are not for the
+    network at large); "0.0.0.0" lets a Prometheus in the cluster scrape the pod (k8s/ sets it)."""
+    max_skipped_steps: int = 10
+    """Steps whose loss or gradients are not finite (or that DeepSpeed skips itself) that are skipped,
+    not applied, before the run stops with an error naming the step. Counted over the whole run,
+    restarts included (the count is in every checkpoint)."""
     polyak: float | None = None
     """Polyak averaging of the weights (an exponential moving average with this factor, e.g. 0.9999),
     evaluated beside the raw weights; null = off. Needs zero_stage <= 2 (whole weights on every rank)."""
@@ -128,6 +136,8 @@ class TrainConfig:
         positive(self.eval_every, "train.eval_every")
         check(self.metrics_port is None or 0 <= self.metrics_port < 65536, "train.metrics_port",
               f"must be a TCP port or null, got {self.metrics_port}")
+        check_address(self.metrics_addr, "train.metrics_addr")
+        non_negative_int(self.max_skipped_steps, "train.max_skipped_steps")
         if self.peak_flops not in PEAK_FLOPS_NAMES:
             try:
                 value = float(self.peak_flops)

@@ -24,6 +24,8 @@ def find_checkpoint(path: str | Path) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such run or checkpoint directory")
     info = ckpt.manifest_info(path)
+    if info is None and any(path.glob("MANIFEST-rank*.json")):
+        raise ValueError(f"{path} is an incomplete checkpoint: no readable manifest")
     if info is not None:
         problems = ckpt.check_complete(path, info[1])
         if problems:

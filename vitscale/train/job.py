@@ -14,6 +14,7 @@ from vitscale.data.carve import Carve
 from vitscale.data.config import DataConfig
 from vitscale.models.config import ModelConfig
 from vitscale.train.config import TrainConfig
+from vitscale.train.resume import PRETRAIN_SCOPE
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ class TrainJob:
     (a sweep's ASHA rungs need scores along the way, whatever the schedule's length)."""
     config_yaml: str = ""
     """The resolved config, written into every checkpoint."""
+    resume_scope: tuple[str, ...] = PRETRAIN_SCOPE
+    """The config keys (dotted prefixes) this job's training reads: a resume that changes one of them
+    is refused (`train/resume.py`); fine-tuning jobs read the `finetune` section instead of `train`."""
 
     def __post_init__(self) -> None:
         # Selection (a job scored on the dev part of a carve) must never see held-out data:

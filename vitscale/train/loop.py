@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -29,8 +28,10 @@ import torch
 from vitscale.data.loader.transforms import normalize_on_device
 from vitscale.scaling.flops import forward_flops
 from vitscale.train import checkpoint as ckpt
-from vitscale.train.engine import build_engine, deepspeed_config, init_distributed, set_lr, whole_weights
+from vitscale.train.engine import (build_engine, deepspeed_config, init_distributed, load_checkpoint,
+                                   optimizer_step, set_lr, whole_weights)
 from vitscale.train.evaluate import Polyak, accuracy
+from vitscale.train.faults import maybe_die
 from vitscale.train.job import TrainJob
 from vitscale.train.losses import classification_loss
 from vitscale.train.metrics import MetricsSink, StepMetrics, mfu, peak_flops
@@ -53,6 +54,14 @@ class WorkerContext:
     """Report metrics (and a checkpoint directory) to the launcher; called by every rank."""
     resume_from: Path | None = None
     """A complete checkpoint directory to resume from, or None to start fresh."""
+    restored: Callable[[], None] = field(default=lambda: None)
+    """Called once `resume_from` is loaded: the launcher releases a downloaded copy then."""
+    storage: str | None = None
+    """The run's storage every node shares (a folder or s3:// prefix): fault markers; None = run_dir."""
+
+
+class NonFiniteSteps(RuntimeError):
+    """More steps had a non-finite loss or gradients than `train.max_skipped_steps` allows."""
 
 
 def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
@@ -96,9 +105,16 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
     peak = peak_flops(train.peak_flops) if on_gpu or train.peak_flops != "auto" else None
 
     state = ckpt.TrainState(world_size=ctx.world_size)
+    resume_stream = None
     if ctx.resume_from is not None:
-        state = _restore(engine, ctx, polyak)
-    sink = MetricsSink(ctx.run_dir, run=ctx.run_dir.name, rank=ctx.rank,
+        state, resume_stream = _restore(engine, ctx, polyak, job)
+        ctx.restored()
+        implied = _stream_state(state.step, steps_per_epoch, per_rank_step, data.seed)
+        if any(resume_stream.get(k) != v for k, v in implied.items()):
+            raise RuntimeError(f"{ctx.resume_from}: rank {ctx.rank}'s saved stream position {resume_stream} is not "
+                               f"the one step {state.step} implies ({implied}); the checkpoint does not belong "
+                               "to this run's sample order")
+    sink = MetricsSink(ctx.run_dir, run=ctx.run_dir.name, rank=ctx.rank, addr=train.metrics_addr,
                        port=None if train.metrics_port is None else
                        (0 if train.metrics_port == 0 else train.metrics_port + ctx.local_rank))
     if sink.port is not None:
@@ -108,14 +124,16 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
 
     step = state.step
     examples, flops = state.examples_seen, state.flops
+    skipped, first_skipped = state.skipped_steps, state.first_skipped_step
     loss_value = float("nan")
     scores: dict[str, float] = {}  # stays empty when a run resumed at its last step has nothing left to do
     batches = None
     t_run = time.perf_counter()
     while step < total_steps:
-        epoch, step_in_epoch = divmod(step, steps_per_epoch)
         if batches is None:  # (re)open the stream at the exact sample this step starts from
-            stream.load_state_dict({"epoch": epoch, "position": step_in_epoch * per_rank_step, "seed": data.seed})
+            # On resume: the checkpoint's own stream state (checked above against the step).
+            stream.load_state_dict(resume_stream or _stream_state(step, steps_per_epoch, per_rank_step, data.seed))
+            resume_stream = None
             batches = iter(stream)
         t0 = time.perf_counter()
         data_wait = 0.0
@@ -124,7 +142,7 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         set_lr(engine, lr)
         step_loss = torch.zeros((), device=device)
         keys: list[str] = []
-        for _ in range(batch.grad_accum_steps):
+        for micro_step in range(batch.grad_accum_steps):
             tw = time.perf_counter()
             micro = next(batches)
             data_wait += time.perf_counter() - tw
@@ -135,11 +153,28 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
             logits = engine(images)
             loss = _masked_loss(logits, labels, micro.get("valid"), train)
             engine.backward(loss)
-            engine.step()
             step_loss += loss.detach() / batch.grad_accum_steps
             keys.extend(micro["key"])
+            if micro_step < batch.grad_accum_steps - 1:
+                engine.step()  # inside the accumulation: DeepSpeed only counts the micro-step
+        # Mean loss over all ranks: what the user compares across runs; one tiny all-reduce per step.
+        # A NaN on any rank makes the sum NaN on every rank, so all ranks skip the same steps.
+        torch.distributed.all_reduce(step_loss, op=torch.distributed.ReduceOp.SUM)
+        loss_value = step_loss.item() / ctx.world_size
+        applied = optimizer_step(engine, skip=not math.isfinite(loss_value))
         grad_norm = engine.get_global_grad_norm()
-        if polyak is not None:
+        if not applied:
+            skipped += 1
+            first_skipped = step + 1 if first_skipped is None else first_skipped
+            if ctx.rank == 0:
+                print(f"[vitscale] step {step + 1}: loss {loss_value:.4g}, gradient norm {_as_float(grad_norm):.4g}: "
+                      f"not applied ({skipped} skipped so far)", flush=True)
+            if skipped > train.max_skipped_steps:
+                raise NonFiniteSteps(
+                    f"step {step + 1}: loss or gradients not finite; {skipped} steps skipped, more than "
+                    f"train.max_skipped_steps ({train.max_skipped_steps}); first at step {first_skipped}. Resume "
+                    f"from a checkpoint before step {first_skipped} with a lower train.base_lr or more warm-up")
+        elif polyak is not None:
             polyak.update(engine.module)
         step += 1
         if step % steps_per_epoch == 0:
@@ -147,9 +182,6 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         _check_error_budget(stream, device)
         examples += batch.global_batch
         flops += train_flops_per_example * batch.global_batch
-        # Mean loss over all ranks: what the user compares across runs; one tiny all-reduce per step.
-        torch.distributed.all_reduce(step_loss, op=torch.distributed.ReduceOp.SUM)
-        loss_value = step_loss.item() / ctx.world_size
         step_time = time.perf_counter() - t0
         images_per_s = batch.global_batch / step_time
         metrics = StepMetrics(
@@ -163,24 +195,37 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
             samples_log.write(step, keys)
         if ctx.rank == 0 and (step % train.log_every == 0 or step == total_steps):
             _progress_line(metrics, total_steps, time.perf_counter() - t_run, step - state.step)
-        _maybe_die(train, ctx, step)
+        maybe_die(train.fault, ctx.rank, step, ctx.storage or str(ctx.run_dir))
         scores = {}
         if job.evals and (step == total_steps or (eval_every and step % eval_every == 0)):
             scores = _evaluate(job, engine, polyak, ctx, device, compute_dtype)
         if step % train.checkpoint_every == 0 or step == total_steps:
-            new_state = ckpt.TrainState(step=step, examples_seen=examples, flops=flops, world_size=ctx.world_size)
-            stream_state = {"epoch": step // steps_per_epoch,
-                            "position": (step % steps_per_epoch) * per_rank_step, "seed": data.seed}
-            # The error budget's count of the epoch so far (all ranks): a restart goes on counting.
-            stream_state["skipped"] = stream.state_dict()["skipped"] if stream_state["position"] else 0
+            new_state = ckpt.TrainState(step=step, examples_seen=examples, flops=flops, world_size=ctx.world_size,
+                                        skipped_steps=skipped, first_skipped_step=first_skipped)
             t_save = time.perf_counter()
-            _save_and_report(engine, ctx, new_state, stream_state, job.config_yaml, metrics, scores, polyak)
+            _save_and_report(engine, ctx, new_state, _stream_checkpoint(stream, step, steps_per_epoch, per_rank_step, data.seed),
+                             job.config_yaml, {**_report_metrics(metrics), "skipped_steps": skipped,
+                                               "checkpoint_score": checkpoint_score(step, first_skipped), **scores},
+                             polyak)
             sink.checkpoint_saved(time.perf_counter() - t_save)
         elif step % train.log_every == 0 or scores:
-            ctx.report({**_report_metrics(metrics), **scores}, None)
+            ctx.report({**_report_metrics(metrics), "skipped_steps": skipped, **scores}, None)
     sink.close()
     return {"steps": step, "total_steps": total_steps, "examples_seen": examples, "exaflops": flops / 1e18,
-            "final_loss": loss_value, "num_classes": num_classes, "skipped_samples": stream.skipped(), **scores}
+            "final_loss": loss_value, "num_classes": num_classes, "skipped_samples": stream.skipped(),
+            "skipped_steps": skipped, **scores}
+
+
+def _stream_state(step: int, steps_per_epoch: int, per_rank_step: int, seed: int) -> dict[str, int]:
+    """Where this rank's stream stands before optimizer step `step + 1` (pure: the step fixes it)."""
+    return {"epoch": step // steps_per_epoch, "position": (step % steps_per_epoch) * per_rank_step, "seed": seed}
+
+
+def _stream_checkpoint(stream: Any, step: int, steps_per_epoch: int, per_rank_step: int, seed: int) -> dict[str, int]:
+    """The stream state a checkpoint keeps: the position the step implies, and the error budget's
+    count of the epoch so far (all ranks), so a restart goes on counting instead of starting over."""
+    state = _stream_state(step, steps_per_epoch, per_rank_step, seed)
+    return {**state, "skipped": stream.state_dict()["skipped"] if state["position"] else 0}
 
 
 def _check_error_budget(stream: Any, device: torch.device) -> None:
@@ -192,6 +237,16 @@ def _check_error_budget(stream: Any, device: torch.device) -> None:
     skipped = torch.tensor(float(stream.epoch_skipped()), device=device)
     torch.distributed.all_reduce(skipped, op=torch.distributed.ReduceOp.SUM)
     stream.check_error_budget(int(skipped.item()))
+
+
+def checkpoint_score(step: int, first_skipped: int | None) -> float:
+    """The score Ray's checkpoint rotation keeps the best of (`launch/ray_train.py`).
+
+    The step, until a step has been skipped as non-finite; from then on every checkpoint scores
+    below every earlier one, so rotation never deletes the last checkpoint written before the
+    first bad step (Ray always keeps the newest besides).
+    """
+    return float(step) if first_skipped is None or step < first_skipped else float(step) - 2.0**50
 
 
 def _evaluate(job: TrainJob, engine: Any, polyak: Polyak | None, ctx: WorkerContext, device: torch.device,
@@ -253,26 +308,34 @@ def _progress_line(m: StepMetrics, total_steps: int, elapsed: float, steps_done:
 
 
 def _save_and_report(engine: Any, ctx: WorkerContext, state: ckpt.TrainState, stream_state: dict[str, Any],
-                     config_yaml: str, metrics: StepMetrics, scores: dict[str, float], polyak: Polyak | None) -> None:
+                     config_yaml: str, metrics: dict[str, Any], polyak: Polyak | None) -> None:
     with tempfile.TemporaryDirectory(prefix=f"vitscale-ckpt-r{ctx.rank}-") as tmp:
         directory = Path(tmp)
         # Every rank calls save: ZeRO keeps one optimizer shard per rank (DeepSpeed barriers inside).
         engine.save_checkpoint(str(directory / ckpt.DEEPSPEED_DIR), tag=ckpt.DEEPSPEED_TAG)
         ckpt.write_rank_part(directory, rank=ctx.rank, stream_state=stream_state, train_state=state,
                              config_yaml=config_yaml, polyak=None if polyak is None else polyak.state_dict())
-        ctx.report({**_report_metrics(metrics), **scores}, directory)
+        ctx.report(metrics, directory)
 
 
-def _restore(engine: Any, ctx: WorkerContext, polyak: Polyak | None) -> ckpt.TrainState:
+def _restore(engine: Any, ctx: WorkerContext, polyak: Polyak | None,
+             job: TrainJob) -> tuple[ckpt.TrainState, dict[str, Any]]:
+    """Load the checkpoint; (train state, this rank's saved stream state)."""
+    from vitscale.train.resume import refuse_changed_run
+
     directory = Path(ctx.resume_from)
+    # The last line of defence against resuming a changed run (the driver checks first when it can
+    # read the run's storage), before any state is loaded.
+    info = ckpt.manifest_info(directory)
+    saved = directory / "config.yaml"
+    if job.config_yaml and saved.exists():
+        refuse_changed_run(saved.read_text(), job.config_yaml, job.resume_scope, f"checkpoint {directory}",
+                           info[1] if info else None, ctx.world_size)
     # Sizes and presence of every rank's files, hashes of the two parts this rank reads.
     problems = ckpt.check_complete(directory, ctx.world_size, hash_ranks={0, ctx.rank})
     if problems:
         raise RuntimeError("refusing to resume from an incomplete checkpoint:\n  " + "\n  ".join(problems))
-    path, _ = engine.load_checkpoint(str(directory / ckpt.DEEPSPEED_DIR), tag=ckpt.DEEPSPEED_TAG,
-                                     load_optimizer_states=True, load_lr_scheduler_states=False)
-    if path is None:
-        raise RuntimeError(f"DeepSpeed could not load {directory / ckpt.DEEPSPEED_DIR}")
+    load_checkpoint(engine, directory / ckpt.DEEPSPEED_DIR, ckpt.DEEPSPEED_TAG)
     part = ckpt.read_rank_part(directory, ctx.rank)
     ckpt.set_rng_state(part["rng"])
     if polyak is not None:
@@ -283,20 +346,7 @@ def _restore(engine: Any, ctx: WorkerContext, polyak: Polyak | None) -> ckpt.Tra
     if ctx.rank == 0:
         print(f"[vitscale] resumed from {directory} at step {state.step} "
               f"(stream epoch {part['stream']['epoch']}, position {part['stream']['position']})", flush=True)
-    return state
-
-
-def _maybe_die(train: Any, ctx: WorkerContext, step: int) -> None:
-    """Fault injection: the configured rank exits abruptly after the configured step, once per run."""
-    fault = train.fault
-    if fault.kill_rank != ctx.rank or fault.kill_at_step != step:
-        return
-    marker = ctx.run_dir / f".fault-fired-rank{ctx.rank}-step{step}"
-    if marker.exists():
-        return
-    marker.write_text(json.dumps({"time": time.time()}))
-    print(f"[vitscale] fault injection: rank {ctx.rank} exits at step {step}", flush=True)
-    os._exit(17)  # no cleanup, no exception: what a segfault or OOM kill looks like to Ray
+    return state, dict(part["stream"])
 
 
 class _SamplesLog:

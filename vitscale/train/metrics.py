@@ -200,8 +200,9 @@ class MetricsSink:
         rank: this worker's global rank, the ``rank`` label and part of the file name.
         port: serve ``/metrics`` on this port from this process; 0 picks a free port (read it back
             from :attr:`port`); None serves nothing.
-        addr: the interface to bind; ``0.0.0.0`` lets a Prometheus in the cluster scrape the pod,
-            tests use ``127.0.0.1``.
+        addr: the interface to bind (``train.metrics_addr``): loopback by default, so a laptop's
+            metrics are not served to its network; ``0.0.0.0`` lets a Prometheus in the cluster
+            scrape the pod (the k8s manifests set it).
 
     Counters are fed cumulative values (``examples_seen``, ``cumulative_exaflops``, skipped counts)
     and increase by the difference from the previous record; a value lower than the last one (a
@@ -215,7 +216,7 @@ class MetricsSink:
         run: str,
         rank: int,
         port: int | None = None,
-        addr: str = "0.0.0.0",
+        addr: str = "127.0.0.1",
     ) -> None:
         non_negative_int(rank, "rank")
         if port is not None:

@@ -1,0 +1,140 @@
+"""Resume refuses a changed run: `changed_keys` (pure, property-tested) and the driver's check before Ray starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vitscale.config.checks import ConfigError
+from vitscale.train.resume import (ABSENT, FINETUNE_SCOPE, PRETRAIN_SCOPE, RESUME_MAY_CHANGE, changed_keys, flatten,
+                                   refuse_changed_run)
+
+leaf = st.one_of(st.integers(-5, 5), st.floats(allow_nan=False), st.text(max_size=3), st.booleans(), st.none(),
+                 st.lists(st.integers(0, 3), max_size=3))
+name = st.sampled_from(["a", "b", "seed", "global_batch", "url"])
+tree = st.recursive(leaf, lambda inner: st.dictionaries(name, inner, min_size=1, max_size=4), max_leaves=6)
+config = st.fixed_dictionaries({s: st.dictionaries(name, tree, max_size=3)
+                                for s in ("model", "data", "train", "fewshot", "cluster")})
+# A shared, loaded machine must not fail a property test on generation speed.
+quick = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@quick
+@given(config)
+def test_a_config_never_differs_from_itself(cfg: dict) -> None:
+    assert changed_keys(cfg, cfg) == []
+
+
+@quick
+@given(config, config)
+def test_changes_are_exactly_the_differing_in_scope_keys(old: dict, new: dict) -> None:
+    changes = changed_keys(old, new)
+    a, b = flatten(old), flatten(new)
+    for key, va, vb in changes:
+        assert key.split(".")[0] in ("model", "data", "train")  # cluster only for num_workers; fewshot never
+        assert va == a.get(key, ABSENT) and vb == b.get(key, ABSENT) and va != vb
+    # Symmetric: the same keys with the values swapped.
+    assert changed_keys(new, old) == [(k, vb, va) for k, va, vb in changes]
+    # Nothing in scope that differs is missed.
+    missed = {k for k in set(a) | set(b) if a.get(k, ABSENT) != b.get(k, ABSENT) and k.split(".")[0] in
+              ("model", "data", "train") and not any(k == p or k.startswith(p + ".") for p in RESUME_MAY_CHANGE)}
+    assert missed == {k for k, _, _ in changes}
+
+
+@quick
+@given(config, st.sampled_from(["train.global_batch", "train.micro_batch", "train.epochs", "train.max_steps",
+                                "train.base_lr", "train.warmup_steps", "train.lr_decay", "train.end_lr",
+                                "data.url", "data.split", "data.seed", "data.shuffle_buffer", "model.name",
+                                "model.depth", "cluster.num_workers"]), leaf)
+def test_every_key_that_fixes_the_run_is_refused(cfg: dict, key: str, value: object) -> None:
+    section, field = key.split(".")
+    old = {**cfg, section: {**cfg[section], field: "before"}}
+    new = {**cfg, section: {**cfg[section], field: value if value != "before" else "after"}}
+    assert [c[0] for c in changed_keys(old, new)] == [key]
+
+
+@quick
+@given(config, st.sampled_from(["train.log_every", "train.metrics_port", "train.checkpoint_every",
+                                "train.keep_checkpoints", "data.num_workers", "data.error_budget",
+                                "cluster.max_failures", "cluster.cpus_per_worker", "fewshot.shots"]), leaf)
+def test_keys_that_may_change_are_not_refused(cfg: dict, key: str, value: object) -> None:
+    section, field = key.split(".")
+    new = {**cfg, section: {**cfg[section], field: value}}
+    assert changed_keys(cfg, new) == []
+
+
+def test_fault_drills_may_change_and_finetuning_has_its_own_scope() -> None:
+    old = {"train": {"fault": {"kill_rank": 0, "kill_at_step": 3}}, "finetune": {"base_lr": 0.01}}
+    new = {"train": {"fault": {"kill_rank": None, "kill_at_step": None}}, "finetune": {"base_lr": 0.03}}
+    assert changed_keys(old, new) == []
+    assert changed_keys(old, new, FINETUNE_SCOPE) == [("finetune.base_lr", 0.01, 0.03)]
+
+
+def test_refusal_names_every_key_and_both_values() -> None:
+    old = yaml.safe_dump({"train": {"global_batch": 16, "base_lr": 0.001}, "data": {"seed": 0}})
+    new = yaml.safe_dump({"train": {"global_batch": 32, "base_lr": 0.001}, "data": {"seed": 7}})
+    with pytest.raises(ConfigError) as info:
+        refuse_changed_run(old, new, PRETRAIN_SCOPE, "checkpoint X", 2, 4)
+    text = str(info.value)
+    for part in ("data.seed 0 -> 7", "train.global_batch 16 -> 32", "world size 2 -> 4", "checkpoint X"):
+        assert part in text
+    refuse_changed_run(old, old, PRETRAIN_SCOPE, "checkpoint X", 2, 2)  # the same run resumes
+
+
+# -- on the driver: `vitscale run` refuses before Ray starts ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from vitscale.data.tools.write import write_dataset
+
+    out = tmp_path_factory.mktemp("data") / "synthetic"
+    write_dataset("synthetic", str(out), shard_size=20, max_side=32, progress=False,
+                  source_options={"count": 40, "classes": 3, "image_size": 32})
+    return str(out)
+
+
+def _pipeline(dataset: str, storage: Path, **train: object) -> dict:
+    return {"name": "resumed", "stages": ["pretrain"], "data": {"url": dataset},
+            "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "heads": 2, "mlp_dim": 32},
+            "train": {"global_batch": 8, "micro_batch": 4, "max_steps": 2, **train},
+            "cluster": {"num_workers": 2, "use_gpu": False, "cpus_per_worker": 1, "storage_path": str(storage)}}
+
+
+def _fake_checkpoint(directory: Path, config_yaml: str, world_size: int = 2) -> None:
+    """A checkpoint's vitscale files (no DeepSpeed state: the driver reads only config and manifests)."""
+    from vitscale.train.checkpoint import TrainState, write_rank_part
+
+    directory.mkdir(parents=True)
+    for rank in range(world_size):
+        write_rank_part(directory, rank=rank, stream_state={"epoch": 0, "position": 8, "seed": 0},
+                        train_state=TrainState(step=1, world_size=world_size), config_yaml=config_yaml)
+
+
+def test_vitscale_run_refuses_a_changed_run_before_ray(tmp_path: Path, dataset: str,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    import ray
+
+    from vitscale.cli import main
+    from vitscale.config.loader import to_yaml
+    from vitscale.stages import build_pipeline
+    from vitscale.stages.run import preflight
+
+    storage = tmp_path / "runs"
+    original = preflight(build_pipeline(_pipeline(dataset, storage)))
+    _fake_checkpoint(storage / "resumed" / "checkpoint_000000001", to_yaml(original))
+
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(_pipeline(dataset, storage, global_batch=16, log_every=3)))
+    code = main(["run", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "train.global_batch 8 -> 16" in err and "log_every" not in err and str(path) in err
+    assert not ray.is_initialized()
+
+    # Only keys that may change: the same run is accepted (preflight passes).
+    preflight(build_pipeline(_pipeline(dataset, storage, log_every=3, checkpoint_every=5)))

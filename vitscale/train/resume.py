@@ -1,0 +1,123 @@
+"""What a resumed run may change, and the check that refuses everything else.
+
+A run resumes (a Ray Train restart, or the same pipeline submitted again with the same run name)
+from a checkpoint that holds the resolved config it was written with. Exact resumption
+(`train/loop.py`) holds only if the sample order, the schedule and the model are the ones the
+checkpoint was trained with, so any change to the keys that fix them is refused, naming each key
+and both values. docs/resume.md lists the rules; `RESUME_MAY_CHANGE` is the list they come from.
+
+Keys are compared only within a job's *scope*: the sections its training reads. Pre-training
+reads `model`, `data`, `train` and the world size; fine-tuning reads `model`, `finetune` and the
+world size. A later stage's section (`fewshot:`) never blocks resuming an earlier one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from vitscale.config.checks import ConfigError
+
+PRETRAIN_SCOPE: tuple[str, ...] = ("model", "data", "train", "cluster.num_workers")
+"""What fixes a pre-training run: the model, the sample order, the schedule, the world size."""
+FINETUNE_SCOPE: tuple[str, ...] = ("model", "finetune", "cluster.num_workers")
+"""What fixes a fine-tuning run (its recipe is built from the `finetune` section)."""
+
+RESUME_MAY_CHANGE: tuple[str, ...] = (
+    # How the run is watched: logging, metrics, audits.
+    "train.log_every", "train.metrics_port", "train.metrics_addr", "train.peak_flops", "train.record_samples",
+    "train.eval_every", "finetune.log_every", "finetune.eval_every", "finetune.eval_batch",
+    # How often and how many checkpoints are kept; how failures are handled and drilled.
+    "train.checkpoint_every", "train.keep_checkpoints", "finetune.checkpoint_every", "train.fault",
+    "train.max_skipped_steps",
+    # Where and how bytes are read: not which samples, nor in which order (the order is a pure
+    # function of seed, epoch, rank and world size; `data.num_workers` only parallelises it).
+    "data.num_workers", "data.endpoint_url", "data.error_budget", "data.create_if_missing",
+    "finetune.num_workers", "finetune.create_if_missing",
+)
+"""Keys inside a scope that a resumed run may change (a key or a whole sub-section)."""
+
+ABSENT = "<absent>"
+"""How a key one config has and the other lacks is shown."""
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as {dotted key: leaf value}; lists and scalars are leaves."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping):  # an empty mapping holds no keys (and so equals an absent one)
+            out.update(flatten(value, f"{dotted}."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(f"{p}.") for p in prefixes)
+
+
+def changed_keys(old: Mapping[str, Any], new: Mapping[str, Any], scope: tuple[str, ...] = PRETRAIN_SCOPE,
+                 may_change: tuple[str, ...] = RESUME_MAY_CHANGE) -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) for every key in `scope` that differs, sorted by key.
+
+    Keys under `may_change` are ignored; a key present on one side only shows `ABSENT` on the other.
+    Pure: both arguments are plain nested mappings (parsed YAML).
+    """
+    a, b = flatten(old), flatten(new)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if not _under(key, scope) or _under(key, may_change):
+            continue
+        va, vb = a.get(key, ABSENT), b.get(key, ABSENT)
+        if va != vb:
+            out.append((key, va, vb))
+    return out
+
+
+def describe(changes: list[tuple[str, Any, Any]]) -> str:
+    """'train.global_batch 16 -> 32, data.seed 0 -> 1'."""
+    return ", ".join(f"{key} {old!r} -> {new!r}" for key, old, new in changes)
+
+
+def refuse_changed_run(old_yaml: str, new_yaml: str, scope: tuple[str, ...], where: str,
+                       old_world_size: int | None = None, new_world_size: int | None = None) -> None:
+    """Raise `ConfigError` naming every changed key if `new_yaml` may not resume `old_yaml`'s checkpoint.
+
+    `where` names the checkpoint. World sizes, when given, are compared too (a sweep's trials take
+    theirs from `sweep.workers_per_trial`, so the manifest's is the one that counts).
+    """
+    old = yaml.safe_load(old_yaml) or {}
+    new = yaml.safe_load(new_yaml) or {}
+    changes = changed_keys(old, new, scope)
+    if old_world_size is not None and new_world_size is not None and old_world_size != new_world_size \
+            and not any(key == "cluster.num_workers" for key, _, _ in changes):
+        changes.append(("world size", old_world_size, new_world_size))
+    if changes:
+        raise ConfigError(
+            changes[0][0],
+            f"cannot resume {where}: it was trained with other settings ({describe(changes)}); "
+            "restore them, or start a new run with another cluster.run_name (docs/resume.md)")
+
+
+def refuse_changed_run_in(run_storage: str, new_yaml: str, scope: tuple[str, ...], world_size: int) -> None:
+    """The driver's check, before Ray starts: `refuse_changed_run` against the run's newest complete
+    checkpoint, when the run's storage is a folder this machine can read (object storage is
+    checked by the workers, on the checkpoint Ray hands them)."""
+    from pathlib import Path
+
+    from vitscale.train import checkpoint as ckpt
+
+    if "://" in run_storage:
+        return
+    root = Path(run_storage)
+    candidates = [p for p in root.glob("checkpoint_*") if p.is_dir()]
+    # Sizes, not hashes: only config.yaml is read here, and a multi-GB checkpoint is not re-hashed on the driver.
+    found = ckpt.latest_complete(candidates, hash_ranks=set()) if candidates else None
+    if found is None or not (found / "config.yaml").is_file():
+        return
+    info = ckpt.manifest_info(found)
+    refuse_changed_run((found / "config.yaml").read_text(), new_yaml, scope, f"run {root} ({found.name})",
+                       info[1] if info else None, world_size)
