@@ -149,6 +149,20 @@ def cmd_shards_write(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_shards_index(args: argparse.Namespace) -> int:
+    from vitscale.data.tools.adopt import index_shards
+
+    try:
+        meta = index_shards(args.url, out=args.out, split=args.split, label_member=args.label_member,
+                            classes_file=args.classes, endpoint_url=args.endpoint_url)
+    except OSError as exc:  # storage trouble: one line
+        raise ValueError(f"shards index {args.url}: {type(exc).__name__}: {exc}") from exc
+    print(json.dumps({"out": args.out or args.url, "classes": meta["num_classes"],
+                      "samples": {s: v["samples"] for s, v in meta["splits"].items()},
+                      "bad": len(meta["bad_samples"])}))
+    return 0
+
+
 def cmd_shards_stats(args: argparse.Namespace) -> int:
     from vitscale.data.tools.verify import dataset_stats, format_stats
 
@@ -329,6 +343,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="unreadable source files skipped and listed before the write stops (default 100)")
     p.add_argument("--max-pixels", type=int, default=None,
                    help="larger source images are skipped as decompression bombs (default 89478485, PIL's)")
+    endpoint(p)
+
+    p = verb("index", cmd_shards_index, "Adopt existing WebDataset tars in place: build _index.parquet and "
+             "dataset.json for them without rewriting them.", shard_verbs)
+    p.add_argument("url", help="folder or s3:// prefix of .tar shards, one tar, or braces: train-{000000..000999}.tar")
+    p.add_argument("--out", default=None, help="where the index and dataset.json go (default: beside the tars)")
+    p.add_argument("--split", default="train", help="split name of these shards (default: train)")
+    p.add_argument("--label-member", default="cls", help="cls (class id), txt (class name) or json:KEY (default: cls)")
+    p.add_argument("--classes", default=None, help="file of class names, one per line, in index order")
     endpoint(p)
 
     p = verb("stats", cmd_shards_stats, "Shards, samples and classes of a dataset.", shard_verbs)

@@ -43,6 +43,14 @@ INDEX_COLUMNS = ("split", "shard", "key", "offset", "size")
 """The index columns a reader needs (third-party writers and older datasets may leave out the others)."""
 
 
+SHARD_ROOT = "shard_root"
+"""``dataset.json`` key: the folder or ``s3://`` prefix the shard names are relative to, when it is
+not the dataset's own (shards indexed in place by ``vitscale shards index --out``)."""
+LABEL_SOURCE = "label_source"
+"""``dataset.json`` key: ``"index"`` when labels are read from the index's ``labels`` column (adopted
+shards whose label member is ``.txt`` or a ``.json`` key), absent when from ``.cls``/``.json``."""
+
+
 def shard_name(split: str, n: int) -> str:
     """``{split}-{n:06d}.tar``."""
     return f"{split}-{n:06d}.tar"

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from vitscale.data.carve import Carve
 from vitscale.data.storage import LocalStorage, Storage, open_storage
 
-from vitscale.data.format.meta import CRC_COLUMN, INDEX_COLUMNS, INDEX_NAME, META_NAME, DatasetError, DatasetMeta, read_meta
+from vitscale.data.format.meta import CRC_COLUMN, INDEX_COLUMNS, LABEL_SOURCE, SHARD_ROOT, INDEX_NAME, META_NAME, DatasetError, DatasetMeta, read_meta
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,10 @@ class ShardIndex:
     """(n,) int64 ``zlib.crc32`` of each sample's record, -1 where the index has none; None: no
     ``crc32`` column (datasets written before it existed)."""
 
+    labels: list[list[int]] | None = None
+    """(n,) class ids per sample when the dataset's labels live in the index (``label_source:
+    index`` in ``dataset.json``: adopted WebDataset shards); None: read from each sample's members."""
+
     def crc(self, i: int) -> int:
         """The checksum of the shard's ``i``-th sample, or -1 when there is none to check."""
         return -1 if self.crcs is None else int(self.crcs[i])
@@ -45,7 +49,8 @@ class ShardIndex:
     def take(self, keep: np.ndarray) -> ShardIndex:
         """The rows ``keep`` (positions), in that order."""
         return ShardIndex(self.offsets[keep], self.sizes[keep], self.keys.take(pa.array(keep)),
-                          None if self.crcs is None else self.crcs[keep])
+                          None if self.crcs is None else self.crcs[keep],
+                          None if self.labels is None else [self.labels[int(i)] for i in keep])
 
     def key(self, i: int) -> str:
         """Key of the shard's ``i``-th sample."""
@@ -67,6 +72,11 @@ class OpenDataset:
     """Read only one part (dev or rest) of a carve of the split; None = the whole split."""
     has_crc: bool = False
     """The index has the ``crc32`` column: each sample's bytes are checked when read."""
+
+    @property
+    def labels_in_index(self) -> bool:
+        """Labels come from the index's ``labels`` column, not from the samples' members."""
+        return self.meta.extra.get(LABEL_SOURCE) == "index"
 
     @property
     def name(self) -> str:
@@ -94,7 +104,8 @@ class OpenDataset:
         try:
             table = pq.read_table(
                 self.index_path,
-                columns=["shard", "key", "offset", "size"] + ([CRC_COLUMN] if self.has_crc else []),
+                columns=["shard", "key", "offset", "size"] + ([CRC_COLUMN] if self.has_crc else [])
+                + (["labels"] if self.labels_in_index else []),
                 filters=[("split", "=", self.split), ("shard", "in", names)],
             )
         except (OSError, pa.ArrowInvalid) as exc:
@@ -107,6 +118,7 @@ class OpenDataset:
         keys = table.column("key").combine_chunks()
         crcs = (table.column(CRC_COLUMN).fill_null(-1).to_numpy().astype(np.int64)
                 if self.has_crc else None)
+        labels = table.column("labels").to_pylist() if self.labels_in_index else None
         out: dict[int, ShardIndex] = {}
         row = 0
         by_name = {n: s for s, n in zip(wanted, names)}
@@ -120,7 +132,8 @@ class OpenDataset:
                     f"rewrite the index or {META_NAME}"
                 )
             shard = ShardIndex(offsets[row : row + n], sizes[row : row + n], keys.slice(row, n),
-                               None if crcs is None else crcs[row : row + n])
+                               None if crcs is None else crcs[row : row + n],
+                               None if labels is None else labels[row : row + n])
             if self.carve is not None:
                 shard = shard.take(np.flatnonzero(self.carve.select(shard.keys.to_pylist())))
             if len(shard.offsets) != self.counts[s]:
@@ -220,6 +233,9 @@ def open_dataset(url: str, split: str, *, endpoint_url: str | None = None, carve
     if split not in meta.splits:
         raise DatasetError(f"split {split!r} not in {meta_url}; it has {sorted(meta.splits)}")
     names, counts = meta.splits[split].shard_names, meta.splits[split].counts
+    index_storage = storage
+    if SHARD_ROOT in meta.extra:  # shards adopted where they lie, indexed elsewhere (`shards index --out`)
+        storage = open_storage(str(meta.extra[SHARD_ROOT]), endpoint_url=endpoint_url)
     present = storage.list_sizes()
     missing = [n for n in names if n not in present]
     if missing:
@@ -227,9 +243,9 @@ def open_dataset(url: str, split: str, *, endpoint_url: str | None = None, carve
             f"{len(missing)} shard(s) of split {split!r} missing under {storage.url}: "
             f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}"
         )
-    if INDEX_NAME not in present:
+    if not index_storage.exists(INDEX_NAME):
         raise DatasetError(f"no index at {index_url}")
-    index_path = _local_index_path(storage)
+    index_path = _local_index_path(index_storage)
     summary = _index_summary(index_path, split, index_url)
     rows = summary.counts
     bad = [(n, rows.get(n, 0), c) for n, c in zip(names, counts) if rows.get(n, 0) != c]

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from vitscale.data.loader.tar import BadSample, split_tar_record
 from vitscale.data.storage import LocalStorage, Storage
 
-__all__ = ["BadSample", "SampleReader", "check_crc", "parse_label", "split_tar_record"]
+__all__ = ["BadSample", "SampleReader", "check_crc", "check_labels", "parse_label", "split_tar_record"]
 
 
 def check_crc(raw: bytes, expected: int) -> None:
@@ -56,12 +56,17 @@ def parse_label(members: dict[str, bytes], num_classes: int, multi_label: bool) 
             raise BadSample(f"malformed .json label {members['json'][:64]!r}: {exc}") from exc
     else:
         raise BadSample(f"no label member (.cls or .json) among {sorted(members)}")
+    check_labels(labels, num_classes, multi_label)
+    return labels
+
+
+def check_labels(labels: list[int], num_classes: int, multi_label: bool) -> None:
+    """Raise :class:`BadSample` unless ``labels`` are class ids in range (exactly one if single-label)."""
     if not multi_label and len(labels) != 1:
         raise BadSample(f"single-label dataset but the sample has {len(labels)} labels")
     for v in labels:
         if not 0 <= v < num_classes:
             raise BadSample(f"label {v} outside [0, {num_classes})")
-    return labels
 
 
 class SampleReader:

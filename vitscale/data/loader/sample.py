@@ -13,7 +13,7 @@ import random
 import numpy as np
 
 from vitscale.data.loader.decode import decode_image_into
-from vitscale.data.loader.reader import check_crc, parse_label
+from vitscale.data.loader.reader import check_crc, check_labels, parse_label
 from vitscale.data.loader.tar import BadSample, split_tar_record
 from vitscale.data.loader.transforms import TransformSpec
 
@@ -35,17 +35,23 @@ def decode_sample(
     spec: TransformSpec,
     rng: random.Random | None,
     out: np.ndarray,
+    labels: list[int] | None = None,
 ) -> list[int]:
     """Check and decode one sample record into ``out`` (3, R, R) uint8; returns its class ids.
 
     ``size`` and ``crc`` are the index's (``crc < 0``: the index has no checksum for it); ``rng``
-    drives the training crop. Raises :class:`BadSample` for anything wrong with ``raw``.
+    drives the training crop; ``labels`` are the index's, for datasets whose labels live there
+    (otherwise they are parsed from the ``.cls``/``.json`` member). Raises :class:`BadSample` for
+    anything wrong with ``raw`` or the labels.
     """
     if len(raw) != size:
         raise BadSample(f"truncated read: got {len(raw)} of {size} bytes")
     check_crc(raw, crc)
     members = split_tar_record(raw, key)
-    labels = parse_label(members, num_classes, multi_label)
+    if labels is None:
+        labels = parse_label(members, num_classes, multi_label)
+    else:
+        check_labels(labels, num_classes, multi_label)
     data = next((members[ext] for ext in IMAGE_MEMBERS if ext in members), None)
     if data is None:
         raise BadSample(f"no image member ({', '.join(IMAGE_MEMBERS)}) among {sorted(members)[:10]}")

@@ -148,6 +148,7 @@ class _EpochBatches(IterableDataset):
         ]
         keys = [e.key(int(i)) for e, i in zip(entries, local)]
         crcs = [e.crc(int(i)) for e, i in zip(entries, local)]
+        known = [None if e.labels is None else e.labels[int(i)] for e, i in zip(entries, local)]
         raws = reader.read(requests)
         # (n, 3, R, R) uint8 filled in place; in shared memory when a worker process sends it.
         images = torch.empty((n, 3, r, r), dtype=torch.uint8)
@@ -162,7 +163,7 @@ class _EpochBatches(IterableDataset):
                 rng = sample_rng(self.order.seed, self.order.epoch, int(g[i])) if tspec.train else None
                 labels[i] = decode_sample(raws[i], keys[i], size=requests[i][2], crc=crcs[i],
                                           num_classes=ds.num_classes, multi_label=ds.multi_label,
-                                          spec=tspec, rng=rng, out=pixels[i])
+                                          spec=tspec, rng=rng, out=pixels[i], labels=known[i])
                 valid[i] = True
             except BadSample as exc:
                 skipped.append((requests[i][0], keys[i], str(exc)))
