@@ -186,10 +186,25 @@ def cmd_shards_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_shards_order(args: argparse.Namespace) -> int:
+    from vitscale.data.config import DataConfig
     from vitscale.data.order import rank_keys
 
-    keys = rank_keys(args.dest, args.split, rank=args.rank, world_size=args.world_size, epoch=args.epoch,
-                     seed=args.seed, start=args.start, endpoint_url=args.endpoint_url)
+    # Training's order: the pipeline's data section and world size, then the flags given here.
+    data, world_size = DataConfig(), None
+    if args.pipeline:
+        from vitscale.stages import load_pipeline
+        from vitscale.stages.run import resolve_pipeline_path
+
+        pipeline = load_pipeline(resolve_pipeline_path(args.pipeline))
+        data, world_size = pipeline.section("data"), pipeline.cluster.num_workers
+    dest = args.dest or (data.url if args.pipeline else None)
+    world_size = args.world_size or world_size
+    if dest is None or world_size is None:
+        raise ValueError("shards order needs DEST and --world-size, or --pipeline FILE")
+    keys = rank_keys(dest, args.split or data.split, rank=args.rank, world_size=world_size, epoch=args.epoch,
+                     seed=data.seed if args.seed is None else args.seed, start=args.start,
+                     endpoint_url=args.endpoint_url or data.endpoint_url,
+                     shuffle_buffer=args.shuffle_buffer or data.shuffle_buffer)
     if args.json:
         print(json.dumps(keys))
     else:
@@ -364,14 +379,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dest")
     endpoint(p)
 
-    p = verb("order", cmd_shards_order, "Keys one rank reads in one epoch, in order.", shard_verbs)
-    p.add_argument("dest")
+    p = verb("order", cmd_shards_order, "Keys one rank reads in one epoch, in training's order.", shard_verbs)
+    p.add_argument("dest", nargs="?", default=None, help="dataset (default: the pipeline's data.url)")
+    p.add_argument("--pipeline", default=None,
+                   help="take data.url/split/seed/shuffle_buffer and cluster.num_workers from this pipeline")
     p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--world-size", type=int, default=None, help="ranks (default: the pipeline's num_workers)")
     p.add_argument("--epoch", type=int, required=True)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="data.seed (default: the pipeline's, else 0)")
+    p.add_argument("--shuffle-buffer", type=int, default=None,
+                   help="data.shuffle_buffer (default: the pipeline's, else training's default)")
     p.add_argument("--start", type=int, default=0, help="resume position within the rank's order")
-    p.add_argument("--split", default="train")
+    p.add_argument("--split", default=None, help="default: the pipeline's data.split, else train")
     p.add_argument("--json", action="store_true")
     endpoint(p)
 
