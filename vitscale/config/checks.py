@@ -88,6 +88,17 @@ def plain_name(value: Any, key: str) -> str:
     return value
 
 
+SEED_LIMIT = 2**32
+"""Seeds are below 2**32: NumPy's legacy seeding takes no more, and torch's takes a 64-bit int."""
+
+
+def seed(value: Any, key: str, count: int = 1) -> int:
+    """A seed (or the first of `count` consecutive seeds): an int in [0, 2**32 - count]."""
+    check(isinstance(value, int) and not isinstance(value, bool) and 0 <= value and value + count <= SEED_LIMIT,
+          key, f"must be an int in [0, {SEED_LIMIT - count}], got {value!r}")
+    return value
+
+
 def non_negative_int(value: Any, key: str) -> int:
     """An int >= 0 (not a bool: `warmup_steps: true` is a typo, not 1); returns it."""
     check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, key,

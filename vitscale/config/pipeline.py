@@ -46,12 +46,26 @@ class ClusterConfig:
             return f"{self.storage_path.rstrip('/')}/{run_name}"
         return str(Path(os.path.expanduser(self.storage_path)).resolve() / run_name)
 
+    def check_fits(self, workers: int, cpus: float, gpus: int, where: str) -> None:
+        """`workers` workers of this cluster's size fit in `cpus` CPUs and `gpus` GPUs; else Ray Train would
+        wait for them forever. `where` says whose resources those are."""
+        need = workers * self.cpus_per_worker
+        check(need <= cpus, "cluster.cpus_per_worker",
+              f"{workers} workers x {self.cpus_per_worker} CPUs = {need:g} CPUs, but {where} has {cpus:g}; "
+              "lower it, or set cluster.address to a larger Ray cluster")
+        if self.use_gpu:
+            need = workers * self.gpus_per_worker
+            check(need <= gpus, "cluster.use_gpu",
+                  f"{workers} workers x {self.gpus_per_worker} GPUs = {need:g} GPUs, but {where} has {gpus}; "
+                  "set cluster.use_gpu false, or cluster.address to a Ray cluster with GPUs")
+
     def validate(self) -> None:
         positive(self.num_workers, "cluster.num_workers")
         positive(self.cpus_per_worker, "cluster.cpus_per_worker")
         positive(self.gpus_per_worker, "cluster.gpus_per_worker")
         check(self.max_failures >= -1, "cluster.max_failures", f"must be >= -1, got {self.max_failures}")
         positive(self.local_num_cpus, "cluster.local_num_cpus")
+        check(bool(self.storage_path), "cluster.storage_path", "must name a folder or s3:// prefix")
         if self.run_name is not None:
             plain_name(self.run_name, "cluster.run_name")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vitscale.config.checks import check, fraction, non_negative, positive
+from vitscale.config.checks import check, fraction, non_negative, plain_name, positive, seed
 
 SOURCE_KINDS = ("synthetic", "fractal", "digits")
 SOURCE_PREFIXES = ("folder:", "list:", "cifar10:", "cifar100:", "pets:", "flowers102:", "imagenet:")
@@ -104,7 +104,10 @@ class DataConfig:
         check(bool(self.url), "data.url", "must name a folder or s3:// prefix")
         non_negative(self.num_workers, "data.num_workers")
         positive(self.shuffle_buffer, "data.shuffle_buffer")
-        non_negative(self.seed, "data.seed")
+        seed(self.seed, "data.seed")
+        plain_name(self.split, "data.split")  # it names shard files: {split}-NNNNNN.tar
+        check(self.endpoint_url is None or self.endpoint_url.startswith(("http://", "https://")), "data.endpoint_url",
+              f"must be an http:// or https:// URL or null, got {self.endpoint_url!r}")
         fraction(self.error_budget, "data.error_budget")
         positive(self.subset, "data.subset")
         if self.create_if_missing is not None:

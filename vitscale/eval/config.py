@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vitscale.config.checks import check, fraction, non_negative, positive, positive_int
+from vitscale.config.checks import check, fraction, plain_name, positive, positive_int, seed
 from vitscale.data.config import SourceConfig
 
 
@@ -50,8 +50,10 @@ class FewshotConfig:
         positive(self.l2, "fewshot.l2")
         positive(self.resolution, "fewshot.resolution")
         positive(self.batch_size, "fewshot.batch_size")
-        non_negative(self.seed, "fewshot.seed")
         positive_int(self.seeds, "fewshot.seeds")
+        seed(self.seed, "fewshot.seed", count=self.seeds)  # the draws use seed .. seed + seeds - 1
+        plain_name(self.train_split, "fewshot.train_split")
+        plain_name(self.test_split, "fewshot.test_split")
         fraction(self.error_budget, "fewshot.error_budget")
         check(self.train_split != self.test_split, "fewshot.test_split",
               f"must differ from fewshot.train_split ({self.train_split!r}): the probe is tested on held-out data")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from vitscale.config.checks import check, non_negative, one_of, positive, probability
+from vitscale.config.checks import check, non_negative, one_of, plain_name, positive, probability, seed
 from vitscale.data.carve import Carve
 from vitscale.data.config import DataConfig, SourceConfig
 from vitscale.models.config import ModelConfig
@@ -108,7 +108,9 @@ class FinetuneConfig:
         if self.dev_fraction is not None:
             positive(self.dev_fraction, "finetune.dev_fraction")
             check(self.dev_fraction < 1, "finetune.dev_fraction", f"must be below 1, got {self.dev_fraction}")
-        non_negative(self.dev_seed, "finetune.dev_seed")
+        seed(self.dev_seed, "finetune.dev_seed")
+        plain_name(self.train_split, "finetune.train_split")
+        plain_name(self.test_split, "finetune.test_split")
         for key in ("steps", "base_lr", "resolution", "batch", "micro_batch", "grad_clip", "checkpoint_every",
                     "log_every", "eval_every", "eval_batch"):
             positive(getattr(self, key), f"finetune.{key}")
@@ -124,7 +126,7 @@ class FinetuneConfig:
         check(self.polyak is None or self.zero_stage <= 2, "finetune.polyak", "needs finetune.zero_stage <= 2")
         one_of(self.precision, ("bf16", "fp32"), "finetune.precision")
         non_negative(self.num_workers, "finetune.num_workers")
-        non_negative(self.seed, "finetune.seed")
+        seed(self.seed, "finetune.seed")
         check(self.train_split != self.test_split, "finetune.test_split",
               f"must differ from finetune.train_split ({self.train_split!r})")
 

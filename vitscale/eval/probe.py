@@ -51,6 +51,26 @@ def check_probe_dataset(meta: Any, url: str, cfg: FewshotConfig, key: str) -> No
           f"{cfg.train_split!r} of {url} has {train}")
 
 
+def check_shots_per_class(url: str, num_classes: int, cfg: FewshotConfig, endpoint_url: str | None = None) -> None:
+    """Every class of the probe's training split has `max(shots)` examples (from the index's labels).
+
+    Otherwise the probe would fail only after pre-training (`sample_shots` refuses a short class).
+    """
+    import numpy as np
+    import pyarrow.compute as pc
+
+    from vitscale.data.format import read_index
+
+    index = read_index(url, endpoint_url=endpoint_url).select(["split", "labels"])
+    labels = pc.list_flatten(index.filter(pc.equal(index["split"], cfg.train_split))["labels"]).to_numpy()
+    counts = np.bincount(labels[(labels >= 0) & (labels < num_classes)], minlength=num_classes)
+    most = max(cfg.shots)
+    short = np.flatnonzero(counts < most)
+    if short.size:
+        raise ConfigError("fewshot.shots", f"{most} shots of each class: class {int(short[0])} of split "
+                                           f"{cfg.train_split!r} of {url} has only {int(counts[short[0]])} examples")
+
+
 def check_probe_datasets(cfg: FewshotConfig, endpoint_url: str | None = None) -> None:
     """Every dataset of `cfg` exists and passes `check_probe_dataset` (FileNotFoundError / ConfigError)."""
     from vitscale.data.format import has_dataset, read_meta

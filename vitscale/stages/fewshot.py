@@ -59,13 +59,14 @@ def check_fewshot(config: PipelineConfig) -> None:
 def prepare_fewshot(config: PipelineConfig) -> None:
     """Every probe dataset exists, is single-label, has both splits, and can supply the shots
     (`check_probe_dataset`: the same checks as `vitscale fewshot`)."""
-    from vitscale.eval.probe import check_probe_dataset
+    from vitscale.eval.probe import check_probe_dataset, check_shots_per_class
 
     fewshot = config.fewshot
     for i, url in enumerate(fewshot.datasets):
         key = f"fewshot.datasets[{i}]"
         meta = ensure_dataset(url, fewshot.create_if_missing if i == 0 else None, config.data.endpoint_url, key)
         check_probe_dataset(meta, url, fewshot, key)
+        check_shots_per_class(url, meta.num_classes, fewshot, config.data.endpoint_url)
 
 
 def run_fewshot(config: PipelineConfig, context: StageContext) -> FewshotResult:

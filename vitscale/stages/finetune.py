@@ -59,6 +59,15 @@ def check_finetune(config: PipelineConfig) -> None:
     check(fc.single_lr() is not None, "finetune.base_lr",
           f"the finetune stage trains one learning rate; set it, or let the sweep stage select one of "
           f"{list(fc.grid())} on the dev split")
+    if fc.checkpoint is None:
+        # The pre-trained architecture at the fine-tuning resolution: a size its patches cannot tile
+        # would fail only after pre-training. (A checkpoint file names its own architecture:
+        # `check_checkpoint` builds that one.)
+        try:
+            finetune_model(config.model, fc.resolution).validate()
+        except ConfigError as exc:
+            raise ConfigError("finetune.resolution", f"({fc.resolution}) does not fit {config.model.name}: "
+                                                     f"{exc.message}") from None
     per_step = fc.micro_batch * config.cluster.num_workers
     check(fc.batch % per_step == 0, "finetune.batch",
           f"({fc.batch}) must be a multiple of finetune.micro_batch x cluster.num_workers = {per_step}")

@@ -22,6 +22,10 @@ def check_pretrain(config: PipelineConfig) -> None:
     fault = train.fault
     check(fault.kill_rank is None or fault.kill_rank < cluster.num_workers, "train.fault.kill_rank",
           f"({fault.kill_rank}) must be below cluster.num_workers ({cluster.num_workers})")
+    # Worker r of a node serves on metrics_port + r; the last one must still be a TCP port.
+    last_port = (train.metrics_port or 0) + cluster.num_workers - 1
+    check(not train.metrics_port or last_port <= 65535, "train.metrics_port",
+          f"({train.metrics_port}) + up to {cluster.num_workers - 1} local ranks = {last_port}, past 65535")
     per_step = train.micro_batch * cluster.num_workers
     if train.global_batch % per_step:
         lower = max(per_step, train.global_batch // per_step * per_step)

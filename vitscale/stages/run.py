@@ -38,14 +38,44 @@ def resolve_pipeline_path(name_or_path: str) -> Path:
 def preflight(config: PipelineConfig) -> PipelineConfig:
     """Every stage's driver-side checks (may write a missing dataset); returns the config with absolute paths."""
     config = absolute_paths(config)
-    for name in config.stages:
-        stage = get_stage(name)
-        if stage.prepare is not None:
-            try:
+    try:
+        check_local_ray(config)
+        for name in config.stages:
+            stage = get_stage(name)
+            if stage.prepare is not None:
                 stage.prepare(config)
-            except ConfigError as exc:
-                raise exc.in_file(config.source) if config.source else exc from None
+    except ConfigError as exc:
+        raise exc.in_file(config.source) if config.source else exc from None
     return config
+
+
+def check_local_ray(config: PipelineConfig) -> None:
+    """A Ray that `vitscale run` starts on this machine fits one run's workers.
+
+    Ray Train waits for resources that never come rather than failing, so a local run that asks
+    for more CPUs or GPUs than the machine has would hang. Nothing is checked when joining a
+    cluster (its size is its own) or when this process already holds a Ray connection.
+    """
+    import os
+    import sys
+
+    ray = sys.modules.get("ray")
+    if config.cluster.address or os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized()):
+        return
+    cluster = config.cluster
+    widths = [cluster.num_workers] if {"pretrain", "finetune"} & set(config.stages) else []
+    if "sweep" in config.stages:
+        widths.append(config.sweep.workers_per_trial or cluster.num_workers)
+    if not widths:
+        return
+    cpus = cluster.local_num_cpus or os.cpu_count() or 1
+    gpus = 0
+    if cluster.use_gpu:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    where = f"the local Ray ({'cluster.local_num_cpus' if cluster.local_num_cpus else 'this machine'})"
+    cluster.check_fits(max(widths), cpus, gpus, where)
 
 
 def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose: bool = True) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vitscale.config.checks import (ConfigError, check, check_address, finite, non_negative, non_negative_int, one_of,
-                                    positive, probability)
+                                    positive, probability, seed)
 
 PEAK_FLOPS_NAMES = ("auto", "H200", "H100", "A100")
 
@@ -128,7 +128,7 @@ class TrainConfig:
         positive(self.checkpoint_every, "train.checkpoint_every")
         positive(self.keep_checkpoints, "train.keep_checkpoints")
         positive(self.log_every, "train.log_every")
-        non_negative(self.seed, "train.seed")
+        seed(self.seed, "train.seed")
         if self.polyak is not None:
             probability(self.polyak, "train.polyak")
             check(self.zero_stage <= 2, "train.polyak",
