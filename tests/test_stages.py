@@ -94,8 +94,8 @@ def test_a_stage_that_needs_a_result_comes_after_its_maker(toy_registered: None)
 
 
 def test_unregistered_stages_and_their_sections_cannot_be_written() -> None:
-    # study is not built yet: neither the stage nor its section is accepted.
-    for raw, key in (({"stages": ["pretrain", "study"]}, "stages"), ({"study": {"models": ["x"]}}, "study")):
+    # inspect is a verb, not a stage: neither a stage nor a section of that name is accepted.
+    for raw, key in (({"stages": ["pretrain", "inspect"]}, "stages"), ({"inspect": {"images": "x"}}, "inspect")):
         with pytest.raises(ConfigError) as err:
             build_pipeline(raw)
         assert err.value.key == key
