@@ -16,6 +16,7 @@ from vitscale.data.format import read_index
 from vitscale.data.loader.stream import ShardStream
 from vitscale.data.storage import open_storage
 from vitscale.data.tools.adopt import expand_braces, index_shards, split_url
+from vitscale.data.tools.verify import verify_dataset
 
 NAMES = ["cat", "dog", "owl"]
 
@@ -86,6 +87,7 @@ def test_index_beside_the_tars_and_train_on_them(tmp_path):
     assert [b["key"] for b in meta["bad_samples"]] == ["noimage"]
     labels = _all_labels(str(root))
     assert labels == {f"{n:09d}": n % 3 for n in range(12)}
+    assert verify_dataset(str(root)) == []
 
 
 @pytest.mark.parametrize("member", ["txt", "json:label"])
@@ -98,6 +100,7 @@ def test_labels_from_names_and_a_separate_out(tmp_path, member):
     assert code == 0 and not (root / "dataset.json").exists()
     owl_first = {"owl": 0, "cat": 1, "dog": 2}
     assert _all_labels(str(out)) == {f"{n:09d}": owl_first[NAMES[n % 3]] for n in range(12)}
+    assert verify_dataset(str(out)) == []
 
 
 def test_index_on_s3(tmp_path, moto_s3):

@@ -15,7 +15,8 @@ from typing import Any, BinaryIO
 import numpy as np
 import pyarrow as pa
 
-from vitscale.data.format import INDEX_NAME, META_NAME, ShardMeta, read_index, read_meta
+from vitscale.data.format import INDEX_NAME, LABEL_SOURCE, META_NAME, SHARD_ROOT, ShardMeta, read_index, read_meta
+from vitscale.data.loader.sample import IMAGE_MEMBERS
 from vitscale.data.storage import Storage, open_storage
 from vitscale.data.tools.progress import Progress
 from vitscale.data.tools.scan import iter_shard, labels_of
@@ -68,6 +69,11 @@ def verify_dataset(url: str, *, endpoint_url: str | None = None, progress: bool 
         keys.add(r["key"])
         idx[(r["shard"], r["key"])] = r
     listed = {sh.name: (split, sh) for split, sp in meta.splits.items() for sh in sp.shards}
+    if SHARD_ROOT in meta.extra:  # adopted shards indexed elsewhere (`shards index --out`)
+        storage = open_storage(str(meta.extra[SHARD_ROOT]), endpoint_url=endpoint_url)
+    # Adopted shards: samples `shards index` left out (listed), and labels that live in the index.
+    left_out = {(b["shard"], b["key"]) for b in meta.extra.get("bad_samples", [])}
+    index_labels = meta.extra.get(LABEL_SOURCE) == "index"
     stray = sorted(n for n in storage.list() if n.endswith(".tar") and n not in listed)
     problems += [f"{n}: shard not listed in {META_NAME}" for n in stray]
     indexed = {}
@@ -82,14 +88,15 @@ def verify_dataset(url: str, *, endpoint_url: str | None = None, progress: bool 
             )
     with Progress(len(listed), f"verify {storage.url}", unit="shard", enabled=progress) as bar:
         for name, (split, sh) in listed.items():
-            problems += _verify_shard(storage, name, split, sh, idx, indexed.get(name, 0), num_classes)
+            problems += _verify_shard(storage, name, split, sh, idx, indexed.get(name, 0), num_classes,
+                                      left_out, index_labels)
             bar.update()
     return problems
 
 
 def _verify_shard(
     storage: Storage, name: str, split: str, sh: ShardMeta, idx: dict[tuple[str, str], dict[str, Any]],
-    n_indexed: int, num_classes: int,
+    n_indexed: int, num_classes: int, left_out: set[tuple[str, str]] = frozenset(), index_labels: bool = False,
 ) -> list[str]:
     problems: list[str] = []
     try:
@@ -101,11 +108,13 @@ def _verify_shard(
         count = 0
         try:
             for s in iter_shard(io.BufferedReader(hr, 1 << 20)):  # type: ignore[arg-type]
+                if (name, s.key) in left_out:
+                    continue
                 count += 1
                 row = idx.get((name, s.key))
-                labels = labels_of(s)
-                if "jpg" not in s.files or labels is None:
-                    problems.append(f"{name}: sample {s.key!r} lacks .jpg or .cls/.json ({sorted(s.files)})")
+                labels = None if index_labels else labels_of(s)
+                if not any(ext in s.files for ext in IMAGE_MEMBERS) or (labels is None and not index_labels):
+                    problems.append(f"{name}: sample {s.key!r} lacks an image or .cls/.json ({sorted(s.files)})")
                 if row is None:
                     problems.append(f"{name}: sample {s.key!r} missing from {INDEX_NAME}")
                     continue
@@ -125,11 +134,11 @@ def _verify_shard(
             hr.drain()
         except (OSError, tarfile.TarError, ValueError, UnicodeDecodeError) as exc:
             return problems + [f"{name}: unreadable after {count} samples: {exc}"]
-    if hr.sha.hexdigest() != sh.sha256:
+    if sh.sha256 is not None and hr.sha.hexdigest() != sh.sha256:  # adopted shards carry none
         problems.append(
             f"{name}: sha256 mismatch ({META_NAME} {(sh.sha256 or '')[:12]}..., file {hr.sha.hexdigest()[:12]}...)"
         )
-    if hr.n != sh.nbytes:
+    if sh.nbytes is not None and hr.n != sh.nbytes:
         problems.append(f"{name}: {hr.n} bytes, {META_NAME} says {sh.nbytes}")
     if count != sh.samples:
         problems.append(f"{name}: {count} samples in tar, {META_NAME} says {sh.samples}")
