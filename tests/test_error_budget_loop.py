@@ -1,0 +1,57 @@
+"""The training loop keeps the error budget's count in checkpoints: a restart cannot reset it."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from test_pretrain_loop import Recorder, tiny_config
+from vitscale.data.loader.stream import ErrorBudgetExceeded
+from vitscale.data.order import rank_keys
+from vitscale.data.tools.write import write_dataset
+
+pytest.importorskip("deepspeed")
+
+# Positions in epoch 0's order (16 samples a step) of the samples to damage: one in each of steps
+# 1-5. A budget of 0.02 x 160 samples = 3.2 is exceeded by the 4th, at step 4.
+DAMAGED = [0, 20, 40, 52, 70]
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("budget") / "ds"
+    write_dataset("synthetic", str(out), shard_size=37, max_side=32, seed=0,
+                  source_options={"count": 160, "classes": 4, "image_size": 32}, progress=False)
+    order = rank_keys(str(out), "train", rank=0, world_size=1, epoch=0, seed=0, shuffle_buffer=64)
+    rows = {r["key"]: r for r in pq.read_table(out / "_index.parquet").to_pylist()}
+    for position in DAMAGED:
+        r = rows[order[position]]
+        with open(out / r["shard"], "r+b") as f:
+            f.seek(r["offset"] + 100)
+            f.write(b"\xab" * (r["size"] - 100))
+    return str(out)
+
+
+def test_restart_goes_on_counting(tmp_path: Path, damaged: str, process_group: None) -> None:
+    from vitscale.train.loop import WorkerContext, train
+
+    job = tiny_config(damaged)
+    job = dataclasses.replace(job, data=dataclasses.replace(job.data, error_budget=0.02))
+    whole = Recorder(tmp_path / "whole")
+    (tmp_path / "whole").mkdir()
+    with pytest.raises(ErrorBudgetExceeded, match="4 samples skipped in epoch 0"):
+        train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-a", report=whole))
+    assert [m["step"] for m in whole.metrics] == [1, 2, 3]
+    checkpoint = tmp_path / "whole" / "checkpoint_000000003"
+    # Resumed from step 3 (3 samples skipped so far), the 4th bad sample still stops the run.
+    resumed = Recorder(tmp_path / "resumed")
+    (tmp_path / "resumed").mkdir()
+    with pytest.raises(ErrorBudgetExceeded, match="4 samples skipped in epoch 0"):
+        train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-b", report=resumed,
+                                 resume_from=checkpoint))
+    assert resumed.metrics == []
+    shutil.rmtree(tmp_path / "whole")
