@@ -69,10 +69,11 @@ def plot_data_size(rows: Sequence[dict[str, Any]], metric: str, path: Path) -> P
     for r in rows:
         if not r["partial"] and isinstance(r.get(metric), float):
             series.setdefault((r["family"], r["model"], r["epochs"]), []).append((r["data_size"], r[metric]))
-    for (family, model, epochs), pts in series.items():
+    palette = plt.get_cmap("tab10")
+    for i, ((family, model, epochs), pts) in enumerate(series.items()):  # a colour per series, a marker per family
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=MARKERS.get(family, "D"),
-                color=COLOURS.get(family), alpha=0.8, label=f"{model}, {epochs:g} ep")
+                color=palette(i % 10), alpha=0.85, label=f"{model}, {epochs:g} ep")
     ax.set_xscale("log")
     ax.set_xlabel("pre-training examples (first N of a fixed permutation)")
     ax.set_ylabel(metric)
