@@ -12,6 +12,8 @@ from vitscale.data.format import DatasetError
 from vitscale.data.loader.stream import ErrorBudgetExceeded
 from vitscale.launch.failures import DeterministicFailure, StopOnDeterministicFailure, deterministic_cause
 from vitscale.launch.ray_train import WorkerFailed, _root_cause
+from vitscale.train.engine import UnsafeCheckpoint
+from vitscale.train.loop import NonFiniteSteps
 
 
 def _as_controller_sees_it(rank: int, exc: BaseException) -> BaseException:
@@ -28,6 +30,9 @@ def _as_controller_sees_it(rank: int, exc: BaseException) -> BaseException:
     ErrorBudgetExceeded("12 samples skipped in epoch 0, over the error budget; bad shards: train-000003.tar (12)"),
     DatasetError("1 shard(s) of split 'train' missing"),
     ConfigError("data.url", "must name a folder"),
+    ConfigError("train.base_lr", "changed since the checkpoint: 0.001 -> 0.002; resuming would mix two runs"),
+    NonFiniteSteps("11 steps with a non-finite loss or gradients (first at step 40), over train.max_skipped_steps"),
+    UnsafeCheckpoint("checkpoint_000010/rank0.pt: refusing to unpickle builtins.exec"),
 ])  # fmt: skip
 def test_deterministic_failures_stop_the_run(exc):
     callback = StopOnDeterministicFailure()

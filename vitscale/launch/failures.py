@@ -19,10 +19,14 @@ from ray.train.v2.api.callback import UserCallback
 from vitscale.config.checks import ConfigError
 from vitscale.data.format import DatasetError
 from vitscale.data.loader.stream import ErrorBudgetExceeded
+from vitscale.train.engine import UnsafeCheckpoint
+from vitscale.train.loop import NonFiniteSteps
 
-DETERMINISTIC: tuple[type[BaseException], ...] = (ErrorBudgetExceeded, DatasetError, ConfigError)
-"""Errors a restart repeats exactly (bad data, an exceeded error budget, a bad setting found on a
-worker): the run stops instead of being retried."""
+DETERMINISTIC: tuple[type[BaseException], ...] = (ErrorBudgetExceeded, DatasetError, ConfigError, NonFiniteSteps,
+                                                   UnsafeCheckpoint)
+"""Errors a restart repeats exactly (bad data, an exceeded error budget, a bad setting or a changed
+run found on a worker, the non-finite-step budget spent, a checkpoint file that would run code):
+the run stops instead of being retried."""
 
 
 class DeterministicFailure(RuntimeError):

@@ -111,8 +111,17 @@ class _HashingFile:
         self.f.flush()
 
 
+def safe_member_name(name: str) -> str:
+    """A tar member name that stays inside the directory a tar is extracted to: relative, no `..`
+    part, no backslash or NUL (keys of an adopted or hostile dataset reach dedup's writer as they are)."""
+    parts = name.split("/")
+    if not name or name.startswith("/") or "\\" in name or "\0" in name or ".." in parts or "" in parts:
+        raise ValueError(f"refusing tar member name {name!r}: it would escape the directory it is extracted to")
+    return name
+
+
 def _member(name: str, data: bytes) -> tuple[tarfile.TarInfo, io.BytesIO]:
-    info = tarfile.TarInfo(name)
+    info = tarfile.TarInfo(safe_member_name(name))
     info.size, info.mode, info.mtime = len(data), 0o444, 0  # fixed metadata: reproducible bytes
     return info, io.BytesIO(data)
 
