@@ -35,7 +35,8 @@ from vitscale.data.tools.downstream import (
     need_dir,
     need_file,
 )
-from vitscale.data.tools.sources import _KEY_UNSAFE, IMAGE_EXTENSIONS, Sample
+from vitscale.data.tools.keys import clean_key
+from vitscale.data.tools.sources import IMAGE_EXTENSIONS, Sample
 
 __all__ = ["ImageNetSource"]
 
@@ -196,6 +197,6 @@ class ImageNetSource(PredefinedSplitSource):
         i = self._check_index(i)
         name = os.fsdecode(self._names[i])
         data = (self._dirs[int(self._dir_of[i])] / name).read_bytes()
-        key = _KEY_UNSAFE.sub("_", os.path.splitext(name)[0]).strip("_") or f"sample{i}"
+        key = clean_key(os.path.splitext(name)[0], i)  # ILSVRC2012 file names are unique already
         return Sample(key, data, (int(self._labels[i]),))
 

@@ -5,9 +5,14 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-__all__ = ["unique_keys"]
+__all__ = ["clean_key", "unique_keys"]
 
 _KEY_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+def clean_key(name: str, i: int) -> str:
+    """One source name as a key of ``[A-Za-z0-9_-]`` (``sample{i}`` when nothing is left); not de-collided."""
+    return _KEY_UNSAFE.sub("_", name).strip("_") or f"sample{i}"
 
 
 def unique_keys(raw: Sequence[str]) -> list[str]:
@@ -18,7 +23,7 @@ def unique_keys(raw: Sequence[str]) -> list[str]:
     suffix ``_{i}`` (``i`` = the name's position), and further ``_2``, ``_3``... should that
     suffixed key itself be another name's key: the result never repeats a key.
     """
-    cleaned = [_KEY_UNSAFE.sub("_", r).strip("_") or f"sample{i}" for i, r in enumerate(raw)]
+    cleaned = [clean_key(r, i) for i, r in enumerate(raw)]
     taken = set(cleaned)  # a suffixed key must not take a key a later name cleans up to
     out: list[str] = []
     seen: set[str] = set()
