@@ -262,7 +262,8 @@ def _evaluate(job: TrainJob, engine: Any, polyak: Polyak | None, ctx: WorkerCont
             for eval_set in job.evals:
                 def measure(m: torch.nn.Module) -> float:
                     return accuracy(m, eval_set, resolution=job.model.img_size, batch_size=job.eval_batch,
-                                    device=device, dtype=dtype, endpoint_url=job.data.endpoint_url)
+                                    device=device, dtype=dtype, endpoint_url=job.data.endpoint_url,
+                                    error_budget=job.data.error_budget)
 
                 scores[f"{eval_set.name}_accuracy"] = measure(model)
                 if polyak is not None:
