@@ -116,7 +116,7 @@ def test_killed_rank_resumes_to_the_same_weights_and_samples(clean_run: dict, da
     clean = clean_run
     # Rank 1 dies after step 5: past the step-3 checkpoint, in the middle of epoch 1.
     faulty = run_pipeline(config(dataset, tmp_path, "faulty", fault={"kill_rank": 1, "kill_at_step": 5}))
-    assert (tmp_path / "faulty" / ".fault-fired-rank1-step5").exists()
+    assert (tmp_path / "faulty" / "faults" / "fired-rank1-step5.json").exists()  # in the run's storage
 
     a, b = final_weights(Path(clean["run_dir"])), final_weights(Path(faulty["run_dir"]))
     worst = max((a[k] - b[k]).abs().max().item() for k in a)

@@ -88,7 +88,7 @@ def _resume_directory(world_size: int, rank: int, downloads: contextlib.ExitStac
         info = ckpt.manifest_info(directory)
         found = ckpt.check_complete(directory, world_size, hash_ranks={0, rank})
         if not found or (candidate is latest and info is not None and info[1] != world_size):
-            downloads.push(fetched.close)
+            downloads.callback(fetched.close)
             if candidate is not latest:
                 print(f"[vitscale] latest checkpoint {posixpath.basename(latest.path)} is incomplete; "
                       f"resuming from {posixpath.basename(candidate.path)}", flush=True)
