@@ -62,7 +62,7 @@ def test_a_regularisation_sweep_tunes_pretraining() -> None:
     trial = with_params(config, {"train.weight_decay": 0.1, "model.dropout": 0.1})
     assert trial.train.weight_decay == 0.1 and trial.model.options["dropout"] == 0.1
     job = trial_job(trial, None, None, final=False)
-    assert [e.name for e in job.evals] == ["dev"] and job.carve.part == "rest" and job.evaluations == 16
+    assert [e.name for e in job.evals] == ["dev"] and job.carve.part == "rest" and job.evaluations == 8
     final = trial_job(trial, None, None, final=True)
     assert final.carve is None and final.evals == ()
 
