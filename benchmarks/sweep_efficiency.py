@@ -4,8 +4,8 @@
 
 The same search space runs twice through the real sweep stage (`vitscale run`, a local Ray, one
 Ray Train worker per trial): first `sweep.scheduler: grid` (every trial to the end), then
-`sweep.scheduler: asha` (the stage's defaults: grace period 1/16 of the steps, reduction
-factor 3, 16 dev evaluations per trial: one per grace period). The problem: fine-tuning a small ViT from random weights
+`sweep.scheduler: asha` (the stage's defaults: grace period a quarter of the steps, reduction
+factor 3, 8 dev evaluations per trial). The problem: fine-tuning a small ViT from random weights
 on scikit-learn's handwritten digits (10 classes, 32 px, 80/20 train/test, 20% of the training
 split carved off as the dev set), SGD momentum with the paper's recipe, 10 learning rates over
 three decades by default.

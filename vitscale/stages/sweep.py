@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from vitscale.config.checks import ConfigError, check, non_negative, one_of, positive, seed
+from vitscale.config.checks import ConfigError, check, non_negative, one_of, positive
 from vitscale.config.loader import to_dict, to_yaml
 from vitscale.config.pipeline import PipelineConfig
 from vitscale.data.carve import Carve
@@ -59,14 +59,11 @@ class SweepConfig:
     workers_per_trial: int | None = None
     """Ray Train workers per trial; null = cluster.num_workers."""
     grace_period: int | None = None
-    """ASHA: steps every trial runs before the first cut; null = 1/16 of the trial's steps. With the
-    default reduction factor 3 the rungs are then at 1/16, 3/16 and 9/16 of the steps: every trial
-    pays 1/16, a third of them 3/16, a ninth 9/16, one trial the whole; a grace of a quarter would
-    make every trial pay a quarter, and ASHA could never spend under ~45% of the grid."""
+    """ASHA: steps every trial runs before the first cut; null = a quarter of the trial's steps."""
     reduction_factor: int = 3
     """ASHA: keep the best 1/reduction_factor at each rung."""
-    evaluations: int = 16
-    """Dev evaluations per trial under ASHA (its rungs need scores along the way): one per default grace period."""
+    evaluations: int = 8
+    """Dev evaluations per trial under ASHA (its rungs need scores along the way)."""
     dev_fraction: float = 0.02
     """Pretrain target: share of the pre-training split held out as the dev set."""
     retrain: bool = True
@@ -90,7 +87,7 @@ class SweepConfig:
         positive(self.dev_fraction, "sweep.dev_fraction")
         check(self.dev_fraction < 1, "sweep.dev_fraction", f"must be below 1, got {self.dev_fraction}")
         non_negative(self.trial_retries, "sweep.trial_retries")
-        seed(self.seed, "sweep.seed")
+        non_negative(self.seed, "sweep.seed")
         check(not (self.scratch_baseline and self.target != "finetune"), "sweep.scratch_baseline",
               "compares fine-tuning from pre-trained and random weights: needs sweep.target finetune")
 
@@ -294,7 +291,7 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
         from ray.tune.schedulers import ASHAScheduler
 
         steps = trial_steps(config, trial_job(config, model, init, final=False))
-        scheduler = ASHAScheduler(time_attr="step", max_t=steps, grace_period=sweep.grace_period or max(1, steps // 16),
+        scheduler = ASHAScheduler(time_attr="step", max_t=steps, grace_period=sweep.grace_period or max(1, steps // 4),
                                   reduction_factor=sweep.reduction_factor)
     concurrent = sweep.max_concurrent or concurrent_runs(trial_cluster(config), ray.cluster_resources())
     # The dev metric is reported when it is measured (every eval_every steps and at the end); the
