@@ -180,7 +180,7 @@ def pretrain(name: str, seed: int, epochs: float, cache: Path | None) -> dict[st
     tag = name.replace(":", "_").replace(",", "_").replace("=", "")
     path = cache / f"{tag}-s{seed}-e{epochs:g}.pt" if cache else None
     if path is not None and path.exists():
-        return torch.load(path)
+        return torch.load(path, weights_only=True)  # a cached state dict: tensors only
     t0 = time.perf_counter()
     images = encode_source(spec, {**options, "seed": seed})
     t_gen = time.perf_counter() - t0

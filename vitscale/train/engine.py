@@ -250,5 +250,5 @@ def consolidated_state_dict(deepspeed_dir: str | os.PathLike, tag: str) -> dict[
     if not model_states:
         raise FileNotFoundError(f"{directory}: no DeepSpeed model or optimizer states")
     with weights_only_loads():
-        state = torch.load(os.path.join(directory, model_states[0]), map_location="cpu")
+        state = torch.load(os.path.join(directory, model_states[0]), map_location="cpu", weights_only=True)
     return {k: v.float() for k, v in state["module"].items()}
