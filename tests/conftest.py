@@ -58,3 +58,14 @@ def process_group() -> None:
         os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
                            "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+
+
+@pytest.fixture(scope="session")
+def small_synthetic(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """40 synthetic images of 3 classes at 32 px in shards of 20: enough for a pipeline's checks."""
+    from vitscale.data.tools.write import write_dataset
+
+    out = tmp_path_factory.mktemp("data") / "synthetic"
+    write_dataset("synthetic", str(out), shard_size=20, max_side=32, progress=False,
+                  source_options={"count": 40, "classes": 3, "image_size": 32})
+    return str(out)

@@ -112,3 +112,14 @@ def write_test_dataset(
     }
     (root / "dataset.json").write_text(json.dumps(meta))
     return root
+
+
+def tar_records(fmt: int, members: Sequence[tuple[str, bytes]]) -> bytes:
+    """`members` as a tar archive written by `tarfile` in format `fmt` (end-of-archive blocks included)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()

@@ -12,13 +12,19 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
+from conftest_data import tar_records
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
 from vitscale.data.loader.decode import decode_image_into
 from vitscale.data.loader.reader import BadSample, parse_label, split_tar_record
-from vitscale.data.loader.transforms import TransformSpec, crop_box, normalize_on_device, sample_rng
+from vitscale.data.loader.transforms import (
+    TransformSpec,
+    crop_box,
+    normalize_on_device,
+    sample_rng,
+)
 
 
 def _jpeg(arr: np.ndarray, quality: int = 95, mode: str | None = None) -> bytes:
@@ -45,16 +51,6 @@ def _photo(width: int, height: int, seed: int = 0, wavelength: float = 1.0) -> n
     return np.clip(img + rng.normal(0, 4, img.shape), 0, 255).astype(np.uint8)
 
 
-def _tar_records(fmt: int, members: list[tuple[str, bytes]]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
 # ---------------------------------------------------------------- tar records
 
 
@@ -66,7 +62,7 @@ def _tar_records(fmt: int, members: list[tuple[str, bytes]]) -> bytes:
 )  # fmt: skip
 def test_tar_record_roundtrip_across_formats(fmt, key):
     # Long names take the ustar prefix field, a GNU long-name member or a PAX path record.
-    raw = _tar_records(fmt, [(f"{key}.jpg", b"J" * 700), (f"{key}.cls", b"3")])
+    raw = tar_records(fmt, [(f"{key}.jpg", b"J" * 700), (f"{key}.cls", b"3")])
     raw = raw[: len(raw) - 1024]  # a sample's byte range has no end-of-archive blocks
     assert split_tar_record(raw, key, len(raw)) == {"jpg": b"J" * 700, "cls": b"3"}
 
@@ -80,7 +76,7 @@ def test_tar_record_from_webdataset_writer():
 
 
 def test_tar_record_errors():
-    raw = _tar_records(tarfile.USTAR_FORMAT, [("k.jpg", b"x" * 1000), ("k.cls", b"1")])[:-1024]
+    raw = tar_records(tarfile.USTAR_FORMAT, [("k.jpg", b"x" * 1000), ("k.cls", b"1")])[:-1024]
     with pytest.raises(BadSample, match="truncated"):
         split_tar_record(raw[:900], "k", len(raw))
     with pytest.raises(BadSample, match="past the end"):

@@ -8,15 +8,11 @@ import pytest
 import yaml
 
 from vitscale.cli import main
-from vitscale.data.tools.write import write_dataset
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
-    out = tmp_path_factory.mktemp("data") / "synthetic"
-    write_dataset("synthetic", str(out), shard_size=20, max_side=32, progress=False,
-                  source_options={"count": 40, "classes": 3, "image_size": 32})
-    return str(out)
+def dataset(small_synthetic: str) -> str:
+    return small_synthetic
 
 
 def run(tmp_path: Path, capsys: pytest.CaptureFixture, pipeline: dict) -> tuple[int, str]:

@@ -89,13 +89,8 @@ def test_refusal_names_every_key_and_both_values() -> None:
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from vitscale.data.tools.write import write_dataset
-
-    out = tmp_path_factory.mktemp("data") / "synthetic"
-    write_dataset("synthetic", str(out), shard_size=20, max_side=32, progress=False,
-                  source_options={"count": 40, "classes": 3, "image_size": 32})
-    return str(out)
+def dataset(small_synthetic: str) -> str:
+    return small_synthetic
 
 
 def _pipeline(dataset: str, storage: Path, **train: object) -> dict:

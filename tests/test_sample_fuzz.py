@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import webdataset as wds
+from conftest_data import tar_records
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -59,13 +60,7 @@ def _jpeg(seed: int, size: tuple[int, int] = (40, 30)) -> bytes:
 
 
 def _tar(fmt: int, members: list[tuple[str, bytes]]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-    return buf.getvalue()[:-1024]  # a sample's byte range holds no end-of-archive blocks
+    return tar_records(fmt, members)[:-1024]  # a sample's byte range holds no end-of-archive blocks
 
 
 @lru_cache(maxsize=1)
