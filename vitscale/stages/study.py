@@ -96,14 +96,16 @@ def data_facts(config: PipelineConfig, *, planning: bool) -> DataFacts:
     return DataFacts(samples, meta.num_classes)
 
 
-def plan(config: PipelineConfig, *, planning: bool = False) -> tuple[DataFacts, list[PlannedCell]]:
-    """Every cell's planned compute, after checking each cell against the data (before any compute)."""
+def plan(config: PipelineConfig, *, planning: bool = False, check_data: bool = True
+         ) -> tuple[DataFacts, list[PlannedCell]]:
+    """Every cell's planned compute, after checking each cell against the data (before any compute);
+    `check_data=False` when `prepare_study` has checked them already."""
     from vitscale.stages.run import preflight
 
     cells = resolve_cells(config)
     facts = data_facts(config, planning=planning)
     planned = plan_study(cells, facts, config.section("study").max_exaflops)
-    if not facts.planned:
+    if check_data and not facts.planned:
         checked: set[str] = set()
         for cell in cells:
             built = build_cell(cell, config.source)
@@ -130,7 +132,7 @@ def run_study(config: PipelineConfig, context: StageContext) -> StudyResult:
     study = config.section("study")
     directory = study.directory or str(context.run_dir / "study")
     cells = resolve_cells(config)
-    facts, planned = plan(config)
+    facts, planned = plan(config, check_data=False)  # `prepare_study` checked every cell before Ray started
     state = StudyState(directory, config.data.endpoint_url)
     state.write_plan({"study": config.run_name, "planned_at": time.time(), "fit_metric": study.fit_metric,
                       "data": {"url": config.data.url, "split": config.data.split, "examples": facts.examples,

@@ -12,6 +12,7 @@ cell's settings and it is a new cell: its old state is never resumed from.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import re
@@ -61,13 +62,15 @@ def settings_hash(raw: dict[str, Any]) -> str:
     Only values that differ from vitscale's defaults count: a later vitscale that adds a config
     key (with a default that changes nothing) keeps every cell's id, so its studies still resume.
     """
-    defaults = _defaults()
+    defaults = _defaults()  # read only
     decided = {k: _changed(raw.get(k), defaults.get(k)) for k in RESULT_SECTIONS}
     decided["stages"] = raw.get("stages")
     return hashlib.sha256(json.dumps(decided, sort_keys=True, default=str).encode()).hexdigest()[:6]
 
 
+@functools.cache
 def _defaults() -> dict[str, Any]:
+    """Every result section's defaults as plain data (built once: the model's validates on meta)."""
     from vitscale.config.loader import build_section
     from vitscale.stages import config_sections
 
