@@ -44,7 +44,8 @@ import torch.nn.functional as F
 
 MODEL = {"name": "ViT-Ti/4", "img_size": 32, "depth": 4, "width": 128, "mlp_dim": 256, "heads": 4,
          "representation_size": 128}
-"""The quickstart's model section (pipelines/quickstart.yaml)."""
+"""The quickstart's model section (pipelines/quickstart.yaml); `--model` overrides it."""
+QUICKSTART_MODEL = dict(MODEL)
 
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # The quickstart's source as it is.
@@ -178,6 +179,7 @@ def pretrain(name: str, seed: int, epochs: float, cache: Path | None) -> dict[st
 
     spec, options = variant(name)
     tag = name.replace(":", "_").replace(",", "_").replace("=", "")
+    tag += "".join(f"-{k}{v}" for k, v in MODEL.items() if v != QUICKSTART_MODEL[k]).replace("/", "")
     path = cache / f"{tag}-s{seed}-e{epochs:g}.pt" if cache else None
     if path is not None and path.exists():
         return torch.load(path, weights_only=True)  # a cached state dict: tensors only
@@ -286,10 +288,15 @@ def main() -> None:
     p.add_argument("--no-scratch", action="store_true", help="skip the random-weights baseline")
     p.add_argument("--cache", type=Path, default=Path("data_cache/transfer_probe"),
                    help="folder for pre-trained weights (reused when present)")
+    p.add_argument("--model", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="override the quickstart's model section, e.g. name=ViT-Ti/8 img_size=32")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, default=None, help="also write every number here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    for item in args.model:
+        key, _, value = item.partition("=")
+        MODEL[key] = int(value) if value.isdigit() else value
 
     t0 = time.perf_counter()
     digits = load_digits()

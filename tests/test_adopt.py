@@ -119,3 +119,33 @@ def test_bad_label_member_is_one_line(tmp_path, capsys):
     root = _tars(tmp_path / "wds", shards=1)
     assert main(["shards", "index", str(root), "--label-member", "xml"]) == 2
     assert capsys.readouterr().err.strip() == "vitscale: error: --label-member must be cls, txt or json:KEY, got 'xml'"
+
+
+def _flip_a_pixel_byte(tar: Path, key: str) -> None:
+    """Change one byte inside ``key``'s image data, keeping the tar's headers (and so the index) valid."""
+    import tarfile
+
+    with tarfile.open(tar) as t:
+        m = next(m for m in t.getmembers() if m.name.startswith(key) and m.name.endswith((".jpg", ".png", ".webp")))
+    data = bytearray(tar.read_bytes())
+    data[m.offset_data + m.size // 2] ^= 0xFF
+    tar.write_bytes(bytes(data))
+
+
+def test_adopted_samples_carry_checksums_and_corruption_is_caught(tmp_path):
+    root = _tars(tmp_path / "wds", shards=2)
+    index_shards(str(root))
+    table = read_index(str(root))
+    assert (np.asarray(table["crc32"]) >= 0).all()
+    # A JPEG with a flipped entropy-coded byte still decodes (to wrong pixels): only the checksum sees it.
+    _flip_a_pixel_byte(root / "train-000000.tar", "000000003")
+    s = ShardStream(str(root), batch_size=2, resolution=16, train=False, error_budget=1.0)
+    keys = {k for b in s for k, ok in zip(b["key"], b["valid"]) if ok}
+    assert keys == {f"{n:09d}" for n in range(8)} - {"000000003"}
+    assert s.skipped() == {"train-000000.tar": 1}
+
+
+def test_no_checksums_reads_headers_only(tmp_path):
+    root = _tars(tmp_path / "wds", shards=1)
+    assert main(["shards", "index", str(root), "--no-checksums"]) == 0
+    assert (np.asarray(read_index(str(root))["crc32"]) == -1).all()

@@ -154,7 +154,8 @@ def cmd_shards_index(args: argparse.Namespace) -> int:
 
     try:
         meta = index_shards(args.url, out=args.out, split=args.split, label_member=args.label_member,
-                            classes_file=args.classes, endpoint_url=args.endpoint_url)
+                            classes_file=args.classes, endpoint_url=args.endpoint_url,
+                            checksums=not args.no_checksums)
     except OSError as exc:  # storage trouble: one line
         raise ValueError(f"shards index {args.url}: {type(exc).__name__}: {exc}") from exc
     print(json.dumps({"out": args.out or args.url, "classes": meta["num_classes"],
@@ -367,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="train", help="split name of these shards (default: train)")
     p.add_argument("--label-member", default="cls", help="cls (class id), txt (class name) or json:KEY (default: cls)")
     p.add_argument("--classes", default=None, help="file of class names, one per line, in index order")
+    p.add_argument("--no-checksums", action="store_true",
+                   help="read headers only: no crc32 per sample (saves one read of every shard; reads go unchecked)")
     endpoint(p)
 
     p = verb("stats", cmd_shards_stats, "Shards, samples and classes of a dataset.", shard_verbs)

@@ -3,14 +3,18 @@
 Shards written by ``webdataset.TarWriter``, img2dataset and the like hold samples as consecutive
 members sharing a key (``{key}.jpg`` / ``.png`` / ``.webp`` plus ``.cls``, ``.txt`` or ``.json``;
 the key is the member name up to the first dot of its base name, WebDataset's rule). Indexing
-walks each tar's headers (seeking over member data, so an ``s3://`` shard is not downloaded) and
-writes ``_index.parquet`` (one row per sample: its byte range) and ``dataset.json``:
+walks each tar's headers and writes ``_index.parquet`` (one row per sample: its byte range and the
+``crc32`` of those bytes, checked on every read as for written datasets) and ``dataset.json``:
 
 - beside the tars, or in ``--out`` (``shard_root`` in ``dataset.json`` then names where they lie);
 - the label comes from ``--label-member``: ``cls`` (an integer class id, the default), ``txt``
   (a class name) or ``json:KEY`` (an integer, a name or a list of either under ``KEY``); names
   map to indices by ``--classes FILE`` (one name per line) or, without it, in sorted order. Labels
   other than ``cls`` are read from the index when training (``label_source: index``).
+
+Checksums cost one sequential read of every shard. ``--no-checksums`` skips it (headers only: the
+walk seeks over member data, so an ``s3://`` shard is not downloaded); such samples are then read
+unchecked, as datasets written before the ``crc32`` column are.
 
 A sample without an image member or a readable label is left out of the index, counted and
 listed (``bad_samples``). URLs: a folder or ``s3://`` prefix (every ``.tar`` below it), one tar,
@@ -23,6 +27,7 @@ import json
 import posixpath
 import re
 import tarfile
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,6 +100,27 @@ def _samples(storage: Storage, shard: str) -> Iterator[tuple[str, int, int, dict
             yield key, start, end - start, members
 
 
+def _checksums(storage: Storage, shard: str, ranges: list[tuple[int, int]]) -> list[int]:
+    """``zlib.crc32`` of each (offset, size) byte range of ``shard`` (ascending, disjoint), in one
+    sequential read; a range the shard ends before raises ``OSError``."""
+    crcs, pos = [], 0
+    with storage.open_read(shard) as f:
+        for offset, size in ranges:
+            crc, need = 0, size
+            skip = offset - pos
+            while skip > 0 or need > 0:
+                chunk = f.read(min(skip, 1 << 20) if skip > 0 else min(need, 1 << 20))
+                if not chunk:
+                    raise OSError(f"{storage.url_of(shard)} ends at byte {pos}, before the sample at {offset}")
+                pos += len(chunk)
+                if skip > 0:
+                    skip -= len(chunk)
+                else:
+                    crc, need = zlib.crc32(chunk, crc), need - len(chunk)
+            crcs.append(crc)
+    return crcs
+
+
 class _Labels:
     """Class ids from a sample's label member, by ``--label-member``; names mapped as they come."""
 
@@ -131,7 +157,8 @@ class _Labels:
 
 
 def index_shards(url: str, *, out: str | None = None, split: str = "train", label_member: str = "cls",
-                 classes_file: str | None = None, endpoint_url: str | None = None) -> dict[str, Any]:
+                 classes_file: str | None = None, endpoint_url: str | None = None,
+                 checksums: bool = True) -> dict[str, Any]:
     """Index the WebDataset tars at ``url`` (see the module docstring); returns ``dataset.json``'s content."""
     root, names = split_url(url)
     shards = open_storage(root, endpoint_url=endpoint_url)
@@ -155,10 +182,11 @@ def index_shards(url: str, *, out: str | None = None, split: str = "train", labe
     for shard in names:
         try:
             found = list(_samples(shards, shard))
+            crcs = _checksums(shards, shard, [(o, n) for _, o, n, _ in found]) if checksums else [-1] * len(found)
         except (tarfile.TarError, OSError) as exc:
             raise ValueError(f"{shards.url_of(shard)} is not a readable tar: {exc}") from exc
         kept = 0
-        for key, offset, size, members in found:
+        for (key, offset, size, members), crc in zip(found, crcs, strict=True):
             why = None
             if not any(ext in members for ext in IMAGE_MEMBERS):
                 why = f"no image member ({', '.join(IMAGE_MEMBERS)}) among {sorted(members)}"
@@ -172,7 +200,7 @@ def index_shards(url: str, *, out: str | None = None, split: str = "train", labe
             if why is not None:
                 bad.append({"shard": shard, "key": key, "error": why})
                 continue
-            rows.append(dict(split=split, shard=shard, key=key, labels=ids, offset=offset, size=size))
+            rows.append(dict(split=split, shard=shard, key=key, labels=ids, offset=offset, size=size, crc32=crc))
             kept += 1
         entries.append(ShardMeta(shard, kept, None, sizes[shard]))
     if not rows:
