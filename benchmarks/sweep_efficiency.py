@@ -1,11 +1,13 @@
 """How much of the full grid's training does ASHA spend to find the grid's best learning rate?
 
-    python benchmarks/sweep_efficiency.py [--steps 400] [--lrs 0.001 0.002 ... 1.0] [--work DIR [--reuse]] [--json]
+    python benchmarks/sweep_efficiency.py [--steps 400] [--lrs 0.001 0.002 ... 1.0] [--grace N] [--reduction-factor K]
+        [--work DIR [--reuse]] [--json]
 
 The same search space runs twice through the real sweep stage (`vitscale run`, a local Ray, one
 Ray Train worker per trial): first `sweep.scheduler: grid` (every trial to the end), then
-`sweep.scheduler: asha` (the stage's defaults: grace period a quarter of the steps, reduction
-factor 3, 8 dev evaluations per trial). The problem: fine-tuning a small ViT from random weights
+`sweep.scheduler: asha` (the stage's defaults unless `--grace` / `--reduction-factor` are given:
+grace period an eighth of the steps, reduction factor 3, each trial scored on its dev split at
+every rung, where ASHA judges it). The problem: fine-tuning a small ViT from random weights
 on scikit-learn's handwritten digits (10 classes, 32 px, 80/20 train/test, 20% of the training
 split carved off as the dev set), SGD momentum with the paper's recipe, 10 learning rates over
 three decades by default.
@@ -69,7 +71,9 @@ def pipeline(work: Path, name: str, scheduler: str, data: str, weights: str, arg
                      "batch": args.batch, "micro_batch": args.batch, "resolution": 32, "precision": "fp32",
                      "num_workers": 0, "dev_fraction": 0.2, "log_every": max(1, args.steps // 8),
                      "checkpoint_every": args.steps},
-        "sweep": {"scheduler": scheduler, "workers_per_trial": 1, "retrain": False},
+        "sweep": {"scheduler": scheduler, "workers_per_trial": 1, "retrain": False,
+                  **({"grace_period": args.grace} if args.grace and scheduler == "asha" else {}),
+                  **({"reduction_factor": args.reduction_factor} if args.reduction_factor and scheduler == "asha" else {})},
         "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "max_failures": 0,
                     "local_num_cpus": args.cpus, "storage_path": str(work / "runs")},
     }
@@ -111,6 +115,7 @@ def summarise(grid: list[dict[str, Any]], asha: list[dict[str, Any]], args: argp
     reached = a["dev_accuracy"] >= g["dev_accuracy"] - TOLERANCE
     return {
         "search_space": {"finetune.base_lr": list(args.lrs)}, "steps_per_trial": args.steps, "batch": args.batch,
+        "grace": args.grace, "reduction_factor": args.reduction_factor,
         "grid_trial_steps": grid_steps, "asha_trial_steps": asha_steps, "asha_fraction": fraction,
         "grid_best_dev_accuracy": g["dev_accuracy"], "grid_best_lr": g["lr"],
         "asha_best_dev_accuracy": a["dev_accuracy"], "asha_best_lr": a["lr"],
@@ -157,6 +162,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps per trial")
     parser.add_argument("--batch", type=int, default=32, help="global batch (one worker)")
     parser.add_argument("--lrs", type=float, nargs="+", default=LRS, help="the learning-rate grid")
+    parser.add_argument("--grace", type=int, default=None, help="ASHA's grace period in steps (default: the stage's)")
+    parser.add_argument("--reduction-factor", type=int, default=None, help="ASHA's reduction factor (default: the stage's)")
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 2, help="CPUs of the local Ray")
     parser.add_argument("--work", type=Path, default=None, help="working folder (default: a temporary one)")
     parser.add_argument("--reuse", action="store_true",

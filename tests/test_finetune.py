@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pathlib import Path
 
 import pytest
@@ -107,12 +109,13 @@ def test_finetuning_runs_through_the_pretraining_loop(downstream: str, tmp_path:
     cfg = FinetuneConfig(dataset=downstream, steps=12, batch=16, micro_batch=8, resolution=32, precision="fp32",
                          checkpoint_every=12, log_every=4, eval_every=6, num_workers=0, polyak=0.9, dev_fraction=0.2)
     job = selection_job(cfg, finetune_model(TINY, 32), str(init), 0.05, use_gpu=False, endpoint_url=None)
+    job = replace(job, eval_steps=(1, 3, 9))  # ASHA's rungs (a sweep sets them): scored exactly there too
     seen: list[dict] = []
     summary = train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run",
                                        report=lambda metrics, directory: seen.append(metrics)))
     assert summary["steps"] == 12 and summary["num_classes"] == 4
     scored = [m for m in seen if "dev_accuracy" in m]
-    assert [m["step"] for m in scored] == [6, 12]  # eval_every and the last step
+    assert [m["step"] for m in scored] == [1, 3, 6, 9, 12]  # eval_steps, eval_every and the last step
     for m in scored:
         assert 0.0 <= m["dev_accuracy"] <= 1.0 and 0.0 <= m["dev_accuracy_polyak"] <= 1.0
     assert not any("test_accuracy" in m for m in seen)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from vitscale.config import ConfigError
 from vitscale.data.tools.write import write_dataset
@@ -62,7 +64,8 @@ def test_a_regularisation_sweep_tunes_pretraining() -> None:
     trial = with_params(config, {"train.weight_decay": 0.1, "model.dropout": 0.1})
     assert trial.train.weight_decay == 0.1 and trial.model.options["dropout"] == 0.1
     job = trial_job(trial, None, None, final=False)
-    assert [e.name for e in job.evals] == ["dev"] and job.carve.part == "rest" and job.evaluations == 8
+    assert [e.name for e in job.evals] == ["dev"] and job.carve.part == "rest" and job.evaluations == 4
+    assert job.eval_steps == (1, 3)  # ASHA's rungs for 5 steps: grace max(1, 5 // 8), factor 3
     final = trial_job(trial, None, None, final=True)
     assert final.carve is None and final.evals == ()
 
@@ -72,6 +75,7 @@ def test_finetune_trials_score_on_dev_and_only_the_winner_sees_test() -> None:
     trial = with_params(config, {"finetune.base_lr": 0.01})
     job = trial_job(trial, None, "w.npz", final=False)
     assert job.train.base_lr == 0.01 and job.train.optimizer == "sgd" and job.evaluations == 4
+    assert job.eval_steps == (5, 15)  # scored exactly where ASHA judges: grace 40 // 8, then x3
     assert [(e.name, e.split, e.carve.part) for e in job.evals] == [("dev", "train", "dev")]
     final = trial_job(trial, None, "w.npz", final=True)
     assert [(e.name, e.split) for e in final.evals] == [("test", "test")] and final.carve is None
@@ -126,3 +130,15 @@ def test_data_that_cannot_serve_the_protocol_is_refused_on_the_driver(datasets: 
     with pytest.raises(ConfigError, match="does not fit") as err:
         preflight(config)
     assert err.value.key == "finetune.checkpoint"
+
+
+@settings(max_examples=300, deadline=None)
+@given(max_t=st.integers(1, 5000), grace=st.integers(1, 600), rf=st.integers(2, 6))
+def test_asha_rungs_are_the_milestones_ray_judges_at(max_t: int, grace: int, rf: int) -> None:
+    from ray.tune.schedulers.async_hyperband import _Bracket
+
+    from vitscale.stages.sweep_asha import asha_rungs
+
+    assume(grace <= max_t)
+    ray_rungs = sorted(milestone for milestone, _ in _Bracket(grace, max_t, rf, s=0)._rungs)
+    assert list(asha_rungs(max_t, grace, rf)) == ray_rungs

@@ -33,6 +33,7 @@ from vitscale.eval.finetune import FinetuneConfig, final_job, finetune_model, se
 from vitscale.models.config import ModelConfig
 from vitscale.stages.base import Pretrained, Stage, StageContext
 from vitscale.train.config import TrainConfig
+from vitscale.stages.sweep_asha import asha_grace, asha_rungs
 from vitscale.stages.sweep_results import SweepResult, flat_row, trial_row
 from vitscale.train.job import EvalSet, TrainJob
 
@@ -59,14 +60,13 @@ class SweepConfig:
     workers_per_trial: int | None = None
     """Ray Train workers per trial; null = cluster.num_workers."""
     grace_period: int | None = None
-    """ASHA: steps every trial runs before the first cut; null = a quarter of the trial's steps.
-    (1/16 was measured in benchmarks/sweep_efficiency.py: 41.9% of the grid's trial-steps, and the
-    early rung's noisy scores stopped the grid's best learning rate at step 25; a quarter keeps the
-    best and costs more.)"""
+    """ASHA: steps every trial runs before the first cut; null = an eighth of the trial's steps
+    (`sweep_asha.py`; measured in benchmarks/sweep_efficiency.py)."""
     reduction_factor: int = 3
     """ASHA: keep the best 1/reduction_factor at each rung."""
-    evaluations: int = 8
-    """Dev evaluations per trial under ASHA (its rungs need scores along the way)."""
+    evaluations: int = 4
+    """Evenly spaced dev evaluations per trial under ASHA, for the curves; each trial is also
+    evaluated exactly at every rung, where ASHA judges it."""
     dev_fraction: float = 0.02
     """Pretrain target: share of the pre-training split held out as the dev set."""
     retrain: bool = True
@@ -199,8 +199,11 @@ def trial_job(config: PipelineConfig, model: ModelConfig | None, init: str | Non
         evals = (EvalSet("dev", data.url, data.split, replace(carve, part="dev")),)
         job = TrainJob(model=config.model, data=data, train=config.train, use_gpu=config.cluster.use_gpu,
                        carve=None if final else carve, evals=() if final else evals, config_yaml=yaml)
-    if config.sweep.scheduler == "asha" and not final and job.train.eval_every is None:
-        job = replace(job, evaluations=config.sweep.evaluations)
+    if config.sweep.scheduler == "asha" and not final:
+        steps = trial_steps(config, job)
+        rungs = asha_rungs(steps, asha_grace(steps, config.sweep.grace_period), config.sweep.reduction_factor)
+        job = replace(job, eval_steps=rungs,
+                      evaluations=config.sweep.evaluations if job.train.eval_every is None else None)
     return job
 
 
@@ -294,7 +297,7 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
         from ray.tune.schedulers import ASHAScheduler
 
         steps = trial_steps(config, trial_job(config, model, init, final=False))
-        scheduler = ASHAScheduler(time_attr="step", max_t=steps, grace_period=sweep.grace_period or max(1, steps // 4),
+        scheduler = ASHAScheduler(time_attr="step", max_t=steps, grace_period=asha_grace(steps, sweep.grace_period),
                                   reduction_factor=sweep.reduction_factor)
     concurrent = sweep.max_concurrent or concurrent_runs(trial_cluster(config), ray.cluster_resources())
     # The dev metric is reported when it is measured (every eval_every steps and at the end); the

@@ -53,7 +53,9 @@ class TrainJob:
     """Images per forward pass during evaluation."""
     evaluations: int | None = None
     """Evaluate this many times, evenly spaced over the run, when `train.eval_every` is not set
-    (a sweep's ASHA rungs need scores along the way, whatever the schedule's length)."""
+    (scores along the way for a sweep's curves, whatever the schedule's length)."""
+    eval_steps: tuple[int, ...] = ()
+    """Also evaluate after exactly these steps (a sweep's ASHA rungs, `stages/sweep_asha.py`)."""
     config_yaml: str = ""
     """The resolved config, written into every checkpoint."""
     resume_scope: tuple[str, ...] = PRETRAIN_SCOPE

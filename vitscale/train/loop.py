@@ -197,7 +197,7 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
             _progress_line(metrics, total_steps, time.perf_counter() - t_run, step - state.step)
         maybe_die(train.fault, ctx.rank, step, ctx.storage or str(ctx.run_dir))
         scores = {}
-        if job.evals and (step == total_steps or (eval_every and step % eval_every == 0)):
+        if job.evals and (step == total_steps or (eval_every and step % eval_every == 0) or step in job.eval_steps):
             scores = _evaluate(job, engine, polyak, ctx, device, compute_dtype)
         if step % train.checkpoint_every == 0 or step == total_steps:
             new_state = ckpt.TrainState(step=step, examples_seen=examples, flops=flops, world_size=ctx.world_size,
