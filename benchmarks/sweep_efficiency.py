@@ -44,22 +44,53 @@ TOLERANCE = 0.005
 """Within 0.5 points of dev accuracy counts as reaching the grid's best."""
 
 
-def prepare(work: Path) -> tuple[str, str]:
-    """The digits dataset and a randomly initialised ViT (a vitscale export), made once per work dir."""
+def prepare(work: Path, init: str, cpus: int) -> tuple[str, str]:
+    """The digits dataset and the weights every trial starts from, made once per work dir: a randomly
+    initialised ViT (a vitscale export), or (`pretrained`) the same ViT pre-trained on fractals by
+    the pretrain stage (`vitscale run`, one Ray Train worker), as a run directory."""
     import torch
 
     from vitscale.data.tools.write import write_dataset
     from vitscale.models import create_model, export_state_dict
 
-    data, weights = work / "digits", work / "random-init.pt"
+    data = work / "digits"
     if not (data / "dataset.json").exists():
         write_dataset("digits", str(data), shard_size=500, max_side=32, seed=0, progress=False,
                       splits={"train": 0.8, "test": 0.2}, source_options={"image_size": 32})
+    if init == "pretrained":
+        return str(data), pretrain(work, cpus)
+    weights = work / "random-init.pt"
     if not weights.exists():
         torch.manual_seed(0)
         options = {k: v for k, v in MODEL.items() if k != "name"}
         export_state_dict(create_model(MODEL["name"], num_classes=10, **options), weights)
     return str(data), str(weights)
+
+
+def pretrain(work: Path, cpus: int) -> str:
+    """MODEL pre-trained on 6,000 FractalDB-style images (10 classes, 6 epochs): its run directory."""
+    from vitscale.data.tools.write import write_dataset
+
+    fractals, run = work / "fractal10", work / "runs" / "efficiency-pretrain"
+    if (run / "summary.json").exists():
+        return str(run)
+    if not (fractals / "dataset.json").exists():
+        write_dataset("fractal", str(fractals), shard_size=1000, max_side=64, seed=0, progress=False,
+                      source_options={"count": 6000, "classes": 10, "image_size": 64})
+    raw = {
+        "name": "efficiency-pretrain", "stages": ["pretrain"], "model": MODEL,
+        "data": {"url": str(fractals), "num_workers": 1, "shuffle_buffer": 1000},
+        "train": {"global_batch": 128, "micro_batch": 128, "epochs": 6, "base_lr": 1e-3, "warmup_steps": 40,
+                  "weight_decay": 0.05, "grad_clip": 1.0, "zero_stage": 0, "precision": "fp32",
+                  "checkpoint_every": 1000, "log_every": 50},
+        "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "max_failures": 0,
+                    "local_num_cpus": cpus, "storage_path": str(work / "runs")},
+    }
+    path = work / "efficiency-pretrain.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    print(f"[benchmark] pre-training the trials' start on fractals (log {work / 'efficiency-pretrain.log'})", flush=True)
+    run_sweep(path, work / "efficiency-pretrain.log")
+    return str(run)
 
 
 def pipeline(work: Path, name: str, scheduler: str, data: str, weights: str, args: argparse.Namespace) -> Path:
@@ -70,7 +101,10 @@ def pipeline(work: Path, name: str, scheduler: str, data: str, weights: str, arg
         "finetune": {"dataset": data, "checkpoint": weights, "lr_grid": list(args.lrs), "steps": args.steps,
                      "batch": args.batch, "micro_batch": args.batch, "resolution": 32, "precision": "fp32",
                      "num_workers": 0, "dev_fraction": 0.2, "log_every": max(1, args.steps // 8),
-                     "checkpoint_every": args.steps},
+                     "checkpoint_every": args.steps,
+                     # The grid's trials are also scored every 1/16 of their steps: their dev curves (in
+                     # the JSON) show where ASHA's rungs would judge them. Training is unchanged.
+                     **({"eval_every": max(1, args.steps // 16)} if scheduler == "grid" else {})},
         "sweep": {"scheduler": scheduler, "workers_per_trial": 1, "retrain": False,
                   **({"grace_period": args.grace} if args.grace and scheduler == "asha" else {}),
                   **({"reduction_factor": args.reduction_factor} if args.reduction_factor and scheduler == "asha" else {})},
@@ -99,9 +133,22 @@ def trials(run_dir: Path) -> list[dict[str, Any]]:
     import pandas as pd
 
     table = pd.read_parquet(run_dir / "sweep" / "results.parquet")
+    curves = dev_curves(run_dir)
     return [{"lr": float(r["finetune.base_lr"]), "steps": int(r["steps"]) if r["steps"] == r["steps"] else 0,
-             "dev_accuracy": None if r["metric"] != r["metric"] else float(r["metric"]), "status": r["status"]}
+             "dev_accuracy": None if r["metric"] != r["metric"] else float(r["metric"]), "status": r["status"],
+             "dev_curve": curves.get(float(r["finetune.base_lr"]), {})}
             for r in table.to_dict("records")]
+
+
+def dev_curves(run_dir: Path) -> dict[float, dict[int, float]]:
+    """Learning rate -> {step: dev accuracy} from each trial's Tune results (result.json)."""
+    out: dict[float, dict[int, float]] = {}
+    for path in run_dir.glob("sweep-trials/*/result.json"):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if rows:
+            out[float(rows[0]["config"]["finetune.base_lr"])] = {
+                int(r["step"]): float(r["dev_accuracy"]) for r in rows if "dev_accuracy" in r}
+    return out
 
 
 def summarise(grid: list[dict[str, Any]], asha: list[dict[str, Any]], args: argparse.Namespace,
@@ -114,7 +161,8 @@ def summarise(grid: list[dict[str, Any]], asha: list[dict[str, Any]], args: argp
     fraction = asha_steps / grid_steps
     reached = a["dev_accuracy"] >= g["dev_accuracy"] - TOLERANCE
     return {
-        "search_space": {"finetune.base_lr": list(args.lrs)}, "steps_per_trial": args.steps, "batch": args.batch,
+        "init": args.init, "search_space": {"finetune.base_lr": list(args.lrs)}, "steps_per_trial": args.steps,
+        "batch": args.batch,
         "grace": args.grace, "reduction_factor": args.reduction_factor,
         "grid_trial_steps": grid_steps, "asha_trial_steps": asha_steps, "asha_fraction": fraction,
         "grid_best_dev_accuracy": g["dev_accuracy"], "grid_best_lr": g["lr"],
@@ -127,7 +175,8 @@ def summarise(grid: list[dict[str, Any]], asha: list[dict[str, Any]], args: argp
 
 def print_table(s: dict[str, Any]) -> None:
     lrs = s["search_space"]["finetune.base_lr"]
-    print(f"\nASHA vs the full grid: {len(lrs)} learning rates {min(lrs):g}..{max(lrs):g}, "
+    start = "fine-tuning a fractal-pre-trained ViT" if s["init"] == "pretrained" else "training from random weights"
+    print(f"\nASHA vs the full grid, {start}: {len(lrs)} learning rates {min(lrs):g}..{max(lrs):g}, "
           f"{s['steps_per_trial']} steps of batch {s['batch']} per trial\n")
     grid = {r["lr"]: r for r in s["trials"]["grid"]}
     asha = {r["lr"]: r for r in s["trials"]["asha"]}
@@ -159,6 +208,8 @@ def print_table(s: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--init", choices=("pretrained", "scratch"), default="pretrained",
+                        help="trials fine-tune MODEL pre-trained on fractals (the sweep's use), or from random weights")
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps per trial")
     parser.add_argument("--batch", type=int, default=32, help="global batch (one worker)")
     parser.add_argument("--lrs", type=float, nargs="+", default=LRS, help="the learning-rate grid")
@@ -173,10 +224,10 @@ def main() -> None:
 
     work = args.work or Path(tempfile.mkdtemp(prefix="sweep-efficiency-"))
     work.mkdir(parents=True, exist_ok=True)
-    data, weights = prepare(work)
+    data, weights = prepare(work, args.init, args.cpus)
     seconds, results = {}, {}
     for scheduler in ("grid", "asha"):
-        name = f"efficiency-{scheduler}"
+        name = f"efficiency-{args.init}-{scheduler}"
         previous = (work / f"{name}.yaml").read_text() if (work / f"{name}.yaml").exists() else None
         path = pipeline(work, name, scheduler, data, weights, args)
         done = work / "runs" / name / "sweep" / "results.parquet"

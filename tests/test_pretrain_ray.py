@@ -142,6 +142,49 @@ def test_killed_rank_resumes_to_the_same_weights_and_samples(clean_run: dict, da
     assert [json.loads(x)["step"] for x in lines][:7] == [1, 2, 3, 4, 5, 4, 5]
 
 
+def _sigkill_a_worker_at(run_dir: Path, step: int, done: threading.Event) -> list[int]:
+    """SIGKILL one Ray Train worker process from outside once rank 0 has logged `step`; the pids killed."""
+    import os
+    import signal
+
+    import psutil
+
+    metrics = run_dir / "metrics" / "rank0.jsonl"
+    while not done.is_set():
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        if any(json.loads(x).get("step", 0) >= step for x in lines if x.strip().endswith("}")):
+            workers = [p for p in psutil.process_iter(["cmdline"])
+                       if any("RayTrainWorker" in part for part in (p.info["cmdline"] or []))]
+            if workers:
+                victim = workers[-1].pid
+                os.kill(victim, signal.SIGKILL)
+                return [victim]
+        time.sleep(0.02)
+    return []
+
+
+def test_a_worker_sigkilled_from_outside_ends_with_the_uninterrupted_weights(
+        clean_run: dict, dataset: str, tmp_path: Path) -> None:
+    """No cooperation from the worker: the kill lands wherever the run is (mid-step, mid-checkpoint)."""
+    from vitscale.stages.run import run_pipeline
+
+    done, killed = threading.Event(), []
+    watcher = threading.Thread(target=lambda: killed.extend(_sigkill_a_worker_at(tmp_path / "killed", 2, done)))
+    watcher.start()
+    try:
+        killed_run = run_pipeline(config(dataset, tmp_path, "killed"))
+    finally:
+        done.set()
+        watcher.join()
+    assert killed, "the run ended before a worker could be killed"
+    a, b = final_weights(Path(clean_run["run_dir"])), final_weights(Path(killed_run["run_dir"]))
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= 1e-5, worst
+    # A restart happened: some step was logged twice by rank 0 (before and after the kill).
+    steps = [json.loads(x)["step"] for x in (Path(killed_run["run_dir"]) / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    assert len(steps) > len(set(steps)) and max(steps) == 10
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
