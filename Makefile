@@ -12,11 +12,13 @@ CONSTRAIN = $(if $(TORCH_CONSTRAINTS),-c $(TORCH_CONSTRAINTS))
 
 .PHONY: install install-test-tools quickstart test test-fast bench
 
+# PYTHONWARNINGS=ignore: setuptools' notices about editable installs are for package authors, not for
+# whoever runs this.
 $(VENV)/.installed: pyproject.toml $(TORCH_CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(if $(TORCH_CONSTRAINTS),$(PIP) install -q -r $(TORCH_CONSTRAINTS))
-	$(PIP) install -q $(CONSTRAIN) -e '.[dev]'
+	PYTHONWARNINGS=ignore $(PIP) install -q $(CONSTRAIN) -e '.[dev]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,16 +1,19 @@
 """How much of the full grid's training does ASHA spend to find the grid's best learning rate?
 
-    python benchmarks/sweep_efficiency.py [--steps 400] [--lrs 0.001 0.002 ... 1.0] [--grace N] [--reduction-factor K]
-        [--work DIR [--reuse]] [--json]
+    python benchmarks/sweep_efficiency.py [--init pretrained|scratch] [--steps 400] [--lrs 0.001 ... 1.0]
+        [--grace N] [--reduction-factor K] [--work DIR [--reuse]] [--json]
 
 The same search space runs twice through the real sweep stage (`vitscale run`, a local Ray, one
-Ray Train worker per trial): first `sweep.scheduler: grid` (every trial to the end), then
+Ray Train worker per trial): first `sweep.scheduler: grid` (every trial to the end; each also
+scored every 1/16 of its steps, so the JSON holds every trial's dev curve), then
 `sweep.scheduler: asha` (the stage's defaults unless `--grace` / `--reduction-factor` are given:
 grace period an eighth of the steps, reduction factor 3, each trial scored on its dev split at
-every rung, where ASHA judges it). The problem: fine-tuning a small ViT from random weights
-on scikit-learn's handwritten digits (10 classes, 32 px, 80/20 train/test, 20% of the training
-split carved off as the dev set), SGD momentum with the paper's recipe, 10 learning rates over
-three decades by default.
+every rung, where ASHA judges it). The problem: fine-tuning a small ViT (2 layers, width 64,
+patch 8 at 32 px) on scikit-learn's handwritten digits (10 classes, 80/20 train/test, 20% of the
+training split carved off as the dev set), SGD momentum with the paper's recipe, 10 learning rates
+over three decades. `--init pretrained` (the default: what a fine-tuning sweep is for) starts every
+trial from that ViT pre-trained on 6,000 FractalDB-style images by the pretrain stage (made once per
+work folder); `--init scratch` from random weights.
 
 Counted: trial-steps, the sum over trials of the last optimizer step each trial reached (the
 `steps` column of `RUN_DIR/sweep/results.parquet`); evaluations are not counted. Reported: both
@@ -88,7 +91,8 @@ def pretrain(work: Path, cpus: int) -> str:
     }
     path = work / "efficiency-pretrain.yaml"
     path.write_text(yaml.safe_dump(raw))
-    print(f"[benchmark] pre-training the trials' start on fractals (log {work / 'efficiency-pretrain.log'})", flush=True)
+    print(f"[benchmark] pre-training the trials' start on fractals (log {work / 'efficiency-pretrain.log'})",
+          file=sys.stderr, flush=True)
     run_sweep(path, work / "efficiency-pretrain.log")
     return str(run)
 

@@ -20,21 +20,39 @@ import itertools
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from vitscale.config.checks import ConfigError, check, non_negative, one_of, positive, seed
+from vitscale.config.checks import (
+    ConfigError,
+    check,
+    non_negative,
+    one_of,
+    positive,
+    seed,
+)
 from vitscale.config.loader import to_dict, to_yaml
 from vitscale.config.pipeline import PipelineConfig
 from vitscale.data.carve import Carve
 from vitscale.data.config import DataConfig
-from vitscale.eval.finetune import FinetuneConfig, final_job, finetune_model, selection_job
+from vitscale.eval.finetune import (
+    FinetuneConfig,
+    final_job,
+    finetune_model,
+    selection_job,
+)
 from vitscale.models.config import ModelConfig
 from vitscale.stages.base import Pretrained, Stage, StageContext
-from vitscale.train.config import TrainConfig
 from vitscale.stages.sweep_asha import asha_grace, asha_rungs
-from vitscale.stages.sweep_results import SweepResult, flat_row, trial_row
+from vitscale.stages.sweep_results import (
+    SweepResult,
+    finished_trials,
+    flat_row,
+    trial_row,
+)
+from vitscale.train.config import TrainConfig
 from vitscale.train.job import EvalSet, TrainJob
 
 TARGETS = {"finetune": ("finetune.", "model."), "pretrain": ("train.", "model.", "data.")}
@@ -257,24 +275,30 @@ def run_sweep(config: PipelineConfig, context: StageContext) -> SweepResult:
 
         model, init = initial_weights(config, context)
     directory = context.run_dir / "sweep"
-    rows, selected, final = _search(config, context, model, init, directory, "")
-    scratch = None
+    searches = [(init, directory, "")]
     if config.sweep.scratch_baseline:
-        print("[vitscale] the same sweep from random weights (same architecture, recipe and budget)", flush=True)
-        _, scratch_selected, scratch_final = _search(config, context, model, None, directory / "scratch", "-scratch")
-        scratch = {"selected": scratch_selected, **scratch_final}
+        searches.append((None, directory / "scratch", "-scratch"))
+    selections = []
+    for start, folder, label in searches:
+        if label:
+            print("[vitscale] the same sweep from random weights (same architecture, recipe and budget)", flush=True)
+        selections.append(_search(config, context, model, start, folder, label))
+    finals = _retrain_winners(config, model, [(start, folder, label, selected)
+                                              for (start, folder, label), (_, selected) in zip(searches, selections)])
+    (rows, selected), final = selections[0], finals[0]
+    scratch = {"selected": selections[1][1], **finals[1]} if len(searches) > 1 else None
     return SweepResult(directory=str(directory), trials=rows, selected=selected, final=final, scratch=scratch)
 
 
 def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | None, init: str | None,
-            directory: Path, label: str) -> tuple[tuple[dict[str, Any], ...], dict[str, Any], dict[str, Any]]:
-    """Run the trials on Tune, select on the dev metric, retrain the winner and test it once."""
+            directory: Path, label: str) -> tuple[tuple[dict[str, Any], ...], dict[str, Any]]:
+    """Run the trials on Tune and select on the dev metric: (one row per trial, the selection)."""
     import ray
     from ray import tune
 
     from vitscale.eval.tables import plot_metric, write_table
     from vitscale.launch.console import library_output_to
-    from vitscale.launch.ray_train import concurrent_runs, launch_training, run_directory
+    from vitscale.launch.ray_train import concurrent_runs, run_directory
 
     sweep = config.sweep
     directory.mkdir(parents=True, exist_ok=True)
@@ -289,7 +313,7 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
     # some resource in a trial's bundle, so it asks for a token 64 MiB of memory).
     trainable = tune.with_resources(
         tune.with_parameters(_trial, base=config, model=model, init=init, logs=str(directory / "trials"),
-                             finished=_finished_trials(experiment) if restoring else {}),
+                             finished=finished_trials(experiment) if restoring else {}),
         {"cpu": 0, "memory": 64 * 2**20})
     metric = sweep.metric
     scheduler = None
@@ -332,43 +356,46 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
         raise ConfigError("sweep", f"no trial reported {metric}; see {directory}/results.md")
     best = max(scored, key=lambda r: r["metric"])
     selected = {"trial_id": best["trial_id"], "params": best["params"], "metric": best["metric"], "metric_name": metric}
-    final: dict[str, Any] = {}
-    if sweep.retrain:
-        print(f"[vitscale] retraining the winner {json.dumps(best['params'])} on the whole training split", flush=True)
-        winner = with_params(config, best["params"])
-        # The same world size as the trials: the winner's recipe (batch split, schedule) unchanged.
-        _, metrics = launch_training(trial_job(winner, model, init, final=True), trial_cluster(config),
-                                     f"{config.run_name}-sweep{label}-final", directory / "final",
-                                     what="the winner's retrain")
-        final = {k: v for k, v in metrics.items() if k.startswith("test_accuracy")}
-        final["final_exaflops"] = metrics.get("cumulative_exaflops")
+    (directory / "selected.json").write_text(json.dumps(selected, indent=2, default=str))
+    return rows, selected
+
+
+def _retrain_winners(config: PipelineConfig, model: ModelConfig | None,
+                     winners: list[tuple[str | None, Path, str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Retrain each search's winner on the whole training split and test it once: as many at once as
+    the cluster fits (the pre-trained and the random-weights winners share the cluster instead of
+    one waiting for the other). Returns each one's test accuracies, in order."""
+    import ray
+
+    from vitscale.launch.ray_train import concurrent_runs
+
+    if not config.sweep.retrain:
+        return [{} for _ in winners]
+    at_once = min(len(winners), concurrent_runs(trial_cluster(config), ray.cluster_resources()))
+    if at_once > 1:
+        print(f"[vitscale] retraining {len(winners)} winners at once", flush=True)
+    # TorchTrainer.fit from a thread is what Tune itself does; each run has its own name and folder.
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
+        runs = [pool.submit(_retrain, config, model, *winner) for winner in winners]
+        return [run.result() for run in runs]
+
+
+def _retrain(config: PipelineConfig, model: ModelConfig | None, init: str | None, directory: Path, label: str,
+             selected: dict[str, Any]) -> dict[str, Any]:
+    from vitscale.launch.ray_train import launch_training
+
+    start = "pre-trained" if init is not None else "random weights"
+    print(f"[vitscale] retraining the winner {json.dumps(selected['params'])} from {start} on the whole "
+          "training split", flush=True)
+    winner = with_params(config, selected["params"])
+    # The same world size as the trials: the winner's recipe (batch split, schedule) unchanged.
+    _, metrics = launch_training(trial_job(winner, model, init, final=True), trial_cluster(config),
+                                 f"{config.run_name}-sweep{label}-final", directory / "final",
+                                 what="the winner's retrain")
+    final = {k: v for k, v in metrics.items() if k.startswith("test_accuracy")}
+    final["final_exaflops"] = metrics.get("cumulative_exaflops")
     (directory / "selected.json").write_text(json.dumps({**selected, **final}, indent=2, default=str))
-    return rows, selected, final
-
-
-def _finished_trials(experiment: str) -> dict[str, dict[str, Any]]:
-    """Trial id -> its final report, for every trial whose result.json in the experiment has one.
-
-    Tune copies its trials' states and results to the experiment folder every >= 10 s, and a trial
-    ends one event after its last report: a snapshot can hold the final report of a trial it still
-    calls running, and `Tuner.restore(resume_unfinished=True)` would then train that trial again,
-    with new start and finish times. Local experiments only (an s3:// experiment is not read).
-    """
-    from vitscale.launch.ray_train import FINAL_METRICS
-
-    out: dict[str, dict[str, Any]] = {}
-    if "://" in experiment:
-        return out
-    for path in Path(experiment).glob("*/result.json"):
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by the kill
-                continue
-            if "finished_at" in record and "trial_id" in record:
-                out[record["trial_id"]] = {k: v for k, v in record.items() if k in FINAL_METRICS or "_accuracy" in k
-                                           or k in ("started_at", "finished_at")}
-    return out
+    return final
 
 
 STAGE = Stage(

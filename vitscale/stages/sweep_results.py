@@ -101,3 +101,28 @@ def error_text(error: BaseException) -> str:
 def flat_row(row: dict[str, Any]) -> dict[str, Any]:
     return {"trial_id": row["trial_id"], **row["params"], **{k: v for k, v in row.items()
                                                               if k not in ("trial_id", "params")}}
+
+
+def finished_trials(experiment: str) -> dict[str, dict[str, Any]]:
+    """Trial id -> its final report, for every trial whose result.json in the experiment has one.
+
+    Tune copies its trials' states and results to the experiment folder every >= 10 s, and a trial
+    ends one event after its last report: a snapshot can hold the final report of a trial it still
+    calls running, and `Tuner.restore(resume_unfinished=True)` would then train that trial again,
+    with new start and finish times. Local experiments only (an s3:// experiment is not read).
+    """
+    from vitscale.launch.ray_train import FINAL_METRICS
+
+    out: dict[str, dict[str, Any]] = {}
+    if "://" in experiment:
+        return out
+    for path in Path(experiment).glob("*/result.json"):
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by the kill
+                continue
+            if "finished_at" in record and "trial_id" in record:
+                out[record["trial_id"]] = {k: v for k, v in record.items() if k in FINAL_METRICS or "_accuracy" in k
+                                           or k in ("started_at", "finished_at")}
+    return out
