@@ -25,33 +25,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from vitscale.config.checks import (
-    ConfigError,
-    check,
-    non_negative,
-    one_of,
-    positive,
-    seed,
-)
+from vitscale.config.checks import ConfigError, check, non_negative, one_of, positive, seed
 from vitscale.config.loader import to_dict, to_yaml
 from vitscale.config.pipeline import PipelineConfig
 from vitscale.data.carve import Carve
 from vitscale.data.config import DataConfig
-from vitscale.eval.finetune import (
-    FinetuneConfig,
-    final_job,
-    finetune_model,
-    selection_job,
-)
+from vitscale.eval.finetune import FinetuneConfig, final_job, finetune_model, selection_job
 from vitscale.models.config import ModelConfig
 from vitscale.stages.base import Pretrained, Stage, StageContext
 from vitscale.stages.sweep_asha import asha_grace, asha_rungs
-from vitscale.stages.sweep_results import (
-    SweepResult,
-    finished_trials,
-    flat_row,
-    trial_row,
-)
+from vitscale.stages.sweep_results import SweepResult, finished_trials, flat_row, trial_row
 from vitscale.train.config import TrainConfig
 from vitscale.train.job import EvalSet, TrainJob
 
