@@ -160,10 +160,19 @@ def tensorboard(logdir: Path, log: Path):
 
 def test_tensorboard_serves_every_trials_accuracy_curve(assets: dict[str, str], tmp_path: Path) -> None:
     # Dev accuracy every 2 of 6 steps: three points per trial, and the trial's final report.
+    # With `scratch_baseline`, the pre-trained and the random-weights winners are then retrained
+    # side by side (the cluster fits both), each tested once.
     pipeline = write_pipeline(tmp_path / "tb.yaml", assets, "tb", {"finetune.base_lr": [0.003, 0.03]},
-                              finetune={"eval_every": 2})
-    run(pipeline, tmp_path / "tb.log")
+                              finetune={"eval_every": 2}, sweep={"retrain": True, "scratch_baseline": True})
+    output = run(pipeline, tmp_path / "tb.log")
     run_dir = tmp_path / "runs" / "tb"
+    for folder in (run_dir / "sweep", run_dir / "sweep" / "scratch"):
+        selected = json.loads((folder / "selected.json").read_text())
+        assert 0.0 <= selected["test_accuracy"] <= 1.0 and selected["params"]["finetune.base_lr"] in (0.003, 0.03)
+    for final in ("tb-sweep-final", "tb-sweep-scratch-final"):
+        assert [p.name for p in (tmp_path / "runs" / final).glob("checkpoint_*") if p.is_dir()] == ["checkpoint_000000006"]
+    assert "[vitscale] retraining 2 winners at once" in output
+    assert set(json.loads(output.strip().splitlines()[-1])["finetune"]) == {"pretrained", "scratch"}
     rows = {r["trial_id"]: r for r in results_table(run_dir)}
     trials = tune_results(run_dir)
     assert set(trials) == set(rows) and len(rows) == 2
@@ -263,22 +272,3 @@ def test_a_failed_trial_is_a_row_with_its_error(assets: dict[str, str], tmp_path
     selected = json.loads((run_dir / "sweep" / "selected.json").read_text())
     assert selected["trial_id"] == good["trial_id"] and selected["params"] == {"finetune.dataset": assets["data"]}
     assert "error" in output and good["trial_id"] in output
-
-
-def test_both_winners_retrain_side_by_side_and_are_tested_once(assets: dict[str, str], tmp_path: Path) -> None:
-    """With `scratch_baseline`, the pre-trained and the random-weights winners are retrained at the
-    same time (the cluster fits both), each tested once on the test split."""
-    name = "pair"
-    pipeline = write_pipeline(tmp_path / "pair.yaml", assets, name, {"finetune.base_lr": [0.003, 0.03]},
-                              sweep={"retrain": True, "scratch_baseline": True})
-    output = run(pipeline, tmp_path / "pair.log")
-    storage = tmp_path / "runs"
-    sweep_dir = storage / name / "sweep"
-    for folder in (sweep_dir, sweep_dir / "scratch"):
-        selected = json.loads((folder / "selected.json").read_text())
-        assert 0.0 <= selected["test_accuracy"] <= 1.0 and selected["params"]["finetune.base_lr"] in (0.003, 0.03)
-    for run_dir in (storage / f"{name}-sweep-final", storage / f"{name}-sweep-scratch-final"):
-        assert sorted(p.name for p in run_dir.glob("checkpoint_*")) == ["checkpoint_000000006"]
-    assert "[vitscale] retraining 2 winners at once" in output
-    final = json.loads(output.strip().splitlines()[-1])
-    assert set(final["finetune"]) == {"pretrained", "scratch"}
