@@ -93,7 +93,7 @@ def pretrain(work: Path, cpus: int) -> str:
     path.write_text(yaml.safe_dump(raw))
     print(f"[benchmark] pre-training the trials' start on fractals (log {work / 'efficiency-pretrain.log'})",
           file=sys.stderr, flush=True)
-    run_sweep(path, work / "efficiency-pretrain.log")
+    run_pipeline(path, work / "efficiency-pretrain.log")
     return str(run)
 
 
@@ -120,7 +120,7 @@ def pipeline(work: Path, name: str, scheduler: str, data: str, weights: str, arg
     return path
 
 
-def run_sweep(path: Path, log: Path) -> float:
+def run_pipeline(path: Path, log: Path) -> float:
     """`vitscale run PIPELINE` to the end; returns its wall time in seconds."""
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
@@ -244,7 +244,7 @@ def main() -> None:
                 shutil.rmtree(old)
             if not args.json:
                 print(f"[benchmark] {scheduler}: running {name} (log {work / f'{name}.log'})", flush=True)
-            seconds[scheduler] = run_sweep(path, work / f"{name}.log")
+            seconds[scheduler] = run_pipeline(path, work / f"{name}.log")
         results[scheduler] = trials(work / "runs" / name)
     summary = summarise(results["grid"], results["asha"], args, seconds)
     summary["work"] = str(work)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from checkpoint_helpers import complete_checkpoint
 from vitscale.train import checkpoint as ckpt
 
 pytest.importorskip("deepspeed")
@@ -99,20 +100,11 @@ def test_resume_refuses_a_planted_payload(tmp_path: Path, process_group: None) -
 # -- damaged manifests ----------------------------------------------------------------------------------
 
 
-def _complete(directory: Path, step: int, world_size: int = 2) -> Path:
-    directory.mkdir(parents=True)
-    (directory / "payload.bin").write_bytes(b"x" * 10)
-    for rank in range(world_size):
-        ckpt.write_rank_part(directory, rank=rank, stream_state={"epoch": 0, "position": step, "seed": 0},
-                             train_state=ckpt.TrainState(step=step, world_size=world_size), config_yaml="")
-    return directory
-
-
 @pytest.mark.parametrize("damage", [b"", b'{"rank": 0, "step": 2, "wor', b"\xff\xfe not json", b"[1, 2]",
                                     b'{"rank": 0, "step": "2", "world_size": 2, "files": {}}'])
 def test_a_damaged_manifest_makes_the_checkpoint_incomplete(tmp_path: Path, damage: bytes) -> None:
-    older = _complete(tmp_path / "checkpoint_000000001", 1)
-    newer = _complete(tmp_path / "checkpoint_000000002", 2)
+    older = complete_checkpoint(tmp_path / "checkpoint_000000001", 1)
+    newer = complete_checkpoint(tmp_path / "checkpoint_000000002", 2)
     (newer / "MANIFEST-rank1.json").write_bytes(damage)
     problems = ckpt.check_complete(newer, 2)
     assert problems and any("MANIFEST-rank1.json" in p for p in problems)
@@ -125,8 +117,8 @@ def test_a_damaged_manifest_makes_the_checkpoint_incomplete(tmp_path: Path, dama
 def test_export_falls_back_past_a_truncated_manifest(tmp_path: Path) -> None:
     from vitscale.train.export import find_checkpoint
 
-    older = _complete(tmp_path / "checkpoint_000000001", 1)
-    newer = _complete(tmp_path / "checkpoint_000000002", 2)
+    older = complete_checkpoint(tmp_path / "checkpoint_000000001", 1)
+    newer = complete_checkpoint(tmp_path / "checkpoint_000000002", 2)
     text = (newer / "MANIFEST-rank0.json").read_text()
     (newer / "MANIFEST-rank0.json").write_text(text[: len(text) // 2])
     assert find_checkpoint(tmp_path) == older
@@ -135,7 +127,7 @@ def test_export_falls_back_past_a_truncated_manifest(tmp_path: Path) -> None:
 
 
 def test_manifests_must_agree_on_the_step(tmp_path: Path) -> None:
-    directory = _complete(tmp_path / "checkpoint_000000002", 2)
+    directory = complete_checkpoint(tmp_path / "checkpoint_000000002", 2)
     manifest = json.loads((directory / "MANIFEST-rank1.json").read_text())
     manifest["step"] = 3
     (directory / "MANIFEST-rank1.json").write_text(json.dumps(manifest))

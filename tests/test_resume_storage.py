@@ -17,20 +17,12 @@ import pyarrow.fs
 import pytest
 import ray.train
 
+from checkpoint_helpers import complete_checkpoint
 from vitscale.data.storage import open_storage
 from vitscale.launch import ray_train
 from vitscale.train import checkpoint as ckpt
 
 BUCKET = "vitscale-resume"
-
-
-def _complete(directory: Path, step: int, world_size: int = 2) -> Path:
-    directory.mkdir(parents=True)
-    (directory / "payload.bin").write_bytes(b"x" * 10)
-    for rank in range(world_size):
-        ckpt.write_rank_part(directory, rank=rank, stream_state={"epoch": 0, "position": step, "seed": 0},
-                             train_state=ckpt.TrainState(step=step, world_size=world_size), config_yaml="")
-    return directory
 
 
 def _upload(local: Path, url: str, endpoint: str) -> None:
@@ -44,9 +36,9 @@ def s3_run(tmp_path: Path, moto_s3: str) -> tuple[pyarrow.fs.S3FileSystem, str]:
     """A run in object storage: complete checkpoints at steps 1 and 2, an incomplete one at step 3."""
     open_storage(f"s3://{BUCKET}", endpoint_url=moto_s3).client.create_bucket(Bucket=BUCKET)
     local = tmp_path / "written"
-    _complete(local / "checkpoint_000000001", 1)
-    _complete(local / "checkpoint_000000002", 2)
-    broken = _complete(local / "checkpoint_000000003", 3)
+    complete_checkpoint(local / "checkpoint_000000001", 1)
+    complete_checkpoint(local / "checkpoint_000000002", 2)
+    broken = complete_checkpoint(local / "checkpoint_000000003", 3)
     (broken / "MANIFEST-rank1.json").write_bytes(b'{"rank": 1, "st')  # a rank died mid-upload
     _upload(local, f"s3://{BUCKET}/runs/r1", moto_s3)
     endpoint = urlparse(moto_s3)
