@@ -33,8 +33,10 @@ install-test-tools:
 quickstart: install
 	$(VENV)/bin/vitscale run pipelines/quickstart.yaml
 
+# Two workers, whole files each (module fixtures run once): Ray's start-up waits of one leave the
+# cores to the other's tests.
 test: install install-test-tools
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
 
 test-fast: install
 	$(VENV)/bin/python -m pytest -q -m "not slow"

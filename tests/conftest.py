@@ -10,6 +10,16 @@ from collections.abc import Iterator
 import pytest
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow end-to-end runs first (stable, so the order stays the same on every xdist worker).
+
+    `make test` runs whole files on 2 workers (`-n 2 --dist loadfile`); most of a slow test's wall
+    time is Ray starting processes and waiting on them, which the other worker's tests fill. Taking
+    the longest first keeps one worker from starting a slow file when the rest is nearly done.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

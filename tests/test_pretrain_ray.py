@@ -153,14 +153,25 @@ def _sigkill_a_worker_at(run_dir: Path, step: int, done: threading.Event) -> lis
     while not done.is_set():
         lines = metrics.read_text().splitlines() if metrics.exists() else []
         if any(json.loads(x).get("step", 0) >= step for x in lines if x.strip().endswith("}")):
-            workers = [p for p in psutil.process_iter(["cmdline"])
-                       if any("RayTrainWorker" in part for part in (p.info["cmdline"] or []))]
+            # This test's own Ray only (its processes descend from this one): another Ray on the
+            # machine (a parallel test's) has RayTrainWorkers too.
+            workers = [p for p in psutil.Process().children(recursive=True)
+                       if any("RayTrainWorker" in part for part in _cmdline(p))]
             if workers:
                 victim = workers[-1].pid
                 os.kill(victim, signal.SIGKILL)
                 return [victim]
         time.sleep(0.02)
     return []
+
+
+def _cmdline(process) -> list[str]:
+    import psutil
+
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
 
 
 def test_a_worker_sigkilled_from_outside_ends_with_the_uninterrupted_weights(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -13,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -32,7 +34,9 @@ def head_node():
     if RAY is None:
         pytest.skip("the ray CLI is not installed")
     temp = tempfile.mkdtemp(prefix="rayjob-")  # short: Ray's unix sockets live under it
-    gcs, dashboard = _free_port(), _free_port()
+    # Ports of its own, not Ray's fixed defaults (10001 for Ray Client, 52365 for the job agent), so
+    # another Ray on the machine (a parallel test's) cannot take them first.
+    gcs, dashboard, client, agent = _free_port(), _free_port(), _free_port(), _free_port()
     # Token authentication, as every vitscale deployment runs Ray (Ray >= 2.52): the head, the job's
     # driver and `ray job submit` all read the same token, here from a file of this test's own.
     token = Path(temp) / "auth_token"
@@ -40,15 +44,32 @@ def head_node():
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
            "RAY_AUTH_TOKEN_PATH": str(token)}
     env.pop("RAY_ADDRESS", None)
-    subprocess.run([RAY, "start", "--head", f"--port={gcs}", "--node-ip-address=127.0.0.1",
-                    f"--dashboard-port={dashboard}", "--dashboard-host=127.0.0.1", "--num-cpus=2",
-                    f"--temp-dir={temp}", "--disable-usage-stats"],
-                   check=True, env=env, capture_output=True, timeout=180)
+    # In a session of its own, so that stopping it stops this cluster only (`ray stop` would stop
+    # every Ray on the machine, a parallel test's too).
+    start = subprocess.Popen([RAY, "start", "--head", f"--port={gcs}", "--node-ip-address=127.0.0.1",
+                              f"--dashboard-port={dashboard}", "--dashboard-host=127.0.0.1", "--num-cpus=2",
+                              f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
+                              f"--temp-dir={temp}", "--disable-usage-stats"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        output, _ = start.communicate(timeout=180)
+        assert start.returncode == 0, output.decode(errors="replace")[-4000:]
         yield f"http://127.0.0.1:{dashboard}", env
     finally:
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        start.kill()
+        _kill_session(start.pid)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _kill_session(session: int) -> None:
+    """SIGKILL every process of `session` (the head's GCS, raylet, dashboard, workers, job drivers)."""
+    members = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(process.pid) == session:
+                members.append(process)
+                process.kill()
+    psutil.wait_procs(members, timeout=30)
 
 
 def test_job_submit_runs_the_pipeline_on_the_cluster(head_node: tuple[str, dict], tmp_path: Path) -> None:

@@ -79,6 +79,11 @@ def init_distributed(on_gpu: bool) -> None:
     """Join the process group Ray Train (or torchrun) set up, with NCCL on GPU and gloo on CPU."""
     deepspeed = _deepspeed()
 
+    if not on_gpu:
+        # On CPU DeepSpeed would JIT-compile its shared-memory all-reduce (about a minute on 2 cores,
+        # on every fresh machine) at this call. Only its inference tensor-parallel layers use that op;
+        # training's collectives are torch.distributed's gloo ones, so mark it unavailable.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     else:
