@@ -148,7 +148,7 @@ def trials(run_dir: Path) -> list[dict[str, Any]]:
             for r in table.to_dict("records")]
 
 
-def tune_reports(run_dir: Path) -> dict[float, list[tuple[int, int, float | None]]]:
+def tune_reports(run_dir: Path) -> dict[float, list[tuple[float, int, float | None]]]:
     """Learning rate -> the trial's reports to Tune as (unix time in s, step, dev accuracy or None).
 
     The first entry is the trial's start, as step 0 (Tune's time of its first report less the
