@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from pathlib import Path
@@ -119,3 +120,22 @@ def test_finetuning_runs_through_the_pretraining_loop(downstream: str, tmp_path:
     for m in scored:
         assert 0.0 <= m["dev_accuracy"] <= 1.0 and 0.0 <= m["dev_accuracy_polyak"] <= 1.0
     assert not any("test_accuracy" in m for m in seen)
+
+
+@pytest.mark.parametrize("gpus, cpus, expected", [
+    (0, 2, {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 2}),
+    (4, 32, {"num_workers": 4, "use_gpu": True, "cpus_per_worker": 8}),
+])
+def test_vitscale_finetune_on_a_local_ray_fits_this_machine(monkeypatch: pytest.MonkeyPatch, gpus: int, cpus: int,
+                                                             expected: dict) -> None:
+    # ClusterConfig's defaults are a GPU cluster's (8 workers x 8 CPUs x 1 GPU): a local Ray has this
+    # machine only, and a CPU one trains in fp32 (bf16 matmuls crawl there).
+    from vitscale.stages.finetune import finetune_pipeline
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    raw = finetune_pipeline("weights.pth", "shards", model="ViT-B/16", base_lr=0.01, local=True)
+    assert raw["cluster"] == expected
+    config = build_pipeline(raw, "vitscale finetune")
+    assert config.finetune.precision == ("bf16" if gpus else "fp32")
+    assert "cluster" not in finetune_pipeline("weights.pth", "shards", local=False)  # a cluster: its own config

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Callable, Sequence
 
@@ -77,7 +78,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     from vitscale.stages.run import run_pipeline
 
     raw = finetune_pipeline(args.checkpoint, args.data, preset=args.preset, base_lr=args.lr, model=args.model,
-                            img_size=args.img_size, resolution=args.resolution, steps=args.steps)
+                            img_size=args.img_size, resolution=args.resolution, steps=args.steps,
+                            local=not (args.address or os.environ.get("RAY_ADDRESS")))
     for item in args.set:
         raw = apply_override(raw, item)
     summary = run_pipeline(build_pipeline(raw, "vitscale finetune"), address=args.address, verbose=args.verbose)
@@ -271,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resolution", type=int, default=None, help="fine-tuning resolution (default 384)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the preset's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="any pipeline value, e.g. --set finetune.batch=64 --set cluster.num_workers=1")
+                   help="any pipeline value, e.g. --set finetune.batch=64 --set cluster.num_workers=2 (without --address the cluster is this machine: a worker per GPU, or one CPU worker)")
     p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS or local)")
     p.add_argument("--verbose", action="store_true", help="show Ray's and DeepSpeed's own output here too")
 

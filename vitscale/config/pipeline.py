@@ -70,6 +70,16 @@ class ClusterConfig:
             plain_name(self.run_name, "cluster.run_name")
 
 
+def this_machine() -> dict[str, Any]:
+    """A `cluster:` section sized to a Ray started on this machine: one worker per GPU, or on a machine
+    without one a single CPU worker with every core (ClusterConfig's defaults are a GPU cluster's)."""
+    import torch
+
+    gpus, cpus = torch.cuda.device_count(), os.cpu_count() or 1
+    workers = max(1, gpus)
+    return {"num_workers": workers, "use_gpu": gpus > 0, "cpus_per_worker": max(1, cpus // workers)}
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """A whole pipeline: which stages run, where, and every stage's config section."""

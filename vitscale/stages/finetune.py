@@ -15,7 +15,7 @@ from typing import Any
 
 from vitscale.config.checks import ConfigError, check
 from vitscale.config.loader import build_section, to_yaml
-from vitscale.config.pipeline import PipelineConfig
+from vitscale.config.pipeline import PipelineConfig, this_machine
 from vitscale.data.config import DataConfig
 from vitscale.eval.finetune import FinetuneConfig, final_job, finetune_model
 from vitscale.models.config import ModelConfig
@@ -191,14 +191,22 @@ def run_finetune(config: PipelineConfig, context: StageContext) -> Finetuned:
 
 def finetune_pipeline(checkpoint: str, dataset: str, *, preset: str | None = None, base_lr: float | None = None,
                       model: str | None = None, img_size: int | None = None, resolution: int | None = None,
-                      steps: int | None = None) -> dict[str, Any]:
-    """The pipeline `vitscale finetune CHECKPOINT --data SHARDS` runs, as plain data (`--set` refines it)."""
+                      steps: int | None = None, local: bool = False) -> dict[str, Any]:
+    """The pipeline `vitscale finetune CHECKPOINT --data SHARDS` runs, as plain data (`--set` refines it).
+
+    `local`: on a Ray started on this machine, the cluster is this machine (a worker per GPU, or one
+    CPU worker with every core) and, without a GPU, fp32 (bf16 matmuls crawl on most CPUs).
+    """
     name = Path(dataset.rstrip("/")).name or "dataset"
     finetune: dict[str, Any] = {"dataset": dataset, "checkpoint": checkpoint}
     for key, value in (("preset", preset), ("base_lr", base_lr), ("resolution", resolution), ("steps", steps)):
         if value is not None:
             finetune[key] = value
     raw: dict[str, Any] = {"name": f"finetune-{name}", "stages": ["finetune"], "finetune": finetune}
+    if local:
+        raw["cluster"] = this_machine()
+        if not raw["cluster"]["use_gpu"]:
+            finetune["precision"] = "fp32"
     if model is not None:
         raw["model"] = {"name": model, **({"img_size": img_size} if img_size else {})}
     return raw

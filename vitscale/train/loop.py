@@ -304,7 +304,7 @@ def _progress_line(m: StepMetrics, total_steps: int, elapsed: float, steps_done:
     eta = elapsed / max(steps_done, 1) * (total_steps - m.step)
     mfu_text = f" mfu {m.mfu:.1%}" if m.mfu is not None else ""
     print(f"[vitscale] step {m.step}/{total_steps} epoch {m.epoch:.2f} loss {m.loss:.4f} lr {m.lr:.2e} "
-          f"{m.images_per_s:.0f} img/s (data {m.data_wait_s / m.step_time_s:.0%}){mfu_text} "
+          f"{m.images_per_s:.{0 if m.images_per_s >= 10 else 2}f} img/s (data {m.data_wait_s / m.step_time_s:.0%}){mfu_text} "
           f"{m.cumulative_exaflops:.3g} EFLOP eta {eta:.0f}s", flush=True)
 
 
