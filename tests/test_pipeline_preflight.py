@@ -91,3 +91,35 @@ def test_stage_without_a_runner_fails_before_ray(tmp_path: Path, capsys: pytest.
     code, err = run(tmp_path, capsys, pipeline)
     assert code == 2 and "study" in err
     assert_no_ray_started()
+
+
+def test_a_cluster_named_by_address_is_not_sized_against_this_machine(
+        tmp_path: Path, capsys: pytest.CaptureFixture, dataset: str) -> None:
+    # 2 x 64 CPUs cannot fit this machine, but `--address` joins another cluster: the local-size
+    # check is skipped, and the next check (the missing dataset) is the one that speaks.
+    pipeline = base(dataset, tmp_path)
+    pipeline["cluster"]["cpus_per_worker"] = 64
+    pipeline["data"]["url"] = str(tmp_path / "nowhere")
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(pipeline))
+    code = main(["run", str(path), "--address", "127.0.0.1:9"])
+    err = capsys.readouterr().err
+    assert code == 2 and "nowhere" in err and "cpus_per_worker" not in err, err
+    assert_no_ray_started()
+
+
+def test_object_storage_that_cannot_be_reached_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture, dataset: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    pipeline = base(dataset, tmp_path)
+    pipeline["data"] = {"url": "s3://vitscale-nowhere/ds", "endpoint_url": f"http://127.0.0.1:{port}"}
+    code, err = run(tmp_path, capsys, pipeline)
+    assert code == 2 and "s3://vitscale-nowhere/ds" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert_no_ray_started()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any, Callable, Sequence
 
@@ -73,13 +72,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_finetune(args: argparse.Namespace) -> int:
     from vitscale.config import apply_override
+    from vitscale.config.pipeline import ray_address
     from vitscale.stages import build_pipeline
     from vitscale.stages.finetune import finetune_pipeline
     from vitscale.stages.run import run_pipeline
 
     raw = finetune_pipeline(args.checkpoint, args.data, preset=args.preset, base_lr=args.lr, model=args.model,
                             img_size=args.img_size, resolution=args.resolution, steps=args.steps,
-                            local=not (args.address or os.environ.get("RAY_ADDRESS")))
+                            local=ray_address(args.address) is None)
     for item in args.set:
         raw = apply_override(raw, item)
     summary = run_pipeline(build_pipeline(raw, "vitscale finetune"), address=args.address, verbose=args.verbose)
@@ -421,13 +421,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `vitscale` console script."""
+    from vitscale.data.storage.base import StorageError
     from vitscale.launch.errors import PipelineFailed
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
-        # User errors (bad config, missing data, unknown model): one clear line, no traceback.
+    except (ValueError, FileNotFoundError, StorageError) as exc:
+        # User errors (bad config, missing data, unknown model, storage that refuses us, e.g. no
+        # credentials for an s3:// dataset): one clear line naming what, no traceback.
         print(f"vitscale: error: {exc}", file=sys.stderr)
         return 2
     except PipelineFailed as exc:

@@ -70,7 +70,12 @@ class ClusterConfig:
             plain_name(self.run_name, "cluster.run_name")
 
 
-def this_machine() -> dict[str, Any]:
+def ray_address(address: str | None) -> str | None:
+    """The Ray cluster to join: `address`, else $RAY_ADDRESS; None means start a local Ray on this machine."""
+    return address or os.environ.get("RAY_ADDRESS") or None
+
+
+def local_cluster() -> dict[str, Any]:
     """A `cluster:` section sized to a Ray started on this machine: one worker per GPU, or on a machine
     without one a single CPU worker with every core (ClusterConfig's defaults are a GPU cluster's)."""
     import torch

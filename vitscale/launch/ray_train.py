@@ -20,7 +20,7 @@ import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from vitscale.config.pipeline import ClusterConfig
+from vitscale.config.pipeline import ClusterConfig, ray_address
 from vitscale.launch.errors import PipelineFailed
 from vitscale.launch.failures import DeterministicFailure, StopOnDeterministicFailure, deterministic_cause
 from vitscale.train import checkpoint as ckpt
@@ -222,7 +222,7 @@ def ensure_ray(address: str | None, local_num_cpus: int | None) -> str:
     """Connect to a Ray cluster (address, $RAY_ADDRESS) or start a local one; returns a description."""
     if ray.is_initialized():
         return "already connected"
-    address = address or os.environ.get("RAY_ADDRESS")
+    address = ray_address(address)
     if address:
         context = ray.init(address=address, log_to_driver=True)
         return f"joined Ray cluster at {address}{_dashboard(context)}"

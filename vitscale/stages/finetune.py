@@ -15,7 +15,7 @@ from typing import Any
 
 from vitscale.config.checks import ConfigError, check
 from vitscale.config.loader import build_section, to_yaml
-from vitscale.config.pipeline import PipelineConfig, this_machine
+from vitscale.config.pipeline import PipelineConfig, local_cluster
 from vitscale.data.config import DataConfig
 from vitscale.eval.finetune import FinetuneConfig, final_job, finetune_model
 from vitscale.models.config import ModelConfig
@@ -204,7 +204,7 @@ def finetune_pipeline(checkpoint: str, dataset: str, *, preset: str | None = Non
             finetune[key] = value
     raw: dict[str, Any] = {"name": f"finetune-{name}", "stages": ["finetune"], "finetune": finetune}
     if local:
-        raw["cluster"] = this_machine()
+        raw["cluster"] = local_cluster()
         if not raw["cluster"]["use_gpu"]:
             finetune["precision"] = "fp32"
     if model is not None:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from vitscale.config.checks import ConfigError
 from vitscale.config.loader import absolute_paths, to_yaml
-from vitscale.config.pipeline import PipelineConfig
+from vitscale.config.pipeline import PipelineConfig, ray_address
 from vitscale.stages import get_stage
 from vitscale.stages.base import StageContext
 
@@ -60,7 +61,7 @@ def check_local_ray(config: PipelineConfig) -> None:
     import sys
 
     ray = sys.modules.get("ray")
-    if config.cluster.address or os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized()):
+    if ray_address(config.cluster.address) or (ray is not None and ray.is_initialized()):
         return
     cluster = config.cluster
     widths = [cluster.num_workers] if {"pretrain", "finetune"} & set(config.stages) else []
@@ -84,6 +85,8 @@ def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose:
     from vitscale.launch.ray_train import ensure_ray, run_directory
 
     t0 = time.time()
+    if address:  # --address: the run joins that cluster, and the checks below must know it
+        config = replace(config, cluster=replace(config.cluster, address=address))
     config = preflight(config)
     _, run_dir = run_directory(config.cluster, config.run_name)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -91,7 +94,7 @@ def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose:
     print(f"[vitscale] run directory: {run_dir}", flush=True)
     log_path = run_dir / "logs" / "ray.log"
     quiet_driver_logs(log_path, verbose=verbose)
-    print(f"[vitscale] {ensure_ray(address or config.cluster.address, config.cluster.local_num_cpus)}", flush=True)
+    print(f"[vitscale] {ensure_ray(config.cluster.address, config.cluster.local_num_cpus)}", flush=True)
     routed = route_ray_output(log_path, verbose=verbose)
     if routed:
         print(f"[vitscale] {routed}", flush=True)

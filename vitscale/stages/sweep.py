@@ -339,6 +339,8 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
         raise ConfigError("sweep", f"no trial reported {metric}; see {directory}/results.md")
     best = max(scored, key=lambda r: r["metric"])
     selected = {"trial_id": best["trial_id"], "params": best["params"], "metric": best["metric"], "metric_name": metric}
+    # On disk as soon as it is chosen (with `retrain: false`, or a retrain that fails, this is the
+    # sweep's answer); `_retrain` rewrites it with the winner's test accuracy.
     (directory / "selected.json").write_text(json.dumps(selected, indent=2, default=str))
     return rows, selected
 
