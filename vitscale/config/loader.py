@@ -22,6 +22,7 @@ import yaml
 
 from vitscale.config.checks import ConfigError, one_of
 from vitscale.config.pipeline import PipelineConfig
+from vitscale.config.suggest import did_you_mean
 
 
 def _read_mapping(path: Path, _seen: frozenset) -> dict[str, Any]:
@@ -85,7 +86,8 @@ def build_pipeline(raw: dict[str, Any], *, sections: Mapping[str, type], stage_n
         unknown = sorted(set(raw) - set(sections))
         if unknown:
             known = ", ".join(["name", "stages", "cluster", *sorted(sections)])
-            raise ConfigError(unknown[0], f"unknown key; the top level accepts: {known}")
+            raise ConfigError(unknown[0], f"unknown key{did_you_mean(unknown[0], ['name', 'stages', 'cluster', *sections])}; "
+                              f"the top level accepts: {known}")
         config = _build(PipelineConfig, top, "")
         for stage in config.stages:
             one_of(stage, tuple(stage_names), "stages")
@@ -195,7 +197,8 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     if unknown:
         key = f"{prefix}{unknown[0]}"
         known = ", ".join(sorted(fields))
-        raise ConfigError(key, f"unknown key; {prefix.rstrip('.') or 'the top level'} accepts: {known}")
+        raise ConfigError(key, f"unknown key{did_you_mean(unknown[0], fields)}; "
+                              f"{prefix.rstrip('.') or 'the top level'} accepts: {known}")
     kwargs = {name: _coerce(hints[name], value, f"{prefix}{name}") for name, value in raw.items()}
     return cls(**kwargs)
 
