@@ -65,7 +65,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from vitscale.stages.run import resolve_pipeline_path, run_pipeline
 
     config = load_pipeline(resolve_pipeline_path(args.pipeline), args.set)
-    summary = run_pipeline(config, address=args.address, verbose=args.verbose)
+    summary = run_pipeline(config, address=args.address, verbose=args.verbose, force=args.force)
     print(json.dumps(summary, default=str))
     return 0 if summary.get("ok", True) else 1
 
@@ -260,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS or local)")
     p.add_argument("--verbose", action="store_true",
                    help="show Ray's and DeepSpeed's own output here too (default: RUN_DIR/logs/ray.log)")
+    p.add_argument("--force", action="store_true",
+                   help="take over the run's lease from a writer known to be dead (object storage; a local "
+                        "run's lock goes by itself when its holder dies)")
 
     p = verb("finetune", cmd_finetune,
              "Fine-tune a checkpoint on a sharded dataset with the paper's recipe (SGD, cosine, Table 4 presets) "

@@ -79,15 +79,27 @@ def check_local_ray(config: PipelineConfig) -> None:
     cluster.check_fits(max(widths), cpus, gpus, where)
 
 
-def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose: bool = True) -> dict[str, Any]:
-    """Run every stage of `config`; prints a summary table and returns the summary (the final JSON line)."""
-    from vitscale.launch.console import quiet_driver_logs, route_ray_output, summary_table
-    from vitscale.launch.ray_train import ensure_ray, run_directory
+def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose: bool = True,
+                 force: bool = False) -> dict[str, Any]:
+    """Run every stage of `config`; prints a summary table and returns the summary (the final JSON line).
+
+    The run's lease (`data/storage/lease.py`) is held from before its first write to the end: a
+    second writer of the same run is refused in one line; `force` takes over a dead holder's lease.
+    """
+    from vitscale.data.storage.lease import hold_run_lease
 
     t0 = time.time()
     if address:  # --address: the run joins that cluster, and the checks below must know it
         config = replace(config, cluster=replace(config.cluster, address=address))
     config = preflight(config)
+    with hold_run_lease(config.cluster.run_storage(config.run_name), force=force):
+        return _run_stages(config, verbose, t0)
+
+
+def _run_stages(config: PipelineConfig, verbose: bool, t0: float) -> dict[str, Any]:
+    from vitscale.launch.console import quiet_driver_logs, route_ray_output, summary_table
+    from vitscale.launch.ray_train import ensure_ray, run_directory
+
     _, run_dir = run_directory(config.cluster, config.run_name)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(config))

@@ -60,6 +60,7 @@ def checkpoint_uri(checkpoint: Any) -> str | None:
 
 def run_cell(config: PipelineConfig, cell_id: str, state_url: str, endpoint_url: str | None) -> dict[str, Any]:
     """In the cell's Ray task: its stages in order, skipping those an earlier run finished."""
+    from vitscale.data.storage.lease import hold_run_lease
     from vitscale.launch.ray_train import run_directory
     from vitscale.stages import get_stage
     from vitscale.stages.base import StageContext
@@ -69,15 +70,17 @@ def run_cell(config: PipelineConfig, cell_id: str, state_url: str, endpoint_url:
     _, run_dir = run_directory(config.cluster, config.run_name)
     run_dir.mkdir(parents=True, exist_ok=True)
     context = StageContext(run_dir=run_dir, run_name=config.run_name, verbose=False)
-    for name in config.stages:
-        if name in done:
-            context.results.append(_restored(name, done[name]))
-            continue
-        started = time.time()
-        result = get_stage(name).run(config, context)
-        context.results.append(result)
-        extra = {"checkpoint_uri": checkpoint_uri(result.checkpoint)} if hasattr(result, "checkpoint") else {}
-        state.stage_done(cell_id, name, {**result.summary(), **extra, "wall_s": time.time() - started})
+    # One writer per cell run, as for `vitscale run` (data/storage/lease.py).
+    with hold_run_lease(config.cluster.run_storage(config.run_name)):
+        for name in config.stages:
+            if name in done:
+                context.results.append(_restored(name, done[name]))
+                continue
+            started = time.time()
+            result = get_stage(name).run(config, context)
+            context.results.append(result)
+            extra = {"checkpoint_uri": checkpoint_uri(result.checkpoint)} if hasattr(result, "checkpoint") else {}
+            state.stage_done(cell_id, name, {**result.summary(), **extra, "wall_s": time.time() - started})
     return state.stages(cell_id)
 
 

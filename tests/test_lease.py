@@ -1,0 +1,184 @@
+"""One writer per run: the run's lease on a local folder (flock) and on S3 (moto's server on loopback).
+
+Holders are real processes (a `python -c` that takes the lease and sleeps), killed with SIGKILL
+where a test needs a crashed driver.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import boto3
+import pytest
+import yaml
+
+from vitscale.cli import main
+from vitscale.data.storage import RetryPolicy
+from vitscale.data.storage.lease import LEASE_NAME, Holder, LeaseHeld, hold_run_lease
+
+FAST = RetryPolicy(max_attempts=3, base_delay_s=0.001, max_delay_s=0.01)
+
+HOLD = """
+import sys, time
+from vitscale.data.storage.lease import hold_run_lease
+lease = hold_run_lease(sys.argv[1], ttl_s=float(sys.argv[2]), endpoint_url=sys.argv[3] or None)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def _holder(url: str, ttl_s: float = 60.0, endpoint: str = "") -> subprocess.Popen:
+    """A process that holds the lease of `url` until killed (returns once it holds it)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, url, str(ttl_s), endpoint], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ})
+    line = proc.stdout.readline()  # type: ignore[union-attr]
+    if line.strip() != "held":
+        proc.kill()
+        raise AssertionError(f"holder did not take the lease: {line!r} {proc.stderr.read()}")  # type: ignore[union-attr]
+    return proc
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def test_local_second_writer_is_refused_naming_the_holder_and_a_killed_holder_frees_it(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "r1"
+    proc = _holder(str(run))
+    try:
+        with pytest.raises(LeaseHeld) as err:
+            hold_run_lease(str(run))
+        message = str(err.value)
+        assert "\n" not in message
+        assert f"pid {proc.pid} on host {socket.gethostname()} since " in message and str(run) in message
+        # --force cannot break a kernel lock held by a live process.
+        with pytest.raises(LeaseHeld, match="--force cannot take it"):
+            hold_run_lease(str(run), force=True)
+    finally:
+        _kill(proc)
+    # The kernel dropped the SIGKILLed holder's lock: the next writer takes the run at once.
+    with hold_run_lease(str(run)) as lease:
+        assert Holder.decode((run / LEASE_NAME).read_bytes()) == lease.holder
+        with pytest.raises(LeaseHeld, match=f"pid {os.getpid()} "):
+            hold_run_lease(str(run))  # a second lease in the same process is refused too
+    assert (run / LEASE_NAME).read_bytes() == b""  # released: no holder named
+    hold_run_lease(str(run)).release()
+
+
+def _pipeline(tmp_path: Path, dataset: str) -> Path:
+    raw = {"name": "lease", "stages": ["pretrain"], "data": {"url": dataset},
+           "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "heads": 2, "mlp_dim": 32},
+           "train": {"global_batch": 8, "micro_batch": 4, "max_steps": 1, "warmup_steps": 0},
+           "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1,
+                       "storage_path": str(tmp_path / "runs"), "run_name": "shared"}}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_vitscale_run_on_a_held_run_refuses_in_one_line_before_ray(tmp_path: Path, small_synthetic: str,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    import ray
+
+    pipeline = _pipeline(tmp_path, small_synthetic)
+    proc = _holder(str(tmp_path / "runs" / "shared"))
+    try:
+        code = main(["run", str(pipeline)])
+    finally:
+        _kill(proc)
+    out, err = capsys.readouterr()
+    assert code == 2 and "Traceback" not in out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("vitscale: error: run ") and f"pid {proc.pid}" in lines[0], err
+    assert not ray.is_initialized()
+    assert not (tmp_path / "runs" / "shared" / "config.yaml").exists()  # nothing of the run was written
+
+
+# ---------------------------------------------------------------------------------------------- S3
+
+
+@pytest.fixture
+def s3_run(moto_s3: str) -> str:
+    bucket = f"lease-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=moto_s3).create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/runs/r1"
+
+
+def _lease_object(url: str, endpoint: str) -> dict:
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    body = boto3.client("s3", endpoint_url=endpoint).get_object(Bucket=bucket, Key=f"{prefix}/{LEASE_NAME}")["Body"]
+    return json.loads(body.read())
+
+
+def test_s3_second_writer_is_refused_and_release_frees_it(s3_run: str, moto_s3: str) -> None:
+    with hold_run_lease(s3_run, endpoint_url=moto_s3, ttl_s=30) as lease:
+        assert _lease_object(s3_run, moto_s3)["token"] == lease.holder.token
+        with pytest.raises(LeaseHeld) as err:
+            hold_run_lease(s3_run, endpoint_url=moto_s3)
+        assert f"pid {os.getpid()} on host {socket.gethostname()} since " in str(err.value)
+        assert "renewed 0 s ago" in str(err.value) and "\n" not in str(err.value)
+        # A live holder on this machine is never forced out.
+        with pytest.raises(LeaseHeld, match="alive on this machine"):
+            hold_run_lease(s3_run, endpoint_url=moto_s3, force=True)
+    with hold_run_lease(s3_run, endpoint_url=moto_s3) as again:  # released: free at once
+        assert _lease_object(s3_run, moto_s3)["token"] == again.holder.token
+
+
+def test_s3_heartbeat_renews_and_a_sigkilled_holder_expires(s3_run: str, moto_s3: str) -> None:
+    proc = _holder(s3_run, ttl_s=3.0, endpoint=moto_s3)
+    try:
+        time.sleep(2.5)  # past a heartbeat (every ttl/3): renewed, so not expired
+        with pytest.raises(LeaseHeld, match=f"pid {proc.pid} "):
+            hold_run_lease(s3_run, endpoint_url=moto_s3)
+    finally:
+        _kill(proc)  # a crashed driver: no release, no more heartbeats
+    with pytest.raises(LeaseHeld, match=f"pid {proc.pid} "):
+        hold_run_lease(s3_run, endpoint_url=moto_s3)  # not expired yet
+    time.sleep(4.5)  # > ttl since its last renewal (Last-Modified has whole seconds)
+    logged: list[str] = []
+    with hold_run_lease(s3_run, endpoint_url=moto_s3, log=logged.append) as lease:
+        assert _lease_object(s3_run, moto_s3)["token"] == lease.holder.token
+    assert len(logged) == 1 and f"from pid {proc.pid}" in logged[0] and "not renewed for" in logged[0]
+
+
+def test_s3_force_takes_over_a_dead_holders_lease_before_it_expires(s3_run: str, moto_s3: str) -> None:
+    proc = _holder(s3_run, ttl_s=600.0, endpoint=moto_s3)
+    _kill(proc)
+    with pytest.raises(LeaseHeld, match="--force"):
+        hold_run_lease(s3_run, endpoint_url=moto_s3)
+    logged: list[str] = []
+    with hold_run_lease(s3_run, endpoint_url=moto_s3, force=True, log=logged.append) as lease:
+        assert _lease_object(s3_run, moto_s3)["token"] == lease.holder.token
+    assert "(forced)" in logged[0] and f"pid {proc.pid}" in logged[0]
+
+
+def test_s3_a_holder_whose_lease_is_taken_over_is_told(s3_run: str, moto_s3: str) -> None:
+    lost: list[str] = []
+    lease = hold_run_lease(s3_run, endpoint_url=moto_s3, ttl_s=1.5, on_lost=lost.append)
+    try:
+        # Another writer takes the lease over behind its back (as an expiry takeover would).
+        bucket, _, prefix = s3_run[len("s3://"):].partition("/")
+        other = Holder("elsewhere", 4242, time.time(), "other-token", 1.5)
+        boto3.client("s3", endpoint_url=moto_s3).put_object(Bucket=bucket, Key=f"{prefix}/{LEASE_NAME}",
+                                                             Body=other.encode())
+        deadline = time.time() + 5
+        while not lost and time.time() < deadline:
+            time.sleep(0.1)
+    finally:
+        lease.release()
+    assert len(lost) == 1 and "lost the lease" in lost[0] and "pid 4242 on host elsewhere" in lost[0]
+    assert _lease_object(s3_run, moto_s3)["token"] == "other-token"  # the new holder's lease is left alone
+
+
+def test_holder_decode_never_raises() -> None:
+    for junk in (b"", b"{", b"[]", b'{"host": 1}', b"\xff\xfe", b"[" * 5000):
+        assert Holder.decode(junk) is None

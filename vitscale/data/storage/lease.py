@@ -1,0 +1,305 @@
+"""One writer per run: a lease on ``storage_path/run_name`` held for the writer's whole life.
+
+Two drivers writing the same run rotate each other's checkpoints away mid-write. Every verb that
+writes into a run (``vitscale run``, ``finetune``, sweeps and study cells, which run through it)
+therefore holds the run's lease first; a second writer is refused with one line naming the holder
+(host, pid, since when).
+
+- **A local (or NFS) folder**: an exclusive ``fcntl.flock`` on ``RUN/.vitscale-lease``, whose
+  content names the holder. The kernel drops the lock when the holder's process dies, however it
+  dies (SIGKILL included), so a crashed driver never blocks the next one and there is nothing to
+  force.
+- **``s3://``**: the lease object ``RUN/.vitscale-lease`` created with a conditional put
+  (``If-None-Match: *``: exactly one creator wins), renewed by a heartbeat thread with a
+  compare-and-swap put (``If-Match: <etag>``) every ``ttl_s / 3`` seconds, deleted on release
+  (``If-Match`` again). A lease not renewed for ``ttl_s`` (its holder crashed) is taken over by the
+  next writer, again by compare-and-swap, so two late-comers cannot both take it. Its age is read
+  from the server's own clock (the response's ``Date`` minus the object's ``Last-Modified``), so
+  clocks that disagree between machines do not matter. ``force=True`` (``vitscale run --force``)
+  takes over a lease that has not expired yet: for a holder known to be dead, when waiting
+  ``ttl_s`` is not wanted. A holder on this machine whose process is alive is never forced out.
+
+A writer whose heartbeat finds the lease taken over (or cannot renew it for ``ttl_s``) has lost
+it: ``on_lost`` is called (the CLI's default interrupts the driver) so that it stops writing.
+Servers that ignore ``If-None-Match`` (old S3 look-alikes) are caught by reading the lease back
+after creating it: the writer whose token is not there is refused.
+"""
+
+from __future__ import annotations
+
+import _thread
+import email.utils
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Self
+
+from vitscale.data.storage.base import StorageError
+from vitscale.data.storage.retry import RetryPolicy
+from vitscale.data.storage.s3 import S3Storage
+
+__all__ = ["DEFAULT_TTL_S", "LEASE_NAME", "Holder", "LeaseHeld", "RunLease", "hold_run_lease"]
+
+LEASE_NAME = ".vitscale-lease"
+"""The lease file (local) or object (S3) inside the run's folder."""
+
+DEFAULT_TTL_S = 60.0
+"""An S3 lease not renewed for this long belongs to a dead driver and may be taken over."""
+
+
+class LeaseHeld(ValueError):
+    """Another writer holds the run's lease (a ValueError: the CLI prints it as one line)."""
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a lease: written into it, shown to a refused writer."""
+
+    host: str
+    pid: int
+    since: float
+    """Unix time the lease was taken."""
+    token: str
+    """Random id of this holding (two holders on one host with a recycled pid still differ)."""
+    ttl_s: float = DEFAULT_TTL_S
+
+    @staticmethod
+    def me(ttl_s: float) -> Holder:
+        return Holder(socket.gethostname(), os.getpid(), time.time(), uuid.uuid4().hex, ttl_s)
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since))
+        return f"pid {self.pid} on host {self.host} since {when}"
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @staticmethod
+    def decode(data: bytes) -> Holder | None:
+        """The holder in ``data``, or None when it is empty or not a holder (never raises)."""
+        try:
+            raw = json.loads(data.decode("utf-8"))
+            return Holder(host=str(raw["host"]), pid=int(raw["pid"]), since=float(raw["since"]),
+                          token=str(raw["token"]), ttl_s=float(raw.get("ttl_s", DEFAULT_TTL_S)))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
+            return None
+
+    def alive_here(self) -> bool:
+        """Whether this holder is a live process on this machine (False when it is elsewhere)."""
+        if self.host != socket.gethostname():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True  # exists, owned by someone else
+        return True
+
+
+def _refusal(url: str, holder: Holder | None, detail: str) -> LeaseHeld:
+    who = holder.describe() if holder is not None else "an unknown writer"
+    return LeaseHeld(f"run {url} is being written by {who} ({detail}); wait for it to finish, choose another "
+                     "cluster.run_name, or, if that process is dead, run again with --force")
+
+
+class RunLease:
+    """A held lease; ``release()`` (or leaving the ``with`` block) gives it back."""
+
+    url: str
+    holder: Holder
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class _LocalLease(RunLease):
+    def __init__(self, folder: Path, holder: Holder) -> None:
+        import fcntl
+
+        self.url, self.holder = str(folder), holder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / LEASE_NAME
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            current = Holder.decode(os.pread(fd, 4096, 0))
+            os.close(fd)
+            raise _refusal(self.url, current, f"it holds an exclusive lock on {self.path}; the lock goes when "
+                           "its process ends, so --force cannot take it") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder.encode(), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        import fcntl
+
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            os.ftruncate(fd, 0)  # nobody holds it now: a refused reader must not name us
+        except OSError:
+            pass
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+class _S3Lease(RunLease):
+    def __init__(self, storage: S3Storage, holder: Holder, force: bool,
+                 on_lost: Callable[[str], None], log: Callable[[str], None]) -> None:
+        self.storage, self.holder, self.url = storage, holder, storage.url
+        self.key = storage.key_of(LEASE_NAME)
+        self.where = storage.url_of(LEASE_NAME)
+        self.on_lost, self.log = on_lost, log
+        self.etag = self._acquire(force)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._heartbeat, name="vitscale-lease", daemon=True)
+        self._thread.start()
+
+    # -- S3 calls: None where a condition failed (412, or 409 for a concurrent conditional write)
+
+    def _conditional(self, what: str, fn: Callable[[], Any]) -> Any:
+        import botocore.exceptions as bce
+
+        def call() -> Any:
+            try:
+                return fn()
+            except bce.ClientError as exc:
+                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if status in (409, 412) or exc.response.get("Error", {}).get("Code") == "PreconditionFailed":
+                    return None
+                raise
+
+        return self.storage._retrying(what, LEASE_NAME, call)
+
+    def _put(self, **condition: str) -> str | None:
+        resp = self._conditional("lease", lambda: self.storage.client.put_object(
+            Bucket=self.storage.bucket, Key=self.key, Body=self.holder.encode(), **condition))
+        return None if resp is None else str(resp["ETag"])
+
+    def _read(self) -> tuple[Holder | None, str, float] | None:
+        """(holder, etag, seconds since it was last renewed, by the server's clock), or None if gone."""
+        try:
+            resp = self.storage._retrying("lease", LEASE_NAME, lambda: self.storage.client.get_object(
+                Bucket=self.storage.bucket, Key=self.key))
+        except FileNotFoundError:
+            return None
+        body = resp["Body"].read(1 << 16)
+        resp["Body"].close()
+        date = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        now = email.utils.parsedate_to_datetime(date).timestamp() if date else time.time()
+        return Holder.decode(body), str(resp["ETag"]), max(0.0, now - resp["LastModified"].timestamp())
+
+    def _acquire(self, force: bool) -> str:
+        for _ in range(5):  # each pass loses only to a writer that changed the lease meanwhile
+            current = self._read()
+            if current is None:
+                etag = self._put(IfNoneMatch="*")
+                if etag is not None and self._still_mine():
+                    return etag
+                continue
+            holder, etag, age = current
+            ttl = holder.ttl_s if holder is not None else self.holder.ttl_s
+            if holder is not None and holder.token == self.holder.token:
+                return etag
+            if age <= ttl and not force:
+                raise _refusal(self.url, holder, f"lease {self.where} renewed {age:.0f} s ago; it expires "
+                               f"{ttl:.0f} s after its last renewal")
+            if age <= ttl and holder is not None and holder.alive_here():
+                raise _refusal(self.url, holder, "that process is alive on this machine: --force only takes "
+                               "over a lease whose holder is dead")
+            taken = self._put(IfMatch=etag)
+            if taken is not None and self._still_mine():
+                who = holder.describe() if holder is not None else "an unreadable holder"
+                why = "forced" if age <= ttl else f"not renewed for {age:.0f} s"
+                self.log(f"[vitscale] took over the lease of {self.url} from {who} ({why})")
+                return taken
+        raise StorageError(f"lease {self.where}: other writers kept changing it; try again")
+
+    def _still_mine(self) -> bool:
+        """Read back: a server that ignores conditional headers lets the last writer win; the others
+        see a token not theirs and are refused."""
+        current = self._read()
+        if current is not None and current[0] is not None and current[0].token == self.holder.token:
+            return True
+        if current is not None:
+            raise _refusal(self.url, current[0], f"lease {self.where} taken at the same moment")
+        return False
+
+    def _heartbeat(self) -> None:
+        period = self.holder.ttl_s / 3
+        last_ok = time.monotonic()
+        while not self._stop.wait(period):
+            try:
+                etag = self._put(IfMatch=self.etag)
+            except (StorageError, OSError) as exc:
+                if time.monotonic() - last_ok > self.holder.ttl_s:
+                    self._lost(f"could not renew it for {self.holder.ttl_s:.0f} s ({exc})")
+                    return
+                continue  # a transient outage: the next beat tries again, well inside the ttl
+            if etag is None:
+                current = self._read()
+                who = current[0].describe() if current is not None and current[0] is not None else "another writer"
+                self._lost(f"it was taken over by {who}")
+                return
+            self.etag, last_ok = etag, time.monotonic()
+
+    def _lost(self, why: str) -> None:
+        self._stop.set()
+        self.on_lost(f"vitscale: error: lost the lease of run {self.url}: {why}; stopping so that two "
+                     "writers never share the run")
+
+    def release(self) -> None:
+        if self._stop.is_set() and not self._thread.is_alive():
+            return
+        self._stop.set()
+        self._thread.join()
+        try:
+            self._conditional("lease", lambda: self.storage.client.delete_object(
+                Bucket=self.storage.bucket, Key=self.key, IfMatch=self.etag))
+        except (StorageError, OSError) as exc:  # it expires by itself after ttl_s
+            self.log(f"[vitscale] could not remove {self.where} ({exc}); it expires in {self.holder.ttl_s:.0f} s")
+
+
+def _interrupt(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    _thread.interrupt_main()
+
+
+def hold_run_lease(run_url: str, *, force: bool = False, endpoint_url: str | None = None,
+                   ttl_s: float = DEFAULT_TTL_S, on_lost: Callable[[str], None] = _interrupt,
+                   log: Callable[[str], None] = print, retry: RetryPolicy | None = None) -> RunLease:
+    """Take the lease of the run at ``run_url`` (a folder, or ``s3://bucket/prefix/run_name``).
+
+    Raises :class:`LeaseHeld` naming the holder when another writer has it (see the module doc for
+    expiry and ``force``). Use as ``with hold_run_lease(url): ...`` or call ``release()``.
+    """
+    if ttl_s <= 0:
+        raise ValueError(f"a lease's ttl_s must be positive, got {ttl_s}")
+    holder = Holder.me(ttl_s)
+    if run_url.startswith("s3://"):
+        bucket, _, prefix = run_url[len("s3://"):].partition("/")
+        storage = S3Storage(bucket, prefix, endpoint_url=endpoint_url, retry=retry or RetryPolicy())
+        return _S3Lease(storage, holder, force, on_lost, log)
+    if "://" in run_url and not run_url.startswith("file://"):
+        raise ValueError(f"run storage {run_url!r}: use a local path, file:// or s3://")
+    folder = Path(run_url.removeprefix("file://")).expanduser()
+    return _LocalLease(folder, holder)
