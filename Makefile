@@ -10,7 +10,7 @@ TORCH_CONSTRAINTS ?= constraints/cpu.txt
 PIP = $(VENV)/bin/python -m pip
 CONSTRAIN = $(if $(TORCH_CONSTRAINTS),-c $(TORCH_CONSTRAINTS))
 
-.PHONY: install install-test-tools quickstart test test-fast bench
+.PHONY: install install-test-tools quickstart test test-fast bench private-cluster
 
 # PYTHONWARNINGS=ignore: setuptools' notices about editable installs are for package authors, not for
 # whoever runs this.
@@ -44,3 +44,9 @@ test-fast: install
 bench: install
 	$(VENV)/bin/python benchmarks/data_throughput.py
 	$(VENV)/bin/python benchmarks/train_overhead.py
+
+# A head and two worker nodes on this machine, each in its own mount namespace with a private /tmp and
+# $HOME, token authentication on: the shape of a KubeRay or `ray up` cluster (needs root). Prints the
+# address and token; Ctrl-C stops it. tests/test_private_cluster.py checks the shape.
+private-cluster: install
+	$(VENV)/bin/python tests/private_cluster.py up
