@@ -8,8 +8,48 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import Any, Callable, Sequence
+
+from vitscale.config.errors import UserError
+from vitscale.config.suggest import did_you_mean
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless it already says it or has none worth saying."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is False or default == [] or default is argparse.SUPPRESS
+                or "default" in text or not (action.option_strings or action.nargs in ("?", "*"))):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with "did you mean" for a mistyped verb or choice, and defaults in every --help."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> Any:  # argparse's own signature; it exits
+        found = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if found:
+            message += did_you_mean(found.group(1), re.findall(r"'([^']*)'", found.group(2)))
+        super().error(message)
+
+
+def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub-)parser of the verb `args` selected: its flags are the ones a mistyped flag is matched to."""
+    for action in parser._actions:  # argparse keeps no public list of its sub-parsers
+        if isinstance(action, argparse._SubParsersAction):
+            name = getattr(args, action.dest, None)
+            if name in action.choices:
+                return _chosen_parser(action.choices[name], args)
+    return parser
 
 
 def _print_json(obj: Any) -> None:
@@ -141,9 +181,9 @@ def cmd_shards_write(args: argparse.Namespace) -> int:
                              quality=args.quality, seed=args.seed,
                              splits=parse_splits(args.split) if args.split else None, source_options=options,
                              name=args.name, endpoint_url=args.endpoint_url, max_bad=args.max_bad,
-                             max_pixels=args.max_pixels)
+                             max_pixels=args.max_pixels, chroma=args.chroma)
     except OSError as exc:  # storage trouble (disk full, permissions, S3 after retries): one line
-        raise ValueError(f"shards write to {args.out}: {type(exc).__name__}: {exc}") from exc
+        raise UserError(f"shards write to {args.out}: {type(exc).__name__}: {exc}") from exc
     counts = {s: v["samples"] for s, v in meta["splits"].items()}
     bad = meta.get("bad_files", [])
     print(json.dumps({"out": args.out, "classes": meta["num_classes"], "samples": counts, "bad": len(bad),
@@ -159,7 +199,7 @@ def cmd_shards_index(args: argparse.Namespace) -> int:
                             classes_file=args.classes, endpoint_url=args.endpoint_url,
                             checksums=not args.no_checksums)
     except OSError as exc:  # storage trouble: one line
-        raise ValueError(f"shards index {args.url}: {type(exc).__name__}: {exc}") from exc
+        raise UserError(f"shards index {args.url}: {type(exc).__name__}: {exc}") from exc
     print(json.dumps({"out": args.out or args.url, "classes": meta["num_classes"],
                       "samples": {s: v["samples"] for s, v in meta["splits"].items()},
                       "bad": len(meta["bad_samples"])}))
@@ -203,7 +243,7 @@ def cmd_shards_order(args: argparse.Namespace) -> int:
     dest = args.dest or (data.url if args.pipeline else None)
     world_size = args.world_size or world_size
     if dest is None or world_size is None:
-        raise ValueError("shards order needs DEST and --world-size, or --pipeline FILE")
+        raise UserError("shards order needs DEST and --world-size, or --pipeline FILE")
     keys = rank_keys(dest, args.split or data.split, rank=args.rank, world_size=world_size, epoch=args.epoch,
                      seed=data.seed if args.seed is None else args.seed, start=args.start,
                      endpoint_url=args.endpoint_url or data.endpoint_url,
@@ -242,7 +282,7 @@ def cmd_shards_dedup(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="vitscale",
         description="Pre-train Vision Transformers at scale on Ray Train + DeepSpeed ZeRO.")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
@@ -289,9 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verb("flops", cmd_flops, "Forward and training compute of a model (the paper's convention).")
     p.add_argument("model", help='model name, e.g. "ViT-B/16"')
-    p.add_argument("--resolution", type=int, default=224)
+    p.add_argument("--resolution", type=int, default=224, help="input side in pixels")
     p.add_argument("--examples", type=int, default=None, help="dataset size (default: JFT-300M)")
-    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--epochs", type=float, default=1.0, help="passes over the dataset")
     p.add_argument("--classes", type=int, default=1000, help="classifier width (JFT-300M: 18291)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a model option, as in a pipeline's model: section (e.g. representation_size=768)")
@@ -300,7 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb("export", cmd_export, "Write a run's latest checkpoint as one fp32 model file.")
     p.add_argument("run_dir", help="run directory (or a checkpoint directory inside it)")
     p.add_argument("--out", required=True)
-    p.add_argument("--format", choices=("pt", "npz"), default="pt")
+    p.add_argument("--format", choices=("pt", "npz"), default="pt",
+                   help="pt: a vitscale state dict with its header; npz: big_vision's layout")
 
     p = verb("fewshot", cmd_fewshot, "Few-shot linear probe of a checkpoint (closed-form least squares, Sec. 4.1), "
              "in this process: mean and std over seeds per dataset and shot count.")
@@ -335,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint URL")
     p.add_argument("--json", action="store_true", help="print inspect.json's content instead of a summary")
 
-    from vitscale.scaling.study.commands import add_study_verbs
+    from vitscale.stages.study_commands import add_study_verbs
 
     add_study_verbs(verbs, verb)
 
@@ -346,14 +387,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint URL")
 
     p = verb("write", cmd_shards_write, "Write WebDataset shards from a source.", shard_verbs)
-    p.add_argument("--source", required=True, help="folder:PATH | list:FILE (an image list) | digits | synthetic | "
-                   "fractal | cifar10:DIR | cifar100:DIR | pets:DIR | flowers102:DIR | imagenet:DIR "
-                   "(a transfer dataset's distributed files, written with its own splits)")
+    from vitscale.data.tools.sources import source_specs  # the source registry names them all
+
+    p.add_argument("--source", required=True, help=" | ".join(source_specs()) + " (a *:DIR transfer dataset's "
+                   "distributed files are written with its own splits)")
     p.add_argument("--out", required=True, help="local folder or s3://bucket/prefix")
-    p.add_argument("--shard-size", type=int, default=1000)
-    p.add_argument("--max-side", type=int, default=384)
-    p.add_argument("--quality", type=int, default=90)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard-size", type=int, default=1000, help="samples per tar shard")
+    p.add_argument("--max-side", type=int, default=384,
+                   help="images are shrunk (never enlarged) to fit this many pixels on their long side")
+    p.add_argument("--quality", type=int, default=90, help="JPEG quality, 1-95 (Pillow's libjpeg, baseline)")
+    p.add_argument("--chroma", choices=("4:2:0", "4:2:2", "4:4:4"), default="4:2:0",
+                   help="JPEG chroma subsampling: 4:2:0 halves colour resolution (fine for photos); "
+                        "4:4:4 keeps it, for small images such as CIFAR's 32x32")
+    p.add_argument("--seed", type=int, default=0, help="seeds the shuffle, the split and generated sources")
     p.add_argument("--split", default=None, help="named fractions, e.g. train=0.9,minival=0.05,test=0.05")
     p.add_argument("--name", default=None, help="dataset name (default: from the source)")
     p.add_argument("--count", type=int, default=None, help="synthetic/fractal: number of images")
@@ -404,11 +450,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verb("bench", cmd_shards_bench, "Run the training loader alone and report images/s.", shard_verbs)
     p.add_argument("dest")
-    p.add_argument("--resolution", type=int, default=224)
-    p.add_argument("--seconds", type=float, default=15.0)
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--split", default="train")
+    p.add_argument("--resolution", type=int, default=224, help="training resolution of the decoded images")
+    p.add_argument("--seconds", type=float, default=15.0, help="how long to read")
+    p.add_argument("--workers", type=int, default=1, help="loader processes")
+    p.add_argument("--batch-size", type=int, default=64, help="images per batch")
+    p.add_argument("--split", default="train", help="split to read")
     p.add_argument("--json", action="store_true")
     endpoint(p)
 
@@ -423,22 +469,45 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `vitscale` console script."""
-    from vitscale.data.storage.base import StorageError
-    from vitscale.launch.errors import PipelineFailed
+    """Entry point of the `vitscale` console script.
 
-    args = build_parser().parse_args(argv)
+    Errors that are the user's to fix (a setting, the data, storage, a file: `launch/errors.py`) are one
+    line and exit 2; a failed stage is one line after the workers' own output and exits 1; Ctrl-C is one
+    line and exits 130. Anything else is a bug and keeps its traceback.
+    """
+    from vitscale.config.checks import ConfigError
+    from vitscale.launch.errors import PipelineFailed, known_errors
+
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        chosen = _chosen_parser(parser, args)
+        flags = [flag for action in chosen._actions for flag in action.option_strings]
+        hints = "".join(did_you_mean(item.partition("=")[0], flags) for item in extra if item.startswith("-"))
+        chosen.error(f"unrecognized arguments: {' '.join(extra)}{hints}")
     try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError, StorageError) as exc:
-        # User errors (bad config, missing data, unknown model, storage that refuses us, e.g. no
-        # credentials for an s3:// dataset): one clear line naming what, no traceback.
-        print(f"vitscale: error: {exc}", file=sys.stderr)
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("vitscale: interrupted", file=sys.stderr)
+        return 130
+    except known_errors() as exc:
+        text = from_set(exc, getattr(args, "set", ())) if isinstance(exc, ConfigError) else str(exc)
+        print(f"vitscale: error: {text}", file=sys.stderr)
         return 2
     except PipelineFailed as exc:
         # The workers' tracebacks are already in the log above; end with who failed and why.
         print(f"vitscale: error: {exc}", file=sys.stderr)
         return 1
+
+
+def from_set(exc: Exception, overrides: Sequence[str]) -> str:
+    """The error's line, naming the `--set KEY=VALUE` the bad value came from (not the pipeline file)."""
+    key = getattr(exc, "key", "")
+    for item in reversed(list(overrides)):  # the last --set of a key is the one that counts
+        given = item.partition("=")[0].strip()
+        if key == given or key.startswith((f"{given}.", f"{given}[")) or given.startswith(f"{key}."):
+            return f"{key}: {getattr(exc, 'message', exc)} (from --set {item})"
+    return str(exc)
 
 
 if __name__ == "__main__":

@@ -10,15 +10,12 @@ class PipelineFailed(RuntimeError):
     """A stage failed on the cluster; the message names the failed ranks and their errors."""
 
 
-class UsageError(ValueError):
-    """A command line that cannot work as given (a missing argument, a flag that does not fit)."""
-
-
 def known_errors() -> tuple[type[BaseException], ...]:
-    """Errors that are the user's to fix (a setting, the data, storage, a file): the CLI prints them as one
-    line. Anything else is a bug or an unexpected failure and keeps its traceback."""
+    """Errors that are the user's to fix (a setting, the data, storage, a file, an argument): the CLI prints
+    them as one line. Anything else is a bug or an unexpected failure and keeps its traceback."""
     from vitscale.config.checks import ConfigError
+    from vitscale.config.errors import UserError
     from vitscale.data.format import DatasetError
     from vitscale.data.storage.base import StorageError
 
-    return (ConfigError, DatasetError, StorageError, FileNotFoundError, UsageError)
+    return (ConfigError, UserError, DatasetError, StorageError, FileNotFoundError)

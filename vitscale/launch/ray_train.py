@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
+import socket
 import traceback
 from pathlib import Path
 from typing import Any, Iterator
@@ -20,6 +21,7 @@ import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
+from vitscale.config.checks import ConfigError
 from vitscale.config.pipeline import ClusterConfig, ray_address
 from vitscale.launch.errors import PipelineFailed
 from vitscale.launch.failures import DeterministicFailure, StopOnDeterministicFailure, deterministic_cause
@@ -219,16 +221,46 @@ def _root_cause(exc: BaseException) -> str:
 
 
 def ensure_ray(address: str | None, local_num_cpus: int | None) -> str:
-    """Connect to a Ray cluster (address, $RAY_ADDRESS) or start a local one; returns a description."""
+    """Connect to a Ray cluster (address, $RAY_ADDRESS) or start a local one; returns a description.
+
+    A local Ray is started in a session of its own and tied to this process (`launch/local_ray.py`):
+    when this driver dies, even by SIGKILL, its Ray's processes die too.
+    """
     if ray.is_initialized():
         return "already connected"
     address = ray_address(address)
     if address:
-        context = ray.init(address=address, log_to_driver=True)
+        check_reachable(address)
+        try:
+            context = ray.init(address=address, log_to_driver=True)
+        except ConnectionError as exc:  # "auto" with no cluster on this machine, a GCS that refuses us
+            raise ConfigError("cluster.address", f"cannot join a Ray cluster at {address}: {exc}") from None
         return f"joined Ray cluster at {address}{_dashboard(context)}"
+    from vitscale.launch.local_ray import start_local_ray
+
     # The dashboard also serves the state API that Ray Train's controller polls (and the Train view).
-    context = ray.init(num_cpus=local_num_cpus, log_to_driver=True)
+    context = start_local_ray(local_num_cpus)
     return f"started a local Ray with {ray.cluster_resources().get('CPU', 0):.0f} CPUs{_dashboard(context)}"
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A wrong address is one line within seconds: `ray.init` would retry the GCS for minutes.
+
+    `host:port` (the GCS) and `ray://host:port` (Ray Client) are checked with one TCP connect;
+    "auto" (the cluster `ray start` left on this machine) is Ray's to find, and it fails fast.
+    """
+    if address == "auto":
+        return
+    target = address.split("://", 1)[-1].rstrip("/")
+    host, colon, port = target.rpartition(":")
+    if not colon or not port.isdigit() or not host:
+        raise ConfigError("cluster.address", f"{address!r} is not HOST:PORT, ray://HOST:PORT or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError("cluster.address", f"no Ray cluster answers at {address} ({reason}); check --address, "
+                          "$RAY_ADDRESS or cluster.address") from None
 
 
 def _dashboard(context: Any) -> str:

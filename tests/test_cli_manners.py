@@ -1,0 +1,130 @@
+"""The CLI's manners: one line for the user's errors and a traceback for bugs, "did you mean" for a
+mistyped verb, flag or config key, errors that name the --set they came from, defaults in every --help,
+Ctrl-C as one line and exit 130, a wrong --address refused within seconds."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vitscale import cli
+from vitscale.cli import build_parser, main
+from vitscale.config.suggest import closest, did_you_mean
+
+
+def _parsers(parser: argparse.ArgumentParser, path: str = "vitscale") -> list[tuple[str, argparse.ArgumentParser]]:
+    out = [(path, parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out += _parsers(sub, f"{path} {name}")
+    return out
+
+
+def test_every_help_shows_every_default() -> None:
+    missing = []
+    for path, parser in _parsers(build_parser()):
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            default = action.default
+            if (not action.option_strings or default is None or default is False or default == [] or default is argparse.SUPPRESS
+                    or isinstance(action, argparse._HelpAction)):
+                continue
+            shown = str(default)
+            if f"default: {shown}" not in text and f"default {shown}" not in text and f"default: {shown}" not in text:
+                missing.append(f"{path} {action.option_strings[0]} (default {shown})")
+    assert not missing, missing
+
+
+def test_closest_name() -> None:
+    assert closest("base_lrr", ["base_lr", "end_lr", "warmup_steps"]) == "base_lr"
+    assert closest("zzzz", ["base_lr", "end_lr"]) is None
+    assert did_you_mean("trian", ["train", "data"]) == " (did you mean 'train'?)"
+    assert did_you_mean("qqqq", ["train"]) == ""
+
+
+@pytest.mark.parametrize(("argv", "hint"), [
+    (["rnu", "quickstart"], "(did you mean 'run'?)"),
+    (["shards", "wirte"], "(did you mean 'write'?)"),
+    (["run", "quickstart", "--adress", "x:1"], "(did you mean '--address'?)"),
+    (["export", "run", "--out", "x", "--format", "npy"], "(did you mean 'npz'?)"),
+])
+def test_mistyped_verbs_flags_and_choices(argv: list[str], hint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith(hint), err
+
+
+def _pipeline(tmp_path: Path) -> Path:
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({"name": "t", "stages": ["pretrain"], "data": {"url": str(tmp_path / "d")}}))
+    return path
+
+
+def test_unknown_config_key_gets_did_you_mean(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _pipeline(tmp_path)
+    assert main(["config", str(path), "--set", "train.base_lrr=0.1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "train.base_lrr: unknown key (did you mean 'base_lr'?)" in err, err
+    assert "(from --set train.base_lrr=0.1)" in err and str(path) not in err
+
+
+def test_a_bad_set_value_names_the_set(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _pipeline(tmp_path)
+    assert main(["config", str(path), "--set", "train.base_lr=-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vitscale: error: train.base_lr: ") and err.rstrip().endswith(
+        "(from --set train.base_lr=-1)"), err
+    # The same value from the file names the file.
+    raw = yaml.safe_load(path.read_text())
+    raw["train"] = {"base_lr": -1}
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "--set" not in err
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(args: argparse.Namespace) -> int:
+        raise ValueError("an internal bug")
+
+    monkeypatch.setattr(cli, "cmd_models", broken)
+    with pytest.raises(ValueError, match="an internal bug"):
+        main(["models"])
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def interrupted(args: argparse.Namespace) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_models", interrupted)
+    assert main(["models"]) == 130
+    assert capsys.readouterr().err == "vitscale: interrupted\n"
+
+
+def test_a_wrong_address_is_one_line_within_seconds(tmp_path: Path, small_synthetic: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    import ray
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "t", "stages": ["pretrain"], "data": {"url": small_synthetic},
+        "model": {"name": "ViT-Ti/16", "img_size": 32, "depth": 1, "width": 32, "mlp_dim": 64, "heads": 2},
+        "train": {"global_batch": 8, "micro_batch": 8, "max_steps": 1, "precision": "fp32"},
+        "cluster": {"num_workers": 1, "storage_path": str(tmp_path / "runs")}}))
+    started = time.monotonic()
+    code = main(["run", str(path), "--address", f"127.0.0.1:{port}"])
+    out, err = capsys.readouterr()
+    assert code == 2 and time.monotonic() - started < 30, (out, err)
+    assert err.count("\n") == 1 and f"no Ray cluster answers at 127.0.0.1:{port}" in err, err
+    assert not ray.is_initialized()

@@ -1,0 +1,105 @@
+"""A local Ray that dies with the driver that started it, even when the driver is SIGKILLed.
+
+`ray.init()` starts the head's processes (GCS, raylet, dashboard, log monitor) as the driver's
+children, and the raylet starts workers and the dashboard and runtime-env agents. A driver that
+exits normally stops them in `ray.shutdown()`; a driver that is killed cannot, and some of them
+(the agents, the dashboard's module processes) outlive it. So before starting Ray the driver starts
+a watchdog: a small process holding the read end of a pipe whose write end only the driver holds.
+The watchdog keeps a list of every process started in the driver's tree since it began (re-read
+twice a second), and when the pipe closes (the driver is gone, however it died) it terminates
+them, then kills what is left. Processes are matched on (pid, start time), never on a pid alone,
+so a reused pid is never hit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import subprocess
+import sys
+import time
+from typing import Any
+
+import psutil
+
+_WATCHDOG: subprocess.Popen[bytes] | None = None
+SCAN_S = 0.5
+"""How often the watchdog re-reads the driver's process tree."""
+GRACE_S = 3.0
+"""Between SIGTERM and SIGKILL for what the driver left behind."""
+
+
+def start_local_ray(num_cpus: int | None) -> Any:
+    """`ray.init` a local Ray on this machine, watched so that it cannot outlive this process."""
+    import ray
+
+    start_watchdog()
+    return ray.init(num_cpus=num_cpus, log_to_driver=True)
+
+
+def start_watchdog() -> None:
+    """Start (once per process) the watchdog of this process's tree; idempotent."""
+    global _WATCHDOG
+    if _WATCHDOG is not None and _WATCHDOG.poll() is None:
+        return
+    read_end, write_end = os.pipe()
+    # The watchdog gets the read end as its stdin; the driver keeps the write end, never written to,
+    # and not inherited by anything else it starts (os.pipe's ends are non-inheritable): when the
+    # driver dies, the kernel closes it and the watchdog reads EOF.
+    _WATCHDOG = subprocess.Popen([sys.executable, "-m", "vitscale.launch.local_ray", str(os.getpid()), str(time.time())],
+                                 stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 start_new_session=True)  # a Ctrl-C in the terminal is the driver's to handle
+    os.close(read_end)
+    _KEEP.append(write_end)
+
+
+_KEEP: list[int] = []
+"""The pipe's write ends, open for this process's lifetime."""
+
+
+def _tree(root: int, since: float, exclude: int) -> dict[tuple[int, float], psutil.Process]:
+    """Processes under `root` started at or after `since` (Unix time), keyed by (pid, start time)."""
+    with contextlib.suppress(psutil.Error):
+        found = {}
+        for proc in psutil.Process(root).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if proc.pid != exclude and proc.create_time() >= since - 1.0:
+                    found[(proc.pid, proc.create_time())] = proc
+        return found
+    return {}
+
+
+def end_processes(known: dict[tuple[int, float], psutil.Process], grace_s: float = GRACE_S) -> None:
+    """SIGTERM the processes still running (and their children), then SIGKILL what is left after `grace_s`."""
+    alive: list[psutil.Process] = []
+    for (pid, started), proc in known.items():
+        with contextlib.suppress(psutil.Error):
+            if proc.is_running() and proc.create_time() == started:
+                alive.append(proc)
+                alive.extend(proc.children(recursive=True))
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, left = psutil.wait_procs(alive, timeout=grace_s)
+    for proc in left:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(left, timeout=grace_s)
+
+
+def watch(driver: int, since: float) -> None:
+    """The watchdog's loop: remember the driver's tree until stdin closes, then end what it left."""
+    known: dict[tuple[int, float], psutil.Process] = {}
+    me = os.getpid()
+    while True:
+        known.update(_tree(driver, since, me))
+        ready, _, _ = select.select([sys.stdin.fileno()], [], [], SCAN_S)
+        if ready and not os.read(sys.stdin.fileno(), 1):  # EOF: the driver is gone
+            break
+    # Children a survivor started since the last scan are found through it (end_processes).
+    end_processes(known)
+
+
+if __name__ == "__main__":
+    watch(int(sys.argv[1]), float(sys.argv[2]))
