@@ -234,13 +234,13 @@ def flowers(tmp_path: Path) -> Path:
 
 
 def test_flowers_source_and_write(flowers: Path, tmp_path: Path) -> None:
-    src = open_source(f"flowers102:{flowers}")
+    src = open_source(f"flowers:{flowers}")
     assert len(src.classes) == 102 and src.classes[0] == "1" and src.classes[101] == "102"
     sizes = {k: len(v) for k, v in src.predefined_splits().items()}
     assert sizes == {"train": 3, "val": 2, "test": 3}
     want = {f"image_{i:05d}": label - 1 for i, label in enumerate(FLOWER_LABELS, start=1)}
     assert {s.key: s.labels[0] for s in src} == want
-    write_dataset(f"flowers102:{flowers}", str(tmp_path / "out"), **WRITE)
+    write_dataset(f"flowers:{flowers}", str(tmp_path / "out"), **WRITE)
     got = read_written(tmp_path / "out")
     assert {k: v[2] for k, v in got.items()} == want
     split_of = {f"image_{i:05d}": s for s, v in zip(("train", "val", "test"), FLOWER_SETS.values()) for i in v}
@@ -250,20 +250,20 @@ def test_flowers_source_and_write(flowers: Path, tmp_path: Path) -> None:
 def test_flowers_bad_inputs_are_named(flowers: Path) -> None:
     (flowers / "jpg" / "image_00005.jpg").unlink()
     with pytest.raises(ValueError, match="does not exist") as exc:
-        open_source(f"flowers102:{flowers}")
+        open_source(f"flowers:{flowers}")
     assert "image_00005.jpg" in _one_line(exc) and "tstid" in str(exc.value)
     savemat(flowers / "imagelabels.mat", {"labels": np.array([[103] + FLOWER_LABELS[1:]], dtype=np.uint8)})
     with pytest.raises(ValueError, match=r"label 103, outside 1\.\.102") as exc:
-        open_source(f"flowers102:{flowers}")
+        open_source(f"flowers:{flowers}")
     assert str(flowers / "imagelabels.mat") in _one_line(exc)
     savemat(flowers / "imagelabels.mat", {"labels": np.array([FLOWER_LABELS], dtype=np.uint8)})
     savemat(flowers / "setid.mat", {"trnid": np.array([[1]]), "valid": np.array([[2]])})
     with pytest.raises(ValueError, match="has no variable 'tstid'") as exc:
-        open_source(f"flowers102:{flowers}")
+        open_source(f"flowers:{flowers}")
     assert str(flowers / "setid.mat") in _one_line(exc)
     (flowers / "setid.mat").unlink()
     with pytest.raises(ValueError, match="does not exist") as exc:
-        open_source(f"flowers102:{flowers}")
+        open_source(f"flowers:{flowers}")
     assert str(flowers / "setid.mat") in _one_line(exc)
 
 
@@ -352,6 +352,11 @@ def test_predefined_splits_in_config_and_needs_a_path(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="data.create_if_missing.splits"):
         SourceConfig(kind=f"pets:{tmp_path}", splits={"train": 1.0}).validate("data.create_if_missing")
     with pytest.raises(ValueError, match="needs a path"):
-        open_source("flowers102")
+        open_source("flowers")
+    with pytest.raises(ValueError, match="source 'flowers102' is now named 'flowers'") as exc:
+        open_source(f"flowers102:{tmp_path}")
+    assert "\n" not in str(exc.value)
+    with pytest.raises(ConfigError, match="data.create_if_missing.kind: source 'flowers102' is now named"):
+        SourceConfig(kind=f"flowers102:{tmp_path}").validate("data.create_if_missing")
     with pytest.raises(ValueError, match="does not take option"):
         open_source(f"cifar10:{tmp_path}", count=3)

@@ -15,7 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from vitscale.data.tools.sources import DigitsSource, _unique_keys, image_of, open_source, parse_labels
+from vitscale.data.tools.digits import DigitsSource
+from vitscale.data.tools.image_list import parse_labels
+from vitscale.data.tools.keys import unique_keys as _unique_keys
+from vitscale.data.tools.sources import image_of, open_source
 from vitscale.data.tools.synthetic import SyntheticSource, class_pattern
 
 

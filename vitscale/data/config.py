@@ -7,12 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vitscale.config.checks import check, fraction, non_negative, plain_name, positive, seed
-
-SOURCE_KINDS = ("synthetic", "fractal", "digits")
-SOURCE_PREFIXES = ("folder:", "list:", "cifar10:", "cifar100:", "pets:", "flowers102:", "imagenet:")
-PREDEFINED_SPLIT_PREFIXES = ("cifar10:", "cifar100:", "pets:", "flowers102:", "imagenet:")
-"""Sources with the dataset's own splits (data/tools/downstream.py): `splits` fractions are refused."""
+from vitscale.config.checks import ConfigError, check, fraction, non_negative, plain_name, positive, seed
+from vitscale.data.tools.sources import source_kind_of
 
 
 def check_splits(splits: dict[str, float], key: str = "splits") -> None:
@@ -32,9 +28,10 @@ class SourceConfig:
     """What `vitscale shards write` would be given; used to create a dataset that is absent."""
 
     kind: str = "synthetic"
-    """"synthetic", "fractal" (FractalDB-style IFS classes), "digits", "folder:PATH" (one folder per
-    class), "list:FILE" (an image list), or a transfer dataset's distributed files: "cifar10:DIR",
-    "cifar100:DIR", "pets:DIR", "flowers102:DIR", "imagenet:DIR" (these bring their own splits)."""
+    """A registered source (data/tools/sources.py): "synthetic", "fractal" (FractalDB-style IFS classes),
+    "digits", "folder:PATH" (one folder per class), "list:FILE" (an image list), or a transfer
+    dataset's distributed files: "cifar10:DIR", "cifar100:DIR", "pets:DIR", "flowers:DIR",
+    "imagenet:DIR" (these bring their own splits)."""
     count: int = 2000
     """Number of images (synthetic and fractal only)."""
     classes: int = 10
@@ -54,15 +51,16 @@ class SourceConfig:
     the source's own splits (cifar10:, pets:, ...), else {train: 1.0}."""
 
     def validate(self, prefix: str) -> None:
-        check(self.kind in SOURCE_KINDS or self.kind.startswith(SOURCE_PREFIXES), f"{prefix}.kind",
-              f"must be synthetic, fractal, digits, folder:PATH, list:FILE, cifar10:DIR, cifar100:DIR, "
-              f"pets:DIR, flowers102:DIR or imagenet:DIR, got {self.kind!r}")
+        try:
+            kind = source_kind_of(self.kind)
+        except ValueError as exc:
+            raise ConfigError(f"{prefix}.kind", str(exc)) from None
         for key in ("count", "classes", "image_size", "shard_size", "max_side"):
             positive(getattr(self, key), f"{prefix}.{key}")
         check(1 <= self.quality <= 95, f"{prefix}.quality", f"must be in [1, 95] (JPEG), got {self.quality}")
         if self.splits is not None:
-            check(not self.kind.startswith(PREDEFINED_SPLIT_PREFIXES), f"{prefix}.splits",
-                  f"{self.kind.partition(':')[0]} has its own splits; leave splits out")
+            check(not kind.predefined_splits, f"{prefix}.splits",
+                  f"{kind.name} has its own splits; leave splits out")
             check_splits(self.splits, f"{prefix}.splits")
 
     def source_options(self) -> dict[str, object]:

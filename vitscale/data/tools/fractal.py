@@ -47,9 +47,10 @@ import numpy as np
 from PIL import Image, ImageFilter
 
 from vitscale.config.checks import check, one_of, positive_int
-from vitscale.data.tools.sources import Sample, Source
+from vitscale.data.tools.source_base import Sample, Source, SourceKind
 
 __all__ = [
+    "SOURCE",
     "FILL_RATE",
     "IFS",
     "INKS",
@@ -268,3 +269,7 @@ class FractalSource(Source):
         grey = self.render(c, j)
         img = Image.fromarray(grey, mode="L").convert("RGB")
         return Sample(f"fractal-s{self.seed}-{i:07d}", img, (c,))
+
+
+SOURCE = SourceKind("fractal", FractalSource, "FractalDB-style IFS fractal classes (formula-driven)",
+                    options=("count", "classes", "image_size", "points", "ink", "blur", "seed"))

@@ -36,9 +36,9 @@ from vitscale.data.tools.downstream import (
     need_file,
 )
 from vitscale.data.tools.keys import clean_key
-from vitscale.data.tools.sources import IMAGE_EXTENSIONS, Sample
+from vitscale.data.tools.source_base import IMAGE_EXTENSIONS, Sample, SourceKind
 
-__all__ = ["ImageNetSource"]
+__all__ = ["SOURCE", "ImageNetSource"]
 
 KIND = "imagenet"
 KAGGLE_ROOT = Path("ILSVRC", "Data", "CLS-LOC")
@@ -200,3 +200,6 @@ class ImageNetSource(PredefinedSplitSource):
         key = clean_key(os.path.splitext(name)[0], i)  # ILSVRC2012 file names are unique already
         return Sample(key, data, (int(self._labels[i]),))
 
+
+SOURCE = SourceKind("imagenet", ImageNetSource, "ILSVRC-2012 as distributed (its own train/val splits)", arg="DIR",
+                    predefined_splits=True)

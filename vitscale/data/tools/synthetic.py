@@ -17,9 +17,9 @@ import numpy as np
 from PIL import Image
 
 from vitscale.config.checks import check, positive_int
-from vitscale.data.tools.sources import Sample, Source
+from vitscale.data.tools.source_base import Sample, Source, SourceKind
 
-__all__ = ["ClassPattern", "SyntheticSource", "class_pattern"]
+__all__ = ["SOURCE", "ClassPattern", "SyntheticSource", "class_pattern"]
 
 
 @dataclass(frozen=True)
@@ -131,3 +131,6 @@ class SyntheticSource(Source):
         pixels = (np.clip(canvas, 0.0, 1.0) * 255.0).round().astype(np.uint8)
         return Sample(f"synth-s{self.seed}-{i:07d}", Image.fromarray(pixels, mode="RGB"), labels)
 
+
+SOURCE = SourceKind("synthetic", SyntheticSource, "procedural images whose class is a learnable pattern",
+                    options=("count", "classes", "image_size", "multi_label", "seed"))

@@ -1,0 +1,52 @@
+"""``folder:PATH``: ImageNet layout, one sub-folder per class.
+
+Class names are the sub-folder names, sorted; image files anywhere below each
+(``.jpg .jpeg .png .bmp .gif .webp .tif .tiff .ppm``, any case).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vitscale.data.tools.keys import unique_keys
+from vitscale.data.tools.source_base import IMAGE_EXTENSIONS, Sample, Source, SourceKind
+
+__all__ = ["SOURCE", "FolderSource"]
+
+
+class FolderSource(Source):
+    """ImageNet layout: ``root/<class name>/**/<image>``; classes sorted by name."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).expanduser()
+        if not self.root.is_dir():
+            raise ValueError(f"folder source: {self.root} is not a directory")
+        class_dirs = sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        if not class_dirs:
+            raise ValueError(f"folder source: {self.root} has no class sub-folders (ImageNet layout)")
+        self.name = self.root.name
+        self.classes = tuple(p.name for p in class_dirs)
+        self.multi_label = False
+        files: list[tuple[Path, int]] = []
+        for ci, d in enumerate(class_dirs):
+            for p in sorted(d.rglob("*")):
+                if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS:
+                    files.append((p, ci))
+        if not files:
+            raise ValueError(f"folder source: no images ({sorted(IMAGE_EXTENSIONS)}) under {self.root}")
+        self._files = files
+        self._keys = unique_keys([p.relative_to(self.root).with_suffix("").as_posix() for p, _ in files])
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def origin(self, i: int) -> str:
+        return str(self._files[i][0])
+
+    def __getitem__(self, i: int) -> Sample:  # type: ignore[override]
+        i = self._check_index(i)
+        path, ci = self._files[i]
+        return Sample(self._keys[i], path.read_bytes(), (ci,))
+
+
+SOURCE = SourceKind("folder", FolderSource, "one sub-folder of images per class (ImageNet layout)", arg="PATH")

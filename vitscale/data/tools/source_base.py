@@ -1,0 +1,99 @@
+"""What every image source is: a random-access sequence of :class:`Sample`, and its registry entry.
+
+A source module (one per source kind, registered in :mod:`vitscale.data.tools.sources`) imports
+this module and nothing of the other sources, so adding one touches no other source: it defines
+``SOURCE = SourceKind(...)`` and gets one line in the registry.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+from PIL import Image
+
+__all__ = ["IMAGE_EXTENSIONS", "Sample", "Source", "SourceKind", "image_of"]
+
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm"})
+
+
+class Sample(NamedTuple):
+    """One image: a dataset-unique ``key``, a PIL image or encoded bytes, class indices."""
+
+    key: str
+    image: Image.Image | bytes
+    labels: tuple[int, ...]
+
+
+class Source(Sequence[Sample]):
+    """A random-access image source with class names and a multi-label flag.
+
+    Random access lets the writer visit samples in a seeded shuffled order, so shards mix classes
+    and splits are carved reproducibly.
+    """
+
+    name: str
+    classes: tuple[str, ...]
+    multi_label: bool
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __getitem__(self, i: int) -> Sample:  # type: ignore[override]
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Sample]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def predefined_splits(self) -> dict[str, np.ndarray] | None:
+        """The dataset's own splits (name -> source indices, disjoint), or None: carve by fractions.
+
+        A source that returns splits is written as they are (``write_dataset`` refuses ``--split``
+        fractions for it); see :mod:`vitscale.data.tools.downstream`.
+        """
+        return None
+
+    def origin(self, i: int) -> str:
+        """Where sample ``i`` comes from, for messages: its file, or the source and index."""
+        return f"{self.name}[{i}]"
+
+    def _check_index(self, i: int) -> int:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"{self.name}: index {i} out of range for {n} samples")
+        return i % n
+
+
+@dataclass(frozen=True)
+class SourceKind:
+    """One registered source kind: how ``--source NAME[:ARG]`` opens it and what it accepts."""
+
+    name: str
+    """The one name of the kind (``--source``, ``data.create_if_missing.kind``)."""
+    open: Callable[..., Source]
+    """Opens the source: ``open(arg, **options)`` when the kind takes an argument, else ``open(**options)``."""
+    summary: str
+    """One line for help texts."""
+    arg: str = ""
+    """What follows ``NAME:`` (``"PATH"``, ``"FILE"``, ``"DIR"``); empty: the kind takes none."""
+    options: tuple[str, ...] = ()
+    """Keyword options ``open`` accepts (``open_source`` refuses others)."""
+    predefined_splits: bool = False
+    """The dataset brings its own splits (``--split`` fractions are refused)."""
+
+    @property
+    def spec(self) -> str:
+        """How a user writes it: ``digits`` or ``cifar10:DIR``."""
+        return f"{self.name}:{self.arg}" if self.arg else self.name
+
+
+def image_of(sample_image: Image.Image | bytes) -> Image.Image:
+    """A PIL image from either form a source yields (bytes are opened lazily, not yet decoded)."""
+    if isinstance(sample_image, Image.Image):
+        return sample_image
+    return Image.open(io.BytesIO(sample_image))
+
