@@ -93,7 +93,9 @@ class PrivateCluster:
 
     workers: int = 2
     cpus: int = 2
-    """CPUs each node offers to Ray."""
+    """CPUs each worker node offers to Ray."""
+    head_cpus: int = 0
+    """CPUs the head offers: none by default, as on KubeRay, so training lands on worker nodes only."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every node (e.g. AWS_* for the object storage)."""
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="vsnodes-")))
@@ -218,7 +220,8 @@ class PrivateCluster:
         shutil.rmtree(disk, ignore_errors=True)  # a node that comes back comes back empty, as a new VM would
         (disk / "home").mkdir(parents=True)
         log = self.root / name / "ray-start.log"
-        common = ["--block", "--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus}", "--num-gpus=0",
+        cpus = self.head_cpus if name == "head" else self.cpus
+        common = ["--block", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", "--num-gpus=0",
                   f"--resources={json.dumps({f'node:{name}': 1})}", "--disable-usage-stats",
                   f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
                   "--temp-dir=/tmp/ray"]

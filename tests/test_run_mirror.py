@@ -1,0 +1,76 @@
+"""A run's files pushed from a node's cache to its storage and pulled onto a machine that never saw the run."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import boto3
+import pytest
+
+from vitscale.data.storage import open_storage
+from vitscale.data.storage.mirror import RunMirror
+
+
+def _fill(folder: Path) -> None:
+    (folder / "logs").mkdir(parents=True)
+    (folder / "config.yaml").write_text("name: x\n")
+    (folder / "logs" / "ray.log").write_text("line 1\n")
+    (folder / "checkpoint_000000002").mkdir()
+    (folder / "checkpoint_000000002" / "rank0.pt").write_bytes(b"ray train writes these itself")
+    (folder / ".vitscale-lease").write_text("held")
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage_url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "local":
+        return str(tmp_path / "storage" / "run")
+    endpoint = request.getfixturevalue("moto_s3")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    bucket = f"mirror-{os.urandom(4).hex()}"
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/runs/run"
+
+
+def test_push_copies_what_changed_and_pull_rebuilds_the_run(storage_url: str, tmp_path: Path) -> None:
+    cache = tmp_path / "node-a"
+    _fill(cache)
+    mirror = RunMirror(cache, open_storage(storage_url))
+    assert mirror.push() == ["config.yaml", "logs/ray.log"]  # checkpoints and the lease are not the mirror's
+    assert mirror.push() == []  # nothing changed: nothing uploaded
+    time.sleep(0.01)
+    (cache / "logs" / "ray.log").write_text("line 1\nline 2\n")
+    (cache / "summary.json").write_text("{}")
+    assert mirror.push() == ["logs/ray.log", "summary.json"]
+
+    elsewhere = tmp_path / "node-b"  # a machine that has never seen the run
+    pulled = RunMirror(elsewhere, open_storage(storage_url)).pull()
+    assert sorted(pulled) == ["config.yaml", "logs/ray.log", "summary.json"]
+    assert (elsewhere / "logs" / "ray.log").read_text() == "line 1\nline 2\n"
+    assert not (elsewhere / "checkpoint_000000002").exists()
+    assert RunMirror(elsewhere, open_storage(storage_url)).pull() == []  # already there
+
+
+def test_push_limited_to_names_and_close_pushes_the_last_change(storage_url: str, tmp_path: Path) -> None:
+    cache = tmp_path / "node-a"
+    _fill(cache)
+    storage = open_storage(storage_url)
+    mirror = RunMirror(cache, storage)
+    assert mirror.push(["logs/ray.log"]) == ["logs/ray.log"]
+    assert storage.list() == ["logs/ray.log"]
+    mirror.push_every(0.05)
+    deadline = time.monotonic() + 10
+    while "config.yaml" not in storage.list() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "config.yaml" in storage.list()  # the periodic push ran
+    (cache / "summary.json").write_text('{"ok": true}')
+    mirror.close()
+    assert storage.read_bytes("summary.json") == b'{"ok": true}'
+
+
+def test_a_local_storage_that_is_the_cache_copies_nothing(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "run"
+    _fill(run)
+    mirror = RunMirror(run, open_storage(str(run)))
+    assert mirror.same_place and mirror.push() == [] and mirror.pull() == []

@@ -1,0 +1,132 @@
+"""A run's storage is the truth; a node's disk is a cache of it.
+
+On a cluster whose nodes have disks of their own (KubeRay pods, `ray up` VMs), the only medium they
+share is the run's storage (`storage_path/run_name`, a folder or an `s3://` prefix). Whatever a run
+writes on a node (the driver's config, summary, logs, tables and plots; a rank's metrics and
+TensorBoard events) is written into a local folder first, as every tool does, and then *pushed* to
+the run's storage; a machine that has never seen the run *pulls* what it needs from the storage.
+
+:class:`RunMirror` pairs the two places. Pushing uploads the files that changed since the last push
+(by size and modification time), so calling it after every stage, every checkpoint and every few
+seconds for logs costs one stat per file. Where the storage *is* the local folder (a local or NFS
+`storage_path`), both directions are no-ops.
+
+Names under `checkpoint_*/` are left out of both directions: checkpoints are written to the storage
+by Ray Train itself and read through `ray.train.Checkpoint`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+from vitscale.data.storage.base import Storage
+from vitscale.data.storage.local import LocalStorage
+
+__all__ = ["RunMirror"]
+
+SKIPPED_PREFIXES = ("checkpoint_",)
+"""Top-level names a mirror never copies: Ray Train's own checkpoint folders (and its bookkeeping)."""
+SKIPPED_NAMES = ("checkpoint_manager_snapshot.json", ".validate_storage_marker", ".vitscale-lease")
+"""Ray Train's bookkeeping and the run's lease (data/storage/lease.py): owned by their writers, never copied."""
+
+
+def _skipped(name: str) -> bool:
+    top = name.split("/", 1)[0]
+    return top.startswith(SKIPPED_PREFIXES) or top in SKIPPED_NAMES or name.endswith(".part")
+
+
+class RunMirror:
+    """A local folder (the cache) kept in step with a run's storage (the truth)."""
+
+    def __init__(self, local: str | os.PathLike[str], storage: Storage) -> None:
+        self.local = Path(local)
+        self.storage = storage
+        self._pushed: dict[str, tuple[int, int]] = {}
+        self._lock = threading.Lock()
+        self._stop: threading.Event | None = None
+
+    @property
+    def same_place(self) -> bool:
+        """The storage is this very folder: nothing to copy either way."""
+        if not isinstance(self.storage, LocalStorage):
+            return False
+        with contextlib.suppress(OSError):
+            return Path(self.storage.root).resolve() == self.local.resolve()
+        return False
+
+    def push(self, names: Iterable[str] | None = None) -> list[str]:
+        """Upload local files that are new or changed since the last push; returns their names.
+
+        `names` limits the push to those files (relative to the local folder); default every file.
+        """
+        if self.same_place or not self.local.is_dir():
+            return []
+        with self._lock:
+            pushed = []
+            for name in sorted(self._local_names() if names is None else names):
+                path = self.local / name
+                try:
+                    stat = path.stat()
+                except FileNotFoundError:
+                    continue  # removed since it was listed (a rotated log)
+                mark = (stat.st_size, stat.st_mtime_ns)
+                if _skipped(name) or self._pushed.get(name) == mark:
+                    continue
+                self.storage.write_file(name, path)
+                self._pushed[name] = mark
+                pushed.append(name)
+            return pushed
+
+    def pull(self, prefix: str = "") -> list[str]:
+        """Download the storage's files under `prefix` that the cache lacks or holds at another size."""
+        if self.same_place:
+            return []
+        pulled = []
+        for name, size in self.storage.list_sizes(prefix).items():
+            if _skipped(name) or name.endswith("/"):
+                continue
+            path = self.local / name
+            if path.is_file() and path.stat().st_size == size:
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".part")
+            tmp.write_bytes(self.storage.read_bytes(name))
+            tmp.replace(path)
+            stat = path.stat()
+            self._pushed[name] = (stat.st_size, stat.st_mtime_ns)  # what is there already need not go back
+            pulled.append(name)
+        return pulled
+
+    def push_every(self, seconds: float) -> None:
+        """Push in a daemon thread every `seconds` until :meth:`close` (logs reach storage while running)."""
+        if self.same_place or self._stop is not None:
+            return
+        self._stop = threading.Event()
+        stop = self._stop
+
+        def loop() -> None:
+            while not stop.wait(seconds):
+                with contextlib.suppress(Exception):  # a failed periodic push is retried by the next one
+                    self.push()
+
+        threading.Thread(target=loop, name="vitscale-run-mirror", daemon=True).start()
+
+    def close(self) -> list[str]:
+        """Stop the periodic push and push once more (what changed last)."""
+        if self._stop is not None:
+            self._stop.set()
+            self._stop = None
+        return self.push()
+
+    def _local_names(self) -> list[str]:
+        out = []
+        for root, dirs, files in os.walk(self.local):
+            rel = Path(root).relative_to(self.local)
+            if rel == Path("."):
+                dirs[:] = [d for d in dirs if not _skipped(d)]
+            out += [(rel / f).as_posix() if rel != Path(".") else f for f in files]
+        return out
