@@ -149,7 +149,7 @@ def _plan(raw: dict):
 
 
 def test_grid_cells_ids_and_subsets(tmp_path: Path) -> None:
-    from vitscale.scaling.study.cells import resolve_cells
+    from vitscale.stages.study_cells import resolve_cells
     from vitscale.stages import build_pipeline
 
     raw = _study(tmp_path, {"models": [TINY, {**TINY, "width": 64, "label": "wide"}], "epochs": [1, 2],
@@ -287,7 +287,7 @@ def test_checkpoint_uri_keeps_the_scheme() -> None:
     import pyarrow.fs as pafs
     from ray.train import Checkpoint
 
-    from vitscale.scaling.study.runner import checkpoint_uri
+    from vitscale.stages.study_runner import checkpoint_uri
 
     local = Checkpoint("/runs/cell/checkpoint_000003")
     remote = Checkpoint("bucket/study/cells/c/checkpoint_000003",

@@ -17,9 +17,10 @@ from typing import Any
 
 from vitscale.config.pipeline import PipelineConfig
 from vitscale.launch.errors import PipelineFailed
-from vitscale.scaling.study.cells import Cell, cell_run
+from vitscale.scaling.study.cells import Cell
 from vitscale.scaling.study.plan import PlannedCell
-from vitscale.scaling.study.state import CellRecord, StudyState, runnable
+from vitscale.scaling.study.state import HEARTBEAT_S, CellRecord, StudyState, accuracies, runnable
+from vitscale.stages.study_cells import cell_run
 
 PROGRESS_EVERY_S = 15.0
 """Seconds between a running cell's progress lines."""
@@ -84,26 +85,6 @@ def run_cell(config: PipelineConfig, cell_id: str, state_url: str, endpoint_url:
     return state.stages(cell_id)
 
 
-def accuracies(stages: dict[str, Any], finetune_dataset: str | None) -> dict[str, float]:
-    """Transfer accuracy per "DATASET PROTOCOL" column from a cell's stage summaries (pure)."""
-    out: dict[str, float] = {}
-    for url, per_shot in (stages.get("fewshot") or {}).items():
-        if url == "untrained_baseline" or not isinstance(per_shot, dict):
-            continue
-        for k, v in per_shot.items():
-            if k.endswith("shot") and isinstance(v, (int, float)):
-                out[f"{dataset_name(url)} fewshot {k}"] = float(v)
-    for stage in ("finetune", "sweep"):
-        value = (stages.get(stage) or {}).get("test_accuracy")
-        if isinstance(value, (int, float)) and finetune_dataset:
-            out[f"{dataset_name(finetune_dataset)} {stage}"] = float(value)
-    return out
-
-
-def dataset_name(url: str) -> str:
-    return url.rstrip("/").rsplit("/", 1)[-1]
-
-
 def devices(config: PipelineConfig) -> float:
     """Devices one run holds: its GPUs, or its workers on CPU."""
     cluster = config.cluster
@@ -135,8 +116,8 @@ def run_cells(config: PipelineConfig, cells: list[Cell], planned: list[PlannedCe
     from vitscale.launch.ray_train import concurrent_runs
 
     plans = {p.id: p for p in planned}
-    records = {c.id: state.record(c.id) for c in cells}
-    runs = {c.id: cell_run(config, c, state.cells_storage()) for c in cells}
+    records = {c.id: state.record_or_migrate(c.id, c.legacy_id) for c in cells}
+    runs = {c.id: cell_run(config, c, state.cells_storage(), records[c.id].run_name) for c in cells}
     queue = [c for c in cells if runnable(records[c.id], retries)]
     done = sum(r.status == "done" for r in records.values())
     resumed = [c.id for c in queue if records[c.id].runs]
@@ -148,6 +129,7 @@ def run_cells(config: PipelineConfig, cells: list[Cell], planned: list[PlannedCe
     task = ray.remote(num_cpus=0, max_retries=0)(run_cell)
     running: dict[Any, tuple[Cell, float]] = {}
     last_line: dict[str, tuple[float, str]] = {}
+    heartbeat = time.time()
     endpoint = config.data.endpoint_url
     with workers_off_terminal():
         while queue or running:
@@ -156,6 +138,7 @@ def run_cells(config: PipelineConfig, cells: list[Cell], planned: list[PlannedCe
                 record = records[cell.id]
                 record.status, record.runs, record.error = "running", record.runs + 1, None
                 record.started_at = record.started_at or time.time()
+                record.open_attempt(devices(runs[cell.id]))  # a killed attempt's time counts too
                 state.write(record)
                 print(f"[vitscale] cell {cell.id}: started (run {record.runs})", flush=True)
                 running[task.remote(runs[cell.id], cell.id, state.url, endpoint)] = (cell, time.time())
@@ -163,7 +146,7 @@ def run_cells(config: PipelineConfig, cells: list[Cell], planned: list[PlannedCe
             for ref in ready:
                 cell, started = running.pop(ref)
                 record = records[cell.id]
-                record.wall_s += time.time() - started
+                record.close_attempt(time.time() - started)
                 try:
                     stages = ray.get(ref)
                 except (ray.exceptions.LocalRayletDiedError, ray.exceptions.NodeDiedError) as exc:
@@ -196,6 +179,11 @@ def run_cells(config: PipelineConfig, cells: list[Cell], planned: list[PlannedCe
                 print(f"[vitscale] cells {finished}/{len(cells)} done; {spent:.4g} of "
                       f"{sum(p.exaflops for p in planned):.4g} planned exaFLOPs spent", flush=True)
             now = time.time()
+            if now - heartbeat >= HEARTBEAT_S:  # a killed driver loses at most this much time from the record
+                heartbeat = now
+                for cell, started in running.values():
+                    records[cell.id].open_attempt_s = now - started
+                    state.write(records[cell.id])
             for cell, _ in running.values():
                 line = _progress(runs[cell.id], plans[cell.id])
                 previous = last_line.get(cell.id)
@@ -211,7 +199,6 @@ def _finish(record: CellRecord, stages: dict[str, Any], config: PipelineConfig) 
     record.examples_seen = pretrain.get("examples_seen")
     record.exaflops = pretrain.get("cumulative_exaflops")
     record.pretrain_wall_s = float(pretrain.get("wall_s") or 0.0)
-    record.device_hours = record.pretrain_wall_s / 3600 * devices(config)
     record.accuracies = accuracies(stages, config.finetune.dataset if {"finetune", "sweep"} & set(config.stages)
                                    else None)
 

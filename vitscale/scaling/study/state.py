@@ -5,6 +5,11 @@
     STUDY_DIR/state/CELL.stages.json the cell's finished stages, written by the cell as each ends
     STUDY_DIR/cells/CELL/            the cell's runs (checkpoints, metrics, sweep trials)
 
+Time: `wall_s` and `device_hours` sum every attempt of a cell, killed ones included. While an
+attempt runs the driver writes its elapsed time to `open_attempt_s` every `HEARTBEAT_S`; the next
+attempt (after a killed driver) adds that to the sums before starting, so a kill loses at most a
+heartbeat's worth of time from the record.
+
 Status: "pending" (never started), "running" (started; after a killed driver this means
 interrupted: a re-run resumes it from its checkpoints), "done", "failed" (its last run failed;
 run again while `failures <= study.retries`, then it has failed for good). Records are written
@@ -20,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 STATUSES = ("pending", "running", "done", "failed")
+HEARTBEAT_S = 30.0
+"""Seconds between the driver's writes of a running cell's elapsed time."""
 
 
 @dataclass
@@ -36,10 +43,18 @@ class CellRecord:
     """When its first run started."""
     finished_at: float | None = None
     wall_s: float = 0.0
-    """Wall time summed over its runs (pre-training and transfer)."""
+    """Wall time summed over its closed attempts (pre-training and transfer), killed ones included."""
     pretrain_wall_s: float = 0.0
+    """The finished run's pre-training wall time (its last attempt's, when resumed)."""
     device_hours: float = 0.0
-    """Pre-training wall hours x devices (GPUs, or workers on CPU), summed over runs."""
+    """Wall hours x devices (GPUs, or workers on CPU) summed over its closed attempts."""
+    devices: float = 0.0
+    """Devices one run of the cell holds."""
+    open_attempt_s: float = 0.0
+    """Seconds of the attempt running now (or killed), as of the driver's last heartbeat; not yet
+    in `wall_s` and `device_hours`."""
+    run_name: str | None = None
+    """The directory under cells/ its runs live in when not its id (a study an earlier vitscale began)."""
     examples_seen: int | None = None
     """Pre-training examples actually seen (the final step's count)."""
     exaflops: float | None = None
@@ -48,6 +63,24 @@ class CellRecord:
     """Transfer accuracy per "DATASET PROTOCOL" column, e.g. "digits fewshot 5shot", "digits sweep"."""
     error: str | None = None
     """The last run's error (one line)."""
+
+    def open_attempt(self, devices: float) -> None:
+        """A new attempt starts: the previous one's heartbeat time (a killed attempt) is counted."""
+        self.close_attempt(self.open_attempt_s)
+        self.devices = devices
+
+    def close_attempt(self, seconds: float) -> None:
+        """An attempt of `seconds` ended (finished, failed, or found killed): add it to the sums."""
+        self.wall_s += seconds
+        self.device_hours += seconds / 3600 * self.devices
+        self.open_attempt_s = 0.0
+
+    def total_wall_s(self) -> float:
+        """Every attempt's wall time, the running one's as of its last heartbeat."""
+        return self.wall_s + self.open_attempt_s
+
+    def total_device_hours(self) -> float:
+        return self.device_hours + self.open_attempt_s / 3600 * self.devices
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1, default=str).encode()
@@ -78,6 +111,21 @@ class StudyState:
             return CellRecord(cell_id)
         return CellRecord.from_json(self.storage.read_bytes(name))
 
+    def record_or_migrate(self, cell_id: str, legacy_id: str | None) -> CellRecord:
+        """The cell's record; when it has none but its legacy id has (a study begun by a vitscale
+        whose ids hashed absolute data paths), that record, adopted under the new id: its runs
+        stay in their directory (`run_name`), its finished stages are copied. The old files stay."""
+        if legacy_id is None or self.storage.exists(f"state/{cell_id}.json") \
+                or not self.storage.exists(f"state/{legacy_id}.json"):
+            return self.record(cell_id)
+        old = self.record(legacy_id)
+        old.id, old.run_name = cell_id, old.run_name or legacy_id
+        if self.storage.exists(f"state/{legacy_id}.stages.json"):
+            self.storage.write_bytes(f"state/{cell_id}.stages.json",
+                                     self.storage.read_bytes(f"state/{legacy_id}.stages.json"))
+        self.write(old)
+        return old
+
     def write(self, record: CellRecord) -> None:
         self.storage.write_bytes(f"state/{record.id}.json", record.to_json())
 
@@ -105,3 +153,23 @@ def runnable(record: CellRecord, retries: int) -> bool:
     if record.status == "done":
         return False
     return not (record.status == "failed" and record.failures > retries)
+
+
+def accuracies(stages: dict[str, Any], finetune_dataset: str | None) -> dict[str, float]:
+    """Transfer accuracy per "DATASET PROTOCOL" column from a cell's stage summaries (pure)."""
+    out: dict[str, float] = {}
+    for url, per_shot in (stages.get("fewshot") or {}).items():
+        if url == "untrained_baseline" or not isinstance(per_shot, dict):
+            continue
+        for k, v in per_shot.items():
+            if k.endswith("shot") and isinstance(v, (int, float)):
+                out[f"{dataset_name(url)} fewshot {k}"] = float(v)
+    for stage in ("finetune", "sweep"):
+        value = (stages.get(stage) or {}).get("test_accuracy")
+        if isinstance(value, (int, float)) and finetune_dataset:
+            out[f"{dataset_name(finetune_dataset)} {stage}"] = float(value)
+    return out
+
+
+def dataset_name(url: str) -> str:
+    return url.rstrip("/").rsplit("/", 1)[-1]
