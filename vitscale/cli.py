@@ -197,7 +197,8 @@ def cmd_shards_index(args: argparse.Namespace) -> int:
     try:
         meta = index_shards(args.url, out=args.out, split=args.split, label_member=args.label_member,
                             classes_file=args.classes, endpoint_url=args.endpoint_url,
-                            checksums=not args.no_checksums)
+                            checksums=not args.no_checksums, num_classes=args.num_classes,
+                            max_bad=args.max_bad)
     except OSError as exc:  # storage trouble: one line
         raise UserError(f"shards index {args.url}: {type(exc).__name__}: {exc}") from exc
     print(json.dumps({"out": args.out or args.url, "classes": meta["num_classes"],
@@ -421,6 +422,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--classes", default=None, help="file of class names, one per line, in index order")
     p.add_argument("--no-checksums", action="store_true",
                    help="read headers only: no crc32 per sample (saves one read of every shard; reads go unchecked)")
+    p.add_argument("--num-classes", type=int, default=None,
+                   help="class count: ids outside [0, N) make their sample bad (default: --classes' length, "
+                        "else the largest id found + 1, at most 2^20)")
+    p.add_argument("--max-bad", type=int, default=100,
+                   help="samples without an image or a usable label listed and left out before the index "
+                        "stops (default 100)")
     endpoint(p)
 
     p = verb("stats", cmd_shards_stats, "Shards, samples and classes of a dataset.", shard_verbs)

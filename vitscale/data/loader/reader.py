@@ -9,11 +9,11 @@ read, checksum mismatch, broken header, foreign member, missing or malformed lab
 
 from __future__ import annotations
 
-import json
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
+from vitscale.data.loader.labels import LabelError, parse_class_id, parse_json_label
 from vitscale.data.loader.tar import BadSample, split_tar_record
 from vitscale.data.storage import LocalStorage, Storage
 
@@ -38,24 +38,18 @@ def parse_label(members: dict[str, bytes], num_classes: int, multi_label: bool) 
     Single-label datasets need exactly one id; multi-label ones accept any number (JFT-style).
     Raises :class:`BadSample` when the label is missing, unparsable or out of ``[0, num_classes)``.
     """
-    if "cls" in members:
-        try:
-            labels = [int(members["cls"].decode("ascii").strip())]
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise BadSample(f"malformed .cls label {members['cls'][:32]!r}") from exc
-    elif "json" in members:
-        try:
-            obj = json.loads(members["json"])
-            raw = obj["labels"] if isinstance(obj, dict) else None
-            if not isinstance(raw, list) or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in raw
-            ):
-                raise ValueError("'labels' must be a list of ints")
-            labels = list(raw)
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # "[[[[..." recurses
-            raise BadSample(f"malformed .json label {members['json'][:64]!r}: {exc}") from exc
-    else:
-        raise BadSample(f"no label member (.cls or .json) among {sorted(members)}")
+    try:
+        if "cls" in members:
+            labels = [parse_class_id(members["cls"])]
+        elif "json" in members:
+            found = parse_json_label(members["json"], "labels")
+            if not all(isinstance(v, int) for v in found):
+                raise LabelError("'labels' must be a list of ints")
+            labels = [int(v) for v in found]
+        else:
+            raise BadSample(f"no label member (.cls or .json) among {sorted(members)}")
+    except LabelError as exc:  # bounded size and depth: data/loader/labels.py
+        raise BadSample(str(exc)) from None
     check_labels(labels, num_classes, multi_label)
     return labels
 

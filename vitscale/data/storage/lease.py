@@ -54,8 +54,8 @@ DEFAULT_TTL_S = 60.0
 """An S3 lease not renewed for this long belongs to a dead driver and may be taken over."""
 
 
-class LeaseHeld(ValueError):
-    """Another writer holds the run's lease (a ValueError: the CLI prints it as one line)."""
+class LeaseHeld(StorageError):
+    """Another writer holds the run's lease (a StorageError: the CLI prints it as one line)."""
 
 
 @dataclass(frozen=True)

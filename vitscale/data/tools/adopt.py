@@ -23,16 +23,30 @@ or WebDataset's brace notation ``.../train-{000000..000999}.tar`` (all in one fo
 
 from __future__ import annotations
 
-import json
 import posixpath
 import re
 import tarfile
 import zlib
-from collections.abc import Iterator
 from typing import Any
 
 from vitscale.data.format import (
-    LABEL_SOURCE, META_NAME, SHARD_ROOT, DatasetMeta, ShardMeta, SplitMeta, write_index_and_meta)
+    LABEL_SOURCE,
+    META_NAME,
+    SHARD_ROOT,
+    DatasetError,
+    DatasetMeta,
+    ShardMeta,
+    SplitMeta,
+    write_index_and_meta,
+)
+from vitscale.data.loader.labels import (
+    MAX_LABEL_BYTES,
+    LabelError,
+    check_class_ids,
+    parse_class_id,
+    parse_json_label,
+    parse_text_label,
+)
 from vitscale.data.loader.sample import IMAGE_MEMBERS
 from vitscale.data.storage import Storage, open_storage
 
@@ -54,7 +68,7 @@ def expand_braces(pattern: str) -> list[str]:
     if ".." in body:
         lo, _, hi = body.partition("..")
         if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
-            raise ValueError(f"brace range {{{body}}} in {pattern!r} must be {{LOW..HIGH}} with integers, LOW <= HIGH")
+            raise DatasetError(f"brace range {{{body}}} in {pattern!r} must be {{LOW..HIGH}} with integers, LOW <= HIGH")
         choices = [str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1)]
     else:
         choices = body.split(",")
@@ -69,7 +83,7 @@ def split_url(url: str) -> tuple[str, list[str] | None]:
     paths = expand_braces(url)
     roots = {p.rpartition("/")[0] for p in paths}
     if len(roots) != 1 or "{" in next(iter(roots)):
-        raise ValueError(f"{url}: the shards must lie in one folder (braces only in the file name)")
+        raise DatasetError(f"{url}: the shards must lie in one folder (braces only in the file name)")
     return roots.pop() or ".", [p.rpartition("/")[2] for p in paths]
 
 
@@ -80,24 +94,67 @@ def _member_key(name: str) -> tuple[str, str]:
     return (f"{folder}/{stem}" if folder else stem), ext.lower()
 
 
-def _samples(storage: Storage, shard: str) -> Iterator[tuple[str, int, int, dict[str, bytes | None]]]:
-    """(key, offset, size, {ext: small member bytes, or None for images}) per sample, in tar order."""
+_LABEL_EXTS = ("cls", "txt", "json")
+
+
+def _samples(storage: Storage, shard: str, shard_size: int
+             ) -> tuple[list[tuple[str, int, int, dict[str, bytes | None]]], list[dict[str, str]]]:
+    """(samples, bad) of one shard: (key, offset, size, {ext: label bytes, or None for other members})
+    per sample in tar order, and the samples that cannot be indexed.
+
+    Memory is bounded by the shard, not by its headers: a label member is read only up to
+    ``MAX_LABEL_BYTES + 1`` bytes (more makes it bad, not a big allocation); a member whose header
+    claims more bytes than the shard holds makes its sample bad; damage past the first member ends
+    the walk with one bad entry for the rest of the shard (the samples before it stay indexed).
+    A shard whose first header is unreadable is not a tar: ``tarfile.TarError``.
+    """
+    found: list[tuple[str, int, int, dict[str, bytes | None]]] = []
+    bad: list[dict[str, str]] = []
     with storage.open_read(shard) as f, tarfile.open(fileobj=f, mode="r:") as tar:
-        key, start, end, members = None, 0, 0, {}
-        for m in tar:
+        key: str | None = None
+        start = end = 0
+        members: dict[str, bytes | None] = {}
+        damaged = ""
+
+        def close() -> None:
+            if key is None:
+                return
+            if end > shard_size or damaged:
+                bad.append({"shard": shard, "key": key, "error": damaged or
+                            f"a member runs past the end of the shard ({end} > {shard_size} bytes)"})
+            else:
+                found.append((key, start, end - start, members))
+
+        members_iter = iter(tar)
+        while True:
+            try:
+                m = next(members_iter)
+            except StopIteration:
+                break
+            except (tarfile.TarError, OSError, UnicodeError) as exc:
+                if key is None and not found and not bad:
+                    raise tarfile.ReadError(str(exc)) from exc
+                close()
+                if end <= shard_size:  # else the sample before already ran past the end: nothing is left
+                    bad.append({"shard": shard, "key": "(rest of the shard)",
+                                "error": f"unreadable tar header after byte {end}: {type(exc).__name__}: {exc}"})
+                key = None
+                break
             if not m.isfile():
                 continue
             k, ext = _member_key(m.name)
             if k != key:
-                if key is not None:
-                    yield key, start, end - start, members
-                key, start, members = k, m.offset, {}
+                close()
+                key, start, members, damaged = k, m.offset, {}, ""
             end = m.offset_data + -(-m.size // 512) * 512
-            # Labels are small; images are not read (their bytes stay in the shard).
-            small = ext in ("cls", "txt", "json") and m.size <= 1 << 20
-            members[ext] = tar.extractfile(m).read() if small else None  # type: ignore[union-attr]
-        if key is not None:
-            yield key, start, end - start, members
+            members[ext] = None
+            if ext in _LABEL_EXTS and end <= shard_size:
+                try:  # labels are small; images are not read (their bytes stay in the shard)
+                    members[ext] = tar.extractfile(m).read(MAX_LABEL_BYTES + 1)  # type: ignore[union-attr]
+                except (tarfile.TarError, OSError) as exc:
+                    damaged = f"unreadable .{ext} member: {exc}"
+        close()
+    return found, bad
 
 
 def _checksums(storage: Storage, shard: str, ranges: list[tuple[int, int]]) -> list[int]:
@@ -122,12 +179,16 @@ def _checksums(storage: Storage, shard: str, ranges: list[tuple[int, int]]) -> l
 
 
 class _Labels:
-    """Class ids from a sample's label member, by ``--label-member``; names mapped as they come."""
+    """Class ids from a sample's label member, by ``--label-member``; names mapped as they come.
+
+    Parsing is :mod:`vitscale.data.loader.labels`' (bounded size and depth, the training loader's
+    own parser): anything that cannot be a label raises ``LabelError``.
+    """
 
     def __init__(self, member: str, classes: list[str] | None) -> None:
         kind, _, self.json_key = member.partition(":")
         if kind not in ("cls", "txt", "json") or (kind == "json") != bool(self.json_key):
-            raise ValueError(f"--label-member must be cls, txt or json:KEY, got {member!r}")
+            raise DatasetError(f"--label-member must be cls, txt or json:KEY, got {member!r}")
         self.kind, self.fixed = kind, classes is not None
         self.names: dict[str, int] = {c: i for i, c in enumerate(classes or [])}
 
@@ -135,81 +196,98 @@ class _Labels:
     def ext(self) -> str:
         return self.kind
 
-    def _id(self, value: Any) -> int | str:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ValueError(f"label {value!r} is neither a class id nor a name")
+    def _id(self, value: int | str) -> int | str:
         if isinstance(value, str) and not self.fixed:
             return value  # mapped to an index once all names are known (sorted)
         if isinstance(value, str):
             if value not in self.names:
-                raise ValueError(f"class {value!r} is not in --classes")
+                raise LabelError(f"class {value[:64]!r} is not in --classes")
             return self.names[value]
         return value
 
     def parse(self, data: bytes) -> list[int | str]:
-        text = data.decode("utf-8").strip()
         if self.kind == "cls":
-            return [int(text)]
+            return [parse_class_id(data)]
         if self.kind == "txt":
-            return [self._id(text)]
-        value = json.loads(text)[self.json_key]
-        return [self._id(v) for v in (value if isinstance(value, list) else [value])]
+            return [self._id(parse_text_label(data))]
+        return [self._id(v) for v in parse_json_label(data, self.json_key)]
 
 
 def index_shards(url: str, *, out: str | None = None, split: str = "train", label_member: str = "cls",
                  classes_file: str | None = None, endpoint_url: str | None = None,
-                 checksums: bool = True) -> dict[str, Any]:
-    """Index the WebDataset tars at ``url`` (see the module docstring); returns ``dataset.json``'s content."""
+                 checksums: bool = True, num_classes: int | None = None, max_bad: int | None = 100) -> dict[str, Any]:
+    """Index the WebDataset tars at ``url`` (see the module docstring); returns ``dataset.json``'s content.
+
+    ``num_classes`` bounds the class ids (else the ``--classes`` file's length, else
+    ``labels.MAX_CLASSES``); more than ``max_bad`` bad samples (None: no limit) stop the index
+    with one line naming the last one.
+    """
+    if num_classes is not None and num_classes < 1:
+        raise DatasetError(f"--num-classes must be a positive count, got {num_classes}")
+    if max_bad is not None and max_bad < 0:
+        raise DatasetError(f"--max-bad must be >= 0, got {max_bad}")
     root, names = split_url(url)
     shards = open_storage(root, endpoint_url=endpoint_url)
     dest = open_storage(out, endpoint_url=endpoint_url) if out else shards
     if dest.exists(META_NAME):
-        raise ValueError(f"{dest.url_of(META_NAME)} exists: {dest.url} is already a dataset")
+        raise DatasetError(f"{dest.url_of(META_NAME)} exists: {dest.url} is already a dataset")
     sizes = shards.list_sizes()
     if names is None:
         names = [n for n in sizes if n.endswith(".tar")]
     missing = [n for n in names if n not in sizes]
     if missing or not names:
-        raise ValueError(f"no tar shard {missing[0] if missing else '(*.tar)'} under {shards.url}")
+        raise DatasetError(f"no tar shard {missing[0] if missing else '(*.tar)'} under {shards.url}")
     classes = None
     if classes_file:
         with open(classes_file, encoding="utf-8") as f:
             classes = [line.strip() for line in f if line.strip()]
+        if num_classes is not None and num_classes != len(classes):
+            raise DatasetError(f"--num-classes {num_classes} but --classes {classes_file} names {len(classes)}")
+    bound = num_classes if num_classes is not None else (len(classes) if classes is not None else None)
     labels = _Labels(label_member, classes)
     rows: list[dict[str, Any]] = []
     bad: list[dict[str, str]] = []
-    entries = []
+    entries: list[tuple[str, int]] = []
+
+    def reject(shard: str, key: str, why: str) -> None:
+        bad.append({"shard": shard, "key": key, "error": why})
+        _check_bad(bad, max_bad, shards)
+
     for shard in names:
         try:
-            found = list(_samples(shards, shard))
+            found, damaged = _samples(shards, shard, sizes[shard])
             crcs = _checksums(shards, shard, [(o, n) for _, o, n, _ in found]) if checksums else [-1] * len(found)
         except (tarfile.TarError, OSError) as exc:
-            raise ValueError(f"{shards.url_of(shard)} is not a readable tar: {exc}") from exc
+            raise DatasetError(f"{shards.url_of(shard)} is not a readable tar: {exc}") from exc
+        for entry in damaged:
+            reject(entry["shard"], entry["key"], entry["error"])
         kept = 0
         for (key, offset, size, members), crc in zip(found, crcs, strict=True):
-            why = None
+            label = members.get(labels.ext)
             if not any(ext in members for ext in IMAGE_MEMBERS):
-                why = f"no image member ({', '.join(IMAGE_MEMBERS)}) among {sorted(members)}"
-            elif members.get(labels.ext) is None:
-                why = f"no readable .{labels.ext} label member"
-            else:
-                try:
-                    ids = labels.parse(members[labels.ext])  # type: ignore[arg-type]
-                except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-                    why = f"label: {type(exc).__name__}: {exc}"
-            if why is not None:
-                bad.append({"shard": shard, "key": key, "error": why})
+                reject(shard, key, f"no image member ({', '.join(IMAGE_MEMBERS)}) among {sorted(members)[:10]}")
                 continue
-            rows.append(dict(split=split, shard=shard, key=key, labels=ids, offset=offset, size=size, crc32=crc))
+            if label is None:
+                reject(shard, key, f"no readable .{labels.ext} label member")
+                continue
+            try:
+                ids = labels.parse(label)
+                check_class_ids([v for v in ids if isinstance(v, int)], bound)
+            except LabelError as exc:
+                reject(shard, key, f"label: {exc}")
+                continue
+            rows.append({"split": split, "shard": shard, "key": key, "labels": ids, "offset": offset, "size": size,
+                         "crc32": crc})
             kept += 1
-        entries.append(ShardMeta(shard, kept, None, sizes[shard]))
+        entries.append((shard, kept))
     if not rows:
-        raise ValueError(f"no sample with an image and a .{labels.ext} label in {len(names)} shard(s) under {shards.url}")
-    class_names = _finish_labels(rows, classes)
+        raise DatasetError(f"no sample with an image and a .{labels.ext} label in {len(names)} shard(s) under {shards.url}")
+    class_names = _finish_labels(rows, classes, num_classes)
+    shard_meta = tuple(ShardMeta(shard, kept, None, sizes[shard]) for shard, kept in entries)
     meta = DatasetMeta(
         name=posixpath.basename(shards.url.rstrip("/")) or "dataset", classes=tuple(class_names),
         num_classes=len(class_names), multi_label=any(len(r["labels"]) != 1 for r in rows),
-        splits={split: SplitMeta(len(rows), tuple(entries))},
+        splits={split: SplitMeta(len(rows), shard_meta)},
         extra={"source": f"shards index {url}", "label_member": label_member, "format": 1, "bad_samples": bad,
                **({LABEL_SOURCE: "index"} if labels.kind != "cls" else {}),
                **({SHARD_ROOT: shards.url} if dest is not shards else {})},
@@ -218,18 +296,28 @@ def index_shards(url: str, *, out: str | None = None, split: str = "train", labe
     return meta.to_json()
 
 
-def _finish_labels(rows: list[dict[str, Any]], classes: list[str] | None) -> list[str]:
-    """Class names, and every row's labels as indices (names found map in sorted order)."""
+def _check_bad(bad: list[dict[str, str]], max_bad: int | None, shards: Storage) -> None:
+    if max_bad is not None and len(bad) > max_bad:
+        last = bad[-1]
+        raise DatasetError(f"more than {max_bad} bad samples (--max-bad) under {shards.url}; the last: "
+                         f"{shards.url_of(last['shard'])} sample {last['key'][:100]!r}: {last['error'][:300]}")
+
+
+def _finish_labels(rows: list[dict[str, Any]], classes: list[str] | None, num_classes: int | None) -> list[str]:
+    """Class names, and every row's labels as indices (names found map in sorted order).
+
+    Ids were already checked against the class count (or ``MAX_CLASSES``) sample by sample.
+    """
     found = {v for r in rows for v in r["labels"] if isinstance(v, str)}
     ids = [v for r in rows for v in r["labels"] if not isinstance(v, str)]
     if classes is None and found and ids:
-        raise ValueError("labels mix class ids and names; pass --classes FILE to name the ids")
+        raise DatasetError("labels mix class ids and names; pass --classes FILE to name the ids")
     if classes is None:
-        classes = sorted(found) if found else [str(i) for i in range(max(ids) + 1)]
+        count = num_classes if num_classes is not None else (len(found) if found else max(ids) + 1)
+        classes = sorted(found) if found else [str(i) for i in range(count)]
+        if len(classes) > count:
+            raise DatasetError(f"{len(classes)} class names found but --num-classes is {count}")
     lookup = {c: i for i, c in enumerate(classes)}
     for r in rows:
         r["labels"] = sorted({lookup[v] if isinstance(v, str) else v for v in r["labels"]})
-        if any(not 0 <= v < len(classes) for v in r["labels"]):
-            raise ValueError(f"sample {r['key']} in {r['shard']}: label {r['labels']} outside the "
-                             f"{len(classes)} classes")
     return list(classes)

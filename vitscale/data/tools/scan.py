@@ -6,11 +6,12 @@ single samples by byte range (:mod:`vitscale.data.loader.reader`).
 
 from __future__ import annotations
 
-import json
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
+
+from vitscale.data.loader.labels import LabelError, parse_class_id, parse_json_label
 
 __all__ = ["ShardSample", "iter_shard", "labels_of"]
 
@@ -49,9 +50,17 @@ def iter_shard(f: BinaryIO) -> Iterator[ShardSample]:
 
 
 def labels_of(s: ShardSample) -> list[int] | None:
-    """Labels from a sample's ``.cls`` or ``.json`` member; None when it has neither."""
+    """Labels from a sample's ``.cls`` or ``.json`` member; None when it has neither.
+
+    Parsed with the training loader's bounded parser (:mod:`vitscale.data.loader.labels`): a label
+    that cannot be one raises ``LabelError`` (a ``ValueError``), never ``RecursionError`` or
+    ``MemoryError``.
+    """
     if "cls" in s.files:
-        return [int(s.files["cls"].decode("ascii").strip())]
+        return [parse_class_id(s.files["cls"])]
     if "json" in s.files:
-        return [int(x) for x in json.loads(s.files["json"])["labels"]]
+        found = parse_json_label(s.files["json"], "labels")
+        if not all(isinstance(v, int) for v in found):
+            raise LabelError("'labels' must be a list of ints")
+        return [int(v) for v in found]
     return None

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from vitscale.data.format import INDEX_NAME, LABEL_SOURCE, META_NAME, SHARD_ROOT, ShardMeta, read_index, read_meta
+from vitscale.data.loader.labels import LabelError
 from vitscale.data.loader.sample import IMAGE_MEMBERS
 from vitscale.data.storage import Storage, open_storage
 from vitscale.data.tools.progress import Progress
@@ -112,7 +113,11 @@ def _verify_shard(
                     continue
                 count += 1
                 row = idx.get((name, s.key))
-                labels = None if index_labels else labels_of(s)
+                try:
+                    labels = None if index_labels else labels_of(s)
+                except LabelError as exc:  # a hostile label is this sample's problem, not the shard's
+                    problems.append(f"{name}: sample {s.key!r}: {exc}")
+                    continue
                 if not any(ext in s.files for ext in IMAGE_MEMBERS) or (labels is None and not index_labels):
                     problems.append(f"{name}: sample {s.key!r} lacks an image or .cls/.json ({sorted(s.files)})")
                 if row is None:
