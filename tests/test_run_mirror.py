@@ -74,3 +74,14 @@ def test_a_local_storage_that_is_the_cache_copies_nothing(tmp_path: Path) -> Non
     _fill(run)
     mirror = RunMirror(run, open_storage(str(run)))
     assert mirror.same_place and mirror.push() == [] and mirror.pull() == []
+
+
+def test_each_writer_pushes_only_its_own_files(storage_url: str, tmp_path: Path) -> None:
+    """Two ranks on one node share its folder; each pushes its own file, whoever finishes first."""
+    cache = tmp_path / "node"
+    (cache / "metrics").mkdir(parents=True)
+    for rank in (0, 1):
+        (cache / "metrics" / f"rank{rank}.jsonl").write_text(f"{rank}\n")
+    storage = open_storage(storage_url)
+    assert RunMirror(cache, storage, include=lambda n: "rank1" in n).push() == ["metrics/rank1.jsonl"]
+    assert storage.list() == ["metrics/rank1.jsonl"]

@@ -9,6 +9,7 @@ re-submitted job with the same (storage_path, name) resumes the same way.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import posixpath
 import socket
@@ -23,6 +24,8 @@ from ray.train.torch import TorchTrainer
 
 from vitscale.config.checks import ConfigError
 from vitscale.config.pipeline import ClusterConfig, ray_address
+from vitscale.data.storage import open_storage
+from vitscale.data.storage.mirror import RunMirror
 from vitscale.launch.errors import PipelineFailed
 from vitscale.launch.failures import DeterministicFailure, StopOnDeterministicFailure, deterministic_cause
 from vitscale.train import checkpoint as ckpt
@@ -45,11 +48,13 @@ def train_worker(payload: dict[str, Any]) -> None:
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     run_dir = Path(payload["run_dir"])
+    mirror = _rank_mirror(run_dir, payload.get("storage"), rank)
     try:
         with contextlib.ExitStack() as downloaded:
             resume_from = _resume_directory(world_size, rank, downloaded)
             # `restored` releases a downloaded checkpoint as soon as the loop has loaded it.
-            ctx = WorkerContext(rank=rank, world_size=world_size, run_dir=run_dir, report=_report,
+            ctx = WorkerContext(rank=rank, world_size=world_size, run_dir=run_dir,
+                                report=functools.partial(_report, mirror=mirror),
                                 resume_from=resume_from, local_rank=context.get_local_rank(),
                                 restored=downloaded.close, storage=payload.get("storage"))
             train(job, ctx)  # its last step reports the final checkpoint and metrics
@@ -60,12 +65,35 @@ def train_worker(payload: dict[str, Any]) -> None:
         failure = WorkerFailed(f"rank {rank}: {type(exc).__name__}: {exc}")
         failure.deterministic = deterministic_cause(exc) is not None  # survives pickling; the cause does not
         raise failure from exc
+    finally:
+        if mirror is not None:
+            try:
+                mirror.close()
+            except OSError as exc:  # never hide the run's own outcome behind a failed last upload
+                print(f"[vitscale] rank {rank}: could not push its records to {mirror.storage.url}: {exc}", flush=True)
 
 
-def _report(metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
+def _rank_mirror(run_dir: Path, storage: str | None, rank: int) -> RunMirror | None:
+    """What this rank writes on its node's disk (metrics, sample records; rank 0 also TensorBoard), pushed to
+    the run's storage: a node's disk is only a cache, and a lost node's files must not be lost with it."""
+    if storage is None:
+        return None
+    mine = f"rank{rank}."
+
+    def include(name: str) -> bool:
+        return mine in name.rsplit("/", 1)[-1] or (rank == 0 and name.startswith("tensorboard/"))
+
+    mirror = RunMirror(run_dir, open_storage(storage), include=include)
+    mirror.push_every(30.0)
+    return mirror
+
+
+def _report(metrics: dict[str, Any], checkpoint_dir: Path | None, mirror: RunMirror | None = None) -> None:
     if checkpoint_dir is None:
         ray.train.report(metrics)
         return
+    if mirror is not None:  # the records up to this checkpoint reach storage before the checkpoint does
+        mirror.push()
     ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(checkpoint_dir)),
                      checkpoint_dir_name=f"checkpoint_{int(metrics['step']):09d}")
 

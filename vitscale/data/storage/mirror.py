@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from vitscale.data.storage.base import Storage
@@ -42,9 +42,13 @@ def _skipped(name: str) -> bool:
 class RunMirror:
     """A local folder (the cache) kept in step with a run's storage (the truth)."""
 
-    def __init__(self, local: str | os.PathLike[str], storage: Storage) -> None:
+    def __init__(self, local: str | os.PathLike[str], storage: Storage,
+                 include: Callable[[str], bool] | None = None) -> None:
+        """`include` picks the names this mirror pushes (default all): several writers (the driver, each
+        rank) may share one node's folder, and each pushes only what it writes."""
         self.local = Path(local)
         self.storage = storage
+        self.include = include
         self._pushed: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
         self._stop: threading.Event | None = None
@@ -74,7 +78,7 @@ class RunMirror:
                 except FileNotFoundError:
                     continue  # removed since it was listed (a rotated log)
                 mark = (stat.st_size, stat.st_mtime_ns)
-                if _skipped(name) or self._pushed.get(name) == mark:
+                if _skipped(name) or self._pushed.get(name) == mark or (self.include and not self.include(name)):
                     continue
                 self.storage.write_file(name, path)
                 self._pushed[name] = mark
