@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from vitscale.config.location import is_url
 from vitscale.config.checks import ConfigError, one_of
 from vitscale.config.pipeline import PipelineConfig
 from vitscale.config.suggest import did_you_mean
@@ -116,7 +117,7 @@ def absolute_paths(config: PipelineConfig) -> PipelineConfig:
     """
 
     def absolute(url: str) -> str:
-        return url if "://" in url or not url else str(Path(url).expanduser().resolve())
+        return url if is_url(url) or not url else str(Path(url).expanduser().resolve())
 
     def fix(section: Any) -> Any:
         changes: dict[str, Any] = {}

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from vitscale.config.checks import check, plain_name, positive
+from vitscale.config.location import run_location
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,7 @@ class ClusterConfig:
 
     def run_storage(self, run_name: str) -> str:
         """Where the run `run_name` keeps its checkpoints: `storage_path/run_name` (a folder or URL)."""
-        if "://" in self.storage_path:
-            return f"{self.storage_path.rstrip('/')}/{run_name}"
-        return str(Path(os.path.expanduser(self.storage_path)).resolve() / run_name)
+        return run_location(self.storage_path, run_name)
 
     def check_fits(self, workers: int, cpus: float, gpus: int, where: str) -> None:
         """`workers` workers of this cluster's size fit in `cpus` CPUs and `gpus` GPUs; else Ray Train would
@@ -85,6 +83,9 @@ def local_cluster() -> dict[str, Any]:
     return {"num_workers": workers, "use_gpu": gpus > 0, "cpus_per_worker": max(1, cpus // workers)}
 
 
+S = TypeVar("S")
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """A whole pipeline: which stages run, where, and every stage's config section."""
@@ -110,15 +111,28 @@ class PipelineConfig:
         """The run's stable name: `cluster.run_name`, else the pipeline's name."""
         return self.cluster.run_name or self.name
 
-    def section(self, name: str) -> Any:
-        """The config section `name` (KeyError naming the sections there are)."""
+    @overload
+    def section(self, name: str) -> Any: ...
+    @overload
+    def section(self, name: str, kind: type[S]) -> S: ...
+
+    def section(self, name: str, kind: type[S] | None = None) -> Any:
+        """The config section `name` (KeyError naming the sections there are).
+
+        With `kind`, typed: `config.section("train", TrainConfig)` is a `TrainConfig` to the type
+        checker, and a section of another class is a TypeError here rather than a surprise later.
+        """
         sections = self.__dict__.get("sections") or {}
         if name not in sections:
             raise KeyError(f"no config section {name!r}; sections: {sorted(sections)}")
-        return sections[name]
+        value = sections[name]
+        if kind is not None and not isinstance(value, kind):
+            raise TypeError(f"config section {name!r} is a {type(value).__name__}, not a {kind.__name__}")
+        return value
 
     def __getattr__(self, name: str) -> Any:
-        # Only called when normal lookup fails: `config.train` is `config.section("train")`.
+        # Only called when normal lookup fails: `config.train` is `config.section("train")`, untyped
+        # (`Any`): code that wants the type checker's help asks `config.section("train", TrainConfig)`.
         # Dunder and private names must fail normally (pickle and copy probe them).
         if name.startswith("_"):
             raise AttributeError(name)

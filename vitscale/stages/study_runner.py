@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vitscale.config.location import is_url
 from vitscale.config.pipeline import PipelineConfig
 from vitscale.launch.errors import PipelineFailed
 from vitscale.scaling.study.cells import Cell
@@ -56,7 +57,7 @@ def checkpoint_uri(checkpoint: Any) -> str | None:
     """Where a `ray.train.Checkpoint` lives as a URI: its `path` drops the scheme of object storage."""
     path = getattr(checkpoint, "path", None)
     kind = getattr(getattr(checkpoint, "filesystem", None), "type_name", "local")
-    return None if path is None else (path if kind == "local" or "://" in path else f"{kind}://{path}")
+    return None if path is None else (path if kind == "local" or is_url(path) else f"{kind}://{path}")
 
 
 def run_cell(config: PipelineConfig, cell_id: str, state_url: str, endpoint_url: str | None) -> dict[str, Any]:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vitscale.config.location import is_url
+
 
 @dataclass(frozen=True)
 class SweepResult:
@@ -114,7 +116,7 @@ def finished_trials(experiment: str) -> dict[str, dict[str, Any]]:
     from vitscale.launch.ray_train import FINAL_METRICS
 
     out: dict[str, dict[str, Any]] = {}
-    if "://" in experiment:
+    if is_url(experiment):
         return out
     for path in Path(experiment).glob("*/result.json"):
         for line in path.read_text().splitlines():

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from vitscale.config.location import is_url
 from vitscale.config.checks import ConfigError
 
 PRETRAIN_SCOPE: tuple[str, ...] = ("model", "data", "train", "cluster.num_workers")
@@ -110,7 +111,7 @@ def refuse_changed_run_in(run_storage: str, new_yaml: str, scope: tuple[str, ...
 
     from vitscale.train import checkpoint as ckpt
 
-    if "://" in run_storage:
+    if is_url(run_storage):
         return
     root = Path(run_storage)
     candidates = [p for p in root.glob("checkpoint_*") if p.is_dir()]

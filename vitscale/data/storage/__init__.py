@@ -15,6 +15,7 @@ one retry layer for object stores). This module only picks the back end for a ur
 
 from __future__ import annotations
 
+from vitscale.config.location import is_url
 from vitscale.data.storage.base import Storage, StorageError
 from vitscale.data.storage.local import LocalStorage
 from vitscale.data.storage.retry import RetryPolicy
@@ -46,6 +47,6 @@ def open_storage(
         rest = url[len("s3://") :]
         bucket, _, prefix = rest.partition("/")
         return S3Storage(bucket, prefix, endpoint_url=endpoint_url, retry=retry or RetryPolicy())
-    if "://" in url and not url.startswith("file://"):
+    if is_url(url) and not url.startswith("file://"):
         raise ValueError(f"unsupported dataset url {url!r}: use a local path, file:// or s3://")
     return LocalStorage(url[len("file://") :] if url.startswith("file://") else url)

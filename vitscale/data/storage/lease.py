@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Self
 
+from vitscale.config.location import is_url
 from vitscale.data.storage.base import StorageError
 from vitscale.data.storage.retry import RetryPolicy
 from vitscale.data.storage.s3 import S3Storage
@@ -299,7 +300,7 @@ def hold_run_lease(run_url: str, *, force: bool = False, endpoint_url: str | Non
         bucket, _, prefix = run_url[len("s3://"):].partition("/")
         storage = S3Storage(bucket, prefix, endpoint_url=endpoint_url, retry=retry or RetryPolicy())
         return _S3Lease(storage, holder, force, on_lost, log)
-    if "://" in run_url and not run_url.startswith("file://"):
+    if is_url(run_url) and not run_url.startswith("file://"):
         raise ValueError(f"run storage {run_url!r}: use a local path, file:// or s3://")
     folder = Path(run_url.removeprefix("file://")).expanduser()
     return _LocalLease(folder, holder)

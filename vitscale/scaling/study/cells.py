@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vitscale.config.location import is_url
+
 RESULT_SECTIONS = ("model", "train", "data", "fewshot", "finetune", "sweep")
 """The sections that decide a cell's result (and so its id)."""
 
@@ -64,7 +66,7 @@ def location_free(value: Any) -> Any:
         return {k: location_free(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [location_free(v) for v in value]
-    if isinstance(value, str) and (value.startswith("/") or "://" in value):
+    if isinstance(value, str) and (value.startswith("/") or is_url(value)):
         return value.rstrip("/").rsplit("/", 1)[-1]
     return value
 

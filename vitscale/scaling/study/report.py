@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vitscale.config.location import is_url
 from vitscale.scaling.study.fit import FitRefused, PowerLawFit, fit_power_law, pareto_frontier, recommend
 from vitscale.scaling.study.state import CellRecord, StudyState
 
@@ -99,7 +100,7 @@ def build_report(state: StudyState, out: Path, fit_metric: str | None = None) ->
 
 def publish_report(state: StudyState, fit_metric: str | None = None) -> StudyReport:
     """`build_report` into the study directory itself (a local folder, or uploaded to s3://)."""
-    if "://" not in state.url:
+    if not is_url(state.url):
         return build_report(state, Path(state.url), fit_metric)
     with tempfile.TemporaryDirectory() as tmp:
         report = build_report(state, Path(tmp), fit_metric)
