@@ -23,6 +23,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from vitscale.config.checks import ConfigError
+from vitscale.config.location import is_url, storage_root
 from vitscale.config.pipeline import ClusterConfig, ray_address
 from vitscale.data.storage import open_storage
 from vitscale.data.storage.mirror import RunMirror
@@ -148,13 +149,13 @@ def _newest_first(latest: Any) -> Iterator[Any]:
 
 
 def run_directory(cluster: ClusterConfig, run_name: str) -> tuple[str, Path]:
-    """(storage_path, local run directory) of the run `run_name`."""
-    storage = cluster.storage_path
-    if "://" in storage:
+    """(storage_path, local run directory) of the run `run_name`: the run itself is stored at
+    `cluster.run_storage(run_name)` (config/location.py, the one rule)."""
+    storage = storage_root(cluster.storage_path)
+    if is_url(storage):
         # Checkpoints go to object storage; per-rank logs stay on each node's disk.
         return storage, Path(os.path.expanduser("~/vitscale-runs-local")) / run_name
-    storage = str(Path(os.path.expanduser(storage)).resolve())
-    return storage, Path(storage) / run_name
+    return storage, Path(cluster.run_storage(run_name))
 
 
 FINAL_METRICS = ("step", "epoch", "loss", "examples_seen", "cumulative_exaflops", "images_per_s", "mfu",
