@@ -20,7 +20,7 @@ from vitscale.eval.config import FewshotConfig
 from vitscale.eval.finetune import FinetuneConfig
 from vitscale.models.config import ModelConfig
 from vitscale.scaling.study.config import StudyConfig
-from vitscale.scaling.study.plan import DataFacts, PlannedCell, plan_study
+from vitscale.scaling.study.plan import DataFacts, PlannedCell, Pricing, plan_study
 from vitscale.stages.base import Stage, StageContext
 from vitscale.stages.study_cells import build_cell, resolve_cells
 from vitscale.stages.sweep import SweepConfig
@@ -78,16 +78,27 @@ def check_study(config: PipelineConfig) -> None:
 
 def data_facts(config: PipelineConfig, *, planning: bool) -> DataFacts:
     """The pre-training split's size and classes: from the dataset (written from its source when
-    missing), or, when planning a study whose data is not readable yet, from `study.planned_*`."""
+    missing, unless `planning`), or, when the dataset is not there yet and `planning`, from
+    `study.planned_*` or from the size its generated source will have: `vitscale study plan`
+    writes no data."""
     from vitscale.data.format import has_dataset
     from vitscale.stages.datasets import ensure_dataset, require_split
 
     data, study = config.data, config.section("study")
-    if study.planned_examples is not None and data.create_if_missing is None \
-            and not has_dataset(data.url, endpoint_url=data.endpoint_url):
+    missing = not has_dataset(data.url, endpoint_url=data.endpoint_url)
+    if missing and study.planned_examples is not None and (planning or data.create_if_missing is None):
         check(planning, "data.url", f"no dataset at {data.url}: study.planned_examples can plan a study, "
                                     f"but running it needs the data")
         return DataFacts(study.planned_examples, study.planned_classes, planned=True)
+    if missing and planning:
+        source = data.create_if_missing
+        check(source is not None and source.kind in ("synthetic", "fractal"), "data.url",
+              f"no dataset at {data.url} yet: set study.planned_examples and study.planned_classes to plan "
+              f"before it is written (or write it: vitscale shards write)")
+        assert source is not None
+        share = (source.splits or {"train": 1.0}).get(data.split)
+        check(share is not None, "data.split", f"the source writes no split {data.split!r}")
+        return DataFacts(round(source.count * float(share or 0.0)), source.classes, planned=True)
     meta = ensure_dataset(data.url, data.create_if_missing, data.endpoint_url, "data.url")
     samples = require_split(meta, data.split, "data.split", data.url)
     if study.planned_examples is not None:
@@ -97,15 +108,48 @@ def data_facts(config: PipelineConfig, *, planning: bool) -> DataFacts:
     return DataFacts(samples, meta.num_classes)
 
 
+def pricing(config: PipelineConfig) -> Pricing:
+    """How the plan prices cells: the study's device, price and overhead, the cluster's devices per
+    cell and cells at once, and the measured MFU table when there is one."""
+    import os
+    from pathlib import Path
+
+    from vitscale.config.pipeline import ray_address
+    from vitscale.scaling.study.costs import DEFAULT_OVERHEAD_S, device_class, read_mfu_table
+
+    study, cluster = config.section("study"), config.cluster
+    device = study.device or ("H100" if cluster.use_gpu else "CPU")
+    per_cell = cluster.num_workers * (cluster.gpus_per_worker if cluster.use_gpu else cluster.cpus_per_worker)
+    if study.max_concurrent:
+        at_once = study.max_concurrent
+    elif not cluster.use_gpu and not ray_address(cluster.address):
+        cpus = cluster.local_num_cpus or os.cpu_count() or 1
+        at_once = max(1, int(cpus // max(1, cluster.num_workers * cluster.cpus_per_worker)))
+    else:
+        at_once = 1  # a cluster's size is not known before it is reached: study.max_concurrent says it
+    candidates = [Path(study.mfu_results)] if study.mfu_results else \
+        [Path.cwd() / "benchmarks" / "RESULTS.md", Path(__file__).resolve().parents[2] / "benchmarks" / "RESULTS.md"]
+    table, source = [], "benchmarks/RESULTS.md"
+    for path in candidates:
+        table = read_mfu_table(path)
+        if table:
+            source = str(path)
+            break
+    overhead = study.overhead_s_per_cell if study.overhead_s_per_cell is not None \
+        else DEFAULT_OVERHEAD_S[device_class(device)]
+    return Pricing(device=device, devices_per_cell=float(per_cell), overhead_s=overhead,
+                   price=study.price_per_device_hour, concurrency=at_once, mfu_table=table, mfu_source=source)
+
+
 def plan(config: PipelineConfig, *, planning: bool = False, check_data: bool = True
          ) -> tuple[DataFacts, list[PlannedCell]]:
     """Every cell's planned compute, after checking each cell against the data (before any compute);
-    `check_data=False` when `prepare_study` has checked them already."""
+    `check_data=False` when `prepare_study` has checked them already, or when only planning."""
     from vitscale.stages.run import preflight
 
     cells = resolve_cells(config)
     facts = data_facts(config, planning=planning)
-    planned = plan_study(cells, facts, config.section("study").max_exaflops)
+    planned = plan_study(cells, facts, config.section("study").max_exaflops, pricing(config))
     if check_data and not facts.planned:
         checked: set[str] = set()
         for cell in cells:

@@ -14,16 +14,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from vitscale.scaling.study.plan import plan_markdown
     from vitscale.stages import load_pipeline
     from vitscale.stages.run import resolve_pipeline_path
-    from vitscale.stages.study import plan
+    from vitscale.stages.study import plan, pricing
 
     config = load_pipeline(resolve_pipeline_path(args.pipeline), args.set)
     if "study" not in config.stages:
         raise ValueError(f"{args.pipeline} has no study stage (stages: {', '.join(config.stages)})")
-    facts, planned = plan(absolute_paths(config), planning=True)
+    config = absolute_paths(config)
+    # Planning writes no dataset and runs no data checks (`vitscale run` does both before any compute).
+    facts, planned = plan(config, planning=True, check_data=False)
     if args.json:
         print(json.dumps([p.row() for p in planned], indent=1))
     else:
-        print(plan_markdown(planned, facts), end="")
+        print(plan_markdown(planned, facts, pricing(config)), end="")
     return 0
 
 

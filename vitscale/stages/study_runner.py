@@ -87,9 +87,9 @@ def run_cell(config: PipelineConfig, cell_id: str, state_url: str, endpoint_url:
 
 
 def devices(config: PipelineConfig) -> float:
-    """Devices one run holds: its GPUs, or its workers on CPU."""
+    """Devices one run holds: its GPUs, or its workers' CPU cores on CPU (the plan prices a core)."""
     cluster = config.cluster
-    return cluster.num_workers * (cluster.gpus_per_worker if cluster.use_gpu else 1)
+    return cluster.num_workers * (cluster.gpus_per_worker if cluster.use_gpu else cluster.cpus_per_worker)
 
 
 def _progress(config: PipelineConfig, planned: PlannedCell) -> str | None:

@@ -14,8 +14,8 @@
 
 A model entry's keys are the `model:` section's (name, img_size, the model's options), plus
 `recipe` (a pipeline whose `model:` and `train:` sections are the entry's starting point), `train`
-(overrides of the recipe), `label` (its name in tables and plots) and `throughput` (images/s per
-device, for the plan's device-time estimate).
+(overrides of the recipe), `label` (its name in tables and plots) and `throughput` (measured
+images/s per device: the plan prices the cell from it instead of from its FLOPs and MFU).
 """
 
 from __future__ import annotations
@@ -94,8 +94,19 @@ class StudyConfig:
     max_exaflops: float | None = None
     """Budget: the plan is refused when its pre-training compute exceeds this; null = no budget."""
     throughput: float | None = None
-    """Images/s per device of models without their own (`throughput:` in an entry), for the plan's
-    device-time estimate; null = no estimate."""
+    """Measured images/s per device of models without their own (`throughput:` in an entry): the
+    plan prices them from it instead of from FLOPs and MFU; null = from FLOPs (scaling/study/costs.py)."""
+    device: str | None = None
+    """The device the plan prices: H100, H200, A100, V100, TPUv3 or CPU (one CPU core); null = H100
+    when `cluster.use_gpu`, else CPU."""
+    price_per_device_hour: float | None = None
+    """Money per device-hour (any currency): the plan prints each cell's cost and the total; null = none."""
+    overhead_s_per_cell: float | None = None
+    """Seconds per cell that FLOPs do not count (start-up, teardown, transfer) in the plan's wall
+    time; null = costs.DEFAULT_OVERHEAD_S for the device class."""
+    mfu_results: str | None = field(default=None, metadata={"path": True})
+    """A measured MFU table (markdown with `model` and `MFU` columns); null = benchmarks/RESULTS.md
+    of the working directory or of vitscale's source tree, when present."""
     max_concurrent: int | None = None
     """Cells at once; null = as many as the cluster's CPUs/GPUs fit."""
     retries: int = 1
@@ -124,9 +135,18 @@ class StudyConfig:
             check(stage in TRANSFER_STAGES, f"study.transfer[{i}]",
                   f"must be one of {', '.join(TRANSFER_STAGES)}, got {stage!r}")
         check(len(set(self.transfer)) == len(self.transfer), "study.transfer", "names a stage twice")
-        for key in ("max_exaflops", "throughput", "max_concurrent", "planned_examples", "planned_classes"):
+        for key in ("max_exaflops", "throughput", "max_concurrent", "planned_examples", "planned_classes",
+                    "price_per_device_hour"):
             positive(getattr(self, key), f"study.{key}")
         non_negative(self.retries, "study.retries")
+        non_negative(self.overhead_s_per_cell, "study.overhead_s_per_cell")
+        if self.device is not None:
+            from vitscale.scaling.study.costs import peak_flops
+
+            try:
+                peak_flops(self.device)
+            except ValueError as exc:
+                raise ConfigError("study.device", str(exc)) from None
         check((self.planned_examples is None) == (self.planned_classes is None), "study.planned_examples",
               "set planned_examples and planned_classes together")
 
