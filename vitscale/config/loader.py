@@ -20,8 +20,9 @@ from typing import Any
 
 import yaml
 
-from vitscale.config.location import is_url
 from vitscale.config.checks import ConfigError, one_of
+from vitscale.config.fields import is_path, overridden
+from vitscale.config.location import is_url
 from vitscale.config.pipeline import PipelineConfig
 from vitscale.config.suggest import did_you_mean
 
@@ -119,14 +120,24 @@ def absolute_paths(config: PipelineConfig) -> PipelineConfig:
     def absolute(url: str) -> str:
         return url if is_url(url) or not url else str(Path(url).expanduser().resolve())
 
+    def fixed(value: Any) -> Any:
+        if isinstance(value, str):
+            return absolute(value)
+        return tuple(absolute(v) for v in value) if isinstance(value, tuple) else value
+
+    def fix_overrides(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+        paths = {f.name for f in dataclasses.fields(cls) if is_path(f.metadata)}
+        return {k: fixed(v) if k in paths else v for k, v in values.items()}
+
     def fix(section: Any) -> Any:
         changes: dict[str, Any] = {}
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)
-            if f.metadata.get("path") and isinstance(value, str):
-                changes[f.name] = absolute(value)
-            elif f.metadata.get("path") and isinstance(value, tuple):
-                changes[f.name] = tuple(absolute(v) for v in value)
+            target = overridden(f.metadata)
+            if is_path(f.metadata):
+                changes[f.name] = fixed(value)
+            elif target is not None and isinstance(value, dict):
+                changes[f.name] = fix_overrides(target, value)
         return replace(section, **changes) if changes else section
 
     sections = {name: fix(s) if dataclasses.is_dataclass(s) else s for name, s in config.sections.items()}
@@ -192,16 +203,47 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     if hasattr(cls, "from_mapping"):
         # A section whose keys are someone else's keyword arguments (the model's) parses itself.
         return cls.from_mapping(raw, prefix.rstrip("."))
-    hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    _refuse_moved(cls, raw, prefix)
+    _refuse_unknown(fields, raw, prefix)
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in raw.items():
+        target = overridden(fields[name].metadata)
+        kwargs[name] = (_overrides(target, value, f"{prefix}{name}") if target is not None
+                        else _coerce(hints[name], value, f"{prefix}{name}"))
+    return cls(**kwargs)
+
+
+def _refuse_moved(cls: type, raw: dict[str, Any], prefix: str) -> None:
+    """A key a section's `MOVED` table lists (an older shape of the section): one line saying where each went."""
+    moved: Mapping[str, str] = getattr(cls, "MOVED", {})
+    old = [key for key in raw if key in moved]
+    if old:
+        where = "; ".join(f"{prefix}{key} moved to {prefix}{moved[key]}" for key in old)
+        raise ConfigError(f"{prefix}{old[0]}", f"this key moved: {where} (docs/{prefix.split('.')[0]}.md)")
+
+
+def _refuse_unknown(fields: Mapping[str, Any], raw: Mapping[str, Any], prefix: str) -> None:
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         key = f"{prefix}{unknown[0]}"
         known = ", ".join(sorted(fields))
         raise ConfigError(key, f"unknown key{did_you_mean(unknown[0], fields)}; "
                               f"{prefix.rstrip('.') or 'the top level'} accepts: {known}")
-    kwargs = {name: _coerce(hints[name], value, f"{prefix}{name}") for name, value in raw.items()}
-    return cls(**kwargs)
+
+
+def _overrides(cls: type, raw: Any, key: str) -> dict[str, Any]:
+    """A mapping of some of `cls`'s fields, each checked against its annotation (field metadata
+    `overrides(cls)`); the owner lays it over its own defaults and validates the result."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(key, f"must be a mapping of {cls.__name__} keys, got {_describe(raw)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    _refuse_unknown(fields, raw, f"{key}.")
+    hints = typing.get_type_hints(cls)
+    return {name: _coerce(hints[name], value, f"{key}.{name}") for name, value in raw.items()}
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:

@@ -8,9 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vitscale.config.checks import ConfigError, check, fraction, non_negative, plain_name, positive, seed
+from vitscale.config.fields import PATH, RESUME_FREE
+from vitscale.data.order import DEFAULT_SHUFFLE_BUFFER
 from vitscale.data.tools.sources import source_kind_of
 
-
+DEFAULT_ERROR_BUDGET = 0.001
+"""Share of a split's samples that may be unreadable and skipped (0.1%): the default of every reader
+(`data.error_budget`, `fewshot.error_budget`, the loader's `ShardStream`, evaluation)."""
 def check_splits(splits: dict[str, float], key: str = "splits") -> None:
     """Named fractions of a source: names that can name shard files, fractions in (0, 1] summing to 1."""
     check(bool(splits), key, "must name at least one split, e.g. {train: 1.0}")
@@ -75,21 +79,21 @@ class SourceConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    url: str = field(default="data/synthetic", metadata={"path": True})
+    url: str = field(default="data/synthetic", metadata=PATH)
     """Pre-training dataset: a local folder or s3://bucket/prefix of WebDataset shards."""
     split: str = "train"
     """Split of the dataset to pre-train on."""
-    create_if_missing: SourceConfig | None = None
+    create_if_missing: SourceConfig | None = field(default=None, metadata=RESUME_FREE)
     """When set and `url` holds no dataset, write one from this source first (quickstart)."""
-    endpoint_url: str | None = None
+    endpoint_url: str | None = field(default=None, metadata=RESUME_FREE)
     """S3-compatible endpoint (MinIO, moto, ...); null = AWS or $AWS_ENDPOINT_URL."""
-    num_workers: int = 2
-    """DataLoader worker processes per training rank."""
-    shuffle_buffer: int = 10_000
+    num_workers: int = field(default=2, metadata=RESUME_FREE)
+    """DataLoader worker processes per training rank (they parallelise reading, not the order)."""
+    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
     """Bounded shuffle window in samples: memory stays flat however large the dataset."""
     seed: int = 0
     """Seed of the shard and sample order (which rank sees which sample, in which order)."""
-    error_budget: float = 0.001
+    error_budget: float = field(default=DEFAULT_ERROR_BUDGET, metadata=RESUME_FREE)
     """Fraction of an epoch's samples (all ranks together) that may be corrupt or unreadable and
     skipped; one more stops the run at once, naming the shards. 0.001 = 0.1%, 1.0 = all of them
     (never stops), 0 = none. The count is kept in checkpoints: a restart goes on counting."""
@@ -98,15 +102,17 @@ class DataConfig:
     sample's key with `data.seed`, `data/carve.py`): reproducible, and nested, as the paper's
     9M/30M/90M subsets of JFT-300M are (a smaller subset lies inside a larger one); null = all."""
 
-    def validate(self) -> None:
-        check(bool(self.url), "data.url", "must name a folder or s3:// prefix")
-        non_negative(self.num_workers, "data.num_workers")
-        positive(self.shuffle_buffer, "data.shuffle_buffer")
-        seed(self.seed, "data.seed")
-        plain_name(self.split, "data.split")  # it names shard files: {split}-NNNNNN.tar
-        check(self.endpoint_url is None or self.endpoint_url.startswith(("http://", "https://")), "data.endpoint_url",
+    def validate(self, section: str = "data") -> None:
+        """Check every value; errors name `section.key` (`finetune.data.url` in a fine-tuning job)."""
+        s = section
+        check(bool(self.url), f"{s}.url", "must name a folder or s3:// prefix")
+        non_negative(self.num_workers, f"{s}.num_workers")
+        positive(self.shuffle_buffer, f"{s}.shuffle_buffer")
+        seed(self.seed, f"{s}.seed")
+        plain_name(self.split, f"{s}.split")  # it names shard files: {split}-NNNNNN.tar
+        check(self.endpoint_url is None or self.endpoint_url.startswith(("http://", "https://")), f"{s}.endpoint_url",
               f"must be an http:// or https:// URL or null, got {self.endpoint_url!r}")
-        fraction(self.error_budget, "data.error_budget")
-        positive(self.subset, "data.subset")
+        fraction(self.error_budget, f"{s}.error_budget")
+        positive(self.subset, f"{s}.subset")
         if self.create_if_missing is not None:
-            self.create_if_missing.validate("data.create_if_missing")
+            self.create_if_missing.validate(f"{s}.create_if_missing")

@@ -44,8 +44,9 @@ __all__ = [
     "worker_batches",
 ]
 
-DEFAULT_SHUFFLE_BUFFER = 16384
-"""Window of the in-span sample shuffle; a few shards of ImageNet-sized samples."""
+DEFAULT_SHUFFLE_BUFFER = 10_000
+"""Window of the in-span sample shuffle (a few shards of ImageNet-sized samples): the one default,
+`data.shuffle_buffer`'s too, so a pipeline that leaves it out reads what the API does."""
 
 # Distinct first words of the SeedSequence entropy keep the shard-order and window streams apart.
 _SHARD_STREAM = 0

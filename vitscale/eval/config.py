@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vitscale.config.checks import check, fraction, plain_name, positive, positive_int, seed
-from vitscale.data.config import SourceConfig
+from vitscale.data.config import DEFAULT_ERROR_BUDGET, SourceConfig
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class FewshotConfig:
     """Independent few-shot draws per dataset and shot count, reported as mean, std and per-seed
     values. 3 as in big_vision (`num_seeds`, seeds 0, 1, 2), so the numbers compare with its; each draw
     is one small solve on features extracted once, so more seeds cost almost nothing."""
-    error_budget: float = 0.001
+    error_budget: float = DEFAULT_ERROR_BUDGET
     """Fraction of a probe split's samples that may be unreadable (skipped, never counted) before
     the probe fails naming the shards; as `data.error_budget`."""
     baseline: bool = False

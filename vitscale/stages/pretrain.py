@@ -5,7 +5,7 @@ Runs on Ray Train (`launch/ray_train.py`), every worker in `train/loop.py`; make
 
 from __future__ import annotations
 
-from vitscale.config.checks import ConfigError, check
+from vitscale.config.checks import check
 from vitscale.config.loader import to_yaml
 from vitscale.config.pipeline import PipelineConfig
 from vitscale.data.config import DataConfig
@@ -26,13 +26,7 @@ def check_pretrain(config: PipelineConfig) -> None:
     last_port = (train.metrics_port or 0) + cluster.num_workers - 1
     check(not train.metrics_port or last_port <= 65535, "train.metrics_port",
           f"({train.metrics_port}) + up to {cluster.num_workers - 1} local ranks = {last_port}, past 65535")
-    per_step = train.micro_batch * cluster.num_workers
-    if train.global_batch % per_step:
-        lower = max(per_step, train.global_batch // per_step * per_step)
-        raise ConfigError(
-            "train.global_batch",
-            f"({train.global_batch}) must be a multiple of train.micro_batch x cluster.num_workers "
-            f"= {train.micro_batch} x {cluster.num_workers} = {per_step}; try {lower} or {lower + per_step}")
+    train.check_batch_split(cluster.num_workers)
 
 
 def prepare_pretrain(config: PipelineConfig) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from vitscale.config.checks import (ConfigError, check, check_address, finite, non_negative, non_negative_int, one_of,
                                     positive, probability, seed)
+from vitscale.config.fields import RESUME_FREE
 
 PEAK_FLOPS_NAMES = ("auto", "H200", "H100", "A100")
 
@@ -23,11 +24,11 @@ class FaultConfig:
     kill_at_step: int | None = None
     """Optimizer step after which that rank dies (only on the first attempt)."""
 
-    def validate(self) -> None:
-        check((self.kill_rank is None) == (self.kill_at_step is None), "train.fault",
+    def validate(self, section: str = "train.fault") -> None:
+        check((self.kill_rank is None) == (self.kill_at_step is None), section,
               "kill_rank and kill_at_step go together")
-        non_negative(self.kill_rank, "train.fault.kill_rank")
-        positive(self.kill_at_step, "train.fault.kill_at_step")
+        non_negative(self.kill_rank, f"{section}.kill_rank")
+        positive(self.kill_at_step, f"{section}.kill_at_step")
 
 
 @dataclass(frozen=True)
@@ -70,80 +71,92 @@ class TrainConfig:
     """Offload optimizer state (and parameters at stage 3) to CPU memory (needs zero_stage >= 1)."""
     precision: str = "bf16"
     """"bf16" or "fp32" (bf16 on CPU works but is slow)."""
-    checkpoint_every: int = 1000
+    checkpoint_every: int = field(default=1000, metadata=RESUME_FREE)
     """Save a checkpoint every N optimizer steps (and at the end)."""
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = field(default=3, metadata=RESUME_FREE)
     """How many recent checkpoints Ray keeps."""
-    log_every: int = 10
+    log_every: int = field(default=10, metadata=RESUME_FREE)
     """Print a progress line every N steps (metrics are recorded every step)."""
     seed: int = 0
     """Seed of parameter initialisation and dropout."""
-    peak_flops: str = "auto"
+    peak_flops: str = field(default="auto", metadata=RESUME_FREE)
     """Peak bf16 FLOP/s per device for MFU: "auto", "H200", "H100", "A100" or a number."""
-    metrics_port: int | None = None
+    metrics_port: int | None = field(default=None, metadata=RESUME_FREE)
     """Base port of the per-worker Prometheus endpoint (the worker with local rank r on a node serves on
     port + r, so a one-GPU pod always answers on this port); 0 = any free port; null = off."""
-    metrics_addr: str = "127.0.0.1"
+    metrics_addr: str = field(default="127.0.0.1", metadata=RESUME_FREE)
     """Interface the Prometheus endpoint binds: loopback by default (the metrics are not for the
     network at large); "0.0.0.0" lets a Prometheus in the cluster scrape the pod (k8s/ sets it)."""
-    max_skipped_steps: int = 10
+    max_skipped_steps: int = field(default=10, metadata=RESUME_FREE)
     """Steps whose loss or gradients are not finite (or that DeepSpeed skips itself) that are skipped,
     not applied, before the run stops with an error naming the step. Counted over the whole run,
     restarts included (the count is in every checkpoint)."""
     polyak: float | None = None
     """Polyak averaging of the weights (an exponential moving average with this factor, e.g. 0.9999),
     evaluated beside the raw weights; null = off. Needs zero_stage <= 2 (whole weights on every rank)."""
-    eval_every: int | None = None
+    eval_every: int | None = field(default=None, metadata=RESUME_FREE)
     """Evaluate the job's evaluation sets every N steps (and always after the last); null = last only."""
-    fault: FaultConfig = field(default_factory=FaultConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig, metadata=RESUME_FREE)
     """Fault injection (tests and drills)."""
-    record_samples: bool = False
+    record_samples: bool = field(default=False, metadata=RESUME_FREE)
     """Log the keys of every sample each rank consumes (run_dir/samples/rank{r}.jsonl), for audits."""
 
-    def validate(self) -> None:
-        positive(self.global_batch, "train.global_batch")
-        positive(self.micro_batch, "train.micro_batch")
-        check(self.micro_batch <= self.global_batch, "train.micro_batch",
-              f"({self.micro_batch}) cannot exceed train.global_batch ({self.global_batch})")
-        positive(self.epochs, "train.epochs")
-        positive(self.max_steps, "train.max_steps")
-        positive(self.base_lr, "train.base_lr")
-        non_negative(self.end_lr, "train.end_lr")
-        check(self.end_lr <= self.base_lr, "train.end_lr",
-              f"({self.end_lr}) cannot exceed train.base_lr ({self.base_lr})")
-        non_negative(self.warmup_steps, "train.warmup_steps")
-        one_of(self.lr_decay, ("linear", "cosine"), "train.lr_decay")
-        non_negative(self.weight_decay, "train.weight_decay")
-        one_of(self.optimizer, ("adamw", "sgd"), "train.optimizer")
-        probability(self.momentum, "train.momentum")
-        probability(self.adam_beta1, "train.adam_beta1")
-        probability(self.adam_beta2, "train.adam_beta2")
-        positive(self.grad_clip, "train.grad_clip")
-        probability(self.label_smoothing, "train.label_smoothing")
-        one_of(self.loss, ("softmax", "sigmoid"), "train.loss")
-        one_of(self.zero_stage, (0, 1, 2, 3), "train.zero_stage")
-        check(not (self.offload and self.zero_stage == 0), "train.offload",
-              "needs train.zero_stage >= 1 (ZeRO-Offload moves optimizer state)")
-        one_of(self.precision, ("bf16", "fp32"), "train.precision")
-        positive(self.checkpoint_every, "train.checkpoint_every")
-        positive(self.keep_checkpoints, "train.keep_checkpoints")
-        positive(self.log_every, "train.log_every")
-        seed(self.seed, "train.seed")
+    def check_batch_split(self, workers: int, section: str = "train", workers_key: str = "cluster.num_workers") -> None:
+        """The one batch rule, checked before Ray starts: `global_batch` is `micro_batch` x `workers` x the
+        accumulation steps (`train/optim.py`'s `derive_batch`, which the loop uses, decides)."""
+        from vitscale.train.optim import derive_batch
+
+        try:
+            derive_batch(self.global_batch, self.micro_batch, workers, section=section, world=workers_key)
+        except ValueError as exc:
+            raise ConfigError(f"{section}.global_batch", str(exc).removeprefix(f"{section}.global_batch=")) from None
+
+    def validate(self, section: str = "train") -> None:
+        """Check every value; errors name `section.key` (`finetune.train.base_lr` in a fine-tuning job)."""
+        s = section
+        positive(self.global_batch, f"{s}.global_batch")
+        positive(self.micro_batch, f"{s}.micro_batch")
+        check(self.micro_batch <= self.global_batch, f"{s}.micro_batch",
+              f"({self.micro_batch}) cannot exceed {s}.global_batch ({self.global_batch})")
+        positive(self.epochs, f"{s}.epochs")
+        positive(self.max_steps, f"{s}.max_steps")
+        positive(self.base_lr, f"{s}.base_lr")
+        non_negative(self.end_lr, f"{s}.end_lr")
+        check(self.end_lr <= self.base_lr, f"{s}.end_lr",
+              f"({self.end_lr}) cannot exceed {s}.base_lr ({self.base_lr})")
+        non_negative(self.warmup_steps, f"{s}.warmup_steps")
+        one_of(self.lr_decay, ("linear", "cosine"), f"{s}.lr_decay")
+        non_negative(self.weight_decay, f"{s}.weight_decay")
+        one_of(self.optimizer, ("adamw", "sgd"), f"{s}.optimizer")
+        probability(self.momentum, f"{s}.momentum")
+        probability(self.adam_beta1, f"{s}.adam_beta1")
+        probability(self.adam_beta2, f"{s}.adam_beta2")
+        positive(self.grad_clip, f"{s}.grad_clip")
+        probability(self.label_smoothing, f"{s}.label_smoothing")
+        one_of(self.loss, ("softmax", "sigmoid"), f"{s}.loss")
+        one_of(self.zero_stage, (0, 1, 2, 3), f"{s}.zero_stage")
+        check(not (self.offload and self.zero_stage == 0), f"{s}.offload",
+              f"needs {s}.zero_stage >= 1 (ZeRO-Offload moves optimizer state)")
+        one_of(self.precision, ("bf16", "fp32"), f"{s}.precision")
+        positive(self.checkpoint_every, f"{s}.checkpoint_every")
+        positive(self.keep_checkpoints, f"{s}.keep_checkpoints")
+        positive(self.log_every, f"{s}.log_every")
+        seed(self.seed, f"{s}.seed")
         if self.polyak is not None:
-            probability(self.polyak, "train.polyak")
-            check(self.zero_stage <= 2, "train.polyak",
-                  "needs train.zero_stage <= 2 (stage 3 shards the weights being averaged)")
-        positive(self.eval_every, "train.eval_every")
-        check(self.metrics_port is None or 0 <= self.metrics_port < 65536, "train.metrics_port",
+            probability(self.polyak, f"{s}.polyak")
+            check(self.zero_stage <= 2, f"{s}.polyak",
+                  f"needs {s}.zero_stage <= 2 (stage 3 shards the weights being averaged)")
+        positive(self.eval_every, f"{s}.eval_every")
+        check(self.metrics_port is None or 0 <= self.metrics_port < 65536, f"{s}.metrics_port",
               f"must be a TCP port or null, got {self.metrics_port}")
-        check_address(self.metrics_addr, "train.metrics_addr")
-        non_negative_int(self.max_skipped_steps, "train.max_skipped_steps")
+        check_address(self.metrics_addr, f"{s}.metrics_addr")
+        non_negative_int(self.max_skipped_steps, f"{s}.max_skipped_steps")
         if self.peak_flops not in PEAK_FLOPS_NAMES:
             try:
                 value = float(self.peak_flops)
             except ValueError:
-                raise ConfigError("train.peak_flops", f"must be one of {list(PEAK_FLOPS_NAMES)} or FLOP/s, "
+                raise ConfigError(f"{s}.peak_flops", f"must be one of {list(PEAK_FLOPS_NAMES)} or FLOP/s, "
                                                       f"got {self.peak_flops!r}") from None
-            finite(value, "train.peak_flops")
-            positive(value, "train.peak_flops")
-        self.fault.validate()
+            finite(value, f"{s}.peak_flops")
+            positive(value, f"{s}.peak_flops")
+        self.fault.validate(f"{s}.fault")

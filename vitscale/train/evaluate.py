@@ -10,13 +10,14 @@ from collections.abc import Iterator
 
 import torch
 
+from vitscale.data.config import DEFAULT_ERROR_BUDGET
 from vitscale.train.job import EvalSet
 
 
 @torch.no_grad()
 def accuracy(model: torch.nn.Module, eval_set: EvalSet, *, resolution: int, batch_size: int,
              device: torch.device, dtype: torch.dtype, endpoint_url: str | None = None,
-             error_budget: float = 0.001) -> float:
+             error_budget: float = DEFAULT_ERROR_BUDGET) -> float:
     """Top-1 accuracy of `model` over all of `eval_set` (centre crop; rows refilled after a bad sample skipped).
 
     Past `error_budget` (the job's `data.error_budget`, a fraction of the set) unreadable samples it

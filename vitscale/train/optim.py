@@ -207,35 +207,38 @@ def nearest_valid_global_batch(global_batch: int, micro_batch: int, world_size: 
     return below
 
 
-def derive_batch(global_batch: int, micro_batch: int, world_size: int) -> BatchPlan:
+def derive_batch(global_batch: int, micro_batch: int, world_size: int, *, section: str = "train",
+                 world: str = "world_size") -> BatchPlan:
     """Gradient-accumulation plan such that ``global_batch == micro_batch * grad_accum_steps * world_size``.
 
     Raises:
         ValueError: an argument is not a positive integer, or ``global_batch`` is not a multiple of
             ``micro_batch * world_size``; the message names ``train.global_batch`` and
-            ``train.micro_batch`` and gives the nearest global batch and the largest micro batch
+            ``train.micro_batch`` (``section`` names another, e.g. ``finetune.train``; ``world`` says
+            where the world size comes from) and gives the nearest global batch and the largest micro batch
             (at most the requested one) that would work.
     """
-    positive_int(global_batch, "train.global_batch")
-    positive_int(micro_batch, "train.micro_batch")
-    positive_int(world_size, "world_size")
+    positive_int(global_batch, f"{section}.global_batch")
+    positive_int(micro_batch, f"{section}.micro_batch")
+    positive_int(world_size, world)
     unit = micro_batch * world_size
     if global_batch % unit == 0:
         return BatchPlan(micro_batch, global_batch // unit, world_size, global_batch)
 
+    lower = max(unit, global_batch // unit * unit)
     hints = [
-        f"set train.global_batch to {nearest_valid_global_batch(global_batch, micro_batch, world_size)}"
-        f" (a multiple of {unit})"
+        f"set {section}.global_batch to {nearest_valid_global_batch(global_batch, micro_batch, world_size)}"
+        f" (a multiple of {unit}: try {lower} or {lower + unit})"
     ]
     if global_batch % world_size == 0:
         per_worker = global_batch // world_size
         # Largest divisor of the per-worker batch not above the requested micro batch: the biggest
         # micro batch that still fits in the memory the user budgeted for.
         best = max(m for m in range(1, min(micro_batch, per_worker) + 1) if per_worker % m == 0)
-        hints.append(f"or set train.micro_batch to {best} (divides {per_worker} examples per worker)")
+        hints.append(f"or set {section}.micro_batch to {best} (divides {per_worker} examples per worker)")
     raise ValueError(
-        f"train.global_batch={global_batch} is not divisible by train.micro_batch={micro_batch} x "
-        f"world_size={world_size} = {unit}; " + ", ".join(hints)
+        f"{section}.global_batch={global_batch} is not divisible by {section}.micro_batch={micro_batch} x "
+        f"{world}={world_size} = {unit}; " + ", ".join(hints)
     )
 
 

@@ -53,6 +53,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from vitscale.config.checks import check, fraction, non_negative, positive_int
 from vitscale.data.carve import Carve
+from vitscale.data.config import DEFAULT_ERROR_BUDGET
 from vitscale.data.format import OpenDataset, ShardIndex, open_dataset
 from vitscale.data.loader.reader import BadSample, SampleReader
 from vitscale.data.loader.sample import decode_sample
@@ -89,7 +90,7 @@ class StreamSpec:
     """DataLoader worker processes decoding for this rank (0: decode in this process)."""
     shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
     """Window of the in-span sample shuffle (samples)."""
-    error_budget: float = 0.001
+    error_budget: float = DEFAULT_ERROR_BUDGET
     """Skipped samples allowed per epoch, as a fraction of the epoch's samples across all ranks
     (1.0: all of them)."""
     endpoint_url: str | None = None
@@ -214,7 +215,7 @@ class ShardStream:
         train: bool = True,
         num_workers: int = 0,
         shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
-        error_budget: float = 0.001,
+        error_budget: float = DEFAULT_ERROR_BUDGET,
         endpoint_url: str | None = None,
         drop_last: bool | None = None,
         transform: TransformSpec | None = None,
