@@ -90,3 +90,22 @@ def test_dedup_drops_test_images_planted_in_train(tmp_path: Path, capsys: pytest
 def test_bad_source_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["shards", "write", "--source", "pictures", "--out", str(tmp_path / "x")]) == 2
     assert "unknown source" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("chroma", "sampling"), [("4:2:0", 2), ("4:4:4", 0)])
+def test_write_offers_full_chroma_for_small_images(tmp_path: Path, chroma: str, sampling: int) -> None:
+    import io
+    import tarfile
+
+    from PIL import Image, JpegImagePlugin
+
+    from vitscale.data.format import read_meta
+
+    out = tmp_path / chroma.replace(":", "")
+    assert main(["shards", "write", "--source", "synthetic", "--out", str(out), "--count", "4", "--classes", "2",
+                 "--image-size", "32", "--chroma", chroma]) == 0
+    assert read_meta(str(out)).extra["chroma"] == chroma
+    with tarfile.open(next(out.glob("train-*.tar"))) as tar:
+        member = next(m for m in tar.getmembers() if m.name.endswith(".jpg"))
+        image = Image.open(io.BytesIO(tar.extractfile(member).read()))  # type: ignore[union-attr]
+        assert JpegImagePlugin.get_sampling(image) == sampling  # PIL: 0 = 4:4:4, 2 = 4:2:0

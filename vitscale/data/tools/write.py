@@ -13,6 +13,7 @@ or interrupted write never leaves a dataset, and writing again to the same place
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -277,10 +278,13 @@ def write_dataset(
     workers: int | None = None,
     max_bad: int = 100,
     max_pixels: int | None = None,
+    chroma: str = "4:2:0",
 ) -> dict[str, Any]:
     """Write ``source`` (see :func:`vitscale.data.tools.sources.open_source`) as shards at ``out``.
 
-    Images are shrunk to fit ``max_side`` (never enlarged) and JPEG-encoded at ``quality``;
+    Images are shrunk to fit ``max_side`` (never enlarged) and JPEG-encoded (baseline, Pillow's
+    libjpeg) at ``quality`` with ``chroma`` subsampling ("4:2:0", "4:2:2" or "4:4:4": see
+    :func:`~vitscale.data.tools.images.encode_image`; recorded in dataset.json as ``extra.chroma``);
     samples are shuffled and carved into ``splits`` (default ``{"train": 1.0}``) from ``seed``.
     A source with its own splits (:meth:`Source.predefined_splits`: CIFAR, Pets, Flowers,
     ImageNet) is written with exactly those, each shuffled from ``seed``; ``splits`` must then be
@@ -295,6 +299,7 @@ def write_dataset(
     positive_int(max_pixels, "max_pixels")
     check(max_side >= 8, "max_side", f"must be >= 8 px, got {max_side}")
     check(1 <= quality <= 95, "quality", f"must be in [1, 95] (JPEG), got {quality}")
+    check(chroma in ("4:2:0", "4:2:2", "4:4:4"), "chroma", f"must be 4:2:0, 4:2:2 or 4:4:4, got {chroma!r}")
     opts = dict(source_options or {})
     if source.partition(":")[0] in ("synthetic", "fractal"):
         opts.setdefault("seed", seed)
@@ -307,7 +312,7 @@ def write_dataset(
     n_workers = workers or min(8, os.cpu_count() or 1)
 
     def encode(s: Sample) -> tuple[Sample, bytes, int, int]:
-        return (s, *encode_image(s.image, max_side, quality, max_pixels))
+        return (s, *encode_image(s.image, max_side, quality, max_pixels, chroma))
 
     meta_splits: dict[str, SplitMeta] = {}
     rows: list[dict[str, Any]] = []
@@ -341,6 +346,7 @@ def write_dataset(
             raise ValueError(f"{source}: split {empty[0]!r} has no readable images "
                              f"({len(bad)} skipped, e.g. {bad[0]['file'] if bad else '-'})")
         meta = _meta(src, name, meta_splits, max_side, quality, seed, source, opts, bad)
+        meta = dataclasses.replace(meta, extra={**meta.extra, "chroma": chroma})
         write_index_and_meta(storage, rows, meta)
     except BaseException as exc:
         publish.abort(storage, exc)
