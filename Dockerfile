@@ -33,6 +33,7 @@ ENV DS_ACCELERATOR=cpu
 FROM base-${FLAVOR}
 ARG RAY_VERSION=2.60.0
 ARG DEEPSPEED_VERSION=0.19.8
+# The version is vitscale/_version.py's (tests/test_deploy_configs.py checks this label and the tags).
 LABEL org.opencontainers.image.title="vitscale" \
       org.opencontainers.image.version="0.1.0" \
       org.opencontainers.image.description="Vision Transformer pre-training on Ray Train + DeepSpeed ZeRO"
@@ -59,9 +60,11 @@ RUN printf 'export PATH=%s/bin:$PATH\n' "${VIRTUAL_ENV}" > /etc/profile.d/10-vit
 USER 1000:100
 WORKDIR /app
 # Dependencies first, against a stub package, so editing vitscale's code does not reinstall them.
-COPY --chown=1000:100 pyproject.toml README.md /app/
+# The stub keeps vitscale/_version.py: pyproject.toml reads the version from it.
+COPY --chown=1000:100 pyproject.toml setup.py MANIFEST.in README.md /app/
+COPY --chown=1000:100 vitscale/_version.py /app/vitscale/_version.py
 RUN python -m venv --system-site-packages "${VIRTUAL_ENV}" \
-    && mkdir -p /app/vitscale && touch /app/vitscale/__init__.py \
+    && touch /app/vitscale/__init__.py \
     && pip install --no-cache-dir -c /etc/vitscale-torch.txt -e /app \
         "ray[default,train,tune]==${RAY_VERSION}" "deepspeed==${DEEPSPEED_VERSION}"
 # Editable: `vitscale run <name>` finds pipelines/ next to the package, here /app/pipelines.

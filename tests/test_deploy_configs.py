@@ -203,7 +203,7 @@ def _images(node: Any) -> list[str]:
 
 
 def test_image_and_ray_versions_agree_across_files() -> None:
-    version = re.search(r'^version\s*=\s*"([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    version = re.search(r'^__version__\s*=\s*"([^"]+)"', (ROOT / "vitscale/_version.py").read_text(), re.M).group(1)
     for overlay, (_, _, on_gpu) in OVERLAYS.items():
         images = set(_images(rayjob(overlay)))
         assert images == {f"vitscale:{version}" if on_gpu else f"vitscale:{version}-cpu"}, (overlay, images)

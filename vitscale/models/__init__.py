@@ -2,6 +2,7 @@
 
     from vitscale.models import create_model, load_pretrained
     model = create_model("ViT-B/16", num_classes=1000, img_size=224)
+    model = create_model("vit_base_patch16_384", num_classes=10)  # timm's names too (img_size 384)
 
 Names are imported lazily (PEP 562) so `vitscale.models.variants` -- pure data, no torch --
 can be imported by the FLOPs counter and config validation without loading torch.
@@ -20,7 +21,7 @@ _EXPORTS: dict[str, str] = {
     "load_pretrained": "checkpoints",
     "read_checkpoint": "checkpoints",
     "timm_state_dict": "checkpoints",
-        "create_from_meta": "factory",
+    "create_from_meta": "factory",
     "create_model": "factory",
     "OPTIONS": "options",
     "ModelConfig": "config",
@@ -33,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "ViTDims": "variants",
     "model_names": "variants",
     "parse_model_name": "variants",
+    "timm_alias": "variants",
     "ViTConfig": "options",
     "VisionTransformer": "vit",
 }
@@ -58,6 +60,7 @@ __all__ = [
     "parse_model_name",
     "read_checkpoint",
     "resample_posemb",
+    "timm_alias",
     "timm_state_dict",
 ]
 
@@ -76,7 +79,7 @@ if TYPE_CHECKING:
     from vitscale.models.options import OPTIONS, ResNetConfig, ViTConfig
     from vitscale.models.posemb import resample_posemb
     from vitscale.models.resnet import ResNetV2
-    from vitscale.models.variants import ModelSpec, ResNetDims, ViTDims, model_names, parse_model_name
+    from vitscale.models.variants import ModelSpec, ResNetDims, ViTDims, model_names, parse_model_name, timm_alias
     from vitscale.models.vit import VisionTransformer
 
 

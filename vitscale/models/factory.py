@@ -14,19 +14,22 @@ from vitscale.config.checks import positive_int
 from vitscale.models.hybrid import build_hybrid
 from vitscale.models.options import DIM_OPTIONS, OPTIONS, VIT_OPTIONS, ResNetConfig, ViTConfig, check_option_names
 from vitscale.models.resnet import ResNetV2
-from vitscale.models.variants import ModelSpec, model_names, parse_model_name, with_overrides
+from vitscale.models.variants import ModelSpec, model_names, parse_model_name, timm_alias, with_overrides
 from vitscale.models.vit import VisionTransformer
 
 __all__ = ["OPTIONS", "create_model", "create_from_meta", "model_meta", "model_names", "parse_model_name"]
 
 
-def create_model(name: str, *, num_classes: int, img_size: int = 224, **overrides: Any) -> nn.Module:
+def create_model(name: str, *, num_classes: int, img_size: int | None = None, **overrides: Any) -> nn.Module:
     """Build a ViT, BiT ResNet or hybrid from its name (see `model_names()`).
 
     Args:
-        name: e.g. "ViT-B/16", "ViT-L/14", "R50x1", "R50x1+ViT-B/16".
+        name: e.g. "ViT-B/16", "ViT-L/14", "R50x1", "R50x1+ViT-B/16", or timm's name for one of
+            them: "vit_base_patch16_224", "vit_large_patch16_384", "vit_base_r50_s16_384",
+            "resnetv2_50x1_bit" (`variants.timm_alias`; the architecture only, no weights).
         num_classes: classifier outputs (the head is zero-initialised).
-        img_size: square input resolution the position embeddings are built for.
+        img_size: square input resolution the position embeddings are built for (default: the
+            resolution a timm name states, else 224).
         **overrides: any of `OPTIONS` (the fields of `ViTConfig` / `ResNetConfig` in
             `options.py`, and dims depth / width / mlp_dim / heads / resnet_layers; None = the
             table's value).
@@ -36,6 +39,9 @@ def create_model(name: str, *, num_classes: int, img_size: int = 224, **override
             override that does not apply to the model family.
     """
     spec = parse_model_name(name)
+    if img_size is None:
+        alias = timm_alias(name)
+        img_size = alias[1] if alias is not None and alias[1] is not None else 224
     check_option_names(overrides, spec.family, spec.name)
     positive_int(num_classes, "num_classes")
     positive_int(img_size, "img_size")

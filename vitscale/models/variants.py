@@ -142,10 +142,49 @@ def model_names() -> list[str]:
     return names
 
 
+# timm's names for the same models (`vit_base_patch16_224`, `vit_base_r50_s16_384`,
+# `resnetv2_50x1_bit`), accepted as aliases: size word -> the table's size.
+TIMM_SIZES: dict[str, str] = {"tiny": "Ti", "small": "S", "base": "B", "large": "L", "huge": "H"}
+_TIMM_VIT_RE = re.compile(r"^vit_(tiny|small|base|large|huge)_patch(\d+)(?:_(\d+))?(?:_[a-z]\w*)?$")
+_TIMM_HYBRID_RE = re.compile(r"^vit_(tiny|small|base|large|huge)_r(\d+)_s(\d+)(?:_(\d+))?(?:_[a-z]\w*)?$")
+_TIMM_BIT_RE = re.compile(r"^resnetv2_(\d+)x(\d+)_bit\w*$")
+
+
+def timm_alias(name: str) -> tuple[str, int | None] | None:
+    """timm's name -> (vitscale's name, the resolution the name states or None); None if not one.
+
+    ``vit_base_patch16_224`` -> ("ViT-B/16", 224); ``vit_large_r50_s32_384`` -> ("R50x1+ViT-L/32", 384);
+    ``resnetv2_50x1_bit.goog_in21k`` -> ("R50x1", None). A pretrained tag after a dot and suffixes
+    such as ``_in21k`` name weights, not the architecture, and are ignored.
+    """
+    base = name.strip().lower().split(".", 1)[0]
+    m = _TIMM_VIT_RE.match(base)
+    if m:
+        return f"ViT-{TIMM_SIZES[m.group(1)]}/{m.group(2)}", int(m.group(3)) if m.group(3) else None
+    m = _TIMM_HYBRID_RE.match(base)
+    if m:
+        return (f"R{m.group(2)}x1+ViT-{TIMM_SIZES[m.group(1)]}/{m.group(3)}",
+                int(m.group(4)) if m.group(4) else None)
+    m = _TIMM_BIT_RE.match(base)
+    if m:
+        return f"R{m.group(1)}x{m.group(2)}", None
+    return None
+
+
+def timm_names() -> list[str]:
+    """timm's spellings of the canonical models (for "did you mean"; any resolution suffix parses)."""
+    words = {v: k for k, v in TIMM_SIZES.items()}
+    names = [f"vit_{words[size]}_patch{p}_{res}" for size in VIT_SIZES for p in PAPER_PATCH_SIZES for res in (224, 384)]
+    names += [f"vit_{words[size]}_r50_s{s}_{res}" for size in VIT_SIZES for s in HYBRID_STRIDES for res in (224, 384)]
+    names += [f"resnetv2_{r[1:].lower()}_bit" for r in PAPER_RESNETS]
+    return names
+
+
 def _unknown(name: str, why: str) -> ValueError:
-    close = difflib.get_close_matches(name, model_names(), n=5, cutoff=0.5)
-    hint = f"; close matches: {', '.join(close)}" if close else ""
-    return ValueError(f"unknown model name {name!r} ({why}){hint}. See vitscale.models.model_names().")
+    candidates = model_names() + (timm_names() if "_" in name else [])
+    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.5)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return ValueError(f"unknown model name {name!r} ({why}){hint} See vitscale.models.model_names().")
 
 
 def _parse_vit(name: str) -> tuple[str, ViTDims, int] | None:
@@ -174,6 +213,9 @@ def parse_model_name(name: str) -> ModelSpec:
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"model name must be a non-empty string, got {name!r}")
     name = name.strip()
+    alias = timm_alias(name)
+    if alias is not None:
+        name = alias[0]
     if "+" in name:
         cnn_part, vit_part = name.split("+", 1)
         resnet = _parse_resnet(cnn_part, preact=False)

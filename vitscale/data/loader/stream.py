@@ -345,11 +345,24 @@ class ShardStream:
         if skipped and self.spec.world_size == 1:  # several ranks: the caller sums and checks
             self.check_error_budget(self.epoch_skipped())
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        s, gen = self.spec, self._generation
+    @property
+    def epoch_end(self) -> int:
+        """Position after the current epoch's last emitted sample."""
+        return self._end
+
+    def epoch_batches(self) -> IterableDataset:
+        """The rest of the current epoch from the current position as an ``IterableDataset`` of whole
+        batches (a ``DataLoader`` worker ``w`` of ``W`` builds batches ``b % W == w``), without this
+        stream's bookkeeping (position, error budget): what :meth:`__iter__` runs in its DataLoader,
+        and what :class:`vitscale.data.dataset.ShardDataset` wraps. A batch also holds ``_count``
+        (samples it consumed) and ``_skipped`` ((shard, key, why) of each skipped sample)."""
         order = self.epoch_order()
         index = self.dataset.load_index(r.shard for r in order.ranges)
-        source = _EpochBatches(s, self.dataset, order, index, self._end)
+        return _EpochBatches(self.spec, self.dataset, order, index, self._end)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        s, gen = self.spec, self._generation
+        source = self.epoch_batches()
         loader = DataLoader(
             source,
             batch_size=None,  # batches are built whole inside the workers
