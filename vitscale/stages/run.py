@@ -19,7 +19,10 @@ from vitscale.config.pipeline import PipelineConfig, ray_address
 from vitscale.stages import get_stage
 from vitscale.stages.base import StageContext
 
-PIPELINES_DIR = Path(__file__).resolve().parents[2] / "pipelines"
+# A wheel ships the pipelines inside the package (setup.py); a checkout or editable install has
+# pipelines/ beside it. The shipped copy first: site-packages/pipelines could be anyone's.
+_SHIPPED_PIPELINES = Path(__file__).resolve().parents[1] / "pipelines"
+PIPELINES_DIR = _SHIPPED_PIPELINES if _SHIPPED_PIPELINES.is_dir() else Path(__file__).resolve().parents[2] / "pipelines"
 
 
 def resolve_pipeline_path(name_or_path: str) -> Path:
