@@ -17,9 +17,9 @@ from vitscale.scaling.study.fit import (
     FitRefused,
     fit_power_law,
     pareto_frontier,
-    recommend,
     saturating,
 )
+from vitscale.scaling.study.recommend import recommend
 from vitscale.scaling.study.state import CellRecord, StudyState, runnable
 
 PIPELINES = Path(__file__).resolve().parents[1] / "pipelines"

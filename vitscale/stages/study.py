@@ -17,7 +17,7 @@ from vitscale.config.checks import ConfigError, check
 from vitscale.config.pipeline import PipelineConfig
 from vitscale.data.config import DataConfig
 from vitscale.eval.config import FewshotConfig
-from vitscale.eval.finetune import FinetuneConfig
+from vitscale.train.finetune import FinetuneConfig
 from vitscale.models.config import ModelConfig
 from vitscale.scaling.study.config import StudyConfig
 from vitscale.scaling.study.plan import DataFacts, PlannedCell, Pricing, plan_study
@@ -49,6 +49,8 @@ class StudyResult:
         return {"study_dir": self.directory}
 
     def rows(self) -> list[tuple[str, str]]:
+        from vitscale.scaling.study.report import fit_line
+
         metric = self.report.metric
         out = []
         for row in self.report.rows:
@@ -60,8 +62,8 @@ class StudyResult:
                 text += f"  ({row['error'][:120]})"
             out.append((row["cell"], text))
         for family, fit in self.report.fits.items():
-            out.append((f"fit {family}", f"E = {fit.a:.3g}(C + {fit.d:.3g})^-{fit.b:.3f} + {fit.c:.4f} "
-                                         f"(b ± {fit.b_std:.2g}, c ± {fit.c_std:.2g}; {fit.points} cells)"))
+            out.append((f"fit {family}", fit_line(fit)))
+            out += [(f"fit {family}", f"warning: {w}") for w in fit.warnings]
         for family, why in self.report.refused.items():
             out.append((f"fit {family}", f"none: {why}"))
         out.append(("results", f"{self.directory}/results.md"))

@@ -31,22 +31,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Tables, plots and fits from a study directory's stored state (while it runs, too)."""
-    from vitscale.scaling.study.report import publish_report
+    from vitscale.scaling.study.report import backtest_lines, fit_line, publish_report
     from vitscale.scaling.study.state import StudyState
 
     report = publish_report(StudyState(args.study_dir, args.endpoint_url), args.metric)
     if args.json:
         print(json.dumps({"metric": report.metric, "rows": report.rows, "files": report.files,
-                          "fits": {f: fit.row() for f, fit in report.fits.items()}, "no_fit": report.refused},
+                          "fits": {f: fit.row() for f, fit in report.fits.items()}, "no_fit": report.refused,
+                          "backtest": {f: b if isinstance(b, str) else [r.row() for r in b]
+                                       for f, b in report.backtests.items()},
+                          "frontier": report.frontier},
                          default=str))
         return 0
     done = sum(not r["partial"] for r in report.rows)
     print(f"{done}/{len(report.rows)} cells finished" + (" (partial rows marked)" if done < len(report.rows) else ""))
     for family, fit in report.fits.items():
-        print(f"fit {family}: E = {fit.a:.4g} (C + {fit.d:.3g})^-{fit.b:.4g} + {fit.c:.4f}   "
-              f"[a ± {fit.a_std:.2g}, b ± {fit.b_std:.2g}, c ± {fit.c_std:.2g}, d ± {fit.d_std:.2g}; {fit.points} cells]")
+        print(f"fit {family}: {fit_line(fit)}")
+        for warning in fit.warnings:
+            print(f"   warning: {warning}")
     for family, why in report.refused.items():
         print(f"fit {family}: none ({why})")
+    print("\n".join(backtest_lines(report)))
     print("\n".join(report.files))
     return 0
 

@@ -11,22 +11,45 @@ c is the error the family saturates at, b how fast it gets there, d shifts small
 regime where more compute barely helps yet). Four parameters: a family needs at least
 `MIN_POINTS` cells at distinct compute for a fit with an uncertainty (one degree of freedom).
 
-Fitting: least squares with bounds (a, b > 0; 0 <= c <= 1; d >= 0) from several starts, in
-compute normalised by its geometric mean so that a study in 1e-6 exaFLOPs and one in 1e3 are the
-same problem; parameter standard errors from the Jacobian at the optimum (s^2 (J^T J)^-1, the
-usual linearised covariance), mapped back to exaFLOPs by the delta method.
+Fitting: least squares within documented bounds (`bounds`), from several starts, in compute
+normalised by its geometric mean s so that a study in 1e-6 exaFLOPs and one in 1e3 are the same
+problem. The bounds, and why:
+
+- a in [1e-9, 1e3] (normalised: the error drop at C = s): errors are in [0, 1], so a drop above
+  1e3 at the centre of the data only arises with a huge d, which the next bound excludes;
+- b in [0.01, 3]: exponents of vision scaling laws are ~0.2-0.8 (Zhai et al. 2022); past 3 the
+  curve is a step, which a handful of cells cannot tell from noise;
+- c in [0, min measured error]: the error the family saturates at is at or below every error it
+  has measured (E(C) > c everywhere), so the asymptote never promises less than a measured cell;
+- d in [0, largest measured compute]: an offset past every cell would put the whole study in the
+  flat small-budget regime, where b and d cannot be told apart (d = 0, the plain power law, is the
+  model's own limit and is not flagged as a bound).
+
+A fit whose optimum sits on a bound, that has fewer than `WELL_DETERMINED` cells, or whose
+Jacobian is ill-conditioned (`COND_LIMIT`) is flagged (`PowerLawFit.warnings`): the report and
+`recommend` print the warnings. Uncertainty is a bootstrap over cells (`uncertainty.py`): refit on
+cells resampled with replacement, percentile intervals on every parameter and on predictions.
+Standard errors from the Jacobian (s^2 (J^T J)^-1, the linearised covariance, mapped back to
+exaFLOPs by the delta method) are kept alongside.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
 MIN_POINTS = 5
 """Distinct compute values a family needs for a fit: 4 parameters and one degree of freedom."""
+WELL_DETERMINED = 8
+"""Cells below which a fit is flagged as weakly determined (two per parameter)."""
+COND_LIMIT = 1e6
+"""Condition number of the Jacobian (normalised units) above which the fit is flagged: the data
+cannot separate the parameters (J^T J's is this squared)."""
+PARAMETERS = ("a", "b", "c", "d")
 
 
 def pareto_frontier(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -60,22 +83,51 @@ class PowerLawFit:
     """Root mean squared error of the fit over its points (in error units)."""
     max_compute: float
     """The largest compute fitted: predictions beyond it are extrapolations."""
+    min_compute: float = 0.0
+    """The smallest compute fitted: predictions below it are extrapolations too."""
+    condition: float = 1.0
+    """Condition number of the Jacobian at the optimum (normalised compute)."""
+    on_bound: tuple[str, ...] = ()
+    """Parameters whose optimum sits on a bound."""
+    warnings: tuple[str, ...] = ()
+    """Why the fit is not identifiable, if it is not (empty: no warning)."""
+    intervals: tuple[tuple[float, float], ...] = ()
+    """95% bootstrap intervals of a, b, c, d (empty: no bootstrap)."""
+    samples: tuple[tuple[float, float, float, float], ...] = ()
+    """The bootstrap refits' (a, b, c, d), for prediction intervals."""
 
     def error(self, compute: float | np.ndarray) -> float | np.ndarray:
         return saturating(compute, self.a, self.b, self.c, self.d)
 
-    def row(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in ("a", "a_std", "b", "b_std", "c", "c_std", "d", "d_std", "points", "rmse")}
+    def extrapolates(self, compute: float) -> bool:
+        return not self.min_compute <= compute <= self.max_compute
+
+    def row(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: getattr(self, k) for k in ("a", "a_std", "b", "b_std", "c", "c_std", "d", "d_std",
+                                                            "points", "rmse")}
+        for name, (lo, hi) in zip(PARAMETERS, self.intervals):
+            out[f"{name}_lo"], out[f"{name}_hi"] = lo, hi
+        out.update(min_compute=self.min_compute, max_compute=self.max_compute, condition=self.condition,
+                   bootstrap=len(self.samples), warnings="; ".join(self.warnings) or None)
+        return out
 
 
 class FitRefused(ValueError):
     """A family cannot be fitted; the message says why."""
 
 
-def fit_power_law(compute: Sequence[float], error: Sequence[float]) -> PowerLawFit:
-    """Fit E = a (C + d)^-b + c to (compute, error) points (compute > 0, error in [0, 1])."""
-    from scipy.optimize import least_squares
+def bounds(compute: np.ndarray, error: np.ndarray) -> tuple[list[float], list[float]]:
+    """The documented bounds (module docstring) of (a, b, c, d) in compute normalised by its geometric mean."""
+    scale = float(np.exp(np.mean(np.log(compute))))
+    top = float(compute.max()) / scale
+    c_hi = max(float(error.min()), 1e-9)
+    return [1e-9, 0.01, 0.0, 0.0], [1e3, 3.0, c_hi, top]
 
+
+def fit_power_law(compute: Sequence[float], error: Sequence[float], *, bootstrap: int = 0,
+                  seed: int = 0) -> PowerLawFit:
+    """Fit E = a (C + d)^-b + c to (compute, error) points (compute > 0, error in [0, 1]); with
+    `bootstrap` > 0, that many refits on cells resampled with replacement give the intervals."""
     x = np.asarray(compute, dtype=float)
     y = np.asarray(error, dtype=float)
     if x.shape != y.shape or x.ndim != 1:
@@ -86,22 +138,7 @@ def fit_power_law(compute: Sequence[float], error: Sequence[float]) -> PowerLawF
     if distinct < MIN_POINTS:
         raise FitRefused(f"{distinct} distinct compute value(s); a fit of 4 parameters needs at least {MIN_POINTS}")
     scale = float(np.exp(np.mean(np.log(x))))
-    xs = x / scale
-
-    def residuals(p: np.ndarray) -> np.ndarray:
-        return saturating(xs, p[0], p[1], p[2], p[3]) - y
-
-    lower, upper = [1e-9, 1e-4, 0.0, 0.0], [1e3, 5.0, 1.0, 1e3]
-    best = None
-    for b0 in (0.1, 0.3, 1.0):
-        for d0 in (0.0, 0.1, 1.0):
-            c0 = max(0.0, float(y.min()) - 0.05)
-            a0 = max(1e-6, float(y.max() - c0)) * (float(xs.min()) + d0) ** b0
-            start = np.clip([a0, b0, c0, d0], lower, [u * 0.999 for u in upper])
-            fit = least_squares(residuals, start, bounds=(lower, upper), method="trf", x_scale="jac")
-            if best is None or fit.cost < best.cost:
-                best = fit
-    assert best is not None
+    best, lower, upper = _least_squares(x / scale, y, None)
     a, b, c, d = (float(v) for v in best.x)
     n, p = len(x), 4
     rss = float(np.sum(best.fun**2))
@@ -112,32 +149,65 @@ def fit_power_law(compute: Sequence[float], error: Sequence[float]) -> PowerLawF
     big_a = a * scale**b
     grad = np.array([scale**b, big_a * math.log(scale), 0.0, 0.0])
     a_std = float(math.sqrt(max(0.0, grad @ cov @ grad)))
-    return PowerLawFit(a=big_a, b=b, c=c, d=d * scale, a_std=a_std, b_std=float(std[1]), c_std=float(std[2]),
-                       d_std=float(std[3]) * scale, points=n, rmse=math.sqrt(rss / n), max_compute=float(x.max()))
+    singular = np.linalg.svd(jac, compute_uv=False)
+    condition = float(singular[0] / singular[-1]) if singular[-1] > 0 else math.inf
+    # d = 0 is the plain power law, the model's own limit rather than a constraint: not flagged.
+    on_bound = tuple(name for name, v, lo, hi in zip(PARAMETERS, best.x, lower, upper)
+                     if (abs(v - lo) <= 1e-6 * max(1.0, abs(lo)) and name != "d") or abs(v - hi) <= 1e-6 * max(1.0, abs(hi)))
+    fit = PowerLawFit(a=big_a, b=b, c=c, d=d * scale, a_std=a_std, b_std=float(std[1]), c_std=float(std[2]),
+                      d_std=float(std[3]) * scale, points=n, rmse=math.sqrt(rss / n), max_compute=float(x.max()),
+                      min_compute=float(x.min()), condition=condition, on_bound=on_bound)
+    fit = replace(fit, warnings=identifiability(fit))
+    if bootstrap > 0:
+        from vitscale.scaling.study.uncertainty import with_bootstrap
+
+        fit = with_bootstrap(fit, x, y, bootstrap, seed)
+    return fit
 
 
-@dataclass(frozen=True)
-class Recommendation:
-    family: str
-    predicted_accuracy: float
-    """1 - the family's fitted error at the budget."""
-    extrapolated: bool
-    """The budget lies beyond the family's largest fitted compute."""
-    best_cell: dict | None
-    """The family's best measured cell within the budget (its model, epochs, data size), if any."""
+def _least_squares(xs: np.ndarray, y: np.ndarray, start: Sequence[float] | None,
+                   max_nfev: int | None = None) -> tuple[Any, list[float], list[float]]:
+    """The best least-squares optimum within `bounds` (normalised compute `xs`): from `start`, or
+    from a grid of starts."""
+    from scipy.optimize import least_squares
+
+    lower, upper = bounds(xs, y)
+
+    def residuals(p: np.ndarray) -> np.ndarray:
+        return np.asarray(saturating(xs, p[0], p[1], p[2], p[3])) - y
+
+    inner = [lo + (hi - lo) * 1e-9 if hi > lo else lo for lo, hi in zip(lower, upper)]
+    top = [hi - (hi - lo) * 1e-3 if hi > lo else hi for lo, hi in zip(lower, upper)]
+    starts: list[Sequence[float]] = []
+    if start is not None:
+        starts.append(start)
+    else:
+        for b0 in (0.1, 0.3, 1.0):
+            for d0 in (0.0, 0.1, 1.0):
+                c0 = max(0.0, float(y.min()) - 0.05)
+                a0 = max(1e-6, float(y.max() - c0)) * (float(xs.min()) + d0) ** b0
+                starts.append([a0, b0, c0, d0])
+    best = None
+    for s0 in starts:
+        x0 = np.clip(s0, inner, top)
+        fit = least_squares(residuals, x0, bounds=(lower, [max(h, lo + 1e-12) for lo, h in zip(lower, upper)]),
+                            method="trf", x_scale="jac", max_nfev=max_nfev)
+        if best is None or fit.cost < best.cost:
+            best = fit
+    assert best is not None
+    return best, lower, upper
 
 
-def recommend(budget: float, fits: dict[str, PowerLawFit], cells: Sequence[dict]) -> list[Recommendation]:
-    """Families ranked by fitted accuracy at `budget` exaFLOPs, each with its best cell within budget.
-
-    `cells` are result rows with at least family, exaflops and accuracy.
-    """
-    if not math.isfinite(budget) or budget <= 0:
-        raise ValueError(f"the budget must be a positive number of exaFLOPs, got {budget}")
+def identifiability(fit: PowerLawFit) -> tuple[str, ...]:
+    """Why a fit's parameters are not pinned down by its cells (pure): too few cells, an optimum on
+    a bound, an ill-conditioned Jacobian. Empty when none applies."""
     out = []
-    for family, fit in fits.items():
-        within = [r for r in cells if r["family"] == family and r.get("exaflops") is not None
-                  and r["exaflops"] <= budget and isinstance(r.get("accuracy"), float)]
-        best = max(within, key=lambda r: r["accuracy"]) if within else None
-        out.append(Recommendation(family, 1.0 - float(fit.error(budget)), budget > fit.max_compute, best))
-    return sorted(out, key=lambda r: -r.predicted_accuracy)
+    if fit.points < WELL_DETERMINED:
+        out.append(f"{fit.points} cells for 4 parameters (fewer than {WELL_DETERMINED}): weakly determined")
+    if fit.on_bound:
+        out.append(f"{', '.join(fit.on_bound)} on a bound of the fit (fit.py's bounds): the data do not pin "
+                   f"{'it' if len(fit.on_bound) == 1 else 'them'} down")
+    if not math.isfinite(fit.condition) or fit.condition > COND_LIMIT:
+        out.append(f"condition number {fit.condition:.2g} of the Jacobian (> {COND_LIMIT:.0e}): the parameters "
+                   f"trade off against each other")
+    return tuple(out)

@@ -24,7 +24,8 @@ def _pyplot() -> Any:
 def plot_compute(rows: Sequence[dict[str, Any]], metric: str, fits: dict[str, Any],
                  frontier: Callable[[list[tuple[float, float]]], list[tuple[float, float]]], path: Path) -> Path:
     """Figure 5: transfer accuracy vs pre-training exaFLOPs (log x), a marker family per
-    architecture family, the Pareto frontier over all cells, and each family's fitted curve."""
+    architecture family, the Pareto frontier over all cells, and each family's fitted curve
+    (solid where measured, dashed with its bootstrap band where extrapolated)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=130)
     points = []
@@ -39,11 +40,7 @@ def plot_compute(rows: Sequence[dict[str, Any]], metric: str, fits: dict[str, An
         for c, a, label in mine:
             ax.annotate(label, (c, a), fontsize=6, xytext=(3, 3), textcoords="offset points", alpha=0.7)
         if family in fits:
-            fit = fits[family]
-            lo = min(m[0] for m in mine)
-            xs = np.geomspace(lo / 2, fit.max_compute * 4, 100)
-            ax.plot(xs, 1.0 - fit.error(xs), color=COLOURS.get(family), alpha=0.6, linewidth=1,
-                    label=f"{family} fit: E = {fit.a:.3g}(C+{fit.d:.2g})^-{fit.b:.2f} + {fit.c:.3f}")
+            _draw_fit(ax, family, fits[family])
     if points:
         front = frontier(points)
         ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="grey", linestyle="--",
@@ -59,6 +56,27 @@ def plot_compute(rows: Sequence[dict[str, Any]], metric: str, fits: dict[str, An
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _draw_fit(ax: Any, family: str, fit: Any) -> None:
+    """The fit solid over its measured compute range, dashed beyond it (half a decade below, 4x
+    above), with its 95% bootstrap band where it extrapolates, so a reader sees where it is a guess."""
+    from vitscale.scaling.study.uncertainty import predict
+
+    colour = COLOURS.get(family)
+    inside = np.geomspace(fit.min_compute, fit.max_compute, 60)
+    below = np.geomspace(fit.min_compute / 3, fit.min_compute, 20)
+    above = np.geomspace(fit.max_compute, fit.max_compute * 4, 30)
+    label = f"{family} fit: E = {fit.a:.3g}(C+{fit.d:.2g})^-{fit.b:.2f} + {fit.c:.3f}" + (" (!)" if fit.warnings else "")
+    ax.plot(inside, 1.0 - fit.error(inside), color=colour, alpha=0.8, linewidth=1.2, label=label)
+    for xs in (below, above):
+        ax.plot(xs, 1.0 - fit.error(xs), color=colour, alpha=0.6, linewidth=1, linestyle="--")
+        if fit.samples:
+            bands = [predict(fit, float(x)) for x in xs]
+            ax.fill_between(xs, [b[1] for b in bands], [b[2] for b in bands], color=colour, alpha=0.12, linewidth=0)
+    if fit.samples:
+        bands = [predict(fit, float(x)) for x in inside]
+        ax.fill_between(inside, [b[1] for b in bands], [b[2] for b in bands], color=colour, alpha=0.08, linewidth=0)
 
 
 def plot_data_size(rows: Sequence[dict[str, Any]], metric: str, path: Path) -> Path:
