@@ -19,13 +19,15 @@ from ray.train.v2.api.callback import UserCallback
 from vitscale.config.checks import ConfigError
 from vitscale.data.format import DatasetError
 from vitscale.data.loader.stream import ErrorBudgetExceeded
+from vitscale.train.checkpoint import DiskFull
 from vitscale.train.engine import UnsafeCheckpoint
 from vitscale.train.loop import NonFiniteSteps
 
 DETERMINISTIC: tuple[type[BaseException], ...] = (ErrorBudgetExceeded, DatasetError, ConfigError, NonFiniteSteps,
-                                                   UnsafeCheckpoint)
+                                                   UnsafeCheckpoint, DiskFull)
 """Errors a restart repeats exactly (bad data, an exceeded error budget, a bad setting or a changed
-run found on a worker, the non-finite-step budget spent, a checkpoint file that would run code):
+run found on a worker, the non-finite-step budget spent, a checkpoint file that would run code, a
+checkpoint that does not fit its disk):
 the run stops instead of being retried."""
 
 

@@ -16,16 +16,22 @@ an interrupted upload), so a resume never loads half a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import os
 import pickle
 import random
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import torch
+
+from vitscale.data.storage.space import free_bytes, is_no_space, megabytes
 
 DEEPSPEED_DIR = "deepspeed"
 DEEPSPEED_TAG = "state"
@@ -196,3 +202,66 @@ def read_rank_part(directory: Path, rank: int) -> dict[str, Any]:
     except pickle.UnpicklingError as exc:
         raise ValueError(f"{path}: refusing to load: it holds objects that are not tensors or plain data "
                          f"({str(exc).strip().splitlines()[0] if str(exc).strip() else 'unpickling refused'})") from None
+
+
+# ----------------------------------------------------------------------------------------- a full disk
+
+_LAST_PART_BYTES: dict[str, int] = {}
+"""This worker process's part of the last checkpoint it saved, in bytes (the next one is about as big)."""
+
+
+class DiskFull(OSError):
+    """A checkpoint did not fit where it was being written: one line naming the place and the space
+    needed. A restart would fail the same way until space is freed (`launch/failures.py` stops the
+    run); the checkpoint being written is incomplete (no manifest, or files the manifests do not
+    match), so a resume skips it for the last complete one."""
+
+
+def tree_bytes(directory: Path) -> int:
+    """Bytes of the files under ``directory``."""
+    return sum(p.stat().st_size for p in Path(directory).rglob("*") if p.is_file())
+
+
+@contextlib.contextmanager
+def space_for(where: str | os.PathLike[str], *, step: int, parts: int = 1,
+              copying: Path | None = None) -> Iterator[None]:
+    """Guard one write of a checkpoint (``parts`` ranks' parts) into ``where``: a full disk becomes one
+    :class:`DiskFull` line naming ``where``, the space needed and the space free.
+
+    The need is this rank's part times ``parts``: the part being copied (``copying``, a finished
+    local checkpoint), else the last checkpoint's. When ``where`` has less free space than that,
+    nothing is written at all; otherwise the disk's own error is turned into the same line.
+    """
+    part = tree_bytes(copying) if copying is not None else _LAST_PART_BYTES.get("part")
+    needed = None if part is None else part * parts
+    free = free_bytes(where)
+    if needed is not None and free is not None and free < needed:
+        raise _disk_full(where, step, needed, free, parts)
+    try:
+        yield
+    except Exception as exc:
+        if isinstance(exc, DiskFull):
+            raise
+        # torch.save reports a full disk as "file write failed" with no errno: a disk left with
+        # (almost) nothing free after a failed write was full too.
+        free = free_bytes(where)
+        if not (is_no_space(exc) or (free is not None and free < max(needed or 0, 1 << 20))):
+            raise
+        raise _disk_full(where, step, needed, free, parts) from exc
+
+
+def record_part(directory: Path) -> int:
+    """Remember this rank's part of the checkpoint just saved in ``directory`` (the next need); its bytes."""
+    _LAST_PART_BYTES["part"] = size = tree_bytes(directory)
+    return size
+
+
+def _disk_full(where: str | os.PathLike[str], step: int, needed: int | None, free: int | None,
+               parts: int) -> DiskFull:
+    need = (f"it needs about {megabytes(needed)}" + (f" ({parts} ranks' parts)" if parts > 1 else "")
+            if needed is not None else "the first checkpoint's size is not known yet")
+    has = f"{megabytes(free)} free" if free is not None else "free space unknown"
+    error = DiskFull(f"no space for the checkpoint of step {step} in {os.fspath(where)}: {need}, {has}; "
+                     "free space there and run again: it resumes from the last complete checkpoint")
+    error.errno = errno.ENOSPC
+    return error

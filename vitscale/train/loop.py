@@ -313,11 +313,15 @@ def _save_and_report(engine: Any, ctx: WorkerContext, state: ckpt.TrainState, st
                      config_yaml: str, metrics: dict[str, Any], polyak: Polyak | None) -> None:
     with tempfile.TemporaryDirectory(prefix=f"vitscale-ckpt-r{ctx.rank}-") as tmp:
         directory = Path(tmp)
-        # Every rank calls save: ZeRO keeps one optimizer shard per rank (DeepSpeed barriers inside).
-        engine.save_checkpoint(str(directory / ckpt.DEEPSPEED_DIR), tag=ckpt.DEEPSPEED_TAG)
-        ckpt.write_rank_part(directory, rank=ctx.rank, stream_state=stream_state, train_state=state,
-                             config_yaml=config_yaml, polyak=None if polyak is None else polyak.state_dict())
-        ctx.report(metrics, directory)
+        # A full disk, here or in the run's storage, is one line naming it and the space needed.
+        with ckpt.space_for(tempfile.gettempdir(), step=state.step):
+            # Every rank calls save: ZeRO keeps one optimizer shard per rank (DeepSpeed barriers inside).
+            engine.save_checkpoint(str(directory / ckpt.DEEPSPEED_DIR), tag=ckpt.DEEPSPEED_TAG)
+            ckpt.write_rank_part(directory, rank=ctx.rank, stream_state=stream_state, train_state=state,
+                                 config_yaml=config_yaml, polyak=None if polyak is None else polyak.state_dict())
+        with ckpt.space_for(ctx.storage or ctx.run_dir, step=state.step, parts=ctx.world_size, copying=directory):
+            ctx.report(metrics, directory)
+        ckpt.record_part(directory)
 
 
 def _restore(engine: Any, ctx: WorkerContext, polyak: Polyak | None,

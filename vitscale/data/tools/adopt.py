@@ -23,13 +23,20 @@ or WebDataset's brace notation ``.../train-{000000..000999}.tar`` (all in one fo
 
 from __future__ import annotations
 
+import io
+import json
 import posixpath
 import re
 import tarfile
 import zlib
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from vitscale.data.format import (
+    INDEX_NAME,
+    INDEX_SCHEMA,
     LABEL_SOURCE,
     META_NAME,
     SHARD_ROOT,
@@ -48,7 +55,8 @@ from vitscale.data.loader.labels import (
     parse_text_label,
 )
 from vitscale.data.loader.sample import IMAGE_MEMBERS
-from vitscale.data.storage import Storage, open_storage
+from vitscale.data.storage import Storage, StorageError, open_storage
+from vitscale.data.storage.space import free_bytes, is_no_space, megabytes
 
 __all__ = ["expand_braces", "index_shards", "split_url"]
 
@@ -292,8 +300,24 @@ def index_shards(url: str, *, out: str | None = None, split: str = "train", labe
                **({LABEL_SOURCE: "index"} if labels.kind != "cls" else {}),
                **({SHARD_ROOT: shards.url} if dest is not shards else {})},
     )
-    write_index_and_meta(dest, rows, meta)
+    try:
+        write_index_and_meta(dest, rows, meta)
+    except OSError as exc:
+        if not is_no_space(exc):
+            raise
+        # The index and dataset.json are written whole (each to a temporary name first): nothing is
+        # left half-written; say how much room they need.
+        raise StorageError(f"no space left on the device of {dest.url} for {INDEX_NAME} and {META_NAME}: they need "
+                           f"about {megabytes(_index_bytes(rows, meta))}, {megabytes(free_bytes(dest.url))} free; free "
+                           "space or choose another --out, and index again") from exc
     return meta.to_json()
+
+
+def _index_bytes(rows: list[dict[str, Any]], meta: DatasetMeta) -> int:
+    """Bytes of ``_index.parquet`` plus ``dataset.json`` for ``rows`` and ``meta`` (written to memory)."""
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows, schema=INDEX_SCHEMA), buf)
+    return buf.tell() + len(json.dumps(meta.to_json(), indent=2)) + 1
 
 
 def _check_bad(bad: list[dict[str, str]], max_bad: int | None, shards: Storage) -> None:

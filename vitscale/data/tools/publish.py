@@ -25,9 +25,10 @@ import re
 import time
 
 from vitscale.data.format import INDEX_NAME, META_NAME
-from vitscale.data.storage import Storage
+from vitscale.data.storage import Storage, StorageError
+from vitscale.data.storage.space import free_bytes, is_no_space, megabytes
 
-__all__ = ["WRITING", "abort", "claim", "release"]
+__all__ = ["WRITING", "abort", "claim", "no_space", "release"]
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +65,30 @@ def release(storage: Storage) -> None:
 
 
 def abort(storage: Storage, error: BaseException) -> None:
-    """Remove the shards and index a failed write left; never raise over ``error``."""
+    """Remove the shards and index a failed write left; never raise over ``error``, except to say in
+    one line that the destination's disk is full (:func:`no_space`)."""
+    written, free = None, free_bytes(storage.url)
     try:
-        for name in _ours(storage.list()):
+        sizes = storage.list_sizes()
+        written = sum(sizes[name] for name in _ours(list(sizes)))
+        for name in _ours(list(sizes)):
             storage.delete(name)
         storage.delete(WRITING)
     except Exception as cleanup:  # noqa: BLE001 -- the original error is the one to report
         error.add_note(f"while cleaning up {storage.url}: {type(cleanup).__name__}: {cleanup} "
                        "(the next write to it clears what is left)")
+    if isinstance(error, Exception) and is_no_space(error) and not isinstance(error, StorageError):
+        raise no_space(storage, written, free) from error
+
+
+def no_space(storage: Storage, written: int | None, free: int | None) -> StorageError:
+    """One line for a destination whose disk filled: its path, what fitted and the space needed.
+
+    What was written plus what was still free when the write failed did not hold the dataset, so it
+    needs more than their sum.
+    """
+    need = (f"it needs more than {megabytes(written + free)} there ({megabytes(written)} written before the disk "
+            f"filled, {megabytes(free)} free)") if written is not None and free is not None else \
+        f"{megabytes(free)} free there"
+    return StorageError(f"no space left on the device of {storage.url}: {need}; free space (what was written is "
+                        "removed) or choose another --out, and write again")
