@@ -105,13 +105,14 @@ def pipeline(work: Path, name: str, scheduler: str, data: str, weights: str, arg
         "name": name,
         "stages": ["sweep"],
         "model": MODEL,
-        "finetune": {"dataset": data, "checkpoint": weights, "lr_grid": list(args.lrs), "steps": args.steps,
-                     "batch": args.batch, "micro_batch": args.batch, "resolution": 32, "precision": "fp32",
-                     "num_workers": 0, "dev_fraction": 0.2, "log_every": max(1, args.steps // 8),
-                     "checkpoint_every": args.steps,
-                     # The grid's trials are also scored every 1/16 of their steps: their dev curves (in
-                     # the JSON) show where ASHA's rungs would judge them. Training is unchanged.
-                     **({"eval_every": max(1, args.steps // 16)} if scheduler == "grid" else {})},
+        "finetune": {"checkpoint": weights, "lr_grid": list(args.lrs), "resolution": 32, "dev_fraction": 0.2,
+                     "data": {"url": data, "num_workers": 0},
+                     "train": {"max_steps": args.steps, "global_batch": args.batch, "micro_batch": args.batch,
+                               "precision": "fp32", "log_every": max(1, args.steps // 8),
+                               "checkpoint_every": args.steps,
+                               # The grid's trials are also scored every 1/16 of their steps: their dev curves
+                               # (in the JSON) show where ASHA's rungs would judge them. Training is unchanged.
+                               **({"eval_every": max(1, args.steps // 16)} if scheduler == "grid" else {})}},
         "sweep": {"scheduler": scheduler, "workers_per_trial": 1, "retrain": False,
                   **({"grace_period": args.grace} if args.grace and scheduler == "asha" else {}),
                   **({"reduction_factor": args.reduction_factor} if args.reduction_factor and scheduler == "asha" else {})},
@@ -141,10 +142,10 @@ def trials(run_dir: Path) -> list[dict[str, Any]]:
 
     table = pd.read_parquet(run_dir / "sweep" / "results.parquet")
     reports = tune_reports(run_dir)
-    return [{"lr": float(r["finetune.base_lr"]), "steps": int(r["steps"]) if r["steps"] == r["steps"] else 0,
+    return [{"lr": float(r["finetune.train.base_lr"]), "steps": int(r["steps"]) if r["steps"] == r["steps"] else 0,
              "dev_accuracy": None if r["metric"] != r["metric"] else float(r["metric"]), "status": r["status"],
-             "dev_curve": {step: acc for _, step, acc in reports.get(float(r["finetune.base_lr"]), []) if acc is not None},
-             "reports": reports.get(float(r["finetune.base_lr"]), [])}
+             "dev_curve": {step: acc for _, step, acc in reports.get(float(r["finetune.train.base_lr"]), []) if acc is not None},
+             "reports": reports.get(float(r["finetune.train.base_lr"]), [])}
             for r in table.to_dict("records")]
 
 
@@ -159,7 +160,7 @@ def tune_reports(run_dir: Path) -> dict[float, list[tuple[float, int, float | No
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         if rows:
             start = rows[0]["timestamp"] - rows[0]["time_total_s"]
-            out[float(rows[0]["config"]["finetune.base_lr"])] = [(start, 0, None)] + [
+            out[float(rows[0]["config"]["finetune.train.base_lr"])] = [(start, 0, None)] + [
                 (r["timestamp"], int(r["step"]), float(r["dev_accuracy"]) if "dev_accuracy" in r else None)
                 for r in rows]
     return out
@@ -196,7 +197,7 @@ def summarise(grid: list[dict[str, Any]], asha: list[dict[str, Any]], args: argp
     to_reach = steps_to_reach([r["reports"] for r in asha], args.steps, g["dev_accuracy"] - TOLERANCE)
     to_reach_fraction = None if to_reach is None else to_reach / grid_steps
     return {
-        "init": args.init, "search_space": {"finetune.base_lr": list(args.lrs)}, "steps_per_trial": args.steps,
+        "init": args.init, "search_space": {"finetune.train.base_lr": list(args.lrs)}, "steps_per_trial": args.steps,
         "batch": args.batch,
         "grace": args.grace, "reduction_factor": args.reduction_factor,
         "grid_trial_steps": grid_steps, "asha_trial_steps": asha_steps, "asha_fraction": fraction,
@@ -210,7 +211,7 @@ def summarise(grid: list[dict[str, Any]], asha: list[dict[str, Any]], args: argp
 
 
 def print_table(s: dict[str, Any]) -> None:
-    lrs = s["search_space"]["finetune.base_lr"]
+    lrs = s["search_space"]["finetune.train.base_lr"]
     start = "fine-tuning a fractal-pre-trained ViT" if s["init"] == "pretrained" else "training from random weights"
     print(f"\nASHA vs the full grid, {start}: {len(lrs)} learning rates {min(lrs):g}..{max(lrs):g}, "
           f"{s['steps_per_trial']} steps of batch {s['batch']} per trial\n")

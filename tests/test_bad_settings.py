@@ -30,8 +30,8 @@ def base(dataset: str, storage: Path) -> dict[str, Any]:
             "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "heads": 2, "mlp_dim": 32},
             "train": {"global_batch": 8, "micro_batch": 4, "max_steps": 1, "warmup_steps": 0},
             "fewshot": {"datasets": [dataset], "resolution": 16, "shots": [1, 5]},
-            "finetune": {"dataset": dataset, "base_lr": 0.01, "resolution": 16, "batch": 8, "micro_batch": 4,
-                         "steps": 2, "dev_fraction": 0.1},
+            "finetune": {"resolution": 16, "dev_fraction": 0.1, "data": {"url": dataset},
+                         "train": {"base_lr": 0.01, "global_batch": 8, "micro_batch": 4, "max_steps": 2}},
             "cluster": {"num_workers": 2, "use_gpu": False, "cpus_per_worker": 1, "storage_path": str(storage)}}
 
 
@@ -60,7 +60,9 @@ BAD: list[tuple[str, Any, str]] = [
     # few-shot counts the evaluation set cannot supply; probe settings that would fail only after pre-training
     ("fewshot.shots", [1, 40], "fewshot.shots"), ("fewshot.resolution", 32, "fewshot.resolution"),
     ("fewshot.seed", 2**32 - 2, "fewshot.seed"), ("fewshot.train_split", "a/b", "fewshot.train_split"),
-    ("finetune.resolution", 20, "finetune.resolution"), ("finetune.seed", -1, "finetune.seed"),
+    ("finetune.resolution", 20, "finetune.resolution"), ("finetune.train.seed", -1, "finetune.train.seed"),
+    ("finetune.data.seed", -1, "finetune.data.seed"), ("finetune.train.global_batch", 12, "finetune.train.global_batch"),
+    ("finetune.data.split", "nope", "finetune.data.split"), ("finetune.seed", 1, "finetune.seed"),  # the old shape
 ]
 """(dotted key, value, the key the one-line error must name)."""
 

@@ -1,4 +1,5 @@
-"""Fine-tuning: Table 4 presets, the dev-then-test protocol, and the real loop from pre-trained weights."""
+"""Fine-tuning: Table 4 presets, the recipe as TrainConfig defaults, the dev-then-test protocol, the old
+shape refused in one line, and the real loop from pre-trained weights."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import torch
 from vitscale.config import ConfigError
 from vitscale.data.carve import Carve
 from vitscale.data.tools.write import write_dataset
-from vitscale.eval.finetune import PRESETS, FinetuneConfig, final_job, finetune_model, selection_job
+from vitscale.train.config import TrainConfig
+from vitscale.train.finetune import PRESETS, RECIPE, FinetuneConfig, finetune_model
+from vitscale.train.job import final_job, selection_job
 from vitscale.models import ModelConfig, create_model, export_state_dict
 from vitscale.stages import build_pipeline
 from vitscale.train.job import EvalSet, TrainJob
@@ -35,13 +38,44 @@ def test_presets_are_table_4() -> None:
 
 
 def test_the_recipe_is_the_papers() -> None:
-    cfg = FinetuneConfig(dataset="d", preset="cifar10")
-    recipe = cfg.recipe(0.003)
+    cfg = FinetuneConfig(data={"url": "d"}, preset="cifar10")
+    recipe = cfg.train_config(0.003)
     assert (recipe.optimizer, recipe.momentum, recipe.global_batch, recipe.lr_decay, recipe.weight_decay,
             recipe.grad_clip, recipe.max_steps, recipe.base_lr) == ("sgd", 0.9, 512, "cosine", 0.0, 1.0, 10_000, 0.003)
     assert cfg.resolution == 384 and cfg.dev_share() == 0.02 and cfg.single_lr() is None
-    assert FinetuneConfig(dataset="d", preset="vtab").single_lr() == 0.01  # one setting for every task
-    assert FinetuneConfig(dataset="d", preset="pets", steps=7, base_lr=0.5).recipe(0.5).max_steps == 7
+    assert recipe.warmup_steps == 500 and FinetuneConfig(preset="pets").train_config().warmup_steps == 50
+    assert FinetuneConfig(data={"url": "d"}, preset="vtab").single_lr() == 0.01  # one setting for every task
+    cfg = FinetuneConfig(data={"url": "d"}, preset="pets", train={"max_steps": 7, "base_lr": 0.5})
+    assert cfg.train_config(0.5).max_steps == 7 and cfg.single_lr() == 0.5
+
+
+def test_every_train_and_data_key_reaches_a_finetuning_job() -> None:
+    # Fine-tuning is a training job: any train: / data: key applies, over the paper's recipe.
+    config = build_pipeline({"finetune": {"preset": "pets", "train": {"max_skipped_steps": 0, "keep_checkpoints": 1,
+                                                                      "label_smoothing": 0.1, "base_lr": 0.01},
+                                          "data": {"url": "d", "error_budget": 0.0, "shuffle_buffer": 64}}})
+    job = final_job(config.finetune, TINY, None, 0.01, use_gpu=False, endpoint_url="http://s3.local")
+    assert (job.train.max_skipped_steps, job.train.keep_checkpoints, job.train.label_smoothing) == (0, 1, 0.1)
+    assert (job.data.error_budget, job.data.shuffle_buffer, job.data.url) == (0.0, 64, "d")
+    assert job.data.endpoint_url == "http://s3.local"  # unset in finetune.data: the pipeline's data.endpoint_url
+    # What no key sets is the recipe, and every other key keeps its TrainConfig default.
+    defaults = TrainConfig()
+    for key, value in RECIPE.items():
+        assert getattr(job.train, key) == value
+    assert (job.train.max_steps, job.train.warmup_steps) == (500, 50)  # Table 4's pets row; a tenth of it
+    assert job.train.checkpoint_every == defaults.checkpoint_every and job.train.loss == defaults.loss
+
+
+def test_the_old_shape_says_where_each_key_moved() -> None:
+    with pytest.raises(ConfigError) as err:
+        build_pipeline({"finetune": {"dataset": "d", "base_lr": 0.01, "batch": 64, "micro_batch": 8}})
+    message = str(err.value)
+    assert "\n" not in message
+    for old, new in (("dataset", "data.url"), ("base_lr", "train.base_lr"), ("batch", "train.global_batch"),
+                     ("micro_batch", "train.micro_batch")):
+        assert f"finetune.{old} moved to finetune.{new}" in message
+    with pytest.raises(ConfigError, match="finetune.train.epochs"):  # fine-tuning counts steps
+        build_pipeline({"finetune": {"train": {"epochs": 3}}})
 
 
 def test_the_model_drops_pre_logits_and_takes_the_new_resolution() -> None:
@@ -50,7 +84,7 @@ def test_the_model_drops_pre_logits_and_takes_the_new_resolution() -> None:
 
 
 def test_a_selection_job_cannot_read_the_test_split() -> None:
-    cfg = FinetuneConfig(dataset="d", preset="pets")
+    cfg = FinetuneConfig(data={"url": "d"}, preset="pets")
     job = selection_job(cfg, TINY, None, 0.01, use_gpu=False, endpoint_url=None)
     assert [e.name for e in job.evals] == ["dev"] and job.carve == Carve(0.1, 0, "rest")
     assert job.evals[0].carve == Carve(0.1, 0, "dev") and job.evals[0].split == "train"
@@ -66,28 +100,37 @@ def test_a_selection_job_cannot_read_the_test_split() -> None:
 @pytest.mark.parametrize("raw, key", [
     ({"preset": "mnist"}, "finetune.preset"),
     ({"dev_fraction": 1.0}, "finetune.dev_fraction"),
-    ({"momentum": 1.0}, "finetune.momentum"),
-    ({"base_lr": -1}, "finetune.base_lr"),
+    ({"train": {"momentum": 1.0}}, "finetune.train.momentum"),
+    ({"train": {"base_lr": -1}}, "finetune.train.base_lr"),
     ({"lr_grid": [0.01, float("nan")]}, "finetune.lr_grid[1]"),
     ({"test_split": "train"}, "finetune.test_split"),
-    ({"polyak": 0.999, "zero_stage": 3}, "finetune.polyak"),
+    ({"train": {"polyak": 0.999, "zero_stage": 3}}, "finetune.train.polyak"),
+    ({"train": {"bogus": 1}}, "finetune.train.bogus"),
+    ({"data": {"error_budget": 2.0}}, "finetune.data.error_budget"),
+    ({"data": {"create_if_missing": {"kind": "nope"}}}, "finetune.data.create_if_missing.kind"),
 ])
 def test_bad_finetune_settings_name_the_key(raw: dict, key: str) -> None:
     with pytest.raises(ConfigError) as err:
-        build_pipeline({"finetune": {"dataset": "d", **raw}})
+        build_pipeline({"finetune": {**raw, "data": {"url": "d", **raw.get("data", {})}}})
     assert err.value.key == key
 
 
 def test_the_stage_needs_weights_and_one_learning_rate() -> None:
     with pytest.raises(ConfigError) as err:
-        build_pipeline({"stages": ["finetune"], "finetune": {"dataset": "d", "base_lr": 0.01}})
+        build_pipeline({"stages": ["finetune"], "finetune": {"data": {"url": "d"}, "train": {"base_lr": 0.01}}})
     assert err.value.key == "finetune.checkpoint"
     with pytest.raises(ConfigError, match="sweep stage") as err:
-        build_pipeline({"stages": ["pretrain", "finetune"], "finetune": {"dataset": "d", "preset": "cifar10"},
+        build_pipeline({"stages": ["pretrain", "finetune"], "finetune": {"data": {"url": "d"}, "preset": "cifar10"},
                         "cluster": {"num_workers": 2}, "train": {"global_batch": 128}})
-    assert err.value.key == "finetune.base_lr"
-    build_pipeline({"stages": ["pretrain", "finetune"], "finetune": {"dataset": "d", "preset": "vtab",
-                    "micro_batch": 16, "batch": 32}, "cluster": {"num_workers": 2}, "train": {"global_batch": 128}})
+    assert err.value.key == "finetune.train.base_lr"
+    with pytest.raises(ConfigError, match="try 32 or 64") as err:  # the one batch rule, named for its section
+        build_pipeline({"stages": ["pretrain", "finetune"], "finetune": {"data": {"url": "d"}, "preset": "vtab",
+                        "train": {"micro_batch": 16, "global_batch": 48}}, "cluster": {"num_workers": 2},
+                        "train": {"global_batch": 128}})
+    assert err.value.key == "finetune.train.global_batch"
+    build_pipeline({"stages": ["pretrain", "finetune"], "finetune": {"data": {"url": "d"}, "preset": "vtab",
+                    "train": {"micro_batch": 16, "global_batch": 32}}, "cluster": {"num_workers": 2},
+                    "train": {"global_batch": 128}})
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +150,9 @@ def test_finetuning_runs_through_the_pretraining_loop(downstream: str, tmp_path:
                               representation_size=32)
     init = tmp_path / "pretrained.pt"
     export_state_dict(pretrained, init)
-    cfg = FinetuneConfig(dataset=downstream, steps=12, batch=16, micro_batch=8, resolution=32, precision="fp32",
-                         checkpoint_every=12, log_every=4, eval_every=6, num_workers=0, polyak=0.9, dev_fraction=0.2)
+    cfg = FinetuneConfig(data={"url": downstream, "num_workers": 0}, resolution=32, dev_fraction=0.2,
+                         train={"max_steps": 12, "global_batch": 16, "micro_batch": 8, "precision": "fp32",
+                                "checkpoint_every": 12, "log_every": 4, "eval_every": 6, "polyak": 0.9})
     job = selection_job(cfg, finetune_model(TINY, 32), str(init), 0.05, use_gpu=False, endpoint_url=None)
     job = replace(job, eval_steps=(1, 3, 9))  # ASHA's rungs (a sweep sets them): scored exactly there too
     seen: list[dict] = []
@@ -137,5 +181,5 @@ def test_vitscale_finetune_on_a_local_ray_fits_this_machine(monkeypatch: pytest.
     raw = finetune_pipeline("weights.pth", "shards", model="ViT-B/16", base_lr=0.01, local=True)
     assert raw["cluster"] == expected
     config = build_pipeline(raw, "vitscale finetune")
-    assert config.finetune.precision == ("bf16" if gpus else "fp32")
+    assert config.finetune.train_config().precision == ("bf16" if gpus else "fp32")
     assert "cluster" not in finetune_pipeline("weights.pth", "shards", local=False)  # a cluster: its own config

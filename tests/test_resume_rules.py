@@ -68,10 +68,22 @@ def test_keys_that_may_change_are_not_refused(cfg: dict, key: str, value: object
 
 
 def test_fault_drills_may_change_and_finetuning_has_its_own_scope() -> None:
-    old = {"train": {"fault": {"kill_rank": 0, "kill_at_step": 3}}, "finetune": {"base_lr": 0.01}}
-    new = {"train": {"fault": {"kill_rank": None, "kill_at_step": None}}, "finetune": {"base_lr": 0.03}}
+    old = {"train": {"fault": {"kill_rank": 0, "kill_at_step": 3}}, "finetune": {"train": {"base_lr": 0.01}}}
+    new = {"train": {"fault": {"kill_rank": None, "kill_at_step": None}}, "finetune": {"train": {"base_lr": 0.03}}}
     assert changed_keys(old, new) == []
-    assert changed_keys(old, new, FINETUNE_SCOPE) == [("finetune.base_lr", 0.01, 0.03)]
+    assert changed_keys(old, new, FINETUNE_SCOPE) == [("finetune.train.base_lr", 0.01, 0.03)]
+
+
+def test_the_allow_list_comes_from_the_fields_and_covers_finetuning_alike() -> None:
+    # Marked where declared (config/fields.py RESUME_FREE), read the same under train: and finetune.train:.
+    for key in ("train.log_every", "train.checkpoint_every", "train.fault", "data.num_workers", "data.error_budget"):
+        assert key in RESUME_MAY_CHANGE and f"finetune.{key}" in RESUME_MAY_CHANGE
+    for key in ("train.base_lr", "train.global_batch", "data.seed", "data.shuffle_buffer", "data.url"):
+        assert key not in RESUME_MAY_CHANGE and f"finetune.{key}" not in RESUME_MAY_CHANGE
+    assert len(set(RESUME_MAY_CHANGE)) == len(RESUME_MAY_CHANGE)  # each key once
+    old = {"finetune": {"train": {"log_every": 5, "max_steps": 10}, "data": {"error_budget": 0.0}}}
+    new = {"finetune": {"train": {"log_every": 50, "max_steps": 20}, "data": {"error_budget": 0.1}}}
+    assert changed_keys(old, new, FINETUNE_SCOPE) == [("finetune.train.max_steps", 10, 20)]
 
 
 def test_refusal_names_every_key_and_both_values() -> None:

@@ -9,6 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from vitscale.config import ConfigError
+from vitscale.config.loader import merge
 from vitscale.data.tools.write import write_dataset
 from vitscale.stages import build_pipeline
 from vitscale.stages.run import preflight
@@ -20,16 +21,14 @@ CLUSTER = {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1}
 
 def sweep_pipeline(**sections: dict) -> dict:
     raw = {"stages": ["sweep"], "model": MODEL, "cluster": CLUSTER,
-           "finetune": {"dataset": "d", "checkpoint": "w.npz", "preset": "pets", "batch": 8, "micro_batch": 8,
-                        "resolution": 16}}
-    for name, section in sections.items():
-        raw[name] = {**raw.get(name, {}), **section}
-    return raw
+           "finetune": {"checkpoint": "w.npz", "preset": "pets", "resolution": 16, "data": {"url": "d"},
+                        "train": {"global_batch": 8, "micro_batch": 8}}}
+    return merge(raw, sections)
 
 
 def test_a_finetune_sweep_defaults_to_table_4s_grid() -> None:
     config = build_pipeline(sweep_pipeline())
-    assert search_space(config) == {"finetune.base_lr": (0.001, 0.003, 0.01, 0.03)}
+    assert search_space(config) == {"finetune.train.base_lr": (0.001, 0.003, 0.01, 0.03)}
 
 
 def test_combinations_are_the_grid_in_order() -> None:
@@ -40,14 +39,17 @@ def test_combinations_are_the_grid_in_order() -> None:
 
 @pytest.mark.parametrize("sweep, key", [
     ({"space": {"finetune.bogus": [1]}}, "sweep.space.finetune.bogus"),
-    ({"space": {"finetune.base_lr": [0.01, -1.0]}}, "sweep.space.finetune.base_lr"),
+    ({"space": {"finetune.train.bogus": [1]}}, "sweep.space.finetune.train.bogus"),
+    ({"space": {"finetune.train.base_lr": [0.01, -1.0]}}, "sweep.space.finetune.train.base_lr"),
+    ({"space": {"finetune.data.error_budget": [0.0, 2.0]}}, "sweep.space.finetune.data.error_budget"),
     ({"space": {"train.weight_decay": [0.1]}}, "sweep.space.train.weight_decay"),  # not a fine-tuning knob
     ({"space": {"model.dropout": [0.1, 1.5]}}, "sweep.space.model.dropout"),
     ({"space": {"model.bogus_option": [1]}}, "sweep.space.model.bogus_option"),
-    ({"space": {"finetune.base_lr": []}}, "sweep.space.finetune.base_lr"),
+    ({"space": {"finetune.train.base_lr": []}}, "sweep.space.finetune.train.base_lr"),
     ({"scheduler": "hyperband"}, "sweep.scheduler"),
-    ({"target": "pretrain", "space": {"finetune.base_lr": [0.1]}}, "sweep.space.finetune.base_lr"),
-    ({"workers_per_trial": 2}, "finetune.batch"),  # 8 images cannot split as 8 per worker over 2 workers
+    ({"target": "pretrain", "space": {"finetune.train.base_lr": [0.1]}}, "sweep.space.finetune.train.base_lr"),
+    ({"workers_per_trial": 2}, "finetune.train.global_batch"),  # 8 images cannot split as 8 per worker over 2
+    ({"space": {"finetune.train.micro_batch": [4, 3]}}, "finetune.train.global_batch"),  # trial 2: 8 % 3
 ])
 def test_bad_sweeps_are_refused_before_any_trial(sweep: dict, key: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -71,8 +73,9 @@ def test_a_regularisation_sweep_tunes_pretraining() -> None:
 
 
 def test_finetune_trials_score_on_dev_and_only_the_winner_sees_test() -> None:
-    config = build_pipeline(sweep_pipeline(sweep={"scheduler": "asha", "evaluations": 4}, finetune={"steps": 40}))
-    trial = with_params(config, {"finetune.base_lr": 0.01})
+    config = build_pipeline(sweep_pipeline(sweep={"scheduler": "asha", "evaluations": 4},
+                                           finetune={"train": {"max_steps": 40}}))
+    trial = with_params(config, {"finetune.train.base_lr": 0.01})
     job = trial_job(trial, None, "w.npz", final=False)
     assert job.train.base_lr == 0.01 and job.train.optimizer == "sgd" and job.evaluations == 4
     assert job.eval_steps == (5, 15)  # scored exactly where ASHA judges: grace 40 // 8, then x3
@@ -80,6 +83,15 @@ def test_finetune_trials_score_on_dev_and_only_the_winner_sees_test() -> None:
     final = trial_job(trial, None, "w.npz", final=True)
     assert [(e.name, e.split) for e in final.evals] == [("test", "test")] and final.carve is None
 
+
+def test_a_trial_of_steps_gets_its_own_warmup_and_any_training_key_can_be_swept() -> None:
+    # What the preset and the recipe derive stays derived per trial: warm-up is a tenth of each trial's steps.
+    config = build_pipeline(sweep_pipeline(sweep={"space": {"finetune.train.max_steps": [40, 4000],
+                                                            "finetune.train.label_smoothing": [0.0, 0.1]}}))
+    short, long = (trial_job(with_params(config, {"finetune.train.max_steps": s, "finetune.train.label_smoothing": 0.1}),
+                             None, "w.npz", final=False).train for s in (40, 4000))
+    assert (short.warmup_steps, long.warmup_steps) == (4, 400) and short.label_smoothing == 0.1
+    assert short.base_lr == 0.001  # no rate in the space: the preset grid's first
 
 def test_fine_tuning_needs_weights() -> None:
     raw = sweep_pipeline()
@@ -111,10 +123,12 @@ def test_data_that_cannot_serve_the_protocol_is_refused_on_the_driver(datasets: 
     export_state_dict(create_model("ViT-Ti/8", num_classes=5, img_size=16, depth=1, width=32, mlp_dim=32, heads=2),
                       weights)
     cases = [
-        ({"dataset": datasets["no-test"]}, "finetune.test_split"),              # no test split
-        ({"dataset": datasets["small"], "dev_fraction": 0.01}, "finetune.dev_fraction"),  # dev carve of 21 is empty
-        ({"dataset": datasets["small"], "batch": 32, "micro_batch": 32}, "finetune.batch"),  # 21 cannot fill 32
-        ({"dataset": datasets["small"], "checkpoint": str(tmp_path / "absent.pt")}, "finetune.checkpoint"),
+        ({"data": {"url": datasets["no-test"]}}, "finetune.test_split"),              # no test split
+        ({"data": {"url": datasets["small"]}, "dev_fraction": 0.01}, "finetune.dev_fraction"),  # dev carve of 21: empty
+        ({"data": {"url": datasets["small"]}, "train": {"global_batch": 32, "micro_batch": 32}},
+         "finetune.train.global_batch"),  # 21 cannot fill 32
+        ({"data": {"url": datasets["small"]}, "checkpoint": str(tmp_path / "absent.pt")}, "finetune.checkpoint"),
+        ({"data": {"url": datasets["small"], "split": "nope"}}, "finetune.data.split"),
     ]
     for finetune, key in cases:
         config = build_pipeline(sweep_pipeline(finetune={"checkpoint": str(weights), **finetune}))
@@ -126,7 +140,8 @@ def test_data_that_cannot_serve_the_protocol_is_refused_on_the_driver(datasets: 
 
     other = create_model("ViT-Ti/8", num_classes=5, img_size=16, depth=2, width=64, mlp_dim=64, heads=2)
     torch.save(timm_state_dict(other), tmp_path / "other.pth")
-    config = build_pipeline(sweep_pipeline(finetune={"dataset": datasets["small"], "checkpoint": str(tmp_path / "other.pth")}))
+    config = build_pipeline(sweep_pipeline(finetune={"data": {"url": datasets["small"]},
+                                                     "checkpoint": str(tmp_path / "other.pth")}))
     with pytest.raises(ConfigError, match="does not fit") as err:
         preflight(config)
     assert err.value.key == "finetune.checkpoint"

@@ -221,7 +221,9 @@ def _refuse_moved(cls: type, raw: dict[str, Any], prefix: str) -> None:
     old = [key for key in raw if key in moved]
     if old:
         where = "; ".join(f"{prefix}{key} moved to {prefix}{moved[key]}" for key in old)
-        raise ConfigError(f"{prefix}{old[0]}", f"this key moved: {where} (docs/{prefix.split('.')[0]}.md)")
+        section = prefix.rstrip(".")
+        raise ConfigError(f"{prefix}{old[0]}", f"is from an older shape of {section}: {where} "
+                                               f"(docs/{section.split('.')[0]}.md)")
 
 
 def _refuse_unknown(fields: Mapping[str, Any], raw: Mapping[str, Any], prefix: str) -> None:

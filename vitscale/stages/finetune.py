@@ -3,8 +3,9 @@
 Starts from the pretrain stage's model or from `finetune.checkpoint` (a run directory, a vitscale
 export, an official .npz or a timm state dict), drops the pre-training head and pre-logits,
 attaches a zero-initialised D x K head and resamples the position embeddings to
-`finetune.resolution`. Runs on Ray Train through the same loop as pre-training. The learning rate
-is `finetune.base_lr`; choosing it on a dev split is the sweep stage's job.
+`finetune.resolution`. Runs on Ray Train through the same loop as pre-training, on the job
+`finetune.train` and `finetune.data` describe over the paper's recipe (train/finetune.py). The
+learning rate is `finetune.train.base_lr`; choosing it on a dev split is the sweep stage's job.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from vitscale.config.checks import ConfigError, check
 from vitscale.config.loader import build_section, to_yaml
 from vitscale.config.pipeline import PipelineConfig, local_cluster
 from vitscale.data.config import DataConfig
-from vitscale.eval.finetune import FinetuneConfig, final_job, finetune_model
 from vitscale.models.config import ModelConfig
 from vitscale.stages.base import Pretrained, Stage, StageContext
 from vitscale.stages.datasets import ensure_dataset, require_split
+from vitscale.train.finetune import FinetuneConfig, finetune_model, refuse_unset_lr
+from vitscale.train.job import final_job
 
 
 @dataclass(frozen=True)
@@ -51,14 +53,24 @@ def pretrained_earlier(config: PipelineConfig, stage: str) -> bool:
     return any(get_stage(name).produces is Pretrained for name in before)
 
 
+def finetune_section(config: PipelineConfig) -> FinetuneConfig:
+    """The pipeline's `finetune:` section, typed."""
+    return config.section("finetune", FinetuneConfig)
+
+
+def check_transfer(config: PipelineConfig, stage: str) -> None:
+    """What a fine-tuning stage (finetune, or a fine-tuning sweep) needs: a downstream dataset and
+    weights to start from."""
+    fc = finetune_section(config)
+    check(bool(fc.data_config().url), "finetune.data.url", f"the {stage} stage needs a downstream dataset")
+    check(fc.checkpoint is not None or pretrained_earlier(config, stage), "finetune.checkpoint",
+          f"nothing to fine-tune: set it, or put the pretrain stage before {stage}")
+
+
 def check_finetune(config: PipelineConfig) -> None:
-    fc = config.finetune
-    check(bool(fc.dataset), "finetune.dataset", "the finetune stage needs a downstream dataset")
-    check(fc.checkpoint is not None or pretrained_earlier(config, "finetune"), "finetune.checkpoint",
-          "nothing to fine-tune: set it, or put the pretrain stage before finetune")
-    check(fc.single_lr() is not None, "finetune.base_lr",
-          f"the finetune stage trains one learning rate; set it, or let the sweep stage select one of "
-          f"{list(fc.grid())} on the dev split")
+    fc = finetune_section(config)
+    check_transfer(config, "finetune")
+    refuse_unset_lr(fc, "the finetune stage")
     if fc.checkpoint is None:
         # The pre-trained architecture at the fine-tuning resolution: a size its patches cannot tile
         # would fail only after pre-training. (A checkpoint file names its own architecture:
@@ -68,37 +80,37 @@ def check_finetune(config: PipelineConfig) -> None:
         except ConfigError as exc:
             raise ConfigError("finetune.resolution", f"({fc.resolution}) does not fit {config.model.name}: "
                                                      f"{exc.message}") from None
-    per_step = fc.micro_batch * config.cluster.num_workers
-    check(fc.batch % per_step == 0, "finetune.batch",
-          f"({fc.batch}) must be a multiple of finetune.micro_batch x cluster.num_workers = {per_step}")
+    fc.train_config().check_batch_split(config.cluster.num_workers, "finetune.train")
 
 
-def check_downstream(config: PipelineConfig, key: str = "finetune") -> Any:
-    """The downstream dataset: single-label, both splits, the dev carve and its rest non-empty, a step fillable."""
+def check_downstream(config: PipelineConfig, world: int | None = None) -> Any:
+    """The downstream dataset: single-label, both splits, the dev carve and its rest non-empty, a step
+    fillable by `world` workers (default `cluster.num_workers`)."""
     from vitscale.data.carve import Carve
     from vitscale.data.format import open_dataset
 
-    fc = config.finetune
-    meta = ensure_dataset(fc.dataset, fc.create_if_missing, config.data.endpoint_url, f"{key}.dataset")
-    check(not meta.multi_label, f"{key}.dataset", f"{fc.dataset} is multi-label; fine-tuning needs one label per image")
-    train = require_split(meta, fc.train_split, f"{key}.train_split", fc.dataset)
-    require_split(meta, fc.test_split, f"{key}.test_split", fc.dataset)
-    world = config.cluster.num_workers
-    per_rank = fc.batch // world
-    check(train // world >= per_rank, f"{key}.batch",
-          f"({fc.batch}) cannot be filled: split {fc.train_split!r} of {fc.dataset} has {train} samples")
+    fc = finetune_section(config)
+    data, batch = fc.data_config(config.data.endpoint_url), fc.train_config().global_batch
+    meta = ensure_dataset(data.url, data.create_if_missing, data.endpoint_url, "finetune.data.url")
+    check(not meta.multi_label, "finetune.data.url", f"{data.url} is multi-label; fine-tuning needs one label per image")
+    train = require_split(meta, data.split, "finetune.data.split", data.url)
+    require_split(meta, fc.test_split, "finetune.test_split", data.url)
+    world = world or config.cluster.num_workers
+    per_rank = batch // world
+    check(train // world >= per_rank, "finetune.train.global_batch",
+          f"({batch}) cannot be filled: split {data.split!r} of {data.url} has {train} samples")
     carve = Carve(fc.dev_share(), fc.dev_seed, "dev")
-    dev = sum(open_dataset(fc.dataset, fc.train_split, endpoint_url=config.data.endpoint_url, carve=carve).counts)
-    check(dev >= 1, f"{key}.dev_fraction",
+    dev = sum(open_dataset(data.url, data.split, endpoint_url=data.endpoint_url, carve=carve).counts)
+    check(dev >= 1, "finetune.dev_fraction",
           f"a dev share of {fc.dev_share()} of {train} samples is empty; the dataset is too small for the dev split")
-    check((train - dev) // world >= per_rank, f"{key}.batch",
-          f"({fc.batch}) cannot be filled from the {train - dev} samples left after the dev split")
+    check((train - dev) // world >= per_rank, "finetune.train.global_batch",
+          f"({batch}) cannot be filled from the {train - dev} samples left after the dev split")
     return meta
 
 
 def check_checkpoint(config: PipelineConfig, num_classes: int) -> None:
     """A given checkpoint exists and fits the architecture it will be loaded into."""
-    fc = config.finetune
+    fc = finetune_section(config)
     if fc.checkpoint is None:
         return
     path = Path(fc.checkpoint)
@@ -160,7 +172,7 @@ def initial_weights(config: PipelineConfig, context: StageContext) -> tuple[Mode
     """
     from vitscale.train.export import export_run, find_checkpoint
 
-    fc = config.finetune
+    fc = finetune_section(config)
     out = context.run_dir / "finetune-init.pt"
     if fc.checkpoint is None:
         with context.need(Pretrained).checkpoint.as_directory() as directory:
@@ -177,11 +189,9 @@ def initial_weights(config: PipelineConfig, context: StageContext) -> tuple[Mode
 def run_finetune(config: PipelineConfig, context: StageContext) -> Finetuned:
     from vitscale.launch.ray_train import launch_training
 
-    fc = config.finetune
+    fc = finetune_section(config)
     model, init = initial_weights(config, context)
-    lr = fc.single_lr()
-    if lr is None:  # check_finetune refuses such a pipeline when it is loaded
-        raise RuntimeError("finetune.base_lr is not set")
+    lr = refuse_unset_lr(fc, "the finetune stage")  # check_finetune refused an unset one already
     job = final_job(fc, finetune_model(model, fc.resolution), init, lr, use_gpu=config.cluster.use_gpu,
                     endpoint_url=config.data.endpoint_url, config_yaml=to_yaml(config))
     name = finetune_run_name(config)
@@ -198,15 +208,19 @@ def finetune_pipeline(checkpoint: str, dataset: str, *, preset: str | None = Non
     CPU worker with every core) and, without a GPU, fp32 (bf16 matmuls crawl on most CPUs).
     """
     name = Path(dataset.rstrip("/")).name or "dataset"
-    finetune: dict[str, Any] = {"dataset": dataset, "checkpoint": checkpoint}
-    for key, value in (("preset", preset), ("base_lr", base_lr), ("resolution", resolution), ("steps", steps)):
+    train: dict[str, Any] = {}
+    finetune: dict[str, Any] = {"checkpoint": checkpoint, "data": {"url": dataset}, "train": train}
+    for key, value in (("preset", preset), ("resolution", resolution)):
         if value is not None:
             finetune[key] = value
+    for key, value in (("base_lr", base_lr), ("max_steps", steps)):
+        if value is not None:
+            train[key] = value
     raw: dict[str, Any] = {"name": f"finetune-{name}", "stages": ["finetune"], "finetune": finetune}
     if local:
         raw["cluster"] = local_cluster()
         if not raw["cluster"]["use_gpu"]:
-            finetune["precision"] = "fp32"
+            train["precision"] = "fp32"
     if model is not None:
         raw["model"] = {"name": model, **({"img_size": img_size} if img_size else {})}
     return raw

@@ -200,7 +200,7 @@ def _finish(record: CellRecord, stages: dict[str, Any], config: PipelineConfig) 
     record.examples_seen = pretrain.get("examples_seen")
     record.exaflops = pretrain.get("cumulative_exaflops")
     record.pretrain_wall_s = float(pretrain.get("wall_s") or 0.0)
-    record.accuracies = accuracies(stages, config.finetune.dataset if {"finetune", "sweep"} & set(config.stages)
+    record.accuracies = accuracies(stages, config.finetune.data_config().url if {"finetune", "sweep"} & set(config.stages)
                                    else None)
 
 

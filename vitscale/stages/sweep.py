@@ -4,11 +4,13 @@ Each trial is a Tune function that builds and fits a `TorchTrainer` (Ray 2.60's 
 over Train V2): the trial's run is named after its trial id, so a restarted trial resumes its own
 checkpoints, and `TuneReportCallback` forwards rank 0's reports to Tune (and so to TensorBoard
 and the schedulers). A trial trains on the rest of a dev carve of the training split and is scored
-on its dev part (`data/carve.py`); it cannot read the test split (`eval/finetune.py`). The best
+on its dev part (`data/carve.py`); it cannot read the test split (`train/job.py`). The best
 trial's settings are then retrained on the whole training split and tested once.
 
-`target: finetune` sweeps fine-tuning (Table 4's learning-rate grid by default); `target: pretrain`
-sweeps pre-training (Sec. 4.3's weight decay x dropout x label smoothing on a smaller dataset).
+`target: finetune` sweeps fine-tuning (Table 4's learning-rate grid by default) over any key of the
+`finetune:` section, its `train:` and `data:` included; `target: pretrain` sweeps pre-training
+(Sec. 4.3's weight decay x dropout x label smoothing on a smaller dataset) over `train:`, `data:`
+and `model:`. A trial is the pipeline with its values set, built and checked as any pipeline is.
 Re-running the same command resumes a sweep whose driver died (`Tuner.restore`): finished trials
 are not run again, unfinished ones continue from their checkpoints.
 """
@@ -30,13 +32,14 @@ from vitscale.config.loader import to_dict, to_yaml
 from vitscale.config.pipeline import PipelineConfig
 from vitscale.data.carve import Carve
 from vitscale.data.config import DataConfig
-from vitscale.eval.finetune import FinetuneConfig, final_job, finetune_model, selection_job
 from vitscale.models.config import ModelConfig
 from vitscale.stages.base import Pretrained, Stage, StageContext
+from vitscale.stages.finetune import finetune_section
 from vitscale.stages.sweep_asha import asha_grace, asha_rungs
 from vitscale.stages.sweep_results import SweepResult, finished_trials, flat_row, trial_row
 from vitscale.train.config import TrainConfig
-from vitscale.train.job import EvalSet, TrainJob
+from vitscale.train.finetune import FinetuneConfig, finetune_model
+from vitscale.train.job import EvalSet, TrainJob, final_job, selection_job
 
 TARGETS = {"finetune": ("finetune.", "model."), "pretrain": ("train.", "model.", "data.")}
 """What a sweep tunes, and the config sections its hyper-parameters may come from."""
@@ -49,7 +52,8 @@ class SweepConfig:
     target: str = "finetune"
     """"finetune" (Table 4 LR grids) or "pretrain" (Sec. 4.3 regularisation sweeps)."""
     space: dict[str, tuple[Any, ...]] = field(default_factory=dict)
-    """Dotted config key -> values, e.g. {finetune.base_lr: [0.001, 0.01]}; empty = finetune.lr_grid / the preset's."""
+    """Dotted config key -> values, e.g. {finetune.train.base_lr: [0.001, 0.01]}; empty = finetune.lr_grid /
+    the preset's learning rates."""
     scheduler: str = "grid"
     """"grid" (every combination), "random" (`num_samples` draws) or "asha" (the grid, weak trials stopped early)."""
     num_samples: int = 8
@@ -99,12 +103,22 @@ class SweepConfig:
 # -- the search space -----------------------------------------------------------------------------
 
 
+LR_KEY = "finetune.train.base_lr"
+"""The key a fine-tuning sweep tunes by default (Table 4's learning-rate grid)."""
+
+
+def sweep_section(config: PipelineConfig) -> SweepConfig:
+    """The pipeline's `sweep:` section, typed."""
+    return config.section("sweep", SweepConfig)
+
+
 def search_space(config: PipelineConfig) -> dict[str, tuple[Any, ...]]:
     """`sweep.space`, or for a fine-tuning sweep without one, the learning-rate grid (Table 4)."""
-    if config.sweep.space:
-        return dict(config.sweep.space)
-    grid = config.finetune.grid() if config.sweep.target == "finetune" else ()
-    return {"finetune.base_lr": grid} if grid else {}
+    sweep = sweep_section(config)
+    if sweep.space:
+        return dict(sweep.space)
+    grid = finetune_section(config).grid() if sweep.target == "finetune" else ()
+    return {LR_KEY: grid} if grid else {}
 
 
 def with_params(config: PipelineConfig, params: dict[str, Any]) -> PipelineConfig:
@@ -137,7 +151,7 @@ def combinations(space: dict[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
 
 
 def check_sweep(config: PipelineConfig) -> None:
-    sweep = config.sweep
+    sweep = sweep_section(config)
     space = search_space(config)
     check(bool(space), "sweep.space", "nothing to sweep: name hyper-parameters (or a finetune preset/lr_grid)")
     prefixes = TARGETS[sweep.target]
@@ -152,25 +166,23 @@ def check_sweep(config: PipelineConfig) -> None:
     workers = trial_cluster(config).num_workers
     for point in combinations(space):  # every trial's batch splits evenly over its workers
         trial = with_params(config, point)
-        batch, micro, key = ((trial.finetune.batch, trial.finetune.micro_batch, "finetune.batch")
-                             if sweep.target == "finetune" else
-                             (trial.train.global_batch, trial.train.micro_batch, "train.global_batch"))
-        check(batch % (micro * workers) == 0, key,
-              f"({batch}) must be a multiple of its micro batch x sweep.workers_per_trial = {micro} x {workers}"
-              + (f" (trial {point})" if point else ""))
+        recipe, section = ((finetune_section(trial).train_config(), "finetune.train") if sweep.target == "finetune"
+                           else (trial.section("train", TrainConfig), "train"))
+        try:
+            recipe.check_batch_split(workers, section, "sweep.workers_per_trial")
+        except ConfigError as exc:
+            raise ConfigError(exc.key, exc.message + (f" (trial {point})" if point else "")) from None
     if sweep.target == "finetune":
-        from vitscale.stages.finetune import pretrained_earlier
+        from vitscale.stages.finetune import check_transfer
 
-        check(bool(config.finetune.dataset), "finetune.dataset", "a fine-tuning sweep needs a downstream dataset")
-        check(config.finetune.checkpoint is not None or pretrained_earlier(config, "sweep"), "finetune.checkpoint",
-              "nothing to fine-tune: set it, or put the pretrain stage before the sweep")
+        check_transfer(config, "sweep")
 
 
 def prepare_sweep(config: PipelineConfig) -> None:
-    if config.sweep.target == "finetune":
+    if sweep_section(config).target == "finetune":
         from vitscale.stages.finetune import check_checkpoint, check_downstream
 
-        meta = check_downstream(config)
+        meta = check_downstream(config, trial_cluster(config).num_workers)
         check_checkpoint(config, meta.num_classes)
     else:
         from vitscale.data.format import open_dataset
@@ -189,8 +201,8 @@ def trial_job(config: PipelineConfig, model: ModelConfig | None, init: str | Non
     """A trial's selection job, or (`final`) the winner's retrain on the whole split, tested once."""
     yaml = to_yaml(config)
     if config.sweep.target == "finetune":
-        fc = config.finetune
-        lr = fc.single_lr() or fc.grid()[0]
+        fc = finetune_section(config)
+        lr = fc.single_lr() or fc.grid()[0]  # a trial's own rate, once the space sets it
         build = final_job if final else selection_job
         job = build(fc, finetune_model(model or config.model, fc.resolution), init, lr,
                     use_gpu=config.cluster.use_gpu, endpoint_url=config.data.endpoint_url, config_yaml=yaml)
@@ -281,15 +293,14 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
 
     from vitscale.eval.tables import plot_metric, write_table
     from vitscale.launch.console import library_output_to
-    from vitscale.launch.ray_train import concurrent_runs, run_directory
+    from vitscale.launch.ray_train import concurrent_runs
 
     sweep = config.sweep
     directory.mkdir(parents=True, exist_ok=True)
     space = search_space(config)
     tune_space = {k: (tune.choice(list(v)) if sweep.scheduler == "random" else tune.grid_search(list(v)))
                   for k, v in space.items()}
-    storage, _ = run_directory(config.cluster, config.run_name)
-    tune_storage = f"{storage.rstrip('/')}/{config.run_name}" if "://" in storage else str(context.run_dir)
+    tune_storage = config.cluster.run_storage(config.run_name)  # the run's own place, trials in it
     experiment = f"{tune_storage}/sweep-trials{label}"
     restoring = tune.Tuner.can_restore(experiment)
     # The trial function only drives its TorchTrainer: it takes no CPU from the workers (Ray wants

@@ -29,14 +29,14 @@ class SweepResult:
 
     def headline(self) -> dict[str, Any]:
         """Top-level keys of the final JSON line: the transfer result at a glance."""
-        lr = self.selected.get("params", {}).get("finetune.base_lr")
+        lr = self.selected.get("params", {}).get("finetune.train.base_lr")
         out: dict[str, Any] = {"sweep_dir": self.directory}
         if "test_accuracy" in self.final:
             out["finetune"] = {"pretrained": {"test_accuracy": self.final["test_accuracy"], "best_lr": lr}}
             if self.scratch is not None and "test_accuracy" in self.scratch:
                 out["finetune"]["scratch"] = {
                     "test_accuracy": self.scratch["test_accuracy"],
-                    "best_lr": self.scratch["selected"].get("params", {}).get("finetune.base_lr")}
+                    "best_lr": self.scratch["selected"].get("params", {}).get("finetune.train.base_lr")}
         return out
 
     def rows(self) -> list[tuple[str, str]]:

@@ -4,17 +4,24 @@ Pre-training (`stages/pretrain.py`) and fine-tuning (`stages/finetune.py`) build
 run the same loop (`train/loop.py`) on it: the only differences are the recipe (`train`), where
 the weights start (`init`), which part of the data is trained on (`carve`) and what is evaluated
 (`evals`).
+
+Fine-tuning's protocol (App. B.1.1) is two job builders: a learning rate is selected on a dev split
+carved from the training split (`selection_job`), and the winner is retrained on the whole
+training split and evaluated once on the test split (`final_job`). Only `final_job` can name the
+test split: a selection job cannot read it, by construction (`TrainJob` refuses a job that selects
+on a dev carve and evaluates anything else).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vitscale.data.carve import Carve
 from vitscale.data.config import DataConfig
 from vitscale.models.config import ModelConfig
 from vitscale.train.config import TrainConfig
-from vitscale.train.resume import PRETRAIN_SCOPE
+from vitscale.train.finetune import FinetuneConfig
+from vitscale.train.resume import FINETUNE_SCOPE, PRETRAIN_SCOPE
 
 
 @dataclass(frozen=True)
@@ -60,7 +67,7 @@ class TrainJob:
     """The resolved config, written into every checkpoint."""
     resume_scope: tuple[str, ...] = PRETRAIN_SCOPE
     """The config keys (dotted prefixes) this job's training reads: a resume that changes one of them
-    is refused (`train/resume.py`); fine-tuning jobs read the `finetune` section instead of `train`."""
+    is refused (`train/resume.py`); fine-tuning jobs read the `finetune` section instead of `train` and `data`."""
 
     def __post_init__(self) -> None:
         # Selection (a job scored on the dev part of a carve) must never see held-out data:
@@ -73,3 +80,27 @@ class TrainJob:
                     or self.carve.seed != dev[0].carve.seed:
                 raise ValueError("a job selecting on a dev carve trains on the rest of that carve and evaluates "
                                  f"only its dev part; it cannot evaluate {[e.name for e in others] or 'this split'}")
+
+
+def selection_job(cfg: FinetuneConfig, model: ModelConfig, init: str | None, base_lr: float, *,
+                  use_gpu: bool, endpoint_url: str | None, config_yaml: str = "") -> TrainJob:
+    """One trial of the selection: train on the rest of the dev carve, score on the dev part.
+
+    Takes no test split: nothing in a selection job can read it. `endpoint_url` is the pipeline's
+    `data.endpoint_url`, used unless `finetune.data` names its own.
+    """
+    data = cfg.data_config(endpoint_url)
+    carve = Carve(cfg.dev_share(), cfg.dev_seed, "rest")
+    dev = EvalSet("dev", data.url, data.split, replace(carve, part="dev"))
+    return TrainJob(model=model, data=data, train=cfg.train_config(base_lr), use_gpu=use_gpu, carve=carve,
+                    init=init, evals=(dev,), eval_batch=cfg.eval_batch, config_yaml=config_yaml,
+                    resume_scope=FINETUNE_SCOPE)
+
+
+def final_job(cfg: FinetuneConfig, model: ModelConfig, init: str | None, base_lr: float, *,
+              use_gpu: bool, endpoint_url: str | None, config_yaml: str = "") -> TrainJob:
+    """The run that counts: the whole training split, tested once on the test split."""
+    data = cfg.data_config(endpoint_url)
+    test = EvalSet("test", data.url, cfg.test_split)
+    return TrainJob(model=model, data=data, train=cfg.train_config(base_lr), use_gpu=use_gpu, init=init,
+                    evals=(test,), eval_batch=cfg.eval_batch, config_yaml=config_yaml, resume_scope=FINETUNE_SCOPE)

@@ -7,38 +7,52 @@ checkpoint was trained with, so any change to the keys that fix them is refused,
 and both values. docs/resume.md lists the rules; `RESUME_MAY_CHANGE` is the list they come from.
 
 Keys are compared only within a job's *scope*: the sections its training reads. Pre-training
-reads `model`, `data`, `train` and the world size; fine-tuning reads `model`, `finetune` and the
-world size. A later stage's section (`fewshot:`) never blocks resuming an earlier one.
+reads `model`, `data`, `train` and the world size; fine-tuning reads `model`, `finetune` (whose
+`train:` and `data:` are its recipe and dataset) and the world size. A later stage's section
+(`fewshot:`) never blocks resuming an earlier one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import yaml
 
-from vitscale.config.location import is_url
 from vitscale.config.checks import ConfigError
+from vitscale.config.fields import is_resume_free, overridden
+from vitscale.config.location import is_url
+from vitscale.data.config import DataConfig
+from vitscale.train.config import TrainConfig
+from vitscale.train.finetune import FinetuneConfig
 
 PRETRAIN_SCOPE: tuple[str, ...] = ("model", "data", "train", "cluster.num_workers")
 """What fixes a pre-training run: the model, the sample order, the schedule, the world size."""
 FINETUNE_SCOPE: tuple[str, ...] = ("model", "finetune", "cluster.num_workers")
-"""What fixes a fine-tuning run (its recipe is built from the `finetune` section)."""
+"""What fixes a fine-tuning run (its recipe and data are the `finetune` section's `train:` and `data:`)."""
 
-RESUME_MAY_CHANGE: tuple[str, ...] = (
-    # How the run is watched: logging, metrics, audits.
-    "train.log_every", "train.metrics_port", "train.metrics_addr", "train.peak_flops", "train.record_samples",
-    "train.eval_every", "finetune.log_every", "finetune.eval_every", "finetune.eval_batch",
-    # How often and how many checkpoints are kept; how failures are handled and drilled.
-    "train.checkpoint_every", "train.keep_checkpoints", "finetune.checkpoint_every", "train.fault",
-    "train.max_skipped_steps",
-    # Where and how bytes are read: not which samples, nor in which order (the order is a pure
-    # function of seed, epoch, rank and world size; `data.num_workers` only parallelises it).
-    "data.num_workers", "data.endpoint_url", "data.error_budget", "data.create_if_missing",
-    "finetune.num_workers", "finetune.create_if_missing",
-)
-"""Keys inside a scope that a resumed run may change (a key or a whole sub-section)."""
+
+def resume_free_keys(cls: type, prefix: str) -> tuple[str, ...]:
+    """The dotted keys of `cls` (a section class, read as `prefix`) whose fields are marked `RESUME_FREE`,
+    including those inside its `overrides(...)` mappings (`finetune.train.log_every`)."""
+    keys: list[str] = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}"
+        target = overridden(f.metadata)
+        if is_resume_free(f.metadata):
+            keys.append(key)
+        elif target is not None:
+            keys.extend(resume_free_keys(target, key))
+    return tuple(keys)
+
+
+RESUME_MAY_CHANGE: tuple[str, ...] = (resume_free_keys(TrainConfig, "train") + resume_free_keys(DataConfig, "data")
+                                      + resume_free_keys(FinetuneConfig, "finetune"))
+"""Keys inside a scope that a resumed run may change (a key or a whole sub-section): the fields marked
+`RESUME_FREE` (config/fields.py) where they are declared. They say how a run is watched (logging,
+metrics, audits), checkpointed, drilled, and where and how its bytes are read; never which samples
+it reads in which order (a pure function of seed, epoch, rank and world size), its schedule or its model."""
 
 ABSENT = "<absent>"
 """How a key one config has and the other lacks is shown."""
