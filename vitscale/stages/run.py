@@ -16,6 +16,8 @@ from typing import Any
 from vitscale.config.checks import ConfigError
 from vitscale.config.loader import absolute_paths, to_yaml
 from vitscale.config.pipeline import PipelineConfig, ray_address
+from vitscale.data.storage import open_storage
+from vitscale.data.storage.mirror import RunMirror
 from vitscale.stages import get_stage
 from vitscale.stages.base import StageContext
 
@@ -100,13 +102,32 @@ def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose:
 
 
 def _run_stages(config: PipelineConfig, verbose: bool, t0: float) -> dict[str, Any]:
-    from vitscale.launch.console import quiet_driver_logs, route_ray_output, summary_table
-    from vitscale.launch.ray_train import ensure_ray, run_directory
+    from vitscale.launch.ray_train import run_directory
 
     _, run_dir = run_directory(config.cluster, config.run_name)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(config))
-    print(f"[vitscale] run directory: {run_dir}", flush=True)
+    # The run's storage is the truth and this node's folder a cache of it (data/storage/mirror.py): on a
+    # cluster whose nodes share only object storage, the driver's files must outlive its node.
+    mirror = RunMirror(run_dir, open_storage(config.cluster.run_storage(config.run_name)))
+    mirror.push()
+    where = "" if mirror.same_place else f" (a cache of {mirror.storage.url})"
+    print(f"[vitscale] run directory: {run_dir}{where}", flush=True)
+    mirror.push_every(30.0)
+    try:
+        return _stages(config, verbose, t0, run_dir, mirror)
+    finally:
+        try:
+            mirror.close()
+        except OSError as exc:
+            print(f"[vitscale] could not push the run's files to {mirror.storage.url}: {exc}", flush=True)
+
+
+def _stages(config: PipelineConfig, verbose: bool, t0: float, run_dir: Path, mirror: RunMirror) -> dict[str, Any]:
+    """The stages in order on Ray; `mirror` pushes each stage's files to the run's storage."""
+    from vitscale.launch.console import quiet_driver_logs, route_ray_output, summary_table
+    from vitscale.launch.ray_train import ensure_ray
+
     log_path = run_dir / "logs" / "ray.log"
     quiet_driver_logs(log_path, verbose=verbose)
     print(f"[vitscale] {ensure_ray(config.cluster.address, config.cluster.local_num_cpus)}", flush=True)
@@ -125,6 +146,7 @@ def _run_stages(config: PipelineConfig, verbose: bool, t0: float) -> dict[str, A
         summary[name] = result.summary()
         summary.update(getattr(result, "headline", dict)())  # a stage's result at a glance, at the top level
         table.append((name, [*result.rows(), ("time", f"{time.time() - started:.0f} s")]))
+        mirror.push()  # a stage's tables and plots reach storage as soon as it ends
     summary["seconds"] = round(time.time() - t0, 1)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     print(f"\n{config.name}: done in {summary['seconds']:.0f} s, run directory {run_dir}\n"
