@@ -31,6 +31,7 @@ import pytest
 import yaml
 from ray_runs import RUN_TIMEOUT_S, kill_tree, run, start
 
+from vitscale.config.loader import merge
 from vitscale.data.tools.write import write_dataset
 
 pytestmark = pytest.mark.slow
@@ -72,9 +73,10 @@ def write_pipeline(path: Path, assets: dict[str, str], name: str, space: dict[st
         "name": name,
         "stages": ["sweep"],
         "model": MODEL,
-        "finetune": {"dataset": assets["data"], "checkpoint": assets["weights"], "base_lr": 0.01, "steps": 6, "batch": 8,
-                     "micro_batch": 8, "resolution": 16, "precision": "fp32", "num_workers": 0,
-                     "dev_fraction": 0.2, "log_every": 2, **(finetune or {})},
+        "finetune": merge({"checkpoint": assets["weights"], "resolution": 16, "dev_fraction": 0.2,
+                           "data": {"url": assets["data"], "num_workers": 0},
+                           "train": {"base_lr": 0.01, "max_steps": 6, "global_batch": 8, "micro_batch": 8,
+                                     "precision": "fp32", "log_every": 2}}, finetune or {}),
         "sweep": {"scheduler": "grid", "workers_per_trial": 1, "retrain": False, "space": space, **(sweep or {})},
         # max_failures 0: a deterministic failure is not retried three more times inside its trial
         # (Tune retries the trial itself, sweep.trial_retries times).
@@ -162,13 +164,13 @@ def test_tensorboard_serves_every_trials_accuracy_curve(assets: dict[str, str], 
     # Dev accuracy every 2 of 6 steps: three points per trial, and the trial's final report.
     # With `scratch_baseline`, the pre-trained and the random-weights winners are then retrained
     # side by side (the cluster fits both), each tested once.
-    pipeline = write_pipeline(tmp_path / "tb.yaml", assets, "tb", {"finetune.base_lr": [0.003, 0.03]},
-                              finetune={"eval_every": 2}, sweep={"retrain": True, "scratch_baseline": True})
+    pipeline = write_pipeline(tmp_path / "tb.yaml", assets, "tb", {"finetune.train.base_lr": [0.003, 0.03]},
+                              finetune={"train": {"eval_every": 2}}, sweep={"retrain": True, "scratch_baseline": True})
     output = run(pipeline, tmp_path / "tb.log")
     run_dir = tmp_path / "runs" / "tb"
     for folder in (run_dir / "sweep", run_dir / "sweep" / "scratch"):
         selected = json.loads((folder / "selected.json").read_text())
-        assert 0.0 <= selected["test_accuracy"] <= 1.0 and selected["params"]["finetune.base_lr"] in (0.003, 0.03)
+        assert 0.0 <= selected["test_accuracy"] <= 1.0 and selected["params"]["finetune.train.base_lr"] in (0.003, 0.03)
     for final in ("tb-sweep-final", "tb-sweep-scratch-final"):
         assert [p.name for p in (tmp_path / "runs" / final).glob("checkpoint_*") if p.is_dir()] == ["checkpoint_000000006"]
     assert "[vitscale] retraining 2 winners at once" in output
@@ -206,8 +208,8 @@ def test_a_killed_sweep_resumes_where_it_stopped(assets: dict[str, str], tmp_pat
     # Two trials at once: a short one that finishes first and a long one (checkpointed every 200
     # steps) that is still training when the driver is killed.
     name, long_steps = "resume", 1600
-    pipeline = write_pipeline(tmp_path / "resume.yaml", assets, name, {"finetune.steps": [4, long_steps]},
-                              finetune={"checkpoint_every": 200, "log_every": 200})
+    pipeline = write_pipeline(tmp_path / "resume.yaml", assets, name, {"finetune.train.max_steps": [4, long_steps]},
+                              finetune={"train": {"checkpoint_every": 200, "log_every": 200}})
     storage, run_dir = tmp_path / "runs", tmp_path / "runs" / name
     log = tmp_path / "first.log"
 
@@ -258,10 +260,10 @@ def test_a_failed_trial_is_a_row_with_its_error(assets: dict[str, str], tmp_path
     # One grid value points at the dataset whose training shards are unreadable: it passes every
     # check on the driver and fails in its worker, on the first attempt and on the retry.
     pipeline = write_pipeline(tmp_path / "fail.yaml", assets, "fail",
-                              {"finetune.dataset": [assets["data"], assets["broken"]]}, sweep={"trial_retries": 1})
+                              {"finetune.data.url": [assets["data"], assets["broken"]]}, sweep={"trial_retries": 1})
     output = run(pipeline, tmp_path / "fail.log")
     run_dir = tmp_path / "runs" / "fail"
-    rows = {r["finetune.dataset"]: r for r in results_table(run_dir)}
+    rows = {r["finetune.data.url"]: r for r in results_table(run_dir)}
     assert set(rows) == {assets["data"], assets["broken"]}
     failed, good = rows[assets["broken"]], rows[assets["data"]]
     assert failed["status"] == "error", failed
@@ -270,5 +272,5 @@ def test_a_failed_trial_is_a_row_with_its_error(assets: dict[str, str], tmp_path
     assert "ErrorBudgetExceeded" in failed["error"] and "train-000000.tar" in failed["error"], failed["error"]
     assert good["status"] == "finished" and isinstance(good["metric"], float)
     selected = json.loads((run_dir / "sweep" / "selected.json").read_text())
-    assert selected["trial_id"] == good["trial_id"] and selected["params"] == {"finetune.dataset": assets["data"]}
+    assert selected["trial_id"] == good["trial_id"] and selected["params"] == {"finetune.data.url": assets["data"]}
     assert "error" in output and good["trial_id"] in output
