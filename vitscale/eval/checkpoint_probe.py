@@ -65,6 +65,20 @@ def load_model(path: str | Path, *, model_name: str | None = None, img_size: int
         ValueError: an unreadable file, an npz/timm file without ``model_name``, a ``model_name`` or
             ``img_size`` that contradicts a vitscale checkpoint, weights that do not fit the model.
     """
+    from vitscale.config.errors import UserError
+
+    try:
+        return _load_model(path, model_name=model_name, img_size=img_size, resolution=resolution)
+    except UserError:
+        raise
+    except ValueError as exc:
+        # Reading a file the user named (models/checkpoints.py) or parsing a model name they typed:
+        # the error is about that file or name, so it is theirs to fix and shown as one line.
+        raise UserError("; ".join(line.strip() for line in str(exc).splitlines() if line.strip())) from exc
+
+
+def _load_model(path: str | Path, *, model_name: str | None, img_size: int | None,
+                resolution: int | None) -> tuple[nn.Module, dict[str, Any]]:
     from vitscale.models.checkpoints import load_pretrained, read_checkpoint
     from vitscale.models.factory import create_from_meta, create_model
     from vitscale.models.variants import parse_model_name

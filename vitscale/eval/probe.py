@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from vitscale.config.checks import ConfigError, check
+from vitscale.data.format import DatasetError
 from vitscale.eval.config import FewshotConfig
 from vitscale.eval.fewshot import extract_features, fewshot_accuracy
 
@@ -107,7 +108,7 @@ def _features(model: torch.nn.Module, stream: Any, device: torch.device) -> tupl
     try:
         return extract_features(model, _batches(stream, device), device)
     except ErrorBudgetExceeded as exc:
-        raise ValueError(f"{stream.spec.url} ({stream.spec.split}): {exc} (fewshot.error_budget)") from exc
+        raise DatasetError(f"{stream.spec.url} ({stream.spec.split}): {exc} (fewshot.error_budget)") from exc
 
 
 def fewshot_probe(model: torch.nn.Module, cfg: FewshotConfig, *, endpoint_url: str | None = None,
@@ -127,7 +128,7 @@ def fewshot_probe(model: torch.nn.Module, cfg: FewshotConfig, *, endpoint_url: s
     for url in cfg.datasets:
         train_stream = _eval_stream(url, cfg.train_split, cfg, endpoint_url)
         if train_stream.dataset.multi_label:
-            raise ValueError(f"fewshot.datasets: {url} is multi-label; the few-shot probe needs one label per image")
+            raise DatasetError(f"fewshot.datasets: {url} is multi-label; the few-shot probe needs one label per image")
         num_classes = train_stream.dataset.num_classes  # from dataset.json, not from the labels seen
         train_feats, train_labels = _features(model, train_stream, device)
         test_stream = _eval_stream(url, cfg.test_split, cfg, endpoint_url)
@@ -139,7 +140,7 @@ def fewshot_probe(model: torch.nn.Module, cfg: FewshotConfig, *, endpoint_url: s
                                                num_classes=num_classes, shots=shots, l2=cfg.l2, seed=seed)
                               for seed in seeds]
             except ValueError as exc:  # a class with too few readable examples: name the dataset
-                raise ValueError(f"{url} ({cfg.train_split}): {exc}") from exc
+                raise DatasetError(f"{url} ({cfg.train_split}): {exc}") from exc
             mean, std = mean_and_std(accuracies)
             per_shot[f"{shots}shot"] = mean
             per_shot[f"{shots}shot_std"] = std

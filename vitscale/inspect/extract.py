@@ -13,13 +13,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from vitscale.config.errors import UserError
 from vitscale.models.posemb import posemb_2d
 from vitscale.models.vit import PatchEmbed, VisionTransformer
 
 
-def resnet_refusal(name: str) -> ValueError:
+def resnet_refusal(name: str) -> UserError:
     """The one-line error for a model without attention (a BiT ResNet)."""
-    return ValueError(f"{name} is a ResNet: inspect analyses ViTs and hybrids (attention, position "
+    return UserError(f"{name} is a ResNet: inspect analyses ViTs and hybrids (attention, position "
                       "embeddings, patch embedding)")
 
 
@@ -99,7 +100,7 @@ def attention_stats(model: VisionTransformer, batches: Iterable[torch.Tensor], d
         distances.append(np.stack([mean_attention_distance(p, grid, stride, prefix) for p in probs]))
         head_means.append([p.mean(axis=1) for p in probs])
     if not distances:
-        raise ValueError("no images to inspect")
+        raise UserError("no images to inspect")
     layers = len(head_means[0])
     return AttentionStats(distance=np.concatenate(distances, axis=1),
                           head_mean=[np.concatenate([b[i] for b in head_means]) for i in range(layers)])

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from vitscale.config.checks import ConfigError, positive_int
+from vitscale.data.format import DatasetError
 
 
 @dataclass
@@ -61,5 +62,5 @@ def sample_images(url: str, split: str, count: int, resolution: int, *,
         if len(keys) == count:
             break
     if not keys:
-        raise ValueError(f"--images: no readable image in split {split!r} of {url}")
+        raise DatasetError(f"--images: no readable image in split {split!r} of {url}")
     return SampleImages(torch.stack(pixels), keys, captions)

@@ -13,31 +13,55 @@ from typing import Any
 import torch
 import yaml
 
+from vitscale.config.errors import UserError
 from vitscale.config.loader import build_section
+from vitscale.config.location import is_url
+from vitscale.data.storage.fetch import local_copy, subfolders
 from vitscale.models.config import ModelConfig
 from vitscale.train import checkpoint as ckpt
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """`path` itself if it is a checkpoint, else the newest complete `checkpoint_*` inside it."""
-    path = Path(path).expanduser()
+    """`path` itself if it is a checkpoint, else the newest complete `checkpoint_*` inside it.
+
+    `path` may be in object storage (`s3://.../run` or `.../run/checkpoint_*`): the checkpoint found
+    there is copied into the local cache (`data/storage/fetch.py`), newest first, until a complete one.
+    """
+    if is_url(str(path)) and not str(path).startswith("file://"):
+        return _find_remote_checkpoint(str(path))
+    path = local_copy(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such run or checkpoint directory")
     info = ckpt.manifest_info(path)
     if info is None and any(path.glob("MANIFEST-rank*.json")):
-        raise ValueError(f"{path} is an incomplete checkpoint: no readable manifest")
+        raise UserError(f"{path} is an incomplete checkpoint: no readable manifest")
     if info is not None:
         problems = ckpt.check_complete(path, info[1])
         if problems:
-            raise ValueError(f"{path} is an incomplete checkpoint:\n  " + "\n  ".join(problems))
+            raise UserError(f"{path} is an incomplete checkpoint: " + "; ".join(problems))
         return path
     candidates = [p for p in path.glob("checkpoint_*") if p.is_dir()]
     if not candidates:
         raise FileNotFoundError(f"{path}: no checkpoint_* directories (is it a vitscale run directory?)")
     found = ckpt.latest_complete(candidates)
     if found is None:
-        raise ValueError(f"{path}: none of its {len(candidates)} checkpoints is complete")
+        raise UserError(f"{path}: none of its {len(candidates)} checkpoints is complete")
     return found
+
+
+def _find_remote_checkpoint(url: str) -> Path:
+    folders = [f for f in subfolders(url) if f.rsplit("/", 1)[-1].startswith("checkpoint_")]
+    if not folders:  # the URL is a checkpoint itself
+        return find_checkpoint(local_copy(url))
+    problems = []
+    for folder in reversed(folders):  # checkpoint_{step:09d}: the name orders by step
+        local = local_copy(folder)
+        info = ckpt.manifest_info(local)
+        found = ["no readable manifest"] if info is None else ckpt.check_complete(local, info[1])
+        if not found:
+            return local
+        problems.append(f"{folder}: {'; '.join(found)}")
+    raise UserError(f"{url}: none of its {len(folders)} checkpoints is complete ({problems[0]})")
 
 
 def model_from_checkpoint(checkpoint: str | Path) -> tuple[torch.nn.Module, ModelConfig, dict[str, Any]]:
@@ -76,5 +100,5 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "pt") -> dict
     elif fmt == "pt":
         export_state_dict(model, out, meta=model_meta(model))  # `create_from_checkpoint` rebuilds from it
     else:
-        raise ValueError(f"--format: must be pt or npz, got {fmt!r}")
+        raise UserError(f"--format: must be pt or npz, got {fmt!r}")
     return {**facts, "out": str(out), "format": fmt}

@@ -29,6 +29,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from vitscale.config.checks import check, positive_int
+from vitscale.config.errors import UserError
 from vitscale.data.config import check_splits
 from vitscale.data.format import (
     INDEX_NAME,
@@ -61,11 +62,11 @@ def parse_splits(text: str) -> dict[str, float]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, eq, frac = part.partition("=")
         if not eq:
-            raise ValueError(f"--split item {part!r} must look like name=fraction, e.g. train=0.9")
+            raise UserError(f"--split item {part!r} must look like name=fraction, e.g. train=0.9")
         try:
             out[name.strip()] = float(frac)
         except ValueError:
-            raise ValueError(f"--split {name!r}: fraction {frac!r} is not a number") from None
+            raise UserError(f"--split {name!r}: fraction {frac!r} is not a number") from None
     check_splits(out)
     return out
 
@@ -245,7 +246,7 @@ def _predefined_splits(
     if own is None:
         return None
     if fractions:
-        raise ValueError(f"--split: source {spec!r} has its own splits ({', '.join(own)}); leave --split out")
+        raise UserError(f"--split: source {spec!r} has its own splits ({', '.join(own)}); leave --split out")
     rng = np.random.default_rng(seed)
     out: dict[str, np.ndarray] = {}
     seen = np.zeros(len(src), dtype=bool)
@@ -254,9 +255,9 @@ def _predefined_splits(
         check(bool(name) and all(c.isalnum() or c == "_" for c in name), "splits",
               f"{spec}: split name {name!r} must be letters, digits or '_' (it names shard files)")
         if not idx.size:
-            raise ValueError(f"{spec}: split {name!r} has no samples")
+            raise UserError(f"{spec}: split {name!r} has no samples")
         if idx.min() < 0 or idx.max() >= len(src) or seen[idx].any() or len(np.unique(idx)) != idx.size:
-            raise ValueError(f"{spec}: split {name!r} repeats samples or has indices outside [0, {len(src)})")
+            raise UserError(f"{spec}: split {name!r} repeats samples or has indices outside [0, {len(src)})")
         seen[idx] = True
         out[name] = idx[rng.permutation(idx.size)]
     return out
@@ -328,12 +329,12 @@ def write_dataset(
                         if len(item) == 2:
                             bad.append({"file": src.origin(item[0]), "error": item[1]})
                             if len(bad) > max_bad:
-                                raise ValueError(f"{len(bad)} unreadable source files, more than --max-bad "
+                                raise UserError(f"{len(bad)} unreadable source files, more than --max-bad "
                                                  f"{max_bad}; the last: {bad[-1]['file']}: {bad[-1]['error']}")
                             continue
                         sample, jpeg, w, h = item
                         if sample.key in seen:
-                            raise ValueError(f"{source}: duplicate sample key {sample.key!r}; keys must be unique")
+                            raise UserError(f"{source}: duplicate sample key {sample.key!r}; keys must be unique")
                         seen.add(sample.key)
                         writer.add(sample.key, jpeg, sample.labels, w, h)
                     writer.finish_shard()
@@ -343,7 +344,7 @@ def write_dataset(
                 rows.extend(writer.rows)
         empty = [s for s, sp in meta_splits.items() if sp.samples == 0]
         if empty:
-            raise ValueError(f"{source}: split {empty[0]!r} has no readable images "
+            raise UserError(f"{source}: split {empty[0]!r} has no readable images "
                              f"({len(bad)} skipped, e.g. {bad[0]['file'] if bad else '-'})")
         meta = _meta(src, name, meta_splits, max_side, quality, seed, source, opts, bad)
         meta = dataclasses.replace(meta, extra={**meta.extra, "chroma": chroma})
