@@ -44,6 +44,9 @@ class StageContext:
     """Results of the stages that already ran, in order."""
     verbose: bool = True
     """Whether libraries' own output may reach the terminal (`vitscale run --verbose`)."""
+    sync: Callable[[], object] = lambda: None
+    """Push what the run wrote so far into its storage (the runner's RunMirror): a long stage calls it
+    after each unit of work it must not lose with its node (a study's cell, a sweep's table)."""
 
     def need(self, kind: type[T]) -> T:
         """The latest result of type `kind` (the registry guarantees some earlier stage makes one)."""

@@ -106,10 +106,13 @@ def _run_stages(config: PipelineConfig, verbose: bool, t0: float) -> dict[str, A
 
     _, run_dir = run_directory(config.cluster, config.run_name)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(config))
     # The run's storage is the truth and this node's folder a cache of it (data/storage/mirror.py): on a
-    # cluster whose nodes share only object storage, the driver's files must outlive its node.
+    # cluster whose nodes share only object storage, the driver's files must outlive its node, and a
+    # re-run from a machine that never saw the run starts from what the storage holds (a study's state,
+    # a sweep's finished trials).
     mirror = RunMirror(run_dir, open_storage(config.cluster.run_storage(config.run_name)))
+    mirror.pull()
+    (run_dir / "config.yaml").write_text(to_yaml(config))
     mirror.push()
     where = "" if mirror.same_place else f" (a cache of {mirror.storage.url})"
     print(f"[vitscale] run directory: {run_dir}{where}", flush=True)
@@ -135,7 +138,7 @@ def _stages(config: PipelineConfig, verbose: bool, t0: float, run_dir: Path, mir
     if routed:
         print(f"[vitscale] {routed}", flush=True)
 
-    context = StageContext(run_dir=run_dir, run_name=config.run_name, verbose=verbose)
+    context = StageContext(run_dir=run_dir, run_name=config.run_name, verbose=verbose, sync=mirror.push)
     summary: dict[str, Any] = {"pipeline": config.name, "run": config.run_name, "run_dir": str(run_dir), "ok": True}
     table: list[tuple[str, list[tuple[str, str]]]] = []
     for name in config.stages:

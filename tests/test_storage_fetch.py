@@ -1,0 +1,60 @@
+"""Models and checkpoints read straight from object storage: copied into the local cache, newest complete first."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import boto3
+import pytest
+
+from checkpoint_helpers import complete_checkpoint
+from vitscale.data.storage import open_storage
+from vitscale.data.storage.fetch import local_copy, subfolders
+from vitscale.train.export import find_checkpoint
+
+
+@pytest.fixture()
+def bucket(moto_s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3)
+    monkeypatch.setenv("VITSCALE_CACHE", str(tmp_path / "cache"))
+    name = f"fetch-{os.urandom(4).hex()}"
+    boto3.client("s3", endpoint_url=moto_s3).create_bucket(Bucket=name)
+    return name
+
+
+def _upload(folder: Path, url: str) -> None:
+    storage = open_storage(url)
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            storage.write_file(path.relative_to(folder).as_posix(), path)
+
+
+def test_local_copy_of_a_file_a_folder_and_a_local_path(bucket: str, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "model.pt").write_bytes(b"weights")
+    (src / "sub" / "a.txt").write_text("a")
+    _upload(src, f"s3://{bucket}/runs/r")
+    one = local_copy(f"s3://{bucket}/runs/r/model.pt")
+    assert one.read_bytes() == b"weights" and str(one).startswith(str(tmp_path / "cache"))
+    folder = local_copy(f"s3://{bucket}/runs/r")
+    assert (folder / "sub" / "a.txt").read_text() == "a" and (folder / "model.pt").is_file()
+    assert subfolders(f"s3://{bucket}/runs/r") == [f"s3://{bucket}/runs/r/sub"]
+    assert local_copy(str(src)) == src  # a local path is its own copy
+    with pytest.raises(FileNotFoundError, match="no such file or folder"):
+        local_copy(f"s3://{bucket}/runs/none")
+
+
+def test_find_checkpoint_in_storage_skips_an_incomplete_newest(bucket: str, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    complete_checkpoint(run / "checkpoint_000000004", step=4)
+    newest = complete_checkpoint(run / "checkpoint_000000006", step=6)
+    (newest / "MANIFEST-rank1.json").unlink()  # rank 1 died before its manifest: incomplete
+    _upload(run, f"s3://{bucket}/runs/run")
+    found = find_checkpoint(f"s3://{bucket}/runs/run")
+    assert found.name == "checkpoint_000000004" and (found / "payload.bin").read_bytes() == b"x" * 10
+    # Naming a checkpoint directly works too, and an incomplete one is refused naming why.
+    assert find_checkpoint(f"s3://{bucket}/runs/run/checkpoint_000000004") == found
+    with pytest.raises(Exception, match="incomplete"):
+        find_checkpoint(f"s3://{bucket}/runs/run/checkpoint_000000006")

@@ -1,0 +1,81 @@
+"""Local copies of things in object storage: a weights file, a checkpoint folder, a run's files.
+
+Tools that read a model (`vitscale export | fewshot | inspect | finetune`, `finetune.checkpoint`)
+work on local files. Given an `s3://` location they read a copy from the cache instead
+(`$VITSCALE_CACHE`, default `~/.cache/vitscale`), laid out as `storage/<bucket>/<key>`. An object
+already in the cache at its size is not fetched again; a download lands under a temporary name and is
+renamed, so an interrupted fetch never leaves a file that looks whole.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from vitscale.config.location import is_url
+from vitscale.data.storage import open_storage
+from vitscale.data.storage.base import Storage
+
+__all__ = ["cache_root", "local_copy", "subfolders"]
+
+
+def cache_root() -> Path:
+    """Where copies of remote objects are kept: `$VITSCALE_CACHE`, else `~/.cache/vitscale`."""
+    return Path(os.environ.get("VITSCALE_CACHE") or Path.home() / ".cache" / "vitscale").expanduser()
+
+
+def _split(url: str) -> tuple[Storage, str]:
+    """(storage of the url's parent, the url's last name)."""
+    parent, _, name = url.rstrip("/").rpartition("/")
+    if not name or parent.endswith(":/"):
+        raise ValueError(f"{url}: name a file or folder inside a bucket, not the bucket itself")
+    return open_storage(parent), name
+
+
+def _cached_path(url: str) -> Path:
+    scheme, _, rest = url.partition("://")
+    return cache_root() / "storage" / scheme / rest.rstrip("/")
+
+
+def local_copy(location: str | Path) -> Path:
+    """A local path holding what `location` holds: the path itself when it is local; for a URL, a copy
+    in the cache of the object (a file) or of everything under the prefix (a folder).
+
+    FileNotFoundError when the URL names nothing.
+    """
+    location = str(location)
+    if not is_url(location) or location.startswith("file://"):
+        return Path(location.removeprefix("file://")).expanduser()
+    storage, name = _split(location)
+    target = _cached_path(location)
+    if storage.exists(name):  # one object: a weights file
+        _fetch(storage, name, target)
+        return target
+    names = storage.list_sizes(name + "/")
+    if not names:
+        raise FileNotFoundError(f"{location}: no such file or folder in storage")
+    for key, size in names.items():
+        if not key.endswith("/"):  # folder markers are not files
+            _fetch(storage, key, target / key[len(name) + 1:], size)
+    return target
+
+
+def subfolders(location: str) -> list[str]:
+    """The URLs of the folders directly under `location` (a prefix in object storage), sorted."""
+    storage = open_storage(location.rstrip("/"))
+    tops = {key.split("/", 1)[0] for key in storage.list() if "/" in key}
+    return [f"{location.rstrip('/')}/{top}" for top in sorted(tops)]
+
+
+def _fetch(storage: Storage, name: str, target: Path, size: int | None = None) -> None:
+    if target.is_file() and target.stat().st_size == (storage.size(name) if size is None else size):
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    part = target.with_name(f".{target.name}.{os.getpid()}.part")
+    try:  # streamed: a checkpoint's optimizer states can be larger than memory
+        with storage.open_read(name) as source, part.open("wb") as out:
+            shutil.copyfileobj(source, out, 8 << 20)
+        part.replace(target)
+    finally:
+        part.unlink(missing_ok=True)
