@@ -1,22 +1,20 @@
 """Storage against a real S3-protocol server (moto's standalone server on loopback).
 
-Faults are injected by a loopback HTTP proxy in front of moto that answers a fraction of requests
-with 500/503, drops the connection without answering, or cuts a response body short, so the real
-botocore/urllib3 error paths and our retry layer are exercised end to end.
+Faults are injected by a loopback HTTP proxy in front of moto (tests/s3_faults.py) that answers a
+fraction of requests with 500/503, drops the connection without answering, or cuts a response body
+short, so the real botocore/urllib3 error paths and our retry layer are exercised end to end.
 """
 
 from __future__ import annotations
 
-import http.client
 import io
 import pickle
 import random
-import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import boto3
 import pytest
+from s3_faults import FaultProxy
 
 from vitscale.data.format import read_index, read_meta
 from vitscale.data.storage import RetryPolicy, S3Storage, StorageError, open_storage
@@ -25,101 +23,6 @@ from vitscale.data.tools.verify import dataset_stats, verify_dataset
 from vitscale.data.tools.write import write_dataset
 
 FAST_RETRY = RetryPolicy(max_attempts=10, base_delay_s=0.001, max_delay_s=0.01)
-
-
-class FaultProxy:
-    """A loopback HTTP/1.1 proxy to ``upstream`` that fails a fraction of requests on purpose.
-
-    For each request whose method is in ``methods`` it draws (seeded): with probability
-    ``fault_rate`` one of four faults: HTTP 500 InternalError, HTTP 503 SlowDown, a dropped
-    connection with no response, or a response whose body stops halfway before the connection
-    closes. ``counts`` records what happened.
-    """
-
-    def __init__(self, upstream_port: int, fault_rate: float, methods: tuple[str, ...] = ("GET",), seed: int = 0) -> None:
-        self.upstream_port, self.fault_rate, self.methods = upstream_port, fault_rate, methods
-        self.rng, self.lock = random.Random(seed), threading.Lock()
-        self.counts = {"ok": 0, "500": 0, "503": 0, "drop": 0, "truncate": 0}
-        self.faulted_methods: dict[str, int] = {}
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive, as boto3 uses it
-            disable_nagle_algorithm = True  # else headers+body writes stall ~40 ms on delayed ACKs
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _handle(self) -> None:
-                n = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(n) if n else b""
-                fault = proxy._draw(self.command)
-                if fault == "drop":
-                    self.close_connection = True
-                    return
-                if fault in ("500", "503"):
-                    code, err = (500, "InternalError") if fault == "500" else (503, "SlowDown")
-                    msg = f"<Error><Code>{err}</Code><Message>injected</Message></Error>".encode()
-                    self.send_response(code)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(msg)))
-                    self.end_headers()
-                    self.wfile.write(msg)
-                    return
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("expect", "connection")}
-                conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)
-                try:
-                    conn.request(self.command, self.path, body=body, headers=headers)
-                    resp = conn.getresponse()
-                    data = resp.read()
-                finally:
-                    conn.close()
-                self.send_response(resp.status, resp.reason)
-                for k, v in resp.getheaders():
-                    if k.lower() not in ("connection", "transfer-encoding", "content-length", "server", "date"):
-                        self.send_header(k, v)
-                if self.command == "HEAD":  # no body: pass the object's length through
-                    self.send_header("Content-Length", resp.getheader("Content-Length", "0"))
-                    self.end_headers()
-                    return
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if fault == "truncate" and len(data) > 1:
-                    self.wfile.write(data[: len(data) // 2])
-                    self.wfile.flush()
-                    self.close_connection = True
-                    return
-                self.wfile.write(data)
-
-            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def _draw(self, method: str) -> str:
-        with self.lock:
-            if method in self.methods and self.rng.random() < self.fault_rate:
-                kind = self.rng.choice(["500", "503", "drop", "truncate"] if method == "GET" else ["500", "503", "drop"])
-            else:
-                kind = "ok"
-            self.counts[kind] += 1
-            if kind != "ok":
-                self.faulted_methods[method] = self.faulted_methods.get(method, 0) + 1
-            return kind
-
-    @property
-    def faults(self) -> int:
-        return sum(v for k, v in self.counts.items() if k != "ok")
-
-    def __enter__(self) -> FaultProxy:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
@@ -197,7 +100,7 @@ def test_large_upload_is_multipart(moto_s3: str, bucket: str, tmp_path) -> None:
 
 
 def test_write_digits_to_s3_matches_local(moto_s3: str, bucket: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    kw = dict(shard_size=400, max_side=32, splits={"train": 0.8, "minival": 0.2}, progress=False)
+    kw = {"shard_size": 400, "max_side": 32, "splits": {"train": 0.8, "minival": 0.2}, "progress": False}
     url = f"s3://{bucket}/digits"
     meta_s3 = write_dataset("digits", url, endpoint_url=moto_s3, **kw)
     meta_local = write_dataset("digits", str(tmp_path / "digits"), **kw)

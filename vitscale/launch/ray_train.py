@@ -27,6 +27,7 @@ from vitscale.config.location import is_url, storage_root
 from vitscale.config.pipeline import ClusterConfig, ray_address
 from vitscale.data.storage import open_storage
 from vitscale.data.storage.mirror import RunMirror
+from vitscale.data.storage.filesystem import run_filesystem
 from vitscale.launch.errors import PipelineFailed
 from vitscale.launch.failures import DeterministicFailure, StopOnDeterministicFailure, deterministic_cause
 from vitscale.train import checkpoint as ckpt
@@ -175,6 +176,8 @@ def trainer_for(job: TrainJob, cluster: ClusterConfig, run_name: str, run_dir: P
                 callbacks: list[Any] | None = None) -> TorchTrainer:
     """The TorchTrainer that runs `job` as the run `run_name` (resumes it if that run has checkpoints)."""
     storage, _ = run_directory(cluster, run_name)
+    # Object storage: checkpoint uploads retry with backoff a bounded number of times (data/storage/filesystem.py).
+    filesystem, storage = run_filesystem(storage)
     resources = {"CPU": cluster.cpus_per_worker}
     if cluster.use_gpu:
         resources["GPU"] = cluster.gpus_per_worker
@@ -184,7 +187,7 @@ def trainer_for(job: TrainJob, cluster: ClusterConfig, run_name: str, run_dir: P
         scaling_config=ScalingConfig(num_workers=cluster.num_workers, use_gpu=cluster.use_gpu,
                                      resources_per_worker=resources),
         run_config=RunConfig(
-            name=run_name, storage_path=storage,
+            name=run_name, storage_path=storage, storage_filesystem=filesystem,
             failure_config=FailureConfig(max_failures=cluster.max_failures),
             # Ranked by the loop's `checkpoint_score` (the step, lowered once a step was skipped as
             # non-finite): rotation keeps the last checkpoint before the first bad step; Ray keeps

@@ -217,6 +217,13 @@ class DiskFull(OSError):
     match), so a resume skips it for the last complete one."""
 
 
+class CheckpointNotWritten(OSError):
+    """A checkpoint's copy into the run's storage failed for good (after the filesystem's own bounded
+    retries): one line naming the storage and the last error. Ray Train restarts the workers (within
+    ``cluster.max_failures``) from the last complete checkpoint; the one that failed is never
+    complete, its manifests and files do not all arrive."""
+
+
 def tree_bytes(directory: Path) -> int:
     """Bytes of the files under ``directory``."""
     return sum(p.stat().st_size for p in Path(directory).rglob("*") if p.is_file())
@@ -226,7 +233,8 @@ def tree_bytes(directory: Path) -> int:
 def space_for(where: str | os.PathLike[str], *, step: int, parts: int = 1,
               copying: Path | None = None) -> Iterator[None]:
     """Guard one write of a checkpoint (``parts`` ranks' parts) into ``where``: a full disk becomes one
-    :class:`DiskFull` line naming ``where``, the space needed and the space free.
+    :class:`DiskFull` line naming ``where``, the space needed and the space free; any other storage
+    error one :class:`CheckpointNotWritten` line naming ``where`` and the error.
 
     The need is this rank's part times ``parts``: the part being copied (``copying``, a finished
     local checkpoint), else the last checkpoint's. When ``where`` has less free space than that,
@@ -240,14 +248,18 @@ def space_for(where: str | os.PathLike[str], *, step: int, parts: int = 1,
     try:
         yield
     except Exception as exc:
-        if isinstance(exc, DiskFull):
+        if isinstance(exc, (DiskFull, CheckpointNotWritten)):
             raise
         # torch.save reports a full disk as "file write failed" with no errno: a disk left with
         # (almost) nothing free after a failed write was full too.
         free = free_bytes(where)
-        if not (is_no_space(exc) or (free is not None and free < max(needed or 0, 1 << 20))):
-            raise
-        raise _disk_full(where, step, needed, free, parts) from exc
+        if is_no_space(exc) or (free is not None and free < max(needed or 0, 1 << 20)):
+            raise _disk_full(where, step, needed, free, parts) from exc
+        if isinstance(exc, OSError):  # storage that failed for good (object storage after its retries)
+            text = " ".join(str(exc).split())[:400] or type(exc).__name__
+            raise CheckpointNotWritten(f"the checkpoint of step {step} was not written to {os.fspath(where)}: "
+                                       f"{text}") from exc
+        raise
 
 
 def record_part(directory: Path) -> int:

@@ -17,7 +17,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, BinaryIO, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, BinaryIO, TypeVar
 
 from vitscale.config.checks import check
 from vitscale.data.storage.base import Storage, StorageError, check_name
@@ -40,6 +41,8 @@ def resolve_endpoint_url(endpoint_url: str | None = None) -> str | None:
             return os.environ[var]
     return None
 
+
+_DEFAULT_RETRY = RetryPolicy()
 
 _CLIENTS: dict[tuple[int, str | None, float], Any] = {}
 _CLIENTS_LOCK = threading.Lock()
@@ -77,7 +80,7 @@ class S3Storage(Storage):
         prefix: str = "",
         *,
         endpoint_url: str | None = None,
-        retry: RetryPolicy = RetryPolicy(),
+        retry: RetryPolicy = _DEFAULT_RETRY,
         multipart_threshold: int = 64 * 1024 * 1024,
         multipart_chunksize: int = 16 * 1024 * 1024,
         read_timeout_s: float = 60.0,
@@ -139,7 +142,7 @@ class S3Storage(Storage):
             attempt += 1
             try:
                 return fn()
-            except Exception as exc:  # noqa: BLE001 - classified below
+            except Exception as exc:
                 if is_missing(exc):
                     raise FileNotFoundError(f"{what}: no such object {where}") from exc
                 if not is_transient(exc):
@@ -304,8 +307,8 @@ class _S3RawStream(io.RawIOBase):
         if self._body is not None:
             try:
                 self._body.close()
-            except Exception:  # noqa: BLE001 - closing a broken stream may itself fail
-                pass
+            except Exception as exc:  # noqa: BLE001 - closing a broken stream may itself fail
+                log.debug("closing a broken body of %s: %r", self._name, exc)
             self._body = None
 
     def readinto(self, b: Any) -> int:

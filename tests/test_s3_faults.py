@@ -1,0 +1,147 @@
+"""Object storage faults, injected by a proxy in front of moto's S3 server (tests/s3_faults.py): 503
+SlowDown, 500, connections dropped or reset mid-body, a slow server. Shard reads and checkpoint uploads
+either succeed after bounded retries with backoff or stop in one line naming the URL and the last
+error; a checkpoint whose upload failed is never complete."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+
+import boto3
+import pytest
+from s3_faults import FaultProxy
+
+from vitscale.cli import main
+from vitscale.data.format import read_index
+from vitscale.data.loader.stream import ShardStream
+from vitscale.data.storage import RetryPolicy, StorageError, open_storage
+from vitscale.data.storage.filesystem import run_filesystem
+from vitscale.data.tools.write import write_dataset
+from vitscale.train import checkpoint as ckpt
+
+FAST = RetryPolicy(max_attempts=8, base_delay_s=0.001, max_delay_s=0.01)
+
+
+@pytest.fixture
+def bucket(moto_s3: str) -> str:
+    name = f"faults-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=moto_s3).create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def dataset(moto_s3: str, bucket: str) -> str:
+    url = f"s3://{bucket}/ds"
+    write_dataset("synthetic", url, shard_size=10, endpoint_url=moto_s3, progress=False,
+                  source_options={"count": 20, "classes": 2, "image_size": 16})
+    return url
+
+
+def test_each_fault_on_a_shard_read_is_retried_and_nothing_is_lost(moto_s3: str, dataset: str) -> None:
+    rows = read_index(dataset, endpoint_url=moto_s3).to_pylist()
+    direct = open_storage(dataset, endpoint_url=moto_s3)
+    expected = [direct.read_range(r["shard"], r["offset"], r["size"]) for r in rows]
+    with FaultProxy(moto_s3, slow_s=1.0) as proxy:
+        proxy.schedule("503", "500", "reset", "truncate", "drop", "slow", "503")
+        # A read timeout shorter than the slow answer: the slow server is a failed try, then a retry.
+        flaky = open_storage(dataset, endpoint_url=proxy.url, retry=FAST)
+        flaky.read_timeout_s = 0.4
+        got = [flaky.read_range(r["shard"], r["offset"], r["size"]) for r in rows]
+    assert got == expected
+    assert proxy.pending == 0 and proxy.counts["ok"] == len(rows)  # every fault met, one retry each
+    assert all(proxy.counts[f] >= 1 for f in ("503", "500", "reset", "truncate", "drop", "slow"))
+
+
+def test_the_training_loader_reads_every_sample_through_faults(moto_s3: str, dataset: str) -> None:
+    with FaultProxy(moto_s3, fault_rate=0.3, seed=3, random_faults=("503", "500", "reset", "drop")) as proxy:
+        stream = ShardStream(dataset, batch_size=4, resolution=16, train=False, endpoint_url=proxy.url,
+                             error_budget=0.0)
+        keys = {k for b in stream for k, ok in zip(b["key"], b["valid"], strict=True) if ok}
+    assert len(keys) == 20 and proxy.faults > 0
+
+
+def test_a_dead_store_stops_in_one_line_naming_the_url_and_the_last_error(moto_s3: str, dataset: str,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    with FaultProxy(moto_s3, fault_rate=1.0, methods=("GET", "HEAD"), random_faults=("503",)) as proxy:
+        with pytest.raises(StorageError) as err:
+            open_storage(dataset, endpoint_url=proxy.url, retry=RetryPolicy(4, 0.001, 0.002)).read_bytes("dataset.json")
+        assert f"{dataset}/dataset.json failed after 4 attempts" in str(err.value) and "SlowDown" in str(err.value)
+        assert proxy.faults == 4  # bounded: exactly max_attempts tries
+        started = time.monotonic()
+        assert main(["shards", "stats", dataset, "--endpoint-url", proxy.url]) == 2
+    out, err_text = capsys.readouterr()
+    lines = err_text.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out + err_text, err_text
+    assert dataset in lines[0] and "SlowDown" in lines[0], lines[0]
+    assert time.monotonic() - started < 30  # the default policy's backoff is bounded too
+
+
+def test_a_server_slower_than_the_timeout_stops_in_one_line(moto_s3: str, dataset: str) -> None:
+    with FaultProxy(moto_s3, slow_s=1.0) as proxy:
+        proxy.schedule(*["slow"] * 3)
+        slow = open_storage(dataset, endpoint_url=proxy.url, retry=RetryPolicy(3, 0.001, 0.002))
+        slow.read_timeout_s = 0.3
+        with pytest.raises(StorageError, match=f"{dataset}/dataset.json failed after 3 attempts: .*[Tt]imeout"):
+            slow.read_bytes("dataset.json")
+
+
+# ------------------------------------------------------------------------------------- checkpoints
+
+
+def _local_checkpoint(directory: Path, step: int) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "payload.bin").write_bytes(os.urandom(300_000))
+    ckpt.write_rank_part(directory, rank=0, stream_state={"epoch": 0, "position": step, "seed": 0},
+                         train_state=ckpt.TrainState(step=step, world_size=1), config_yaml="")
+    return directory
+
+
+def _upload(local: Path, fs: object, fs_path: str) -> None:
+    """Ray Train's own upload of a reported checkpoint (pyarrow's copy through the run's filesystem)."""
+    from ray.train.v2._internal.execution.storage import _upload_to_fs_path
+
+    _upload_to_fs_path(str(local), fs, fs_path)  # type: ignore[arg-type]
+
+
+def _fetch(fs_path: str, moto_s3: str, dest: Path) -> Path:
+    from ray.train.v2._internal.execution.storage import _download_from_fs_path
+
+    fs, _ = run_filesystem("s3://" + fs_path, endpoint_url=moto_s3)
+    _download_from_fs_path(fs, fs_path, str(dest))
+    return dest
+
+
+def test_checkpoint_uploads_retry_through_faults(tmp_path: Path, moto_s3: str, bucket: str) -> None:
+    local = _local_checkpoint(tmp_path / "local", 2)
+    with FaultProxy(moto_s3, methods=("PUT", "POST")) as proxy:
+        proxy.schedule("503", "500", "drop", "503", methods=("PUT", "POST"))
+        fs, run = run_filesystem(f"s3://{bucket}/runs/r1", endpoint_url=proxy.url, max_attempts=6)
+        assert run == f"{bucket}/runs/r1"
+        with ckpt.space_for(f"s3://{run}", step=2, copying=local):
+            _upload(local, fs, f"{run}/checkpoint_000000002")
+    assert proxy.pending == 0 and proxy.faults == 4
+    fetched = _fetch(f"{run}/checkpoint_000000002", moto_s3, tmp_path / "fetched")
+    assert ckpt.check_complete(fetched, 1) == []
+
+
+def test_a_failed_checkpoint_upload_is_one_line_and_never_complete(tmp_path: Path, moto_s3: str,
+                                                                    bucket: str) -> None:
+    previous = _local_checkpoint(tmp_path / "previous", 1)
+    fs, run = run_filesystem(f"s3://{bucket}/runs/r2", endpoint_url=moto_s3)
+    _upload(previous, fs, f"{run}/checkpoint_000000001")
+    local = _local_checkpoint(tmp_path / "local", 2)
+    with FaultProxy(moto_s3, methods=("PUT", "POST")) as proxy:
+        proxy.schedule(*["503"] * 3, methods=("PUT", "POST"), path="payload.bin")
+        flaky, _ = run_filesystem(f"s3://{run}", endpoint_url=proxy.url, max_attempts=3)
+        with pytest.raises(ckpt.CheckpointNotWritten) as err, ckpt.space_for(f"s3://{run}", step=2, copying=local):
+            _upload(local, flaky, f"{run}/checkpoint_000000002")
+    message = str(err.value)
+    assert "\n" not in message and f"not written to s3://{run}: " in message and "payload.bin" in message, message
+    assert proxy.counts["503"] == 3  # bounded: max_attempts tries of the failing file
+    # What did arrive (the other files, the manifest) is not a complete checkpoint; the previous one is.
+    fetched = [_fetch(f"{run}/checkpoint_00000000{s}", moto_s3, tmp_path / f"fetched{s}") for s in (1, 2)]
+    assert ckpt.check_complete(fetched[1], 1) and ckpt.check_complete(fetched[0], 1) == []
+    assert ckpt.latest_complete(fetched, 1) == fetched[0]
