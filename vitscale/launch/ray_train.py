@@ -26,8 +26,8 @@ from vitscale.config.checks import ConfigError
 from vitscale.config.location import is_url, storage_root
 from vitscale.config.pipeline import ClusterConfig, ray_address
 from vitscale.data.storage import open_storage
-from vitscale.data.storage.mirror import RunMirror
 from vitscale.data.storage.filesystem import run_filesystem
+from vitscale.data.storage.mirror import RunMirror
 from vitscale.launch.errors import PipelineFailed
 from vitscale.launch.failures import DeterministicFailure, StopOnDeterministicFailure, deterministic_cause
 from vitscale.train import checkpoint as ckpt
