@@ -91,14 +91,23 @@ def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose:
     The run's lease (`data/storage/lease.py`) is held from before its first write to the end: a
     second writer of the same run is refused in one line; `force` takes over a dead holder's lease.
     """
+    from vitscale.data.storage.base import StorageError
     from vitscale.data.storage.lease import hold_run_lease
+    from vitscale.data.storage.space import is_no_space
 
     t0 = time.time()
     if address:  # --address: the run joins that cluster, and the checks below must know it
         config = replace(config, cluster=replace(config.cluster, address=address))
     config = preflight(config)
     with hold_run_lease(config.cluster.run_storage(config.run_name), force=force):
-        return _run_stages(config, verbose, t0)
+        try:
+            return _run_stages(config, verbose, t0)
+        except OSError as exc:  # the driver's own files (config, logs, summary) on a full disk: one line
+            if isinstance(exc, StorageError) or not is_no_space(exc):
+                raise
+            raise StorageError(f"no space left on the device of {getattr(exc, 'filename', None) or config.run_name}: "
+                               f"{exc.strerror or exc}; free space and run again (it resumes from the last "
+                               "complete checkpoint)") from exc
 
 
 def _run_stages(config: PipelineConfig, verbose: bool, t0: float) -> dict[str, Any]:

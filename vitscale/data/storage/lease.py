@@ -45,6 +45,7 @@ from vitscale.config.location import is_url
 from vitscale.data.storage.base import StorageError
 from vitscale.data.storage.retry import RetryPolicy
 from vitscale.data.storage.s3 import S3Storage
+from vitscale.data.storage.space import is_no_space
 
 __all__ = ["DEFAULT_TTL_S", "LEASE_NAME", "Holder", "LeaseHeld", "RunLease", "hold_run_lease"]
 
@@ -111,6 +112,11 @@ def _refusal(url: str, holder: Holder | None, detail: str) -> LeaseHeld:
                      "cluster.run_name, or, if that process is dead, run again with --force")
 
 
+def _unwritable(path: Path, exc: OSError) -> StorageError:
+    return StorageError(f"cannot write the run's lease {path}: {exc.strerror or exc}"
+                        + ("; free space there and run again" if is_no_space(exc) else ""))
+
+
 class RunLease:
     """A held lease; ``release()`` (or leaving the ``with`` block) gives it back."""
 
@@ -132,9 +138,12 @@ class _LocalLease(RunLease):
         import fcntl
 
         self.url, self.holder = str(folder), holder
-        folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / LEASE_NAME
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as exc:
+            raise _unwritable(self.path, exc) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -145,8 +154,12 @@ class _LocalLease(RunLease):
         except BaseException:
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, holder.encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, holder.encode(), 0)
+        except OSError as exc:  # a full disk: the run could not write anything either
+            os.close(fd)  # closing drops the lock
+            raise _unwritable(self.path, exc) from exc
         self._fd: int | None = fd
 
     def release(self) -> None:
