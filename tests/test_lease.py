@@ -182,3 +182,39 @@ def test_s3_a_holder_whose_lease_is_taken_over_is_told(s3_run: str, moto_s3: str
 def test_holder_decode_never_raises() -> None:
     for junk in (b"", b"{", b"[]", b'{"host": 1}', b"\xff\xfe", b"[" * 5000):
         assert Holder.decode(junk) is None
+
+
+@pytest.mark.slow
+def test_two_vitscale_runs_on_one_run_name_the_second_refuses_and_a_killed_first_frees_it(
+        tmp_path: Path, small_synthetic: str) -> None:
+    """Two real `vitscale run` processes: the second is refused in one line naming the first, which is
+    then SIGKILLed with its whole Ray; the run is free again at once."""
+    from ray_runs import VITSCALE, kill_tree, start
+
+    pipeline = _pipeline(tmp_path, small_synthetic)
+    raw = yaml.safe_load(pipeline.read_text())
+    raw["train"]["max_steps"] = 10_000  # still running when the second one comes
+    pipeline.write_text(yaml.safe_dump(raw))
+    lease_file = tmp_path / "runs" / "shared" / LEASE_NAME
+    first = start(pipeline, tmp_path / "first.log")
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and first.poll() is None:
+            holder = Holder.decode(lease_file.read_bytes()) if lease_file.exists() else None
+            if holder is not None and holder.pid == first.pid:
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"the first run never took the lease: {(tmp_path / 'first.log').read_text()[-3000:]}")
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        env.pop("RAY_ADDRESS", None)
+        second = subprocess.run([VITSCALE, "run", str(pipeline)], check=False, capture_output=True, text=True, env=env,
+                                timeout=300)
+        assert second.returncode == 2, second.stdout + second.stderr
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"pid {first.pid} on host {socket.gethostname()}" in lines[0], second.stderr
+        assert "Traceback" not in second.stdout + second.stderr
+        assert first.poll() is None  # the first run goes on untouched
+    finally:
+        assert kill_tree(first) == []
+    hold_run_lease(str(tmp_path / "runs" / "shared")).release()  # the SIGKILLed driver's lock is gone
