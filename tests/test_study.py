@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -68,7 +69,7 @@ def test_pareto_frontier_is_exactly_the_undominated_points(pts: list[tuple[float
     front = pareto_frontier(pts)
     assert all(p in pts for p in front)
     assert [c for c, _ in front] == sorted(c for c, _ in front)
-    assert all(a2 > a1 for (_, a1), (_, a2) in zip(front, front[1:]))
+    assert all(a2 > a1 for (_, a1), (_, a2) in itertools.pairwise(front))
     for c, a in pts:  # every point is matched or beaten by a frontier point no more expensive
         assert any(fc <= c and fa >= a for fc, fa in front)
     for fc, fa in front:  # and no frontier point is beaten by a point no more expensive
@@ -149,8 +150,8 @@ def _plan(raw: dict):
 
 
 def test_grid_cells_ids_and_subsets(tmp_path: Path) -> None:
-    from vitscale.stages.study_cells import resolve_cells
     from vitscale.stages import build_pipeline
+    from vitscale.stages.study_cells import resolve_cells
 
     raw = _study(tmp_path, {"models": [TINY, {**TINY, "width": 64, "label": "wide"}], "epochs": [1, 2],
                             "data_sizes": [60, None], "cells": [{"model": "R50x1", "epochs": 1, "data_size": 30}]})

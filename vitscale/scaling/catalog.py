@@ -142,8 +142,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         f"- params: {s['params']:,}",
         f"- forward: {s['forward_gflops']:,.2f} GFLOPs per example",
         f"- training: {s['train_gflops_per_example']:,.2f} GFLOPs per example (3x forward)",
-        f"- {s['epochs']:g} epochs x {s['examples']:,} examples = {s['examples_seen']:,} seen: "
-        f"**{s['train_exaflops']:,.2f} exaFLOPs**",
+        (f"- {s['epochs']:g} epochs x {s['examples']:,} examples = {s['examples_seen']:,} seen: "
+        f"**{s['train_exaflops']:,.2f} exaFLOPs**"),
         "",
         "| component | forward GFLOPs | share |",
         "|---|---:|---:|",

@@ -28,7 +28,13 @@ from typing import Any
 
 from vitscale.config.checks import non_negative_int, one_of, positive_int
 from vitscale.models.options import CLASSIFIERS, DIM_OPTIONS, check_option_names
-from vitscale.models.variants import ModelSpec, ResNetDims, ViTDims, parse_model_name, with_overrides
+from vitscale.models.variants import (
+    ModelSpec,
+    ResNetDims,
+    ViTDims,
+    parse_model_name,
+    with_overrides,
+)
 
 FLOPS_PER_MAC = 2
 """A multiply-add counts as 2 FLOPs (paper convention, and FlopCounterMode's)."""
@@ -281,7 +287,7 @@ def training_flops(forward_flops_per_example: int, examples: int) -> int:
     return TRAIN_FLOPS_MULTIPLIER * forward_flops_per_example * examples
 
 
-def exaflops(flops: int | float) -> float:
+def exaflops(flops: float) -> float:
     """FLOPs -> exaFLOPs (1e18), the unit of Table 6 and Figure 5."""
     return float(flops) / 1e18
 

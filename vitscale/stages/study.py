@@ -17,7 +17,6 @@ from vitscale.config.checks import ConfigError, check
 from vitscale.config.pipeline import PipelineConfig
 from vitscale.data.config import DataConfig
 from vitscale.eval.config import FewshotConfig
-from vitscale.train.finetune import FinetuneConfig
 from vitscale.models.config import ModelConfig
 from vitscale.scaling.study.config import StudyConfig
 from vitscale.scaling.study.plan import DataFacts, PlannedCell, Pricing, plan_study
@@ -25,6 +24,7 @@ from vitscale.stages.base import Stage, StageContext
 from vitscale.stages.study_cells import build_cell, resolve_cells
 from vitscale.stages.sweep import SweepConfig
 from vitscale.train.config import TrainConfig
+from vitscale.train.finetune import FinetuneConfig
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,11 @@ def pricing(config: PipelineConfig) -> Pricing:
     from pathlib import Path
 
     from vitscale.config.pipeline import ray_address
-    from vitscale.scaling.study.costs import DEFAULT_OVERHEAD_S, device_class, read_mfu_table
+    from vitscale.scaling.study.costs import (
+        DEFAULT_OVERHEAD_S,
+        device_class,
+        read_mfu_table,
+    )
 
     study, cluster = config.section("study"), config.cluster
     device = study.device or ("H100" if cluster.use_gpu else "CPU")
@@ -173,8 +177,8 @@ def prepare_study(config: PipelineConfig) -> None:
 
 def run_study(config: PipelineConfig, context: StageContext) -> StudyResult:
     from vitscale.scaling.study.report import publish_report
-    from vitscale.stages.study_runner import run_cells
     from vitscale.scaling.study.state import StudyState
+    from vitscale.stages.study_runner import run_cells
 
     study = config.section("study")
     directory = study.directory or str(context.run_dir / "study")

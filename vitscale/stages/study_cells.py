@@ -38,7 +38,8 @@ def resolve_cells(config: PipelineConfig) -> list[Cell]:
     base.pop("study", None)
     study = config.section("study")
     defaults = result_defaults()
-    cells, seen = [], {}
+    cells: list[Cell] = []
+    seen: dict[str, str] = {}
     for spec in study.specs():
         model, train = dict(base["model"]), dict(base["train"])
         if spec.entry.recipe is not None:

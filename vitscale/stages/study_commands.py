@@ -58,11 +58,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_recommend(args: argparse.Namespace) -> int:
     """Which family and size for a budget of X exaFLOPs, from the fits of a study's results."""
-    from vitscale.scaling.study.report import build_report, recommendation_text
-    from vitscale.scaling.study.state import StudyState
-
     import tempfile
     from pathlib import Path
+
+    from vitscale.scaling.study.report import build_report, recommendation_text
+    from vitscale.scaling.study.state import StudyState
 
     with tempfile.TemporaryDirectory() as tmp:  # recommend reads; it leaves the study directory alone
         report = build_report(StudyState(args.study_dir, args.endpoint_url), Path(tmp), args.metric)

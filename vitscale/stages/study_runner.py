@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from vitscale.config.location import is_url
@@ -20,7 +19,13 @@ from vitscale.config.pipeline import PipelineConfig
 from vitscale.launch.errors import PipelineFailed
 from vitscale.scaling.study.cells import Cell
 from vitscale.scaling.study.plan import PlannedCell
-from vitscale.scaling.study.state import HEARTBEAT_S, CellRecord, StudyState, accuracies, runnable
+from vitscale.scaling.study.state import (
+    HEARTBEAT_S,
+    CellRecord,
+    StudyState,
+    accuracies,
+    runnable,
+)
 from vitscale.stages.study_cells import cell_run
 
 PROGRESS_EVERY_S = 15.0
@@ -79,11 +84,23 @@ def run_cell(config: PipelineConfig, cell_id: str, state_url: str, endpoint_url:
                 context.results.append(_restored(name, done[name]))
                 continue
             started = time.time()
-            result = get_stage(name).run(config, context)
+            result = _probe_here(config, context) if name == "fewshot" and not config.cluster.use_gpu \
+                else get_stage(name).run(config, context)
             context.results.append(result)
             extra = {"checkpoint_uri": checkpoint_uri(result.checkpoint)} if hasattr(result, "checkpoint") else {}
             state.stage_done(cell_id, name, {**result.summary(), **extra, "wall_s": time.time() - started})
     return state.stages(cell_id)
+
+
+def _probe_here(config: PipelineConfig, context: Any) -> Any:
+    """The fewshot stage in this cell's task, not in a Ray task of its own: on CPU the probe needs
+    no device, and a new worker process would import torch and vitscale again (~5-15 s per cell of
+    a local study; docs/study.md). The cell's pre-training has ended, so its CPUs are free."""
+    from vitscale.stages.base import Pretrained
+    from vitscale.stages.fewshot import FewshotResult, probe_checkpoint
+
+    with context.need(Pretrained).checkpoint.as_directory() as directory:
+        return FewshotResult(probe_checkpoint(config, directory))
 
 
 def devices(config: PipelineConfig) -> float:

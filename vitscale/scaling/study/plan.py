@@ -15,7 +15,12 @@ from typing import Any
 
 from vitscale.config.checks import ConfigError
 from vitscale.scaling.study.cells import Cell
-from vitscale.scaling.study.costs import MeasuredMFU, cell_cost, choose_mfu, study_wall_hours
+from vitscale.scaling.study.costs import (
+    MeasuredMFU,
+    cell_cost,
+    choose_mfu,
+    study_wall_hours,
+)
 
 
 @dataclass(frozen=True)

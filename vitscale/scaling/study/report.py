@@ -20,7 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vitscale.scaling.study.fit import FitRefused, PowerLawFit, fit_power_law, pareto_frontier
+from vitscale.scaling.study.fit import (
+    FitRefused,
+    PowerLawFit,
+    fit_power_law,
+    pareto_frontier,
+)
 from vitscale.scaling.study.recommend import answer_text, recommend
 from vitscale.scaling.study.state import CellRecord, StudyState
 from vitscale.scaling.study.uncertainty import BOOTSTRAP, BacktestRow, backtest

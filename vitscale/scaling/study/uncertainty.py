@@ -20,7 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from vitscale.scaling.study.fit import MIN_POINTS, FitRefused, PowerLawFit, _least_squares, fit_power_law, saturating
+from vitscale.scaling.study.fit import (
+    MIN_POINTS,
+    FitRefused,
+    PowerLawFit,
+    _least_squares,
+    fit_power_law,
+)
 
 LEVEL = 0.95
 """Coverage of the intervals."""
@@ -28,10 +34,11 @@ BOOTSTRAP = 100
 """Resamples per fit in the report (each a refit from the full fit's optimum: ~10 ms)."""
 
 
-def resample_fits(x: np.ndarray, y: np.ndarray, start: np.ndarray, n: int, seed: int) -> list[tuple[float, ...]]:
+def resample_fits(x: np.ndarray, y: np.ndarray, start: np.ndarray, n: int, seed: int
+                  ) -> list[tuple[float, float, float, float]]:
     """(a, b, c, d) in exaFLOPs of up to `n` refits on cells resampled with replacement."""
     rng = np.random.default_rng(seed)
-    out: list[tuple[float, ...]] = []
+    out: list[tuple[float, float, float, float]] = []
     for _ in range(n):
         pick = rng.integers(0, len(x), len(x))
         xb, yb = x[pick], y[pick]
@@ -55,11 +62,11 @@ def with_bootstrap(fit: PowerLawFit, x: np.ndarray, y: np.ndarray, n: int, seed:
     """`fit` with bootstrap intervals on a, b, c, d (and the refits, for prediction intervals)."""
     samples = resample_fits(x, y, np.array([fit.a, fit.b, fit.c, fit.d]), n, seed)
     if len(samples) < max(10, n // 4):
-        return replace(fit, warnings=(*fit.warnings, f"only {len(samples)} of {n} bootstrap resamples could be "
-                                                     f"fitted: no intervals"))
+        why = f"only {len(samples)} of {n} bootstrap resamples could be fitted: no intervals"
+        return replace(fit, warnings=(*fit.warnings, why))
     arr = np.array(samples)
     intervals = tuple(percentile_interval(arr[:, i]) for i in range(4))
-    return replace(fit, intervals=intervals, samples=tuple(tuple(float(v) for v in s) for s in samples))
+    return replace(fit, intervals=intervals, samples=tuple(samples))
 
 
 def predict(fit: PowerLawFit, compute: float) -> tuple[float, float | None, float | None]:
@@ -68,7 +75,8 @@ def predict(fit: PowerLawFit, compute: float) -> tuple[float, float | None, floa
     if not fit.samples:
         return mid, None, None
     arr = np.array(fit.samples)
-    acc = 1.0 - np.asarray(saturating(compute, arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]))
+    # Every refit at once (numpy broadcasts the parameter columns).
+    acc = 1.0 - (arr[:, 0] * np.power(compute + arr[:, 3], -arr[:, 1]) + arr[:, 2])
     lo, hi = percentile_interval(acc)
     return mid, min(lo, mid), max(hi, mid)
 
