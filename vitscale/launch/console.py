@@ -1,46 +1,93 @@
 """What the user's terminal shows during `vitscale run`: vitscale's own lines, not the libraries' chatter.
 
 Ray forwards every worker's and actor's stdout/stderr to the driver (Ray Train's per-report
-dumps, DeepSpeed's config tables, accelerator warnings). Unless `--verbose`, that stream goes
-to `RUN_DIR/logs/ray.log` in full, and only lines vitscale printed itself (they start with
-"[vitscale]") reach the terminal. The driver's own Ray loggers are treated the same way:
-warnings and errors still show, INFO goes to the log file.
+dumps, DeepSpeed's config tables, accelerator warnings) and prints each line to the driver's
+`sys.stdout` or `sys.stderr` behind a `(ActorName pid=..., ip=...)` prefix, as Ray's logging guide
+describes. Unless `--verbose`, the driver's `sys.stdout` and `sys.stderr` are a `TerminalFilter`:
+forwarded lines go to `RUN_DIR/logs/ray.log` in full, and only those vitscale printed itself (they
+hold "[vitscale]") also reach the terminal. The driver's own lines pass through. The driver's Ray
+loggers are treated the same way: warnings and errors still show, INFO goes to the log file.
+
+Only public behaviour is relied on (Python's standard streams, the documented line prefix, the
+`RAY_COLOR_PREFIX` variable); no Ray module is patched. A Ray that changed its prefix would show its
+forwarded lines on the terminal, as Ray itself does, never hide vitscale's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
+import os
+import re
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 PREFIX = "[vitscale]"
 _WORKERS_QUIET = threading.Event()
 """Set while workers' own lines go to the log only (`workers_off_terminal`)."""
-_RAY_HANDLER = "ray_print_logs"  # the name ray.init gives its own printing handler
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_FORWARDED = re.compile(r"^\((?:[^()]*\bpid=[^()]*|raylet[^()]*|autoscaler[^()]*)\) ?")
+"""The prefix Ray puts before a line it forwards from a worker, actor, raylet or autoscaler."""
 
 
-class LogRouter:
-    """Routes Ray's forwarded worker output: everything to a file, vitscale's lines to the terminal."""
+class TerminalFilter(io.TextIOBase):
+    """Stands in for the driver's `sys.stdout` or `sys.stderr` during a run (see module doc).
 
-    def __init__(self, log_path: Path, console: TextIO | None = None):
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log = open(log_path, "a", buffering=1)
-        self.console = console or sys.stdout
+    Every forwarded line is written to `log`; of those, only vitscale's own lines also reach the
+    terminal, from "[vitscale]" on (Ray's prefix dropped). The driver's own lines go to the terminal,
+    or, within `library_lines_to`, to a library's log unless they are vitscale's.
+    """
+
+    def __init__(self, terminal: TextIO, log: TextIO):
+        super().__init__()
+        self.terminal = terminal
+        self.log = log
+        self.library_log: TextIO | None = None
+        self._partial = ""
         self._lock = threading.Lock()
 
-    def __call__(self, data: dict[str, Any]) -> None:
-        who = data.get("actor_name") or data.get("task_name") or "worker"
-        tag = f"({who} pid={data.get('pid')}, ip={data.get('ip')})"
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self.terminal, "encoding", None) or "utf-8"
+
+    def isatty(self) -> bool:
+        return self.terminal.isatty()
+
+    def fileno(self) -> int:
+        return self.terminal.fileno()
+
+    def write(self, text: str) -> int:
         with self._lock:
-            for line in data.get("lines", ()):
-                self.log.write(f"{tag} {line}\n")
-                if line.lstrip().startswith(PREFIX) and not _WORKERS_QUIET.is_set():
-                    self.console.write(line.lstrip() + "\n")
-            self.console.flush()
+            lines = (self._partial + text).split("\n")
+            self._partial = lines.pop()
+            for line in lines:
+                self._route(line)
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            self.log.flush()
+            self.terminal.flush()
+
+    def _route(self, line: str) -> None:
+        plain = _ANSI.sub("", line)
+        forwarded = _FORWARDED.match(plain)
+        if forwarded:
+            self.log.write(plain + "\n")
+            at = plain.find(PREFIX)
+            if at >= 0 and not _WORKERS_QUIET.is_set():
+                self.terminal.write(plain[at:] + "\n")
+        elif self.library_log is not None and not plain.lstrip().startswith(PREFIX):
+            self.library_log.write(line + "\n")
+        else:
+            self.terminal.write(line + "\n")
 
 
 def quiet_driver_logs(log_path: Path, *, verbose: bool) -> None:
@@ -57,6 +104,8 @@ def quiet_driver_logs(log_path: Path, *, verbose: bool) -> None:
                 handler.setLevel(max(handler.level, logging.WARNING))
                 handler.addFilter(_not_notices)
         logger.addHandler(file_handler)
+    # Documented in Ray's logging guide: forwarded lines without colour codes around their prefix.
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 NOTICES = ("authentication_token_setup",)
@@ -69,23 +118,37 @@ def _not_notices(record: logging.LogRecord) -> bool:
 
 
 def route_ray_output(log_path: Path, *, verbose: bool) -> str | None:
-    """After `ray.init`: send worker output to `log_path`, keep vitscale's lines on the terminal.
+    """Send worker output to `log_path`, keep vitscale's lines on the terminal (module doc).
 
-    Returns a line saying where the full log is, or None when nothing was rerouted (verbose, or a
-    Ray without the hook this relies on: then the terminal shows everything, as Ray does).
+    Returns a line saying where the full log is, or None when nothing was rerouted (verbose). A
+    later run in the same process points the filters at its own log.
     """
     if verbose:
         return None
-    try:
-        from ray._private import worker as ray_worker
-
-        dispatcher = ray_worker.global_worker_stdstream_dispatcher
-        dispatcher.remove_handler(_RAY_HANDLER)
-        dispatcher.remove_handler("vitscale")  # a previous run's router in this process
-        dispatcher.add_handler("vitscale", LogRouter(log_path))
-    except (ImportError, AttributeError, KeyError, ValueError):
-        return None
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "a", buffering=1)
+    for name in ("stdout", "stderr"):
+        current = getattr(sys, name)
+        if isinstance(current, TerminalFilter):
+            previous, current.log = current.log, log
+            if previous is not log:
+                previous.close()
+        else:
+            setattr(sys, name, TerminalFilter(current, log))
     return f"workers' full output: {log_path} (--verbose shows it here)"
+
+
+def restore_output() -> None:
+    """Undo `route_ray_output`: the standard streams are the ones it found again."""
+    for name in ("stdout", "stderr"):
+        current = getattr(sys, name)
+        if isinstance(current, TerminalFilter):
+            if current._partial:
+                current.write("\n")
+            current.flush()
+            setattr(sys, name, current.terminal)
+            with contextlib.suppress(ValueError):
+                current.log.close()
 
 
 @contextlib.contextmanager
@@ -103,15 +166,25 @@ def workers_off_terminal() -> Iterator[None]:
 def library_output_to(log_path: Path, *, verbose: bool) -> Iterator[None]:
     """Within: what libraries print on the driver (Tune's progress tables, hints) goes to `log_path`.
 
-    vitscale's own lines still reach the terminal: the Ray output router keeps the terminal it
-    was given, and this only swaps `sys.stdout`/`sys.stderr` that `print` looks up at call time.
+    vitscale's own lines, the driver's and the workers', still reach the terminal.
     """
     if verbose:
         yield
         return
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "a", buffering=1) as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        yield
+    filters = [s for s in (sys.stdout, sys.stderr) if isinstance(s, TerminalFilter)]
+    with open(log_path, "a", buffering=1) as log:
+        if not filters:  # output not routed (a caller of run_pipeline without route_ray_output)
+            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                yield
+            return
+        for f in filters:
+            f.library_log = log
+        try:
+            yield
+        finally:
+            for f in filters:
+                f.library_log = None
 
 
 def summary_table(sections: list[tuple[str, list[tuple[str, str]]]]) -> str:
