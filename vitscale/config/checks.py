@@ -41,19 +41,19 @@ def _number(value: Any, key: str) -> float:
     return float(value)
 
 
-def positive(value: float | int | None, key: str) -> None:
+def positive(value: float | None, key: str) -> None:
     """A finite number > 0 (None passes: "not set")."""
     if value is not None:
         check(_number(value, key) > 0, key, f"must be > 0, got {value!r}")
 
 
-def non_negative(value: float | int | None, key: str) -> None:
+def non_negative(value: float | None, key: str) -> None:
     """A finite number >= 0 (None passes: "not set")."""
     if value is not None:
         check(_number(value, key) >= 0, key, f"must be >= 0, got {value!r}")
 
 
-def finite(value: float | int | None, key: str) -> None:
+def finite(value: float | None, key: str) -> None:
     """Any finite number (None passes)."""
     if value is not None:
         _number(value, key)

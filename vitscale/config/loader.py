@@ -13,9 +13,9 @@ import dataclasses
 import json
 import types
 import typing
-from pathlib import Path
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -266,7 +266,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             except ConfigError as exc:
                 errors.append(str(exc))
         raise ConfigError(key, f"expected {_type_name(tp)}, got {_describe(value)}")
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _build(tp, value, f"{key}.")
     if origin is tuple:
         if not isinstance(value, (list, tuple)):

@@ -113,7 +113,12 @@ def check_checkpoint(config: PipelineConfig, num_classes: int) -> None:
     fc = finetune_section(config)
     if fc.checkpoint is None:
         return
-    path = Path(fc.checkpoint)
+    from vitscale.train.export import local_weights
+
+    try:  # an s3:// file or run is read from a local copy, as the workers will
+        path = local_weights(fc.checkpoint)
+    except (ValueError, OSError) as exc:
+        raise ConfigError("finetune.checkpoint", str(exc)) from None
     if path.is_dir():
         from vitscale.train.export import find_checkpoint
 
@@ -165,25 +170,36 @@ def _model_of_file(path: Path, fallback: ModelConfig) -> ModelConfig:
 
 
 def initial_weights(config: PipelineConfig, context: StageContext) -> tuple[ModelConfig, str]:
-    """(the pre-trained architecture, a weights file every worker loads) for fine-tuning.
+    """(the pre-trained architecture, where every worker reads the weights) for fine-tuning.
 
     A training checkpoint (the pretrain stage's, or a run directory) is consolidated once, here,
-    into one fp32 export in the run directory; files are used as they are.
+    into one fp32 export that is handed over through the run's storage: the workers may be on nodes
+    that share no disk with the driver, so they get its URL in storage (a local or NFS path when the
+    storage is one). A file is used where it is (a path, or a URL the workers copy from).
     """
-    from vitscale.train.export import export_run, find_checkpoint
+    from vitscale.train.export import export_run, local_weights
 
     fc = finetune_section(config)
-    out = context.run_dir / "finetune-init.pt"
+    out = context.run_dir / INIT_FILE
     if fc.checkpoint is None:
         with context.need(Pretrained).checkpoint.as_directory() as directory:
             export_run(directory, out)
-        return config.model, str(out)
-    path = Path(fc.checkpoint)
+        return config.model, _handed_over(config, context)
+    path = local_weights(fc.checkpoint)
     if path.is_dir():
-        checkpoint = find_checkpoint(path)
-        export_run(checkpoint, out)
-        return _model_of_run(checkpoint), str(out)
-    return _model_of_file(path, config.model), str(path)
+        export_run(path, out)
+        return _model_of_run(path), _handed_over(config, context)
+    return _model_of_file(path, config.model), fc.checkpoint
+
+
+INIT_FILE = "finetune-init.pt"
+"""The consolidated pre-trained weights, in the run's storage, that fine-tuning and sweep workers load."""
+
+
+def _handed_over(config: PipelineConfig, context: StageContext) -> str:
+    """Push the run's files (the export among them) to its storage; the export's location there."""
+    context.sync()
+    return f"{config.cluster.run_storage(config.run_name)}/{INIT_FILE}"
 
 
 def run_finetune(config: PipelineConfig, context: StageContext) -> Finetuned:
@@ -210,12 +226,14 @@ def finetune_pipeline(checkpoint: str, dataset: str, *, preset: str | None = Non
     name = Path(dataset.rstrip("/")).name or "dataset"
     train: dict[str, Any] = {}
     finetune: dict[str, Any] = {"checkpoint": checkpoint, "data": {"url": dataset}, "train": train}
-    for key, value in (("preset", preset), ("resolution", resolution)):
-        if value is not None:
-            finetune[key] = value
-    for key, value in (("base_lr", base_lr), ("max_steps", steps)):
-        if value is not None:
-            train[key] = value
+    if preset is not None:
+        finetune["preset"] = preset
+    if resolution is not None:
+        finetune["resolution"] = resolution
+    if base_lr is not None:
+        train["base_lr"] = base_lr
+    if steps is not None:
+        train["max_steps"] = steps
     raw: dict[str, Any] = {"name": f"finetune-{name}", "stages": ["finetune"], "finetune": finetune}
     if local:
         raw["cluster"] = local_cluster()

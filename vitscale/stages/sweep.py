@@ -339,7 +339,8 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
         grid = tuner.fit()  # Tune's own progress tables go to the log; vitscale's lines stay on the terminal
     pre_exaflops = 0.0 if init is None else sum(float(r.metrics.get("cumulative_exaflops") or 0)
                                                  for r in context.results if isinstance(r, Pretrained))
-    rows = tuple(sorted((trial_row(result, space, metric, pre_exaflops) for result in grid),
+    results = [grid[i] for i in range(len(grid))]  # ResultGrid indexes; it declares no __iter__
+    rows = tuple(sorted((trial_row(result, space, metric, pre_exaflops) for result in results),
                         key=lambda r: str(r["trial_id"])))
     write_table([flat_row(r) for r in rows], directory, "results")
     x = next(iter(space))

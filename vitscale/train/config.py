@@ -8,8 +8,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vitscale.config.checks import (ConfigError, check, check_address, finite, non_negative, non_negative_int, one_of,
-                                    positive, probability, seed)
+from vitscale.config.checks import (
+    ConfigError,
+    check,
+    check_address,
+    finite,
+    non_negative,
+    non_negative_int,
+    one_of,
+    positive,
+    probability,
+    seed,
+)
 from vitscale.config.fields import RESUME_FREE
 
 PEAK_FLOPS_NAMES = ("auto", "H200", "H100", "A100")

@@ -72,12 +72,12 @@ class TrainJob:
     def __post_init__(self) -> None:
         # Selection (a job scored on the dev part of a carve) must never see held-out data:
         # it trains on the rest of that carve and evaluates nothing but its dev part.
-        dev = [e for e in self.evals if e.carve is not None and e.carve.part == "dev"]
+        dev = [e.carve for e in self.evals if e.carve is not None and e.carve.part == "dev"]
         if dev:
             others = [e for e in self.evals if e.carve is None or e.carve.part != "dev"
                       or (e.url, e.split) != (self.data.url, self.data.split)]
-            if others or self.carve is None or self.carve.part != "rest" or self.carve.fraction != dev[0].carve.fraction \
-                    or self.carve.seed != dev[0].carve.seed:
+            if others or self.carve is None or self.carve.part != "rest" or self.carve.fraction != dev[0].fraction \
+                    or self.carve.seed != dev[0].seed:
                 raise ValueError("a job selecting on a dev carve trains on the rest of that carve and evaluates "
                                  f"only its dev part; it cannot evaluate {[e.name for e in others] or 'this split'}")
 
