@@ -54,10 +54,10 @@ def test_writer_makes_a_valid_dataset(shards: str) -> None:
 
 def test_writer_refuses_bad_samples_and_leaves_nothing_on_error(tmp_path: Path) -> None:
     out = tmp_path / "bad"
-    with pytest.raises(ValueError, match=r"label: class index \[2\] outside \[0, 2\)"):
-        with DatasetWriter(str(out), name="bad", classes=["a", "b"]) as w:
-            w.add(_image(0), 0)
-            w.add(_image(1), 2)
+    with (pytest.raises(ValueError, match=r"label: class index \[2\] outside \[0, 2\)"),
+          DatasetWriter(str(out), name="bad", classes=["a", "b"]) as w):
+        w.add(_image(0), 0)
+        w.add(_image(1), 2)
     assert not (out / "dataset.json").exists()
     with DatasetWriter(str(out), name="ok", classes=["a", "b"]) as w:  # the same place works again
         w.add(_image(0), 1, key="x")

@@ -15,7 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "vitscale"
 
 LAYERS = {
-    "config": 0,
+    "config": 0, "_version": 0,
     "models": 1, "data": 1, "scaling": 1, "scaling.flops": 1, "scaling.catalog": 1,
     "train": 2, "eval": 2, "inspect": 2, "scaling.study": 2,
     "launch": 3, "stages": 3,

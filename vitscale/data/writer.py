@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 from PIL import Image
@@ -144,7 +144,7 @@ class DatasetWriter:
             writer.abort()
         publish.abort(self.storage, error)
 
-    def __enter__(self) -> DatasetWriter:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,

@@ -39,10 +39,10 @@ _EXPORTS: dict[str, str] = {
     "VisionTransformer": "vit",
 }
 __all__ = [
+    "OPTIONS",
     "LoadReport",
     "ModelConfig",
     "ModelSpec",
-    "OPTIONS",
     "ResNetConfig",
     "ResNetDims",
     "ResNetV2",
@@ -79,7 +79,14 @@ if TYPE_CHECKING:
     from vitscale.models.options import OPTIONS, ResNetConfig, ViTConfig
     from vitscale.models.posemb import resample_posemb
     from vitscale.models.resnet import ResNetV2
-    from vitscale.models.variants import ModelSpec, ResNetDims, ViTDims, model_names, parse_model_name, timm_alias
+    from vitscale.models.variants import (
+        ModelSpec,
+        ResNetDims,
+        ViTDims,
+        model_names,
+        parse_model_name,
+        timm_alias,
+    )
     from vitscale.models.vit import VisionTransformer
 
 

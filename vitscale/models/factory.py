@@ -12,12 +12,25 @@ from torch import nn
 
 from vitscale.config.checks import positive_int
 from vitscale.models.hybrid import build_hybrid
-from vitscale.models.options import DIM_OPTIONS, OPTIONS, VIT_OPTIONS, ResNetConfig, ViTConfig, check_option_names
+from vitscale.models.options import (
+    DIM_OPTIONS,
+    OPTIONS,
+    VIT_OPTIONS,
+    ResNetConfig,
+    ViTConfig,
+    check_option_names,
+)
 from vitscale.models.resnet import ResNetV2
-from vitscale.models.variants import ModelSpec, model_names, parse_model_name, timm_alias, with_overrides
+from vitscale.models.variants import (
+    ModelSpec,
+    model_names,
+    parse_model_name,
+    timm_alias,
+    with_overrides,
+)
 from vitscale.models.vit import VisionTransformer
 
-__all__ = ["OPTIONS", "create_model", "create_from_meta", "model_meta", "model_names", "parse_model_name"]
+__all__ = ["OPTIONS", "create_from_meta", "create_model", "model_meta", "model_names", "parse_model_name"]
 
 
 def create_model(name: str, *, num_classes: int, img_size: int | None = None, **overrides: Any) -> nn.Module:
@@ -58,8 +71,8 @@ def create_model(name: str, *, num_classes: int, img_size: int | None = None, **
         )
         model = build_hybrid(spec, cfg) if spec.family == "hybrid" else VisionTransformer(cfg)
     # Plain attributes (not state): what the model was built as, for checkpoint headers.
-    model.spec = spec
-    model.img_size = img_size
+    setattr(model, "spec", spec)  # noqa: B010 - nn.Module's typed __setattr__ takes tensors and modules only
+    setattr(model, "img_size", img_size)  # noqa: B010
     return model
 
 
@@ -83,7 +96,8 @@ def model_meta(model: nn.Module) -> dict[str, Any]:
         over["resnet_layers"] = list(spec.resnet.layers)
     over["head_bias_init"] = float(cfg.head_bias_init)
     over["activation_checkpointing"] = bool(cfg.activation_checkpointing)
-    return {"name": spec.name, "num_classes": int(cfg.num_classes), "img_size": int(model.img_size), "overrides": over}
+    img_size = int(vars(model)["img_size"])  # set by create_model (a plain attribute, not state)
+    return {"name": spec.name, "num_classes": int(cfg.num_classes), "img_size": img_size, "overrides": over}
 
 
 def create_from_meta(meta: Mapping[str, Any]) -> nn.Module:

@@ -18,7 +18,14 @@ from typing import NamedTuple
 import numpy as np
 from PIL import Image
 
-from vitscale.data.tools.downstream import PredefinedSplitSource, need_dir, need_file, read_names, split_indices
+from vitscale.config.errors import UserError
+from vitscale.data.tools.downstream import (
+    PredefinedSplitSource,
+    need_dir,
+    need_file,
+    read_names,
+    split_indices,
+)
 from vitscale.data.tools.source_base import Sample
 
 __all__ = ["CIFAR_PIXELS", "CifarSource"]
@@ -50,7 +57,7 @@ class CifarSource(PredefinedSplitSource):
 
     def __init__(self, root: str | Path, kind: str = "cifar10") -> None:
         if kind not in _CIFAR:
-            raise ValueError(f"CifarSource: kind must be one of {sorted(_CIFAR)}, got {kind!r}")
+            raise UserError(f"CifarSource: kind must be one of {sorted(_CIFAR)}, got {kind!r}")
         layout = _CIFAR[kind]
         root = need_dir(Path(root).expanduser(), kind)
         if not (root / layout.names).is_file() and (root / layout.folder).is_dir():
@@ -67,19 +74,19 @@ class CifarSource(PredefinedSplitSource):
             path = need_file(root / fname, kind, "the binary version: cifar-*-binary.tar.gz")
             size = path.stat().st_size
             if size == 0 or size % record:
-                raise ValueError(f"{kind}: {path} is {size} bytes, not a whole number of {record}-byte "
-                                 f"records (truncated, or not the binary version)")
+                raise UserError(f"{kind}: {path} is {size} bytes, not a whole number of {record}-byte "
+                                f"records (truncated, or not the binary version)")
             mm = np.memmap(path, dtype=np.uint8, mode="r", shape=(size // record, record))
             if layout.label_bytes == 2:  # CIFAR-100: the coarse label first, 20 superclasses
                 coarse = np.asarray(mm[:, 0])
                 if coarse.max() >= 20:
                     r = int(np.argmax(coarse >= 20))
-                    raise ValueError(f"{kind}: {path} record {r} has coarse label {coarse[r]}, outside [0, 20)")
+                    raise UserError(f"{kind}: {path} record {r} has coarse label {coarse[r]}, outside [0, 20)")
             lab = np.asarray(mm[:, layout.label_at]).astype(np.int64)
             if lab.max() >= layout.num_classes:
                 r = int(np.argmax(lab >= layout.num_classes))
-                raise ValueError(f"{kind}: {path} record {r} has label {lab[r]}, "
-                                 f"outside [0, {layout.num_classes})")
+                raise UserError(f"{kind}: {path} record {r} has label {lab[r]}, "
+                                f"outside [0, {layout.num_classes})")
             self._maps.append(mm)
             self._stems.append(Path(fname).stem)
             labels.append(lab)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from vitscale.config.errors import UserError
 from vitscale.data.tools.source_base import Source
 
 __all__ = ["PredefinedSplitSource", "load_mat", "need_dir", "need_file", "read_mat_ints", "read_names",
@@ -33,13 +34,13 @@ class PredefinedSplitSource(Source):
 
 def need_dir(path: Path, kind: str) -> Path:
     if not path.is_dir():
-        raise ValueError(f"{kind}: {path} is not a directory")
+        raise UserError(f"{kind}: {path} is not a directory")
     return path
 
 
 def need_file(path: Path, kind: str, what: str = "") -> Path:
     if not path.is_file():
-        raise ValueError(f"{kind}: {path} does not exist" + (f" ({what})" if what else ""))
+        raise UserError(f"{kind}: {path} does not exist" + (f" ({what})" if what else ""))
     return path
 
 
@@ -48,7 +49,7 @@ def read_names(path: Path, kind: str, count: int) -> tuple[str, ...]:
     need_file(path, kind, "class names, one a line")
     names = tuple(line.strip() for line in path.read_text().splitlines() if line.strip())
     if len(names) != count:
-        raise ValueError(f"{kind}: {path} names {len(names)} classes, expected {count}")
+        raise UserError(f"{kind}: {path} names {len(names)} classes, expected {count}")
     return names
 
 
@@ -60,9 +61,9 @@ def load_mat(path: Path, variable: str, kind: str, **kwargs: Any) -> np.ndarray:
     try:
         mat = loadmat(path, variable_names=[variable], **kwargs)
     except Exception as exc:  # noqa: BLE001 - scipy raises MatReadError, ValueError, IndexError, ...
-        raise ValueError(f"{kind}: cannot read {path} as a .mat file ({type(exc).__name__}: {exc})") from None
+        raise UserError(f"{kind}: cannot read {path} as a .mat file ({type(exc).__name__}: {exc})") from None
     if variable not in mat:
-        raise ValueError(f"{kind}: {path} has no variable {variable!r}")
+        raise UserError(f"{kind}: {path} has no variable {variable!r}")
     return np.asarray(mat[variable])
 
 
@@ -70,7 +71,7 @@ def read_mat_ints(path: Path, variable: str, kind: str) -> np.ndarray:
     """A ``.mat`` variable of integers as a flat int64 array."""
     values = load_mat(path, variable, kind).ravel()
     if values.size == 0 or not np.issubdtype(values.dtype, np.number) or np.any(values != np.round(values)):
-        raise ValueError(f"{kind}: {path} variable {variable!r} must hold integers")
+        raise UserError(f"{kind}: {path} variable {variable!r} must hold integers")
     return values.astype(np.int64)
 
 

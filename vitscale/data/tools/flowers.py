@@ -13,7 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
-from vitscale.data.tools.downstream import PredefinedSplitSource, need_dir, need_file, read_mat_ints, split_indices
+from vitscale.config.errors import UserError
+from vitscale.data.tools.downstream import (
+    PredefinedSplitSource,
+    need_dir,
+    need_file,
+    read_mat_ints,
+    split_indices,
+)
 from vitscale.data.tools.source_base import Sample, SourceKind
 
 __all__ = ["SOURCE", "FlowersSource"]
@@ -36,8 +43,8 @@ class FlowersSource(PredefinedSplitSource):
         labels = read_mat_ints(labels_path, "labels", kind)
         bad = np.flatnonzero((labels < 1) | (labels > FLOWERS_CLASSES))
         if bad.size:
-            raise ValueError(f"{kind}: {labels_path} gives image {bad[0] + 1} label {labels[bad[0]]}, "
-                             f"outside 1..{FLOWERS_CLASSES}")
+            raise UserError(f"{kind}: {labels_path} gives image {bad[0] + 1} label {labels[bad[0]]}, "
+                            f"outside 1..{FLOWERS_CLASSES}")
         setid = root / "setid.mat"
         ids: list[np.ndarray] = []
         sizes: list[tuple[str, int]] = []
@@ -46,10 +53,10 @@ class FlowersSource(PredefinedSplitSource):
             split_ids = read_mat_ints(setid, var, kind)
             for image_id in split_ids.tolist():
                 if not 1 <= image_id <= len(labels):
-                    raise ValueError(f"{kind}: {setid} {var} lists image {image_id}, but {labels_path} "
-                                     f"labels images 1..{len(labels)}")
+                    raise UserError(f"{kind}: {setid} {var} lists image {image_id}, but {labels_path} "
+                                    f"labels images 1..{len(labels)}")
                 if image_id in owner:
-                    raise ValueError(f"{kind}: {setid} lists image {image_id} twice ({owner[image_id]}, {var})")
+                    raise UserError(f"{kind}: {setid} lists image {image_id} twice ({owner[image_id]}, {var})")
                 owner[image_id] = var
                 need_file(jpg / f"image_{image_id:05d}.jpg", kind, f"listed in {setid} {var}")
             ids.append(split_ids)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vitscale.config.errors import UserError
 from vitscale.data.tools.keys import unique_keys
 from vitscale.data.tools.source_base import IMAGE_EXTENSIONS, Sample, Source, SourceKind
 
@@ -20,10 +21,10 @@ class FolderSource(Source):
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).expanduser()
         if not self.root.is_dir():
-            raise ValueError(f"folder source: {self.root} is not a directory")
+            raise UserError(f"folder source: {self.root} is not a directory")
         class_dirs = sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
         if not class_dirs:
-            raise ValueError(f"folder source: {self.root} has no class sub-folders (ImageNet layout)")
+            raise UserError(f"folder source: {self.root} has no class sub-folders (ImageNet layout)")
         self.name = self.root.name
         self.classes = tuple(p.name for p in class_dirs)
         self.multi_label = False
@@ -33,7 +34,7 @@ class FolderSource(Source):
                 if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS:
                     files.append((p, ci))
         if not files:
-            raise ValueError(f"folder source: no images ({sorted(IMAGE_EXTENSIONS)}) under {self.root}")
+            raise UserError(f"folder source: no images ({sorted(IMAGE_EXTENSIONS)}) under {self.root}")
         self._files = files
         self._keys = unique_keys([p.relative_to(self.root).with_suffix("").as_posix() for p, _ in files])
 

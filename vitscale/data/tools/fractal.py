@@ -50,10 +50,10 @@ from vitscale.config.checks import check, one_of, positive_int
 from vitscale.data.tools.source_base import Sample, Source, SourceKind
 
 __all__ = [
-    "SOURCE",
     "FILL_RATE",
     "IFS",
     "INKS",
+    "SOURCE",
     "FractalSource",
     "chaos_game",
     "class_system",
@@ -223,7 +223,7 @@ class FractalSource(Source):
         check(0.0 <= blur <= size / 4, "fractal.blur", f"must be in [0, image_size / 4], got {blur}")
         self.blur = float(blur)
         """Gaussian blur radius of the strokes in pixels (0: FractalDB's hard-edged patches)."""
-        self.count, self.num_classes, self.image_size, self.seed, self.ink = count, classes, size, seed, ink
+        self.samples, self.num_classes, self.image_size, self.seed, self.ink = count, classes, size, seed, ink
         self.points = points if points is not None else max(1024, size * size)
         """Chaos-game points per image (default: one per pixel, at least 1024)."""
         self.name = "fractal"
@@ -231,7 +231,7 @@ class FractalSource(Source):
         self.multi_label = False
 
     def __len__(self) -> int:
-        return self.count
+        return self.samples
 
     def system(self, c: int) -> IFS:
         """Class ``c``'s IFS."""

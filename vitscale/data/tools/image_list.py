@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from vitscale.config.errors import UserError
 from vitscale.data.tools.keys import unique_keys
 from vitscale.data.tools.source_base import Sample, Source, SourceKind
 
@@ -38,12 +39,12 @@ def parse_labels(cell: Any) -> list[str]:
     if isinstance(cell, (list, tuple, np.ndarray)):
         return [t for c in cell for t in parse_labels(c)]
     if isinstance(cell, (bool, np.bool_)):
-        raise ValueError(f"label {cell!r} is a boolean, expected a class index or name")
+        raise UserError(f"label {cell!r} is a boolean, expected a class index or name")
     if isinstance(cell, (int, np.integer)):
         return [str(int(cell))]
     if isinstance(cell, (float, np.floating)):
         if not float(cell).is_integer():
-            raise ValueError(f"label {cell!r} is not an integer class index")
+            raise UserError(f"label {cell!r} is not an integer class index")
         return [str(int(cell))]
     text = str(cell).strip()
     if text.startswith("[") and text.endswith("]"):  # a list written to CSV as "[3, 17]"
@@ -59,7 +60,7 @@ def _read_table(path: Path) -> list[dict[str, Any]]:
     if path.suffix.lower() in (".csv", ".tsv"):
         with open(path, newline="") as f:
             return list(csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ","))
-    raise ValueError(f"image list {path} must be .parquet, .csv or .tsv")
+    raise UserError(f"image list {path} must be .parquet, .csv or .tsv")
 
 
 def _pick_column(
@@ -67,15 +68,15 @@ def _pick_column(
 ) -> str:
     if wanted is not None:
         if wanted not in columns:
-            raise ValueError(f"image list {path}: missing {what} column {wanted!r} (columns: {list(columns)})")
+            raise UserError(f"image list {path}: missing {what} column {wanted!r} (columns: {list(columns)})")
         return wanted
     for c in candidates:
         if c in columns:
             return c
-    raise ValueError(
-        f"image list {path}: missing {what} column; name one of {list(candidates)} "
-        f"(columns present: {list(columns)})"
-    )
+    raise UserError(
+       f"image list {path}: missing {what} column; name one of {list(candidates)} "
+       f"(columns present: {list(columns)})"
+   )
 
 
 class ImageListSource(Source):
@@ -93,10 +94,10 @@ class ImageListSource(Source):
     ) -> None:
         self.path = Path(path).expanduser()
         if not self.path.is_file():
-            raise ValueError(f"image list {self.path} does not exist")
+            raise UserError(f"image list {self.path} does not exist")
         rows = _read_table(self.path)
         if not rows:
-            raise ValueError(f"image list {self.path} has no rows")
+            raise UserError(f"image list {self.path} has no rows")
         cols = list(rows[0].keys())
         pcol = _pick_column(cols, path_column, PATH_COLUMNS, "image path", self.path)
         lcol = _pick_column(cols, label_column, LABEL_COLUMNS, "label", self.path)
@@ -106,15 +107,15 @@ class ImageListSource(Source):
         tokens = [parse_labels(r[lcol]) for r in rows]
         for n, t in enumerate(tokens):
             if not t:
-                raise ValueError(f"image list {self.path}: row {n} ({rows[n][pcol]}) has no label")
+                raise UserError(f"image list {self.path}: row {n} ({rows[n][pcol]}) has no label")
         flat = {t for ts in tokens for t in ts}
         if all(re.fullmatch(r"-?\d+", t) for t in flat):
             ids = [[int(t) for t in ts] for ts in tokens]
             k = len(classes) if classes is not None else max(max(i) for i in ids) + 1
             bad = [i for ts in ids for i in ts if not 0 <= i < k]
             if bad:
-                raise ValueError(
-                    f"image list {self.path}: label {bad[0]} outside [0, {k}); pass classes= to name all {k}"
+                raise UserError(
+                   f"image list {self.path}: label {bad[0]} outside [0, {k}); pass classes= to name all {k}"
                 )
             self.classes = tuple(classes) if classes is not None else tuple(str(i) for i in range(k))
         else:
@@ -122,7 +123,7 @@ class ImageListSource(Source):
             lookup = {c: i for i, c in enumerate(names)}
             missing = sorted(flat - set(lookup))
             if missing:
-                raise ValueError(f"image list {self.path}: labels {missing[:5]} are not in classes")
+                raise UserError(f"image list {self.path}: labels {missing[:5]} are not in classes")
             ids = [[lookup[t] for t in ts] for ts in tokens]
             self.classes = names
         self._labels = [tuple(sorted(set(i))) for i in ids]
@@ -153,7 +154,7 @@ class ImageListSource(Source):
         if not path.is_absolute():
             path = self.root / path
         if not path.is_file():
-            raise ValueError(f"image list {self.path}: image {path} does not exist")
+            raise UserError(f"image list {self.path}: image {path} does not exist")
         return path.read_bytes()
 
     def origin(self, i: int) -> str:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vitscale.config.errors import UserError
 from vitscale.data.tools.downstream import (
     PredefinedSplitSource,
     load_mat,
@@ -65,19 +66,19 @@ class ImageNetSource(PredefinedSplitSource):
         root = need_dir(Path(root).expanduser(), KIND)
         base = root if (root / "train").is_dir() or not (root / KAGGLE_ROOT).is_dir() else root / KAGGLE_ROOT
         if not (base / "train").is_dir():
-            raise ValueError(f"{KIND}: no train/ folder in {root} (nor {KAGGLE_ROOT}/train, the Kaggle layout)")
+            raise UserError(f"{KIND}: no train/ folder in {root} (nor {KAGGLE_ROOT}/train, the Kaggle layout)")
         val = need_dir(base / "val", KIND)
         self.root, self.name, self.multi_label = root, "imagenet", False
         self._lookup = [root, base, root / "ILSVRC2012_devkit_t12" / "data"]
         train_wnids = _subdirs(base / "train")
         if not train_wnids:
-            raise ValueError(f"{KIND}: {base / 'train'} has no class folders (train/<wnid>/*.JPEG)")
+            raise UserError(f"{KIND}: {base / 'train'} has no class folders (train/<wnid>/*.JPEG)")
         synsets = self._find(SYNSETS)
         if synsets is not None:
             self.classes = self._read_synsets(synsets)
             unknown = sorted(set(train_wnids) - set(self.classes))
             if unknown:
-                raise ValueError(f"{KIND}: {base / 'train' / unknown[0]} is not a class of {synsets}")
+                raise UserError(f"{KIND}: {base / 'train' / unknown[0]} is not a class of {synsets}")
         else:
             self.classes = tuple(train_wnids)
         self._class_of = {w: i for i, w in enumerate(self.classes)}
@@ -98,11 +99,11 @@ class ImageNetSource(PredefinedSplitSource):
             add(base / "train" / wnid, files, [self._class_of[wnid]] * len(files))
         n_train = len(names)
         if not n_train:
-            raise ValueError(f"{KIND}: no images under {base / 'train'}")
+            raise UserError(f"{KIND}: no images under {base / 'train'}")
         for folder, files, file_labels in self._val(val):
             add(folder, files, file_labels)
         if len(names) == n_train:
-            raise ValueError(f"{KIND}: no validation images in {val}")
+            raise UserError(f"{KIND}: no validation images in {val}")
         # Compact: ~20 bytes a name rather than a Python str (and a Path) per image.
         self._names = np.array([os.fsencode(n) for n in names], dtype=np.bytes_)
         self._dir_of = np.concatenate(dir_of)
@@ -120,14 +121,14 @@ class ImageNetSource(PredefinedSplitSource):
     def _read_synsets(path: Path) -> tuple[str, ...]:
         wnids = [line.split()[0] for line in path.read_text().splitlines() if line.strip()]
         if not wnids:
-            raise ValueError(f"{KIND}: {path} lists no synsets")
+            raise UserError(f"{KIND}: {path} lists no synsets")
         if len(set(wnids)) != len(wnids):
-            raise ValueError(f"{KIND}: {path} lists a wnid twice")
+            raise UserError(f"{KIND}: {path} lists a wnid twice")
         return tuple(wnids)
 
     def _label(self, wnid: str, where: str) -> int:
         if wnid not in self._class_of:
-            raise ValueError(f"{KIND}: {where}: {wnid!r} is not a class (no train/{wnid}/ folder or synset line)")
+            raise UserError(f"{KIND}: {where}: {wnid!r} is not a class (no train/{wnid}/ folder or synset line)")
         return self._class_of[wnid]
 
     def _val(self, val: Path) -> list[tuple[Path, list[str], list[int]]]:
@@ -146,8 +147,8 @@ class ImageNetSource(PredefinedSplitSource):
         devkit = self._find(DEVKIT_VAL)
         if devkit is not None:
             return [(val, *self._devkit_labels(devkit, val, sorted(present.values())))]
-        raise ValueError(f"{KIND}: no labels for {val}: expected val/<wnid>/ folders, {KAGGLE_VAL} or "
-                         f"{DEVKIT_VAL} with meta.mat in {', '.join(str(p) for p in dict.fromkeys(self._lookup))}")
+        raise UserError(f"{KIND}: no labels for {val}: expected val/<wnid>/ folders, {KAGGLE_VAL} or "
+                        f"{DEVKIT_VAL} with meta.mat in {', '.join(str(p) for p in dict.fromkeys(self._lookup))}")
 
     def _kaggle_labels(self, path: Path, val: Path, present: dict[str, str]) -> tuple[list[str], list[int]]:
         rows: list[tuple[str, int]] = []
@@ -155,22 +156,22 @@ class ImageNetSource(PredefinedSplitSource):
             reader = csv.reader(f)
             header = next(reader, None)
             if header is None or header[:2] != ["ImageId", "PredictionString"]:
-                raise ValueError(f"{KIND}: {path} must start with the header 'ImageId,PredictionString'")
+                raise UserError(f"{KIND}: {path} must start with the header 'ImageId,PredictionString'")
             for n, row in enumerate(reader, start=2):
                 if not row:
                     continue
                 tokens = row[1].split() if len(row) > 1 else []
                 if not tokens:
-                    raise ValueError(f"{KIND}: {path}:{n}: no wnid in PredictionString")
+                    raise UserError(f"{KIND}: {path}:{n}: no wnid in PredictionString")
                 image_id = row[0].strip()
                 if image_id not in present:
-                    raise ValueError(f"{KIND}: {path}:{n}: image {image_id} is not in {val}")
+                    raise UserError(f"{KIND}: {path}:{n}: image {image_id} is not in {val}")
                 rows.append((present[image_id], self._label(tokens[0], f"{path}:{n}")))
         if not rows:
-            raise ValueError(f"{KIND}: {path} lists no images")
+            raise UserError(f"{KIND}: {path} lists no images")
         rows.sort()
         if len({r[0] for r in rows}) != len(rows):
-            raise ValueError(f"{KIND}: {path} lists an image twice")
+            raise UserError(f"{KIND}: {path} lists an image twice")
         return [r[0] for r in rows], [r[1] for r in rows]
 
     def _devkit_labels(self, path: Path, val: Path, files: list[str]) -> tuple[list[str], list[int]]:
@@ -178,15 +179,15 @@ class ImageNetSource(PredefinedSplitSource):
         need_file(meta, KIND, f"the devkit's synsets, needed to read {path.name}")
         records = load_mat(meta, "synsets", KIND, squeeze_me=True).ravel()
         if not {"ILSVRC2012_ID", "WNID"} <= set(records.dtype.names or ()):
-            raise ValueError(f"{KIND}: {meta}: 'synsets' has no ILSVRC2012_ID and WNID fields")
+            raise UserError(f"{KIND}: {meta}: 'synsets' has no ILSVRC2012_ID and WNID fields")
         id_to_wnid = {int(i): str(w) for i, w in zip(records["ILSVRC2012_ID"], records["WNID"])}
         lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
         if len(lines) != len(files):
-            raise ValueError(f"{KIND}: {path} has {len(lines)} labels but {val} holds {len(files)} images")
+            raise UserError(f"{KIND}: {path} has {len(lines)} labels but {val} holds {len(files)} images")
         labels = []
         for n, text in enumerate(lines, start=1):
             if not text.isdigit() or int(text) not in id_to_wnid:
-                raise ValueError(f"{KIND}: {path}:{n}: {text!r} is not an ILSVRC2012_ID of {meta}")
+                raise UserError(f"{KIND}: {path}:{n}: {text!r} is not an ILSVRC2012_ID of {meta}")
             labels.append(self._label(id_to_wnid[int(text)], f"{path}:{n}"))
         return files, labels
 

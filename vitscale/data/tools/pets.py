@@ -12,7 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
-from vitscale.data.tools.downstream import PredefinedSplitSource, need_dir, need_file, split_indices
+from vitscale.config.errors import UserError
+from vitscale.data.tools.downstream import (
+    PredefinedSplitSource,
+    need_dir,
+    need_file,
+    split_indices,
+)
 from vitscale.data.tools.keys import unique_keys
 from vitscale.data.tools.source_base import Sample, SourceKind
 
@@ -46,29 +52,29 @@ class PetsSource(PredefinedSplitSource):
                 try:
                     image, class_id = fields[0], int(fields[1])
                 except (IndexError, ValueError):
-                    raise ValueError(f"{kind}: {where}: expected 'IMAGE CLASS_ID SPECIES BREED_ID', "
-                                     f"got {line.strip()!r}") from None
+                    raise UserError(f"{kind}: {where}: expected 'IMAGE CLASS_ID SPECIES BREED_ID', "
+                                    f"got {line.strip()!r}") from None
                 if not 1 <= class_id <= PETS_CLASSES:
-                    raise ValueError(f"{kind}: {where}: class id {class_id} outside 1..{PETS_CLASSES}")
+                    raise UserError(f"{kind}: {where}: class id {class_id} outside 1..{PETS_CLASSES}")
                 prefix, sep, _ = image.rpartition("_")
                 if not sep or not prefix:
-                    raise ValueError(f"{kind}: {where}: image name {image!r} has no '<breed>_<n>' form")
+                    raise UserError(f"{kind}: {where}: image name {image!r} has no '<breed>_<n>' form")
                 if names.setdefault(class_id, prefix) != prefix:
-                    raise ValueError(f"{kind}: {where}: class id {class_id} is {names[class_id]!r} "
-                                     f"elsewhere, {prefix!r} here")
+                    raise UserError(f"{kind}: {where}: class id {class_id} is {names[class_id]!r} "
+                                    f"elsewhere, {prefix!r} here")
                 if image in seen:
-                    raise ValueError(f"{kind}: {where}: image {image!r} is listed twice (also in {seen[image]})")
+                    raise UserError(f"{kind}: {where}: image {image!r} is listed twice (also in {seen[image]})")
                 seen[image] = where
                 need_file(images / f"{image}.jpg", kind, f"listed in {where}")
                 rows.append((image, class_id - 1))
                 count += 1
             if not count:
-                raise ValueError(f"{kind}: {path} lists no images")
+                raise UserError(f"{kind}: {path} lists no images")
             sizes.append((split, count))
         k = max(names)
         missing = [c for c in range(1, k + 1) if c not in names]
         if missing:
-            raise ValueError(f"{kind}: class id {missing[0]} appears in no annotation file, so it has no name")
+            raise UserError(f"{kind}: class id {missing[0]} appears in no annotation file, so it has no name")
         self.classes = tuple(names[c] for c in range(1, k + 1))
         self._images = images
         self._names = [r[0] for r in rows]

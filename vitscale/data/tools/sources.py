@@ -18,7 +18,14 @@ import difflib
 import importlib
 from typing import Any
 
-from vitscale.data.tools.source_base import IMAGE_EXTENSIONS, Sample, Source, SourceKind, image_of
+from vitscale.config.errors import UserError
+from vitscale.data.tools.source_base import (
+    IMAGE_EXTENSIONS,
+    Sample,
+    Source,
+    SourceKind,
+    image_of,
+)
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -55,11 +62,11 @@ RENAMED: dict[str, str] = {"flowers102": "flowers"}
 def get_source_kind(name: str) -> SourceKind:
     """The registered source kind ``name``; an unknown name is a one-line error with the known ones."""
     if name in RENAMED:
-        raise ValueError(f"source {name!r} is now named {RENAMED[name]!r}: write {RENAMED[name]}:... instead")
+        raise UserError(f"source {name!r} is now named {RENAMED[name]!r}: write {RENAMED[name]}:... instead")
     if name not in REGISTRY:
         close = difflib.get_close_matches(name, list(REGISTRY), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"unknown source {name!r}: {hint}sources: {', '.join(source_specs())}")
+        raise UserError(f"unknown source {name!r}: {hint}sources: {', '.join(source_specs())}")
     kind = importlib.import_module(REGISTRY[name]).SOURCE
     if not isinstance(kind, SourceKind) or kind.name != name:
         raise RuntimeError(f"{REGISTRY[name]}.SOURCE is not the SourceKind {name!r} it is registered as")
@@ -76,9 +83,9 @@ def source_kind_of(spec: str) -> SourceKind:
     name, sep, arg = spec.partition(":")
     kind = get_source_kind(name)
     if kind.arg and not arg:
-        raise ValueError(f"source {name!r} needs a path: {kind.spec}")
+        raise UserError(f"source {name!r} needs a path: {kind.spec}")
     if not kind.arg and sep:
-        raise ValueError(f"source {name!r} takes no path (got {spec!r})")
+        raise UserError(f"source {name!r} takes no path (got {spec!r})")
     return kind
 
 
@@ -91,8 +98,8 @@ def open_source(spec: str, **options: Any) -> Source:
     opts = {k: v for k, v in options.items() if v is not None}
     unknown = sorted(set(opts) - set(kind.options))
     if unknown:
-        raise ValueError(f"source {kind.name!r} does not take option(s) {unknown}; "
-                         f"it takes {sorted(kind.options)}")
+        raise UserError(f"source {kind.name!r} does not take option(s) {unknown}; "
+                        f"it takes {sorted(kind.options)}")
     if kind.arg:
         return kind.open(spec.partition(":")[2], **opts)
     return kind.open(**opts)

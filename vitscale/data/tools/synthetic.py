@@ -90,13 +90,13 @@ class SyntheticSource(Source):
         check(classes >= 2, "synthetic.classes", f"must be >= 2, got {classes}")
         check(image_size is None or image_size >= 8, "synthetic.image_size", f"must be >= 8 or None, got {image_size}")
         check(not multi_label or classes >= 3, "synthetic.multi_label", "needs classes >= 3")
-        self.count, self.num_classes, self.image_size, self.seed = count, classes, image_size, seed
+        self.samples, self.num_classes, self.image_size, self.seed = count, classes, image_size, seed
         self.name = "synthetic"
         self.classes = tuple(f"class_{c:03d}" for c in range(classes))
         self.multi_label = multi_label
 
     def __len__(self) -> int:
-        return self.count
+        return self.samples
 
     def __getitem__(self, i: int) -> Sample:  # type: ignore[override]
         i = self._check_index(i)
