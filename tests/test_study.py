@@ -247,6 +247,18 @@ def test_report_from_state_marks_partial_rows_and_refuses_thin_families(tmp_path
         assert (tmp_path / "study" / name).stat().st_size > 0
     text = recommendation_text(report, 5e-5)
     assert text.splitlines()[1].startswith("-> ViT: predicted") and "ResNet: no fit" in text
+    # Past the first version: intervals, backtest, frontier, and every measured family in recommend.
+    fits = {r["family"]: r for r in pq.read_table(tmp_path / "study" / "fits.parquet").to_pylist()}
+    assert fits["ViT"]["b_lo"] <= fits["ViT"]["b_hi"] and fits["ViT"]["bootstrap"] > 0
+    assert "weakly determined" in fits["ViT"]["warnings"]  # 6 cells for 4 parameters
+    assert "ViT" in report.backtests and isinstance(report.backtests["ResNet"], str)
+    front = pq.read_table(tmp_path / "study" / "frontier.parquet").to_pylist()
+    accs = [r["digits fewshot 5shot"] for r in front]
+    assert accs == sorted(accs) and len(front) >= 2
+    for name in ("backtest.csv", "backtest.md", "frontier.csv", "frontier.md"):
+        assert (tmp_path / "study" / name).stat().st_size > 0
+    assert "best measured cell within budget: resnet6" in text or "best measured cell within budget: resnet7" in text
+    assert "warning: 6 cells" in text
 
 
 def test_cli_study_plan_refusal_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
