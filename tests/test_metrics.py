@@ -242,3 +242,70 @@ def test_nonfinite_losses_and_checkpoints_are_counted_for_the_alerts(tmp_path: P
     assert _value(after, "vitscale_last_checkpoint_timestamp_seconds", run="demo", rank="0") == 1_700_000_600.0
     with pytest.raises(ValueError, match="after close"):
         sink.checkpoint_saved(1.0)
+
+
+# -- step lines and TensorBoard ------------------------------------------------------------------
+
+
+def test_hms() -> None:
+    from vitscale.train.metrics import hms
+
+    assert hms(0) == "0:00:00" and hms(59.4) == "0:00:59" and hms(3725) == "1:02:05"
+    assert hms(100 * 3600 + 1) == "100:00:01"
+    assert hms(float("nan")) == "-:--:--" and hms(-1) == "-:--:--"
+
+
+def test_step_line_has_a_clock_and_an_hms_eta() -> None:
+    import time
+
+    from vitscale.train.metrics import progress_line
+
+    now = time.mktime((2026, 11, 23, 21, 5, 7, 0, 0, -1))
+    line = progress_line(_step(2), total_steps=1002, elapsed_s=20.0, steps_done=2, now=now)
+    # 10 s a step, 1000 steps left: 10,000 s.
+    assert line.startswith("[vitscale] 21:05:07 step 2/1002 epoch 0.20 loss 2.3000")
+    assert line.endswith(" eta 2:46:40")
+
+
+def _scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_log_is_keyed_by_optimizer_step(tmp_path: Path) -> None:
+    from vitscale.train.metrics import TensorBoardLog
+
+    board = TensorBoardLog(tmp_path / "tb")
+    for step in (1, 2, 3):
+        board.record(_step(step))
+    board.scores(3, {"dev_accuracy": 0.5})
+    board.close()
+    scalars = _scalars(tmp_path / "tb")
+    assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3]
+    assert scalars["train/loss"][2][1] == pytest.approx(2.2)
+    assert scalars["train/lr"][0][1] == pytest.approx(1e-3)
+    assert scalars["train/images_per_s"][1][1] == pytest.approx(200.0)
+    assert scalars["train/mfu"][2][1] == pytest.approx(0.3)
+    assert scalars["eval/dev_accuracy"] == [(3, 0.5)]
+
+    # A restart resumed from the checkpoint at step 2: its curve goes on from step 3, no fold-back to 1
+    # and no second point at step 3 from the attempt that died.
+    board = TensorBoardLog(tmp_path / "tb", resumed_at=2)
+    for step in (3, 4):
+        board.record(_step(step, loss=9.0 + step))
+    board.close()
+    loss = _scalars(tmp_path / "tb")["train/loss"]
+    assert [s for s, _ in loss] == [1, 2, 3, 4]
+    assert loss[2][1] == pytest.approx(12.0) and loss[3][1] == pytest.approx(13.0)
+
+
+def test_no_mfu_is_no_point(tmp_path: Path) -> None:
+    from vitscale.train.metrics import TensorBoardLog
+
+    board = TensorBoardLog(tmp_path / "tb")
+    board.record(_step(1, mfu=None))
+    board.close()
+    assert "train/mfu" not in _scalars(tmp_path / "tb") and "train/loss" in _scalars(tmp_path / "tb")

@@ -34,7 +34,7 @@ from vitscale.train.evaluate import Polyak, accuracy
 from vitscale.train.faults import maybe_die
 from vitscale.train.job import TrainJob
 from vitscale.train.losses import classification_loss
-from vitscale.train.metrics import MetricsSink, StepMetrics, mfu, peak_flops
+from vitscale.train.metrics import MetricsSink, StepMetrics, TensorBoardLog, mfu, peak_flops, progress_line
 from vitscale.train.optim import derive_batch, lr_at, param_groups, schedule_length
 
 ReportFn = Callable[[dict[str, Any], "Path | None"], None]
@@ -120,6 +120,9 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
     if sink.port is not None:
         print(f"[vitscale] rank {ctx.rank}: Prometheus metrics on :{sink.port}/metrics", flush=True)
     samples_log = _SamplesLog(ctx) if train.record_samples else None
+    # Rank 0's curves, keyed by optimiser step, in the run directory (pushed to the run's storage with
+    # the metrics); a resumed run continues them from its checkpoint's step.
+    board = TensorBoardLog(ctx.run_dir / "tensorboard", resumed_at=state.step) if ctx.rank == 0 else None
     compute_dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
 
     step = state.step
@@ -191,6 +194,8 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
             mfu=None if peak is None else mfu(train_flops_per_example * images_per_s / ctx.world_size, peak),
             skipped_samples=sum(stream.skipped().values()), epoch=step / steps_per_epoch)
         sink.record(metrics, stream.skipped())
+        if board is not None:
+            board.record(metrics)
         if samples_log is not None:
             samples_log.write(step, keys)
         if ctx.rank == 0 and (step % train.log_every == 0 or step == total_steps):
@@ -199,7 +204,11 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         scores = {}
         if job.evals and (step == total_steps or (eval_every and step % eval_every == 0) or step in job.eval_steps):
             scores = _evaluate(job, engine, polyak, ctx, device, compute_dtype)
+            if board is not None:
+                board.scores(step, scores)
         if step % train.checkpoint_every == 0 or step == total_steps:
+            if board is not None:
+                board.flush()
             new_state = ckpt.TrainState(step=step, examples_seen=examples, flops=flops, world_size=ctx.world_size,
                                         skipped_steps=skipped, first_skipped_step=first_skipped)
             t_save = time.perf_counter()
@@ -211,6 +220,8 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         elif step % train.log_every == 0 or scores:
             ctx.report({**_report_metrics(metrics), "skipped_steps": skipped, **scores}, None)
     sink.close()
+    if board is not None:
+        board.close()
     return {"steps": step, "total_steps": total_steps, "examples_seen": examples, "exaflops": flops / 1e18,
             "final_loss": loss_value, "num_classes": num_classes, "skipped_samples": stream.skipped(),
             "skipped_steps": skipped, **scores}
@@ -301,12 +312,7 @@ def _report_metrics(m: StepMetrics) -> dict[str, Any]:
 
 
 def _progress_line(m: StepMetrics, total_steps: int, elapsed: float, steps_done: int) -> None:
-    eta = elapsed / max(steps_done, 1) * (total_steps - m.step)
-    mfu_text = f" mfu {m.mfu:.1%}" if m.mfu is not None else ""
-    rate = f"{m.images_per_s:.{0 if m.images_per_s >= 10 else 2}f}"  # a big ViT on CPU runs below 1 img/s
-    print(f"[vitscale] step {m.step}/{total_steps} epoch {m.epoch:.2f} loss {m.loss:.4f} lr {m.lr:.2e} "
-          f"{rate} img/s (data {m.data_wait_s / m.step_time_s:.0%}){mfu_text} "
-          f"{m.cumulative_exaflops:.3g} EFLOP eta {eta:.0f}s", flush=True)
+    print(progress_line(m, total_steps, elapsed, steps_done), flush=True)
 
 
 def _save_and_report(engine: Any, ctx: WorkerContext, state: ckpt.TrainState, stream_state: dict[str, Any],

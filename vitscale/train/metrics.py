@@ -34,6 +34,12 @@ _seconds                                       (absent until this process saved 
 
 The alert rules and Grafana dashboard built on these series are in ``k8s/monitoring/``.
 
+Rank 0 also writes TensorBoard event files (:class:`TensorBoardLog`, ``<run_dir>/tensorboard/``),
+keyed by optimiser step: ``train/loss``, ``train/lr``, ``train/images_per_s``, ``train/mfu`` (where
+known), ``train/grad_norm``, ``train/epoch``, ``train/exaflops`` and every evaluation's accuracy as
+``eval/<set>_accuracy``. ``tensorboard --logdir RUN_DIR`` shows a pre-training run, a fine-tune and
+every sweep trial the same way; a resumed run continues its curves from the checkpoint's step.
+
 The histograms' ``_sum`` series let a dashboard compute the input-bound fraction as
 ``rate(vitscale_data_wait_seconds_sum[5m]) / rate(vitscale_step_seconds_sum[5m])``.
 
@@ -57,7 +63,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from vitscale.config.checks import check, non_negative_int
 
-__all__ = ["MetricsSink", "PEAK_BF16_FLOPS", "StepMetrics", "mfu", "peak_flops"]
+__all__ = ["MetricsSink", "PEAK_BF16_FLOPS", "StepMetrics", "TensorBoardLog", "hms", "mfu", "peak_flops",
+           "progress_line"]
 
 #: Dense bf16 tensor-core peak FLOP/s per GPU (NVIDIA data sheets; the "with sparsity" figures are
 #: twice these). H100 SXM and H200 SXM share the GH100 compute: 989.4 TFLOP/s; A100 (SXM and PCIe):
@@ -366,3 +373,62 @@ class MetricsSink:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def hms(seconds: float) -> str:
+    """`H:MM:SS` (hours unbounded) of a non-negative duration, rounded to the second; "-:--:--" if unknown."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "-:--:--"
+    total = int(round(seconds))
+    return f"{total // 3600}:{total % 3600 // 60:02d}:{total % 60:02d}"
+
+
+def progress_line(m: StepMetrics, total_steps: int, elapsed_s: float, steps_done: int,
+                  now: float | None = None) -> str:
+    """Rank 0's step line: wall-clock time, step, epoch, loss, LR, throughput, compute and an H:MM:SS ETA.
+
+    The ETA is the mean time of the `steps_done` steps this process ran (`elapsed_s`) times the steps left.
+    """
+    eta = elapsed_s / max(steps_done, 1) * (total_steps - m.step)
+    mfu_text = f" mfu {m.mfu:.1%}" if m.mfu is not None else ""
+    rate = f"{m.images_per_s:.{0 if m.images_per_s >= 10 else 2}f}"  # a big ViT on CPU runs below 1 img/s
+    data = m.data_wait_s / m.step_time_s if m.step_time_s > 0 else 0.0
+    clock = time.strftime("%H:%M:%S", time.localtime(time.time() if now is None else now))
+    return (f"[vitscale] {clock} step {m.step}/{total_steps} epoch {m.epoch:.2f} loss {m.loss:.4f} lr {m.lr:.2e} "
+            f"{rate} img/s (data {data:.0%}){mfu_text} {m.cumulative_exaflops:.3g} EFLOP eta {hms(eta)}")
+
+
+class TensorBoardLog:
+    """Rank 0's scalars as TensorBoard event files in `log_dir`, keyed by optimiser step.
+
+    A run resumed from a checkpoint at step S passes ``resumed_at=S``: TensorBoard then drops what an
+    earlier attempt logged past S (its ``purge_step``), so the curve goes on from the checkpoint rather
+    than folding back or doubling. Events are flushed every 10 s and at every :meth:`flush` (the loop
+    calls it before each checkpoint, so storage never holds a checkpoint newer than its curves).
+    """
+
+    def __init__(self, log_dir: str | Path, *, resumed_at: int = 0) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # deferred: only rank 0 of a run writes
+
+        self.log_dir = Path(log_dir)
+        self._writer = SummaryWriter(str(self.log_dir), purge_step=resumed_at + 1 if resumed_at else None,
+                                     flush_secs=10)
+
+    def record(self, m: StepMetrics) -> None:
+        """One optimiser step's training scalars."""
+        values = {"loss": m.loss, "lr": m.lr, "images_per_s": m.images_per_s, "grad_norm": m.grad_norm,
+                  "epoch": m.epoch, "exaflops": m.cumulative_exaflops, "mfu": m.mfu}
+        for name, value in values.items():
+            if value is not None:
+                self._writer.add_scalar(f"train/{name}", value, m.step)
+
+    def scores(self, step: int, scores: dict[str, float]) -> None:
+        """Evaluation results (``dev_accuracy``, ``test_accuracy_polyak``, ...) at optimiser step `step`."""
+        for name, value in scores.items():
+            self._writer.add_scalar(f"eval/{name}", value, step)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()

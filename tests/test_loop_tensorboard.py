@@ -1,0 +1,44 @@
+"""Rank 0's TensorBoard curves from the real training loop (no Ray): keyed by optimiser step, written
+into the run directory, continued (not folded back) by a run resumed from a checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from test_pretrain_loop import Recorder, tiny_config, tiny_dataset  # noqa: F401 -- the module's fixture
+
+pytest.importorskip("deepspeed")
+
+
+def _scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_pretraining_writes_tensorboard_and_a_resume_continues_it(tmp_path: Path, tiny_dataset: str,  # noqa: F811
+                                                                   process_group: None) -> None:
+    from vitscale.train.loop import WorkerContext, train
+
+    job = tiny_config(tiny_dataset)
+    run = tmp_path / "run"
+    first = Recorder(tmp_path)
+    train(job, WorkerContext(rank=0, world_size=1, run_dir=run, report=first))
+    scalars = _scalars(run / "tensorboard")
+    assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    assert [v for _, v in scalars["train/loss"]] == pytest.approx([m["loss"] for m in first.metrics])
+    assert {"train/lr", "train/images_per_s", "train/epoch", "train/exaflops"} <= set(scalars)
+
+    # The same run restarted from its step-3 checkpoint (as Ray Train does after a failure): the
+    # curves go 1..6 once, the last three from the second attempt.
+    second = Recorder(tmp_path / "again")
+    (tmp_path / "again").mkdir()
+    train(job, WorkerContext(rank=0, world_size=1, run_dir=run, report=second,
+                             resume_from=tmp_path / "checkpoint_000000003"))
+    loss = _scalars(run / "tensorboard")["train/loss"]
+    assert [s for s, _ in loss] == [1, 2, 3, 4, 5, 6]
+    assert [v for _, v in loss[3:]] == pytest.approx([m["loss"] for m in second.metrics])
