@@ -12,6 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
+from vitscale.config.location import is_url
+
 __all__ = ["NO_SPACE_ERRNOS", "free_bytes", "is_no_space", "megabytes"]
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -38,7 +40,7 @@ def is_no_space(exc: BaseException | None) -> bool:
 def free_bytes(path: str | os.PathLike[str]) -> int | None:
     """Free bytes on the filesystem holding ``path`` (its nearest existing parent); None for a URL."""
     text = os.fspath(path)
-    if "://" in text and not text.startswith("file://"):
+    if is_url(text) and not text.startswith("file://"):
         return None
     current = Path(text.removeprefix("file://")).expanduser()
     while not current.exists() and current != current.parent:

@@ -1,0 +1,114 @@
+"""One home per rule: the URL test, where a run is stored, the batch split, each shared default, the
+loader's override mappings and moved keys, and typed section access."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vitscale.config import ConfigError
+from vitscale.config.fields import overrides
+from vitscale.config.loader import build_section, to_dict
+from vitscale.config.location import is_url, run_location
+from vitscale.config.pipeline import ClusterConfig
+from vitscale.data.config import DEFAULT_ERROR_BUDGET, DataConfig
+from vitscale.data.order import DEFAULT_SHUFFLE_BUFFER
+from vitscale.stages import build_pipeline
+from vitscale.train.config import TrainConfig
+from vitscale.train.finetune import FinetuneConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_is_url_is_the_only_spelling_of_the_rule() -> None:
+    assert is_url("s3://bucket/prefix") and is_url("file:///tmp/x") and not is_url("/data/x") and not is_url("runs")
+    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "vitscale").rglob("*.py")
+                 if p.name != "location.py" and '"://" in' in p.read_text()]
+    assert offenders == []
+
+
+def test_a_run_is_stored_in_one_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vitscale.launch.ray_train import run_directory
+
+    monkeypatch.chdir(tmp_path)
+    local = ClusterConfig(storage_path="runs")
+    assert local.run_storage("r") == run_location("runs", "r") == str(tmp_path / "runs" / "r")
+    assert run_directory(local, "r") == (str(tmp_path / "runs"), tmp_path / "runs" / "r")
+    remote = ClusterConfig(storage_path="s3://bucket/runs/")
+    assert remote.run_storage("r") == "s3://bucket/runs/r" and run_directory(remote, "r")[0] == "s3://bucket/runs"
+
+
+def test_shared_defaults_have_one_home() -> None:
+    from vitscale.data.loader.stream import ShardStream, StreamSpec
+    from vitscale.eval.config import FewshotConfig
+
+    assert DataConfig().shuffle_buffer == DEFAULT_SHUFFLE_BUFFER == StreamSpec.__dataclass_fields__["shuffle_buffer"].default
+    assert inspect.signature(ShardStream.__init__).parameters["shuffle_buffer"].default == DEFAULT_SHUFFLE_BUFFER
+    for default in (DataConfig().error_budget, FewshotConfig().error_budget,
+                    StreamSpec.__dataclass_fields__["error_budget"].default,
+                    inspect.signature(ShardStream.__init__).parameters["error_budget"].default):
+        assert default == DEFAULT_ERROR_BUDGET
+
+
+@given(st.integers(1, 5000), st.integers(1, 256), st.integers(1, 32))
+def test_the_batch_rule_is_derive_batchs(global_batch: int, micro: int, workers: int) -> None:
+    from vitscale.train.optim import derive_batch
+
+    config = TrainConfig(global_batch=global_batch, micro_batch=min(micro, global_batch))
+    try:
+        derive_batch(config.global_batch, config.micro_batch, workers)
+        fits = True
+    except ValueError:
+        fits = False
+    try:
+        config.check_batch_split(workers, "finetune.train", "sweep.workers_per_trial")
+        assert fits
+    except ConfigError as exc:
+        assert not fits and exc.key == "finetune.train.global_batch"
+        assert "finetune.train.micro_batch" in exc.message and "sweep.workers_per_trial" in exc.message
+
+
+@dataclass(frozen=True)
+class Toy:
+    MOVED: ClassVar[dict[str, str]] = {"lr": "train.base_lr", "shards": "data.url"}
+    train: dict[str, Any] = field(default_factory=dict, metadata=overrides(TrainConfig))
+    data: dict[str, Any] = field(default_factory=dict, metadata=overrides(DataConfig))
+
+
+def test_override_mappings_are_checked_against_their_class() -> None:
+    toy = build_section(Toy, {"train": {"base_lr": "1e-3", "fault": {"kill_rank": 0, "kill_at_step": 2}},
+                              "data": {"seed": 3.0}}, "toy")
+    assert toy.train["base_lr"] == 0.001 and toy.data["seed"] == 3  # coerced as the section would be
+    assert to_dict(toy) == {"train": {"base_lr": 0.001, "fault": {"kill_rank": 0, "kill_at_step": 2}},
+                            "data": {"seed": 3}}
+    for raw, key in (({"train": {"base_rl": 1.0}}, "toy.train.base_rl"), ({"data": {"seed": "x"}}, "toy.data.seed"),
+                     ({"train": [1]}, "toy.train")):
+        with pytest.raises(ConfigError) as err:
+            build_section(Toy, raw, "toy")
+        assert err.value.key == key
+    with pytest.raises(ConfigError, match="did you mean 'base_lr'"):
+        build_section(Toy, {"train": {"base_rl": 1.0}}, "toy")
+
+
+def test_moved_keys_are_one_line_naming_each_new_home() -> None:
+    with pytest.raises(ConfigError) as err:
+        build_section(Toy, {"lr": 0.1, "shards": "x"}, "toy")
+    assert err.value.key == "toy.lr" and "\n" not in str(err.value)
+    assert "toy.lr moved to toy.train.base_lr" in err.value.message
+    assert "toy.shards moved to toy.data.url" in err.value.message
+
+
+def test_sections_are_typed() -> None:
+    config = build_pipeline({"finetune": {"data": {"url": "d"}}})
+    assert config.section("train", TrainConfig) is config.train
+    assert isinstance(config.section("finetune", FinetuneConfig), FinetuneConfig)
+    with pytest.raises(TypeError, match="not a TrainConfig"):
+        config.section("data", TrainConfig)
+    with pytest.raises(KeyError):
+        config.section("nope", TrainConfig)
