@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vitscale.config.location import is_url
 from vitscale.eval.config import FewshotConfig
 from vitscale.eval.probe import check_probe_datasets, fewshot_probe
 
@@ -88,7 +89,9 @@ def _load_model(path: str | Path, *, model_name: str | None, img_size: int | Non
             raise ValueError(f"{where} is a {actual} {what}, not {given}; --model and --img-size are for "
                              "npz and timm files, which do not say")
 
-    p = Path(path).expanduser()
+    from vitscale.train.export import local_weights
+
+    p = local_weights(path)  # a path as it is; from object storage, a local copy
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such checkpoint file or run directory")
     if p.is_dir():
@@ -151,7 +154,7 @@ def fewshot_checkpoint(path: str | Path, fewshot: Mapping[str, Any], *, model_na
         FileNotFoundError / ValueError (ConfigError): a missing dataset or checkpoint, a bad value,
             a multi-label dataset, too few examples for the shots, a resolution the model cannot take.
     """
-    if not Path(path).expanduser().exists():
+    if not is_url(str(path)) and not Path(path).expanduser().exists():  # one in storage is checked when read
         raise FileNotFoundError(f"{path}: no such checkpoint file or run directory")
     options = {k: v for k, v in fewshot.items() if v is not None}
     resolution = options.pop("resolution", None)

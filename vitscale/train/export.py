@@ -16,7 +16,7 @@ import yaml
 from vitscale.config.errors import UserError
 from vitscale.config.loader import build_section
 from vitscale.config.location import is_url
-from vitscale.data.storage.fetch import local_copy, subfolders
+from vitscale.data.storage.fetch import is_folder, local_copy, subfolders
 from vitscale.models.config import ModelConfig
 from vitscale.train import checkpoint as ckpt
 
@@ -47,6 +47,17 @@ def find_checkpoint(path: str | Path) -> Path:
     if found is None:
         raise UserError(f"{path}: none of its {len(candidates)} checkpoints is complete")
     return found
+
+
+def local_weights(location: str | Path) -> Path:
+    """A local path for weights at `location`: a file (export, .npz, timm) or a training checkpoint.
+
+    Local paths are returned as they are; in object storage a file is copied into the cache, and a
+    run or checkpoint folder gives its newest complete checkpoint, copied (`find_checkpoint`).
+    """
+    if is_url(str(location)) and is_folder(location):
+        return find_checkpoint(location)
+    return local_copy(location)
 
 
 def _find_remote_checkpoint(url: str) -> Path:

@@ -19,17 +19,25 @@ import json
 import math
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from vitscale.data.loader.transforms import normalize_on_device
 from vitscale.scaling.flops import forward_flops
 from vitscale.train import checkpoint as ckpt
-from vitscale.train.engine import (build_engine, deepspeed_config, init_distributed, load_checkpoint,
-                                   optimizer_step, set_lr, whole_weights)
+from vitscale.train.engine import (
+    build_engine,
+    deepspeed_config,
+    init_distributed,
+    load_checkpoint,
+    optimizer_step,
+    set_lr,
+    whole_weights,
+)
 from vitscale.train.evaluate import Polyak, accuracy
 from vitscale.train.faults import maybe_die
 from vitscale.train.job import TrainJob
@@ -88,11 +96,14 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
     torch.manual_seed(train.seed)  # identical initial weights on every rank
     model = model_cfg.build(num_classes)
     if job.init is not None:
+        from vitscale.data.storage.fetch import local_copy
         from vitscale.models.checkpoints import load_pretrained
 
         # Fine-tuning: pre-trained weights; head and pre-logits dropped, position embeddings
         # resampled to this resolution (Sec. 3.2), the zero-initialised head kept.
-        report = load_pretrained(model, job.init)
+        # The file lives in the run's storage (handed over by the driver, stages/finetune.py): on a node
+        # that shares no disk with the driver, a copy comes from there into the local cache.
+        report = load_pretrained(model, local_copy(job.init))
         if ctx.rank == 0 and ctx.resume_from is None:
             print(f"[vitscale] initialised from {job.init}: {len(report.loaded)} tensors"
                   + (f", resampled {', '.join(report.resampled)}" if report.resampled else ""), flush=True)

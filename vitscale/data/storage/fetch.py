@@ -17,7 +17,7 @@ from vitscale.config.location import is_url
 from vitscale.data.storage import open_storage
 from vitscale.data.storage.base import Storage
 
-__all__ = ["cache_root", "local_copy", "subfolders"]
+__all__ = ["cache_root", "is_folder", "local_copy", "subfolders"]
 
 
 def cache_root() -> Path:
@@ -59,6 +59,15 @@ def local_copy(location: str | Path) -> Path:
         if not key.endswith("/"):  # folder markers are not files
             _fetch(storage, key, target / key[len(name) + 1:], size)
     return target
+
+
+def is_folder(location: str | Path) -> bool:
+    """Whether `location` (a path or URL) is a folder (a run, a checkpoint) rather than one file."""
+    location = str(location)
+    if not is_url(location) or location.startswith("file://"):
+        return local_copy(location).is_dir()
+    storage, name = _split(location)
+    return not storage.exists(name) and bool(storage.list_sizes(name + "/"))
 
 
 def subfolders(location: str) -> list[str]:
