@@ -119,6 +119,11 @@ def test_a_full_disk_is_a_failure_a_restart_repeats() -> None:
     wrapped = RuntimeError("rank 0 failed")
     wrapped.__cause__ = error
     assert deterministic_cause(wrapped) is error
+    assert deterministic_cause(OSError(28, "No space left on device")) is not None  # metrics, logs: any write
+    assert deterministic_cause(OSError(5, "Input/output error")) is None
+    line = ckpt.one_line(OSError(28, "No space left on device"), "/data/runs/r1")
+    assert line.startswith("DiskFull: no space left on the device of /data/runs/r1 (") and "run again" in line
+    assert ckpt.one_line(ValueError("bad"), "/x") == "ValueError: bad"
     assert is_no_space(OSError("[Errno 28] Error writing bytes to file. Detail: [errno 28] No space left on device"))
     assert not is_no_space(OSError(13, "Permission denied"))
     assert free_bytes("s3://bucket/run") is None
@@ -167,3 +172,49 @@ def test_shards_index_out_into_a_full_disk_is_one_line(tmp_path: Path, small_dis
     assert not (disk / "idx" / "dataset.json").exists()
     (disk / "filler").unlink()
     assert main(["shards", "index", str(tmp_path / "wds"), "--out", str(disk / "idx")]) == 0
+
+
+@pytest.mark.slow
+def test_a_run_whose_disk_fills_stops_in_one_line_and_resumes_once_space_is_freed(
+        tmp_path: Path, small_disk: Callable[[int], Path], small_synthetic: str) -> None:
+    """Real `vitscale run`s on a tmpfs: a checkpoint at step 2, then the disk fills; the next save ends the
+    run at once in one line (not retried), checkpoint 2 intact; with space freed the run resumes and ends."""
+    import yaml
+    from ray_runs import start
+
+    disk = small_disk(64 * 2**20)
+    raw = {"name": "full", "stages": ["pretrain"], "data": {"url": small_synthetic},
+           "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "heads": 2, "mlp_dim": 32},
+           "train": {"global_batch": 8, "micro_batch": 8, "max_steps": 4, "warmup_steps": 0, "checkpoint_every": 2,
+                     "fault": {"kill_rank": 0, "kill_at_step": 3}},
+           "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "max_failures": 0,
+                       "storage_path": str(disk), "run_name": "full"}}
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text(yaml.safe_dump(raw))
+    run = disk / "full"
+
+    def vitscale_run(name: str) -> tuple[int, str]:
+        proc = start(pipeline, tmp_path / f"{name}.log")
+        proc.wait(timeout=900)
+        return proc.returncode, (tmp_path / f"{name}.log").read_text()
+
+    code, out = vitscale_run("first")  # killed after step 3 (no restarts): checkpoint 2 is the last
+    assert code == 1, out[-3000:]
+    second = run / "checkpoint_000000002"
+    assert ckpt.check_complete(second, 1) == [], out[-3000:]
+    size = ckpt.tree_bytes(second)
+    (disk / "filler").write_bytes(b"\0" * ((free_bytes(disk) or 0) - size // 2))  # half a checkpoint left
+
+    code, out = vitscale_run("full")
+    errors = [line for line in out.splitlines() if line.startswith("vitscale: error:")]
+    assert code == 1 and len(errors) == 1, out[-3000:]
+    assert "DiskFull: no space for the checkpoint of step 4 in " in errors[0] and str(disk) in errors[0], errors[0]
+    assert "needs about" in errors[0] and "not retried" in errors[0], errors[0]
+    assert "Traceback" not in "\n".join(out.splitlines()[-3:])
+    assert ckpt.check_complete(second, 1) == []  # the previous complete checkpoint is intact
+    assert ckpt.latest_complete(sorted(run.glob("checkpoint_*")), 1) == second
+
+    (disk / "filler").unlink()
+    code, out = vitscale_run("resumed")
+    assert code == 0, out[-3000:]
+    assert ckpt.latest_complete(sorted(run.glob("checkpoint_*")), 1) == run / "checkpoint_000000004"

@@ -19,6 +19,7 @@ from ray.train.v2.api.callback import UserCallback
 from vitscale.config.checks import ConfigError
 from vitscale.data.format import DatasetError
 from vitscale.data.loader.stream import ErrorBudgetExceeded
+from vitscale.data.storage.space import NO_SPACE_ERRNOS
 from vitscale.train.checkpoint import DiskFull
 from vitscale.train.engine import UnsafeCheckpoint
 from vitscale.train.loop import NonFiniteSteps
@@ -43,6 +44,8 @@ def deterministic_cause(error: BaseException | None) -> BaseException | None:
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, DETERMINISTIC) or getattr(error, "deterministic", False) is True:
+            return error
+        if isinstance(error, OSError) and error.errno in NO_SPACE_ERRNOS:  # any write into a full disk
             return error
         seen.add(id(error))
         error = getattr(error, "_base_exc", None) or error.__cause__ or error.__context__

@@ -64,7 +64,7 @@ def train_worker(payload: dict[str, Any]) -> None:
         # Ray shows its own traceback of the actor; print the worker's with its rank so the driver's
         # log says which rank failed and why, then re-raise for Ray's failure handling.
         print(f"[vitscale] rank {rank} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}", flush=True)
-        failure = WorkerFailed(f"rank {rank}: {type(exc).__name__}: {exc}")
+        failure = WorkerFailed(f"rank {rank}: {ckpt.one_line(exc, payload.get('storage') or str(run_dir))}")
         failure.deterministic = deterministic_cause(exc) is not None  # survives pickling; the cause does not
         raise failure from exc
     finally:

@@ -277,3 +277,13 @@ def _disk_full(where: str | os.PathLike[str], step: int, needed: int | None, fre
                      "free space there and run again: it resumes from the last complete checkpoint")
     error.errno = errno.ENOSPC
     return error
+
+
+def one_line(exc: BaseException, run_storage: str) -> str:
+    """``Type: message`` of a worker's error; a full disk met outside a checkpoint (metrics, logs) also
+    names the run's storage and its free space, as :class:`DiskFull` does."""
+    if isinstance(exc, (DiskFull, CheckpointNotWritten)) or not is_no_space(exc):
+        return f"{type(exc).__name__}: {exc}"
+    where = getattr(exc, "filename", None) or run_storage
+    return (f"DiskFull: no space left on the device of {where} ({megabytes(free_bytes(where))} free): "
+            f"{exc}; free space there and run again: it resumes from the last complete checkpoint")
