@@ -84,3 +84,38 @@ def test_unknown_source_suggests_the_closest() -> None:
     assert "flowers:DIR" in str(exc.value) and "\n" not in str(exc.value)
     with pytest.raises(ValueError, match="takes no path"):
         open_source("digits:/x")
+
+
+def test_a_new_source_is_one_module_and_one_registry_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vitscale.config.checks import ConfigError
+    from vitscale.data.config import SourceConfig
+    from vitscale.data.tools import sources
+    from vitscale.data.tools.verify import verify_dataset
+    from vitscale.data.tools.write import write_dataset
+
+    (tmp_path / "stripes_source.py").write_text('''
+import numpy as np
+from PIL import Image
+from vitscale.data.tools.source_base import Sample, Source, SourceKind
+
+class Stripes(Source):
+    def __init__(self, *, count: int = 6) -> None:
+        self.name, self.classes, self.multi_label, self.samples = "stripes", ("h", "v"), False, count
+    def __len__(self) -> int:
+        return self.samples
+    def __getitem__(self, i: int) -> Sample:
+        i = self._check_index(i)
+        img = np.zeros((16, 16, 3), np.uint8)
+        img[::2] = 255
+        return Sample(f"s{i}", Image.fromarray(img if i % 2 else img.transpose(1, 0, 2)), (i % 2,))
+
+SOURCE = SourceKind("stripes", Stripes, "stripes, across or down", options=("count",))
+''')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(sources.REGISTRY, "stripes", "stripes_source")  # the one line
+    assert "stripes" in sources.source_specs()
+    SourceConfig(kind="stripes").validate("data.create_if_missing")
+    with pytest.raises(ConfigError, match="data.create_if_missing.kind: source 'stripes' takes no path"):
+        SourceConfig(kind="stripes:/x").validate("data.create_if_missing")
+    write_dataset("stripes", str(tmp_path / "out"), source_options={"count": 8}, shard_size=3, progress=False)
+    assert verify_dataset(str(tmp_path / "out")) == []
