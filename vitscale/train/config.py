@@ -7,6 +7,7 @@ Defaults are the paper's ImageNet-21k ViT-B/16 recipe.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vitscale.config.checks import (
     ConfigError,
@@ -21,6 +22,7 @@ from vitscale.config.checks import (
     seed,
 )
 from vitscale.config.fields import RESUME_FREE
+from vitscale.train.deepspeed_keys import check_overrides as check_deepspeed_overrides
 
 PEAK_FLOPS_NAMES = ("auto", "H200", "H100", "A100")
 
@@ -110,6 +112,10 @@ class TrainConfig:
     """Fault injection (tests and drills)."""
     record_samples: bool = field(default=False, metadata=RESUME_FREE)
     """Log the keys of every sample each rank consumes (run_dir/samples/rank{r}.jsonl), for audits."""
+    deepspeed: dict[str, Any] = field(default_factory=dict, metadata=RESUME_FREE)
+    """DeepSpeed settings merged over the config vitscale generates (e.g. {zero_optimization:
+    {reduce_bucket_size: 5.0e8}}); keys vitscale derives from this section are refused
+    (`train/deepspeed_keys.py`). Tuning knobs, not the maths: a resumed run may change them."""
 
     def check_batch_split(self, workers: int, section: str = "train", workers_key: str = "cluster.num_workers") -> None:
         """The one batch rule, checked before Ray starts: `global_batch` is `micro_batch` x `workers` x the
@@ -170,3 +176,4 @@ class TrainConfig:
             finite(value, f"{s}.peak_flops")
             positive(value, f"{s}.peak_flops")
         self.fault.validate(f"{s}.fault")
+        check_deepspeed_overrides(self.deepspeed, s)

@@ -20,11 +20,12 @@ from typing import Any
 import torch
 
 from vitscale.train.config import TrainConfig
+from vitscale.train.deepspeed_keys import merge_overrides
 from vitscale.train.optim import BatchPlan
 
 
 def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool) -> dict[str, Any]:
-    """The DeepSpeed JSON config for one run (pure; written into the run directory)."""
+    """The DeepSpeed JSON config for one run (pure; written into the run directory), `train.deepspeed` merged in."""
     zero: dict[str, Any] = {"stage": train.zero_stage}
     if train.zero_stage >= 1:
         # Bucketed, overlapped reduce-scatter: the defaults DeepSpeed recommends for data parallelism.
@@ -55,7 +56,8 @@ def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool) -> d
         config["zero_allow_untested_optimizer"] = True
         if train.offload:  # SGD: the torch optimizer steps the offloaded fp32 master weights on the host
             config["zero_force_ds_cpu_optimizer"] = False
-    return config
+    # The user's `train.deepspeed` settings for keys vitscale does not own (checked when loaded).
+    return merge_overrides(config, train.deepspeed)
 
 
 def _optimizer(train: TrainConfig) -> dict[str, Any]:
