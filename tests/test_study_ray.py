@@ -67,7 +67,11 @@ def test_study_interrupted_and_run_again(tmp_path: Path) -> None:
             assert proc.poll() is None, log.read_text()[-4000:]
             assert time.monotonic() < deadline, "the second cell never started"
             time.sleep(1)
-        time.sleep(3)
+        # Until the driver has written the running attempt's time once (its heartbeat), so the kill
+        # leaves a time on record that the next run must count.
+        while not _records(study).get(second, {}).get("open_attempt_s"):
+            assert time.monotonic() < deadline, "no heartbeat of the second cell"
+            time.sleep(1)
     finally:
         assert not kill_tree(proc)
     before = _records(study)
@@ -80,6 +84,10 @@ def test_study_interrupted_and_run_again(tmp_path: Path) -> None:
     after = _records(study)
     assert after[first] == before[first]  # not run again
     assert after[second]["status"] == "done" and after[second]["runs"] == 2
+    # Time over every attempt: the killed one's last heartbeat is in the sums.
+    assert after[second]["wall_s"] > before[second]["open_attempt_s"] > 0
+    assert after[second]["device_hours"] == pytest.approx(after[second]["wall_s"] / 3600 * after[second]["devices"])
+    assert after[second]["open_attempt_s"] == 0
     assert after[third]["status"] == "done" and (after[third]["runs"], after[third]["failures"]) == (2, 1)
     assert f"cell {third}: failed" in output and "running it again" in output
     for record in after.values():
@@ -92,6 +100,9 @@ def test_study_interrupted_and_run_again(tmp_path: Path) -> None:
     assert all(cell in table for cell in (first, second, third))
     assert (study / "compute_vs_accuracy.png").stat().st_size > 0 and (study / "data_size_vs_accuracy.png").exists()
     assert "a fit of 4 parameters needs at least 5" in (study / "fits.md").read_text()
+    assert (study / "frontier.md").exists() and (study / "backtest.md").exists()
+    rows = {r["cell"]: r for r in json.loads(run_cli(["study", "report", str(study), "--json"]))["rows"]}
+    assert rows[first]["planned_device_hours"] > 0 and rows[first]["pretrain_device_hours"] > 0
 
     (study / "results.md").unlink()
     report = run_cli(["study", "report", str(study), "--json"])
