@@ -128,3 +128,18 @@ def test_ray_notices_go_to_the_log_only(tmp_path) -> None:
             if isinstance(h, logging.FileHandler) and h.baseFilename == str(tmp_path / "ray.log"):
                 logger.removeHandler(h)
                 h.close()
+
+
+def test_trial_lines_name_the_trial_and_its_values(capsys) -> None:  # type: ignore[no-untyped-def]
+    from vitscale.launch.console import labelled_lines, trial_label
+
+    label = trial_label("3f2a1_00002", {"finetune.train.base_lr": 0.003, "model.dropout": 0.1})
+    assert label == "trial 3f2a1_00002 base_lr=0.003 dropout=0.1"
+    with labelled_lines(label):
+        print("[vitscale] step 4/8 loss 1.2")
+        print("DeepSpeed chatter [vitscale] inside", end="")
+        print(" a line")
+    print("[vitscale] after")
+    assert capsys.readouterr().out.splitlines() == [
+        "[vitscale] [trial 3f2a1_00002 base_lr=0.003 dropout=0.1] step 4/8 loss 1.2",
+        "DeepSpeed chatter [vitscale] inside a line", "[vitscale] after"]

@@ -90,6 +90,58 @@ class TerminalFilter(io.TextIOBase):
             self.terminal.write(line + "\n")
 
 
+class _Labelled(io.TextIOBase):
+    """A stream that puts `label` after the "[vitscale]" of each vitscale line written to `inner`."""
+
+    def __init__(self, inner: TextIO, label: str):
+        super().__init__()
+        self.inner = inner
+        self.label = label
+        self._at_line_start = True
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.inner.fileno()
+
+    def write(self, text: str) -> int:
+        out = []
+        for piece in text.splitlines(keepends=True):
+            if self._at_line_start and piece.startswith(PREFIX + " "):
+                piece = f"{PREFIX} [{self.label}] {piece[len(PREFIX) + 1:]}"
+            out.append(piece)
+            self._at_line_start = piece.endswith("\n")
+        self.inner.write("".join(out))
+        return len(text)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+
+@contextlib.contextmanager
+def labelled_lines(label: str | None) -> Iterator[None]:
+    """Within: this process's "[vitscale] ..." lines read "[vitscale] [label] ...". A sweep's trials run
+    at once; their workers' step lines name the trial and its hyper-parameters this way."""
+    if not label:
+        yield
+        return
+    previous = sys.stdout
+    sys.stdout = _Labelled(previous, label)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stdout = previous
+
+
+def trial_label(trial_id: str, params: dict[str, object]) -> str:
+    """`trial 3f2a1_00002 base_lr=0.003`: a trial and its hyper-parameters (last part of each dotted key)."""
+    values = " ".join(f"{k.rsplit('.', 1)[-1]}={v:g}" if isinstance(v, float) else f"{k.rsplit('.', 1)[-1]}={v}"
+                      for k, v in params.items())
+    return f"trial {trial_id} {values}".strip()
+
+
 def quiet_driver_logs(log_path: Path, *, verbose: bool) -> None:
     """Before `ray.init`: Ray's and DeepSpeed's driver-side INFO lines go to `log_path`; warnings stay visible."""
     if verbose:

@@ -28,6 +28,7 @@ from vitscale.config.pipeline import ClusterConfig, ray_address
 from vitscale.data.storage import open_storage
 from vitscale.data.storage.filesystem import run_filesystem
 from vitscale.data.storage.mirror import RunMirror
+from vitscale.launch.console import labelled_lines
 from vitscale.launch.errors import PipelineFailed
 from vitscale.launch.failures import DeterministicFailure, StopOnDeterministicFailure, deterministic_cause
 from vitscale.train import checkpoint as ckpt
@@ -52,7 +53,7 @@ def train_worker(payload: dict[str, Any]) -> None:
     run_dir = Path(payload["run_dir"])
     mirror = _rank_mirror(run_dir, payload.get("storage"), rank)
     try:
-        with contextlib.ExitStack() as downloaded:
+        with contextlib.ExitStack() as downloaded, labelled_lines(payload.get("label")):
             resume_from = _resume_directory(world_size, rank, downloaded)
             # `restored` releases a downloaded checkpoint as soon as the loop has loaded it.
             ctx = WorkerContext(rank=rank, world_size=world_size, run_dir=run_dir,
@@ -173,8 +174,11 @@ def concurrent_runs(cluster: ClusterConfig, resources: dict[str, float]) -> int:
 
 
 def trainer_for(job: TrainJob, cluster: ClusterConfig, run_name: str, run_dir: Path,
-                callbacks: list[Any] | None = None) -> TorchTrainer:
-    """The TorchTrainer that runs `job` as the run `run_name` (resumes it if that run has checkpoints)."""
+                callbacks: list[Any] | None = None, label: str | None = None) -> TorchTrainer:
+    """The TorchTrainer that runs `job` as the run `run_name` (resumes it if that run has checkpoints).
+
+    `label` (a sweep trial and its hyper-parameters) goes into every "[vitscale]" line its workers print.
+    """
     storage, _ = run_directory(cluster, run_name)
     # Object storage: checkpoint uploads retry with backoff a bounded number of times (data/storage/filesystem.py).
     filesystem, storage = run_filesystem(storage)
@@ -183,7 +187,8 @@ def trainer_for(job: TrainJob, cluster: ClusterConfig, run_name: str, run_dir: P
         resources["GPU"] = cluster.gpus_per_worker
     return TorchTrainer(
         train_worker,
-        train_loop_config={"job": job, "run_dir": str(run_dir), "storage": cluster.run_storage(run_name)},
+        train_loop_config={"job": job, "run_dir": str(run_dir), "storage": cluster.run_storage(run_name),
+                           "label": label},
         scaling_config=ScalingConfig(num_workers=cluster.num_workers, use_gpu=cluster.use_gpu,
                                      resources_per_worker=resources),
         run_config=RunConfig(

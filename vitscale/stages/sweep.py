@@ -242,6 +242,7 @@ def _trial(params: dict[str, Any], base: PipelineConfig, model: ModelConfig | No
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
+    from vitscale.launch.console import trial_label
     from vitscale.launch.ray_train import final_metrics, trainer_for
 
     started = time.time()
@@ -255,7 +256,8 @@ def _trial(params: dict[str, Any], base: PipelineConfig, model: ModelConfig | No
     job = trial_job(config, model, init, final=False)
     # Named after the trial id (no timestamp): a restarted trial finds and resumes its own checkpoints.
     trainer = trainer_for(job, trial_cluster(config), f"{base.run_name}-trial-{trial_id}",
-                          Path(logs) / trial_id, callbacks=[TuneReportCallback()])
+                          Path(logs) / trial_id, callbacks=[TuneReportCallback()],
+                          label=trial_label(trial_id, params))  # trials run at once: each line names its trial
     result = trainer.fit()
     ray.tune.report({**final_metrics(result), "started_at": started, "finished_at": time.time()})
 
