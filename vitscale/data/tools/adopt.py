@@ -34,6 +34,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from vitscale.config.errors import UserError
 from vitscale.data.format import (
     INDEX_NAME,
     INDEX_SCHEMA,
@@ -196,7 +197,7 @@ class _Labels:
     def __init__(self, member: str, classes: list[str] | None) -> None:
         kind, _, self.json_key = member.partition(":")
         if kind not in ("cls", "txt", "json") or (kind == "json") != bool(self.json_key):
-            raise DatasetError(f"--label-member must be cls, txt or json:KEY, got {member!r}")
+            raise UserError(f"--label-member must be cls, txt or json:KEY, got {member!r}")
         self.kind, self.fixed = kind, classes is not None
         self.names: dict[str, int] = {c: i for i, c in enumerate(classes or [])}
 
@@ -231,9 +232,9 @@ def index_shards(url: str, *, out: str | None = None, split: str = "train", labe
     with one line naming the last one.
     """
     if num_classes is not None and num_classes < 1:
-        raise DatasetError(f"--num-classes must be a positive count, got {num_classes}")
+        raise UserError(f"--num-classes must be a positive count, got {num_classes}")
     if max_bad is not None and max_bad < 0:
-        raise DatasetError(f"--max-bad must be >= 0, got {max_bad}")
+        raise UserError(f"--max-bad must be >= 0, got {max_bad}")
     root, names = split_url(url)
     shards = open_storage(root, endpoint_url=endpoint_url)
     dest = open_storage(out, endpoint_url=endpoint_url) if out else shards
@@ -250,7 +251,7 @@ def index_shards(url: str, *, out: str | None = None, split: str = "train", labe
         with open(classes_file, encoding="utf-8") as f:
             classes = [line.strip() for line in f if line.strip()]
         if num_classes is not None and num_classes != len(classes):
-            raise DatasetError(f"--num-classes {num_classes} but --classes {classes_file} names {len(classes)}")
+            raise UserError(f"--num-classes {num_classes} but --classes {classes_file} names {len(classes)}")
     bound = num_classes if num_classes is not None else (len(classes) if classes is not None else None)
     labels = _Labels(label_member, classes)
     rows: list[dict[str, Any]] = []

@@ -24,6 +24,7 @@ import os
 import re
 import time
 
+from vitscale.config.errors import UserError
 from vitscale.data.format import INDEX_NAME, META_NAME
 from vitscale.data.storage import Storage, StorageError
 from vitscale.data.storage.space import free_bytes, is_no_space, megabytes
@@ -46,10 +47,10 @@ def claim(storage: Storage) -> None:
     """Make ``storage`` ready for a new dataset and mark it as being written (see the module doc)."""
     names = storage.list()
     if META_NAME in names:
-        raise ValueError(f"{storage.url} already holds a dataset ({META_NAME}); write to a new --out or delete it first")
+        raise UserError(f"{storage.url} already holds a dataset ({META_NAME}); write to a new --out or delete it first")
     leftovers = _ours(names)
     if leftovers and WRITING not in names:
-        raise ValueError(f"{storage.url} holds {leftovers[0]} but no {META_NAME}, and no vitscale write left it "
+        raise UserError(f"{storage.url} holds {leftovers[0]} but no {META_NAME}, and no vitscale write left it "
                          "there; write to a new --out or delete those files first")
     for name in leftovers:  # an interrupted earlier write's shards and index
         storage.delete(name)
