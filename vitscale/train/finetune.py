@@ -131,7 +131,8 @@ class FinetuneConfig:
             positive(lr, f"finetune.lr_grid[{i}]")
         check("epochs" not in self.train, "finetune.train.epochs",
               "fine-tuning is counted in steps (Table 4): set finetune.train.max_steps")
-        self.train_config().validate("finetune.train")
+        for lr in self.grid() or (None,):  # the recipe at every rate a run may get (end_lr <= base_lr, ...)
+            self.train_config(lr).validate("finetune.train")
         # The dataset is the finetune and sweep stages' to require (a pipeline without them needs none).
         data = self.data_config()
         replace(data, url=data.url or "unset").validate("finetune.data")
