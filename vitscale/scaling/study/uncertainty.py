@@ -2,7 +2,8 @@
 
 Bootstrap: the family's cells are resampled with replacement `n` times and the power law refitted
 on each resample (from the full fit's optimum, within the same bounds); a resample with fewer than
-`MIN_POINTS` distinct compute values is skipped. The 2.5th and 97.5th percentiles of the refits
+`RESAMPLE_DISTINCT` distinct compute values is skipped, and with fewer than a fifth of the
+resamples fitted there are no intervals (the fit says so). The 2.5th and 97.5th percentiles of the refits
 are the 95% intervals of each parameter, and, evaluated at a compute C, of the prediction there.
 Resampling cells (not residuals) keeps the question honest for a handful of cells: how much would
 the law move had a different subset of these cells been run.
@@ -28,6 +29,10 @@ from vitscale.scaling.study.fit import (
     fit_power_law,
 )
 
+RESAMPLE_DISTINCT = 4
+"""Distinct compute values a resample needs to be refitted: the parameter count. Fewer than the
+full fit's `MIN_POINTS`, so that a family of 5-7 cells still gets (wide, honest) intervals: a
+resample of 5 cells has all 5 distinct only 4% of the time."""
 LEVEL = 0.95
 """Coverage of the intervals."""
 BOOTSTRAP = 100
@@ -42,7 +47,7 @@ def resample_fits(x: np.ndarray, y: np.ndarray, start: np.ndarray, n: int, seed:
     for _ in range(n):
         pick = rng.integers(0, len(x), len(x))
         xb, yb = x[pick], y[pick]
-        if len(np.unique(xb)) < MIN_POINTS:
+        if len(np.unique(xb)) < RESAMPLE_DISTINCT:
             continue
         scale = float(np.exp(np.mean(np.log(xb))))
         # The full fit's optimum in this resample's normalised units, as the start.
@@ -61,7 +66,7 @@ def percentile_interval(values: np.ndarray, level: float = LEVEL) -> tuple[float
 def with_bootstrap(fit: PowerLawFit, x: np.ndarray, y: np.ndarray, n: int, seed: int) -> PowerLawFit:
     """`fit` with bootstrap intervals on a, b, c, d (and the refits, for prediction intervals)."""
     samples = resample_fits(x, y, np.array([fit.a, fit.b, fit.c, fit.d]), n, seed)
-    if len(samples) < max(10, n // 4):
+    if len(samples) < max(10, n // 5):
         why = f"only {len(samples)} of {n} bootstrap resamples could be fitted: no intervals"
         return replace(fit, warnings=(*fit.warnings, why))
     arr = np.array(samples)
