@@ -1,0 +1,50 @@
+"""A killed driver leaves no Ray process of its own behind: `vitscale run` is SIGKILLed (the driver
+alone, not its process group) while its local Ray trains, and every process its tree held is gone
+shortly after (launch/local_ray.py). Without the watchdog, Ray's dashboard and runtime-env agents
+outlive the driver."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from ray_runs import kill_tree, start
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_sigkilled_driver_leaves_no_ray_process(tmp_path: Path, small_synthetic: str) -> None:
+    pipeline = tmp_path / "orphans.yaml"
+    pipeline.write_text(yaml.safe_dump({
+        "name": "orphans", "stages": ["pretrain"], "data": {"url": small_synthetic, "num_workers": 0},
+        "model": {"name": "ViT-Ti/16", "img_size": 32, "depth": 1, "width": 32, "mlp_dim": 64, "heads": 2},
+        "train": {"global_batch": 8, "micro_batch": 8, "max_steps": 100000, "precision": "fp32",
+                  "zero_stage": 0, "checkpoint_every": 100000, "log_every": 1},
+        "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "local_num_cpus": 2,
+                    "storage_path": str(tmp_path / "runs")}}))
+    log = tmp_path / "run.log"
+    proc = start(pipeline, log)
+    metrics = tmp_path / "runs" / "orphans" / "metrics" / "rank0.jsonl"
+    try:
+        deadline = time.monotonic() + 600
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # Ray up, a worker training
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.5)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        names = {p.name() for p in tree if p.is_running()}
+        assert any("raylet" in n for n in names) and any("RayTrainWorker" in n for n in names), names
+        os.kill(proc.pid, signal.SIGKILL)  # the driver only: what it started must follow on its own
+        proc.wait()
+        _, alive = psutil.wait_procs(tree, timeout=30)
+        left = [f"{p.pid} {p.name()}" for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert left == [], left
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
