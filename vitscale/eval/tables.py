@@ -1,5 +1,9 @@
 """Results people compare: one table written three ways (parquet, CSV, markdown) and a PNG plot.
 
+Parquet and CSV keep numbers as they are (Unix times, seconds). The markdown is for reading: a column
+named `*_at` shows its Unix time as a local date and time, one named `*_s` its seconds as H:MM:SS
+(its header without the `_s`).
+
 Pure file output from plain rows (dicts of scalars); no Ray. Used by the sweep stage.
 """
 
@@ -8,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,16 +44,36 @@ def write_table(rows: Sequence[dict[str, Any]], directory: Path, stem: str) -> l
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
-    def fmt(value: Any) -> str:
+    """A markdown table for people: times as they read them (module doc); parquet and CSV keep the numbers."""
+
+    def fmt(column: str, value: Any) -> str:
         if value is None:
             return ""
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            if column.endswith("_at"):  # Unix time
+                return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value))
+            if column.endswith("_s"):  # a duration in seconds
+                return duration(value)
         if isinstance(value, float):
             return "nan" if math.isnan(value) else f"{value:.4g}"
         return str(value).replace("|", "\\|").replace("\n", " ")
 
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(row.get(c)) for c in columns) + " |" for row in rows]
+    lines = ["| " + " | ".join(_header(c) for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(c, row.get(c)) for c in columns) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def duration(seconds: float) -> str:
+    """`H:MM:SS` of a duration; below a minute, seconds with one decimal ("7.3 s")."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    total = int(round(seconds))
+    return f"{total // 3600}:{total % 3600 // 60:02d}:{total % 60:02d}"
+
+
+def _header(column: str) -> str:
+    # "wall_time_s" holds seconds; in the markdown it holds H:MM:SS, so the unit leaves its name.
+    return column[:-2] if column.endswith("_s") else column
 
 
 def plot_metric(rows: Sequence[dict[str, Any]], x: str, y: str, path: Path, *, log_x: bool = True,
