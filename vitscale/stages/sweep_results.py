@@ -72,8 +72,11 @@ def trial_row(result: Any, space: dict[str, Any], metric: str, pre_exaflops: flo
     status = "error" if result.error else ("finished" if "finished_at" in metrics else "stopped")
     started, ended = metrics.get("started_at"), metrics.get("finished_at")
     # Tune's time_total_s restarts with a restarted trial (one that finished before a driver died
-    # and is reported again takes ~0 s); the trial's own start and finish times do not.
+    # and is reported again takes ~0 s); the trial's own start and finish times do not. Attempts that
+    # died before the one that finished (a killed driver, a failed worker) add their own time.
     wall = ended - started if started is not None and ended is not None else metrics.get("time_total_s")
+    if wall is not None and started is not None:
+        wall += earlier_attempts_s(_reports(result), started)
     return {
         "trial_id": trial_id, "params": {k: config.get(k) for k in space}, "metric": best,
         "steps": metrics.get("step"), "wall_time_s": wall,
@@ -81,6 +84,41 @@ def trial_row(result: Any, space: dict[str, Any], metric: str, pre_exaflops: flo
         "pretrain_exaflops": pre_exaflops, "finetune_exaflops": metrics.get("cumulative_exaflops"),
         "error": error_text(result.error) if result.error else None,
     }
+
+
+def earlier_attempts_s(reports: list[dict[str, Any]], started_at: float) -> float:
+    """Seconds spent by a trial's attempts that ended before its last attempt began at `started_at` (pure).
+
+    `reports` are Tune's records of the trial in the order written (result.json): an attempt's
+    `time_total_s` grows from its start, so a drop starts the next attempt, and an attempt's time is its
+    last record's. Only attempts whose last record (`timestamp`, Unix seconds) is before `started_at`
+    count: the last attempt, and one whose final report was merely replayed, are in `started_at`'s span.
+    """
+    total, last = 0.0, None
+    for report in [*reports, None]:
+        elapsed = None if report is None else report.get("time_total_s")
+        if report is not None and not isinstance(elapsed, (int, float)):
+            continue
+        if last is not None and (report is None or elapsed < last["time_total_s"]):  # the attempt in `last` ended
+            if float(last.get("timestamp") or float("inf")) <= started_at:
+                total += float(last["time_total_s"])
+        if report is not None:
+            last = report
+    return total
+
+
+def _reports(result: Any) -> list[dict[str, Any]]:
+    """The trial's records from its result.json in the experiment (local experiments; [] otherwise)."""
+    path = Path(str(getattr(result, "path", "") or "")) / "result.json"
+    if is_url(str(getattr(result, "path", ""))) or not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+    return out
 
 
 def error_text(error: BaseException) -> str:
