@@ -29,7 +29,7 @@ from typing import Any
 
 from vitscale.config.checks import ConfigError, check, non_negative, one_of, positive, seed
 from vitscale.config.loader import to_dict, to_yaml
-from vitscale.config.pipeline import PipelineConfig
+from vitscale.config.pipeline import ClusterConfig, PipelineConfig
 from vitscale.data.carve import Carve
 from vitscale.data.config import DataConfig
 from vitscale.models.config import ModelConfig
@@ -190,7 +190,7 @@ def prepare_sweep(config: PipelineConfig) -> None:
 
         prepare_pretrain(config)
         dev = open_dataset(config.data.url, config.data.split, endpoint_url=config.data.endpoint_url,
-                           carve=Carve(config.sweep.dev_fraction, config.data.seed, "dev"))
+                           carve=Carve(sweep_section(config).dev_fraction, config.data.seed, "dev"))
         check(sum(dev.counts) >= 1, "sweep.dev_fraction", f"the dev carve of {config.data.url} is empty")
 
 
@@ -199,24 +199,24 @@ def prepare_sweep(config: PipelineConfig) -> None:
 
 def trial_job(config: PipelineConfig, model: ModelConfig | None, init: str | None, *, final: bool) -> TrainJob:
     """A trial's selection job, or (`final`) the winner's retrain on the whole split, tested once."""
-    yaml = to_yaml(config)
-    if config.sweep.target == "finetune":
+    yaml, sweep = to_yaml(config), sweep_section(config)
+    data = config.section("data", DataConfig)
+    if sweep.target == "finetune":
         fc = finetune_section(config)
         lr = fc.single_lr() or fc.grid()[0]  # a trial's own rate, once the space sets it
         build = final_job if final else selection_job
-        job = build(fc, finetune_model(model or config.model, fc.resolution), init, lr,
-                    use_gpu=config.cluster.use_gpu, endpoint_url=config.data.endpoint_url, config_yaml=yaml)
+        job = build(fc, finetune_model(model or config.section("model", ModelConfig), fc.resolution), init, lr,
+                    use_gpu=config.cluster.use_gpu, endpoint_url=data.endpoint_url, config_yaml=yaml)
     else:
-        data = config.data
-        carve = Carve(config.sweep.dev_fraction, data.seed, "rest")
+        carve = Carve(sweep.dev_fraction, data.seed, "rest")
         evals = (EvalSet("dev", data.url, data.split, replace(carve, part="dev")),)
-        job = TrainJob(model=config.model, data=data, train=config.train, use_gpu=config.cluster.use_gpu,
-                       carve=None if final else carve, evals=() if final else evals, config_yaml=yaml)
-    if config.sweep.scheduler == "asha" and not final:
+        job = TrainJob(model=config.section("model", ModelConfig), data=data, train=config.section("train", TrainConfig),
+                       use_gpu=config.cluster.use_gpu, carve=None if final else carve, evals=() if final else evals,
+                       config_yaml=yaml)
+    if sweep.scheduler == "asha" and not final:
         steps = trial_steps(config, job)
-        rungs = asha_rungs(steps, asha_grace(steps, config.sweep.grace_period), config.sweep.reduction_factor)
-        job = replace(job, eval_steps=rungs,
-                      evaluations=config.sweep.evaluations if job.train.eval_every is None else None)
+        rungs = asha_rungs(steps, asha_grace(steps, sweep.grace_period), sweep.reduction_factor)
+        job = replace(job, eval_steps=rungs, evaluations=sweep.evaluations if job.train.eval_every is None else None)
     return job
 
 
@@ -232,8 +232,9 @@ def trial_steps(config: PipelineConfig, job: TrainJob) -> int:
     return schedule_length(samples, world, job.train.global_batch, job.train.epochs, None)[1]
 
 
-def trial_cluster(config: PipelineConfig) -> Any:
-    return replace(config.cluster, num_workers=config.sweep.workers_per_trial or config.cluster.num_workers)
+def trial_cluster(config: PipelineConfig) -> ClusterConfig:
+    """The cluster one trial (and the winner's retrain) runs on: `sweep.workers_per_trial` workers."""
+    return replace(config.cluster, num_workers=sweep_section(config).workers_per_trial or config.cluster.num_workers)
 
 
 def _trial(params: dict[str, Any], base: PipelineConfig, model: ModelConfig | None, init: str | None,
@@ -267,13 +268,13 @@ def _trial(params: dict[str, Any], base: PipelineConfig, model: ModelConfig | No
 
 def run_sweep(config: PipelineConfig, context: StageContext) -> SweepResult:
     model, init = None, None
-    if config.sweep.target == "finetune":
+    if sweep_section(config).target == "finetune":
         from vitscale.stages.finetune import initial_weights
 
         model, init = initial_weights(config, context)
     directory = context.run_dir / "sweep"
     searches = [(init, directory, "")]
-    if config.sweep.scratch_baseline:
+    if sweep_section(config).scratch_baseline:
         searches.append((None, directory / "scratch", "-scratch"))
     selections = []
     for start, folder, label in searches:
@@ -297,7 +298,7 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
     from vitscale.launch.console import library_output_to
     from vitscale.launch.ray_train import concurrent_runs
 
-    sweep = config.sweep
+    sweep = sweep_section(config)
     directory.mkdir(parents=True, exist_ok=True)
     space = search_space(config)
     tune_space = {k: (tune.choice(list(v)) if sweep.scheduler == "random" else tune.grid_search(list(v)))
@@ -368,7 +369,7 @@ def _retrain_winners(config: PipelineConfig, model: ModelConfig | None,
 
     from vitscale.launch.ray_train import concurrent_runs
 
-    if not config.sweep.retrain:
+    if not sweep_section(config).retrain:
         return [{} for _ in winners]
     at_once = min(len(winners), concurrent_runs(trial_cluster(config), ray.cluster_resources()))
     if at_once > 1:

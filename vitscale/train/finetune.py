@@ -131,7 +131,8 @@ class FinetuneConfig:
             positive(lr, f"finetune.lr_grid[{i}]")
         check("epochs" not in self.train, "finetune.train.epochs",
               "fine-tuning is counted in steps (Table 4): set finetune.train.max_steps")
-        for lr in self.grid() or (None,):  # the recipe at every rate a run may get (end_lr <= base_lr, ...)
+        # The recipe at its own rate, or at every rate of the grid a sweep may give it (end_lr <= base_lr, ...).
+        for lr in (None,) if "base_lr" in self.train else self.grid() or (None,):
             self.train_config(lr).validate("finetune.train")
         # The dataset is the finetune and sweep stages' to require (a pipeline without them needs none).
         data = self.data_config()
