@@ -29,7 +29,7 @@ def _example() -> ModuleType:
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, log_to_driver=False)  # always our own, never a cluster found on this machine
     yield
     ray.shutdown()
 

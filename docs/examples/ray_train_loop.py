@@ -56,6 +56,7 @@ def train_loop(config: dict[str, Any]) -> None:
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
         data.load_state_dict(state["data"][rank])
+    weights = model  # the plain module: what the checkpoint holds, without DDP's "module." prefix
     model = prepare_model(model)  # DDP (gloo on CPU, NCCL on GPUs)
     loader = DataLoader(data, batch_size=None, num_workers=config["loader_workers"])  # whole batches
     epoch = data.state_dict()["epoch"]
@@ -76,7 +77,7 @@ def train_loop(config: dict[str, Any]) -> None:
                 with tempfile.TemporaryDirectory() as folder:
                     saved = None
                     if rank == 0:
-                        torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                        torch.save({"model": weights.state_dict(), "optimizer": optimizer.state_dict(),
                                     "step": step, "data": positions}, Path(folder) / "state.pt")
                         saved = Checkpoint.from_directory(folder)
                     ray.train.report(metrics, checkpoint=saved)
@@ -88,7 +89,7 @@ def train_loop(config: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> ray.train.Result:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description="Your own Ray Train loop on vitscale shards.")
     p.add_argument("--data", required=True, help="vitscale shards: a folder or s3://bucket/prefix")
     p.add_argument("--model", default="vit_tiny_patch16_224", help="a vitscale or timm model name")
     p.add_argument("--resolution", type=int, default=32)
