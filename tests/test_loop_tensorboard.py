@@ -42,3 +42,24 @@ def test_pretraining_writes_tensorboard_and_a_resume_continues_it(tmp_path: Path
     loss = _scalars(run / "tensorboard")["train/loss"]
     assert [s for s, _ in loss] == [1, 2, 3, 4, 5, 6]
     assert [v for _, v in loss[3:]] == pytest.approx([m["loss"] for m in second.metrics])
+
+
+def test_export_shows_progress(tmp_path: Path, tiny_dataset: str, process_group: None,  # noqa: F811
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    import sys
+
+    from vitscale.train.export import export_run
+    from vitscale.train.loop import WorkerContext, train
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    train(tiny_config(tiny_dataset, max_steps=3), WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run",
+                                                                 report=Recorder(tmp_path)))
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    info = export_run(tmp_path / "checkpoint_000000003", tmp_path / "model.pt", progress=True)
+    assert info["step"] == 3 and (tmp_path / "model.pt").stat().st_size > 0
+    assert "export" in terminal.getvalue() and "2/2" in terminal.getvalue()

@@ -130,7 +130,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from vitscale.train.export import export_run
 
-    info = export_run(args.run_dir, args.out, fmt=args.format)
+    info = export_run(args.run_dir, args.out, fmt=args.format, progress=True)
     _print_json(info)
     return 0
 
@@ -143,7 +143,7 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
                "train_split": args.train_split, "test_split": args.test_split, "batch_size": args.batch_size,
                "error_budget": args.error_budget}
     report = fewshot_checkpoint(args.checkpoint, fewshot, model_name=args.model, img_size=args.img_size,
-                                endpoint_url=args.endpoint_url)
+                                endpoint_url=args.endpoint_url, progress=True)
     if args.json:
         _print_json(report)
     else:
@@ -155,7 +155,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from vitscale.inspect.run import inspect_checkpoint
 
     report = inspect_checkpoint(args.checkpoint, args.images, args.out, count=args.count, split=args.split,
-                                model_name=args.model, img_size=args.img_size, endpoint_url=args.endpoint_url)
+                                model_name=args.model, img_size=args.img_size, endpoint_url=args.endpoint_url,
+                                progress=True)
     if args.json:
         _print_json(report)
     else:

@@ -138,8 +138,10 @@ def _load_model(path: str | Path, *, model_name: str | None, img_size: int | Non
 
 def fewshot_checkpoint(path: str | Path, fewshot: Mapping[str, Any], *, model_name: str | None = None,
                        img_size: int | None = None, endpoint_url: str | None = None,
-                       device: torch.device | None = None) -> dict[str, Any]:
+                       device: torch.device | None = None, progress: bool = False) -> dict[str, Any]:
     """Probe the checkpoint at `path` on `fewshot["datasets"]`: what `vitscale fewshot` prints.
+
+    `progress` shows each split's feature extraction (images, rate, ETA) on stderr.
 
     Args:
         fewshot: fields of the `fewshot:` section (`FewshotConfig`): datasets, shots, seeds, l2, ...;
@@ -165,7 +167,7 @@ def fewshot_checkpoint(path: str | Path, fewshot: Mapping[str, Any], *, model_na
     check_probe_datasets(cfg, endpoint_url)  # before a large model is read
     model, facts = load_model(path, model_name=model_name, img_size=img_size, resolution=resolution)
     cfg = dataclasses.replace(cfg, resolution=int(resolution or facts["img_size"]))
-    results = fewshot_probe(model, cfg, endpoint_url=endpoint_url, device=device)
+    results = fewshot_probe(model, cfg, endpoint_url=endpoint_url, device=device, progress=progress)
     return {**facts, "resolution": cfg.resolution, "results": results}
 
 

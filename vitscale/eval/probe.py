@@ -18,6 +18,7 @@ import torch
 
 from vitscale.config.checks import ConfigError, check
 from vitscale.data.format import DatasetError
+from vitscale.data.tools.progress import Progress
 from vitscale.eval.config import FewshotConfig
 from vitscale.eval.fewshot import extract_features, fewshot_accuracy
 
@@ -94,25 +95,31 @@ def _eval_stream(url: str, split: str, cfg: FewshotConfig, endpoint_url: str | N
                        error_budget=cfg.error_budget)
 
 
-def _batches(stream: Any, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def _batches(stream: Any, device: torch.device,
+             bar: Progress | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(images on `device` in [-1, 1], labels, valid): `extract_features` drops the rows not valid."""
     from vitscale.data.loader.transforms import normalize_on_device
 
     for batch in stream:
+        if bar is not None:
+            bar.update(int(batch["valid"].sum()))
         yield normalize_on_device(batch["image"].to(device)), batch["label"], batch["valid"]
 
 
-def _features(model: torch.nn.Module, stream: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _features(model: torch.nn.Module, stream: Any, device: torch.device,
+              progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     from vitscale.data.loader.stream import ErrorBudgetExceeded
 
     try:
-        return extract_features(model, _batches(stream, device), device)
+        with Progress(sum(stream.dataset.counts), f"features of {stream.spec.url} ({stream.spec.split})",
+                      unit="img", enabled=progress) as bar:
+            return extract_features(model, _batches(stream, device, bar), device)
     except ErrorBudgetExceeded as exc:
         raise DatasetError(f"{stream.spec.url} ({stream.spec.split}): {exc} (fewshot.error_budget)") from exc
 
 
 def fewshot_probe(model: torch.nn.Module, cfg: FewshotConfig, *, endpoint_url: str | None = None,
-                  device: torch.device | None = None) -> dict[str, Any]:
+                  device: torch.device | None = None, progress: bool = False) -> dict[str, Any]:
     """Few-shot accuracy of `model` on every dataset of `cfg.datasets`, for every shot count and seed.
 
     Returns (accuracies in [0, 1]):
@@ -130,9 +137,9 @@ def fewshot_probe(model: torch.nn.Module, cfg: FewshotConfig, *, endpoint_url: s
         if train_stream.dataset.multi_label:
             raise DatasetError(f"fewshot.datasets: {url} is multi-label; the few-shot probe needs one label per image")
         num_classes = train_stream.dataset.num_classes  # from dataset.json, not from the labels seen
-        train_feats, train_labels = _features(model, train_stream, device)
+        train_feats, train_labels = _features(model, train_stream, device, progress)
         test_stream = _eval_stream(url, cfg.test_split, cfg, endpoint_url)
-        test_feats, test_labels = _features(model, test_stream, device)
+        test_feats, test_labels = _features(model, test_stream, device, progress)
         per_shot: dict[str, Any] = {}
         for shots in cfg.shots:
             try:

@@ -112,8 +112,11 @@ def _attention(model: Any, images: Any, out: Path, name: str, img_size: int,
 
 def inspect_checkpoint(path: str | Path, images: str, out: str | Path, *, count: int = 8, split: str = "train",
                        model_name: str | None = None, img_size: int | None = None,
-                       endpoint_url: str | None = None, device: torch.device | None = None) -> dict[str, Any]:
+                       endpoint_url: str | None = None, device: torch.device | None = None,
+                       progress: bool = False) -> dict[str, Any]:
     """Write every analysis of the checkpoint at `path` on `count` images of `images` into `out`.
+
+    `progress` shows the steps (read, images, filters, positions, attention) on stderr as they finish.
 
     `model_name` / `img_size` name the architecture of an npz / timm file (as `vitscale fewshot`).
     Returns what ``inspect.json`` holds: the checkpoint's facts, the images' keys, the files
@@ -123,15 +126,19 @@ def inspect_checkpoint(path: str | Path, images: str, out: str | Path, *, count:
         FileNotFoundError / ValueError (ConfigError): a missing checkpoint or dataset, a bad count or
         split, a ResNet (inspect analyses ViTs and hybrids).
     """
+    from vitscale.data.tools.progress import Progress
     from vitscale.eval.checkpoint_probe import load_model
     from vitscale.models.variants import parse_model_name
 
+    bar = Progress(5, f"inspect {path}", unit="step", enabled=progress)
     if model_name is not None and parse_model_name(model_name).family == "resnet":
         raise resnet_refusal(parse_model_name(model_name).name)  # before a large file is read
     model, facts = load_model(path, model_name=model_name, img_size=img_size)
     vit = check_inspectable(model)
+    bar.update()
     name, size = f"{facts['model']} ({facts['img_size']} px)", int(facts["img_size"])
     sample = sample_images(images, split, count, size, endpoint_url=endpoint_url)
+    bar.update()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -140,7 +147,10 @@ def inspect_checkpoint(path: str | Path, images: str, out: str | Path, *, count:
     for paths, note in (_filters(vit, out, name), _positions(vit, out, name)):
         files += paths
         notes += [note] if note else []
+        bar.update()
     paths, attention = _attention(vit, sample, out, name, size, device)
+    bar.update()
+    bar.close()
     files += paths
     report = {**facts, "images": images, "split": split, "image_keys": sample.keys, **attention,
               "files": sorted(p.name for p in files), "notes": notes}

@@ -97,13 +97,19 @@ def model_from_checkpoint(checkpoint: str | Path) -> tuple[torch.nn.Module, Mode
     return model, model_config, facts
 
 
-def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "pt") -> dict[str, Any]:
-    """Write the run's latest complete checkpoint as one fp32 file that `load_pretrained` reads."""
+def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "pt", progress: bool = False) -> dict[str, Any]:
+    """Write the run's latest complete checkpoint as one fp32 file that `load_pretrained` reads.
+
+    `progress` shows the two steps (consolidating the ZeRO shards, writing the file) on stderr.
+    """
+    from vitscale.data.tools.progress import Progress
     from vitscale.models.checkpoints import export_npz, export_state_dict
     from vitscale.models.factory import model_meta
 
+    bar = Progress(2, f"export {run_dir}", unit="step", enabled=progress)
     checkpoint = find_checkpoint(run_dir)
     model, config, facts = model_from_checkpoint(checkpoint)
+    bar.update()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "npz":
@@ -112,4 +118,6 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "pt") -> dict
         export_state_dict(model, out, meta=model_meta(model))  # `create_from_checkpoint` rebuilds from it
     else:
         raise UserError(f"--format: must be pt or npz, got {fmt!r}")
+    bar.update()
+    bar.close()
     return {**facts, "out": str(out), "format": fmt}

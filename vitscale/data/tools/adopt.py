@@ -58,6 +58,7 @@ from vitscale.data.loader.labels import (
 from vitscale.data.loader.sample import IMAGE_MEMBERS
 from vitscale.data.storage import Storage, StorageError, open_storage
 from vitscale.data.storage.space import free_bytes, is_no_space, megabytes
+from vitscale.data.tools.progress import Progress
 
 __all__ = ["expand_braces", "index_shards", "split_url"]
 
@@ -224,7 +225,8 @@ class _Labels:
 
 def index_shards(url: str, *, out: str | None = None, split: str = "train", label_member: str = "cls",
                  classes_file: str | None = None, endpoint_url: str | None = None,
-                 checksums: bool = True, num_classes: int | None = None, max_bad: int | None = 100) -> dict[str, Any]:
+                 checksums: bool = True, num_classes: int | None = None, max_bad: int | None = 100,
+                 progress: bool = True) -> dict[str, Any]:
     """Index the WebDataset tars at ``url`` (see the module docstring); returns ``dataset.json``'s content.
 
     ``num_classes`` bounds the class ids (else the ``--classes`` file's length, else
@@ -262,6 +264,7 @@ def index_shards(url: str, *, out: str | None = None, split: str = "train", labe
         bad.append({"shard": shard, "key": key, "error": why})
         _check_bad(bad, max_bad, shards)
 
+    bar = Progress(len(names), f"index {shards.url}", unit="shard", enabled=progress)  # a line per shard read
     for shard in names:
         try:
             found, damaged = _samples(shards, shard, sizes[shard])
@@ -289,6 +292,8 @@ def index_shards(url: str, *, out: str | None = None, split: str = "train", labe
                          "crc32": crc})
             kept += 1
         entries.append((shard, kept))
+        bar.update()
+    bar.close()
     if not rows:
         raise DatasetError(f"no sample with an image and a .{labels.ext} label in {len(names)} shard(s) under {shards.url}")
     class_names = _finish_labels(rows, classes, num_classes)

@@ -74,6 +74,7 @@ class Progress:
         self._start = time.monotonic()
         self._last = self._start
         self._closed = False
+        self._shown = False  # a line (or a bar) has been written
 
     def __enter__(self) -> Progress:
         return self
@@ -84,7 +85,14 @@ class Progress:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        if exc_type is None:
+            self.close()
+            return
+        # Failed: the error's own line follows; a drawn bar is ended so that line starts clean.
+        self._closed = True
+        if self.enabled and self._tty and self._shown:
+            self.stream.write("\n")
+            self.stream.flush()
 
     @property
     def elapsed_s(self) -> float:
@@ -104,6 +112,7 @@ class Progress:
             self._emit(final=False)
 
     def _emit(self, final: bool) -> None:
+        self._shown = True
         if self._tty:
             self.stream.write("\r" + self.line() + ("\n" if final else ""))
         else:
@@ -111,8 +120,9 @@ class Progress:
         self.stream.flush()
 
     def close(self) -> None:
-        """Print the final line once."""
+        """Print the final line once: on a terminal always; in a log only after periodic lines (work
+        shorter than one interval leaves the log alone)."""
         if not self._closed:
             self._closed = True
-            if self.enabled:
+            if self.enabled and (self._tty or self._shown):
                 self._emit(final=True)
