@@ -164,12 +164,13 @@ def check_sweep(config: PipelineConfig) -> None:
     check(sweep.target != "pretrain" or config.data.subset is None, "data.subset",
           "a pre-training sweep carves its dev set from the whole split; leave data.subset out")
     workers = trial_cluster(config).num_workers
+    workers_key = "sweep.workers_per_trial" if sweep.workers_per_trial else "cluster.num_workers"
     for point in combinations(space):  # every trial's batch splits evenly over its workers
         trial = with_params(config, point)
         recipe, section = ((finetune_section(trial).train_config(), "finetune.train") if sweep.target == "finetune"
                            else (trial.section("train", TrainConfig), "train"))
         try:
-            recipe.check_batch_split(workers, section, "sweep.workers_per_trial")
+            recipe.check_batch_split(workers, section, workers_key)
         except ConfigError as exc:
             raise ConfigError(exc.key, exc.message + (f" (trial {point})" if point else "")) from None
     if sweep.target == "finetune":
