@@ -26,7 +26,7 @@ import random
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -64,7 +64,8 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 def rng_state() -> dict[str, Any]:
     """Python, NumPy and torch RNG states (dropout and any host-side randomness)."""
     # NumPy's key array travels as a tensor so the file loads with torch.load(weights_only=True).
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    # legacy=True: the tuple form (str, key array, ...), not the dict
+    name, keys, pos, has_gauss, gauss = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state(legacy=True))
     state = {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos,
                                                      has_gauss, gauss), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
