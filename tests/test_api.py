@@ -144,3 +144,15 @@ def test_top_level_names_and_no_torch_at_import() -> None:
     assert set(vitscale.__all__) <= set(dir(vitscale))
     config = vitscale.load_pipeline("quickstart", ["name=notebook"])  # a shipped pipeline by name
     assert config.name == "notebook" and "pretrain" in config.stages and callable(vitscale.run_pipeline)
+
+
+def test_cli_version_is_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from vitscale.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"vitscale {vitscale.__version__}"
+    # pyproject.toml reads the version from vitscale/_version.py, so the installed metadata agrees.
+    from importlib.metadata import version
+
+    assert version("vitscale") == vitscale.__version__
