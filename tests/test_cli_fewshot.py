@@ -159,3 +159,19 @@ def test_errors_are_one_line(capsys: pytest.CaptureFixture[str], files: dict, da
                              argv: list[str], match: str) -> None:
     names = {**files, **data, "missing": str(tmp_path / "missing")}
     assert match in _error(capsys, *(a.format(**names) for a in argv))
+
+
+def test_model_options_describe_an_npz_files_architecture(data: dict, files: dict, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    # A shrunk ViT-Ti/16 (one block of width 32) as an npz file: its name alone does not say its shape.
+    torch.manual_seed(0)
+    small = create_model("ViT-Ti/16", num_classes=7, img_size=SIZE, depth=1, width=32, mlp_dim=64, heads=2).eval()
+    export_npz(small, tmp_path / "small.npz")
+    argv = [str(tmp_path / "small.npz"), "--data", data["synth"], "--model", "ViT-Ti/16", "--img-size", str(SIZE),
+            "--shots", "1", "--seeds", "1"]
+    report = _json(capsys, *argv, "--option", "depth=1", "--option", "width=32", "--option", "mlp_dim=64",
+                   "--option", "heads=2")
+    assert report["model"] == "ViT-Ti/16" and 0.0 <= report["results"]["mean_1shot"] <= 1.0
+    assert "small.npz" in _error(capsys, *argv)  # without them the weights do not fit: one line
+    assert "--option is for npz and timm files" in _error(capsys, files["pt"], "--data", data["synth"], "--shots", "1",
+                                                          "--option", "depth=1")

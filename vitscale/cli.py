@@ -142,8 +142,13 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
                "seeds": args.seeds, "seed": args.seed, "l2": args.l2, "resolution": args.resolution,
                "train_split": args.train_split, "test_split": args.test_split, "batch_size": args.batch_size,
                "error_budget": args.error_budget}
+    from vitscale.config.loader import apply_override
+
+    options: dict[str, Any] = {}
+    for item in args.option:  # YAML values, as a pipeline's `model:` section reads them
+        options = apply_override(options, item)
     report = fewshot_checkpoint(args.checkpoint, fewshot, model_name=args.model, img_size=args.img_size,
-                                endpoint_url=args.endpoint_url, progress=True)
+                                endpoint_url=args.endpoint_url, progress=True, model_options=options)
     if args.json:
         _print_json(report)
     else:
@@ -362,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--test-split", default=None, help="split accuracy is measured on (default: test)")
     p.add_argument("--model", default=None, help='architecture of a .npz/timm file, e.g. "ViT-B/16"')
     p.add_argument("--img-size", type=int, default=None, help="resolution the .npz/timm file was trained at (224)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a model option of the .npz/timm file's architecture, as in a pipeline's model: section "
+                        "(e.g. depth=6, classifier=gap; repeatable)")
     p.add_argument("--batch-size", type=int, default=None, help="images per forward pass (default: 128)")
     p.add_argument("--error-budget", type=float, default=None,
                    help="fraction of unreadable samples tolerated per split (default: 0.001)")

@@ -44,7 +44,8 @@ def _file_head(fmt: str, raw: Mapping[str, Any]) -> tuple[int | None, int | None
 
 
 def load_model(path: str | Path, *, model_name: str | None = None, img_size: int | None = None,
-               resolution: int | None = None) -> tuple[nn.Module, dict[str, Any]]:
+               resolution: int | None = None,
+               model_options: Mapping[str, Any] | None = None) -> tuple[nn.Module, dict[str, Any]]:
     """(model with the checkpoint's weights, facts) from any checkpoint the probe reads (module docstring).
 
     Args:
@@ -52,6 +53,9 @@ def load_model(path: str | Path, *, model_name: str | None = None, img_size: int
             given anyway, it must agree).
         img_size: the input size an npz / timm file was trained at (default 224; vitscale
             checkpoints know theirs; given anyway, it must agree).
+        model_options: options of an npz / timm file's architecture (`create_model`'s keyword
+            arguments, as a pipeline's `model:` section: depth, width, classifier, ...); vitscale
+            checkpoints name their own.
         resolution: the size to probe at (default: the checkpoint's own). A ViT read from a file is
             built at it, its position embeddings resampled from the file's grid; a training
             checkpoint is probed only at its own size (`vitscale export` it first).
@@ -69,7 +73,8 @@ def load_model(path: str | Path, *, model_name: str | None = None, img_size: int
     from vitscale.config.errors import UserError
 
     try:
-        return _load_model(path, model_name=model_name, img_size=img_size, resolution=resolution)
+        return _load_model(path, model_name=model_name, img_size=img_size, resolution=resolution,
+                           model_options=dict(model_options or {}))
     except UserError:
         raise
     except ValueError as exc:
@@ -79,7 +84,7 @@ def load_model(path: str | Path, *, model_name: str | None = None, img_size: int
 
 
 def _load_model(path: str | Path, *, model_name: str | None, img_size: int | None,
-                resolution: int | None) -> tuple[nn.Module, dict[str, Any]]:
+                resolution: int | None, model_options: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
     from vitscale.models.checkpoints import load_pretrained, read_checkpoint
     from vitscale.models.factory import create_from_meta, create_model
     from vitscale.models.variants import parse_model_name
@@ -94,6 +99,8 @@ def _load_model(path: str | Path, *, model_name: str | None, img_size: int | Non
     p = local_weights(path)  # a path as it is; from object storage, a local copy
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such checkpoint file or run directory")
+    if model_options and p.is_dir():
+        raise ValueError(f"{p} is a run: it names its own model; --option is for npz and timm files")
     if p.is_dir():
         from vitscale.train.export import find_checkpoint, model_from_checkpoint
 
@@ -113,6 +120,8 @@ def _load_model(path: str | Path, *, model_name: str | None, img_size: int | Non
     except ValueError as exc:  # torch's unpickling errors run to several paragraphs: the first line says it
         raise ValueError(str(exc).splitlines()[0]) from exc
     if fmt == "vitscale":
+        if model_options:
+            raise ValueError(f"{p} is a vitscale export: it names its own model; --option is for npz and timm files")
         meta = dict(meta or {})
         agree("model", model_name and parse_model_name(model_name).name, meta.get("name"), str(p))
         agree("pixel model", img_size, meta.get("img_size"), str(p))
@@ -130,7 +139,7 @@ def _load_model(path: str | Path, *, model_name: str | None, img_size: int | Non
         if rep is not None and spec.family != "resnet":
             options["representation_size"] = rep  # probe the pre-logits the file was trained with
         model = create_model(spec.name, num_classes=num_classes or 1,
-                             img_size=resolution or img_size or DEFAULT_IMG_SIZE, **options)
+                             img_size=resolution or img_size or DEFAULT_IMG_SIZE, **{**options, **model_options})
     report = load_pretrained(model, p)
     return model, {"checkpoint": str(p), "format": fmt, "model": model.spec.name, "img_size": int(model.img_size),
                    "step": None, "notes": [*report.resampled, *report.notes]}
@@ -138,7 +147,8 @@ def _load_model(path: str | Path, *, model_name: str | None, img_size: int | Non
 
 def fewshot_checkpoint(path: str | Path, fewshot: Mapping[str, Any], *, model_name: str | None = None,
                        img_size: int | None = None, endpoint_url: str | None = None,
-                       device: torch.device | None = None, progress: bool = False) -> dict[str, Any]:
+                       device: torch.device | None = None, progress: bool = False,
+                       model_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Probe the checkpoint at `path` on `fewshot["datasets"]`: what `vitscale fewshot` prints.
 
     `progress` shows each split's feature extraction (images, rate, ETA) on stderr.
@@ -165,7 +175,8 @@ def fewshot_checkpoint(path: str | Path, fewshot: Mapping[str, Any], *, model_na
     if resolution is not None:
         dataclasses.replace(cfg, resolution=resolution).validate()
     check_probe_datasets(cfg, endpoint_url)  # before a large model is read
-    model, facts = load_model(path, model_name=model_name, img_size=img_size, resolution=resolution)
+    model, facts = load_model(path, model_name=model_name, img_size=img_size, resolution=resolution,
+                              model_options=model_options)
     cfg = dataclasses.replace(cfg, resolution=int(resolution or facts["img_size"]))
     results = fewshot_probe(model, cfg, endpoint_url=endpoint_url, device=device, progress=progress)
     return {**facts, "resolution": cfg.resolution, "results": results}
