@@ -27,7 +27,10 @@ from typing import Any
 
 
 def cell_breakdown(study: Path, cell: str) -> dict[str, Any] | None:
-    record = json.loads((study / "state" / f"{cell}.json").read_text())
+    path = study / "state" / f"{cell}.json"
+    if not path.exists():
+        return None  # not started yet
+    record = json.loads(path.read_text())
     stages_path = study / "state" / f"{cell}.stages.json"
     metrics = study / "cells" / (record.get("run_name") or cell) / "metrics" / "rank0.jsonl"
     if record.get("status") != "done" or record.get("runs") != 1 or not stages_path.exists() or not metrics.exists():
