@@ -128,6 +128,8 @@ class PrivateCluster:
     def start(self, timeout: float = 240) -> PrivateCluster:
         """The head, then the workers; returns once every node is alive in the GCS."""
         self._start_node("head")
+        # Workers give up if the head's node is not in the GCS when they start (seen on a loaded machine).
+        self.wait_for_nodes(1, timeout)
         for i in range(self.workers):
             self._start_node(f"worker{i + 1}")
         self.wait_for_nodes(1 + self.workers, timeout)

@@ -1,20 +1,25 @@
-"""The private-disk test cluster (tests/private_cluster.py) has the shape of a real multi-node cluster.
+"""vitscale on a cluster of nodes with private disks (tests/private_cluster.py), one cluster for the file.
 
-Each node's /tmp and $HOME are its own; object storage (moto on loopback) is the only thing nodes
-share; a node can be SIGKILLed whole and come back with an empty disk; token authentication is on.
+First the cluster's shape: each node's /tmp and $HOME are its own; object storage (moto on loopback)
+is the only thing nodes share; a node can be SIGKILLed whole and come back with an empty disk; token
+authentication is on. Then vitscale on it: a whole worker node SIGKILLed mid-pre-training.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import boto3
 import pytest
-
-from private_cluster import PrivateCluster
+import torch
+import yaml
+from private_cluster import RAY, PrivateCluster
 
 pytestmark = pytest.mark.slow
 
@@ -43,8 +48,8 @@ PROBE = textwrap.dedent("""
 
     on = lambda node: {"resources": {"node:" + node: 0.01}}
     home = ray.get(write.options(**on("worker1")).remote("worker1"))
-    print("RESULT " + json.dumps({"home": home, "worker2": ray.get(read.options(**on("worker2")).remote("worker2", "worker1")),
-                                  "worker1": ray.get(read.options(**on("worker1")).remote("worker1", "worker1"))}))
+    seen = {node: ray.get(read.options(**on(node)).remote(node, "worker1")) for node in ("worker1", "worker2")}
+    print("RESULT " + json.dumps({"home": home, **seen}))
 """)
 
 
@@ -55,7 +60,9 @@ def cluster(moto_s3: str, tmp_path_factory: pytest.TempPathFactory):
     reason = skip_reason()
     if reason:
         pytest.skip(f"no private-disk cluster on this machine: {reason}")
-    with PrivateCluster(workers=2, cpus=1, env={"AWS_ENDPOINT_URL": moto_s3}) as c:
+    aws = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                                      "AWS_DEFAULT_REGION")}
+    with PrivateCluster(workers=2, cpus=1, env={**aws, "AWS_ENDPOINT_URL": moto_s3}) as c:
         yield c
 
 
@@ -94,11 +101,114 @@ def test_a_killed_node_leaves_and_comes_back_empty(cluster: PrivateCluster, moto
 
 
 def test_the_cluster_refuses_a_client_without_its_token(cluster: PrivateCluster, tmp_path: Path) -> None:
-    import subprocess
-
-    from private_cluster import RAY
-
     env = {k: v for k, v in cluster.client_env().items() if not k.startswith("RAY_AUTH")} | {"HOME": str(tmp_path)}
     done = subprocess.run([RAY, "job", "submit", "--address", cluster.dashboard_address, "--", "echo", "ran"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "ran" not in done.stdout.split("Running entrypoint")[-1]
+
+
+# -- a whole worker node lost mid-pre-training ------------------------------------------------------
+#
+# Two worker nodes of one CPU, one Ray Train worker on each, storage and data in a moto bucket, the run
+# submitted with `ray job submit --working-dir`. When the step-4 checkpoint is in the bucket, worker
+# node 2 is killed whole; Ray Train waits for a node, a new one is added, and the run resumes from the
+# newest complete checkpoint in the bucket. It must end with the uninterrupted run's weights and
+# samples per step, and its records must be in the bucket, not on the dead node's disk.
+
+STEPS = 8
+
+
+def _pipeline(bucket: str, name: str) -> dict:
+    return {
+        "name": name,
+        "stages": ["pretrain"],
+        "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "mlp_dim": 32, "heads": 2},
+        "data": {"url": f"s3://{bucket}/data", "num_workers": 0, "shuffle_buffer": 16,
+                 "create_if_missing": {"kind": "synthetic", "count": 70, "classes": 4, "image_size": 32,
+                                       "shard_size": 20}},
+        "train": {"global_batch": 16, "micro_batch": 8, "max_steps": STEPS, "warmup_steps": 1, "base_lr": 2e-3,
+                  "zero_stage": 2, "precision": "fp32", "checkpoint_every": 2, "log_every": 1,
+                  "record_samples": True},
+        "cluster": {"num_workers": 2, "use_gpu": False, "cpus_per_worker": 1, "max_failures": 2,
+                    "storage_path": f"s3://{bucket}/runs"},
+    }
+
+
+def _submit(cluster: PrivateCluster, pipeline: dict, tmp_path: Path) -> subprocess.Popen:
+    """`ray job submit --working-dir` (the pipeline file travels through the GCS, not a shared disk)."""
+    work = tmp_path / pipeline["name"]
+    work.mkdir()
+    (work / "pipeline.yaml").write_text(yaml.safe_dump(pipeline))
+    return subprocess.Popen([RAY, "job", "submit", "--address", cluster.dashboard_address, "--working-dir",
+                             str(work), "--", "vitscale", "run", "pipeline.yaml"], env=cluster.client_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(job: subprocess.Popen) -> str:
+    output, _ = job.communicate(timeout=900)
+    assert job.returncode == 0, output[-6000:]
+    return output
+
+
+def _download(s3, bucket: str, prefix: str, into: Path) -> Path:
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            if obj["Key"].endswith("/"):
+                continue  # a folder marker (pyarrow writes them)
+            target = into / obj["Key"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            s3.download_file(bucket, obj["Key"], str(target))
+    return into / prefix
+
+
+def _effective_samples(records: str) -> dict[int, list[str]]:
+    by_step: dict[int, list[str]] = {}
+    for line in records.splitlines():  # after a resume, the last line written for a step is the one that counts
+        record = json.loads(line)
+        by_step[record["step"]] = record["keys"]
+    return by_step
+
+
+def test_a_lost_node_resumes_from_storage_to_the_same_weights(cluster: PrivateCluster, moto_s3: str,
+                                                              tmp_path: Path) -> None:
+    from vitscale.train.export import model_from_checkpoint
+
+    s3 = boto3.client("s3", endpoint_url=moto_s3)
+    bucket = f"nodelost-{secrets.token_hex(4)}"
+    s3.create_bucket(Bucket=bucket)
+    clean_out = _finish(_submit(cluster, _pipeline(bucket, "clean"), tmp_path))
+    assert '"ok": true' in clean_out
+
+    job = _submit(cluster, _pipeline(bucket, "lost"), tmp_path)
+    deadline = time.monotonic() + 600
+    marker = "runs/lost/checkpoint_000000004/train_state.json"
+    while time.monotonic() < deadline and job.poll() is None:
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="runs/lost/").get("Contents", [])]
+        if marker in keys:
+            break
+        time.sleep(0.5)
+    if job.poll() is not None:
+        pytest.fail("the run ended before the node could be killed:\n" + job.communicate()[0][-5000:])
+    cluster.kill("worker2")
+    cluster.wait_for_nodes(2, timeout=120)
+    cluster.add("worker3", timeout=300)  # capacity comes back as a new node with an empty disk
+    lost_out = _finish(job)
+    assert "resumed from" in lost_out or "resum" in lost_out.lower(), lost_out[-4000:]
+
+    runs = _download(s3, bucket, "runs/", tmp_path / "bucket")
+    weights = {}
+    for name in ("clean", "lost"):
+        model, _, facts = model_from_checkpoint(runs / name / f"checkpoint_{STEPS:09d}")
+        assert facts["step"] == STEPS
+        weights[name] = model.state_dict()
+    for key, value in weights["clean"].items():
+        torch.testing.assert_close(weights["lost"][key], value, rtol=0, atol=1e-5, msg=key)
+    for rank in (0, 1):
+        clean = _effective_samples((runs / "clean" / "samples" / f"rank{rank}.jsonl").read_text())
+        lost = _effective_samples((runs / "lost" / "samples" / f"rank{rank}.jsonl").read_text())
+        assert sorted(lost) == list(range(1, STEPS + 1)) and lost == clean
+        assert (runs / "lost" / "metrics" / f"rank{rank}.jsonl").is_file()
+    # The driver's records are in the bucket too: nothing the run wrote is only on a node's disk.
+    for name in ("config.yaml", "summary.json", "logs/ray.log"):
+        assert (runs / "lost" / name).is_file(), name
+    assert json.loads((runs / "lost" / "summary.json").read_text())["pretrain"]["step"] == STEPS

@@ -26,6 +26,7 @@ from vitscale.config.checks import ConfigError
 from vitscale.config.location import is_url, storage_root
 from vitscale.config.pipeline import ClusterConfig, ray_address
 from vitscale.data.storage import open_storage
+from vitscale.data.storage.endpoint import endpoint_env
 from vitscale.data.storage.filesystem import run_filesystem
 from vitscale.data.storage.mirror import RunMirror
 from vitscale.launch.console import labelled_lines
@@ -269,7 +270,9 @@ def ensure_ray(address: str | None, local_num_cpus: int | None) -> str:
     if address:
         check_reachable(address)
         try:
-            context = ray.init(address=address, log_to_driver=True)
+            # The run's object-storage endpoint reaches every worker and trial this driver starts.
+            env = endpoint_env()
+            context = ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": env} if env else None)
         except ConnectionError as exc:  # "auto" with no cluster on this machine, a GCS that refuses us
             raise ConfigError("cluster.address", f"cannot join a Ray cluster at {address}: {exc}") from None
         return f"joined Ray cluster at {address}{_dashboard(context)}"

@@ -91,7 +91,9 @@ def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose:
     The run's lease (`data/storage/lease.py`) is held from before its first write to the end: a
     second writer of the same run is refused in one line; `force` takes over a dead holder's lease.
     """
+    from vitscale.data.config import DataConfig
     from vitscale.data.storage.base import StorageError
+    from vitscale.data.storage.endpoint import run_endpoint
     from vitscale.data.storage.lease import hold_run_lease
     from vitscale.data.storage.space import is_no_space
 
@@ -99,7 +101,8 @@ def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose:
     if address:  # --address: the run joins that cluster, and the checks below must know it
         config = replace(config, cluster=replace(config.cluster, address=address))
     config = preflight(config)
-    with hold_run_lease(config.cluster.run_storage(config.run_name), force=force):
+    # One endpoint for the run's datasets, checkpoints and files, in this driver and every worker it starts.
+    with run_endpoint(config.section("data", DataConfig).endpoint_url), hold_run_lease(config.cluster.run_storage(config.run_name), force=force):
         try:
             return _run_stages(config, verbose, t0)
         except OSError as exc:  # the driver's own files (config, logs, summary) on a full disk: one line
