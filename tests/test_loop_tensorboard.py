@@ -63,3 +63,28 @@ def test_export_shows_progress(tmp_path: Path, tiny_dataset: str, process_group:
     info = export_run(tmp_path / "checkpoint_000000003", tmp_path / "model.pt", progress=True)
     assert info["step"] == 3 and (tmp_path / "model.pt").stat().st_size > 0
     assert "export" in terminal.getvalue() and "2/2" in terminal.getvalue()
+
+
+def test_export_of_the_run_directory_a_finetune_prints(tmp_path: Path, tiny_dataset: str,  # noqa: F811
+                                                       process_group: None) -> None:
+    import json
+    import shutil
+
+    from vitscale.train.export import export_run
+    from vitscale.train.loop import WorkerContext, train
+
+    # The layout `vitscale finetune` leaves: the pipeline's run directory (what the console prints),
+    # and beside it the fine-tuning's own Ray Train run with the checkpoints.
+    storage = tmp_path / "runs"
+    tuned = storage / "ft-finetune"
+    tuned.mkdir(parents=True)
+    train(tiny_config(tiny_dataset, max_steps=3), WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "w",
+                                                                 report=Recorder(tuned)))
+    run_dir = storage / "ft"
+    run_dir.mkdir()
+    assert export_run(run_dir, tmp_path / "a.pt")["step"] == 3  # died before its summary: the run beside it
+    shutil.copytree(tuned, storage / "elsewhere")
+    shutil.rmtree(tuned)
+    (run_dir / "summary.json").write_text(json.dumps(
+        {"finetune": {"checkpoint": str(storage / "elsewhere" / "checkpoint_000000003")}}))
+    assert export_run(run_dir, tmp_path / "b.pt")["step"] == 3  # the checkpoint its summary names

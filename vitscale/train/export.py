@@ -42,6 +42,9 @@ def find_checkpoint(path: str | Path) -> Path:
         return path
     candidates = [p for p in path.glob("checkpoint_*") if p.is_dir()]
     if not candidates:
+        trained = _trained_elsewhere(path)
+        if trained is not None:
+            return find_checkpoint(trained)
         raise FileNotFoundError(f"{path}: no checkpoint_* directories (is it a vitscale run directory?)")
     found = ckpt.latest_complete(candidates)
     if found is None:
@@ -58,6 +61,30 @@ def local_weights(location: str | Path) -> Path:
     if is_url(str(location)) and is_folder(location):
         return find_checkpoint(location)
     return local_copy(location)
+
+
+def _trained_elsewhere(run_dir: Path) -> str | None:
+    """The training run a pipeline's run directory points to, when its checkpoints live beside it.
+
+    `vitscale finetune` (and a pipeline whose last training stage is `finetune`) trains in a Ray Train run
+    of its own, `<run>-finetune`, while the console prints the pipeline's run directory: that directory's
+    summary.json names the checkpoint (the fine-tuned one first); a run that died before writing it has
+    its fine-tuning run beside it.
+    """
+    import json
+
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        try:
+            stages = json.loads(summary.read_text())
+        except (OSError, json.JSONDecodeError):
+            stages = {}
+        for stage in ("finetune", "pretrain"):
+            entry = stages.get(stage)
+            if isinstance(entry, dict) and isinstance(entry.get("checkpoint"), str):
+                return str(entry["checkpoint"])
+    beside = run_dir.parent / f"{run_dir.name}-finetune"
+    return str(beside) if beside.is_dir() else None
 
 
 def _find_remote_checkpoint(url: str) -> Path:
