@@ -134,3 +134,31 @@ def test_s3_rerun_after_an_interrupted_write(tmp_path, moto_s3):
     assert meta["splits"]["train"]["samples"] == 9 and "dataset.json" in names
     assert WRITING not in names and sorted(n for n in names if n.endswith(".tar")) == [
         "train-000000.tar", "train-000001.tar", "train-000002.tar"]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_second_write_to_a_destination_being_written_is_refused(tmp_path, moto_s3, where):
+    """One writer per destination: a live write's shards are never cleared as leftovers by another."""
+    import os
+
+    from vitscale.data.storage.lease import LeaseHeld
+    from vitscale.data.tools import publish
+
+    if where == "local":
+        url, endpoint = str(tmp_path / "out"), None
+    else:
+        open_storage("s3://vitscale-two-writers", endpoint_url=moto_s3).client.create_bucket(Bucket="vitscale-two-writers")
+        url, endpoint = "s3://vitscale-two-writers/ds", moto_s3
+    first = open_storage(url, endpoint_url=endpoint)
+    publish.claim(first)  # a write in progress ...
+    first.write_bytes("train-000000.tar", b"a live write's shard")
+    src = _folder(tmp_path / "src", bad=False)
+    try:
+        with pytest.raises(LeaseHeld, match=f"dataset {url} is being written by pid {os.getpid()} .*another --out"):
+            write_dataset(f"folder:{src}", url, shard_size=4, progress=False, workers=1, endpoint_url=endpoint)
+        assert first.read_bytes("train-000000.tar") == b"a live write's shard"  # untouched
+    finally:
+        publish.abort(first, RuntimeError("the first write stops"))
+    assert write_dataset(f"folder:{src}", url, shard_size=4, progress=False, workers=1,
+                         endpoint_url=endpoint)["splits"]["train"]["samples"] == 9
+    assert ".vitscale-lease" not in open_storage(url, endpoint_url=endpoint).list()

@@ -28,6 +28,7 @@ after creating it: the writer whose token is not there is refused.
 from __future__ import annotations
 
 import _thread
+import contextlib
 import email.utils
 import json
 import os
@@ -106,10 +107,17 @@ class Holder:
         return True
 
 
-def _refusal(url: str, holder: Holder | None, detail: str) -> LeaseHeld:
+_ADVICE = {
+    "run": "wait for it to finish, choose another cluster.run_name, or, if that process is dead, run again with "
+           "--force",
+    "dataset": "wait for it to finish or write to another --out",
+}
+"""What a refused writer can do, by what it writes: a run (`vitscale run`) or a dataset (`shards write`)."""
+
+
+def _refusal(url: str, holder: Holder | None, detail: str, kind: str = "run") -> LeaseHeld:
     who = holder.describe() if holder is not None else "an unknown writer"
-    return LeaseHeld(f"run {url} is being written by {who} ({detail}); wait for it to finish, choose another "
-                     "cluster.run_name, or, if that process is dead, run again with --force")
+    return LeaseHeld(f"{kind} {url} is being written by {who} ({detail}); {_ADVICE[kind]}")
 
 
 def _unwritable(path: Path, exc: OSError) -> StorageError:
@@ -134,13 +142,42 @@ class RunLease:
 
 
 class _LocalLease(RunLease):
-    def __init__(self, folder: Path, holder: Holder) -> None:
-        import fcntl
+    """An exclusive ``flock`` on ``FOLDER/.vitscale-lease``; the file is removed on release.
 
+    Removing it means a writer may lock a file that was just unlinked by the holder releasing it, so
+    after locking, the lock is only kept if the path still names the locked file (else: try again).
+    """
+
+    def __init__(self, folder: Path, holder: Holder, kind: str = "run") -> None:
         self.url, self.holder = str(folder), holder
         self.path = folder / LEASE_NAME
         try:
             folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _unwritable(self.path, exc) from exc
+        for _ in range(100):
+            fd = self._lock(kind)
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the file we locked was removed by a holder releasing it: lock the new one
+        else:
+            raise StorageError(f"{self.path}: the lease file kept changing; try again")
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, holder.encode(), 0)
+        except OSError as exc:  # a full disk: the run could not write anything either
+            os.close(fd)  # closing drops the lock
+            raise _unwritable(self.path, exc) from exc
+        self._fd: int | None = fd
+
+    def _lock(self, kind: str) -> int:
+        import fcntl
+
+        try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as exc:
             raise _unwritable(self.path, exc) from exc
@@ -150,17 +187,11 @@ class _LocalLease(RunLease):
             current = Holder.decode(os.pread(fd, 4096, 0))
             os.close(fd)
             raise _refusal(self.url, current, f"it holds an exclusive lock on {self.path}; the lock goes when "
-                           "its process ends, so --force cannot take it") from None
+                           "its process ends, so --force cannot take it", kind) from None
         except BaseException:
             os.close(fd)
             raise
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, holder.encode(), 0)
-        except OSError as exc:  # a full disk: the run could not write anything either
-            os.close(fd)  # closing drops the lock
-            raise _unwritable(self.path, exc) from exc
-        self._fd: int | None = fd
+        return fd
 
     def release(self) -> None:
         import fcntl
@@ -169,17 +200,18 @@ class _LocalLease(RunLease):
             return
         fd, self._fd = self._fd, None
         try:
-            os.ftruncate(fd, 0)  # nobody holds it now: a refused reader must not name us
+            self.path.unlink()  # while still locked: the next writer's check above sees it gone
         except OSError:
-            pass
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # cannot remove it: at least name no holder
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
 
 
 class _S3Lease(RunLease):
     def __init__(self, storage: S3Storage, holder: Holder, force: bool,
-                 on_lost: Callable[[str], None], log: Callable[[str], None]) -> None:
-        self.storage, self.holder, self.url = storage, holder, storage.url
+                 on_lost: Callable[[str], None], log: Callable[[str], None], kind: str = "run") -> None:
+        self.storage, self.holder, self.url, self.kind = storage, holder, storage.url, kind
         self.key = storage.key_of(LEASE_NAME)
         self.where = storage.url_of(LEASE_NAME)
         self.on_lost, self.log = on_lost, log
@@ -236,10 +268,10 @@ class _S3Lease(RunLease):
                 return etag
             if age <= ttl and not force:
                 raise _refusal(self.url, holder, f"lease {self.where} renewed {age:.0f} s ago; it expires "
-                               f"{ttl:.0f} s after its last renewal")
+                               f"{ttl:.0f} s after its last renewal", self.kind)
             if age <= ttl and holder is not None and holder.alive_here():
                 raise _refusal(self.url, holder, "that process is alive on this machine: --force only takes "
-                               "over a lease whose holder is dead")
+                               "over a lease whose holder is dead", self.kind)
             taken = self._put(IfMatch=etag)
             if taken is not None and self._still_mine():
                 who = holder.describe() if holder is not None else "an unreadable holder"
@@ -255,7 +287,7 @@ class _S3Lease(RunLease):
         if current is not None and current[0] is not None and current[0].token == self.holder.token:
             return True
         if current is not None:
-            raise _refusal(self.url, current[0], f"lease {self.where} taken at the same moment")
+            raise _refusal(self.url, current[0], f"lease {self.where} taken at the same moment", self.kind)
         return False
 
     def _heartbeat(self) -> None:
@@ -278,8 +310,8 @@ class _S3Lease(RunLease):
 
     def _lost(self, why: str) -> None:
         self._stop.set()
-        self.on_lost(f"vitscale: error: lost the lease of run {self.url}: {why}; stopping so that two "
-                     "writers never share the run")
+        self.on_lost(f"vitscale: error: lost the lease of {self.kind} {self.url}: {why}; stopping so that two "
+                     f"writers never share the {self.kind}")
 
     def release(self) -> None:
         if self._stop.is_set() and not self._thread.is_alive():
@@ -300,20 +332,24 @@ def _interrupt(message: str) -> None:
 
 def hold_run_lease(run_url: str, *, force: bool = False, endpoint_url: str | None = None,
                    ttl_s: float = DEFAULT_TTL_S, on_lost: Callable[[str], None] = _interrupt,
-                   log: Callable[[str], None] = print, retry: RetryPolicy | None = None) -> RunLease:
+                   log: Callable[[str], None] = print, retry: RetryPolicy | None = None,
+                   kind: str = "run") -> RunLease:
     """Take the lease of the run at ``run_url`` (a folder, or ``s3://bucket/prefix/run_name``).
 
     Raises :class:`LeaseHeld` naming the holder when another writer has it (see the module doc for
-    expiry and ``force``). Use as ``with hold_run_lease(url): ...`` or call ``release()``.
+    expiry and ``force``). Use as ``with hold_run_lease(url): ...`` or call ``release()``. ``kind``
+    ("run" or "dataset") is what the messages call the thing written.
     """
+    if kind not in _ADVICE:
+        raise ValueError(f"kind must be one of {sorted(_ADVICE)}, got {kind!r}")
     if ttl_s <= 0:
         raise ValueError(f"a lease's ttl_s must be positive, got {ttl_s}")
     holder = Holder.me(ttl_s)
     if run_url.startswith("s3://"):
         bucket, _, prefix = run_url[len("s3://"):].partition("/")
         storage = S3Storage(bucket, prefix, endpoint_url=endpoint_url, retry=retry or RetryPolicy())
-        return _S3Lease(storage, holder, force, on_lost, log)
+        return _S3Lease(storage, holder, force, on_lost, log, kind)
     if is_url(run_url) and not run_url.startswith("file://"):
         raise ValueError(f"run storage {run_url!r}: use a local path, file:// or s3://")
     folder = Path(run_url.removeprefix("file://")).expanduser()
-    return _LocalLease(folder, holder)
+    return _LocalLease(folder, holder, kind)

@@ -27,6 +27,7 @@ import time
 from vitscale.config.errors import UserError
 from vitscale.data.format import INDEX_NAME, META_NAME
 from vitscale.data.storage import Storage, StorageError
+from vitscale.data.storage.lease import RunLease, hold_run_lease
 from vitscale.data.storage.space import free_bytes, is_no_space, megabytes
 
 __all__ = ["WRITING", "abort", "claim", "no_space", "release"]
@@ -43,8 +44,33 @@ def _ours(names: list[str]) -> list[str]:
     return [n for n in names if n == INDEX_NAME or _SHARD.fullmatch(n)]
 
 
+_LEASES: dict[str, RunLease] = {}
+"""The lease each destination being written is held by (one writer per destination)."""
+
+
 def claim(storage: Storage) -> None:
-    """Make ``storage`` ready for a new dataset and mark it as being written (see the module doc)."""
+    """Make ``storage`` ready for a new dataset and mark it as being written (see the module doc).
+
+    The destination's lease (:mod:`vitscale.data.storage.lease`) is taken first and held until
+    :func:`release` or :func:`abort`: a second write to the same place is refused in one line naming
+    the first, so the leftovers cleared below are always a dead write's, never a live one's.
+    """
+    lease = hold_run_lease(storage.url, endpoint_url=getattr(storage, "endpoint_url", None), kind="dataset")
+    try:
+        _claim(storage)
+    except BaseException:
+        lease.release()
+        raise
+    _LEASES[storage.url] = lease
+
+
+def _drop_lease(storage: Storage) -> None:
+    lease = _LEASES.pop(storage.url, None)
+    if lease is not None:
+        lease.release()
+
+
+def _claim(storage: Storage) -> None:
     names = storage.list()
     if META_NAME in names:
         raise UserError(f"{storage.url} already holds a dataset ({META_NAME}); write to a new --out or delete it first")
@@ -58,11 +84,13 @@ def claim(storage: Storage) -> None:
 
 
 def release(storage: Storage) -> None:
-    """The write finished (``dataset.json`` is in place): remove the marker."""
+    """The write finished (``dataset.json`` is in place): remove the marker, give the lease back."""
     try:
         storage.delete(WRITING)
     except OSError as exc:  # the dataset is complete; a stale marker only costs the next claim a look
         log.warning("could not remove %s: %s", storage.url_of(WRITING), exc)
+    finally:
+        _drop_lease(storage)
 
 
 def abort(storage: Storage, error: BaseException) -> None:
@@ -78,6 +106,8 @@ def abort(storage: Storage, error: BaseException) -> None:
     except Exception as cleanup:  # noqa: BLE001 -- the original error is the one to report
         error.add_note(f"while cleaning up {storage.url}: {type(cleanup).__name__}: {cleanup} "
                        "(the next write to it clears what is left)")
+    finally:
+        _drop_lease(storage)
     if isinstance(error, Exception) and is_no_space(error) and not isinstance(error, StorageError):
         raise no_space(storage, written, free) from error
 
