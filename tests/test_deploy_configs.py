@@ -207,6 +207,8 @@ def test_image_and_ray_versions_agree_across_files() -> None:
     for overlay, (_, _, on_gpu) in OVERLAYS.items():
         images = set(_images(rayjob(overlay)))
         assert images == {f"vitscale:{version}" if on_gpu else f"vitscale:{version}-cpu"}, (overlay, images)
+        labels = {d["metadata"].get("labels", {}).get("app.kubernetes.io/version") for d in render(overlay)}
+        assert labels == {version}, (overlay, labels)
     refs = [docs_of(p)[0]["docker"]["image"] for p in CLUSTER_FILES]
     assert all(r.rsplit("/", 1)[-1] == f"vitscale:{version}" for r in refs), refs
     dockerfile = (ROOT / "Dockerfile").read_text()
