@@ -198,7 +198,10 @@ class PrivateCluster:
             if dead:
                 raise RuntimeError(f"the head exited: {self.tail('head')}")
             time.sleep(1)
-        raise TimeoutError(f"{count} alive nodes not reached in {timeout:.0f} s (have {self.alive_node_count()})")
+        exited = "".join(f"\n--- {n.name} exited ({n.process.returncode}):\n{self.tail(n.name, 15)}"
+                         for n in self.nodes.values() if n.process is not None and n.process.poll() is not None)
+        raise TimeoutError(f"{count} alive nodes not reached in {timeout:.0f} s "
+                           f"(have {self.alive_node_count()}){exited}")
 
     def submit(self, *argv: str, timeout: float = 900) -> subprocess.CompletedProcess:
         """`ray job submit -- argv` to the head, with the cluster's token; the driver runs on the head node."""
