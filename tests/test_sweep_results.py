@@ -34,3 +34,51 @@ def test_sum_of_every_earlier_attempt(attempts: list[list[float]]) -> None:
         lasts.append(elapsed[-1])
         start += elapsed[-1] + 1.0
     assert earlier_attempts_s(reports, starts[-1]) == sum(lasts[:-1])
+
+
+def _rows(lrs: list[float], accs: list[float | None]) -> list[dict]:
+    return [{"trial_id": str(i), "params": {"finetune.train.base_lr": lr}, "metric": acc}
+            for i, (lr, acc) in enumerate(zip(lrs, accs))]
+
+
+def test_search_points_skip_unscored_trials_and_sort() -> None:
+    from vitscale.stages.sweep_results import search_points
+
+    rows = _rows([0.03, 0.001, 0.01], [0.4, 0.6, None])
+    assert search_points(rows, "finetune.train.base_lr") == [(0.001, 0.6), (0.03, 0.4)]
+
+
+def test_one_plot_of_both_searches(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import matplotlib.image
+
+    from vitscale.stages.sweep_results import plot_searches
+
+    x = "finetune.train.base_lr"
+    pre = _rows([0.001, 0.003, 0.01], [0.5, 0.7, 0.6])
+    scratch = _rows([0.001, 0.003, 0.01], [0.2, 0.25, 0.3])
+    path = plot_searches(tmp_path / "lr_vs_accuracy.png", x, "dev_accuracy", [
+        ("pre-trained", pre, {"params": {x: 0.003}, "metric": 0.7}, {"test_accuracy": 0.68}),
+        ("random weights", scratch, {"params": {x: 0.01}, "metric": 0.3}, {"test_accuracy": 0.29})])
+    image = matplotlib.image.imread(path)
+    assert image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_pretrain_exaflops_of_a_run_the_sweep_starts_from(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from vitscale.stages.sweep_results import pretrain_exaflops
+    from vitscale.train import checkpoint as ckpt
+
+    assert pretrain_exaflops([SimpleNamespace(metrics={"cumulative_exaflops": 0.25}),
+                              SimpleNamespace(metrics={"cumulative_exaflops": 0.5})], None) == 0.75
+    assert pretrain_exaflops([], None) is None
+    weights = tmp_path / "model.pt"
+    weights.write_bytes(b"x")
+    assert pretrain_exaflops([], str(weights)) is None  # a file from elsewhere says nothing
+    run = tmp_path / "run"
+    for step in (5, 10):
+        directory = run / f"checkpoint_{step:09d}"
+        directory.mkdir(parents=True)
+        ckpt.write_rank_part(directory, rank=0, stream_state={"epoch": 0, "position": step, "seed": 0},
+                             train_state=ckpt.TrainState(step=step, world_size=1, flops=step * 1e17), config_yaml="")
+    assert pretrain_exaflops([], str(run)) == 1.0  # the newest complete checkpoint's compute

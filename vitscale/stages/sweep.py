@@ -36,7 +36,8 @@ from vitscale.models.config import ModelConfig
 from vitscale.stages.base import Pretrained, Stage, StageContext
 from vitscale.stages.finetune import finetune_section
 from vitscale.stages.sweep_asha import asha_grace, asha_rungs
-from vitscale.stages.sweep_results import SweepResult, finished_trials, flat_row, trial_row
+from vitscale.stages.sweep_results import (SweepResult, finished_trials, flat_row, plot_searches, pretrain_exaflops,
+                                           trial_row)
 from vitscale.train.config import TrainConfig
 from vitscale.train.finetune import FinetuneConfig, finetune_model
 from vitscale.train.job import EvalSet, TrainJob, final_job, selection_job
@@ -286,6 +287,10 @@ def run_sweep(config: PipelineConfig, context: StageContext) -> SweepResult:
                                               for (start, folder, label), (_, selected) in zip(searches, selections)])
     (rows, selected), final = selections[0], finals[0]
     scratch = {"selected": selections[1][1], **finals[1]} if len(searches) > 1 else None
+    # Both searches on one axis, each winner's value starred and its test accuracy beside it.
+    plot_searches(directory / "lr_vs_accuracy.png", next(iter(search_space(config))), sweep_section(config).metric,
+                  [("pre-trained" if start is not None else "random weights", trial_rows, chosen, tested)
+                   for (start, _, _), (trial_rows, chosen), tested in zip(searches, selections, finals)])
     return SweepResult(directory=str(directory), trials=rows, selected=selected, final=final, scratch=scratch)
 
 
@@ -295,7 +300,7 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
     import ray
     from ray import tune
 
-    from vitscale.eval.tables import plot_metric, write_table
+    from vitscale.eval.tables import write_table
     from vitscale.launch.console import library_output_to
     from vitscale.launch.ray_train import concurrent_runs
 
@@ -341,15 +346,13 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
           f"TensorBoard: tensorboard --logdir {context.run_dir}", flush=True)
     with library_output_to(context.run_dir / "logs" / "tune.log", verbose=context.verbose):
         grid = tuner.fit()  # Tune's own progress tables go to the log; vitscale's lines stay on the terminal
-    pre_exaflops = 0.0 if init is None else sum(float(r.metrics.get("cumulative_exaflops") or 0)
-                                                 for r in context.results if isinstance(r, Pretrained))
+    pre_exaflops = 0.0 if init is None else pretrain_exaflops(
+        [r for r in context.results if isinstance(r, Pretrained)],
+        finetune_section(config).checkpoint if sweep.target == "finetune" else None)
     results = [grid[i] for i in range(len(grid))]  # ResultGrid indexes; it declares no __iter__
     rows = tuple(sorted((trial_row(result, space, metric, pre_exaflops) for result in results),
                         key=lambda r: str(r["trial_id"])))
     write_table([flat_row(r) for r in rows], directory, "results")
-    x = next(iter(space))
-    plot_metric([flat_row(r) for r in rows], x, "metric", directory / "lr_vs_accuracy.png",
-                log_x=x.endswith("lr"), title=f"{metric} per trial")
     scored = [r for r in rows if isinstance(r.get("metric"), float)]
     if not scored:
         raise ConfigError("sweep", f"no trial reported {metric}; see {directory}/results.md")

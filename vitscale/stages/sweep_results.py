@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from vitscale.config.location import is_url
@@ -59,7 +60,7 @@ class SweepResult:
 
 
 
-def trial_row(result: Any, space: dict[str, Any], metric: str, pre_exaflops: float) -> dict[str, Any]:
+def trial_row(result: Any, space: dict[str, Any], metric: str, pre_exaflops: float | None) -> dict[str, Any]:
     """One trial as a table row; a failed trial keeps its error and the sweep goes on."""
     metrics = dict(result.metrics or {})
     config = dict(result.config or {})
@@ -166,3 +167,68 @@ def finished_trials(experiment: str) -> dict[str, dict[str, Any]]:
                 out[record["trial_id"]] = {k: v for k, v in record.items() if k in FINAL_METRICS or "_accuracy" in k
                                            or k in ("started_at", "finished_at")}
     return out
+
+
+def search_points(rows: Sequence[dict[str, Any]], x: str) -> list[tuple[float, float]]:
+    """(value of `x`, dev metric) of every scored trial of one search, sorted by `x` (pure)."""
+    return sorted((float(r["params"][x]), float(r["metric"])) for r in rows
+                  if isinstance(r.get("metric"), float) and isinstance(r.get("params", {}).get(x), (int, float)))
+
+
+def plot_searches(path: Path, x: str, metric: str,
+                  searches: Sequence[tuple[str, Sequence[dict[str, Any]], dict[str, Any], dict[str, Any]]]) -> Path:
+    """One PNG of every search on one axis: each search's dev `metric` against `x` (log scale for a learning
+    rate), its chosen value starred, and the winner's test accuracy (tested once) drawn beside it.
+
+    `searches`: (label, trial rows, the selection, the retrained winner's results) per search, e.g. the
+    pre-trained search and the same search from random weights.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    every_x: list[float] = []
+    for label, rows, selected, final in searches:
+        points = search_points(rows, x)
+        every_x += [p[0] for p in points]
+        (line,) = ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=f"{label}: dev {metric}")
+        chosen, dev = selected.get("params", {}).get(x), selected.get("metric")
+        if isinstance(chosen, (int, float)) and isinstance(dev, float):
+            ax.plot([chosen], [dev], "*", markersize=16, color=line.get_color(),
+                    label=f"{label}: chosen {x.rsplit('.', 1)[-1]} {chosen:g}")
+            test = final.get("test_accuracy")
+            if isinstance(test, float):
+                ax.plot([chosen], [test], "D", markersize=8, markerfacecolor="none", color=line.get_color(),
+                        label=f"{label}: test accuracy {test:.4f} (retrained, tested once)")
+    if x.endswith("lr") and every_x and min(every_x) > 0:
+        ax.set_xscale("log")
+    ax.set_xlabel(x)
+    ax.set_ylabel("accuracy")
+    ax.set_title(f"{metric} per trial" + (" and the winners' test accuracy" if len(searches) else ""))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def pretrain_exaflops(pretrained: Sequence[Any], checkpoint: str | None) -> float | None:
+    """Pre-training compute behind a fine-tuning sweep, in exaFLOPs: the pretrain stages' of this pipeline,
+    else what the run or checkpoint the sweep starts from recorded (`finetune.checkpoint`); None where
+    nothing says (a weights file from elsewhere)."""
+    if pretrained:
+        return sum(float(r.metrics.get("cumulative_exaflops") or 0) for r in pretrained)
+    if checkpoint is None or not str(checkpoint):
+        return None
+    from vitscale.train import checkpoint as ckpt
+    from vitscale.train.export import find_checkpoint
+
+    try:
+        found = find_checkpoint(checkpoint)
+    except (OSError, ValueError):  # a file (an export, .npz, timm): no training state to read
+        return None
+    return float(ckpt.read_train_state(found).flops) / 1e18
