@@ -45,9 +45,11 @@ ResNets (BatchNorm, small channel counts early) and hybrids sit lower. CPU: meas
 project's 2-core machine for the local study's tiny models in fp32 (ViTs 24-34 GFLOP/s per core,
 the ResNet 16, the hybrid 27; 2026-11), rounded down for data loading."""
 
-DEFAULT_OVERHEAD_S = {"gpu": 120.0, "cpu": 40.0}
+DEFAULT_OVERHEAD_S = {"gpu": 120.0, "cpu": 60.0}
 """Seconds per cell that FLOPs do not count: Ray Train start-up and teardown, checkpoints, the
-transfer probes. CPU: measured on the local study (docs/study.md); GPU: an estimate."""
+transfer probes. CPU: the local study's ~65 s per cell on an unloaded 2-core machine, less the probe's
+own Ray task it no longer starts (benchmarks/study_overhead.py, docs/study.md); GPU: an estimate
+(larger models take longer to build, checkpoint and probe)."""
 
 
 @dataclass(frozen=True)
