@@ -10,7 +10,8 @@ import argparse
 import json
 import re
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from vitscale.config.errors import UserError
 from vitscale.config.suggest import did_you_mean
@@ -71,9 +72,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_flops(args: argparse.Namespace) -> int:
-    from vitscale.scaling.catalog import flops_summary, summary_markdown
-
     from vitscale.config.loader import apply_override
+    from vitscale.scaling.catalog import flops_summary, summary_markdown
 
     options: dict = {}
     for item in args.option:  # YAML values, as a pipeline's `model:` section reads them
@@ -400,7 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint URL")
 
     p = verb("write", cmd_shards_write, "Write WebDataset shards from a source.", shard_verbs)
-    from vitscale.data.tools.sources import source_specs  # the source registry names them all
+    from vitscale.data.tools.sources import (
+        source_specs,  # the source registry names them all
+    )
 
     p.add_argument("--source", required=True, help=" | ".join(source_specs()) + " (a *:DIR transfer dataset's "
                    "distributed files are written with its own splits)")

@@ -67,13 +67,13 @@ def duration(seconds: float) -> str:
     """`H:MM:SS` of a duration; below a minute, seconds with one decimal ("7.3 s")."""
     if seconds < 60:
         return f"{seconds:.1f} s"
-    total = int(round(seconds))
+    total = round(seconds)
     return f"{total // 3600}:{total % 3600 // 60:02d}:{total % 60:02d}"
 
 
 def _header(column: str) -> str:
     # "wall_time_s" holds seconds; in the markdown it holds H:MM:SS, so the unit leaves its name.
-    return column[:-2] if column.endswith("_s") else column
+    return column.removesuffix("_s")
 
 
 def plot_metric(rows: Sequence[dict[str, Any]], x: str, y: str, path: Path, *, log_x: bool = True,

@@ -24,13 +24,28 @@ from typing import Any
 import numpy as np
 import torch
 
-from vitscale.inspect.analyses import (attention_rollout, filter_components, position_similarity, rollout_map,
-                                       uniform_attention_distance)
-from vitscale.inspect.extract import (attention_stats, check_inspectable, images_per_pass, patch_filters,
-                                      position_table, resnet_refusal)
+from vitscale.inspect.analyses import (
+    attention_rollout,
+    filter_components,
+    position_similarity,
+    rollout_map,
+    uniform_attention_distance,
+)
+from vitscale.inspect.extract import (
+    attention_stats,
+    check_inspectable,
+    images_per_pass,
+    patch_filters,
+    position_table,
+    resnet_refusal,
+)
 from vitscale.inspect.images import sample_images
-from vitscale.inspect.plots import (plot_attention_distance, plot_filter_components, plot_position_similarity,
-                                    plot_rollout)
+from vitscale.inspect.plots import (
+    plot_attention_distance,
+    plot_filter_components,
+    plot_position_similarity,
+    plot_rollout,
+)
 
 COMPONENTS = 28  # Figure 7 (left) shows the top 28 principal components
 

@@ -178,7 +178,7 @@ def route_ray_output(log_path: Path, *, verbose: bool) -> str | None:
     if verbose:
         return None
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "a", buffering=1)
+    log = open(log_path, "a", buffering=1)  # noqa: SIM115 -- kept open by the filters for the run
     for name in ("stdout", "stderr"):
         current = getattr(sys, name)
         if isinstance(current, TerminalFilter):

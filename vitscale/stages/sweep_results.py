@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 from vitscale.config.location import is_url
@@ -100,9 +100,9 @@ def earlier_attempts_s(reports: list[dict[str, Any]], started_at: float) -> floa
         elapsed = None if report is None else report.get("time_total_s")
         if report is not None and not isinstance(elapsed, (int, float)):
             continue
-        if last is not None and (report is None or elapsed < last["time_total_s"]):  # the attempt in `last` ended
-            if float(last.get("timestamp") or float("inf")) <= started_at:
-                total += float(last["time_total_s"])
+        ended = last is not None and (report is None or elapsed < last["time_total_s"])  # `last`'s attempt ended
+        if ended and last is not None and float(last.get("timestamp") or float("inf")) <= started_at:
+            total += float(last["time_total_s"])
         if report is not None:
             last = report
     return total

@@ -135,7 +135,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "pt", progres
 
     bar = Progress(2, f"export {run_dir}", unit="step", enabled=progress)
     checkpoint = find_checkpoint(run_dir)
-    model, config, facts = model_from_checkpoint(checkpoint)
+    model, _, facts = model_from_checkpoint(checkpoint)
     bar.update()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -57,14 +57,28 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Self
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
 
 from vitscale.config.checks import check, non_negative_int
 
-__all__ = ["MetricsSink", "PEAK_BF16_FLOPS", "StepMetrics", "TensorBoardLog", "hms", "mfu", "peak_flops",
-           "progress_line"]
+__all__ = [
+    "PEAK_BF16_FLOPS",
+    "MetricsSink",
+    "StepMetrics",
+    "TensorBoardLog",
+    "hms",
+    "mfu",
+    "peak_flops",
+    "progress_line",
+]
 
 #: Dense bf16 tensor-core peak FLOP/s per GPU (NVIDIA data sheets; the "with sparsity" figures are
 #: twice these). H100 SXM and H200 SXM share the GH100 compute: 989.4 TFLOP/s; A100 (SXM and PCIe):
@@ -137,7 +151,7 @@ def _lookup_peak(device_name: str) -> float | None:
     return None
 
 
-def peak_flops(device_name_or_value: str | float | int | None, *, device_name: str | None = None) -> float | None:
+def peak_flops(device_name_or_value: str | float | None, *, device_name: str | None = None) -> float | None:
     """Resolve the ``peak_flops`` config value to FLOP/s per device, or None when it is unknown.
 
     * a positive number (or a numeric string such as ``"989e12"``): returned as is — the way to
@@ -155,7 +169,7 @@ def peak_flops(device_name_or_value: str | float | int | None, *, device_name: s
     if device_name_or_value is None:
         return None
     if isinstance(device_name_or_value, bool):
-        raise ValueError(f"peak_flops must be 'auto', a GPU name or FLOP/s, got {device_name_or_value!r}")
+        raise ValueError(f"peak_flops must be 'auto', a GPU name or FLOP/s, got {device_name_or_value!r}")  # noqa: TRY004 -- a config value, checked as ValueError like every other
     if isinstance(device_name_or_value, str):
         text = device_name_or_value.strip()
         try:
@@ -368,7 +382,7 @@ class MetricsSink:
                 self._file.close()
                 self._file = None
 
-    def __enter__(self) -> MetricsSink:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -379,7 +393,7 @@ def hms(seconds: float) -> str:
     """`H:MM:SS` (hours unbounded) of a non-negative duration, rounded to the second; "-:--:--" if unknown."""
     if not math.isfinite(seconds) or seconds < 0:
         return "-:--:--"
-    total = int(round(seconds))
+    total = round(seconds)
     return f"{total // 3600}:{total % 3600 // 60:02d}:{total % 60:02d}"
 
 
@@ -408,7 +422,9 @@ class TensorBoardLog:
     """
 
     def __init__(self, log_dir: str | Path, *, resumed_at: int = 0) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # deferred: only rank 0 of a run writes
+        from torch.utils.tensorboard import (
+            SummaryWriter,  # deferred: only rank 0 of a run writes
+        )
 
         self.log_dir = Path(log_dir)
         self._writer = SummaryWriter(str(self.log_dir), purge_step=resumed_at + 1 if resumed_at else None,

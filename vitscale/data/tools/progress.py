@@ -6,19 +6,20 @@ Both forms show count, rate and ETA, e.g.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from types import TracebackType
-from typing import TextIO
+from typing import Self, TextIO
 
 __all__ = ["Progress", "format_duration", "format_progress"]
 
 
 def format_duration(seconds: float) -> str:
     """``H:MM:SS`` for a non-negative number of seconds; ``?`` when unknown (inf/nan)."""
-    if seconds != seconds or seconds in (float("inf"), float("-inf")) or seconds < 0:
+    if not math.isfinite(seconds) or seconds < 0:
         return "?"
-    s = int(round(seconds))
+    s = round(seconds)
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
@@ -76,7 +77,7 @@ class Progress:
         self._closed = False
         self._shown = False  # a line (or a bar) has been written
 
-    def __enter__(self) -> Progress:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
