@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from vitscale.config.errors import UserError
 from vitscale.train.config import TrainConfig
 from vitscale.train.deepspeed_keys import merge_overrides
 from vitscale.train.optim import BatchPlan
@@ -182,7 +183,7 @@ def set_lr(engine: Any, lr: float) -> None:
         group["lr"] = lr
 
 
-class UnsafeCheckpoint(ValueError):
+class UnsafeCheckpoint(UserError):
     """A checkpoint file holds an object that is not plain data: loading it could run code."""
 
 
