@@ -15,6 +15,7 @@ one retry layer for object stores). This module only picks the back end for a ur
 
 from __future__ import annotations
 
+from vitscale.config.errors import UserError
 from vitscale.config.location import is_url
 from vitscale.data.storage.base import Storage, StorageError
 from vitscale.data.storage.local import LocalStorage
@@ -42,11 +43,11 @@ def open_storage(
     environment variables ``VITSCALE_S3_ENDPOINT_URL`` then ``AWS_ENDPOINT_URL`` are consulted.
     """
     if not isinstance(url, str) or not url:
-        raise ValueError(f"a dataset url must be a non-empty string, got {url!r}")
+        raise UserError(f"a dataset url must be a non-empty string, got {url!r}")
     if url.startswith("s3://"):
         rest = url[len("s3://") :]
         bucket, _, prefix = rest.partition("/")
         return S3Storage(bucket, prefix, endpoint_url=endpoint_url, retry=retry or RetryPolicy())
     if is_url(url) and not url.startswith("file://"):
-        raise ValueError(f"unsupported dataset url {url!r}: use a local path, file:// or s3://")
-    return LocalStorage(url[len("file://") :] if url.startswith("file://") else url)
+        raise UserError(f"unsupported dataset url {url!r}: use a local path, file:// or s3://")
+    return LocalStorage(url.removeprefix("file://"))

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, BinaryIO, TypeVar
 
 from vitscale.config.checks import check
+from vitscale.config.errors import UserError
 from vitscale.data.storage.base import Storage, StorageError, check_name
 from vitscale.data.storage.retry import RetryPolicy, ShortRead, is_missing, is_transient
 
@@ -86,7 +87,7 @@ class S3Storage(Storage):
         read_timeout_s: float = 60.0,
     ) -> None:
         if not bucket:
-            raise ValueError("an s3:// url needs a bucket, e.g. s3://my-bucket/datasets/imagenet")
+            raise UserError("an s3:// url needs a bucket, e.g. s3://my-bucket/datasets/imagenet")
         check(multipart_chunksize >= 5 * 1024 * 1024, "multipart_chunksize",
               f"S3 multipart parts must be at least 5 MiB, got {multipart_chunksize} bytes")
         self.bucket = bucket
