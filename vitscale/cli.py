@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -499,6 +500,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vitscale.config.checks import ConfigError
     from vitscale.launch.errors import PipelineFailed, known_errors
 
+    # Before Ray is imported (it reads the variable then; Ray's logging guide documents it): the console
+    # routes every forwarded line itself, and Ray's de-duplication would hold repeated lines back and
+    # print them late, after the summary and the final JSON line.
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
