@@ -7,8 +7,8 @@ where a test needs a crashed driver.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import socket
 import subprocess

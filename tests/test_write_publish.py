@@ -79,7 +79,7 @@ class _Interrupt(BaseException):
 
 def test_an_interrupted_write_is_never_a_dataset_and_a_rerun_works(tmp_path, monkeypatch):
     src, out = _folder(tmp_path / "src", bad=False), tmp_path / "out"
-    import vitscale.data.tools.write as write
+    from vitscale.data.tools import write
 
     real, calls = write.encode_image, []
 
