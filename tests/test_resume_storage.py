@@ -94,3 +94,21 @@ def test_no_checkpoint_is_a_fresh_start(monkeypatch) -> None:
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
     with contextlib.ExitStack() as downloads:
         assert ray_train._resume_directory(world_size=2, rank=0, downloads=downloads) is None
+
+
+def test_a_checkpoint_ray_never_registered_is_found_in_storage(s3_run, moto_s3, monkeypatch) -> None:
+    """A worker that died right after its upload: Ray knows no checkpoint, the storage holds them."""
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3)
+    with contextlib.ExitStack() as downloads:
+        found = ray_train._resume_directory(world_size=2, rank=0, downloads=downloads,
+                                            storage=f"s3://{BUCKET}/runs/r1")
+        assert found is not None and ckpt.manifest_info(found) == (2, 2)  # step 3 is incomplete: step 2
+
+
+def test_a_run_with_nothing_in_storage_starts_fresh(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
+    with contextlib.ExitStack() as downloads:
+        assert ray_train._resume_directory(2, 0, downloads, storage=str(tmp_path / "new-run")) is None
+    complete_checkpoint(tmp_path / "run" / "checkpoint_000000004", 4)
+    assert ray_train.newest_in_storage(str(tmp_path / "run")).path.endswith("checkpoint_000000004")

@@ -55,7 +55,7 @@ def train_worker(payload: dict[str, Any]) -> None:
     mirror = _rank_mirror(run_dir, payload.get("storage"), rank)
     try:
         with contextlib.ExitStack() as downloaded, labelled_lines(payload.get("label")):
-            resume_from = _resume_directory(world_size, rank, downloaded)
+            resume_from = _resume_directory(world_size, rank, downloaded, payload.get("storage"))
             # `restored` releases a downloaded checkpoint as soon as the loop has loaded it.
             ctx = WorkerContext(rank=rank, world_size=world_size, run_dir=run_dir,
                                 report=functools.partial(_report, mirror=mirror),
@@ -102,17 +102,20 @@ def _report(metrics: dict[str, Any], checkpoint_dir: Path | None, mirror: RunMir
                      checkpoint_dir_name=f"checkpoint_{int(metrics['step']):09d}")
 
 
-def _resume_directory(world_size: int, rank: int, downloads: contextlib.ExitStack) -> Path | None:
+def _resume_directory(world_size: int, rank: int, downloads: contextlib.ExitStack,
+                      storage: str | None = None) -> Path | None:
     """The newest COMPLETE checkpoint of this run as a local directory, or None for a fresh start.
 
-    Ray hands back the latest reported checkpoint. If it is incomplete (a rank died while
+    Ray hands back the latest reported checkpoint; when it knows none, the run's storage is searched
+    all the same (a worker that died right after its upload leaves a checkpoint Ray never
+    registered, and a re-submitted run must not start from scratch past it). If the latest is incomplete (a rank died while
     uploading, a damaged manifest), older checkpoints are searched in the run's storage itself
     (a local folder, NFS or object storage: never a temporary download folder). A copy fetched
     from object storage stays until `downloads` is closed; incomplete ones are released at once.
     A checkpoint written by another world size is handed on as it is: the loop refuses it naming
     the change (`train/resume.py`) rather than falling back to an older one.
     """
-    latest = ray.train.get_checkpoint()
+    latest = ray.train.get_checkpoint() or newest_in_storage(storage)
     if latest is None:
         return None
     problems: list[str] = []
@@ -130,6 +133,26 @@ def _resume_directory(world_size: int, rank: int, downloads: contextlib.ExitStac
         fetched.close()
         problems.extend(found)
     raise RuntimeError("no complete checkpoint to resume from:\n  " + "\n  ".join(problems))
+
+
+def newest_in_storage(storage: str | None) -> Any:
+    """The newest `checkpoint_*` folder in the run's storage as a `ray.train.Checkpoint`, or None."""
+    import pyarrow.fs
+
+    if storage is None:
+        return None
+    filesystem, path = run_filesystem(storage)
+    if filesystem is None:
+        filesystem, path = pyarrow.fs.LocalFileSystem(), storage
+    try:
+        infos = filesystem.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True))
+    except (OSError, ValueError):
+        return None
+    names = [posixpath.basename(i.path) for i in infos
+             if i.type == pyarrow.fs.FileType.Directory and posixpath.basename(i.path).startswith("checkpoint_")]
+    if not names:
+        return None
+    return ray.train.Checkpoint(posixpath.join(path, max(names)), filesystem=filesystem)
 
 
 def _newest_first(latest: Any) -> Iterator[Any]:
