@@ -204,14 +204,16 @@ def plot_searches(path: Path, x: str, metric: str,
                         label=f"{label}: test accuracy {test:.4f} (retrained, tested once)")
     if x.endswith("lr") and every_x and min(every_x) > 0:
         ax.set_xscale("log")
+    if every_x:  # ticks at the values tried, as they were written
+        ax.set_xticks(sorted(set(every_x)), [f"{v:g}" for v in sorted(set(every_x))])
+        ax.minorticks_off()
     ax.set_xlabel(x)
     ax.set_ylabel("accuracy")
     ax.set_title(f"{metric} per trial" + (" and the winners' test accuracy" if len(searches) else ""))
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)  # below: never over a point
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
     return path
 
