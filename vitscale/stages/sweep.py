@@ -32,12 +32,19 @@ from vitscale.config.loader import to_dict, to_yaml
 from vitscale.config.pipeline import ClusterConfig, PipelineConfig
 from vitscale.data.carve import Carve
 from vitscale.data.config import DataConfig
+from vitscale.data.storage.filesystem import run_filesystem
 from vitscale.models.config import ModelConfig
 from vitscale.stages.base import Pretrained, Stage, StageContext
 from vitscale.stages.finetune import finetune_section
 from vitscale.stages.sweep_asha import asha_grace, asha_rungs
-from vitscale.stages.sweep_results import (SweepResult, finished_trials, flat_row, plot_searches, pretrain_exaflops,
-                                           trial_row)
+from vitscale.stages.sweep_results import (
+    SweepResult,
+    finished_trials,
+    flat_row,
+    plot_searches,
+    pretrain_exaflops,
+    trial_row,
+)
 from vitscale.train.config import TrainConfig
 from vitscale.train.finetune import FinetuneConfig, finetune_model
 from vitscale.train.job import EvalSet, TrainJob, final_job, selection_job
@@ -311,7 +318,10 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
                   for k, v in space.items()}
     tune_storage = config.cluster.run_storage(config.run_name)  # the run's own place, trials in it
     experiment = f"{tune_storage}/sweep-trials{label}"
-    restoring = tune.Tuner.can_restore(experiment)
+    # Object storage: Tune's experiment state goes through the same retrying filesystem as checkpoints.
+    filesystem, tune_path = run_filesystem(tune_storage)
+    restoring = tune.Tuner.can_restore(experiment if filesystem is None else f"{tune_path}/sweep-trials{label}",
+                                       storage_filesystem=filesystem)
     # The trial function only drives its TorchTrainer: it takes no CPU from the workers (Ray wants
     # some resource in a trial's bundle, so it asks for a token 64 MiB of memory).
     trainable = tune.with_resources(
@@ -333,13 +343,16 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
     if restoring:
         print(f"[vitscale] resuming the sweep in {experiment}", flush=True)
-        tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True, resume_errored=True)
+        tuner = tune.Tuner.restore(experiment if filesystem is None else f"{tune_path}/sweep-trials{label}",
+                                   trainable=trainable, resume_unfinished=True, resume_errored=True,
+                                   storage_filesystem=filesystem)
     else:
         tuner = tune.Tuner(
             trainable, param_space=tune_space,
             tune_config=tune.TuneConfig(metric=metric, mode="max", scheduler=scheduler, max_concurrent_trials=concurrent,
                                         num_samples=sweep.num_samples if sweep.scheduler == "random" else 1),
-            run_config=tune.RunConfig(name=f"sweep-trials{label}", storage_path=tune_storage, verbose=0,
+            run_config=tune.RunConfig(name=f"sweep-trials{label}", storage_path=tune_path, verbose=0,
+                                      storage_filesystem=filesystem,
                                       failure_config=tune.FailureConfig(max_failures=sweep.trial_retries)))
     count = len(combinations(space)) if sweep.scheduler != "random" else sweep.num_samples
     print(f"[vitscale] sweep{label}: {count} trial(s), {concurrent} at a time, {sweep.scheduler}; "
