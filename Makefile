@@ -10,7 +10,7 @@ TORCH_CONSTRAINTS ?= constraints/cpu.txt
 PIP = $(VENV)/bin/python -m pip
 CONSTRAIN = $(if $(TORCH_CONSTRAINTS),-c $(TORCH_CONSTRAINTS))
 
-.PHONY: install install-test-tools quickstart test test-fast bench private-cluster
+.PHONY: install install-test-tools quickstart lint test test-fast bench private-cluster
 
 # PYTHONWARNINGS=ignore: setuptools' notices about editable installs are for package authors, not for
 # whoever runs this.
@@ -35,7 +35,13 @@ quickstart: install
 
 # Two workers, whole files each (module fixtures run once): Ray's start-up waits of one leave the
 # cores to the other's tests.
-test: install install-test-tools
+# The linter and the type checker first (pyproject.toml's [tool.ruff] and [tool.mypy]): a failure there is
+# seconds, not the suite's minutes.
+lint: install
+	$(VENV)/bin/ruff check vitscale tests benchmarks docs
+	$(VENV)/bin/mypy
+
+test: lint install-test-tools
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
 
 test-fast: install
