@@ -72,7 +72,7 @@ def hashes(keys: Iterable[str], seed: int) -> np.ndarray:
 def dev_threshold(split_keys: Iterable[str], fraction: float, seed: int) -> float:
     """The hash below which exactly round(fraction x n) of the split's n samples fall."""
     h = np.sort(hashes(split_keys, seed))
-    k = int(round(fraction * len(h)))
+    k = round(fraction * len(h))
     if k >= len(h):
         return 1.0
     # Between the k-th and (k+1)-th smallest: exactly k below (64-bit hashes of distinct keys do not tie).

@@ -206,7 +206,8 @@ def fewshot_accuracy(
     if xtr.shape[1] != xte.shape[1]:
         raise ValueError(f"train_feats has {xtr.shape[1]} dims but test_feats has {xte.shape[1]}")
     if xte.shape[0] != yte.shape[0] or xte.shape[0] == 0:
-        raise ValueError(f"test_feats ({xte.shape[0]} rows) and test_labels ({yte.shape[0]}) must match and be non-empty")
+        raise ValueError(f"test_feats ({xte.shape[0]} rows) and test_labels ({yte.shape[0]}) must match and be "
+                         "non-empty")
     if xtr.shape[0] != ytr.shape[0]:
         raise ValueError(f"train_feats has {xtr.shape[0]} rows but train_labels has {ytr.shape[0]}")
 

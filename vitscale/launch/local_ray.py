@@ -47,7 +47,8 @@ def start_watchdog() -> None:
     # The watchdog gets the read end as its stdin; the driver keeps the write end, never written to,
     # and not inherited by anything else it starts (os.pipe's ends are non-inheritable): when the
     # driver dies, the kernel closes it and the watchdog reads EOF.
-    _WATCHDOG = subprocess.Popen([sys.executable, "-m", "vitscale.launch.local_ray", str(os.getpid()), str(time.time())],
+    _WATCHDOG = subprocess.Popen([sys.executable, "-m", "vitscale.launch.local_ray", str(os.getpid()),
+                                  str(time.time())],
                                  stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                  start_new_session=True)  # a Ctrl-C in the terminal is the driver's to handle
     os.close(read_end)
@@ -73,7 +74,7 @@ def _tree(root: int, since: float, exclude: int) -> dict[tuple[int, float], psut
 def end_processes(known: dict[tuple[int, float], psutil.Process], grace_s: float = GRACE_S) -> None:
     """SIGTERM the processes still running (and their children), then SIGKILL what is left after `grace_s`."""
     alive: list[psutil.Process] = []
-    for (pid, started), proc in known.items():
+    for (_pid, started), proc in known.items():
         with contextlib.suppress(psutil.Error):
             if proc.is_running() and proc.create_time() == started:
                 alive.append(proc)

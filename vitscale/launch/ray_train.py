@@ -1,7 +1,8 @@
 """Ray Train wiring: a TorchTrainer whose workers run `vitscale.train.loop.train` on a `TrainJob`.
 
 Ray stays at this edge. The worker function takes the typed job from its payload on its first
-line, finds the checkpoint to resume from, and hands a `WorkerContext` to the loop. Fault tolerance is Ray Train V2's: `FailureConfig(max_failures)` restarts the worker group
+line, finds the checkpoint to resume from, and hands a `WorkerContext` to the loop. Fault tolerance
+is Ray Train V2's: `FailureConfig(max_failures)` restarts the worker group
 after a crash and `ray.train.get_checkpoint()` returns the latest reported checkpoint; a
 re-submitted job with the same (storage_path, name) resumes the same way.
 """
@@ -14,8 +15,9 @@ import os
 import posixpath
 import socket
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import ray
 import ray.train
@@ -108,8 +110,9 @@ def _resume_directory(world_size: int, rank: int, downloads: contextlib.ExitStac
 
     Ray hands back the latest reported checkpoint; when it knows none, the run's storage is searched
     all the same (a worker that died right after its upload leaves a checkpoint Ray never
-    registered, and a re-submitted run must not start from scratch past it). If the latest is incomplete (a rank died while
-    uploading, a damaged manifest), older checkpoints are searched in the run's storage itself
+    registered, and a re-submitted run must not start from scratch past it). If the latest is
+    incomplete (a rank died while uploading, a damaged manifest), older checkpoints are searched in
+    the run's storage itself
     (a local folder, NFS or object storage: never a temporary download folder). A copy fetched
     from object storage stays until `downloads` is closed; incomplete ones are released at once.
     A checkpoint written by another world size is handed on as it is: the loop refuses it naming
@@ -165,8 +168,8 @@ def _newest_first(latest: Any) -> Iterator[Any]:
         infos = latest.filesystem.get_file_info(pyarrow.fs.FileSelector(parent))
     except (OSError, ValueError):
         return
-    names = sorted((posixpath.basename(i.path) for i in infos
-                    if i.type == pyarrow.fs.FileType.Directory and posixpath.basename(i.path).startswith("checkpoint_")),
+    folders = (posixpath.basename(i.path) for i in infos if i.type == pyarrow.fs.FileType.Directory)
+    names = sorted((name for name in folders if name.startswith("checkpoint_")),
                    reverse=True)  # checkpoint_{step:09d}: the name orders by step
     for name in names:
         path = posixpath.join(parent, name)
@@ -245,7 +248,7 @@ def launch_training(job: TrainJob, cluster: ClusterConfig, run_name: str, run_di
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         result = trainer_for(job, cluster, run_name, run_dir).fit()
-    except Exception as exc:  # noqa: BLE001 -- re-raised with the workers' own errors up front
+    except Exception as exc:  # re-raised with the workers' own errors up front
         raise PipelineFailed(f"{what} failed: {_root_cause(exc)}") from exc
     # `checkpoint` is a ray.train.Checkpoint: later stages read it wherever it lives (disk, NFS, S3).
     return result.checkpoint, final_metrics(result)

@@ -20,8 +20,9 @@ from torch import Tensor, nn
 
 from vitscale.config.checks import positive_int
 from vitscale.models.layers import LN_EPS, Block
-from vitscale.models.posemb import posemb_2d
 from vitscale.models.options import ViTConfig
+from vitscale.models.posemb import posemb_2d
+
 
 def lecun_normal_(weight: Tensor) -> None:
     """Flax's default kernel init: truncated normal (±2σ), variance 1/fan_in."""

@@ -34,8 +34,8 @@ class FewshotResult:
             if not isinstance(per_shot, dict) or url == "untrained_baseline":
                 continue
             shots = [k for k in per_shot if k.endswith("shot")]  # "5shot": the mean over seeds
-            text = "  ".join(f"{k} {per_shot[k]:.3f}" + (f"±{per_shot[k + '_std']:.3f}" if k + "_std" in per_shot else "")
-                             for k in shots)
+            text = "  ".join(f"{k} {per_shot[k]:.3f}"
+                             + (f"±{per_shot[k + '_std']:.3f}" if k + "_std" in per_shot else "") for k in shots)
             if isinstance(baseline.get(url), dict):
                 text += "   untrained: " + "  ".join(f"{k} {baseline[url][k]:.3f}" for k in shots)
             seeds = self.probes.get("seeds")

@@ -102,7 +102,8 @@ def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose:
         config = replace(config, cluster=replace(config.cluster, address=address))
     config = preflight(config)
     # One endpoint for the run's datasets, checkpoints and files, in this driver and every worker it starts.
-    with run_endpoint(config.section("data", DataConfig).endpoint_url), hold_run_lease(config.cluster.run_storage(config.run_name), force=force):
+    storage = config.cluster.run_storage(config.run_name)
+    with run_endpoint(config.section("data", DataConfig).endpoint_url), hold_run_lease(storage, force=force):
         try:
             return _run_stages(config, verbose, t0)
         except OSError as exc:  # the driver's own files (config, logs, summary) on a full disk: one line

@@ -173,8 +173,9 @@ def run_cells(config: PipelineConfig, cells: list[Cell], planned: list[PlannedCe
                     record.error = _one_line(exc)
                     state.write(record)
                     if isinstance(exc, ray.exceptions.LocalRayletDiedError):
-                        raise PipelineFailed(f"the local Ray node died under cell {cell.id} ({record.error}); run the "
-                                             "same command again: finished cells are kept, interrupted ones resume") from exc
+                        raise PipelineFailed(
+                            f"the local Ray node died under cell {cell.id} ({record.error}); run the same command "
+                            "again: finished cells are kept, interrupted ones resume") from exc
                     print(f"[vitscale] cell {cell.id}: its node died; running it again", flush=True)
                     queue.append(cell)
                     continue
@@ -217,8 +218,8 @@ def _finish(record: CellRecord, stages: dict[str, Any], config: PipelineConfig) 
     record.examples_seen = pretrain.get("examples_seen")
     record.exaflops = pretrain.get("cumulative_exaflops")
     record.pretrain_wall_s = float(pretrain.get("wall_s") or 0.0)
-    record.accuracies = accuracies(stages, config.finetune.data_config().url if {"finetune", "sweep"} & set(config.stages)
-                                   else None)
+    transferred = {"finetune", "sweep"} & set(config.stages)
+    record.accuracies = accuracies(stages, config.finetune.data_config().url if transferred else None)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -10,8 +10,8 @@ merges the folders of all ranks into one directory of the run's storage):
     MANIFEST-rank{r}.json        SHA-256 of every file rank r wrote -- written LAST by that rank
 
 A checkpoint is complete when the manifests of all ranks are present, readable and agree on the
-step, and every file they list has the recorded size and hash. `latest_complete` skips anything else (a rank that died mid-save,
-an interrupted upload), so a resume never loads half a checkpoint.
+step, and every file they list has the recorded size and hash. `latest_complete` skips anything else
+(a rank that died mid-save, an interrupted upload), so a resume never loads half a checkpoint.
 """
 
 from __future__ import annotations
@@ -51,6 +51,12 @@ class TrainState:
     first_skipped_step: int | None = None
     """The first such step; checkpoints written before it outrank later ones in rotation."""
 
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception's message ('' when it has none): torch's unpickling errors run long."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     """Hex SHA-256 of a file, read in chunks so multi-GB shards do not sit in memory."""
@@ -185,7 +191,7 @@ def latest_complete(candidates: list[Path], world_size: int | None = None,
     `world_size` None takes each candidate's own, as recorded in its manifests (for export).
     """
     infos = [(manifest_info(c), c) for c in candidates]
-    for (step, written_by), path in sorted(((i, c) for i, c in infos if i is not None), reverse=True):
+    for (_step, written_by), path in sorted(((i, c) for i, c in infos if i is not None), reverse=True):
         if not check_complete(path, world_size or written_by, hash_ranks=hash_ranks):
             return path
     return None
@@ -202,7 +208,7 @@ def read_rank_part(directory: Path, rank: int) -> dict[str, Any]:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as exc:
         raise ValueError(f"{path}: refusing to load: it holds objects that are not tensors or plain data "
-                         f"({str(exc).strip().splitlines()[0] if str(exc).strip() else 'unpickling refused'})") from None
+                         f"({_first_line(exc) or 'unpickling refused'})") from None
 
 
 # ----------------------------------------------------------------------------------------- a full disk

@@ -21,8 +21,8 @@ from torch import nn
 from vitscale.config.checks import non_negative_int, number, positive_int
 
 __all__ = [
-    "BatchPlan",
     "DEFAULT_NO_DECAY_NAMES",
+    "BatchPlan",
     "derive_batch",
     "epoch_at",
     "lr_at",

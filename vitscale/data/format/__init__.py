@@ -38,7 +38,8 @@ from vitscale.data.format.meta import (
 from vitscale.data.format.split import OpenDataset, ShardIndex, open_dataset
 
 __all__ = [
-    "CRC_COLUMN", "INDEX_COLUMNS", "INDEX_NAME", "INDEX_SCHEMA", "LABEL_SOURCE", "META_NAME", "SHARD_ROOT", "DatasetError", "DatasetMeta",
+    "CRC_COLUMN", "INDEX_COLUMNS", "INDEX_NAME", "INDEX_SCHEMA", "LABEL_SOURCE", "META_NAME", "SHARD_ROOT",
+    "DatasetError", "DatasetMeta",
     "OpenDataset", "ShardIndex", "ShardMeta", "SplitMeta", "has_dataset", "open_dataset",
     "read_index", "read_meta", "shard_name", "write_index_and_meta",
 ]

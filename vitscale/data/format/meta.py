@@ -17,7 +17,6 @@ import pyarrow.parquet as pq
 
 from vitscale.data.storage import Storage, open_storage
 
-
 META_NAME = "dataset.json"
 INDEX_NAME = "_index.parquet"
 INDEX_SCHEMA = pa.schema(

@@ -19,9 +19,18 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from vitscale.data.carve import Carve
+from vitscale.data.format.meta import (
+    CRC_COLUMN,
+    INDEX_COLUMNS,
+    INDEX_NAME,
+    LABEL_SOURCE,
+    META_NAME,
+    SHARD_ROOT,
+    DatasetError,
+    DatasetMeta,
+    read_meta,
+)
 from vitscale.data.storage import LocalStorage, Storage, open_storage
-
-from vitscale.data.format.meta import CRC_COLUMN, INDEX_COLUMNS, LABEL_SOURCE, SHARD_ROOT, INDEX_NAME, META_NAME, DatasetError, DatasetMeta, read_meta
 
 
 @dataclass(frozen=True)
@@ -96,7 +105,7 @@ class OpenDataset:
 
     def load_index(self, shards: Iterable[int]) -> dict[int, ShardIndex]:
         """Index rows of the given shard numbers only (parquet filter pushdown, not a full scan)."""
-        wanted = sorted(set(int(s) for s in shards))
+        wanted = sorted({int(s) for s in shards})
         if not wanted:
             return {}
         names = [self.shard_names[s] for s in wanted]

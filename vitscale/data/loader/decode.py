@@ -62,7 +62,7 @@ def _decode_rgb(data: bytes, width: int, height: int, k: int) -> np.ndarray:
             # draft() picks a power-of-two DCT scale whose size is >= the requested one.
             img.draft("RGB", (-(-width // k), -(-height // k)))
             return np.array(img.convert("RGB"))  # writable: torch.from_numpy wants that
-    except Exception as exc:  # noqa: BLE001 -- any decoder failure on untrusted bytes is a bad sample
+    except Exception as exc:  # any decoder failure on untrusted bytes is a bad sample
         raise BadSample(f"corrupt image: {type(exc).__name__}: {exc}") from exc
 
 
@@ -75,7 +75,7 @@ def _image_size(data: bytes) -> tuple[int, int]:
         try:
             with Image.open(io.BytesIO(data)) as img:
                 width, height = img.size
-        except Exception as exc:  # noqa: BLE001 -- any decoder failure on untrusted bytes is a bad sample
+        except Exception as exc:  # any decoder failure on untrusted bytes is a bad sample
             raise BadSample(f"corrupt image: {type(exc).__name__}: {exc}") from exc
     if width < 1 or height < 1 or width * height > MAX_PIXELS:
         raise BadSample(f"image header claims {width}x{height} pixels (limit {MAX_PIXELS} pixels)")
@@ -100,10 +100,10 @@ def decode_image_into(
     # The decoder rounds scaled sizes up: map the crop with the actual per-axis factors, to whole
     # pixels (at most half a decoded pixel off; exact when decoding at full scale).
     sx, sy = w / width, h / height
-    x0 = min(int(round(box.left * sx)), w - 1)
-    y0 = min(int(round(box.top * sy)), h - 1)
-    x1 = min(max(int(round((box.left + box.width) * sx)), x0 + 1), w)
-    y1 = min(max(int(round((box.top + box.height) * sy)), y0 + 1), h)
+    x0 = min(round(box.left * sx), w - 1)
+    y0 = min(round(box.top * sy), h - 1)
+    x1 = min(max(round((box.left + box.width) * sx), x0 + 1), w)
+    y1 = min(max(round((box.top + box.height) * sy), y0 + 1), h)
     # (1, 3, y1-y0, x1-x0) channels-last view of the crop: no copy. torch's uint8 antialiased
     # bilinear resize matches PIL's to within rounding and is ~3x faster on CPU.
     crop = torch.from_numpy(pixels)[y0:y1, x0:x1].permute(2, 0, 1).unsqueeze(0)

@@ -106,9 +106,9 @@ def parse_json_label(data: bytes, key: str) -> list[int | str]:
         raise LabelError(f"malformed .json label: {len(values)} labels (at most {MAX_LABELS})")
     for v in values:
         if isinstance(v, bool) or not isinstance(v, (int, str)):
-            raise LabelError(f"label {str(v)[:32]!r} is neither a class id nor a name")
+            raise LabelError(f"malformed .json label: {str(v)[:32]!r} is neither a class id nor a name")
         if isinstance(v, int) and abs(v) >= 10**MAX_ID_DIGITS:
-            raise LabelError(f"label {str(v)[:32]}... is not a class id")
+            raise LabelError(f"malformed .json label: {str(v)[:32]}... is not a class id")
     return list(values)
 
 

@@ -44,7 +44,7 @@ def parse_label(members: dict[str, bytes], num_classes: int, multi_label: bool) 
         elif "json" in members:
             found = parse_json_label(members["json"], "labels")
             if not all(isinstance(v, int) for v in found):
-                raise LabelError("'labels' must be a list of ints")
+                raise LabelError("malformed .json label: 'labels' must be a list of ints")
             labels = [int(v) for v in found]
         else:
             raise BadSample(f"no label member (.cls or .json) among {sorted(members)}")

@@ -274,7 +274,8 @@ class ShardStream:
     def state_dict(self) -> dict[str, int]:
         """``{"epoch", "position", "seed", "skipped"}``: where the next batch starts, and how many
         samples all ranks had skipped in this epoch at the last budget check."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "skipped": self._skipped_total if self.position else 0}
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "skipped": self._skipped_total if self.position else 0}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state`` (from :meth:`state_dict`); its seed replaces the constructor's.

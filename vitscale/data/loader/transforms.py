@@ -101,8 +101,8 @@ def _random_resized_crop(
     for _ in range(10):
         target = area * rng.uniform(scale[0], scale[1])
         aspect = math.exp(rng.uniform(log_lo, log_hi))
-        w = int(round(math.sqrt(target * aspect)))
-        h = int(round(math.sqrt(target / aspect)))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
         if 0 < w <= width and 0 < h <= height:
             left = rng.randint(0, width - w)
             top = rng.randint(0, height - h)
@@ -110,9 +110,9 @@ def _random_resized_crop(
     # Fallback: the whole image, clamped to the allowed aspect range, centred.
     in_ratio = width / height
     if in_ratio < ratio[0]:
-        w, h = width, int(round(width / ratio[0]))
+        w, h = width, round(width / ratio[0])
     elif in_ratio > ratio[1]:
-        w, h = int(round(height * ratio[1])), height
+        w, h = round(height * ratio[1]), height
     else:
         w, h = width, height
     w, h = max(1, min(w, width)), max(1, min(h, height))

@@ -13,6 +13,7 @@ SDK's standard chain.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 from urllib.parse import urlparse
@@ -51,8 +52,6 @@ def run_filesystem(storage_path: str, *, endpoint_url: str | None = None,
     if region:
         kwargs["region"] = region
     elif not endpoint:
-        try:  # what pyarrow's FileSystem.from_uri does for Ray by default
+        with contextlib.suppress(OSError):  # what pyarrow's FileSystem.from_uri does for Ray by default
             kwargs["region"] = pyarrow.fs.resolve_s3_region(bucket)
-        except OSError:
-            pass
     return pyarrow.fs.S3FileSystem(**kwargs), storage_path[len("s3://"):].rstrip("/")

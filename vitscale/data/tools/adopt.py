@@ -78,7 +78,8 @@ def expand_braces(pattern: str) -> list[str]:
     if ".." in body:
         lo, _, hi = body.partition("..")
         if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
-            raise DatasetError(f"brace range {{{body}}} in {pattern!r} must be {{LOW..HIGH}} with integers, LOW <= HIGH")
+            raise DatasetError(f"brace range {{{body}}} in {pattern!r} must be {{LOW..HIGH}} with integers, "
+                               "LOW <= HIGH")
         choices = [str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1)]
     else:
         choices = body.split(",")
@@ -295,7 +296,8 @@ def index_shards(url: str, *, out: str | None = None, split: str = "train", labe
         bar.update()
     bar.close()
     if not rows:
-        raise DatasetError(f"no sample with an image and a .{labels.ext} label in {len(names)} shard(s) under {shards.url}")
+        raise DatasetError(f"no sample with an image and a .{labels.ext} label in {len(names)} shard(s) "
+                           f"under {shards.url}")
     class_names = _finish_labels(rows, classes, num_classes)
     shard_meta = tuple(ShardMeta(shard, kept, None, sizes[shard]) for shard, kept in entries)
     meta = DatasetMeta(

@@ -7,5 +7,6 @@ from functools import partial
 from vitscale.data.tools.cifar import CifarSource
 from vitscale.data.tools.source_base import SourceKind
 
-SOURCE = SourceKind("cifar10", partial(CifarSource, kind="cifar10"), "CIFAR-10, binary version (its own train/test splits)",
+SOURCE = SourceKind("cifar10", partial(CifarSource, kind="cifar10"),
+                    "CIFAR-10, binary version (its own train/test splits)",
                     arg="DIR", predefined_splits=True)

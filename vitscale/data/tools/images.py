@@ -59,7 +59,7 @@ def open_image(image: Image.Image | bytes, max_pixels: int = MAX_PIXELS) -> Imag
                 img = Image.open(io.BytesIO(image))
         except Image.DecompressionBombError as exc:
             raise UnreadableImage(f"decompression bomb: {exc}") from exc
-        except Exception as exc:  # noqa: BLE001 -- PIL answers junk with many exception types
+        except Exception as exc:  # PIL answers junk with many exception types
             raise UnreadableImage(f"not an image PIL can read: {type(exc).__name__}: {exc}") from exc
     if img.width * img.height > max_pixels:
         raise UnreadableImage(f"decompression bomb: {img.width}x{img.height} pixels, over the limit "
@@ -108,7 +108,7 @@ def encode_image(image: Image.Image | bytes, max_side: int, quality: int,
         # Orientation first, from the header: thumbnail() may decode at a reduced scale (draft)
         # and the transposed size decides which side is the long one.
         orientation = img.getexif().get(0x0112, 1)
-        if img.mode in _INT16_MODES + ("I", "F"):
+        if img.mode in (*_INT16_MODES, "I", "F"):
             img = to_rgb(img)  # resampling these modes in PIL is partial; convert first
         # thumbnail() shrinks in place keeping the aspect ratio, never enlarges, and for JPEG input
         # lets libjpeg decode at 1/2, 1/4 or 1/8 scale first (draft), which is much faster.
@@ -123,6 +123,6 @@ def encode_image(image: Image.Image | bytes, max_side: int, quality: int,
         img.save(buf, format="JPEG", quality=quality, subsampling=chroma)
     except UnreadableImage:
         raise
-    except Exception as exc:  # noqa: BLE001 -- truncated or damaged data fails while decoding
+    except Exception as exc:  # truncated or damaged data fails while decoding
         raise UnreadableImage(f"cannot decode: {type(exc).__name__}: {exc}") from exc
     return buf.getvalue(), img.width, img.height

@@ -61,6 +61,6 @@ def labels_of(s: ShardSample) -> list[int] | None:
     if "json" in s.files:
         found = parse_json_label(s.files["json"], "labels")
         if not all(isinstance(v, int) for v in found):
-            raise LabelError("'labels' must be a list of ints")
+            raise LabelError("malformed .json label: 'labels' must be a list of ints")
         return [int(v) for v in found]
     return None

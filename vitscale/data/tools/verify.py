@@ -138,7 +138,7 @@ def _verify_shard(
                     )
             hr.drain()
         except (OSError, tarfile.TarError, ValueError, UnicodeDecodeError) as exc:
-            return problems + [f"{name}: unreadable after {count} samples: {exc}"]
+            return [*problems, f"{name}: unreadable after {count} samples: {exc}"]
     if sh.sha256 is not None and hr.sha.hexdigest() != sh.sha256:  # adopted shards carry none
         problems.append(
             f"{name}: sha256 mismatch ({META_NAME} {(sh.sha256 or '')[:12]}..., file {hr.sha.hexdigest()[:12]}...)"

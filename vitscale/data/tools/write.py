@@ -166,9 +166,10 @@ class ShardWriter:
             self.finish_shard()
 
     def _open(self) -> None:
-        self._tmp = tempfile.NamedTemporaryFile(prefix="vitscale-shard-", suffix=".tar", delete=False)
+        # Open for the shard's whole life (samples arrive one call at a time); finish_shard closes both.
+        self._tmp = tempfile.NamedTemporaryFile(prefix="vitscale-shard-", suffix=".tar", delete=False)  # noqa: SIM115
         self._hf = _HashingFile(self._tmp)
-        self._tar = tarfile.open(
+        self._tar = tarfile.open(  # noqa: SIM115
             fileobj=self._hf, mode="w", format=tarfile.PAX_FORMAT  # type: ignore[arg-type]
         )
         self._count = 0
@@ -199,7 +200,7 @@ class ShardWriter:
 
 def ensure_empty_destination(storage: Storage) -> None:
     """Refuse to write over an existing dataset (stale shards would linger and mislead)."""
-    existing = [n for n in storage.list() if n == META_NAME or n.endswith(".tar") or n == INDEX_NAME]
+    existing = [n for n in storage.list() if n in (META_NAME, INDEX_NAME) or n.endswith(".tar")]
     if existing:
         raise ValueError(
             f"{storage.url} already holds a dataset ({existing[0]}); write to a new --out or delete it first"
@@ -292,7 +293,8 @@ def write_dataset(
     left out.
     ``seed`` also seeds the synthetic and fractal sources unless ``source_options`` sets their own.
     Up to ``max_bad`` unreadable source files (or images over ``max_pixels``) are skipped and
-    listed; one more raises ``ValueError`` naming it (``max_pixels`` None: :data:`MAX_PIXELS`). Returns the ``dataset.json`` content.
+    listed; one more raises ``ValueError`` naming it (``max_pixels`` None: :data:`MAX_PIXELS`). Returns the
+    ``dataset.json`` content.
     """
     positive_int(shard_size, "shard_size")
     check(isinstance(max_bad, int) and max_bad >= 0, "max_bad", f"must be an integer >= 0, got {max_bad!r}")

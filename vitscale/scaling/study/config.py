@@ -54,8 +54,10 @@ class ModelEntry:
         check(isinstance(raw, Mapping), key, f"must be a model name or a mapping, got {raw!r}")
         raw = dict(raw)
         recipe, train, label, throughput = (raw.pop(k, None) for k in ENTRY_KEYS)
-        check(recipe is None or isinstance(recipe, str), f"{key}.recipe", f"must be a pipeline name or path, got {recipe!r}")
-        check(train is None or isinstance(train, Mapping), f"{key}.train", f"must be a mapping of train keys, got {train!r}")
+        check(recipe is None or isinstance(recipe, str), f"{key}.recipe",
+              f"must be a pipeline name or path, got {recipe!r}")
+        check(train is None or isinstance(train, Mapping), f"{key}.train",
+              f"must be a mapping of train keys, got {train!r}")
         check(label is None or isinstance(label, str), f"{key}.label", f"must be a string, got {label!r}")
         check(recipe is not None or "name" in raw, key, "needs a model `name` or a `recipe`")
         positive(throughput, f"{key}.throughput")
@@ -162,7 +164,8 @@ class StudyConfig:
             key = f"study.cells[{i}]"
             check(isinstance(raw, Mapping), key, f"must be a mapping {{model, epochs, data_size}}, got {raw!r}")
             unknown = sorted(set(raw) - {"model", "epochs", "data_size"})
-            check(not unknown, f"{key}.{unknown[0]}" if unknown else key, "unknown key; a cell has model, epochs, data_size")
+            check(not unknown, f"{key}.{unknown[0]}" if unknown else key,
+                  "unknown key; a cell has model, epochs, data_size")
             check("model" in raw, f"{key}.model", "a cell needs a model")
             epochs, size = raw.get("epochs"), raw.get("data_size")
             for name, value in (("epochs", epochs), ("data_size", size)):

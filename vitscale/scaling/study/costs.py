@@ -171,7 +171,8 @@ def cell_cost(*, exaflops: float, examples_seen: int, devices: float, device: st
     if devices <= 0 or not math.isfinite(exaflops) or exaflops < 0:
         raise ValueError(f"need devices > 0 and exaflops >= 0, got {devices}, {exaflops}")
     if throughput:
-        device_s, used_mfu, source = examples_seen / throughput, None, f"measured throughput ({throughput:g} images/s per device)"
+        device_s, used_mfu = examples_seen / throughput, None
+        source = f"measured throughput ({throughput:g} images/s per device)"
     else:
         device_s, used_mfu, source = exaflops * 1e18 / (peak_flops(device) * mfu), mfu, mfu_source
     hours = device_s / 3600

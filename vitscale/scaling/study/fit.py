@@ -152,8 +152,11 @@ def fit_power_law(compute: Sequence[float], error: Sequence[float], *, bootstrap
     singular = np.linalg.svd(jac, compute_uv=False)
     condition = float(singular[0] / singular[-1]) if singular[-1] > 0 else math.inf
     # d = 0 is the plain power law, the model's own limit rather than a constraint: not flagged.
+    def near(v: float, edge: float) -> bool:
+        return abs(v - edge) <= 1e-6 * max(1.0, abs(edge))
+
     on_bound = tuple(name for name, v, lo, hi in zip(PARAMETERS, best.x, lower, upper)
-                     if (abs(v - lo) <= 1e-6 * max(1.0, abs(lo)) and name != "d") or abs(v - hi) <= 1e-6 * max(1.0, abs(hi)))
+                     if (near(v, lo) and name != "d") or near(v, hi))
     fit = PowerLawFit(a=big_a, b=b, c=c, d=d * scale, a_std=a_std, b_std=float(std[1]), c_std=float(std[2]),
                       d_std=float(std[3]) * scale, points=n, rmse=math.sqrt(rss / n), max_compute=float(x.max()),
                       min_compute=float(x.min()), condition=condition, on_bound=on_bound)

@@ -67,7 +67,8 @@ def _draw_fit(ax: Any, family: str, fit: Any) -> None:
     inside = np.geomspace(fit.min_compute, fit.max_compute, 60)
     below = np.geomspace(fit.min_compute / 3, fit.min_compute, 20)
     above = np.geomspace(fit.max_compute, fit.max_compute * 4, 30)
-    label = f"{family} fit: E = {fit.a:.3g}(C+{fit.d:.2g})^-{fit.b:.2f} + {fit.c:.3f}" + (" (!)" if fit.warnings else "")
+    label = (f"{family} fit: E = {fit.a:.3g}(C+{fit.d:.2g})^-{fit.b:.2f} + {fit.c:.3f}"
+             + (" (!)" if fit.warnings else ""))
     ax.plot(inside, 1.0 - fit.error(inside), color=colour, alpha=0.8, linewidth=1.2, label=label)
     for xs in (below, above):
         ax.plot(xs, 1.0 - fit.error(xs), color=colour, alpha=0.6, linewidth=1, linestyle="--")

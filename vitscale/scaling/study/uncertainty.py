@@ -116,7 +116,8 @@ def backtest_split(compute: np.ndarray, holdout: int) -> tuple[np.ndarray, np.nd
     return ~held, held
 
 
-def backtest(compute: Any, accuracy: Any, *, holdout: int = 1, bootstrap: int = BOOTSTRAP, seed: int = 0) -> list[BacktestRow]:
+def backtest(compute: Any, accuracy: Any, *, holdout: int = 1, bootstrap: int = BOOTSTRAP,
+             seed: int = 0) -> list[BacktestRow]:
     """Refit without the largest-compute cell(s); the refit's prediction for each held-out cell.
     Refused (FitRefused) when too few cells remain to fit."""
     x, acc = np.asarray(compute, dtype=float), np.asarray(accuracy, dtype=float)
