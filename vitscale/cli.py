@@ -327,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resolution", type=int, default=None, help="fine-tuning resolution (default 384)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the preset's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="any pipeline value, e.g. --set finetune.train.global_batch=64 --set cluster.num_workers=2 (without --address the cluster is this machine: a worker per GPU, or one CPU worker)")
+                   help="any pipeline value, e.g. --set finetune.train.global_batch=64 --set cluster.num_workers=2 "
+                        "(without --address the cluster is this machine: a worker per GPU, or one CPU worker)")
     p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS or local)")
     p.add_argument("--verbose", action="store_true", help="show Ray's and DeepSpeed's own output here too")
 

@@ -94,7 +94,7 @@ SEED_LIMIT = 2**32
 
 def seed(value: Any, key: str, count: int = 1) -> int:
     """A seed (or the first of `count` consecutive seeds): an int in [0, 2**32 - count]."""
-    check(isinstance(value, int) and not isinstance(value, bool) and 0 <= value and value + count <= SEED_LIMIT,
+    check(isinstance(value, int) and not isinstance(value, bool) and value >= 0 and value + count <= SEED_LIMIT,
           key, f"must be an int in [0, {SEED_LIMIT - count}], got {value!r}")
     return value
 

@@ -88,7 +88,8 @@ def build_pipeline(raw: dict[str, Any], *, sections: Mapping[str, type], stage_n
         unknown = sorted(set(raw) - set(sections))
         if unknown:
             known = ", ".join(["name", "stages", "cluster", *sorted(sections)])
-            raise ConfigError(unknown[0], f"unknown key{did_you_mean(unknown[0], ['name', 'stages', 'cluster', *sections])}; "
+            hint = did_you_mean(unknown[0], ["name", "stages", "cluster", *sections])
+            raise ConfigError(unknown[0], f"unknown key{hint}; "
                               f"the top level accepts: {known}")
         config = _build(PipelineConfig, top, "")
         for stage in config.stages:

@@ -99,7 +99,7 @@ class DatasetWriter:
         check(bool(split) and all(c.isalnum() or c == "_" for c in split), "split",
               f"must be letters, digits or '_' (it names shard files {{split}}-NNNNNN.tar), got {split!r}")
         labels = [int(x) for x in label] if isinstance(label, Sequence) and not isinstance(label, str) \
-            else [int(label)]  # type: ignore[arg-type]
+            else [int(label)]
         check(self.multi_label or len(labels) == 1, "label",
               f"a single-label dataset takes one class index, got {labels}")
         bad = [x for x in labels if not 0 <= x < len(self.classes)]

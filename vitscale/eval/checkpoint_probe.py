@@ -108,7 +108,8 @@ def _load_model(path: str | Path, *, model_name: str | None, img_size: int | Non
         model, _, facts = model_from_checkpoint(checkpoint)
         agree("model", model_name and parse_model_name(model_name).name, facts["model"], str(checkpoint))
         agree("pixel model", img_size, facts["img_size"], str(checkpoint))
-        if resolution not in (None, facts["img_size"]) and model.spec.family != "resnet":
+        spec: Any = model.spec
+        if resolution not in (None, facts["img_size"]) and spec.family != "resnet":
             raise ValueError(f"{checkpoint} takes {facts['img_size']}-pixel images, not --resolution {resolution}: "
                              f"the probe does not resample position embeddings of a training checkpoint; "
                              f"`vitscale export` it and probe the file with --resolution {resolution}")
@@ -141,7 +142,8 @@ def _load_model(path: str | Path, *, model_name: str | None, img_size: int | Non
         model = create_model(spec.name, num_classes=num_classes or 1,
                              img_size=resolution or img_size or DEFAULT_IMG_SIZE, **{**options, **model_options})
     report = load_pretrained(model, p)
-    return model, {"checkpoint": str(p), "format": fmt, "model": model.spec.name, "img_size": int(model.img_size),
+    built: Any = model  # create_model's plain attributes (spec, img_size), which nn.Module's typing hides
+    return model, {"checkpoint": str(p), "format": fmt, "model": built.spec.name, "img_size": int(built.img_size),
                    "step": None, "notes": [*report.resampled, *report.notes]}
 
 

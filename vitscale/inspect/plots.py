@@ -124,7 +124,7 @@ def upsample(mask: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     """(rows, cols) map -> (H, W), bilinear (as Figure 6's smooth masks), scaled to max 1."""
     from PIL import Image
 
-    big = np.asarray(Image.fromarray(mask.astype(np.float32), mode="F").resize(size[::-1], Image.BILINEAR))
+    big = np.asarray(Image.fromarray(mask.astype(np.float32), mode="F").resize(size[::-1], Image.Resampling.BILINEAR))
     peak = big.max()
     return big / peak if peak > 0 else big
 

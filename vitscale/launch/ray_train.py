@@ -41,6 +41,9 @@ from vitscale.train.job import TrainJob
 class WorkerFailed(RuntimeError):
     """A training worker raised: carries the rank and the worker's own traceback."""
 
+    deterministic: bool = False
+    """A restart would fail the same way (launch/failures.py): set by the worker, read by the driver."""
+
 
 def train_worker(payload: dict[str, Any]) -> None:
     """Entry point of every Ray Train worker: run the `TrainJob` in the payload.
@@ -227,9 +230,10 @@ def trainer_for(job: TrainJob, cluster: ClusterConfig, run_name: str, run_dir: P
             checkpoint_config=CheckpointConfig(num_to_keep=job.train.keep_checkpoints,
                                                checkpoint_score_attribute="checkpoint_score",
                                                checkpoint_score_order="max"),
-            worker_runtime_env={"env_vars": _worker_env()},
+            # Train V2's RunConfig takes both below; the type stubs Ray ships are the V1 class's.
+            worker_runtime_env={"env_vars": _worker_env()},  # type: ignore[call-arg]
             # Bad data or an exceeded error budget ends the run at once: a restart repeats it.
-            callbacks=[StopOnDeterministicFailure(), *(callbacks or [])],
+            callbacks=[StopOnDeterministicFailure(), *(callbacks or [])],  # type: ignore[list-item]
         ),
     )
 

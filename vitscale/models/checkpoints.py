@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from vitscale.models.factory import create_from_meta, model_meta
 from vitscale.models.hybrid import HybridEmbed
 from vitscale.models.posemb import resample_1d, resample_posemb, resample_relative_table
-from vitscale.models.resnet import ResNetV2
+from vitscale.models.resnet import ResNetStage, ResNetV2
 from vitscale.models.vit import VisionTransformer
 
 __all__ = ["LoadReport", "create_from_checkpoint", "export_npz", "export_state_dict", "load_pretrained",
@@ -159,7 +159,7 @@ def _hybrid_backbone_rules(backbone: ResNetV2, t: str) -> list[_Rule]:
     """Official vision_transformer hybrid names: conv_root, gn_root, block{i}/unit{j}/{conv,gn}{r}."""
     rules = [_conv(f"{t}stem.conv.weight", "conv_root/kernel"),
              _vector(f"{t}stem.norm.weight", "gn_root/scale"), _vector(f"{t}stem.norm.bias", "gn_root/bias")]
-    for i, stage in enumerate(backbone.stages):
+    for i, stage in enumerate(cast("list[ResNetStage]", list(backbone.stages))):
         for j, blk in enumerate(stage.blocks):
             b, p = f"{t}stages.{i}.blocks.{j}.", f"block{i + 1}/unit{j + 1}/"
             for r in (1, 2, 3):
@@ -180,7 +180,7 @@ def _bit_rules(model: ResNetV2) -> list[_Rule]:
     p0, conv = "resnet/", "standardized_conv2d/kernel"
     rules = [_conv("stem.conv.weight", f"{p0}root_block/{conv}"),
              _vector("norm.weight", f"{p0}group_norm/gamma"), _vector("norm.bias", f"{p0}group_norm/beta")]
-    for i, stage in enumerate(model.stages):
+    for i, stage in enumerate(cast("list[ResNetStage]", list(model.stages))):
         for j, blk in enumerate(stage.blocks):
             b, p = f"stages.{i}.blocks.{j}.", f"{p0}block{i + 1}/unit{j + 1:02d}/"
             for r, u in zip((1, 2, 3), "abc"):
@@ -350,7 +350,12 @@ def load_pretrained(model: nn.Module, path: str | Path) -> LoadReport:
         sd, unexpected = _from_timm(raw, model), []
     target = model.state_dict(keep_vars=True)
     file_prefix = 1 if "cls_token" in sd else 0
-    loaded, resampled, kept, dropped, notes, mismatched = [], [], [], [], [], []
+    loaded: list[str] = []
+    resampled: list[str] = []
+    kept: list[str] = []
+    dropped: list[str] = []
+    notes: list[str] = []
+    mismatched: list[str] = []
     values: dict[str, Tensor] = {}
     for name, src in sd.items():
         if name not in target:
@@ -371,7 +376,7 @@ def load_pretrained(model: nn.Module, path: str | Path) -> LoadReport:
             src, what = res
             resampled.append(what)
         values[name] = src
-    missing = []
+    missing: list[str] = []
     for name in target:
         if name in values:
             continue
@@ -398,8 +403,9 @@ def load_pretrained(model: nn.Module, path: str | Path) -> LoadReport:
                      f" kept the model's zero-init head with {getattr(model, 'num_classes', '?')} classes")
     if any(d.startswith("pre_logits.") for d in dropped):
         notes.append("pre-logits layer in the file dropped: the model has none (fine-tuning recipe)")
-    if meta and getattr(model, "spec", None) is not None and meta.get("name") != model.spec.name:
-        notes.append(f"file was exported from {meta.get('name')!r}, model is {model.spec.name!r}")
+    spec: Any = getattr(model, "spec", None)
+    if meta and spec is not None and meta.get("name") != spec.name:
+        notes.append(f"file was exported from {meta.get('name')!r}, model is {spec.name!r}")
     return LoadReport(str(path), fmt, tuple(loaded), tuple(resampled), tuple(sorted(set(kept))),
                       tuple(sorted(set(dropped))), tuple(notes), meta)
 
@@ -431,7 +437,7 @@ def export_npz(model: nn.Module, path: str | Path) -> None:
         arrays[EXTRA_PREFIX + name] = value
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:  # an open file keeps numpy from appending ".npz" to the name
-        np.savez(f, **arrays)
+        np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy's stub reads **arrays as allow_pickle
 
 
 def timm_state_dict(model: nn.Module) -> dict[str, Tensor]:

@@ -28,7 +28,8 @@ class HybridEmbed(nn.Module):
     def init_weights(self) -> None:
         """LeCun-normal embedding kernel, zero bias (the backbone inits itself)."""
         lecun_normal_(self.proj.weight)
-        nn.init.zeros_(self.proj.bias)
+        if self.proj.bias is not None:
+            nn.init.zeros_(self.proj.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.backbone.forward_feature_map(x)  # (B, C', h, w)

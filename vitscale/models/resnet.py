@@ -16,6 +16,7 @@ norm2,conv3,norm3}``, ``stages.{i}.blocks.{j}.downsample.conv`` (+ ``.norm`` pos
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -215,7 +216,7 @@ class ResNetV2(nn.Module):
             raise ValueError(f"expected input (B, {self.cfg.in_chans}, H, W), got {tuple(x.shape)}")
         x = self.stem(x)
         ckpt = self.activation_checkpointing and self.training and torch.is_grad_enabled()
-        for stage in self.stages:
+        for stage in cast("list[ResNetStage]", list(self.stages)):
             for blk in stage.blocks:
                 x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False) if ckpt else blk(x)
         return self.norm(x)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, cast
 
 import torch
 import torch.utils.checkpoint
@@ -42,7 +43,8 @@ class PatchEmbed(nn.Module):
     def init_weights(self) -> None:
         """LeCun-normal kernel, zero bias (official Flax conv)."""
         lecun_normal_(self.proj.weight)
-        nn.init.zeros_(self.proj.bias)
+        if self.proj.bias is not None:
+            nn.init.zeros_(self.proj.bias)
 
     def forward(self, x: Tensor) -> Tensor:  # (B, C, H, W) -> (B, N, D), N row-major
         return self.proj(x).flatten(2).transpose(1, 2)
@@ -62,7 +64,7 @@ class PreLogits(nn.Module):
 
 def zero_head(in_features: int, num_classes: int, bias_init: float, like: Tensor | None = None) -> nn.Linear:
     """A D x K linear classifier with zero weights and constant bias (paper's fine-tuning head)."""
-    kw = {} if like is None else {"device": like.device, "dtype": like.dtype}
+    kw: dict[str, Any] = {} if like is None else {"device": like.device, "dtype": like.dtype}
     head = nn.Linear(in_features, num_classes, **kw)
     nn.init.zeros_(head.weight)
     nn.init.constant_(head.bias, float(bias_init))
@@ -82,7 +84,9 @@ class VisionTransformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         d, depth = cfg.dims.width, cfg.dims.depth
-        self.patch_embed = patch_embed if patch_embed is not None else PatchEmbed(cfg.in_chans, d, cfg.patch_size)
+        # Any module with a `stride` (pixels per token): PatchEmbed, or the hybrid's ResNet stem + projection.
+        self.patch_embed: PatchEmbed | Any = patch_embed if patch_embed is not None else PatchEmbed(
+            cfg.in_chans, d, cfg.patch_size)
         self.activation_checkpointing = cfg.activation_checkpointing
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d)) if cfg.classifier == "token" else None
         # Additive embeddings: a leading axis of 1 (input / shared) or depth (one per layer).
@@ -127,7 +131,7 @@ class VisionTransformer(nn.Module):
         for p in (self.pos_embed, self.pos_embed_row, self.pos_embed_col):
             if p is not None:
                 nn.init.normal_(p, std=0.02)
-        for blk in self.blocks:
+        for blk in self._blocks():
             blk.init_weights()
         if isinstance(self.pre_logits, PreLogits):
             lecun_normal_(self.pre_logits.fc.weight)
@@ -160,10 +164,14 @@ class VisionTransformer(nn.Module):
             return emb
         return None
 
+    def _blocks(self) -> list[Block]:
+        """The encoder's blocks, typed (a ModuleList yields plain Modules to the type checker)."""
+        return cast("list[Block]", list(self.blocks))
+
     def _check_input(self, x: Tensor) -> None:
         if x.dim() != 4 or x.shape[1] != self.cfg.in_chans:
             raise ValueError(f"expected input (B, {self.cfg.in_chans}, H, W), got {tuple(x.shape)}")
-        s = self.patch_embed.stride
+        s = int(self.patch_embed.stride)
         h, w = x.shape[-2:]
         if h % s or w % s:
             raise ValueError(f"image size {h}x{w} is not a multiple of the token stride {s}")
@@ -196,7 +204,7 @@ class VisionTransformer(nn.Module):
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1+N, D)
         every = self.cfg.pos_emb_placement != "input"
         ckpt = self.activation_checkpointing and self.training and torch.is_grad_enabled()
-        for i, blk in enumerate(self.blocks):
+        for i, blk in enumerate(self._blocks()):
             if i == 0 or every:
                 emb = self._posemb(i)
                 if emb is not None:

@@ -92,7 +92,8 @@ def check_downstream(config: PipelineConfig, world: int | None = None) -> Any:
     fc = finetune_section(config)
     data, batch = fc.data_config(config.data.endpoint_url), fc.train_config().global_batch
     meta = ensure_dataset(data.url, data.create_if_missing, data.endpoint_url, "finetune.data.url")
-    check(not meta.multi_label, "finetune.data.url", f"{data.url} is multi-label; fine-tuning needs one label per image")
+    check(not meta.multi_label, "finetune.data.url",
+          f"{data.url} is multi-label; fine-tuning needs one label per image")
     train = require_split(meta, data.split, "finetune.data.split", data.url)
     require_split(meta, fc.test_split, "finetune.test_split", data.url)
     world = world or config.cluster.num_workers

@@ -219,7 +219,8 @@ def trial_job(config: PipelineConfig, model: ModelConfig | None, init: str | Non
     else:
         carve = Carve(sweep.dev_fraction, data.seed, "rest")
         evals = (EvalSet("dev", data.url, data.split, replace(carve, part="dev")),)
-        job = TrainJob(model=config.section("model", ModelConfig), data=data, train=config.section("train", TrainConfig),
+        job = TrainJob(model=config.section("model", ModelConfig), data=data,
+                       train=config.section("train", TrainConfig),
                        use_gpu=config.cluster.use_gpu, carve=None if final else carve, evals=() if final else evals,
                        config_yaml=yaml)
     if sweep.scheduler == "asha" and not final:
@@ -236,7 +237,8 @@ def trial_steps(config: PipelineConfig, job: TrainJob) -> int:
 
     if job.train.max_steps:
         return job.train.max_steps
-    samples = sum(open_dataset(job.data.url, job.data.split, endpoint_url=job.data.endpoint_url, carve=job.carve).counts)
+    samples = sum(open_dataset(job.data.url, job.data.split, endpoint_url=job.data.endpoint_url,
+                               carve=job.carve).counts)
     world = trial_cluster(config).num_workers
     return schedule_length(samples, world, job.train.global_batch, job.train.epochs, None)[1]
 
@@ -349,7 +351,8 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
     else:
         tuner = tune.Tuner(
             trainable, param_space=tune_space,
-            tune_config=tune.TuneConfig(metric=metric, mode="max", scheduler=scheduler, max_concurrent_trials=concurrent,
+            tune_config=tune.TuneConfig(metric=metric, mode="max", scheduler=scheduler,
+                                        max_concurrent_trials=concurrent,
                                         num_samples=sweep.num_samples if sweep.scheduler == "random" else 1),
             run_config=tune.RunConfig(name=f"sweep-trials{label}", storage_path=tune_path, verbose=0,
                                       storage_filesystem=filesystem,

@@ -54,7 +54,8 @@ class SweepResult:
             out.append(("test accuracy", f"{self.final['test_accuracy']:.4f}  (winner retrained, tested once)"))
         if self.scratch is not None and "test_accuracy" in self.scratch:
             params = json.dumps(self.scratch["selected"]["params"])
-            out.append(("from scratch", f"{self.scratch['test_accuracy']:.4f}  (same sweep from random weights, {params})"))
+            out.append(("from scratch",
+                        f"{self.scratch['test_accuracy']:.4f}  (same sweep from random weights, {params})"))
         out.append(("results", f"{self.directory}/results.md"))
         return out
 

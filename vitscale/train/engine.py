@@ -100,7 +100,7 @@ def build_engine(model: torch.nn.Module, param_groups: list[dict[str, Any]], ds_
 
     # DeepSpeed reads LOCAL_RANK to pick a device; Ray Train sets the rank through its own context.
     os.environ.setdefault("LOCAL_RANK", "0")
-    optimizer = None
+    optimizer: torch.optim.Optimizer | None = None
     config = dict(ds_config)
     if not config.get("zero_force_ds_cpu_optimizer"):
         spec = config.pop("optimizer")
@@ -216,7 +216,8 @@ def weights_only_loads() -> Iterator[None]:
         except pickle.UnpicklingError as exc:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UnsafeCheckpoint(f"{f}: refusing to load: it holds objects that are not tensors or plain data "
-                                   f"(loading it could run code; torch.load(weights_only=True) says: {reason})") from None
+                                   "(loading it could run code; torch.load(weights_only=True) says: "
+                                   f"{reason})") from None
 
     with torch.serialization.safe_globals(_safe_globals()):
         torch.load = load

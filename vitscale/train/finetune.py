@@ -132,8 +132,9 @@ class FinetuneConfig:
         check("epochs" not in self.train, "finetune.train.epochs",
               "fine-tuning is counted in steps (Table 4): set finetune.train.max_steps")
         # The recipe at its own rate, or at every rate of the grid a sweep may give it (end_lr <= base_lr, ...).
-        for lr in (None,) if "base_lr" in self.train else self.grid() or (None,):
-            self.train_config(lr).validate("finetune.train")
+        rates: tuple[float | None, ...] = (None,) if "base_lr" in self.train else self.grid() or (None,)
+        for rate in rates:
+            self.train_config(rate).validate("finetune.train")
         # The dataset is the finetune and sweep stages' to require (a pipeline without them needs none).
         data = self.data_config()
         replace(data, url=data.url or "unset").validate("finetune.data")

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -40,10 +40,10 @@ from vitscale.train.engine import (
 )
 from vitscale.train.evaluate import Polyak, accuracy
 from vitscale.train.faults import maybe_die
-from vitscale.train.job import TrainJob
+from vitscale.train.job import EvalSet, TrainJob
 from vitscale.train.losses import classification_loss
 from vitscale.train.metrics import MetricsSink, StepMetrics, TensorBoardLog, mfu, peak_flops, progress_line
-from vitscale.train.optim import derive_batch, lr_at, param_groups, schedule_length
+from vitscale.train.optim import Decay, derive_batch, lr_at, param_groups, schedule_length
 
 ReportFn = Callable[[dict[str, Any], "Path | None"], None]
 
@@ -152,7 +152,7 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         t0 = time.perf_counter()
         data_wait = 0.0
         lr = lr_at(step, base_lr=train.base_lr, total_steps=total_steps, warmup_steps=train.warmup_steps,
-                   decay=train.lr_decay, end_lr=train.end_lr)
+                   decay=cast(Decay, train.lr_decay), end_lr=train.end_lr)
         set_lr(engine, lr)
         step_loss = torch.zeros((), device=device)
         keys: list[str] = []
@@ -223,7 +223,8 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
             new_state = ckpt.TrainState(step=step, examples_seen=examples, flops=flops, world_size=ctx.world_size,
                                         skipped_steps=skipped, first_skipped_step=first_skipped)
             t_save = time.perf_counter()
-            _save_and_report(engine, ctx, new_state, _stream_checkpoint(stream, step, steps_per_epoch, per_rank_step, data.seed),
+            stream_state = _stream_checkpoint(stream, step, steps_per_epoch, per_rank_step, data.seed)
+            _save_and_report(engine, ctx, new_state, stream_state,
                              job.config_yaml, {**_report_metrics(metrics), "skipped_steps": skipped,
                                                "checkpoint_score": checkpoint_score(step, first_skipped), **scores},
                              polyak)
@@ -282,7 +283,7 @@ def _evaluate(job: TrainJob, engine: Any, polyak: Polyak | None, ctx: WorkerCont
     with whole_weights(engine) as model:
         if ctx.rank == 0:
             for eval_set in job.evals:
-                def measure(m: torch.nn.Module) -> float:
+                def measure(m: torch.nn.Module, eval_set: EvalSet = eval_set) -> float:
                     return accuracy(m, eval_set, resolution=job.model.img_size, batch_size=job.eval_batch,
                                     device=device, dtype=dtype, endpoint_url=job.data.endpoint_url,
                                     error_budget=job.data.error_budget)
@@ -346,6 +347,8 @@ def _restore(engine: Any, ctx: WorkerContext, polyak: Polyak | None,
     """Load the checkpoint; (train state, this rank's saved stream state)."""
     from vitscale.train.resume import refuse_changed_run
 
+    if ctx.resume_from is None:
+        raise RuntimeError("_restore called without a checkpoint to resume from")
     directory = Path(ctx.resume_from)
     # The last line of defence against resuming a changed run (the driver checks first when it can
     # read the run's storage), before any state is loaded.
@@ -382,7 +385,7 @@ class _SamplesLog:
     def __init__(self, ctx: WorkerContext):
         directory = ctx.run_dir / "samples"
         directory.mkdir(parents=True, exist_ok=True)
-        self.file = open(directory / f"rank{ctx.rank}.jsonl", "a")
+        self.file = open(directory / f"rank{ctx.rank}.jsonl", "a")  # noqa: SIM115 -- appended to per step, closed with the run
 
     def write(self, step: int, keys: list[str]) -> None:
         self.file.write(json.dumps({"step": step, "keys": keys}) + "\n")

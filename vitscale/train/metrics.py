@@ -169,7 +169,7 @@ def peak_flops(device_name_or_value: str | float | None, *, device_name: str | N
     if device_name_or_value is None:
         return None
     if isinstance(device_name_or_value, bool):
-        raise ValueError(f"peak_flops must be 'auto', a GPU name or FLOP/s, got {device_name_or_value!r}")  # noqa: TRY004 -- a config value, checked as ValueError like every other
+        raise ValueError(f"peak_flops must be 'auto', a GPU name or FLOP/s, got {device_name_or_value!r}")
     if isinstance(device_name_or_value, str):
         text = device_name_or_value.strip()
         try:
@@ -258,7 +258,8 @@ class MetricsSink:
         if port is not None:
             started = start_http_server(port, addr=addr, registry=self.registry)
             if started is None:  # prometheus-client < 0.20 returns nothing: the server could never stop
-                raise RuntimeError("MetricsSink needs prometheus-client >= 0.20 (start_http_server must return the server)")
+                raise RuntimeError("MetricsSink needs prometheus-client >= 0.20 "
+                                   "(start_http_server must return the server)")
             self._server, self._thread = started
             self.port = int(self._server.server_port)
 
@@ -272,16 +273,19 @@ class MetricsSink:
             "lr": Gauge("vitscale_learning_rate", "Learning rate of the last step.", labels, registry=r),
             "grad_norm": Gauge("vitscale_grad_norm", "Global gradient norm before clipping.", labels, registry=r),
             "images_per_s": Gauge(
-                "vitscale_images_per_second", "Training examples per second in the last step (all ranks).", labels, registry=r
+                "vitscale_images_per_second", "Training examples per second in the last step (all ranks).", labels,
+                registry=r,
             ),
         }
         self._mfu = Gauge("vitscale_mfu_ratio", "Model FLOPs utilisation (0-1) vs dense bf16 peak.", labels, registry=r)
         self._h = {
             "step_time_s": Histogram(
-                "vitscale_step_seconds", "Wall time per optimiser step.", labels, buckets=_SECONDS_BUCKETS, registry=r
+                "vitscale_step_seconds", "Wall time per optimiser step.", labels, buckets=_SECONDS_BUCKETS,
+                registry=r,
             ),
             "data_wait_s": Histogram(
-                "vitscale_data_wait_seconds", "Time per step waiting for input.", labels, buckets=_SECONDS_BUCKETS, registry=r
+                "vitscale_data_wait_seconds", "Time per step waiting for input.", labels, buckets=_SECONDS_BUCKETS,
+                registry=r,
             ),
             "compute_s": Histogram(
                 "vitscale_compute_seconds", "Time per step in forward, backward and update.", labels,
@@ -292,16 +296,19 @@ class MetricsSink:
         self._examples = Counter("vitscale_examples_seen", "Examples consumed since the run began.", labels, registry=r)
         self._flops = Counter("vitscale_train_flops", "Training FLOPs since the run began.", labels, registry=r)
         self._skipped = Counter(
-            "vitscale_skipped_samples", "Samples skipped (undecodable or invalid), by shard.", (*labels, "shard"), registry=r
+            "vitscale_skipped_samples", "Samples skipped (undecodable or invalid), by shard.", (*labels, "shard"),
+            registry=r,
         )
-        self._nonfinite = Counter("vitscale_nonfinite_loss", "Steps whose loss was NaN or infinite.", labels, registry=r)
+        self._nonfinite = Counter("vitscale_nonfinite_loss", "Steps whose loss was NaN or infinite.", labels,
+                                  registry=r)
         self._nonfinite.labels(self.run, str(self.rank))  # at 0 from the start, so increase() sees the first one
         self._ckpt_time = Histogram(
             "vitscale_checkpoint_seconds", "Wall time to save one checkpoint (this rank's part).", labels,
             buckets=_CHECKPOINT_BUCKETS, registry=r,
         )
         self._ckpt_last = Gauge(
-            "vitscale_last_checkpoint_timestamp_seconds", "Unix time the last checkpoint save finished.", labels, registry=r
+            "vitscale_last_checkpoint_timestamp_seconds", "Unix time the last checkpoint save finished.", labels,
+            registry=r,
         )
 
     def _advance(self, key: str, counter_child: Counter, cumulative: float) -> None:

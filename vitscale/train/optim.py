@@ -142,7 +142,8 @@ def split_decay(model: nn.Module) -> tuple[list[str], list[str]]:
     else:
         excluded = lambda n: n.rsplit(".", 1)[-1] in DEFAULT_NO_DECAY_NAMES  # noqa: E731
 
-    decay, no_decay = [], []
+    decay: list[str] = []
+    no_decay: list[str] = []
     for name, p in named:
         (no_decay if p.ndim <= 1 or excluded(name) else decay).append(name)
     return decay, no_decay

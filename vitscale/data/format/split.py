@@ -7,6 +7,7 @@ See the package docstring (`vitscale.data.format`) for the contract.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import tempfile
 from collections import Counter
@@ -156,6 +157,12 @@ class OpenDataset:
         return out
 
 
+
+def _remove(path: str) -> None:
+    """Delete a temporary file at exit if it is still there."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
 def _local_index_path(storage: Storage) -> str:
     """A local file path for the index: the file itself, or a temp copy of a remote one."""
     if isinstance(storage, LocalStorage):
@@ -164,7 +171,7 @@ def _local_index_path(storage: Storage) -> str:
             raise DatasetError(f"no index at {path}: rewrite the dataset with `vitscale shards write`")
         return path
     fd, path = tempfile.mkstemp(prefix="vitscale-index-", suffix=".parquet")
-    atexit.register(lambda: os.path.exists(path) and os.unlink(path))
+    atexit.register(_remove, path)
     try:
         with os.fdopen(fd, "wb") as dst, storage.open_read(INDEX_NAME) as src:
             while chunk := src.read(8 << 20):  # streamed: a JFT-sized index never sits in memory

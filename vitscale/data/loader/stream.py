@@ -170,10 +170,10 @@ class _EpochBatches(IterableDataset):
                 skipped.append((requests[i][0], keys[i], str(exc)))
         if not valid.all():
             survivors = np.flatnonzero(valid)
-            for j, i in enumerate(np.flatnonzero(~valid)):
+            for j, bad in enumerate(np.flatnonzero(~valid).tolist()):
                 if survivors.size:  # keep the batch shape: refill with a surviving sample
                     src = int(survivors[j % survivors.size])
-                    pixels[i], labels[i], keys[i] = pixels[src], labels[src], keys[src]
+                    pixels[bad], labels[bad], keys[bad] = pixels[src], labels[src], keys[src]
                 else:
                     pixels[i], labels[i] = 0, []
         if ds.multi_label:

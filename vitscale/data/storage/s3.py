@@ -204,7 +204,7 @@ class S3Storage(Storage):
 
     def open_read(self, name: str) -> BinaryIO:
         raw = _S3RawStream(self, name, self.size(name))
-        return io.BufferedReader(raw, buffer_size=1024 * 1024)  # type: ignore[return-value]
+        return io.BufferedReader(raw, buffer_size=1024 * 1024)
 
     def exists(self, name: str) -> bool:
         try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import resource
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ def measure(
     """
     positive(seconds, "seconds")
 
-    def forever() -> Iterator[Any]:
+    def forever() -> Generator[Any, None, None]:
         for _ in itertools.count():
             got = False
             for batch in make_batches():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import tarfile
+from collections.abc import Set as AbstractSet
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -77,7 +78,7 @@ def verify_dataset(url: str, *, endpoint_url: str | None = None, progress: bool 
     index_labels = meta.extra.get(LABEL_SOURCE) == "index"
     stray = sorted(n for n in storage.list() if n.endswith(".tar") and n not in listed)
     problems += [f"{n}: shard not listed in {META_NAME}" for n in stray]
-    indexed = {}
+    indexed: dict[str, int] = {}
     for r in idx.values():
         indexed[r["shard"]] = indexed.get(r["shard"], 0) + 1
     for name in sorted(set(indexed) - set(listed)):
@@ -97,7 +98,7 @@ def verify_dataset(url: str, *, endpoint_url: str | None = None, progress: bool 
 
 def _verify_shard(
     storage: Storage, name: str, split: str, sh: ShardMeta, idx: dict[tuple[str, str], dict[str, Any]],
-    n_indexed: int, num_classes: int, left_out: set[tuple[str, str]] = frozenset(), index_labels: bool = False,
+    n_indexed: int, num_classes: int, left_out: AbstractSet[tuple[str, str]] = frozenset(), index_labels: bool = False,
 ) -> list[str]:
     problems: list[str] = []
     try:
@@ -108,7 +109,7 @@ def _verify_shard(
         hr = _HashingReader(f)
         count = 0
         try:
-            for s in iter_shard(io.BufferedReader(hr, 1 << 20)):  # type: ignore[arg-type]
+            for s in iter_shard(io.BufferedReader(hr, 1 << 20)):
                 if (name, s.key) in left_out:
                     continue
                 count += 1

@@ -169,8 +169,8 @@ class ShardWriter:
         # Open for the shard's whole life (samples arrive one call at a time); finish_shard closes both.
         self._tmp = tempfile.NamedTemporaryFile(prefix="vitscale-shard-", suffix=".tar", delete=False)  # noqa: SIM115
         self._hf = _HashingFile(self._tmp)
-        self._tar = tarfile.open(  # noqa: SIM115
-            fileobj=self._hf, mode="w", format=tarfile.PAX_FORMAT  # type: ignore[arg-type]
+        self._tar = tarfile.open(  # type: ignore[call-overload]  # noqa: SIM115 -- a file-like the stubs do not know
+            fileobj=self._hf, mode="w", format=tarfile.PAX_FORMAT
         )
         self._count = 0
 
