@@ -66,7 +66,7 @@ def test_export_refuses_a_planted_payload(tmp_path: Path, capsys: pytest.Capture
 
 
 def test_probe_refuses_a_planted_payload(tmp_path: Path) -> None:
-    from vitscale.eval.checkpoint_probe import load_model
+    from vitscale.train.weights import load_model
     from vitscale.train.engine import UnsafeCheckpoint
 
     directory, marker = _checkpoint_with(tmp_path, "mp_rank_00_model_states.pt")

@@ -1,15 +1,8 @@
 """`vitscale fewshot CHECKPOINT --data SHARDS`: the few-shot probe of any checkpoint, in this process.
 
-No Ray: the model runs on this machine's GPU (or CPU). What it reads (:func:`load_model`):
-
-- a vitscale run directory or training checkpoint directory (the newest complete checkpoint,
-  its ZeRO shards consolidated by `train/export.py`), probed at the size it was trained at;
-- a vitscale export (``.pt`` / ``.pth`` / ``.safetensors`` with a vitscale header): rebuilt from
-  its header; ``img_size`` rebuilds it at another size (position embeddings resampled);
-- an official ``.npz`` or a timm state dict: the architecture is not in the file, so it needs
-  ``model_name`` (``--model ViT-B/16``) and, unless 224, ``img_size`` (``--img-size``). The head's
-  class count and a pre-logits layer are read from the file, so the representation is the one
-  the file was trained with.
+No Ray: the model runs on this machine's GPU (or CPU). It reads whatever `train/weights.py`
+(:func:`~vitscale.train.weights.load_model`) reads: a run or training checkpoint (probed at the size
+it was trained at), a vitscale export, an official ``.npz`` or a timm state dict.
 """
 
 from __future__ import annotations
@@ -20,131 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from vitscale.config.location import is_url
 from vitscale.eval.config import FewshotConfig
 from vitscale.eval.probe import check_probe_datasets, fewshot_probe
-
-DEFAULT_IMG_SIZE = 224
-
-
-def _file_head(fmt: str, raw: Mapping[str, Any]) -> tuple[int | None, int | None]:
-    """(classifier outputs, pre-logits width) stored in an npz / timm file; None where absent."""
-    if fmt == "npz":
-        raw = {k.removeprefix("ResNet/"): v for k, v in raw.items()}
-        head = raw.get("head/kernel", raw.get("resnet/head/conv2d/kernel"))
-        rep = raw.get("pre_logits/kernel")
-        return (int(head.shape[-1]) if head is not None else None,
-                int(rep.shape[-1]) if rep is not None else None)
-    head = raw.get("head.weight", raw.get("head.fc.weight"))
-    rep = raw.get("pre_logits.fc.weight")
-    return (int(head.shape[0]) if head is not None else None,
-            int(rep.shape[0]) if rep is not None else None)
-
-
-def load_model(path: str | Path, *, model_name: str | None = None, img_size: int | None = None,
-               resolution: int | None = None,
-               model_options: Mapping[str, Any] | None = None) -> tuple[nn.Module, dict[str, Any]]:
-    """(model with the checkpoint's weights, facts) from any checkpoint the probe reads (module docstring).
-
-    Args:
-        model_name: the architecture of an npz / timm file (a vitscale checkpoint names its own;
-            given anyway, it must agree).
-        img_size: the input size an npz / timm file was trained at (default 224; vitscale
-            checkpoints know theirs; given anyway, it must agree).
-        model_options: options of an npz / timm file's architecture (`create_model`'s keyword
-            arguments, as a pipeline's `model:` section: depth, width, classifier, ...); vitscale
-            checkpoints name their own.
-        resolution: the size to probe at (default: the checkpoint's own). A ViT read from a file is
-            built at it, its position embeddings resampled from the file's grid; a training
-            checkpoint is probed only at its own size (`vitscale export` it first).
-
-    Returns:
-        facts: ``checkpoint`` (the file or checkpoint directory read), ``format`` ("run",
-        "vitscale", "npz", "timm"), ``model`` (name), ``img_size`` (the size the model takes now),
-        ``step`` (training step, runs only), ``notes`` (what loading changed: resampling, head).
-
-    Raises:
-        FileNotFoundError: no such file or directory, or a directory with no checkpoint.
-        ValueError: an unreadable file, an npz/timm file without ``model_name``, a ``model_name`` or
-            ``img_size`` that contradicts a vitscale checkpoint, weights that do not fit the model.
-    """
-    from vitscale.config.errors import UserError
-
-    try:
-        return _load_model(path, model_name=model_name, img_size=img_size, resolution=resolution,
-                           model_options=dict(model_options or {}))
-    except UserError:
-        raise
-    except ValueError as exc:
-        # Reading a file the user named (models/checkpoints.py) or parsing a model name they typed:
-        # the error is about that file or name, so it is theirs to fix and shown as one line.
-        raise UserError("; ".join(line.strip() for line in str(exc).splitlines() if line.strip())) from exc
-
-
-def _load_model(path: str | Path, *, model_name: str | None, img_size: int | None,
-                resolution: int | None, model_options: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
-    from vitscale.models.checkpoints import load_pretrained, read_checkpoint
-    from vitscale.models.factory import create_from_meta, create_model
-    from vitscale.models.variants import parse_model_name
-
-    def agree(what: str, given: Any, actual: Any, where: str) -> None:
-        if given is not None and given != actual:
-            raise ValueError(f"{where} is a {actual} {what}, not {given}; --model and --img-size are for "
-                             "npz and timm files, which do not say")
-
-    from vitscale.train.export import local_weights
-
-    p = local_weights(path)  # a path as it is; from object storage, a local copy
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: no such checkpoint file or run directory")
-    if model_options and p.is_dir():
-        raise ValueError(f"{p} is a run: it names its own model; --option is for npz and timm files")
-    if p.is_dir():
-        from vitscale.train.export import find_checkpoint, model_from_checkpoint
-
-        checkpoint = find_checkpoint(p)
-        model, _, facts = model_from_checkpoint(checkpoint)
-        agree("model", model_name and parse_model_name(model_name).name, facts["model"], str(checkpoint))
-        agree("pixel model", img_size, facts["img_size"], str(checkpoint))
-        spec: Any = model.spec
-        if resolution not in (None, facts["img_size"]) and spec.family != "resnet":
-            raise ValueError(f"{checkpoint} takes {facts['img_size']}-pixel images, not --resolution {resolution}: "
-                             f"the probe does not resample position embeddings of a training checkpoint; "
-                             f"`vitscale export` it and probe the file with --resolution {resolution}")
-        return model, {"checkpoint": str(checkpoint), "format": "run", "model": facts["model"],
-                       "img_size": facts["img_size"], "step": facts["step"], "notes": []}
-
-    try:
-        fmt, raw, meta = read_checkpoint(p)
-    except ValueError as exc:  # torch's unpickling errors run to several paragraphs: the first line says it
-        raise ValueError(str(exc).splitlines()[0]) from exc
-    if fmt == "vitscale":
-        if model_options:
-            raise ValueError(f"{p} is a vitscale export: it names its own model; --option is for npz and timm files")
-        meta = dict(meta or {})
-        agree("model", model_name and parse_model_name(model_name).name, meta.get("name"), str(p))
-        agree("pixel model", img_size, meta.get("img_size"), str(p))
-        del raw
-        # Rebuilt at the probe's size: load_pretrained resamples the position embeddings.
-        model = create_from_meta({**meta, "img_size": resolution or meta.get("img_size")})
-    else:
-        if model_name is None:
-            raise ValueError(f"{p} is an {fmt} checkpoint without a vitscale header: name its architecture "
-                             "with --model (e.g. --model ViT-B/16) and, unless 224, its input size with --img-size")
-        spec = parse_model_name(model_name)
-        num_classes, rep = _file_head(fmt, raw)
-        del raw
-        options: dict[str, Any] = {}
-        if rep is not None and spec.family != "resnet":
-            options["representation_size"] = rep  # probe the pre-logits the file was trained with
-        model = create_model(spec.name, num_classes=num_classes or 1,
-                             img_size=resolution or img_size or DEFAULT_IMG_SIZE, **{**options, **model_options})
-    report = load_pretrained(model, p)
-    built: Any = model  # create_model's plain attributes (spec, img_size), which nn.Module's typing hides
-    return model, {"checkpoint": str(p), "format": fmt, "model": built.spec.name, "img_size": int(built.img_size),
-                   "step": None, "notes": [*report.resampled, *report.notes]}
+from vitscale.train.weights import load_model
 
 
 def fewshot_checkpoint(path: str | Path, fewshot: Mapping[str, Any], *, model_name: str | None = None,

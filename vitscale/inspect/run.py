@@ -12,7 +12,7 @@ Writes to DIR, each figure with the numbers behind it (Sec. 4.5, App. D.7-D.8):
   patches of each sample image (Figure 6);
 - ``inspect.json``: what was read, what was written, and notes on what was skipped and why.
 
-The checkpoint is read as `vitscale fewshot` reads it (:func:`vitscale.eval.checkpoint_probe.load_model`).
+The checkpoint is read as `vitscale fewshot` reads it (:func:`vitscale.train.weights.load_model`).
 """
 
 from __future__ import annotations
@@ -142,8 +142,8 @@ def inspect_checkpoint(path: str | Path, images: str, out: str | Path, *, count:
         split, a ResNet (inspect analyses ViTs and hybrids).
     """
     from vitscale.data.tools.progress import Progress
-    from vitscale.eval.checkpoint_probe import load_model
     from vitscale.models.variants import parse_model_name
+    from vitscale.train.weights import load_model
 
     bar = Progress(5, f"inspect {path}", unit="step", enabled=progress)
     if model_name is not None and parse_model_name(model_name).family == "resnet":
