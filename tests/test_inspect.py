@@ -321,3 +321,20 @@ def test_bad_arguments_are_one_line_errors(images: str, tmp_path: Path, capsys: 
     assert "'val' is not a split" in _error(capsys, vit, "--images", images, "--out", out, "--split", "val")
     assert "--images: no dataset" in _error(capsys, vit, "--images", str(tmp_path / "nothing"), "--out", out)
     assert "no such checkpoint" in _error(capsys, str(tmp_path / "missing.pt"), "--images", images, "--out", out)
+
+
+def test_an_npz_file_of_a_changed_architecture_is_read_with_option(images: str, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """`--option` builds the file's architecture where it differs from the named variant (as fewshot's does)."""
+    from vitscale.models import export_npz
+
+    torch.manual_seed(0)
+    model = create_model("ViT-Ti/16", num_classes=3, img_size=SIZE, depth=2)
+    export_npz(model, tmp_path / "vit.npz")
+    argv = [str(tmp_path / "vit.npz"), "--model", "ViT-Ti/16", "--img-size", str(SIZE), "--images", images,
+            "--count", "2"]
+    assert main(["inspect", *argv, "--out", str(tmp_path / "two"), "--option", "depth=2"]) == 0
+    layers = pq.read_table(tmp_path / "two" / "attention_distance.parquet").to_pandas().layer.nunique()
+    assert layers == 2
+    capsys.readouterr()
+    assert main(["inspect", *argv, "--out", str(tmp_path / "twelve")]) != 0  # 12 layers expected, 2 in the file

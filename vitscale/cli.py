@@ -158,11 +158,15 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from vitscale.config.loader import apply_override
     from vitscale.inspect.run import inspect_checkpoint
 
+    options: dict[str, Any] = {}
+    for item in args.option:  # YAML values, as a pipeline's `model:` section reads them
+        options = apply_override(options, item)
     report = inspect_checkpoint(args.checkpoint, args.images, args.out, count=args.count, split=args.split,
                                 model_name=args.model, img_size=args.img_size, endpoint_url=args.endpoint_url,
-                                progress=True)
+                                progress=True, model_options=options)
     if args.json:
         _print_json(report)
     else:
@@ -388,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="train", help="split the images are read from (default: train)")
     p.add_argument("--model", default=None, help='architecture of a .npz/timm file, e.g. "ViT-B/16"')
     p.add_argument("--img-size", type=int, default=None, help="resolution the .npz/timm file was trained at (224)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a model option of the .npz/timm file's architecture, as in a pipeline's model: section "
+                        "(e.g. depth=6, classifier=gap; repeatable)")
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint URL")
     p.add_argument("--json", action="store_true", help="print inspect.json's content instead of a summary")
 

@@ -18,6 +18,7 @@ The checkpoint is read as `vitscale fewshot` reads it (:func:`vitscale.train.wei
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +129,7 @@ def _attention(model: Any, images: Any, out: Path, name: str, img_size: int,
 def inspect_checkpoint(path: str | Path, images: str, out: str | Path, *, count: int = 8, split: str = "train",
                        model_name: str | None = None, img_size: int | None = None,
                        endpoint_url: str | None = None, device: torch.device | None = None,
-                       progress: bool = False) -> dict[str, Any]:
+                       progress: bool = False, model_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Write every analysis of the checkpoint at `path` on `count` images of `images` into `out`.
 
     `progress` shows the steps (read, images, filters, positions, attention) on stderr as they finish.
@@ -148,7 +149,7 @@ def inspect_checkpoint(path: str | Path, images: str, out: str | Path, *, count:
     bar = Progress(5, f"inspect {path}", unit="step", enabled=progress)
     if model_name is not None and parse_model_name(model_name).family == "resnet":
         raise resnet_refusal(parse_model_name(model_name).name)  # before a large file is read
-    model, facts = load_model(path, model_name=model_name, img_size=img_size)
+    model, facts = load_model(path, model_name=model_name, img_size=img_size, model_options=model_options)
     vit = check_inspectable(model)
     bar.update()
     name, size = f"{facts['model']} ({facts['img_size']} px)", int(facts["img_size"])
