@@ -11,8 +11,8 @@ import torch
 from vitscale.data.tools.write import write_dataset
 from vitscale.stages import build_pipeline
 from vitscale.stages.pretrain import pretraining_job
-from vitscale.train.job import TrainJob
 from vitscale.train.checkpoint import check_complete
+from vitscale.train.job import TrainJob
 
 pytest.importorskip("deepspeed")
 

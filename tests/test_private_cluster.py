@@ -19,6 +19,7 @@ import boto3
 import pytest
 import torch
 import yaml
+
 from private_cluster import RAY, PrivateCluster
 
 pytestmark = pytest.mark.slow

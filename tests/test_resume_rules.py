@@ -10,8 +10,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vitscale.config.checks import ConfigError
-from vitscale.train.resume import (ABSENT, FINETUNE_SCOPE, PRETRAIN_SCOPE, RESUME_MAY_CHANGE, changed_keys, flatten,
-                                   refuse_changed_run)
+from vitscale.train.resume import (
+    ABSENT,
+    FINETUNE_SCOPE,
+    PRETRAIN_SCOPE,
+    RESUME_MAY_CHANGE,
+    changed_keys,
+    flatten,
+    refuse_changed_run,
+)
 
 leaf = st.one_of(st.integers(-5, 5), st.floats(allow_nan=False), st.text(max_size=3), st.booleans(), st.none(),
                  st.lists(st.integers(0, 3), max_size=3))

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import boto3
 import pytest
-from s3_faults import FaultProxy
 
+from s3_faults import FaultProxy
 from vitscale.cli import main
 from vitscale.data.format import read_index
 from vitscale.data.loader.stream import ShardStream

@@ -10,8 +10,8 @@ from pathlib import Path
 import boto3
 import pytest
 import yaml
-from s3_faults import FaultProxy
 
+from s3_faults import FaultProxy
 from vitscale.data.storage.lease import LEASE_NAME
 from vitscale.train import checkpoint as ckpt
 
