@@ -44,7 +44,6 @@ from torch.utils.data import DataLoader, Dataset
 from vitscale.data.loader.stream import ShardStream
 from vitscale.data.tools.bench import measure
 
-
 # ----------------------------------------------------------------------------- synthetic photos
 
 
@@ -81,7 +80,7 @@ def rrc_box(width: int, height: int, rng: random.Random) -> tuple[int, int, int,
     for _ in range(10):
         target = area * rng.uniform(0.08, 1.0)
         aspect = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
-        w, h = int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect)))
+        w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
         if 0 < w <= width and 0 < h <= height:
             x, y = rng.randint(0, width - w), rng.randint(0, height - h)
             return x, y, w, h
@@ -211,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"workers": args.workers, "resolution": args.resolution, "results": results}, indent=2))
     else:
         print(f"\nworkers={args.workers} resolution={args.resolution} batch={args.batch_size}")
-        print(f"| loader | images/s per core | images/s (wall) | x per core vs webdataset+PIL | x wall |")
+        print("| loader | images/s per core | images/s (wall) | x per core vs webdataset+PIL | x wall |")
         print("|---|---|---|---|---|")
         for name, v in results.items():
             print(f"| {name} | {v['images_per_cpu_s']:.1f} | {v['images_per_s']:.1f} | "

@@ -56,9 +56,9 @@ def _init_process_group() -> None:
 
 
 def bench_model(name: str, *, batch: int, steps: int, zero_stage: int, device: torch.device) -> dict:
-    from vitscale.train.config import TrainConfig
     from vitscale.models import create_model
     from vitscale.scaling.flops import forward_flops
+    from vitscale.train.config import TrainConfig
     from vitscale.train.engine import build_engine, deepspeed_config
     from vitscale.train.losses import classification_loss
     from vitscale.train.optim import derive_batch, param_groups

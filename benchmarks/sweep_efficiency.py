@@ -115,7 +115,8 @@ def pipeline(work: Path, name: str, scheduler: str, data: str, weights: str, arg
                                **({"eval_every": max(1, args.steps // 16)} if scheduler == "grid" else {})}},
         "sweep": {"scheduler": scheduler, "workers_per_trial": 1, "retrain": False,
                   **({"grace_period": args.grace} if args.grace and scheduler == "asha" else {}),
-                  **({"reduction_factor": args.reduction_factor} if args.reduction_factor and scheduler == "asha" else {})},
+                  **({"reduction_factor": args.reduction_factor}
+                     if args.reduction_factor and scheduler == "asha" else {})},
         "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "max_failures": 0,
                     "local_num_cpus": args.cpus, "storage_path": str(work / "runs")},
     }
@@ -144,7 +145,8 @@ def trials(run_dir: Path) -> list[dict[str, Any]]:
     reports = tune_reports(run_dir)
     return [{"lr": float(r["finetune.train.base_lr"]), "steps": int(r["steps"]) if r["steps"] == r["steps"] else 0,
              "dev_accuracy": None if r["metric"] != r["metric"] else float(r["metric"]), "status": r["status"],
-             "dev_curve": {step: acc for _, step, acc in reports.get(float(r["finetune.train.base_lr"]), []) if acc is not None},
+             "dev_curve": {step: acc for _, step, acc in reports.get(float(r["finetune.train.base_lr"]), [])
+                           if acc is not None},
              "reports": reports.get(float(r["finetune.train.base_lr"]), [])}
             for r in table.to_dict("records")]
 
@@ -205,7 +207,8 @@ def summarise(grid: list[dict[str, Any]], asha: list[dict[str, Any]], args: argp
         "grid_best_dev_accuracy": g["dev_accuracy"], "grid_best_lr": g["lr"],
         "asha_best_dev_accuracy": a["dev_accuracy"], "asha_best_lr": a["lr"],
         "asha_reached_grid_best": a["dev_accuracy"] >= g["dev_accuracy"], "asha_within_tolerance": reached,
-        "tolerance": TOLERANCE, "target_fraction": TARGET, "meets_target": to_reach_fraction is not None and to_reach_fraction <= TARGET,
+        "tolerance": TOLERANCE, "target_fraction": TARGET,
+        "meets_target": to_reach_fraction is not None and to_reach_fraction <= TARGET,
         "seconds": seconds, "trials": {"grid": grid, "asha": asha},
     }
 
@@ -254,7 +257,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="global batch (one worker)")
     parser.add_argument("--lrs", type=float, nargs="+", default=LRS, help="the learning-rate grid")
     parser.add_argument("--grace", type=int, default=None, help="ASHA's grace period in steps (default: the stage's)")
-    parser.add_argument("--reduction-factor", type=int, default=None, help="ASHA's reduction factor (default: the stage's)")
+    parser.add_argument("--reduction-factor", type=int, default=None,
+                        help="ASHA's reduction factor (default: the stage's)")
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 2, help="CPUs of the local Ray")
     parser.add_argument("--work", type=Path, default=None, help="working folder (default: a temporary one)")
     parser.add_argument("--reuse", action="store_true",

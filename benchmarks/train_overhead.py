@@ -49,8 +49,8 @@ def vitscale_step_seconds(model_name: str, img_size: int, batch: int, steps: int
                           num_classes: int) -> dict[str, float]:
     import ray
 
-    from vitscale.stages import build_pipeline
     from vitscale.data.tools.write import write_dataset
+    from vitscale.stages import build_pipeline
     from vitscale.stages.run import run_pipeline
 
     data = workdir / "data"

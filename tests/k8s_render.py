@@ -32,7 +32,7 @@ def kubectl() -> str:
     return found
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _render(directory: str) -> str:
     done = subprocess.run([kubectl(), "kustomize", directory], capture_output=True, text=True, timeout=120)
     if done.returncode != 0:

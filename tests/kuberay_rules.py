@@ -33,7 +33,7 @@ def cluster_spec_problems(spec: dict[str, Any]) -> list[str]:
         low, high = group.get("minReplicas"), group.get("maxReplicas")
         if not autoscaling and (low is None or high is None):
             problems.append(f"worker group {name} must set both minReplicas and maxReplicas when autoscaling is disabled")
-        if low is not None and low < 0 or high is not None and high < 0:
+        if (low is not None and low < 0) or (high is not None and high < 0):
             problems.append(f"worker group {name} has negative minReplicas or maxReplicas")
         if low is not None and high is not None and low > high:
             problems.append(f"worker group {name} has minReplicas {low} greater than maxReplicas {high}")

@@ -39,7 +39,7 @@ class FaultProxy:
         self.fault_rate, self.methods, self.slow_s = fault_rate, methods, slow_s
         self.random_faults = random_faults
         self.rng, self.lock = random.Random(seed), threading.Lock()
-        self.counts = {"ok": 0, **{f: 0 for f in FAULTS}}
+        self.counts = {"ok": 0, **dict.fromkeys(FAULTS, 0)}
         self.faulted_methods: dict[str, int] = {}
         self.log: list[tuple[str, str, str]] = []
         self._queue: deque[tuple[str, tuple[str, ...], str]] = deque()

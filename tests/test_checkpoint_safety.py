@@ -25,7 +25,7 @@ class Payload:
     def __init__(self, marker: Path):
         self.marker = str(marker)
 
-    def __reduce__(self):  # noqa: D105
+    def __reduce__(self):
         return (open, (self.marker, "w"))
 
 
@@ -66,8 +66,8 @@ def test_export_refuses_a_planted_payload(tmp_path: Path, capsys: pytest.Capture
 
 
 def test_probe_refuses_a_planted_payload(tmp_path: Path) -> None:
-    from vitscale.train.weights import load_model
     from vitscale.train.engine import UnsafeCheckpoint
+    from vitscale.train.weights import load_model
 
     directory, marker = _checkpoint_with(tmp_path, "mp_rank_00_model_states.pt")
     with pytest.raises(UnsafeCheckpoint, match="refusing to load"):

@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from model_helpers import TINY, X32
+from model_helpers import randomize as _randomize
 from vitscale.models import (
     create_from_checkpoint,
     create_model,
@@ -17,9 +19,6 @@ from vitscale.models import (
     load_pretrained,
     timm_state_dict,
 )
-
-from model_helpers import TINY, X32  # noqa: E402  (tests/ is on sys.path)
-from model_helpers import randomize as _randomize  # noqa: E402
 
 
 def randomize(model: nn.Module, seed: int = 0) -> nn.Module:

@@ -46,9 +46,9 @@ def test_the_drivers_own_lines_pass_and_libraries_go_to_their_log(tmp_path: Path
         out.write("(RayTrainWorker pid=7) [vitscale] step 1/2\n[vitscale] cell 1 done\n")
     with library_output_to(tmp_path / "tune.log", verbose=False):
         assert out.library_log is None  # only filters installed as sys.stdout/stderr are switched
-    out.library_log = open(tmp_path / "tune.log", "a", buffering=1)
-    out.write("== Status ==\n[vitscale] sweep: 2 trials\n(RayTrainWorker pid=9) [vitscale] step 2/2\n")
-    out.library_log.close()
+    with open(tmp_path / "tune.log", "a", buffering=1) as log:
+        out.library_log = log
+        out.write("== Status ==\n[vitscale] sweep: 2 trials\n(RayTrainWorker pid=9) [vitscale] step 2/2\n")
     assert console.getvalue().splitlines() == ["[vitscale] stage pretrain", "the summary table",
                                                "[vitscale] cell 1 done", "[vitscale] sweep: 2 trials",
                                                "[vitscale] step 2/2"]

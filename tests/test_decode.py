@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from conftest_data import tar_records
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from conftest_data import tar_records
 from vitscale.data.loader.decode import decode_image_into
 from vitscale.data.loader.reader import BadSample, parse_label, split_tar_record
 from vitscale.data.loader.transforms import (
@@ -198,7 +198,7 @@ def test_output_buffer_is_checked():
 def test_crop_box_stays_inside_the_image(width, height, index, train):
     spec = TransformSpec(train=train)
     box = crop_box(width, height, spec, sample_rng(0, 0, index))
-    assert 0 <= box.left and 0 <= box.top and box.width > 0 and box.height > 0
+    assert box.left >= 0 and box.top >= 0 and box.width > 0 and box.height > 0
     assert box.left + box.width <= width + 1e-9 and box.top + box.height <= height + 1e-9
     if not train:
         assert math.isclose(box.width, box.height) and not box.flip

@@ -252,7 +252,7 @@ def test_flowers_bad_inputs_are_named(flowers: Path) -> None:
     with pytest.raises(ValueError, match="does not exist") as exc:
         open_source(f"flowers:{flowers}")
     assert "image_00005.jpg" in _one_line(exc) and "tstid" in str(exc.value)
-    savemat(flowers / "imagelabels.mat", {"labels": np.array([[103] + FLOWER_LABELS[1:]], dtype=np.uint8)})
+    savemat(flowers / "imagelabels.mat", {"labels": np.array([[103, *FLOWER_LABELS[1:]]], dtype=np.uint8)})
     with pytest.raises(ValueError, match=r"label 103, outside 1\.\.102") as exc:
         open_source(f"flowers:{flowers}")
     assert str(flowers / "imagelabels.mat") in _one_line(exc)

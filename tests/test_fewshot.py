@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest_data import write_test_dataset
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.linear_model import Ridge
 from torch import nn
 
+from conftest_data import write_test_dataset
 from vitscale.eval.fewshot import (
     BIAS_CONSTANT,
     class_indices,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-
 from pathlib import Path
 
 import pytest
@@ -14,12 +13,11 @@ import torch
 from vitscale.config import ConfigError
 from vitscale.data.carve import Carve
 from vitscale.data.tools.write import write_dataset
-from vitscale.train.config import TrainConfig
-from vitscale.train.finetune import PRESETS, RECIPE, FinetuneConfig, finetune_model
-from vitscale.train.job import final_job, selection_job
 from vitscale.models import ModelConfig, create_model, export_state_dict
 from vitscale.stages import build_pipeline
-from vitscale.train.job import EvalSet, TrainJob
+from vitscale.train.config import TrainConfig
+from vitscale.train.finetune import PRESETS, RECIPE, FinetuneConfig, finetune_model
+from vitscale.train.job import EvalSet, TrainJob, final_job, selection_job
 
 pytest.importorskip("deepspeed")
 

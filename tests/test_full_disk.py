@@ -16,9 +16,9 @@ import numpy as np
 import pyarrow.fs
 import pytest
 import torch
-from checkpoint_helpers import complete_checkpoint
 from PIL import Image
 
+from checkpoint_helpers import complete_checkpoint
 from vitscale.cli import main
 from vitscale.data.storage.space import free_bytes, is_no_space
 from vitscale.train import checkpoint as ckpt
@@ -146,7 +146,7 @@ def test_shards_write_into_a_full_disk_is_one_line_and_leaves_nothing(small_disk
     assert f"no space left on the device of {disk / 'ds'}" in line and "it needs more than" in line, line
     assert sorted(os.listdir(disk / "ds")) == []  # no shard, no index, no marker: nothing taken for a dataset
     # A smaller dataset fits in the same place afterwards.
-    assert main(argv[:5] + ["30"] + argv[6:]) == 0
+    assert main([*argv[:5], "30", *argv[6:]]) == 0
     assert (disk / "ds" / "dataset.json").exists()
 
 
@@ -183,6 +183,7 @@ def test_a_run_whose_disk_fills_stops_in_one_line_and_resumes_once_space_is_free
     import time
 
     import yaml
+
     from ray_runs import kill_tree, start
 
     disk = small_disk(64 * 2**20)

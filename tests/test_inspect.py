@@ -10,14 +10,20 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from model_helpers import TINY
 from PIL import Image
 
+from model_helpers import TINY
 from vitscale.cli import main
 from vitscale.data.tools.write import write_dataset
-from vitscale.inspect.analyses import (attention_rollout, filter_components, mean_attention_distance,
-                                       patch_distances, position_similarity, rollout_map,
-                                       uniform_attention_distance)
+from vitscale.inspect.analyses import (
+    attention_rollout,
+    filter_components,
+    mean_attention_distance,
+    patch_distances,
+    position_similarity,
+    rollout_map,
+    uniform_attention_distance,
+)
 from vitscale.inspect.extract import images_per_pass, patch_filters, position_table
 from vitscale.models import create_model, export_state_dict
 from vitscale.models.factory import model_meta
@@ -298,7 +304,6 @@ def test_a_resnet_is_refused_in_one_line(images: str, tmp_path: Path, capsys: py
 
 def test_sample_images_are_the_first_readable_ones(tmp_path: Path) -> None:
     from conftest_data import write_test_dataset
-
     from vitscale.inspect.images import sample_images
 
     def corrupt(key: str, sample: dict[str, bytes]) -> dict[str, bytes]:

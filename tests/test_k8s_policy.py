@@ -3,7 +3,8 @@ mutated to break it, the way a careless edit would."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 

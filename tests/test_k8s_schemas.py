@@ -4,7 +4,8 @@ and each of those checks rejects an object broken the way it guards against. No 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -36,7 +37,7 @@ def test_the_cluster_template_is_a_valid_raycluster() -> None:
 def test_trimmed_schema_says_where_it_came_from() -> None:
     source = crd_source()
     assert source["repository"] == "github.com/ray-project/kuberay" and source["tag"] == "v1.7.0"
-    assert len(source["commit"]) == 40 and all(p.endswith((".yaml")) for p in source["paths"])
+    assert len(source["commit"]) == 40 and all(p.endswith(".yaml") for p in source["paths"])
 
 
 def _job() -> dict[str, Any]:

@@ -11,11 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from model_helpers import TINY, X32, randomize
 from vitscale.models import create_model, model_meta, model_names, parse_model_name
 from vitscale.models.layers import Attention
 from vitscale.models.resnet import StdConv2d, same_pad_amounts
-
-from model_helpers import TINY, X32, randomize  # noqa: E402  (tests/ is on sys.path)
 
 
 def check_grads(model: nn.Module, x: torch.Tensor, num_classes: int) -> None:

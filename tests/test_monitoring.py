@@ -8,7 +8,6 @@ import json
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 

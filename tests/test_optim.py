@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import re
 
@@ -90,7 +92,7 @@ def test_warmup_longer_than_run_is_a_truncated_ramp(total: int, extra: int, deca
     warm = total + extra
     a = dict(base_lr=1e-3, total_steps=total, warmup_steps=warm, decay=decay)
     values = [lr_at(s, **a) for s in range(0, total + 2, max(1, total // 50))] + [lr_at(total, **a)]
-    assert all(v2 >= v1 for v1, v2 in zip(values, values[1:], strict=False))
+    assert all(v2 >= v1 for v1, v2 in itertools.pairwise(values))
     assert lr_at(total, **a) == pytest.approx(1e-3 * total / warm)
     assert lr_at(total + 100, **a) == lr_at(total, **a)
 
@@ -232,7 +234,7 @@ def test_param_groups_on_project_vit() -> None:
 def test_derive_batch_valid(micro: int, accum: int, world: int) -> None:
     plan = derive_batch(micro * accum * world, micro, world)
     assert plan == BatchPlan(micro_batch=micro, grad_accum_steps=accum, world_size=world, global_batch=micro * accum * world)
-    with pytest.raises(Exception):  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
         plan.micro_batch = 1  # type: ignore[misc]
 
 

@@ -96,8 +96,8 @@ def test_fewshot_stage_probes_the_final_checkpoint(clean_run: dict) -> None:
 
 def test_export_round_trips_through_load_pretrained(clean_run: dict, tmp_path: Path) -> None:
     from vitscale.cli import main
-    from vitscale.train.export import find_checkpoint, model_from_checkpoint
     from vitscale.models import load_pretrained
+    from vitscale.train.export import find_checkpoint, model_from_checkpoint
 
     trained, run_config, facts = model_from_checkpoint(find_checkpoint(clean_run["run_dir"]))
     images = torch.randn(3, 3, 16, 16)
@@ -248,8 +248,8 @@ def test_worker_error_names_the_rank_and_the_cause(local_ray: None, dataset: str
 
     import pyarrow.parquet as pq
 
-    from vitscale.stages.run import run_pipeline
     from vitscale.launch.ray_train import PipelineFailed
+    from vitscale.stages.run import run_pipeline
 
     broken = tmp_path / "broken-data"
     shutil.copytree(dataset, broken)

@@ -106,11 +106,12 @@ def test_write_digits_layout_and_index(digits_ds: str) -> None:
     for r in rows[::97]:
         # One ranged read returns exactly the sample's tar members.
         blob = store.read_range(r["shard"], r["offset"], r["size"])
-        members = {m.name: m for m in tarfile.open(fileobj=io.BytesIO(blob))}
-        tar = tarfile.open(fileobj=io.BytesIO(blob))
+        with tarfile.open(fileobj=io.BytesIO(blob)) as listing:
+            members = {m.name: m for m in listing}
         assert sorted(members) == [f"{r['key']}.cls", f"{r['key']}.jpg"]
-        assert int(tar.extractfile(members[f"{r['key']}.cls"]).read()) == r["labels"][0]  # type: ignore[union-attr]
-        img = Image.open(io.BytesIO(tar.extractfile(members[f"{r['key']}.jpg"]).read()))  # type: ignore[union-attr]
+        with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+            assert int(tar.extractfile(members[f"{r['key']}.cls"]).read()) == r["labels"][0]  # type: ignore[union-attr]
+            img = Image.open(io.BytesIO(tar.extractfile(members[f"{r['key']}.jpg"]).read()))  # type: ignore[union-attr]
         assert img.size == (64, 64) == (r["width"], r["height"])  # digits are not enlarged further
     assert verify_dataset(digits_ds) == []
 
@@ -143,9 +144,9 @@ def test_multilabel_json_members(tmp_path: Path) -> None:
     assert meta["multi_label"]
     r = read_index(out).to_pylist()[3]
     blob = open_storage(out).read_range(r["shard"], r["offset"], r["size"])
-    tar = tarfile.open(fileobj=io.BytesIO(blob))
-    assert tar.getnames() == [f"{r['key']}.jpg", f"{r['key']}.json"]
-    assert json.loads(tar.extractfile(f"{r['key']}.json").read()) == {"labels": r["labels"]}  # type: ignore[union-attr]
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        assert tar.getnames() == [f"{r['key']}.jpg", f"{r['key']}.json"]
+        assert json.loads(tar.extractfile(f"{r['key']}.json").read()) == {"labels": r["labels"]}  # type: ignore[union-attr]
     assert verify_dataset(out) == []
 
 

@@ -38,9 +38,9 @@ def test_data_tools_import_graph_has_no_cycle() -> None:
     def visit(node: str, path: list[str]) -> None:
         state[node] = 1
         for nxt in sorted(graph.get(node, ())):
-            assert state.get(nxt) != 1, f"import cycle: {' -> '.join(path + [node, nxt])}"
+            assert state.get(nxt) != 1, f"import cycle: {' -> '.join([*path, node, nxt])}"
             if nxt not in state:
-                visit(nxt, path + [node])
+                visit(nxt, [*path, node])
         state[node] = 2
 
     for node in sorted(graph):

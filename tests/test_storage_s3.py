@@ -14,8 +14,8 @@ import uuid
 
 import boto3
 import pytest
-from s3_faults import FaultProxy
 
+from s3_faults import FaultProxy
 from vitscale.data.format import read_index, read_meta
 from vitscale.data.storage import RetryPolicy, S3Storage, StorageError, open_storage
 from vitscale.data.tools.scan import iter_shard

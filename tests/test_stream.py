@@ -41,7 +41,7 @@ def _stream(url, **kw) -> ShardStream:
 
 
 def _epoch(stream: ShardStream) -> list[dict]:
-    return [b for b in stream]
+    return list(stream)
 
 
 def _global(key: str) -> int:
@@ -280,6 +280,12 @@ def test_error_budget_count_survives_a_restart(damaged):
     assert i + 1 + resumed == whole
 
 
+def _grow(path: Path, extra: int) -> None:
+    """Append `extra` zero bytes to a shard: a file grown after its dataset.json was written."""
+    with path.open("ab") as f:
+        f.write(b"\0" * extra)
+
+
 def _truncate_without_bytes(root: Path) -> None:
     """A shard cut short in a dataset whose dataset.json gives no shard sizes (third-party writers)."""
     meta = json.loads((root / "dataset.json").read_text())
@@ -309,7 +315,7 @@ def test_broken_datasets_fail_before_training(clean, tmp_path):
         (lambda r: (r / "_index.parquet").write_bytes(b"PAR1 garbage"), "cannot read"),
         # A shard cut short, or grown, is found before training, not when a sample fails to read.
         (lambda r: os.truncate(r / "train-000001.tar", 4096), "train-000001.tar is 4096 bytes, dataset.json says"),
-        (lambda r: open(r / "train-000002.tar", "ab").write(b"\0" * 512), "train-000002.tar is .* bytes, dataset.json"),
+        (lambda r: _grow(r / "train-000002.tar", 512), "train-000002.tar is .* bytes, dataset.json"),
         (_truncate_without_bytes, "train-000001.tar is 4096 bytes, its indexed samples end at byte"),
     ]
     for i, (change, match) in enumerate(cases):

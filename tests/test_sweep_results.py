@@ -20,7 +20,7 @@ def test_a_killed_attempt_counts_and_the_last_does_not() -> None:
 def test_a_replayed_final_report_is_not_counted_twice() -> None:
     # The trial finished (started 1000, finished 1050) before the driver died; the restarted trial
     # reported the same final result again at once.
-    reports = _attempt(1000, [20, 50]) + [{"time_total_s": 0.1, "timestamp": 3000}]
+    reports = [*_attempt(1000, [20, 50]), {"time_total_s": 0.1, "timestamp": 3000}]
     assert earlier_attempts_s(reports, started_at=1000) == 0
 
 
