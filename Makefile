@@ -10,7 +10,7 @@ TORCH_CONSTRAINTS ?= constraints/cpu.txt
 PIP = $(VENV)/bin/python -m pip
 CONSTRAIN = $(if $(TORCH_CONSTRAINTS),-c $(TORCH_CONSTRAINTS))
 
-.PHONY: install install-test-tools quickstart lint test test-fast bench private-cluster
+.PHONY: install install-test-tools quickstart lint test test-fast test-cluster bench private-cluster
 
 # PYTHONWARNINGS=ignore: setuptools' notices about editable installs are for package authors, not for
 # whoever runs this.
@@ -43,6 +43,10 @@ lint: install
 
 test: lint install-test-tools
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
+
+# vitscale on a cluster of nodes with private disks, a whole node SIGKILLed mid-pre-training (needs root).
+test-cluster: install
+	VITSCALE_CLUSTER_E2E=1 $(VENV)/bin/python -m pytest -q tests/test_private_cluster.py
 
 test-fast: install
 	$(VENV)/bin/python -m pytest -q -m "not slow"

@@ -135,14 +135,24 @@ class PrivateCluster:
         self.wait_for_nodes(1 + self.workers, timeout)
         return self
 
-    def add(self, name: str, timeout: float = 180) -> Node:
-        """Bring a worker node (new, or one that was killed) into the cluster with an empty disk."""
+    def add(self, name: str, timeout: float = 180, attempts: int = 3) -> Node:
+        """Bring a worker node (new, or one that was killed) into the cluster with an empty disk.
+
+        A node whose `ray start` gives up (Ray's own start-up deadline, missed on a loaded machine) is
+        started again, up to `attempts` times, as an operator or an autoscaler would.
+        """
         if name in self.nodes and self.nodes[name].alive:
             raise ValueError(f"node {name} is running")
         before = self.alive_node_count()
-        node = self._start_node(name)
-        self.wait_for_nodes(before + 1, timeout)
-        return node
+        for attempt in range(1, attempts + 1):
+            node = self._start_node(name)
+            try:
+                self.wait_for_nodes(before + 1, timeout)
+                return node
+            except TimeoutError:
+                if node.alive or attempt == attempts:
+                    raise
+        raise AssertionError("unreachable")
 
     def kill(self, name: str) -> None:
         """SIGKILL node `name` whole: its raylet, object store, agents and every worker process on it."""
