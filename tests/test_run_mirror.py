@@ -85,3 +85,21 @@ def test_each_writer_pushes_only_its_own_files(storage_url: str, tmp_path: Path)
     storage = open_storage(storage_url)
     assert RunMirror(cache, storage, include=lambda n: "rank1" in n).push() == ["metrics/rank1.jsonl"]
     assert storage.list() == ["metrics/rank1.jsonl"]
+
+
+def test_a_writer_on_a_new_node_continues_its_predecessors_file(storage_url: str, tmp_path: Path) -> None:
+    """Rank 1's node is lost; its successor elsewhere pulls rank 1's records before appending to them."""
+    storage = open_storage(storage_url)
+    mine = lambda n: "rank1" in n  # noqa: E731
+    old = tmp_path / "lost-node"
+    (old / "samples").mkdir(parents=True)
+    (old / "samples" / "rank1.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (old / "samples" / "rank0.jsonl").write_text("rank 0's, not rank 1's\n")
+    RunMirror(old, storage).push()
+    new = tmp_path / "new-node"
+    successor = RunMirror(new, storage, include=mine)
+    assert successor.pull() == ["samples/rank1.jsonl"]  # its own file only
+    with (new / "samples" / "rank1.jsonl").open("a") as f:
+        f.write('{"step": 3}\n')
+    successor.push()
+    assert storage.read_bytes("samples/rank1.jsonl") == b'{"step": 1}\n{"step": 2}\n{"step": 3}\n'

@@ -93,6 +93,9 @@ def _rank_mirror(run_dir: Path, storage: str | None, rank: int) -> RunMirror | N
         return mine in name.rsplit("/", 1)[-1] or (rank == 0 and name.startswith("tensorboard/"))
 
     mirror = RunMirror(run_dir, open_storage(storage), include=include)
+    # A rank that starts on a node that is not its predecessor's (a lost node replaced) continues the
+    # records its predecessor pushed instead of overwriting them with a file that starts at the resume.
+    mirror.pull()
     mirror.push_every(30.0)
     return mirror
 

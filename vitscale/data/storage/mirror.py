@@ -91,7 +91,7 @@ class RunMirror:
             return []
         pulled = []
         for name, size in self.storage.list_sizes(prefix).items():
-            if _skipped(name) or name.endswith("/"):
+            if _skipped(name) or name.endswith("/") or (self.include and not self.include(name)):
                 continue
             path = self.local / name
             if path.is_file() and path.stat().st_size == size:
