@@ -51,7 +51,8 @@ def train_loop(config: dict[str, Any]) -> None:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:  # a restart: weights, optimizer, step and the stream position
         with checkpoint.as_directory() as folder:
-            state = torch.load(Path(folder) / "state.pt", weights_only=False)
+            # Tensors and plain data only: a checkpoint from elsewhere can never run pickled code here.
+            state = torch.load(Path(folder) / "state.pt", weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
