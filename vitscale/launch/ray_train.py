@@ -29,7 +29,7 @@ from vitscale.config.location import is_url, storage_root
 from vitscale.config.pipeline import ClusterConfig, ray_address
 from vitscale.data.storage import open_storage
 from vitscale.data.storage.endpoint import endpoint_env
-from vitscale.data.storage.filesystem import run_filesystem
+from vitscale.data.storage.filesystem import ensure_uploaded, run_filesystem
 from vitscale.data.storage.mirror import RunMirror
 from vitscale.launch.console import labelled_lines
 from vitscale.launch.errors import PipelineFailed
@@ -63,7 +63,7 @@ def train_worker(payload: dict[str, Any]) -> None:
             resume_from = _resume_directory(world_size, rank, downloaded, payload.get("storage"))
             # `restored` releases a downloaded checkpoint as soon as the loop has loaded it.
             ctx = WorkerContext(rank=rank, world_size=world_size, run_dir=run_dir,
-                                report=functools.partial(_report, mirror=mirror),
+                                report=functools.partial(_report, mirror=mirror, storage=payload.get("storage")),
                                 resume_from=resume_from, local_rank=context.get_local_rank(),
                                 restored=downloaded.close, storage=payload.get("storage"))
             train(job, ctx)  # its last step reports the final checkpoint and metrics
@@ -100,14 +100,20 @@ def _rank_mirror(run_dir: Path, storage: str | None, rank: int) -> RunMirror | N
     return mirror
 
 
-def _report(metrics: dict[str, Any], checkpoint_dir: Path | None, mirror: RunMirror | None = None) -> None:
+def _report(metrics: dict[str, Any], checkpoint_dir: Path | None, mirror: RunMirror | None = None,
+            storage: str | None = None) -> None:
     if checkpoint_dir is None:
         ray.train.report(metrics)
         return
     if mirror is not None:  # the records up to this checkpoint reach storage before the checkpoint does
         mirror.push()
+    name = f"checkpoint_{int(metrics['step']):09d}"
     ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(checkpoint_dir)),
-                     checkpoint_dir_name=f"checkpoint_{int(metrics['step']):09d}")
+                     checkpoint_dir_name=name)
+    if storage is not None:  # Ray's copy can lose a file without a word (filesystem.py): check, copy again
+        copied = ensure_uploaded(checkpoint_dir, posixpath.join(storage, name))
+        if copied:
+            print(f"[vitscale] {name}: stored again what the first upload lost: {', '.join(copied)}", flush=True)
 
 
 def _resume_directory(world_size: int, rank: int, downloads: contextlib.ExitStack,

@@ -9,18 +9,27 @@ retried requests and a dead one ends the upload after ``max_attempts`` tries wit
 error, instead of hanging. The endpoint comes from ``endpoint_url``, else
 ``VITSCALE_S3_ENDPOINT_URL``, else ``AWS_ENDPOINT_URL`` (as for datasets); credentials from the AWS
 SDK's standard chain.
+
+Ray pickles the filesystem into its controller and every worker, and pyarrow's ``S3FileSystem``
+pickles without its retry strategy (pyarrow 26: the copy gets the SDK's default of 3 tries), so the
+filesystem is a subclass that pickles its constructor arguments and is rebuilt from them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import pyarrow.fs
+
+from vitscale.config.location import is_url
 from vitscale.data.storage.s3 import resolve_endpoint_url
 
-__all__ = ["CHECKPOINT_MAX_ATTEMPTS", "run_filesystem"]
+__all__ = ["CHECKPOINT_MAX_ATTEMPTS", "RetryingS3FileSystem", "ensure_uploaded", "run_filesystem"]
 
 CHECKPOINT_MAX_ATTEMPTS = 10
 """Tries per request of a checkpoint upload, the first one included."""
@@ -34,13 +43,11 @@ def run_filesystem(storage_path: str, *, endpoint_url: str | None = None,
     its ``s3://`` for object storage (Ray wants the bare path beside a filesystem)."""
     if not storage_path.startswith("s3://"):
         return None, storage_path
-    import pyarrow.fs
-
     if max_attempts < 1:
         raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
     kwargs: dict[str, Any] = {
-        "retry_strategy": pyarrow.fs.AwsStandardS3RetryStrategy(max_attempts=max_attempts),
         "connect_timeout": connect_timeout_s,
+        "background_writes": False,
         "request_timeout": request_timeout_s,
     }
     endpoint = resolve_endpoint_url(endpoint_url)
@@ -54,4 +61,56 @@ def run_filesystem(storage_path: str, *, endpoint_url: str | None = None,
     elif not endpoint:
         with contextlib.suppress(OSError):  # what pyarrow's FileSystem.from_uri does for Ray by default
             kwargs["region"] = pyarrow.fs.resolve_s3_region(bucket)
-    return pyarrow.fs.S3FileSystem(**kwargs), storage_path[len("s3://"):].rstrip("/")
+    return RetryingS3FileSystem(max_attempts, **kwargs), storage_path[len("s3://"):].rstrip("/")
+
+
+class RetryingS3FileSystem(pyarrow.fs.S3FileSystem):
+    """A ``pyarrow.fs.S3FileSystem`` retrying each request up to ``max_attempts`` times, wherever it
+    is unpickled (``kwargs``: the rest of its constructor's arguments)."""
+
+    def __init__(self, max_attempts: int, **kwargs: Any) -> None:
+        super().__init__(retry_strategy=pyarrow.fs.AwsStandardS3RetryStrategy(max_attempts=max_attempts), **kwargs)
+        self.arguments = (max_attempts, kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        max_attempts, kwargs = self.arguments
+        return _rebuild, (max_attempts, kwargs)
+
+
+def _rebuild(max_attempts: int, kwargs: dict[str, Any]) -> RetryingS3FileSystem:
+    return RetryingS3FileSystem(max_attempts, **kwargs)
+
+
+def ensure_uploaded(local: str | os.PathLike[str], storage: str, *, endpoint_url: str | None = None,
+                    attempts: int = 3, max_attempts: int = CHECKPOINT_MAX_ATTEMPTS) -> list[str]:
+    """Check that every file of the local folder ``local`` is in the folder ``storage`` (a local path
+    or ``s3://`` URL) at its size; copy again the ones that are not. Returns the names copied again.
+
+    ``pyarrow.fs.copy_files`` (Ray Train's checkpoint upload) drops the error of a multipart upload
+    whose last part or completion failed after its retries (pyarrow 26): the copy "succeeds" and
+    the object is missing. Here each missing file is written through an output stream, whose close
+    does raise, up to ``attempts`` times (each request retried ``max_attempts`` times); an
+    ``OSError`` naming the file and the last error when it still fails.
+    """
+    filesystem, root = run_filesystem(storage, endpoint_url=endpoint_url, max_attempts=max_attempts)
+    if filesystem is None:
+        filesystem, root = (pyarrow.fs.FileSystem.from_uri(storage) if is_url(storage)
+                            else (pyarrow.fs.LocalFileSystem(), os.fspath(storage)))
+    base = Path(local)
+    files = sorted(p for p in base.rglob("*") if p.is_file())
+    remote = [f"{root}/{p.relative_to(base).as_posix()}" for p in files]
+    infos = filesystem.get_file_info(remote)
+    copied = []
+    for path, target, info in zip(files, remote, infos, strict=True):
+        if info.type == pyarrow.fs.FileType.File and info.size == path.stat().st_size:
+            continue
+        for attempt in range(1, attempts + 1):
+            try:
+                with path.open("rb") as source, filesystem.open_output_stream(target) as out:
+                    shutil.copyfileobj(source, out, 8 << 20)
+                break
+            except OSError as exc:
+                if attempt == attempts:
+                    raise OSError(f"{target}: not stored after {attempts} tries: {exc}") from exc
+        copied.append(path.relative_to(base).as_posix())
+    return copied
