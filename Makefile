@@ -42,7 +42,7 @@ lint: install
 	$(VENV)/bin/mypy
 
 test: lint install-test-tools
-	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # vitscale on a cluster of nodes with private disks, a whole node SIGKILLed mid-pre-training (needs root).
 test-cluster: install

@@ -11,13 +11,16 @@ import pytest
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Slow end-to-end runs first (stable, so the order stays the same on every xdist worker).
+    """Files with a slow end-to-end run first (stable, so the order is the same on every xdist worker).
 
-    `make test` runs whole files on 2 workers (`-n 2 --dist loadfile`); most of a slow test's wall
-    time is Ray starting processes and waiting on them, which the other worker's tests fill. Taking
-    the longest first keeps one worker from starting a slow file when the rest is nearly done.
+    `make test` runs whole files on 2 workers (`-n 2 --dist loadfile --no-loadscope-reorder`: xdist's
+    default would reorder files by their number of tests, putting the few-test slow files last);
+    most of a slow test's wall time is Ray starting processes and waiting on them, which the other
+    worker's tests fill. Taking the longest first keeps one worker from starting a slow file when
+    the rest is nearly done.
     """
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    slow_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_files)
 
 
 def _free_port() -> int:

@@ -5,6 +5,7 @@ test sets (``proxy.schedule("503", "reset", methods=("PUT",), path="payload")``:
 matching requests get those faults, in order) and, once it is spent, from a seeded random draw at ``fault_rate``:
 
 - ``"500"``: HTTP 500 ``InternalError``; ``"503"``: HTTP 503 ``SlowDown`` (S3's throttling answer);
+  ``"403"``: HTTP 403 ``AccessDenied`` (credentials without that permission: not retried);
 - ``"drop"``: the connection closes with no answer;
 - ``"truncate"``: half the response body, then the connection closes (a short body);
 - ``"reset"``: half the response body, then a TCP reset (``SO_LINGER`` 0: ``ECONNRESET`` mid-body);
@@ -27,7 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 from urllib.parse import urlparse
 
-FAULTS = ("500", "503", "drop", "truncate", "reset", "slow")
+FAULTS = ("500", "503", "403", "drop", "truncate", "reset", "slow")
 
 
 class FaultProxy:
@@ -122,8 +123,8 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             if fault == "drop":
                 self.close_connection = True
                 return
-            if fault in ("500", "503"):
-                code, err = (500, "InternalError") if fault == "500" else (503, "SlowDown")
+            if fault in ("500", "503", "403"):
+                code, err = {"500": (500, "InternalError"), "503": (503, "SlowDown"), "403": (403, "AccessDenied")}[fault]
                 msg = f"<Error><Code>{err}</Code><Message>injected</Message></Error>".encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/xml")

@@ -215,3 +215,102 @@ def test_a_lost_node_resumes_from_storage_to_the_same_weights(cluster: PrivateCl
     for name in ("config.yaml", "summary.json", "logs/ray.log"):
         assert (runs / "lost" / name).is_file(), name
     assert json.loads((runs / "lost" / "summary.json").read_text())["pretrain"]["step"] == STEPS
+
+
+# -- the whole pipeline and a study, storage in the bucket only -------------------------------------
+#
+# The quickstart's stages shrunk ([pretrain, fewshot, sweep]) and a two-cell study, each submitted with
+# `ray job submit` to the head. Every artefact must be in the bucket; the sweep's trials must start from
+# the pre-trained weights handed over through it; the report and an export must come from the bucket
+# alone, on a machine (a fresh $HOME, no cache) that never saw the run.
+
+TINY = {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "mlp_dim": 32, "heads": 2}
+
+
+def _whole(bucket: str) -> dict:
+    digits = f"s3://{bucket}/digits"
+    return {
+        "name": "whole", "stages": ["pretrain", "fewshot", "sweep"], "model": TINY,
+        "data": {"url": f"s3://{bucket}/data", "num_workers": 0, "shuffle_buffer": 16,
+                 "create_if_missing": {"kind": "synthetic", "count": 64, "classes": 4, "image_size": 32,
+                                       "shard_size": 20}},
+        "train": {"global_batch": 16, "micro_batch": 8, "max_steps": 4, "warmup_steps": 1, "zero_stage": 2,
+                  "precision": "fp32", "checkpoint_every": 2, "log_every": 1},
+        "fewshot": {"datasets": [digits], "shots": [2], "resolution": 16,
+                    "create_if_missing": {"kind": "digits", "splits": {"train": 0.8, "test": 0.2}, "shard_size": 500}},
+        "finetune": {"lr_grid": [0.01, 0.1], "dev_fraction": 0.2, "resolution": 16,
+                     "data": {"url": digits, "num_workers": 0},
+                     "train": {"max_steps": 4, "warmup_steps": 1, "global_batch": 16, "micro_batch": 16,
+                               "precision": "fp32", "checkpoint_every": 4, "log_every": 2}},
+        "sweep": {"target": "finetune", "scheduler": "grid", "workers_per_trial": 1},
+        "cluster": {"num_workers": 2, "use_gpu": False, "cpus_per_worker": 1, "max_failures": 1,
+                    "storage_path": f"s3://{bucket}/runs"},
+    }
+
+
+def _study(bucket: str) -> dict:
+    whole = _whole(bucket)
+    return {**{k: whole[k] for k in ("model", "data", "train", "fewshot", "cluster")},
+            "name": "study", "stages": ["study"],
+            "study": {"models": [{k: v for k, v in TINY.items() if k != "img_size"}], "data_sizes": [32, None],
+                      "max_concurrent": 1}}
+
+
+def _host_cli(args: list[str], home: Path, moto_s3: str) -> subprocess.CompletedProcess:
+    """`vitscale ...` on the host with an empty $HOME and cache: a machine that never saw the run."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HOME": str(home), "VITSCALE_CACHE": str(home / "cache"), "AWS_ENDPOINT_URL": moto_s3}
+    return subprocess.run([str(Path(RAY).parent / "vitscale"), *args], env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.skipif(not os.environ.get("VITSCALE_CLUSTER_E2E"),
+                    reason="the whole pipeline and a study on the private-disk cluster (minutes): make test-cluster runs it")
+def test_the_whole_pipeline_and_a_study_keep_everything_in_the_bucket(cluster: PrivateCluster, moto_s3: str,
+                                                                     tmp_path: Path) -> None:
+    import hashlib
+
+    from vitscale.train.export import model_from_checkpoint
+    from vitscale.train.weights import load_model
+
+    s3 = boto3.client("s3", endpoint_url=moto_s3)
+    bucket = f"whole-{secrets.token_hex(4)}"
+    s3.create_bucket(Bucket=bucket)
+    output = _finish(_submit(cluster, _whole(bucket), tmp_path))
+    assert '"ok": true' in output
+    study_output = _finish(_submit(cluster, _study(bucket), tmp_path))
+    assert "2 cells" in study_output
+
+    keys = {o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="runs/")
+            for o in page.get("Contents", [])}
+    expected = ["whole/config.yaml", "whole/summary.json", "whole/logs/ray.log", "whole/metrics/rank0.jsonl",
+                "whole/metrics/rank1.jsonl", "whole/finetune-init.pt", "whole/sweep/results.parquet",
+                "whole/sweep/results.csv", "whole/sweep/results.md", "whole/sweep/selected.json",
+                "whole/sweep/lr_vs_accuracy.png", "whole/checkpoint_000000004/MANIFEST-rank1.json",
+                "study/study/results.md", "study/study/fits.md", "study/study/compute_vs_accuracy.png",
+                "study/summary.json"]
+    missing = [k for k in expected if f"runs/{k}" not in keys]
+    assert not missing, (missing, sorted(keys))
+    assert any(k.startswith("runs/whole/tensorboard/") for k in keys), sorted(keys)
+    assert len([k for k in keys if k.startswith("runs/study/study/state/") and k.endswith(".json")]) >= 2
+
+    # The trials started from the pre-trained weights handed over through the bucket: each pre-trained
+    # trial names that object and its digest; the export equals the pre-training's last checkpoint.
+    runs = _download(s3, bucket, "runs/whole/", tmp_path / "bucket")
+    init = runs / "finetune-init.pt"
+    digest = hashlib.sha256(init.read_bytes()).hexdigest()
+    log = (runs / "logs" / "ray.log").read_text()
+    started = [line for line in log.splitlines() if f"initialised from s3://{bucket}/runs/whole/finetune-init.pt" in line]
+    assert len(started) >= 2 and all(f"(sha256 {digest})" in line for line in started), started or log[-4000:]
+    pretrained, _, _ = model_from_checkpoint(runs / "checkpoint_000000004")
+    handed = load_model(init)[0].state_dict()
+    for key, value in pretrained.state_dict().items():
+        torch.testing.assert_close(handed[key], value, rtol=0, atol=0, msg=key)
+
+    # From the bucket alone: the study's report and an export, with an empty $HOME and cache.
+    done = _host_cli(["study", "report", f"s3://{bucket}/runs/study/study", "--json"], tmp_path / "elsewhere", moto_s3)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(json.loads(done.stdout)["rows"]) == 2
+    out = tmp_path / "exported.pt"
+    done = _host_cli(["export", f"s3://{bucket}/runs/whole", "--out", str(out)], tmp_path / "elsewhere2", moto_s3)
+    assert done.returncode == 0 and out.stat().st_size > 0, done.stderr[-3000:]

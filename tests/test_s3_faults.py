@@ -177,3 +177,28 @@ def test_a_file_that_cannot_be_stored_is_an_error_naming_it(tmp_path: Path, moto
             ensure_uploaded(local, f"s3://{target}", endpoint_url=proxy.url, attempts=2, max_attempts=2)
     assert proxy.pending == 0 and proxy.counts["503"] == 4  # bounded: attempts x max_attempts requests
     assert f"{target}/payload.bin: not stored after 2 tries: " in str(err.value) and "SLOW_DOWN" in str(err.value)
+
+
+def test_a_bucket_without_write_permission_stops_the_run_in_one_line(moto_s3: str, dataset: str, bucket: str,
+                                                                     tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    """Credentials that may read the data but not write the run's storage: S3 answers 403 to every write.
+    The run stops before Ray starts, in one line naming the run's storage and the refusal."""
+    import yaml
+
+    pipeline = tmp_path / "readonly.yaml"
+    with FaultProxy(moto_s3, fault_rate=1.0, methods=("PUT", "POST", "DELETE"), random_faults=("403",)) as proxy:
+        pipeline.write_text(yaml.safe_dump({
+            "name": "readonly", "stages": ["pretrain"],
+            "data": {"url": dataset, "endpoint_url": proxy.url},
+            "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "mlp_dim": 32, "heads": 2},
+            "train": {"global_batch": 4, "micro_batch": 4, "max_steps": 1},
+            "cluster": {"num_workers": 1, "cpus_per_worker": 1, "storage_path": f"s3://{bucket}/runs"}}))
+        started = time.monotonic()
+        assert main(["run", str(pipeline)]) == 2
+        assert proxy.counts["403"] >= 1 and time.monotonic() - started < 60  # not retried: a refusal stays one
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out + err, err
+    assert f"s3://{bucket}/runs/readonly" in lines[0] and "AccessDenied" in lines[0], lines[0]
+    assert "started a local Ray" not in out

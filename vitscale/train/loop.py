@@ -103,9 +103,12 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         # resampled to this resolution (Sec. 3.2), the zero-initialised head kept.
         # The file lives in the run's storage (handed over by the driver, stages/finetune.py): on a node
         # that shares no disk with the driver, a copy comes from there into the local cache.
-        report = load_pretrained(model, local_copy(job.init))
+        weights = local_copy(job.init)
+        report = load_pretrained(model, weights)
         if ctx.rank == 0 and ctx.resume_from is None:
-            print(f"[vitscale] initialised from {job.init}: {len(report.loaded)} tensors"
+            # The file's digest says which weights a trial started from, whichever node it ran on.
+            print(f"[vitscale] initialised from {job.init} (sha256 {ckpt.sha256_file(weights)}): "
+                  f"{len(report.loaded)} tensors"
                   + (f", resampled {', '.join(report.resampled)}" if report.resampled else ""), flush=True)
     polyak = Polyak(model, train.polyak) if train.polyak is not None else None
     engine = build_engine(model, param_groups(model, train.weight_decay),
