@@ -193,7 +193,8 @@ def test_a_bucket_without_write_permission_stops_the_run_in_one_line(moto_s3: st
             "data": {"url": dataset, "endpoint_url": proxy.url},
             "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "mlp_dim": 32, "heads": 2},
             "train": {"global_batch": 4, "micro_batch": 4, "max_steps": 1},
-            "cluster": {"num_workers": 1, "cpus_per_worker": 1, "storage_path": f"s3://{bucket}/runs"}}))
+            "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1,
+                        "storage_path": f"s3://{bucket}/runs"}}))
         started = time.monotonic()
         assert main(["run", str(pipeline)]) == 2
         assert proxy.counts["403"] >= 1 and time.monotonic() - started < 60  # not retried: a refusal stays one
