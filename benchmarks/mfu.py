@@ -61,16 +61,16 @@ def bench_model(name: str, *, batch: int, steps: int, zero_stage: int, device: t
     from vitscale.train.config import TrainConfig
     from vitscale.train.engine import build_engine, deepspeed_config
     from vitscale.train.losses import classification_loss
-    from vitscale.train.optim import derive_batch, param_groups
+    from vitscale.train.optim import derive_batch
 
     on_gpu = device.type == "cuda"
     precision = "bf16" if on_gpu else "fp32"
-    train = TrainConfig(global_batch=batch, micro_batch=batch, zero_stage=zero_stage, precision=precision)
+    train = TrainConfig(global_batch=batch, micro_batch=batch, zero_stage=zero_stage, precision=precision,
+                        weight_decay=0.1)
     model = create_model(name, num_classes=1000, img_size=224)
     if on_gpu:
         model = model.to(device)
-    engine = build_engine(model, param_groups(model, 0.1), deepspeed_config(train, derive_batch(batch, batch, 1),
-                                                                            on_gpu=on_gpu))
+    engine = build_engine(model, train, deepspeed_config(train, derive_batch(batch, batch, 1), on_gpu=on_gpu))
     dtype = torch.bfloat16 if on_gpu else torch.float32
     images = torch.randn(batch, 3, 224, 224, device=device, dtype=dtype)
     labels = torch.randint(0, 1000, (batch,), device=device)

@@ -108,13 +108,13 @@ def test_non_finite_gradients_with_a_finite_loss_are_not_applied(
     original = loop.build_engine
     seen = {"steps": 0}
 
-    def build_engine(model, groups, config):
+    def build_engine(model, train_config, config):
         def poison(grad: torch.Tensor) -> torch.Tensor:
             seen["steps"] += 1
             return grad * float("inf") if seen["steps"] == 2 else grad  # step 2 (one micro-batch per step)
 
         model.head.weight.register_hook(poison)
-        return original(model, groups, config)
+        return original(model, train_config, config)
 
     monkeypatch.setattr(loop, "build_engine", build_engine)
     keep = Keep(tmp_path / "ckpt")

@@ -2,8 +2,9 @@
 
 `deepspeed_config` is a pure function of the typed train config and the batch plan, so the exact
 JSON DeepSpeed receives can be tested and written into the run directory. `build_engine` wraps the
-model with ZeRO stage 0-3 (optionally offloading optimizer state to CPU), bf16 on GPU, and Adam
-with decoupled weight decay whose per-parameter decay comes from `optim.param_groups`.
+model with ZeRO stage 0-3 (optionally offloading optimizer state to CPU), bf16 on GPU, and the
+optimizer `optim.optimizer_for` builds from the typed config (per-parameter decay from
+`optim.param_groups`).
 
 The learning rate is not DeepSpeed's business: the loop sets it from the pure `lr_at(step)` before
 every optimizer step, so a resumed run needs no scheduler state to land on the same value.
@@ -22,7 +23,7 @@ import torch
 from vitscale.config.errors import UserError
 from vitscale.train.config import TrainConfig
 from vitscale.train.deepspeed_keys import merge_overrides
-from vitscale.train.optim import BatchPlan
+from vitscale.train.optim import ADAM_EPS, BatchPlan, optimizer_for, param_groups
 
 
 def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool) -> dict[str, Any]:
@@ -40,9 +41,6 @@ def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool) -> d
         "train_micro_batch_size_per_gpu": batch.micro_batch,
         "gradient_accumulation_steps": batch.grad_accum_steps,
         "zero_optimization": zero,
-        # Adam with decoupled weight decay (AdamW) for pre-training, SGD with momentum for fine-tuning;
-        # per-group decay comes from the param groups, the lr is overwritten every step from lr_at(step).
-        "optimizer": _optimizer(train),
         "bf16": {"enabled": train.precision == "bf16"},
         "steps_per_print": 10**9,  # vitscale prints its own progress lines
         "wall_clock_breakdown": False,
@@ -50,7 +48,12 @@ def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool) -> d
     if train.grad_clip is not None:
         config["gradient_clipping"] = train.grad_clip
     if train.offload and train.optimizer == "adamw":
-        # DeepSpeedCPUAdam steps the offloaded fp32 master weights on the host.
+        # DeepSpeedCPUAdam steps the offloaded fp32 master weights on the host; DeepSpeed builds it
+        # from this section (the only optimizer it builds: every other one is `optimizer_for`'s torch
+        # optimizer, handed over by `build_engine`).
+        config["optimizer"] = {"type": "AdamW", "params": {
+            "lr": train.base_lr, "betas": [train.adam_beta1, train.adam_beta2], "eps": ADAM_EPS,
+            "weight_decay": train.weight_decay}}
         config["zero_force_ds_cpu_optimizer"] = True
     else:
         # A plain torch AdamW: no fused CUDA op to compile, identical maths on CPU and GPU.
@@ -59,14 +62,6 @@ def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool) -> d
             config["zero_force_ds_cpu_optimizer"] = False
     # The user's `train.deepspeed` settings for keys vitscale does not own (checked when loaded).
     return merge_overrides(config, train.deepspeed)
-
-
-def _optimizer(train: TrainConfig) -> dict[str, Any]:
-    if train.optimizer == "sgd":
-        return {"type": "SGD", "params": {"lr": train.base_lr, "momentum": train.momentum,
-                                          "weight_decay": train.weight_decay}}
-    return {"type": "AdamW", "params": {"lr": train.base_lr, "betas": [train.adam_beta1, train.adam_beta2],
-                                        "eps": 1e-8, "weight_decay": train.weight_decay}}
 
 
 def _deepspeed() -> Any:
@@ -94,28 +89,24 @@ def init_distributed(on_gpu: bool) -> None:
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
 
 
-def build_engine(model: torch.nn.Module, param_groups: list[dict[str, Any]], ds_config: dict[str, Any]) -> Any:
-    """Wrap `model` in a DeepSpeed engine with the given parameter groups and config."""
+def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str, Any]) -> Any:
+    """Wrap `model` in a DeepSpeed engine with `train`'s optimizer over its decay groups, and `ds_config`.
+
+    The optimizer is the torch one `optimizer_for` builds from the typed config (no fused op to
+    compile, the same maths on CPU and GPU), except with CPU offload of AdamW, where DeepSpeed builds
+    its DeepSpeedCPUAdam from `ds_config["optimizer"]`.
+    """
     deepspeed = _deepspeed()
 
     # DeepSpeed reads LOCAL_RANK to pick a device; Ray Train sets the rank through its own context.
     os.environ.setdefault("LOCAL_RANK", "0")
-    optimizer: torch.optim.Optimizer | None = None
-    config = dict(ds_config)
-    if not config.get("zero_force_ds_cpu_optimizer"):
-        spec = config.pop("optimizer")
-        opt = spec["params"]
-        if spec["type"] == "SGD":
-            optimizer = torch.optim.SGD(param_groups, lr=opt["lr"], momentum=opt["momentum"],
-                                        weight_decay=opt["weight_decay"])
-        else:
-            optimizer = torch.optim.AdamW(param_groups, lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"],
-                                          weight_decay=opt["weight_decay"])
+    groups = param_groups(model, train.weight_decay)
+    optimizer = None if "optimizer" in ds_config else optimizer_for(train, groups)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
-        model_parameters=param_groups if optimizer is None else None,
-        config=config,
+        model_parameters=groups if optimizer is None else None,
+        config=dict(ds_config),
     )
     return engine
 

@@ -43,7 +43,7 @@ from vitscale.train.faults import maybe_die
 from vitscale.train.job import EvalSet, TrainJob
 from vitscale.train.losses import classification_loss
 from vitscale.train.metrics import MetricsSink, StepMetrics, TensorBoardLog, mfu, peak_flops, progress_line
-from vitscale.train.optim import Decay, derive_batch, lr_at, param_groups, schedule_length
+from vitscale.train.optim import Decay, derive_batch, lr_at, schedule_length
 
 ReportFn = Callable[[dict[str, Any], "Path | None"], None]
 
@@ -111,8 +111,7 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
                   f"{len(report.loaded)} tensors"
                   + (f", resampled {', '.join(report.resampled)}" if report.resampled else ""), flush=True)
     polyak = Polyak(model, train.polyak) if train.polyak is not None else None
-    engine = build_engine(model, param_groups(model, train.weight_decay),
-                          deepspeed_config(train, batch, on_gpu=on_gpu))
+    engine = build_engine(model, train, deepspeed_config(train, batch, on_gpu=on_gpu))
     train_flops_per_example = 3 * forward_flops(model_cfg.name, img_size=model_cfg.img_size,
                                                 num_classes=num_classes, **model_cfg.options)
     # "auto" knows no peak without CUDA (MFU left out); a peak the user states is used on any device.

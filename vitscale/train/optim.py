@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+import torch
 from torch import nn
 
 from vitscale.config.checks import non_negative_int, number, positive_int
+
+if TYPE_CHECKING:
+    from vitscale.train.config import TrainConfig
 
 __all__ = [
     "DEFAULT_NO_DECAY_NAMES",
@@ -285,3 +289,18 @@ def epoch_at(step: int, global_batch: int, samples_per_epoch: int) -> float:
     positive_int(global_batch, "train.global_batch")
     positive_int(samples_per_epoch, "samples_per_epoch")
     return step * global_batch / samples_per_epoch
+
+
+def optimizer_for(train: TrainConfig, groups: list[dict]) -> torch.optim.Optimizer:
+    """The torch optimizer `train` names, over `groups` (:func:`param_groups`): AdamW with
+    ``(adam_beta1, adam_beta2)`` and decoupled weight decay for pre-training (Sec. 4.1, App. B.1),
+    SGD with momentum for fine-tuning (App. B.1.1). Its learning rate is set before every step
+    from :func:`lr_at`; ``base_lr`` is only its starting value."""
+    if train.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=train.base_lr, momentum=train.momentum, weight_decay=train.weight_decay)
+    return torch.optim.AdamW(groups, lr=train.base_lr, betas=(train.adam_beta1, train.adam_beta2), eps=ADAM_EPS,
+                             weight_decay=train.weight_decay)
+
+
+ADAM_EPS = 1e-8
+"""Adam's epsilon (the paper's optimiser uses the common default)."""
