@@ -18,6 +18,16 @@ RAY_CONTROL_PORTS = {8265, 6379, 10001}  # dashboard + job API, GCS, Ray client:
 OPERATOR_POD = {"app.kubernetes.io/name": "kuberay-operator"}  # the KubeRay Helm chart's pod label
 SECRET_ENV = re.compile(r"(KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL)", re.I)
 ACCESS_KEY = re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b|-----BEGIN [A-Z ]*PRIVATE KEY-----")
+#: Node labels of spot (preemptible) capacity and their spot value: EKS managed node groups, Karpenter,
+#: GKE, AKS (k8s/README.md, "Spot (preemptible) capacity").
+SPOT_LABELS = {"eks.amazonaws.com/capacityType": "SPOT", "karpenter.sh/capacity-type": "spot",
+               "cloud.google.com/gke-spot": "true", "kubernetes.azure.com/scalesetpriority": "spot"}
+#: cluster.preemption_grace_s's default: how long Ray Train lets ranks go on past a preemption's deadline to
+#: finish the grace checkpoint; a spot pod's terminationGracePeriodSeconds must exceed it.
+PREEMPTION_GRACE_S = 120
+#: How long `ray start --block` keeps a node's Ray processes after SIGTERM (Ray's default: 30 s).
+DRAIN_ENV, RAY_DRAIN_DEFAULT_S = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", 30.0
+KUBERNETES_GRACE_DEFAULT_S = 30  # a pod's terminationGracePeriodSeconds when unset
 
 
 def _containers(template: dict[str, Any]) -> list[dict[str, Any]]:
@@ -185,7 +195,72 @@ def non_root(docs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-RULES = [token_auth, no_secrets, not_exposed, namespace_only, resources, gpu_limits, pinned_images, non_root]
+def _required_terms(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    affinity = pod.get("affinity", {}).get("nodeAffinity", {})
+    return affinity.get("requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", [])
+
+
+def on_spot(pod: dict[str, Any]) -> bool:
+    """The pod (spec) asks for spot nodes: its nodeSelector, or a required node-affinity term, names a
+    spot label with its spot value."""
+    selector = pod.get("nodeSelector", {})
+    if any(selector.get(key) == value for key, value in SPOT_LABELS.items()):
+        return True
+    return any(e["key"] in SPOT_LABELS and e["operator"] == "In" and SPOT_LABELS[e["key"]] in e.get("values", [])
+               for term in _required_terms(pod) for e in term.get("matchExpressions", []))
+
+
+def avoids_spot(pod: dict[str, Any]) -> bool:
+    """Every required node-affinity term of the pod (spec) excludes every provider's spot nodes."""
+    terms = _required_terms(pod)
+
+    def excluded(term: dict[str, Any]) -> set[str]:
+        return {e["key"] for e in term.get("matchExpressions", []) if e["key"] in SPOT_LABELS and (
+            e["operator"] == "DoesNotExist" or (e["operator"] == "NotIn" and SPOT_LABELS[e["key"]] in e.get("values", [])))}
+
+    return bool(terms) and all(excluded(term) == set(SPOT_LABELS) for term in terms)
+
+
+def drain_seconds(container: dict[str, Any]) -> float:
+    values = [e.get("value") for e in container.get("env", []) if e["name"] == DRAIN_ENV]
+    try:
+        return float(values[-1]) if values else RAY_DRAIN_DEFAULT_S
+    except (TypeError, ValueError):
+        return RAY_DRAIN_DEFAULT_S  # Ray's env_float falls back to its default on a value it cannot read
+
+
+def spot(docs: list[dict[str, Any]]) -> list[str]:
+    """A spot worker group gets its notice and outlasts the grace checkpoint (spot-grace): Ray drains the
+    node on the pod's SIGTERM (a drain of 0 s or less is no drain, so no notice), Kubernetes waits for the
+    drain to end before SIGKILL, and longer than the cluster.preemption_grace_s the run gives the checkpoint.
+    Next to a spot group, the head and the other groups keep off spot nodes (spot-isolation): losing the
+    head ends the job, and a fixed group's pods are not meant to be reclaimed."""
+    out = []
+    for doc in docs:
+        for spec in cluster_specs(doc):
+            groups = spec.get("workerGroupSpecs", [])
+            spot_groups = [g for g in groups if on_spot(g["template"]["spec"])]
+            for group in spot_groups:
+                pod, where = group["template"]["spec"], f"{doc['metadata']['name']} group {group['groupName']}"
+                grace = pod.get("terminationGracePeriodSeconds", KUBERNETES_GRACE_DEFAULT_S)
+                drain = drain_seconds(pod["containers"][0])
+                if drain <= 0:
+                    out.append(f"spot-grace: {where}: {DRAIN_ENV} {drain:g} turns Ray's drain off: no preemption notice")
+                if grace <= max(drain, PREEMPTION_GRACE_S):
+                    out.append(f"spot-grace: {where}: terminationGracePeriodSeconds {grace} does not outlast "
+                               f"{DRAIN_ENV} ({drain:g} s) and cluster.preemption_grace_s ({PREEMPTION_GRACE_S} s)")
+            if not spot_groups:
+                continue
+            others = [("head", spec["headGroupSpec"]["template"]["spec"])]
+            others += [(f"group {g['groupName']}", g["template"]["spec"]) for g in groups if g not in spot_groups]
+            for where, pod in others:
+                if not avoids_spot(pod):
+                    out.append(f"spot-isolation: {doc['metadata']['name']} {where} may be scheduled onto spot nodes "
+                               f"(needs a required node affinity NotIn every one of {sorted(SPOT_LABELS)})")
+    return out
+
+
+RULES = [token_auth, no_secrets, not_exposed, namespace_only, resources, gpu_limits, pinned_images, non_root, spot]
 
 
 def violations(docs: list[dict[str, Any]]) -> list[str]:

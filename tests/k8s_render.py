@@ -21,6 +21,7 @@ OVERLAYS = {
     "gpu": ("vitscale-pretrain", "pipelines/pretrain.yaml", True),
     "gpu/finetune-sweep": ("vitscale-finetune-sweep", "pipelines/finetune-sweep.yaml", True),
     "gpu/scaling-study": ("vitscale-scaling-study", "pipelines/scaling-study.yaml", True),
+    "gpu-spot": ("vitscale-pretrain", "pipelines/pretrain.yaml", True),
     "dev": ("vitscale-quickstart", "pipelines/quickstart.yaml", False),
 }
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from k8s_policy import violations
+from k8s_policy import DRAIN_ENV, violations
 from k8s_render import OVERLAYS, one, render
 
 Docs = list[dict[str, Any]]
@@ -94,6 +94,46 @@ MUTANTS: list[tuple[str, Callable[[Docs], None]]] = [
 @pytest.mark.parametrize("rule,mutate", MUTANTS, ids=[f"{r}-{i}" for i, (r, _) in enumerate(MUTANTS)])
 def test_a_mutated_manifest_is_rejected(rule: str, mutate: Callable[[Docs], None]) -> None:
     docs = render("gpu")
+    mutate(docs)
+    found = violations(docs)
+    assert any(v.startswith(f"{rule}:") for v in found), found
+
+
+def _group(docs: Docs, name: str) -> dict[str, Any]:
+    (group,) = [g for g in _job(docs)["spec"]["rayClusterSpec"]["workerGroupSpecs"] if g["groupName"] == name]
+    return group
+
+
+def _spot(docs: Docs) -> dict[str, Any]:
+    return _group(docs, "gpu-spot")["template"]["spec"]
+
+
+def _drain(docs: Docs) -> dict[str, Any]:
+    (env,) = [e for e in _spot(docs)["containers"][0]["env"] if e["name"] == DRAIN_ENV]
+    return env
+
+
+def _spot_expressions(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    return pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+        "matchExpressions"]
+
+
+# (rule broken, mutation of the gpu-spot overlay's objects)
+SPOT_MUTANTS: list[tuple[str, Callable[[Docs], None]]] = [
+    ("spot-grace", lambda d: _spot(d).pop("terminationGracePeriodSeconds")),  # Kubernetes' 30 s
+    ("spot-grace", lambda d: _spot(d).update(terminationGracePeriodSeconds=120)),  # not above the run's 120 s
+    ("spot-grace", lambda d: _drain(d).update(value="0")),  # no drain, no notice
+    ("spot-grace", lambda d: _drain(d).update(value="600")),  # past terminationGracePeriodSeconds
+    ("spot-isolation", lambda d: _head(d)["template"]["spec"].pop("affinity")),
+    ("spot-isolation", lambda d: _spot_expressions(_group(d, "gpu")["template"]["spec"]).pop(2)),  # GKE's label
+    ("spot-isolation", lambda d: _spot_expressions(_head(d)["template"]["spec"])[0].update(operator="In")),
+    ("gpu-limits", lambda d: [_spot(d)["containers"][0]["resources"][k].pop("nvidia.com/gpu") for k in ("limits", "requests")]),
+]
+
+
+@pytest.mark.parametrize("rule,mutate", SPOT_MUTANTS, ids=[f"{r}-{i}" for i, (r, _) in enumerate(SPOT_MUTANTS)])
+def test_a_mutated_spot_manifest_is_rejected(rule: str, mutate: Callable[[Docs], None]) -> None:
+    docs = render("gpu-spot")
     mutate(docs)
     found = violations(docs)
     assert any(v.startswith(f"{rule}:") for v in found), found

@@ -95,6 +95,33 @@ def test_a_broken_rayjob_is_rejected(mutate: Callable[[dict[str, Any]], None], e
     assert any(expected in p for p in problems), problems
 
 
+# (what breaks, mutation of the gpu-spot RayJob's spot group, workerGroupSpecs[1], text of the expected complaint)
+SPOT_MUTANTS = [
+    ("spot min above max", _set("spec.rayClusterSpec.workerGroupSpecs.1.minReplicas", 17), "greater than maxReplicas"),
+    ("negative spot replicas", _set("spec.rayClusterSpec.workerGroupSpecs.1.minReplicas", -1), "negative"),
+    ("grace period as a string", _set("spec.rayClusterSpec.workerGroupSpecs.1.template.spec.terminationGracePeriodSeconds",
+                                      "160"), "is not of type 'integer'"),
+    ("misspelt grace period", lambda d: d["spec"]["rayClusterSpec"]["workerGroupSpecs"][1]["template"]["spec"].update(
+        terminationGracePeriod=160), "terminationGracePeriod"),
+    # GKE's label value unquoted in YAML is a boolean, which no node label matches
+    ("unquoted label value", lambda d: d["spec"]["rayClusterSpec"]["workerGroupSpecs"][1]["template"]["spec"][
+        "nodeSelector"].update({"cloud.google.com/gke-spot": True}), "is not of type 'string'"),
+    ("affinity values not a list", _set("spec.rayClusterSpec.headGroupSpec.template.spec.affinity.nodeAffinity."
+                                        "requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms.0."
+                                        "matchExpressions.0.values", "SPOT"), "is not of type 'array'"),
+]
+
+
+@pytest.mark.parametrize("mutate,expected", [m[1:] for m in SPOT_MUTANTS], ids=[m[0] for m in SPOT_MUTANTS])
+def test_a_broken_spot_group_is_rejected(mutate: Callable[[dict[str, Any]], None], expected: str) -> None:
+    job = one(render("gpu-spot"), "RayJob", "vitscale-pretrain")
+    assert job["spec"]["rayClusterSpec"]["workerGroupSpecs"][1]["groupName"] == "gpu-spot"
+    assert all_problems(job) == []
+    mutate(job)
+    problems = all_problems(job)
+    assert any(expected in p for p in problems), problems
+
+
 def test_a_broken_kubernetes_object_is_rejected() -> None:
     policy = one(render("gpu"), "NetworkPolicy", "vitscale-ray")
     assert kubernetes_problems(policy) == []
