@@ -100,6 +100,35 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path: Path, tiny_d
     assert keys("run-a")[3:] == keys("run-b")
 
 
+def test_a_preemption_notice_checkpoints_at_once_and_loses_no_step(tmp_path: Path, tiny_dataset: str,
+                                                                     process_group: None) -> None:
+    """A notice after step 2 (Ray Train's preemption info; checkpoints are every 3 steps): a complete
+    checkpoint of step 2 at once, one per notice, and a run resumed from it ends as the uninterrupted one."""
+    from vitscale.train.loop import WorkerContext, train
+
+    config = tiny_config(tiny_dataset)
+    calls: list[int] = []
+
+    def notice() -> str | None:
+        calls.append(1)
+        return "node abc (ranks [0]) preempted, 30 s before its deadline" if len(calls) >= 2 else None
+
+    (tmp_path / "noticed").mkdir()
+    seen = Recorder(tmp_path / "noticed")
+    train(config, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-a", report=seen, preemption=notice))
+    assert sorted(p.name for p in (tmp_path / "noticed").iterdir()) == [
+        "checkpoint_000000002", "checkpoint_000000003", "checkpoint_000000006"]
+    assert len(calls) == 2  # answered once: no second checkpoint for the same notice
+    assert check_complete(tmp_path / "noticed" / "checkpoint_000000002", 1) == []
+
+    (tmp_path / "resumed").mkdir()
+    train(config, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-b", report=Recorder(tmp_path / "resumed"),
+                                resume_from=tmp_path / "noticed" / "checkpoint_000000002"))
+    a = final_weights(tmp_path / "noticed" / "checkpoint_000000006")
+    b = final_weights(tmp_path / "resumed" / "checkpoint_000000006")
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
 def test_loss_goes_down(tmp_path: Path, tiny_dataset: str, process_group: None) -> None:
     from vitscale.train.loop import WorkerContext, train
 

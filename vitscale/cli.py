@@ -240,18 +240,30 @@ def cmd_shards_verify(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def cmd_shards_reindex(args: argparse.Namespace) -> int:
+    from vitscale.data.format.index import reindex
+
+    try:
+        result = reindex(args.dest, endpoint_url=args.endpoint_url)
+    except OSError as exc:  # storage trouble: one line
+        raise UserError(f"shards reindex {args.dest}: {type(exc).__name__}: {exc}") from exc
+    print(json.dumps(result))
+    return 0
+
+
 def cmd_shards_order(args: argparse.Namespace) -> int:
     from vitscale.data.config import DataConfig
     from vitscale.data.order import rank_keys
 
     # Training's order: the pipeline's data section and world size, then the flags given here.
-    data, world_size = DataConfig(), None
+    data, world_size, global_batch = DataConfig(), None, None
     if args.pipeline:
         from vitscale.stages import load_pipeline
         from vitscale.stages.run import resolve_pipeline_path
 
         pipeline = load_pipeline(resolve_pipeline_path(args.pipeline))
-        data, world_size = pipeline.section("data"), pipeline.cluster.num_workers
+        data, world_size = pipeline.section("data"), pipeline.cluster.max_workers
+        global_batch = pipeline.section("train").global_batch if "pretrain" in pipeline.stages else None
     dest = args.dest or (data.url if args.pipeline else None)
     world_size = args.world_size or world_size
     if dest is None or world_size is None:
@@ -259,7 +271,8 @@ def cmd_shards_order(args: argparse.Namespace) -> int:
     keys = rank_keys(dest, args.split or data.split, rank=args.rank, world_size=world_size, epoch=args.epoch,
                      seed=data.seed if args.seed is None else args.seed, start=args.start,
                      endpoint_url=args.endpoint_url or data.endpoint_url,
-                     shuffle_buffer=args.shuffle_buffer or data.shuffle_buffer)
+                     shuffle_buffer=args.shuffle_buffer or data.shuffle_buffer,
+                     global_batch=args.global_batch or global_batch)
     if args.json:
         print(json.dumps(keys))
     else:
@@ -463,6 +476,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dest")
     endpoint(p)
 
+    p = verb("reindex", cmd_shards_reindex, "Rewrite an older dataset's _index.parquet with one row group per "
+             "shard, so a rank's start-up reads only its shards' rows.", shard_verbs)
+    p.add_argument("dest")
+    endpoint(p)
+
     p = verb("order", cmd_shards_order, "Keys one rank reads in one epoch, in training's order.", shard_verbs)
     p.add_argument("dest", nargs="?", default=None, help="dataset (default: the pipeline's data.url)")
     p.add_argument("--pipeline", default=None,
@@ -474,6 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shuffle-buffer", type=int, default=None,
                    help="data.shuffle_buffer (default: the pipeline's, else training's default)")
     p.add_argument("--start", type=int, default=0, help="resume position within the rank's order")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="training's layout: each rank's share of every global batch (default: the pipeline's "
+                        "train.global_batch when it pre-trains, else one contiguous span per rank)")
     p.add_argument("--split", default=None, help="default: the pipeline's data.split, else train")
     p.add_argument("--json", action="store_true")
     endpoint(p)

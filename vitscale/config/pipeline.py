@@ -21,8 +21,9 @@ from vitscale.config.location import run_location
 class ClusterConfig:
     """Where and how wide the Ray Train job runs."""
 
-    num_workers: int = 8
-    """Ray Train workers (one per GPU)."""
+    num_workers: int | tuple[int, ...] = 8
+    """Ray Train workers (one per GPU); `[MIN, MAX]`: elastic, starting with what is free (at least MIN),
+    growing to MAX, and going on with fewer when workers are lost (docs/elastic.md)."""
     use_gpu: bool = True
     """Give each worker a GPU."""
     cpus_per_worker: float = 8.0
@@ -34,11 +35,47 @@ class ClusterConfig:
     run_name: str | None = None
     """Stable run name: re-submitting a job with the same name resumes it; null = pipeline name."""
     max_failures: int = 3
-    """Worker-group restarts Ray Train attempts before giving up (-1 = unlimited)."""
+    """Worker-group restarts Ray Train attempts before giving up (-1 = unlimited); preemptions are not counted."""
+    elastic_resize_s: float = 60.0
+    """An elastic run looks for free workers to grow to MAX this often (Ray Train's resize monitor); each
+    growth restarts the worker group from the latest checkpoint."""
+    preemption_grace_s: float = 120.0
+    """How long workers may go on past a preemption notice's deadline to finish and upload the checkpoint
+    they write on the notice (Ray Train's `FailureConfig.preemption_grace_s`); a spot pod's
+    `terminationGracePeriodSeconds` must exceed it (k8s/components/spot)."""
     address: str | None = None
     """Ray address; null = $RAY_ADDRESS, or a new local Ray on this machine."""
     local_num_cpus: int | None = None
     """CPUs a locally started Ray may use; null = all."""
+
+    @property
+    def min_workers(self) -> int:
+        """The fewest workers a run goes on with (`num_workers`, or MIN of `[MIN, MAX]`)."""
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
+
+    @property
+    def max_workers(self) -> int:
+        """The most workers a run uses (`num_workers`, or MAX of `[MIN, MAX]`): what a cluster is sized for."""
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[-1]
+
+    @property
+    def elastic(self) -> bool:
+        """`num_workers` is a range: the world size may change between restarts of the run."""
+        return self.min_workers != self.max_workers
+
+    @property
+    def world_sizes(self) -> range:
+        """Every world size the run may train at."""
+        return range(self.min_workers, self.max_workers + 1)
+
+    @property
+    def fixed_world_size(self) -> int | None:
+        """The one world size every checkpoint of the run has, or None when the run is elastic."""
+        return None if self.elastic else self.max_workers
+
+    def scaling(self) -> int | tuple[int, int]:
+        """Ray Train's `ScalingConfig.num_workers`: an int, or `(min, max)` for elastic scaling."""
+        return (self.min_workers, self.max_workers) if self.elastic else self.max_workers
 
     def run_storage(self, run_name: str) -> str:
         """Where the run `run_name` keeps its checkpoints: `storage_path/run_name` (a folder or URL)."""
@@ -58,10 +95,17 @@ class ClusterConfig:
                   "set cluster.use_gpu false, or cluster.address to a Ray cluster with GPUs")
 
     def validate(self) -> None:
-        positive(self.num_workers, "cluster.num_workers")
+        if isinstance(self.num_workers, tuple):
+            check(len(self.num_workers) == 2 and 1 <= self.num_workers[0] <= self.num_workers[1],
+                  "cluster.num_workers", f"a range is [MIN, MAX] with 1 <= MIN <= MAX, got {list(self.num_workers)}")
+        else:
+            positive(self.num_workers, "cluster.num_workers")
         positive(self.cpus_per_worker, "cluster.cpus_per_worker")
         positive(self.gpus_per_worker, "cluster.gpus_per_worker")
         check(self.max_failures >= -1, "cluster.max_failures", f"must be >= -1, got {self.max_failures}")
+        positive(self.elastic_resize_s, "cluster.elastic_resize_s")
+        check(self.preemption_grace_s >= 0, "cluster.preemption_grace_s",
+              f"must be >= 0, got {self.preemption_grace_s}")
         positive(self.local_num_cpus, "cluster.local_num_cpus")
         check(bool(self.storage_path), "cluster.storage_path", "must name a folder or s3:// prefix")
         if self.run_name is not None:

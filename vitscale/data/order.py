@@ -8,19 +8,32 @@ so:
 
 1. **Shard order.** A permutation of the shards drawn from (seed, epoch); the epoch's sample
    *sequence* is the shards' samples concatenated in that order (positions ``0 .. N-1``).
-2. **Rank spans.** ``m = N // world_size`` samples per rank; rank ``r`` takes sequence positions
-   ``[r*m, (r+1)*m)``: a contiguous run of shards, so it touches at most two partial shards. The
-   last ``N - world_size*m < world_size`` positions are left out; which samples those are changes
-   every epoch with the shard order.
-3. **Window shuffle.** The span is cut into windows of ``shuffle_buffer`` consecutive positions and
-   each window is permuted by a permutation drawn from (seed, epoch, window start). Memory for the
-   shuffle is one window of indices, whatever the dataset size, and a reader jumps around within
-   one window (a few shards) at a time.
+2. **Rank layout**, one of two:
+
+   - *Global batches* (``global_batch=G``, training). The first ``S*G`` positions (``S = N // G``
+     optimizer steps) are the epoch; the last ``N - S*G < G`` are left out (which samples those
+     are changes every epoch with the shard order). Step ``k`` consumes positions
+     ``[k*G, (k+1)*G)`` and rank ``r`` of ``W`` takes the ``b = G / W`` positions
+     ``[k*G + r*b, k*G + (r+1)*b)`` of it. The sequence of samples the *steps* consume is therefore
+     the same whatever the world size: a run that goes from ``W`` to ``W'`` ranks after step ``k``
+     opens the new ranks at ``start = k * G / W'`` and every sample of the epoch is still consumed
+     exactly once (elastic training, ``cluster.num_workers: [MIN, MAX]``).
+   - *Rank spans* (``global_batch=None``: evaluation, and users' own loops). ``m = N // world_size``
+     samples per rank; rank ``r`` takes sequence positions ``[r*m, (r+1)*m)``: a contiguous run of
+     shards, so it touches at most two partial shards. The last ``N - world_size*m < world_size``
+     positions are left out.
+3. **Window shuffle.** The positions in play (the epoch's ``S*G``, or the rank's span) are cut into
+   windows of ``shuffle_buffer`` consecutive positions and each window is permuted by a permutation
+   drawn from (seed, epoch, window start). Memory for the shuffle is one window of indices,
+   whatever the dataset size, and a reader jumps around within one window (a few shards) at a time;
+   with global batches all ranks read the same window at once, each its own samples (ranged reads).
 
 Guarantees (property-tested in ``tests/test_order.py``): per epoch the ranks' orders are disjoint,
-equally long and together miss fewer than ``world_size`` samples; the order depends only on
-(counts, seed, epoch, rank, world_size, shuffle_buffer) and changes with the epoch; ordering from
-``start=k`` yields exactly the tail ``[k:]`` of the order from 0.
+equally long and together miss fewer than ``world_size`` samples (rank spans) or ``global_batch``
+(global batches); the order depends only on (counts, seed, epoch, rank, world_size, shuffle_buffer,
+global_batch) and changes with the epoch; ordering from ``start=k`` yields exactly the tail ``[k:]``
+of the order from 0; with global batches, the samples consumed by steps ``1..k`` at any world size
+followed by steps ``k+1..`` at any other are the epoch's samples, each exactly once.
 
 Batches within a rank are consecutive runs of ``batch_size`` positions; with several data-loader
 workers, batch ``b`` is built whole by worker ``b % num_workers`` (:func:`worker_batches`), which
@@ -41,6 +54,7 @@ __all__ = [
     "num_batches",
     "rank_keys",
     "rank_order",
+    "samples_per_rank",
     "worker_batches",
 ]
 
@@ -74,7 +88,11 @@ class RankOrder:
     shuffle_buffer: int
     shuffle: bool
     samples_per_rank: int
-    """Samples every rank sees this epoch (``N // world_size``)."""
+    """Samples every rank sees this epoch (:func:`samples_per_rank`)."""
+    global_batch: int | None
+    """Samples per optimizer step over all ranks (global-batch layout), or None (rank spans)."""
+    extent: int
+    """Sequence positions the windows cover: the epoch's ``S*G`` (global batches) or ``m`` (a span)."""
     shard_order: np.ndarray
     """(num_shards,) int64: shard numbers in this epoch's sequence order."""
     bases: np.ndarray
@@ -87,17 +105,25 @@ class RankOrder:
 
     @property
     def span_start(self) -> int:
-        """Sequence position of this rank's first sample."""
-        return self.rank * self.samples_per_rank
+        """Sequence position where this rank's windows start: its span's first position (rank
+        spans), or 0 (global batches: the windows are the whole epoch's, shared by all ranks)."""
+        return 0 if self.global_batch is not None else self.rank * self.samples_per_rank
 
     def _window_perm(self, window: int) -> np.ndarray:
         """Permutation of window ``window`` (relative positions), from (seed, epoch, its start)."""
         lo = window * self.shuffle_buffer
-        n = min(self.shuffle_buffer, self.samples_per_rank - lo)
+        n = min(self.shuffle_buffer, self.extent - lo)
         if not self.shuffle:
             return np.arange(n, dtype=np.int64)
         ss = np.random.SeedSequence([_WINDOW_STREAM, self.seed, self.epoch, self.span_start + lo])
         return np.random.default_rng(ss).permutation(n).astype(np.int64)
+
+    def _layout(self, positions: np.ndarray) -> np.ndarray:
+        """Window-relative sequence positions (before the window shuffle) of this rank's ``positions``."""
+        if self.global_batch is None:
+            return positions
+        share = self.global_batch // self.world_size
+        return (positions // share) * self.global_batch + self.rank * share + positions % share
 
     def sequence_to_global(self, seq: np.ndarray) -> np.ndarray:
         """Global sample indices of epoch-sequence positions ``seq`` (any int array)."""
@@ -114,14 +140,14 @@ class RankOrder:
         if not 0 <= lo <= hi <= self.samples_per_rank:
             raise ValueError(f"positions [{lo}, {hi}) outside [0, {self.samples_per_rank}]")
         b = self.shuffle_buffer
-        parts = []
-        for w in range(lo // b, -(-hi // b)):
-            w_lo = w * b
-            perm = self._window_perm(w)
-            sel = perm[max(lo - w_lo, 0) : min(hi - w_lo, perm.size)]
-            parts.append(self.span_start + w_lo + sel)
-        seq = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        return self.sequence_to_global(seq)
+        rel = self._layout(np.arange(lo, hi, dtype=np.int64))  # increasing: windows come in order
+        windows = rel // b
+        seq = np.empty_like(rel)
+        cuts = np.flatnonzero(np.diff(windows)) + 1
+        for part in np.split(np.arange(rel.size), cuts) if rel.size else []:
+            w = int(windows[part[0]])
+            seq[part] = w * b + self._window_perm(w)[rel[part] - w * b]
+        return self.sequence_to_global(self.span_start + seq)
 
     @property
     def indices(self) -> np.ndarray:
@@ -132,13 +158,16 @@ class RankOrder:
     def ranges(self) -> tuple[ShardRange, ...]:
         """Shard ranges this rank reads from ``start`` on, in sequence order.
 
-        They cover the windows from the one holding ``start`` to the end of the span: a superset
-        of the remaining samples (the current window's consumed ones included) and never more than
-        the rank's span, which touches at most two partial shards.
+        They cover the windows from the one holding ``start`` to the end of the span (or of the
+        epoch, with global batches): a superset of the remaining samples (the current window's
+        consumed ones included). A rank span touches at most two partial shards; with global
+        batches every rank reads from every shard, one window at a time.
         """
         b = self.shuffle_buffer
-        lo = self.span_start + (self.start // b) * b if self.start < self.samples_per_rank else 0
-        hi = self.span_start + self.samples_per_rank if self.start < self.samples_per_rank else 0
+        left = self.start < self.samples_per_rank
+        first = int(self._layout(np.array([self.start]))[0]) if left else 0
+        lo = self.span_start + (first // b) * b if left else 0
+        hi = self.span_start + self.extent if left else 0
         out = []
         k = int(np.searchsorted(self.seq_offsets, lo, side="right")) - 1
         while lo < hi:
@@ -167,12 +196,16 @@ def rank_order(
     shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
     *,
     shuffle: bool = True,
+    global_batch: int | None = None,
 ) -> RankOrder:
     """Rank ``rank``'s samples for ``epoch`` in order, from its position ``start`` on.
 
     ``counts`` are the samples per shard in ``dataset.json`` order. With ``shuffle=False``
-    (evaluation) shards keep that order and samples tar order; the rank split is the same. See the
-    module docstring for the algorithm and its guarantees.
+    (evaluation) shards keep that order and samples tar order; the rank split is the same.
+    ``global_batch`` (a multiple of ``world_size``) lays the epoch out in global batches, each
+    rank taking its share of every one, so the samples each optimizer step consumes do not depend
+    on the world size; None gives each rank one contiguous span. See the module docstring for the
+    algorithm and its guarantees.
     """
     c = np.asarray(list(counts), dtype=np.int64)
     if c.ndim != 1 or (c < 0).any():
@@ -185,7 +218,7 @@ def rank_order(
         raise ValueError(f"seed and epoch must be >= 0, got seed={seed}, epoch={epoch}")
     if shuffle_buffer < 1:
         raise ValueError(f"shuffle_buffer must be >= 1, got {shuffle_buffer}")
-    m = int(c.sum()) // world_size
+    m = samples_per_rank(int(c.sum()), world_size, global_batch)
     if not 0 <= start <= m:
         raise ValueError(f"start must be in [0, {m}] (samples per rank this epoch), got {start}")
     bases = np.zeros(c.size + 1, dtype=np.int64)
@@ -206,10 +239,25 @@ def rank_order(
         shuffle_buffer=shuffle_buffer,
         shuffle=shuffle,
         samples_per_rank=m,
+        global_batch=global_batch,
+        extent=m if global_batch is None else m * world_size,
         shard_order=order,
         bases=bases,
         seq_offsets=seq_offsets,
     )
+
+
+def samples_per_rank(samples: int, world_size: int, global_batch: int | None = None) -> int:
+    """Samples each of ``world_size`` ranks takes from an epoch of ``samples``: ``samples // world_size``
+    (rank spans), or its ``global_batch / world_size`` share of each of the epoch's
+    ``samples // global_batch`` whole global batches."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if global_batch is None:
+        return samples // world_size
+    if global_batch < 1 or global_batch % world_size:
+        raise ValueError(f"global_batch must be a positive multiple of world_size={world_size}, got {global_batch}")
+    return (samples // global_batch) * (global_batch // world_size)
 
 
 def num_batches(samples: int, batch_size: int, drop_last: bool) -> int:
@@ -237,6 +285,7 @@ def rank_keys(
     start: int = 0,
     endpoint_url: str | None = None,
     shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
+    global_batch: int | None = None,
 ) -> list[str]:
     """Sample keys rank ``rank`` sees in ``epoch``, from position ``start``, in training order.
 
@@ -247,7 +296,7 @@ def rank_keys(
     from vitscale.data.format import open_dataset
 
     ds = open_dataset(dataset_url, split, endpoint_url=endpoint_url)
-    p = rank_order(ds.counts, seed, epoch, rank, world_size, start, shuffle_buffer)
+    p = rank_order(ds.counts, seed, epoch, rank, world_size, start, shuffle_buffer, global_batch=global_batch)
     index = ds.load_index([r.shard for r in p.ranges])
     shard, local = p.locate(p.indices)
     return [index[int(s)].key(int(i)) for s, i in zip(shard, local)]

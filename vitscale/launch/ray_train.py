@@ -65,7 +65,8 @@ def train_worker(payload: dict[str, Any]) -> None:
             ctx = WorkerContext(rank=rank, world_size=world_size, run_dir=run_dir,
                                 report=functools.partial(_report, mirror=mirror, storage=payload.get("storage")),
                                 resume_from=resume_from, local_rank=context.get_local_rank(),
-                                restored=downloaded.close, storage=payload.get("storage"))
+                                restored=downloaded.close, storage=payload.get("storage"),
+                                elastic=bool(payload.get("elastic")), preemption=_preemption_notice)
             train(job, ctx)  # its last step reports the final checkpoint and metrics
     except Exception as exc:
         # Ray shows its own traceback of the actor; print the worker's with its rank so the driver's
@@ -80,6 +81,19 @@ def train_worker(payload: dict[str, Any]) -> None:
                 mirror.close()
             except OSError as exc:  # never hide the run's own outcome behind a failed last upload
                 print(f"[vitscale] rank {rank}: could not push its records to {mirror.storage.url}: {exc}", flush=True)
+
+
+def _preemption_notice() -> str | None:
+    """Ray Train's notice that a node of this run is being preempted (drained with a deadline), as one
+    line, or None. A barrier: every rank calls it once per step."""
+    import time
+
+    info = ray.train.get_preemption_info()
+    if info is None:
+        return None
+    left = "" if info.deadline_ms is None else f", {info.deadline_ms / 1000 - time.time():.0f} s before its deadline"
+    nodes = ", ".join(n[:12] for n in info.preempted_node_ids)
+    return f"node(s) {nodes} (ranks {info.preempted_ranks}) preempted{left}"
 
 
 def _rank_mirror(run_dir: Path, storage: str | None, rank: int) -> RunMirror | None:
@@ -127,8 +141,8 @@ def _resume_directory(world_size: int, rank: int, downloads: contextlib.ExitStac
     the run's storage itself
     (a local folder, NFS or object storage: never a temporary download folder). A copy fetched
     from object storage stays until `downloads` is closed; incomplete ones are released at once.
-    A checkpoint written by another world size is handed on as it is: the loop refuses it naming
-    the change (`train/resume.py`) rather than falling back to an older one.
+    A checkpoint written by another world size is handed on as it is: the loop reshards it (an
+    elastic run) or refuses it naming the change (`train/resume.py`), never falls back past it.
     """
     latest = ray.train.get_checkpoint() or newest_in_storage(storage)
     if latest is None:
@@ -138,8 +152,10 @@ def _resume_directory(world_size: int, rank: int, downloads: contextlib.ExitStac
         fetched = contextlib.ExitStack()
         directory = Path(fetched.enter_context(candidate.as_directory()))
         info = ckpt.manifest_info(directory)
-        found = ckpt.check_complete(directory, world_size, hash_ranks={0, rank})
-        if not found or (candidate is latest and info is not None and info[1] != world_size):
+        # Complete as its writers left it (the loop reshards one of another world size, or refuses it).
+        saved_world = info[1] if info is not None else world_size
+        found = ckpt.check_complete(directory, saved_world, hash_ranks={0, rank if rank < saved_world else 0})
+        if not found:
             downloads.callback(fetched.close)
             if candidate is not latest:
                 print(f"[vitscale] latest checkpoint {posixpath.basename(latest.path)} is incomplete; "
@@ -206,9 +222,9 @@ FINAL_METRICS = ("step", "epoch", "loss", "examples_seen", "cumulative_exaflops"
 
 def concurrent_runs(cluster: ClusterConfig, resources: dict[str, float]) -> int:
     """Runs of `cluster`'s width the Ray cluster fits at once: the limiting resource over one run's workers."""
-    fits = [int(resources.get("CPU", 0) // (cluster.cpus_per_worker * cluster.num_workers))]
+    fits = [int(resources.get("CPU", 0) // (cluster.cpus_per_worker * cluster.max_workers))]
     if cluster.use_gpu:
-        fits.append(int(resources.get("GPU", 0) // (cluster.gpus_per_worker * cluster.num_workers)))
+        fits.append(int(resources.get("GPU", 0) // (cluster.gpus_per_worker * cluster.max_workers)))
     return max(1, min(fits))
 
 
@@ -227,20 +243,26 @@ def trainer_for(job: TrainJob, cluster: ClusterConfig, run_name: str, run_dir: P
     return TorchTrainer(
         train_worker,
         train_loop_config={"job": job, "run_dir": str(run_dir), "storage": cluster.run_storage(run_name),
-                           "label": label},
-        scaling_config=ScalingConfig(num_workers=cluster.num_workers, use_gpu=cluster.use_gpu,
-                                     resources_per_worker=resources),
+                           "label": label, "elastic": cluster.elastic},
+        # An int, or (min, max): Train V2's elastic scaling (its type stubs are the V1 class's).
+        scaling_config=ScalingConfig(num_workers=cluster.scaling(), use_gpu=cluster.use_gpu,  # type: ignore[arg-type,call-arg]
+                                     resources_per_worker=resources,
+                                     elastic_resize_monitor_interval_s=cluster.elastic_resize_s),
         run_config=RunConfig(
             name=run_name, storage_path=storage, storage_filesystem=filesystem,
-            failure_config=FailureConfig(max_failures=cluster.max_failures),
+            # A preemption (a node drained with a deadline: a spot reclaim, k8s/components/spot) restarts the
+            # run from the checkpoint the loop writes on the notice, without counting as a failure.
+            # (Train V2's FailureConfig; the type stubs Ray ships are the V1 class's.)
+            failure_config=FailureConfig(max_failures=cluster.max_failures,  # type: ignore[call-arg]
+                                         preemption_grace_s=cluster.preemption_grace_s),
             # Ranked by the loop's `checkpoint_score` (the step, lowered once a step was skipped as
             # non-finite): rotation keeps the last checkpoint before the first bad step; Ray keeps
             # the newest one whatever its score.
             checkpoint_config=CheckpointConfig(num_to_keep=job.train.keep_checkpoints,
                                                checkpoint_score_attribute="checkpoint_score",
                                                checkpoint_score_order="max"),
-            # Train V2's RunConfig takes both below; the type stubs Ray ships are the V1 class's.
-            worker_runtime_env={"env_vars": _worker_env()},  # type: ignore[call-arg]
+            # Train V2 options below (worker_runtime_env, callbacks); the type stubs Ray ships are the V1 class's.
+            worker_runtime_env={"env_vars": _worker_env()},
             # Bad data or an exceeded error budget ends the run at once: a restart repeats it.
             callbacks=[StopOnDeterministicFailure(), *(callbacks or [])],  # type: ignore[list-item]
         ),

@@ -80,12 +80,12 @@ def check_finetune(config: PipelineConfig) -> None:
         except ConfigError as exc:
             raise ConfigError("finetune.resolution", f"({fc.resolution}) does not fit {config.model.name}: "
                                                      f"{exc.message}") from None
-    fc.train_config().check_batch_split(config.cluster.num_workers, "finetune.train")
+    fc.train_config().check_batch_split(config.cluster.world_sizes, "finetune.train")
 
 
-def check_downstream(config: PipelineConfig, world: int | None = None) -> Any:
-    """The downstream dataset: single-label, both splits, the dev carve and its rest non-empty, a step
-    fillable by `world` workers (default `cluster.num_workers`)."""
+def check_downstream(config: PipelineConfig) -> Any:
+    """The downstream dataset: single-label, both splits, the dev carve and its rest non-empty, each
+    holding a global batch (an epoch is whole global batches at any world size, data/order.py)."""
     from vitscale.data.carve import Carve
     from vitscale.data.format import open_dataset
 
@@ -96,15 +96,13 @@ def check_downstream(config: PipelineConfig, world: int | None = None) -> Any:
           f"{data.url} is multi-label; fine-tuning needs one label per image")
     train = require_split(meta, data.split, "finetune.data.split", data.url)
     require_split(meta, fc.test_split, "finetune.test_split", data.url)
-    world = world or config.cluster.num_workers
-    per_rank = batch // world
-    check(train // world >= per_rank, "finetune.train.global_batch",
+    check(train >= batch, "finetune.train.global_batch",
           f"({batch}) cannot be filled: split {data.split!r} of {data.url} has {train} samples")
     carve = Carve(fc.dev_share(), fc.dev_seed, "dev")
     dev = sum(open_dataset(data.url, data.split, endpoint_url=data.endpoint_url, carve=carve).counts)
     check(dev >= 1, "finetune.dev_fraction",
           f"a dev share of {fc.dev_share()} of {train} samples is empty; the dataset is too small for the dev split")
-    check((train - dev) // world >= per_rank, "finetune.train.global_batch",
+    check(train - dev >= batch, "finetune.train.global_batch",
           f"({batch}) cannot be filled from the {train - dev} samples left after the dev split")
     return meta
 
@@ -144,7 +142,7 @@ def prepare_finetune(config: PipelineConfig) -> None:
     check_checkpoint(config, meta.num_classes)
     # A re-run resumes the fine-tuning run of the same name: refuse a changed recipe before Ray starts.
     refuse_changed_run_in(config.cluster.run_storage(finetune_run_name(config)), to_yaml(config), FINETUNE_SCOPE,
-                          config.cluster.num_workers)
+                          config.cluster.fixed_world_size)
 
 
 def finetune_run_name(config: PipelineConfig) -> str:

@@ -20,13 +20,13 @@ def check_pretrain(config: PipelineConfig) -> None:
     """The recipe against the cluster: the batch splits evenly over workers, the fault hits one."""
     train, cluster = config.train, config.cluster
     fault = train.fault
-    check(fault.kill_rank is None or fault.kill_rank < cluster.num_workers, "train.fault.kill_rank",
-          f"({fault.kill_rank}) must be below cluster.num_workers ({cluster.num_workers})")
+    check(fault.kill_rank is None or fault.kill_rank < cluster.min_workers, "train.fault.kill_rank",
+          f"({fault.kill_rank}) must be below cluster.num_workers ({cluster.min_workers})")
     # Worker r of a node serves on metrics_port + r; the last one must still be a TCP port.
-    last_port = (train.metrics_port or 0) + cluster.num_workers - 1
+    last_port = (train.metrics_port or 0) + cluster.max_workers - 1
     check(not train.metrics_port or last_port <= 65535, "train.metrics_port",
-          f"({train.metrics_port}) + up to {cluster.num_workers - 1} local ranks = {last_port}, past 65535")
-    train.check_batch_split(cluster.num_workers)
+          f"({train.metrics_port}) + up to {cluster.max_workers - 1} local ranks = {last_port}, past 65535")
+    train.check_batch_split(cluster.world_sizes)
 
 
 def prepare_pretrain(config: PipelineConfig) -> None:
@@ -41,16 +41,14 @@ def prepare_pretrain(config: PipelineConfig) -> None:
         check(data.subset <= samples, "data.subset",
               f"({data.subset}) is larger than split {data.split!r} of {data.url} ({samples} samples)")
         samples = data.subset
-    # Each rank reads samples // world_size of an epoch (order.py): one optimizer step must fit in it.
-    world = config.cluster.num_workers
-    per_rank_step = train.global_batch // world
-    check(samples // world >= per_rank_step, "train.global_batch",
-          f"({train.global_batch}) cannot be filled: split {data.split!r} of {data.url} has {samples} samples, "
-          f"{samples // world} per worker, and one step needs {per_rank_step} per worker")
+    # An epoch is the split's whole global batches (order.py), at any world size: it must hold one.
+    check(samples >= train.global_batch, "train.global_batch",
+          f"({train.global_batch}) cannot be filled: split {data.split!r} of {data.url} has {samples} samples")
     # Re-submitting a run with the same name resumes it: refuse a changed one now, not on the workers.
     from vitscale.train.resume import PRETRAIN_SCOPE, refuse_changed_run_in
 
-    refuse_changed_run_in(config.cluster.run_storage(config.run_name), to_yaml(config), PRETRAIN_SCOPE, world)
+    refuse_changed_run_in(config.cluster.run_storage(config.run_name), to_yaml(config), PRETRAIN_SCOPE,
+                          config.cluster.fixed_world_size)
 
 
 def pretraining_job(config: PipelineConfig) -> TrainJob:

@@ -69,9 +69,10 @@ def check_local_ray(config: PipelineConfig) -> None:
     if ray_address(config.cluster.address) or (ray is not None and ray.is_initialized()):
         return
     cluster = config.cluster
-    widths = [cluster.num_workers] if {"pretrain", "finetune"} & set(config.stages) else []
+    # An elastic run starts once its fewest workers fit.
+    widths = [cluster.min_workers] if {"pretrain", "finetune"} & set(config.stages) else []
     if "sweep" in config.stages:
-        widths.append(config.sweep.workers_per_trial or cluster.num_workers)
+        widths.append(config.sweep.workers_per_trial or cluster.min_workers)
     if not widths:
         return
     cpus = cluster.local_num_cpus or os.cpu_count() or 1

@@ -125,12 +125,12 @@ def pricing(config: PipelineConfig) -> Pricing:
 
     study, cluster = config.section("study"), config.cluster
     device = study.device or ("H100" if cluster.use_gpu else "CPU")
-    per_cell = cluster.num_workers * (cluster.gpus_per_worker if cluster.use_gpu else cluster.cpus_per_worker)
+    per_cell = cluster.max_workers * (cluster.gpus_per_worker if cluster.use_gpu else cluster.cpus_per_worker)
     if study.max_concurrent:
         at_once = study.max_concurrent
     elif not cluster.use_gpu and not ray_address(cluster.address):
         cpus = cluster.local_num_cpus or os.cpu_count() or 1
-        at_once = max(1, int(cpus // max(1, cluster.num_workers * cluster.cpus_per_worker)))
+        at_once = max(1, int(cpus // max(1, cluster.max_workers * cluster.cpus_per_worker)))
     else:
         at_once = 1  # a cluster's size is not known before it is reached: study.max_concurrent says it
     candidates = [Path(study.mfu_results)] if study.mfu_results else \

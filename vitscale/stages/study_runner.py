@@ -106,7 +106,7 @@ def _probe_here(config: PipelineConfig, context: Any) -> Any:
 def devices(config: PipelineConfig) -> float:
     """Devices one run holds: its GPUs, or its workers' CPU cores on CPU (the plan prices a core)."""
     cluster = config.cluster
-    return cluster.num_workers * (cluster.gpus_per_worker if cluster.use_gpu else cluster.cpus_per_worker)
+    return cluster.max_workers * (cluster.gpus_per_worker if cluster.use_gpu else cluster.cpus_per_worker)
 
 
 def _progress(config: PipelineConfig, planned: PlannedCell) -> str | None:

@@ -171,7 +171,7 @@ def check_sweep(config: PipelineConfig) -> None:
             with_params(config, {key: value})
     check(sweep.target != "pretrain" or config.data.subset is None, "data.subset",
           "a pre-training sweep carves its dev set from the whole split; leave data.subset out")
-    workers = trial_cluster(config).num_workers
+    workers = trial_cluster(config).world_sizes
     workers_key = "sweep.workers_per_trial" if sweep.workers_per_trial else "cluster.num_workers"
     for point in combinations(space):  # every trial's batch splits evenly over its workers
         trial = with_params(config, point)
@@ -191,7 +191,7 @@ def prepare_sweep(config: PipelineConfig) -> None:
     if sweep_section(config).target == "finetune":
         from vitscale.stages.finetune import check_checkpoint, check_downstream
 
-        meta = check_downstream(config, trial_cluster(config).num_workers)
+        meta = check_downstream(config)
         check_checkpoint(config, meta.num_classes)
     else:
         from vitscale.data.format import open_dataset
@@ -239,7 +239,7 @@ def trial_steps(config: PipelineConfig, job: TrainJob) -> int:
         return job.train.max_steps
     samples = sum(open_dataset(job.data.url, job.data.split, endpoint_url=job.data.endpoint_url,
                                carve=job.carve).counts)
-    world = trial_cluster(config).num_workers
+    world = trial_cluster(config).max_workers
     return schedule_length(samples, world, job.train.global_batch, job.train.epochs, None)[1]
 
 

@@ -79,6 +79,16 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def seed_rng(seed: int, step: int, rank: int) -> None:
+    """Python, NumPy and torch RNGs from (seed, step, rank): a rank that joins a resized run has no
+    saved state of its own, and must not copy another rank's (identical dropout masks)."""
+    entropy = np.random.SeedSequence([seed, step, rank]).generate_state(2)
+    value = int(entropy[0]) << 32 | int(entropy[1])
+    random.seed(value)
+    np.random.seed(int(entropy[0]))
+    torch.manual_seed(value)
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     name, keys, pos, has_gauss, gauss = state["numpy"]
@@ -135,19 +145,31 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
     return manifest
 
 
-def check_complete(directory: Path, world_size: int, *, hash_ranks: Iterable[int] | None = None) -> list[str]:
+def check_complete(directory: Path, world_size: int, *, hash_ranks: Iterable[int] | None = None,
+                   allow_world_size_change: bool = False) -> list[str]:
     """Problems that make `directory` unusable as a checkpoint (empty list = complete).
 
     Every rank's manifest must be there, readable, and agree with the others on the step, and every
     listed file must be present at its recorded size. The SHA-256 is re-computed for the files of
     `hash_ranks` (None = all ranks): a resuming rank reads only rank 0's module states and its own
     shard, so it hashes those instead of the whole checkpoint once per rank.
+
+    By default the checkpoint must have been written by `world_size` workers. With
+    `allow_world_size_change` (a resume that reshards, `reshard.load_resharded`) it may have been
+    written by any number: then every rank of the saved world size (as its manifests record it)
+    must be present, and all of them must agree on that number.
     """
     directory = Path(directory)
-    to_hash = set(range(world_size)) if hash_ranks is None else set(hash_ranks)
+    saved_world_size = world_size
+    if allow_world_size_change:
+        info = manifest_info(directory)
+        if info is None:
+            return [f"{directory}: no readable manifest"]
+        saved_world_size = info[1]
+    to_hash = set(range(saved_world_size)) if hash_ranks is None else set(hash_ranks)
     problems = []
     steps: dict[int, int] = {}
-    for rank in range(world_size):
+    for rank in range(saved_world_size):
         path = directory / f"MANIFEST-rank{rank}.json"
         if not path.exists():
             problems.append(f"{directory}: no manifest from rank {rank}")
@@ -157,9 +179,13 @@ def check_complete(directory: Path, world_size: int, *, hash_ranks: Iterable[int
             problems.append(f"{path}: unreadable or truncated manifest")
             continue
         steps[rank] = manifest["step"]
-        if manifest["world_size"] != world_size:
-            problems.append(f"{directory}: written by {manifest['world_size']} workers, this run has "
-                            f"{world_size} (a ZeRO checkpoint resumes on the same number of workers)")
+        if manifest["world_size"] != saved_world_size:
+            if allow_world_size_change:
+                problems.append(f"{path}: written by {manifest['world_size']} workers, other ranks' manifests "
+                                f"say {saved_world_size}")
+            else:
+                problems.append(f"{directory}: written by {manifest['world_size']} workers, this run has "
+                                f"{world_size} (a ZeRO checkpoint resumes on the same number of workers)")
         for rel, info in manifest["files"].items():
             file = directory / rel
             if not file.exists():

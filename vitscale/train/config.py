@@ -117,13 +117,19 @@ class TrainConfig:
     {reduce_bucket_size: 5.0e8}}); keys vitscale derives from this section are refused
     (`train/deepspeed_keys.py`). Tuning knobs, not the maths: a resumed run may change them."""
 
-    def check_batch_split(self, workers: int, section: str = "train", workers_key: str = "cluster.num_workers") -> None:
+    def check_batch_split(self, workers: int | range, section: str = "train",
+                          workers_key: str = "cluster.num_workers") -> None:
         """The one batch rule, checked before Ray starts: `global_batch` is `micro_batch` x `workers` x the
-        accumulation steps (`train/optim.py`'s `derive_batch`, which the loop uses, decides)."""
-        from vitscale.train.optim import derive_batch
+        accumulation steps (`train/optim.py`'s `derive_batch`, which the loop uses, decides). A range of
+        world sizes (an elastic run) needs a global batch every one of them splits (`elastic_split`)."""
+        from vitscale.train.optim import derive_batch, elastic_split
 
         try:
-            derive_batch(self.global_batch, self.micro_batch, workers, section=section, world=workers_key)
+            if isinstance(workers, range) and len(workers) > 1:
+                elastic_split(self.global_batch, self.micro_batch, workers, section=section, world=workers_key)
+            else:
+                derive_batch(self.global_batch, self.micro_batch, workers[0] if isinstance(workers, range) else workers,
+                             section=section, world=workers_key)
         except ValueError as exc:
             raise ConfigError(f"{section}.global_batch", str(exc).removeprefix(f"{section}.global_batch=")) from None
 

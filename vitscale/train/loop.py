@@ -43,7 +43,7 @@ from vitscale.train.faults import maybe_die
 from vitscale.train.job import EvalSet, TrainJob
 from vitscale.train.losses import classification_loss
 from vitscale.train.metrics import MetricsSink, StepMetrics, TensorBoardLog, mfu, peak_flops, progress_line
-from vitscale.train.optim import Decay, derive_batch, lr_at, schedule_length
+from vitscale.train.optim import Decay, lr_at, resized_batch, schedule_length
 
 ReportFn = Callable[[dict[str, Any], "Path | None"], None]
 
@@ -66,6 +66,12 @@ class WorkerContext:
     """Called once `resume_from` is loaded: the launcher releases a downloaded copy then."""
     storage: str | None = None
     """The run's storage every node shares (a folder or s3:// prefix): fault markers; None = run_dir."""
+    elastic: bool = False
+    """The run's world size may change between restarts (`cluster.num_workers: [MIN, MAX]`): a
+    checkpoint of another world size is resharded, not refused."""
+    preemption: Callable[[], str | None] = field(default=lambda: None)
+    """A notice that a node of the run is being preempted (one line), or None; every rank calls it once
+    per step (under Ray Train it is a barrier). On the first notice the loop checkpoints at once."""
 
 
 class NonFiniteSteps(RuntimeError):
@@ -81,10 +87,13 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     init_distributed(on_gpu)
 
-    batch = derive_batch(train.global_batch, train.micro_batch, ctx.world_size)
+    # The global batch is the run's, whatever the world size: each worker's share of it in micro batches
+    # (the driver checked every world size the run may reach).
+    batch = resized_batch(train.global_batch, train.micro_batch, ctx.world_size)
+    # Global-batch layout: the samples each step consumes do not depend on the world size (data/order.py).
     stream = ShardStream(
         data.url, data.split, rank=ctx.rank, world_size=ctx.world_size, seed=data.seed,
-        batch_size=batch.micro_batch, resolution=model_cfg.img_size, train=True,
+        batch_size=batch.micro_batch, global_batch=batch.global_batch, resolution=model_cfg.img_size, train=True,
         num_workers=data.num_workers, shuffle_buffer=data.shuffle_buffer, error_budget=data.error_budget,
         endpoint_url=data.endpoint_url, carve=job.carve)
     num_classes = stream.dataset.num_classes
@@ -123,6 +132,10 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         state, resume_stream = _restore(engine, ctx, polyak, job)
         ctx.restored()
         implied = _stream_state(state.step, steps_per_epoch, per_rank_step, data.seed)
+        if state.world_size != ctx.world_size:
+            # Resized: this rank's position is its share of the step's global batch at the new size; the
+            # epoch's skipped-sample count (all ranks') goes on.
+            resume_stream = {**implied, "skipped": resume_stream.get("skipped", 0) if implied["position"] else 0}
         if any(resume_stream.get(k) != v for k, v in implied.items()):
             raise RuntimeError(f"{ctx.resume_from}: rank {ctx.rank}'s saved stream position {resume_stream} is not "
                                f"the one step {state.step} implies ({implied}); the checkpoint does not belong "
@@ -144,6 +157,7 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
     loss_value = float("nan")
     scores: dict[str, float] = {}  # stays empty when a run resumed at its last step has nothing left to do
     batches = None
+    noticed = False  # a preemption notice was answered with a checkpoint (one per notice is enough)
     t_run = time.perf_counter()
     while step < total_steps:
         if batches is None:  # (re)open the stream at the exact sample this step starts from
@@ -210,7 +224,7 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         if board is not None:
             board.record(metrics)
         if samples_log is not None:
-            samples_log.write(step, keys)
+            samples_log.write(step, keys, ctx.world_size)
         if ctx.rank == 0 and (step % train.log_every == 0 or step == total_steps):
             _progress_line(metrics, total_steps, time.perf_counter() - t_run, step - state.step)
         maybe_die(train.fault, ctx.rank, step, ctx.storage or str(ctx.run_dir))
@@ -219,7 +233,14 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
             scores = _evaluate(job, engine, polyak, ctx, device, compute_dtype)
             if board is not None:
                 board.scores(step, scores)
-        if step % train.checkpoint_every == 0 or step == total_steps:
+        # A preemption notice: checkpoint now rather than lose the steps since the last periodic one; the
+        # run goes on until Ray Train restarts it without the preempted node (from this checkpoint).
+        notice = ctx.preemption() if not noticed else None
+        if notice is not None:
+            noticed = True
+            if ctx.rank == 0:
+                print(f"[vitscale] step {step}: {notice}: checkpointing now", flush=True)
+        if step % train.checkpoint_every == 0 or step == total_steps or notice is not None:
             if board is not None:
                 board.flush()
             new_state = ckpt.TrainState(step=step, examples_seen=examples, flops=flops, world_size=ctx.world_size,
@@ -355,25 +376,43 @@ def _restore(engine: Any, ctx: WorkerContext, polyak: Polyak | None,
     # The last line of defence against resuming a changed run (the driver checks first when it can
     # read the run's storage), before any state is loaded.
     info = ckpt.manifest_info(directory)
+    saved_world = info[1] if info else ctx.world_size
     saved = directory / "config.yaml"
     if job.config_yaml and saved.exists():
+        # An elastic run's world size may change between restarts; a fixed one's may not.
         refuse_changed_run(saved.read_text(), job.config_yaml, job.resume_scope, f"checkpoint {directory}",
-                           info[1] if info else None, ctx.world_size)
-    # Sizes and presence of every rank's files, hashes of the two parts this rank reads.
-    problems = ckpt.check_complete(directory, ctx.world_size, hash_ranks={0, ctx.rank})
+                           None if ctx.elastic else saved_world, None if ctx.elastic else ctx.world_size)
+    # A rank past the saved world size (the run grew) reads rank 0's part: stream and Polyak state are
+    # the same on every rank.
+    own = ctx.rank if ctx.rank < saved_world else 0
+    # Sizes and presence of every saved rank's files, hashes of the parts this rank reads (all of them
+    # when it regroups the ZeRO shards of another world size).
+    problems = ckpt.check_complete(directory, saved_world,
+                                   hash_ranks={0, own} if saved_world == ctx.world_size else None)
     if problems:
         raise RuntimeError("refusing to resume from an incomplete checkpoint:\n  " + "\n  ".join(problems))
-    load_checkpoint(engine, directory / ckpt.DEEPSPEED_DIR, ckpt.DEEPSPEED_TAG)
-    part = ckpt.read_rank_part(directory, ctx.rank)
-    ckpt.set_rng_state(part["rng"])
+    if saved_world == ctx.world_size:
+        load_checkpoint(engine, directory / ckpt.DEEPSPEED_DIR, ckpt.DEEPSPEED_TAG)
+    else:
+        from vitscale.train.reshard import load_resharded
+
+        with tempfile.TemporaryDirectory(prefix=f"vitscale-reshard-rank{ctx.rank}-") as scratch:
+            load_resharded(engine, directory / ckpt.DEEPSPEED_DIR, ckpt.DEEPSPEED_TAG, saved_world,
+                           scratch=Path(scratch))
+    part = ckpt.read_rank_part(directory, own)
+    if own == ctx.rank:
+        ckpt.set_rng_state(part["rng"])
+    else:  # a new rank: host RNGs (dropout) from the run's seed, the step and the rank, not a copy of rank 0's
+        ckpt.seed_rng(job.train.seed, ckpt.read_train_state(directory).step, ctx.rank)
     if polyak is not None:
         if "polyak" not in part:
             raise RuntimeError(f"{directory} has no Polyak average to resume (train.polyak was off when it was saved)")
         polyak.load_state_dict(part["polyak"])
     state = ckpt.read_train_state(directory)
     if ctx.rank == 0:
+        resized = f", resharded from {saved_world} to {ctx.world_size} workers" if saved_world != ctx.world_size else ""
         print(f"[vitscale] resumed from {directory} at step {state.step} "
-              f"(stream epoch {part['stream']['epoch']}, position {part['stream']['position']})", flush=True)
+              f"(stream epoch {part['stream']['epoch']}, position {part['stream']['position']}{resized})", flush=True)
     return state, dict(part["stream"])
 
 
@@ -389,6 +428,8 @@ class _SamplesLog:
         directory.mkdir(parents=True, exist_ok=True)
         self.file = open(directory / f"rank{ctx.rank}.jsonl", "a")  # noqa: SIM115 -- appended to per step, closed with the run
 
-    def write(self, step: int, keys: list[str]) -> None:
-        self.file.write(json.dumps({"step": step, "keys": keys}) + "\n")
+    def write(self, step: int, keys: list[str], world_size: int) -> None:
+        # The world size and time say which attempt's lines survive when an elastic run resized.
+        self.file.write(json.dumps({"step": step, "keys": keys, "world_size": world_size,
+                                    "time": round(time.time(), 3)}) + "\n")
         self.file.flush()

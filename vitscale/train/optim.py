@@ -247,7 +247,47 @@ def derive_batch(global_batch: int, micro_batch: int, world_size: int, *, sectio
     )
 
 
+def resized_batch(global_batch: int, micro_batch: int, world_size: int) -> BatchPlan:
+    """The plan at a world size an elastic run reached: the same ``global_batch``, each worker's
+    ``global_batch / world_size`` share in the largest micro batch not above ``micro_batch`` that
+    divides it, times the accumulation steps. Where ``derive_batch`` succeeds it gives the same plan
+    (``micro_batch`` divides the share), so the loop uses this one at every world size and the
+    global batch, the schedule and the steps' samples never change with it.
+
+    Raises:
+        ValueError: ``world_size`` does not divide ``global_batch`` (the run's range was checked
+            against this before it started: ``elastic_split``).
+    """
+    positive_int(global_batch, "train.global_batch")
+    positive_int(micro_batch, "train.micro_batch")
+    positive_int(world_size, "world_size")
+    share, left = divmod(global_batch, world_size)
+    if left:
+        raise ValueError(f"train.global_batch={global_batch} does not split over {world_size} workers")
+    micro = max(m for m in range(1, min(micro_batch, share) + 1) if share % m == 0)
+    return BatchPlan(micro, share // micro, world_size, global_batch)
+
+
+def elastic_split(global_batch: int, micro_batch: int, world_sizes: range, *, section: str = "train",
+                  world: str = "cluster.num_workers") -> None:
+    """Every world size an elastic run may reach splits ``global_batch`` into equal shares (each then
+    in micro batches of at most ``micro_batch``: ``resized_batch``); else a ValueError naming the sizes
+    that do not and the nearest global batch all of them split."""
+    positive_int(global_batch, f"{section}.global_batch")
+    positive_int(micro_batch, f"{section}.micro_batch")
+    bad = [w for w in world_sizes if global_batch % w]
+    if not bad:
+        return
+    unit = math.lcm(*world_sizes)
+    nearest = max(unit, round(global_batch / unit) * unit)
+    raise ValueError(
+        f"{section}.global_batch={global_batch} does not split evenly over {', '.join(map(str, bad))} workers, which "
+        f"{world}: [{world_sizes[0]}, {world_sizes[-1]}] may run at; use a global batch every size in the range "
+        f"divides (the nearest: {nearest}), or a range whose sizes all divide {global_batch}")
+
+
 def steps_for(epochs: float, samples_per_epoch: int, global_batch: int) -> int:
+
     """Optimiser steps to see ``epochs`` passes over ``samples_per_epoch`` examples at ``global_batch``.
 
     The example count is rounded to an integer first and the step count rounded *up*, so the run

@@ -117,10 +117,11 @@ def refuse_changed_run(old_yaml: str, new_yaml: str, scope: tuple[str, ...], whe
             "restore them, or start a new run with another cluster.run_name (docs/resume.md)")
 
 
-def refuse_changed_run_in(run_storage: str, new_yaml: str, scope: tuple[str, ...], world_size: int) -> None:
+def refuse_changed_run_in(run_storage: str, new_yaml: str, scope: tuple[str, ...], world_size: int | None) -> None:
     """The driver's check, before Ray starts: `refuse_changed_run` against the run's newest complete
     checkpoint, when the run's storage is a folder this machine can read (object storage is
-    checked by the workers, on the checkpoint Ray hands them)."""
+    checked by the workers, on the checkpoint Ray hands them). `world_size` None: an elastic run,
+    whose checkpoints may have any world size in its range."""
     from pathlib import Path
 
     from vitscale.train import checkpoint as ckpt

@@ -5,7 +5,8 @@
 ``s3://``:
 
 - the order is :func:`vitscale.data.order.rank_order`'s: disjoint, equal-length per rank,
-  reshuffled per epoch, resumable at any sample;
+  reshuffled per epoch, resumable at any sample; with ``global_batch`` each step's samples are the
+  same at any world size (elastic training);
 - each sample is fetched with a ranged read of its bytes (offsets from the index), so a rank reads
   only its own samples; with ``num_workers`` loader processes, batch ``b`` is built whole by worker
   ``b % num_workers``, which is the order ``DataLoader`` hands batches out, so the emitted order is
@@ -54,11 +55,19 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from vitscale.config.checks import check, fraction, non_negative, positive_int
 from vitscale.data.carve import Carve
 from vitscale.data.config import DEFAULT_ERROR_BUDGET
-from vitscale.data.format import OpenDataset, ShardIndex, open_dataset
+from vitscale.data.format import OpenDataset, open_dataset
 from vitscale.data.loader.reader import BadSample, SampleReader
+from vitscale.data.loader.rows import IndexCache
 from vitscale.data.loader.sample import decode_sample
 from vitscale.data.loader.transforms import TransformSpec, sample_rng
-from vitscale.data.order import DEFAULT_SHUFFLE_BUFFER, RankOrder, num_batches, rank_order, worker_batches
+from vitscale.data.order import (
+    DEFAULT_SHUFFLE_BUFFER,
+    RankOrder,
+    num_batches,
+    rank_order,
+    samples_per_rank,
+    worker_batches,
+)
 
 __all__ = ["ErrorBudgetExceeded", "ShardStream", "StreamSpec"]
 
@@ -84,6 +93,9 @@ class StreamSpec:
     """Seeds shard order, sample shuffle and augmentation (with the epoch)."""
     batch_size: int = 64
     """Per-rank batch size."""
+    global_batch: int | None = None
+    """Samples per optimizer step, all ranks: each rank takes its share of every global batch, so a step's
+    samples do not depend on ``world_size`` (training). None: one contiguous span per rank."""
     train: bool = True
     """Shuffled order + random augmentation; False: dataset order + centre crop."""
     num_workers: int = 0
@@ -109,6 +121,9 @@ class StreamSpec:
         check(0 <= self.rank < self.world_size, "rank",
               f"must be in [0, world_size={self.world_size}), got {self.rank}")
         positive_int(self.batch_size, "batch_size")
+        share, left = divmod(positive_int(self.global_batch or self.world_size, "global_batch"), self.world_size)
+        check(self.global_batch is None or (left == 0 and share % self.batch_size == 0), "global_batch",
+              f"{self.global_batch} must split into {self.world_size} equal shares of batches of {self.batch_size}")
         non_negative(self.num_workers, "num_workers")
         fraction(self.error_budget, "error_budget")
         non_negative(self.seed, "seed")
@@ -120,9 +135,10 @@ class _EpochBatches(IterableDataset):
     """One epoch of one rank from ``order.start``: worker ``w`` builds batches ``b % W == w``."""
 
     def __init__(
-        self, spec: StreamSpec, ds: OpenDataset, order: RankOrder, index: dict[int, ShardIndex], end: int
+        self, spec: StreamSpec, ds: OpenDataset, order: RankOrder, end: int
     ) -> None:
-        self.spec, self.ds, self.order, self.index, self.end = spec, ds, order, index, end
+        self.spec, self.ds, self.order, self.end = spec, ds, order, end
+        self.index = IndexCache(ds)
         self.batches = -(-(end - order.start) // spec.batch_size)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -142,7 +158,7 @@ class _EpochBatches(IterableDataset):
         g = self.order.global_indices(lo, hi)  # (n,) global sample indices, in emit order
         shard, local = self.order.locate(g)
         n, r = len(g), tspec.resolution
-        entries = [self.index[int(s)] for s in shard]
+        entries = self.index.rows_of(shard)
         requests = [
             (ds.shard_names[int(s)], int(e.offsets[i]), int(e.sizes[i]))
             for s, e, i in zip(shard, entries, local)
@@ -211,6 +227,7 @@ class ShardStream:
         world_size: int = 1,
         seed: int = 0,
         batch_size: int = 64,
+        global_batch: int | None = None,
         resolution: int = 224,
         train: bool = True,
         num_workers: int = 0,
@@ -229,15 +246,14 @@ class ShardStream:
             raise ValueError("transform.resolution/train must match resolution/train")
         self.spec = StreamSpec(
             url=url, split=split, rank=rank, world_size=world_size, seed=seed,
-            batch_size=batch_size, train=train, num_workers=num_workers,
+            batch_size=batch_size, global_batch=global_batch, train=train, num_workers=num_workers,
             shuffle_buffer=shuffle_buffer, error_budget=error_budget, endpoint_url=endpoint_url,
             drop_last=train if drop_last is None else drop_last, transform=transform,
             prefetch_factor=prefetch_factor, pin_memory=pin_memory,
         )  # fmt: skip
         # `carve` reads one part (dev or rest) of a carve of the split instead of all of it.
         self.dataset = open_dataset(url, split, endpoint_url=endpoint_url, carve=carve)
-        self.samples_per_epoch = sum(self.dataset.counts) // world_size
-        """Samples per rank per epoch (before dropping a partial last batch)."""
+        self.samples_per_epoch = samples_per_rank(sum(self.dataset.counts), world_size, global_batch)  # this rank's
         self.batches_per_epoch = num_batches(self.samples_per_epoch, batch_size, self.spec.drop_last)
         if self.batches_per_epoch == 0:
             raise ValueError(
@@ -305,7 +321,7 @@ class ShardStream:
         """This rank's order of the current epoch from the current position."""
         s = self.spec
         return rank_order(self.dataset.counts, self.seed, self.epoch, s.rank, s.world_size,
-                    self.position, s.shuffle_buffer, shuffle=s.train)  # fmt: skip
+                    self.position, s.shuffle_buffer, shuffle=s.train, global_batch=s.global_batch)  # fmt: skip
 
     def _reset_epoch_count(self, before: int) -> None:
         self._epoch_skipped.clear()
@@ -357,9 +373,7 @@ class ShardStream:
         stream's bookkeeping (position, error budget): what :meth:`__iter__` runs in its DataLoader,
         and what :class:`vitscale.data.dataset.ShardDataset` wraps. A batch also holds ``_count``
         (samples it consumed) and ``_skipped`` ((shard, key, why) of each skipped sample)."""
-        order = self.epoch_order()
-        index = self.dataset.load_index(r.shard for r in order.ranges)
-        return _EpochBatches(self.spec, self.dataset, order, index, self._end)
+        return _EpochBatches(self.spec, self.dataset, self.epoch_order(), self._end)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         s, gen = self.spec, self._generation
