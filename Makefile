@@ -44,9 +44,11 @@ lint: install
 test: lint install-test-tools
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
-# vitscale on a cluster of nodes with private disks, a whole node SIGKILLed mid-pre-training (needs root).
+# vitscale on a cluster of nodes with private disks (a whole node SIGKILLed mid-pre-training, the whole
+# pipeline and a study kept in the bucket, a node lost under sweep trials; needs root), and an elastic
+# run that shrinks and grows on a local multi-node Ray.
 test-cluster: install
-	VITSCALE_CLUSTER_E2E=1 $(VENV)/bin/python -m pytest -q tests/test_private_cluster.py
+	VITSCALE_CLUSTER_E2E=1 $(VENV)/bin/python -m pytest -q tests/test_private_cluster.py tests/test_elastic_ray.py
 
 test-fast: install
 	$(VENV)/bin/python -m pytest -q -m "not slow"
