@@ -141,6 +141,9 @@ def test_a_run_that_shrinks_and_grows_matches_the_uninterrupted_one(nodes, datas
     workers[1] = cluster.add_node(num_cpus=2)  # capacity back: the run grows to 4
     driver.join(timeout=900)
     assert not driver.is_alive() and "error" not in outcome, outcome
+    pretrained = outcome["summary"]["pretrain"]
+    # Two restarts at least (the loss, the growth), each costing the seconds between two steps.
+    assert pretrained["world_size"] == 4 and pretrained["restarts"] >= 2 and pretrained["restart_lost_s"] > 0, pretrained
 
     log = (run_dir / "logs" / "ray.log").read_text() if (run_dir / "logs" / "ray.log").exists() else ""
     steps = surviving_steps(run_dir)

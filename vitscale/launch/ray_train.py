@@ -216,7 +216,7 @@ def run_directory(cluster: ClusterConfig, run_name: str) -> tuple[str, Path]:
 
 
 FINAL_METRICS = ("step", "epoch", "loss", "examples_seen", "cumulative_exaflops", "images_per_s", "mfu",
-                 "skipped_samples")
+                 "skipped_samples", "world_size", "restarts", "restart_lost_s")
 """The final step's metrics a stage keeps (plus every `*_accuracy*` the job's evaluations report)."""
 
 

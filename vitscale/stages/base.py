@@ -99,6 +99,9 @@ class Pretrained:
                 ("compute", f"{_fmt(m.get('cumulative_exaflops'))} exaFLOPs")]
         if m.get("skipped_samples"):
             rows.append(("skipped samples", str(m["skipped_samples"])))
+        if m.get("restarts"):
+            rows.append(("restarts", f"{m['restarts']} ({_fmt(m.get('restart_lost_s'))} s without a step; "
+                                     f"last at {m.get('world_size')} workers)"))
         rows.append(("checkpoint", str(getattr(self.checkpoint, "path", None))))
         return rows
 

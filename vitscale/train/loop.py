@@ -42,8 +42,16 @@ from vitscale.train.evaluate import Polyak, accuracy
 from vitscale.train.faults import maybe_die
 from vitscale.train.job import EvalSet, TrainJob
 from vitscale.train.losses import classification_loss
-from vitscale.train.metrics import MetricsSink, StepMetrics, TensorBoardLog, mfu, peak_flops, progress_line
+from vitscale.train.metrics import (
+    MetricsSink,
+    StepMetrics,
+    TensorBoardLog,
+    mfu,
+    peak_flops,
+    progress_line,
+)
 from vitscale.train.optim import Decay, lr_at, resized_batch, schedule_length
+from vitscale.train.restarts import read_rows, restarts
 
 ReportFn = Callable[[dict[str, Any], "Path | None"], None]
 
@@ -158,6 +166,7 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
     scores: dict[str, float] = {}  # stays empty when a run resumed at its last step has nothing left to do
     batches = None
     noticed = False  # a preemption notice was answered with a checkpoint (one per notice is enough)
+    attempt = time.time()  # marks this attempt's metrics lines: a restart starts a new one (train/restarts.py)
     t_run = time.perf_counter()
     while step < total_steps:
         if batches is None:  # (re)open the stream at the exact sample this step starts from
@@ -219,7 +228,8 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
             step_time_s=step_time, data_wait_s=data_wait, compute_s=step_time - data_wait,
             examples_seen=examples, cumulative_exaflops=flops / 1e18,
             mfu=None if peak is None else mfu(train_flops_per_example * images_per_s / ctx.world_size, peak),
-            skipped_samples=sum(stream.skipped().values()), epoch=step / steps_per_epoch)
+            skipped_samples=sum(stream.skipped().values()), epoch=step / steps_per_epoch,
+            world_size=ctx.world_size, attempt=attempt)
         sink.record(metrics, stream.skipped())
         if board is not None:
             board.record(metrics)
@@ -248,7 +258,8 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
             t_save = time.perf_counter()
             stream_state = _stream_checkpoint(stream, step, steps_per_epoch, per_rank_step, data.seed)
             _save_and_report(engine, ctx, new_state, stream_state,
-                             job.config_yaml, {**_report_metrics(metrics), "skipped_steps": skipped,
+                             job.config_yaml, {**_report_metrics(metrics), **_restart_totals(sink),
+                                               "skipped_steps": skipped,
                                                "checkpoint_score": checkpoint_score(step, first_skipped), **scores},
                              polyak)
             sink.checkpoint_saved(time.perf_counter() - t_save)
@@ -259,7 +270,14 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         board.close()
     return {"steps": step, "total_steps": total_steps, "examples_seen": examples, "exaflops": flops / 1e18,
             "final_loss": loss_value, "num_classes": num_classes, "skipped_samples": stream.skipped(),
-            "skipped_steps": skipped, **scores}
+            "skipped_steps": skipped, **_restart_totals(sink), **scores}
+
+
+def _restart_totals(sink: MetricsSink) -> dict[str, Any]:
+    """Restarts of the run so far (failures, preemptions, resizes) and the seconds they cost, from this
+    rank's metrics lines (every attempt's: the file is continued, on a new node pulled from storage)."""
+    history = restarts(read_rows(sink.path))
+    return {"restarts": len(history), "restart_lost_s": round(sum(r.seconds_lost for r in history), 1)}
 
 
 def _stream_state(step: int, steps_per_epoch: int, per_rank_step: int, seed: int) -> dict[str, int]:

@@ -30,6 +30,10 @@ vitscale_nonfinite_loss_total       counter    steps whose loss was NaN or infin
 vitscale_checkpoint_seconds         histogram  wall time to save one checkpoint (this rank's part)
 vitscale_last_checkpoint_timestamp  gauge      Unix time the last checkpoint save finished
 _seconds                                       (absent until this process saved one)
+vitscale_world_size                 gauge      workers training the run (an elastic run's changes)
+vitscale_restarts_total             counter    restarts of the worker group seen by this process
+vitscale_restart_lost_seconds_total counter    seconds from the last step before a restart to the
+                                               first step after (failure, preemption or resize)
 ==================================  =========  =====================================================
 
 The alert rules and Grafana dashboard built on these series are in ``k8s/monitoring/``.
@@ -39,6 +43,10 @@ keyed by optimiser step: ``train/loss``, ``train/lr``, ``train/images_per_s``, `
 known), ``train/grad_norm``, ``train/epoch``, ``train/exaflops`` and every evaluation's accuracy as
 ``eval/<set>_accuracy``. ``tensorboard --logdir RUN_DIR`` shows a pre-training run, a fine-tune and
 every sweep trial the same way; a resumed run continues its curves from the checkpoint's step.
+
+Every JSON line also holds ``world_size`` and ``attempt`` (when the worker group started):
+:func:`vitscale.train.restarts.restarts` reads a rank's lines back into each restart's step, steps
+redone, seconds lost and world sizes, and the run's summary keeps ``restarts`` and ``restart_lost_s``.
 
 The histograms' ``_sum`` series let a dashboard compute the input-bound fraction as
 ``rate(vitscale_data_wait_seconds_sum[5m]) / rate(vitscale_step_seconds_sum[5m])``.
@@ -68,6 +76,7 @@ from prometheus_client import (
 )
 
 from vitscale.config.checks import check, non_negative_int
+from vitscale.train.restarts import read_rows, restarts
 
 __all__ = [
     "PEAK_BF16_FLOPS",
@@ -125,6 +134,11 @@ class StepMetrics:
     """Samples skipped so far (undecodable images, bad labels) on this rank."""
     epoch: float
     """Fractional epoch reached."""
+    world_size: int = 1
+    """Workers training this step (an elastic run's changes over time)."""
+    attempt: float = 0.0
+    """Unix time this attempt of the run (a start or a restart of the worker group) began: a new value in
+    a rank's lines marks a restart (:func:`restarts`)."""
 
 
 def mfu(model_flops_per_s: float, peak_flops_per_s: float) -> float:
@@ -247,7 +261,13 @@ class MetricsSink:
         self.rank = rank
         self.path = Path(run_dir) / "metrics" / f"rank{rank}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # The previous attempt's last line (a restart continues the file): the first line of this one is
+        # compared with it (`restarts`).
+        earlier = read_rows(self.path)
+        self._previous: dict[str, object] | None = earlier[-1] if earlier else None
         self._file: IO[str] | None = self.path.open("a", encoding="utf-8")
+        if self.path.stat().st_size and _torn(self.path):
+            self._file.write("\n")  # a line torn by a killed process ends here, not in this attempt's first
         self._lock = threading.Lock()
         self._last: dict[str, float] = {}  # cumulative value last fed to each counter child
         self.registry = CollectorRegistry(auto_describe=True)
@@ -306,6 +326,12 @@ class MetricsSink:
             "vitscale_checkpoint_seconds", "Wall time to save one checkpoint (this rank's part).", labels,
             buckets=_CHECKPOINT_BUCKETS, registry=r,
         )
+        self._world = Gauge("vitscale_world_size", "Workers training the run (changes when an elastic run resizes).",
+                            labels, registry=r)
+        self._restarts = Counter("vitscale_restarts", "Restarts of the worker group this process has seen begin "
+                                 "(failures, preemptions, resizes).", labels, registry=r)
+        self._restart_seconds = Counter("vitscale_restart_lost_seconds", "Seconds from the last step before a "
+                                        "restart to the first step after.", labels, registry=r)
         self._ckpt_last = Gauge(
             "vitscale_last_checkpoint_timestamp_seconds", "Unix time the last checkpoint save finished.", labels,
             registry=r,
@@ -343,6 +369,8 @@ class MetricsSink:
         with self._lock:
             self._file.write(json.dumps(row, allow_nan=False) + "\n")
             self._file.flush()
+            gone = restarts([self._previous, row]) if self._previous is not None else []
+            self._previous = row
 
             lv = (self.run, str(self.rank))
             values = {"step": m.step, "epoch": m.epoch, "loss": m.loss, "lr": m.lr, "grad_norm": m.grad_norm,
@@ -359,6 +387,10 @@ class MetricsSink:
                 self._advance(f"skipped/{shard}", self._skipped.labels(*lv, shard), float(count))
             if not math.isfinite(m.loss):
                 self._nonfinite.labels(*lv).inc()
+            self._world.labels(*lv).set(m.world_size)
+            for restart in gone:
+                self._restarts.labels(*lv).inc()
+                self._restart_seconds.labels(*lv).inc(restart.seconds_lost)
 
     def checkpoint_saved(self, seconds: float, finished_at: float | None = None) -> None:
         """Record a finished checkpoint save: how long it took and when it finished (Unix time, default now).
@@ -394,6 +426,13 @@ class MetricsSink:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _torn(path: Path) -> bool:
+    """The file's last line has no newline (its writer was killed mid-line)."""
+    with path.open("rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) != b"\n"
 
 
 def hms(seconds: float) -> str:

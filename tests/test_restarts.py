@@ -1,0 +1,85 @@
+"""Restarts read back from a rank's metrics lines: each attempt's start, the steps redone, the seconds no
+step was made, the world sizes before and after; and the Prometheus series a restarted sink serves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vitscale.train.metrics import MetricsSink, StepMetrics
+from vitscale.train.restarts import read_rows, restarts
+
+# An attempt: (steps back from the last step it resumes behind, steps it makes, its world size, seconds
+# from the previous attempt's last step to its first step's start).
+attempt_st = st.tuples(st.integers(0, 5), st.integers(1, 6), st.integers(1, 8), st.floats(0, 500))
+
+
+def _rows(attempts: list[tuple[int, int, int, float]]) -> tuple[list[dict], list[tuple[int, int, float, int]]]:
+    """Lines as a rank writes them, and the expected (resumed step, steps redone, seconds lost, world)."""
+    rows: list[dict] = []
+    expected = []
+    t, step, step_time = 1000.0, 0, 2.0
+    for number, (back, made, world, gap) in enumerate(attempts):
+        resumed = max(0, step - back)
+        if number:
+            expected.append((resumed, step - resumed, gap, world))
+            t += gap
+        began = t
+        for s in range(resumed + 1, resumed + made + 1):
+            t += step_time
+            rows.append({"step": s, "time": t, "step_time_s": step_time, "world_size": world, "attempt": began})
+        step = resumed + made
+    return rows, expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(attempt_st, min_size=1, max_size=6))
+def test_every_restart_is_found_with_its_cost(attempts) -> None:
+    rows, expected = _rows(attempts)
+    found = restarts(rows)
+    assert [(r.step, r.steps_redone, r.world_after) for r in found] == [(e[0], e[1], e[3]) for e in expected]
+    for r, e in zip(found, expected):
+        assert r.seconds_lost == pytest.approx(e[2], abs=1e-6)
+    worlds = [a[2] for a in attempts]
+    assert [r.world_before for r in found] == worlds[:-1]
+
+
+def test_lines_written_before_attempts_were_recorded_are_one_attempt() -> None:
+    old = [{"step": s, "time": float(s), "step_time_s": 1.0} for s in (1, 2, 3)]
+    assert restarts(old) == []
+
+
+def _metrics(step: int, world: int, attempt: float) -> StepMetrics:
+    return StepMetrics(step=step, loss=1.0, lr=0.1, grad_norm=1.0, images_per_s=10.0, step_time_s=0.5,
+                       data_wait_s=0.1, compute_s=0.4, examples_seen=8 * step, cumulative_exaflops=1e-9 * step,
+                       mfu=None, skipped_samples=0, epoch=step / 10, world_size=world, attempt=attempt)
+
+
+def test_a_restarted_sink_counts_the_restart_and_its_seconds(tmp_path: Path) -> None:
+    import time
+
+    from prometheus_client import generate_latest
+
+    with MetricsSink(tmp_path, run="r", rank=0) as sink:
+        for step in (1, 2, 3):
+            sink.record(_metrics(step, 4, attempt=100.0))
+    last = read_rows(tmp_path / "metrics" / "rank0.jsonl")[-1]["time"]
+    (tmp_path / "metrics" / "rank0.jsonl").open("a").write('{"step": 4, "ti')  # a line torn by the kill
+    with MetricsSink(tmp_path, run="r", rank=0) as sink:  # the restarted attempt: 2 workers, from step 2
+        time.sleep(0.6)
+        sink.record(_metrics(3, 2, attempt=200.0))
+        text = generate_latest(sink.registry).decode()
+    assert 'vitscale_world_size{rank="0",run="r"} 2.0' in text
+    assert 'vitscale_restarts_total{rank="0",run="r"} 1.0' in text
+    seconds = [float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("vitscale_restart_lost_seconds_total{")]
+    rows = read_rows(tmp_path / "metrics" / "rank0.jsonl")
+    assert len(rows) == 4 and rows[-1]["world_size"] == 2  # the torn line is left out
+    assert seconds == [pytest.approx(rows[-1]["time"] - 0.5 - last, abs=1e-3)] and seconds[0] > 0
+    [restart] = restarts(rows)
+    assert (restart.step, restart.steps_redone, restart.world_before, restart.world_after) == (2, 1, 4, 2)
+    assert json.dumps(rows)  # plain data
