@@ -297,6 +297,6 @@ def rank_keys(
 
     ds = open_dataset(dataset_url, split, endpoint_url=endpoint_url)
     p = rank_order(ds.counts, seed, epoch, rank, world_size, start, shuffle_buffer, global_batch=global_batch)
-    index = ds.load_index([r.shard for r in p.ranges])
     shard, local = p.locate(p.indices)
+    index = ds.load_index(np.unique(shard).tolist())  # the shards its samples are in, no more
     return [index[int(s)].key(int(i)) for s, i in zip(shard, local)]

@@ -217,9 +217,9 @@ def read_index(url: str | Storage, *, endpoint_url: str | None = None) -> pa.Tab
 
 
 def write_index_and_meta(storage: Storage, rows: list[dict[str, Any]], meta: DatasetMeta) -> None:
-    """Write ``_index.parquet`` then ``dataset.json`` (last: its presence marks a complete set)."""
-    table = pa.Table.from_pylist(rows, schema=INDEX_SCHEMA)
-    buf = io.BytesIO()
-    pq.write_table(table, buf)
-    storage.write_bytes(INDEX_NAME, buf.getvalue())
+    """Write ``_index.parquet`` (one row group per shard, in ``meta``'s order: see
+    :mod:`vitscale.data.format.index`) then ``dataset.json`` (last: its presence marks a complete set)."""
+    from vitscale.data.format.index import index_bytes  # it builds on this module
+
+    storage.write_bytes(INDEX_NAME, index_bytes(pa.Table.from_pylist(rows, schema=INDEX_SCHEMA), meta))
     storage.write_bytes(META_NAME, (json.dumps(meta.to_json(), indent=2) + "\n").encode())

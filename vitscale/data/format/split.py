@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import tempfile
 from collections import Counter
@@ -20,6 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from vitscale.data.carve import Carve
+from vitscale.data.format.index import IndexFile
 from vitscale.data.format.meta import (
     CRC_COLUMN,
     INDEX_COLUMNS,
@@ -32,6 +34,8 @@ from vitscale.data.format.meta import (
     read_meta,
 )
 from vitscale.data.storage import LocalStorage, Storage, open_storage
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,7 @@ class ShardIndex:
 
 @dataclass(frozen=True, eq=False)
 class OpenDataset:
-    """A validated split of a dataset: its metadata plus a local path to its index."""
+    """A validated split of a dataset: its metadata plus its index (read per shard, lazily)."""
 
     storage: Storage
     split: str
@@ -77,11 +81,20 @@ class OpenDataset:
     shard_names: tuple[str, ...]
     counts: tuple[int, ...]
     """Samples per shard this view reads (all of the split, or one part of a carve)."""
-    index_path: str
+    index: IndexFile
+    """``_index.parquet``, read with ranged reads through its storage (footer, then row groups)."""
+    index_path: str | None = None
+    """A local copy of a legacy-layout index (filtered scans of it); None: the per-shard layout,
+    whose row groups :meth:`load_index` reads one by one (see :mod:`vitscale.data.format.index`)."""
     carve: Carve | None = None
     """Read only one part (dev or rest) of a carve of the split; None = the whole split."""
     has_crc: bool = False
     """The index has the ``crc32`` column: each sample's bytes are checked when read."""
+
+    @property
+    def lazy(self) -> bool:
+        """The per-shard layout: index rows are read per shard when asked for, none at open."""
+        return self.index_path is None
 
     @property
     def labels_in_index(self) -> bool:
@@ -104,18 +117,81 @@ class OpenDataset:
     def multi_label(self) -> bool:
         return self.meta.multi_label
 
+    @property
+    def _columns(self) -> list[str]:
+        return (["shard", "key", "offset", "size"] + ([CRC_COLUMN] if self.has_crc else [])
+                + (["labels"] if self.labels_in_index else []))
+
     def load_index(self, shards: Iterable[int]) -> dict[int, ShardIndex]:
-        """Index rows of the given shard numbers only (parquet filter pushdown, not a full scan)."""
+        """Index rows of the given shard numbers only.
+
+        Per-shard layout: just those shards' row groups, with ranged reads (the cost follows the
+        shards asked for, not the dataset). Legacy layout: parquet filter pushdown over the local
+        copy of the whole index."""
         wanted = sorted({int(s) for s in shards})
         if not wanted:
             return {}
+        if self.index_path is not None:
+            return self._read_legacy(wanted)
+        layout = self.index.layout
+        if layout is None:
+            raise DatasetError(f"{self.index.url} changed since the dataset was opened: open it again")
+        listed = self.meta.splits[self.split].counts
+        out: dict[int, ShardIndex] = {}
+        groups: list[tuple[int, int]] = []  # (shard, row group)
+        for s in wanted:
+            name = self.shard_names[s]
+            group = layout.row_groups.get((self.split, name))
+            if group is not None:
+                groups.append((s, group))
+            elif listed[s] == 0:  # a shard without samples has no row group
+                schema = self.index.metadata.schema.to_arrow_schema()
+                out[s] = self._finish(s, name, pa.schema([schema.field(c) for c in self._columns]).empty_table())
+            else:
+                raise DatasetError(f"{self.index.url} has no rows for shard {name}")
+        groups.sort(key=lambda sg: sg[1])  # file order: one pass over the file
+        table = self.index.read_row_groups([g for _, g in groups], self._columns)
+        row = 0
+        for s, group in groups:
+            name, n = self.shard_names[s], layout.rows[(self.split, self.shard_names[s])]
+            rows = table.slice(row, n)
+            row += n
+            if n != listed[s] or not pc.all(pc.equal(rows.column("shard"), name)).as_py():
+                raise DatasetError(f"{self.index.url}: row group {group} is not the {listed[s]} rows of shard "
+                                   f"{name}: the index was replaced; rewrite it")
+            out[s] = self._finish(s, name, rows)
+        if row != table.num_rows:
+            raise DatasetError(f"{self.index.url} changed since the dataset was opened: open it again")
+        return out
+
+    def _finish(self, s: int, name: str, table: pa.Table) -> ShardIndex:
+        """One shard's :class:`ShardIndex` from its rows (tar order), its carve part applied."""
+        offsets = table.column("offset").to_numpy().astype(np.int64)
+        if offsets.size > 1 and (np.diff(offsets) < 0).any():
+            table = table.take(pa.array(np.argsort(offsets, kind="stable")))
+            offsets = table.column("offset").to_numpy().astype(np.int64)
+        shard = ShardIndex(offsets, table.column("size").to_numpy().astype(np.int64),
+                           table.column("key").combine_chunks(),
+                           table.column(CRC_COLUMN).fill_null(-1).to_numpy().astype(np.int64) if self.has_crc
+                           else None,
+                           table.column("labels").to_pylist() if self.labels_in_index else None)
+        if self.carve is not None:
+            shard = shard.take(np.flatnonzero(self.carve.select(shard.keys.to_pylist())))
+        if len(shard.offsets) != self.counts[s]:
+            raise DatasetError(f"{self.index.url}: shard {name} selects {len(shard.offsets)} samples of "
+                               f"{self.carve}, expected {self.counts[s]}")
+        return shard
+
+    def _read_legacy(self, wanted: list[int]) -> dict[int, ShardIndex]:
+        """The rows of shards ``wanted`` from the local copy of a legacy-layout index, all at once."""
+        if not wanted:
+            return {}
         names = [self.shard_names[s] for s in wanted]
-        url = self.storage.url_of(INDEX_NAME)
+        url = self.index.url
         try:
             table = pq.read_table(
                 self.index_path,
-                columns=["shard", "key", "offset", "size"] + ([CRC_COLUMN] if self.has_crc else [])
-                + (["labels"] if self.labels_in_index else []),
+                columns=self._columns,
                 filters=[("split", "=", self.split), ("shard", "in", names)],
             )
         except (OSError, pa.ArrowInvalid) as exc:
@@ -123,12 +199,6 @@ class OpenDataset:
         table = table.sort_by([("shard", "ascending"), ("offset", "ascending")])
         vc = pc.value_counts(table.column("shard"))  # in order of appearance = sorted order
         found = dict(zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()))
-        offsets = table.column("offset").to_numpy().astype(np.int64)
-        sizes = table.column("size").to_numpy().astype(np.int64)
-        keys = table.column("key").combine_chunks()
-        crcs = (table.column(CRC_COLUMN).fill_null(-1).to_numpy().astype(np.int64)
-                if self.has_crc else None)
-        labels = table.column("labels").to_pylist() if self.labels_in_index else None
         out: dict[int, ShardIndex] = {}
         row = 0
         by_name = {n: s for s, n in zip(wanted, names)}
@@ -141,21 +211,12 @@ class OpenDataset:
                     f"{url} has {n} rows for shard {name}, {META_NAME} says {listed}: "
                     f"rewrite the index or {META_NAME}"
                 )
-            shard = ShardIndex(offsets[row : row + n], sizes[row : row + n], keys.slice(row, n),
-                               None if crcs is None else crcs[row : row + n],
-                               None if labels is None else labels[row : row + n])
-            if self.carve is not None:
-                shard = shard.take(np.flatnonzero(self.carve.select(shard.keys.to_pylist())))
-            if len(shard.offsets) != self.counts[s]:
-                raise DatasetError(f"{url}: shard {name} selects {len(shard.offsets)} samples of "
-                                   f"{self.carve}, expected {self.counts[s]}")
-            out[s] = shard
+            out[s] = self._finish(s, name, table.slice(row, n))
             row += n
         for s, name in zip(wanted, names):
             if s not in out and self.counts[s] > 0:
                 raise DatasetError(f"{url} has no rows for shard {name}")
         return out
-
 
 
 def _remove(path: str) -> None:
@@ -259,11 +320,31 @@ def open_dataset(url: str, split: str, *, endpoint_url: str | None = None, carve
             f"{len(missing)} shard(s) of split {split!r} missing under {storage.url}: "
             f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}"
         )
-    if not index_storage.exists(INDEX_NAME):
+    if index_storage is storage:
+        index_size = present.get(INDEX_NAME)
+    else:
+        try:
+            index_size = index_storage.size(INDEX_NAME)
+        except FileNotFoundError:
+            index_size = None
+    if index_size is None:
         raise DatasetError(f"no index at {index_url}")
-    index_path = _local_index_path(index_storage)
-    summary = _index_summary(index_path, split, index_url)
-    rows = summary.counts
+    index = IndexFile(index_storage, index_size)  # reads the footer only: O(row groups)
+    columns = index.columns
+    lacking = set(INDEX_COLUMNS) - set(columns)
+    if lacking:
+        raise DatasetError(f"{index_url} lacks columns {sorted(lacking)}")
+    layout = index.layout
+    index_path: str | None = None
+    if layout is not None:  # per-shard row groups: counts and ends from the footer, rows read lazily
+        per_shard = layout.shards(split)
+        rows: Counter[str] = Counter({n: r for n, (r, _) in per_shard.items()})
+        ends = {n: e for n, (_, e) in per_shard.items()}
+    else:
+        _warn_legacy(index_url, url)
+        index_path = _local_index_path(index_storage)
+        summary = _index_summary(index_path, split, index_url)
+        rows, ends = summary.counts, summary.ends
     bad = [(n, rows.get(n, 0), c) for n, c in zip(names, counts) if rows.get(n, 0) != c]
     extra = sorted(set(rows) - set(names))
     if bad or extra:
@@ -274,15 +355,32 @@ def open_dataset(url: str, split: str, *, endpoint_url: str | None = None, carve
             f"{index_url} disagrees with {meta_url} for split {split!r} ({detail}): "
             "the dataset is damaged or half-written; rewrite it"
         )
-    _check_shard_sizes(meta, split, present, summary.ends, storage.url)
+    _check_shard_sizes(meta, split, present, ends, storage.url)
     if carve is not None:
-        carve, counts = _carved_counts(index_path, split, names, carve)
-    return OpenDataset(storage, split, meta, names, counts, index_path, carve, summary.has_crc)
+        if layout is not None:
+            groups = [layout.row_groups[(split, n)] for n in names if (split, n) in layout.row_groups]
+            keys = index.read_row_groups(groups, ["shard", "key"], whole=False)
+        else:
+            keys = pq.read_table(index_path, columns=["shard", "key"], filters=[("split", "=", split)])
+        carve, counts = _carved_counts(keys, names, carve)
+    return OpenDataset(storage, split, meta, names, counts, index, index_path, carve, CRC_COLUMN in columns)
 
 
-def _carved_counts(index_path: str, split: str, names: tuple[str, ...], carve: Carve) -> tuple[Carve, tuple[int, ...]]:
-    """The carve resolved on the split's keys, and samples per shard in its part (reads the keys once)."""
-    table = pq.read_table(index_path, columns=["shard", "key"], filters=[("split", "=", split)])
+_warned: set[str] = set()
+
+
+def _warn_legacy(index_url: str, url: str) -> None:
+    """Say once per index that it is read whole at every start, and how to rewrite it."""
+    if index_url not in _warned:
+        _warned.add(index_url)
+        log.warning("%s has the legacy layout (row groups across shards): every rank reads all of it at start-up; "
+                    "`vitscale shards reindex %s` rewrites it with one row group per shard, read lazily",
+                    index_url, url)
+
+
+def _carved_counts(table: pa.Table, names: tuple[str, ...], carve: Carve) -> tuple[Carve, tuple[int, ...]]:
+    """The carve resolved on the split's keys (``table``: its ``shard`` and ``key`` columns), and
+    samples per shard in its part. Needs every key of the split: O(samples), carves only."""
     keys = table.column("key").to_pylist()
     carve = carve.resolved(keys)
     selected = carve.select(keys)

@@ -89,15 +89,18 @@ class LocalStorage(Storage):
         if not self.root.is_dir():
             return {}
         sizes = {}
-        for dirpath, _, files in os.walk(self.root):
+        root = str(self.root)
+        for dirpath, _, files in os.walk(root):
+            # Plain strings, not a Path per file: a JFT-sized dataset lists 30k shards at every start.
+            folder = os.path.relpath(dirpath, root)
+            folder = "" if folder == "." else folder.replace(os.sep, "/") + "/"
             for f in files:
                 if f.endswith(".part") and f.startswith("."):
                     continue  # an in-flight atomic write
-                path = Path(dirpath, f)
-                rel = path.relative_to(self.root).as_posix()
+                rel = folder + f
                 if rel.startswith(prefix):
                     try:
-                        sizes[rel] = path.stat().st_size
+                        sizes[rel] = os.stat(os.path.join(dirpath, f)).st_size
                     except FileNotFoundError:
                         continue  # removed while we listed
         return dict(sorted(sizes.items()))
