@@ -181,7 +181,9 @@ def run_study(config: PipelineConfig, context: StageContext) -> StudyResult:
     from vitscale.stages.study_runner import run_cells
 
     study = config.section("study")
-    directory = study.directory or str(context.run_dir / "study")
+    # The run's storage, not the driver's disk: on a cluster whose nodes share only object storage the
+    # cells' Train runs (under `cells/`) must be reachable from every node.
+    directory = study.directory or f"{config.cluster.run_storage(config.run_name).rstrip('/')}/study"
     cells = resolve_cells(config)
     facts, planned = plan(config, check_data=False)  # `prepare_study` checked every cell before Ray started
     state = StudyState(directory, config.data.endpoint_url)

@@ -114,7 +114,8 @@ class StudyConfig:
     retries: int = 1
     """Times a failed cell is run again (over all runs of the study) before it has failed for good."""
     directory: str | None = field(default=None, metadata={"path": True})
-    """Where the study's state and results live (a folder or s3://...); null = RUN_DIR/study."""
+    """Where the study's state and results live (a folder or s3://...); null = the run's storage
+    (`cluster.storage_path/run_name`) + `/study`. Every node must reach it: its cells' runs live there."""
     planned_examples: int | None = None
     """Plan from this split size when the pre-training dataset cannot be read yet (budgeting a
     study before its data exists); `vitscale run` still needs the data, and checks it agrees."""
