@@ -18,6 +18,7 @@ Gated with the other multi-node runs (`make test-cluster`): minutes on a 2-core 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -172,3 +173,61 @@ def test_a_run_that_shrinks_and_grows_matches_the_uninterrupted_one(nodes, datas
             diff[key] = 0
         worst[name] = diff.max().item()
     assert max(worst.values()) <= 1e-5, worst
+
+
+def test_a_preemption_notice_is_answered_with_a_checkpoint_and_no_step_is_lost(nodes, dataset: str,
+                                                                              tmp_path: Path) -> None:
+    """A node is drained for preemption (what a spot reclaim does, by Ray's own CLI) in a run with no periodic
+    checkpoint before its end: the run checkpoints at once, and once the deadline passes and the node is
+    gone, goes on on the other node from that checkpoint (without it, from step 0)."""
+    import subprocess
+    import sys
+
+    from vitscale.stages.run import run_pipeline
+    from vitscale.train.restarts import read_rows, restarts
+
+    cluster, workers = nodes
+    run_dir = tmp_path / "preempted"
+    config = _config(dataset, tmp_path, "preempted", [2, 4], 2)
+    steps = 150  # long enough that the deadline passes mid-run
+    config = config.with_sections(train=dataclasses.replace(config.train, checkpoint_every=1000, max_steps=steps))
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["summary"] = run_pipeline(config, verbose=False)
+        except Exception as exc:  # noqa: BLE001 -- surfaced by the main thread
+            outcome["error"] = exc
+
+    driver = threading.Thread(target=run)
+    driver.start()
+    metrics = run_dir / "metrics" / "rank0.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and any(r.get("step", 0) >= 5 and r.get("world_size") == 4
+                                        for r in read_rows(metrics))):
+        assert driver.is_alive(), outcome
+        assert time.monotonic() < deadline, "the run never reached step 5 at 4 workers"
+        time.sleep(0.2)
+    victim = workers[1]
+    drained = subprocess.run(
+        [str(Path(sys.executable).parent / "ray"), "drain-node", "--address", cluster.address,
+         "--node-id", victim.node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
+         "--deadline-remaining-seconds", "10"], capture_output=True, text=True, timeout=60)
+    assert drained.returncode == 0, drained.stderr
+    time.sleep(10)  # the deadline: the node goes
+    cluster.remove_node(victim)
+    workers[1] = cluster.add_node(num_cpus=2)  # capacity back for the other tests
+    driver.join(timeout=900)
+    assert not driver.is_alive() and "error" not in outcome, outcome
+
+    log = (run_dir / "logs" / "ray.log").read_text()
+    noticed = [line for line in log.splitlines() if "preempted" in line and "checkpointing now" in line]
+    assert noticed, log[-4000:]
+    grace = int(noticed[0].split("step ")[1].split(":")[0])
+    assert 5 <= grace < steps, grace
+    assert (run_dir / f"checkpoint_{grace:09d}" / "MANIFEST-rank3.json").exists()  # all 4 ranks' parts
+    assert sorted(p.name for p in run_dir.glob("checkpoint_*") if p.is_dir()) == [f"checkpoint_{grace:09d}",
+                                                                    f"checkpoint_{steps:09d}"]
+    history = restarts(read_rows(metrics))
+    assert history and history[0].step == grace, history  # resumed from the notice's checkpoint
+    assert outcome["summary"]["pretrain"]["step"] == steps

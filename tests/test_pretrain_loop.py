@@ -115,7 +115,8 @@ def test_a_preemption_notice_checkpoints_at_once_and_loses_no_step(tmp_path: Pat
 
     (tmp_path / "noticed").mkdir()
     seen = Recorder(tmp_path / "noticed")
-    train(config, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-a", report=seen, preemption=notice))
+    train(config, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-a", report=seen, preemption=notice,
+                                preemption_every_s=0.0))  # asked every step
     assert sorted(p.name for p in (tmp_path / "noticed").iterdir()) == [
         "checkpoint_000000002", "checkpoint_000000003", "checkpoint_000000006"]
     assert len(calls) == 2  # answered once: no second checkpoint for the same notice

@@ -83,7 +83,8 @@ def add_study_verbs(verbs: Any, verb: Callable[..., argparse.ArgumentParser]) ->
     for name, func, text in (("report", cmd_report, "Regenerate a study's tables, plots and fits from its state."),
                              ("recommend", cmd_recommend, "The family and size to pick for a compute budget.")):
         p = verb(name, func, text, study_verbs)
-        p.add_argument("study_dir", help="the study directory (STORAGE_PATH/RUN_NAME/study, or study.directory; s3:// too)")
+        p.add_argument("study_dir", help="the study directory (STORAGE_PATH/RUN_NAME/study, or study.directory; "
+                                         "s3:// too)")
         p.add_argument("--metric", default=None, help="accuracy column to fit (default: the study's fit_metric)")
         p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint URL")
         if name == "recommend":

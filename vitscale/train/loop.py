@@ -78,8 +78,11 @@ class WorkerContext:
     """The run's world size may change between restarts (`cluster.num_workers: [MIN, MAX]`): a
     checkpoint of another world size is resharded, not refused."""
     preemption: Callable[[], str | None] = field(default=lambda: None)
-    """A notice that a node of the run is being preempted (one line), or None; every rank calls it once
-    per step (under Ray Train it is a barrier). On the first notice the loop checkpoints at once."""
+    """A notice that a node of the run is being preempted (one line), or None. Every rank calls it at the
+    same steps, every `preemption_every_s` (under Ray Train it is a barrier through an actor: too slow
+    for every step). On the first notice the loop checkpoints at once."""
+    preemption_every_s: float = 5.0
+    """How often the loop asks: Ray Train polls node drains every 5 s itself."""
 
 
 class NonFiniteSteps(RuntimeError):
@@ -167,6 +170,7 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
     batches = None
     noticed = False  # a preemption notice was answered with a checkpoint (one per notice is enough)
     attempt = time.time()  # marks this attempt's metrics lines: a restart starts a new one (train/restarts.py)
+    last_asked = time.monotonic()
     t_run = time.perf_counter()
     while step < total_steps:
         if batches is None:  # (re)open the stream at the exact sample this step starts from
@@ -197,9 +201,13 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
             if micro_step < batch.grad_accum_steps - 1:
                 engine.step()  # inside the accumulation: DeepSpeed only counts the micro-step
         # Mean loss over all ranks: what the user compares across runs; one tiny all-reduce per step.
-        # A NaN on any rank makes the sum NaN on every rank, so all ranks skip the same steps.
-        torch.distributed.all_reduce(step_loss, op=torch.distributed.ReduceOp.SUM)
-        loss_value = step_loss.item() / ctx.world_size
+        # A NaN on any rank makes the sum NaN on every rank, so all ranks skip the same steps. It also
+        # carries rank 0's "time to ask Ray about preemption", so every rank asks at the same step.
+        ask = ctx.rank == 0 and time.monotonic() - last_asked >= ctx.preemption_every_s
+        reduced = torch.stack([step_loss, torch.tensor(float(ask), device=device)])
+        torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.SUM)
+        loss_value = reduced[0].item() / ctx.world_size
+        ask = reduced[1].item() > 0
         applied = optimizer_step(engine, skip=not math.isfinite(loss_value))
         grad_norm = engine.get_global_grad_norm()
         if not applied:
@@ -245,7 +253,8 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
                 board.scores(step, scores)
         # A preemption notice: checkpoint now rather than lose the steps since the last periodic one; the
         # run goes on until Ray Train restarts it without the preempted node (from this checkpoint).
-        notice = ctx.preemption() if not noticed else None
+        notice = ctx.preemption() if ask and not noticed else None
+        last_asked = time.monotonic() if ask else last_asked
         if notice is not None:
             noticed = True
             if ctx.rank == 0:
