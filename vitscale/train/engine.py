@@ -12,10 +12,12 @@ every optimizer step, so a resumed run needs no scheduler state to land on the s
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import pickle
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -252,3 +254,24 @@ def consolidated_state_dict(deepspeed_dir: str | os.PathLike, tag: str) -> dict[
     with weights_only_loads():
         state = torch.load(os.path.join(directory, model_states[0]), map_location="cpu", weights_only=True)
     return {k: v.float() for k, v in state["module"].items()}
+
+
+def convert_to_universal(checkpoint: Path, out: Path) -> None:
+    """DeepSpeed's `ds_to_universal` from the checkpoint folder `checkpoint` (`<deepspeed_dir>/<tag>`)
+    into `out`, in this process, reading only plain data."""
+    _deepspeed()
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(
+        input_folder=os.fspath(checkpoint), output_folder=os.fspath(out),
+        # 1: no process pool (see the module docstring), one deterministic order of work.
+        num_extract_workers=1, num_merge_workers=1,
+        keep_temp_folder=False, strict=True,
+        # vitscale's models declare no tensor-parallel layout (the universal_checkpoint_info DeepSpeed
+        # reads from a Megatron-style module), so the converter is told the plain data-parallel one.
+        inject_missing_state=True,
+    )
+    # The converter prints its progress (and tqdm bars); a resume's output is vitscale's.
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet), \
+            weights_only_loads():
+        ds_to_universal.main(args)

@@ -51,14 +51,12 @@ Every file DeepSpeed reads here, during the conversion and the load, is read wit
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-from vitscale.train.engine import _deepspeed, load_checkpoint, weights_only_loads
+from vitscale.train.engine import convert_to_universal, load_checkpoint, weights_only_loads
 
 UNIVERSAL_TAG = "universal"
 """The tag (folder name) the converted checkpoint gets inside this rank's scratch folder."""
@@ -88,27 +86,6 @@ def _saved_stage_kind(directory: Path) -> tuple[str, list[Path]]:
     if any(directory.glob("zero_pp_rank_*_model_states.pt")):
         return "3", shards
     return "1-2", shards
-
-
-def convert_to_universal(checkpoint: Path, out: Path) -> None:
-    """DeepSpeed's `ds_to_universal` from the checkpoint folder `checkpoint` (`<deepspeed_dir>/<tag>`)
-    into `out`, in this process, reading only plain data."""
-    _deepspeed()
-    from deepspeed.checkpoint import ds_to_universal
-
-    args = argparse.Namespace(
-        input_folder=os.fspath(checkpoint), output_folder=os.fspath(out),
-        # 1: no process pool (see the module docstring), one deterministic order of work.
-        num_extract_workers=1, num_merge_workers=1,
-        keep_temp_folder=False, strict=True,
-        # vitscale's models declare no tensor-parallel layout (the universal_checkpoint_info DeepSpeed
-        # reads from a Megatron-style module), so the converter is told the plain data-parallel one.
-        inject_missing_state=True,
-    )
-    # The converter prints its progress (and tqdm bars); a resume's output is vitscale's.
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet), \
-            weights_only_loads():
-        ds_to_universal.main(args)
 
 
 def _restore_stage3_groups(engine: Any, universal: Path) -> None:
