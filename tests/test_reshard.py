@@ -239,7 +239,7 @@ def test_the_next_step_matches_the_uninterrupted_run(runs: Path, stage: int, pre
 @pytest.mark.parametrize("stage", [1, 3])
 def test_the_conversion_is_deterministic(runs: Path, tmp_path: Path, stage: int) -> None:
     """Every rank converts on its own: they must all arrive at the same universal checkpoint."""
-    from vitscale.train.reshard import convert_to_universal
+    from vitscale.train.engine import convert_to_universal
 
     source = runs / f"{_name(stage, 'fp32', False)}-w2" / "deepspeed" / "state"
     first, second = tmp_path / "a" / "universal", tmp_path / "b" / "universal"
@@ -314,8 +314,7 @@ class _Payload:
 
 
 def test_the_conversion_loads_only_plain_data(tmp_path: Path) -> None:
-    from vitscale.train.engine import UnsafeCheckpoint
-    from vitscale.train.reshard import convert_to_universal
+    from vitscale.train.engine import UnsafeCheckpoint, convert_to_universal
 
     marker = tmp_path / "pwned"
     directory = tmp_path / "ds" / "state"

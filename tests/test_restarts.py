@@ -73,6 +73,7 @@ def test_a_restarted_sink_counts_the_restart_and_its_seconds(tmp_path: Path) -> 
         time.sleep(0.6)
         sink.record(_metrics(3, 2, attempt=200.0))
         text = generate_latest(sink.registry).decode()
+        assert [(r.step, r.world_after) for r in sink.restarts] == [(2, 2)]  # kept as recorded, not re-read
     assert 'vitscale_world_size{rank="0",run="r"} 2.0' in text
     assert 'vitscale_restarts_total{rank="0",run="r"} 1.0' in text
     seconds = [float(line.split()[-1]) for line in text.splitlines()

@@ -51,7 +51,6 @@ from vitscale.train.metrics import (
     progress_line,
 )
 from vitscale.train.optim import Decay, lr_at, resized_batch, schedule_length
-from vitscale.train.restarts import read_rows, restarts
 
 ReportFn = Callable[[dict[str, Any], "Path | None"], None]
 
@@ -285,8 +284,7 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
 def _restart_totals(sink: MetricsSink) -> dict[str, Any]:
     """Restarts of the run so far (failures, preemptions, resizes) and the seconds they cost, from this
     rank's metrics lines (every attempt's: the file is continued, on a new node pulled from storage)."""
-    history = restarts(read_rows(sink.path))
-    return {"restarts": len(history), "restart_lost_s": round(sum(r.seconds_lost for r in history), 1)}
+    return {"restarts": len(sink.restarts), "restart_lost_s": round(sum(r.seconds_lost for r in sink.restarts), 1)}
 
 
 def _stream_state(step: int, steps_per_epoch: int, per_rank_step: int, seed: int) -> dict[str, int]:

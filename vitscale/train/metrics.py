@@ -76,7 +76,7 @@ from prometheus_client import (
 )
 
 from vitscale.config.checks import check, non_negative_int
-from vitscale.train.restarts import read_rows, restarts
+from vitscale.train.restarts import Restart, read_rows, restarts
 
 __all__ = [
     "PEAK_BF16_FLOPS",
@@ -265,6 +265,9 @@ class MetricsSink:
         # compared with it (`restarts`).
         earlier = read_rows(self.path)
         self._previous: dict[str, object] | None = earlier[-1] if earlier else None
+        self.restarts: list[Restart] = restarts(earlier)
+        """Every restart of the run in this rank's lines so far, earlier attempts' included (read once at
+        open, then added to as lines are recorded: never re-read on the step path)."""
         self._file: IO[str] | None = self.path.open("a", encoding="utf-8")
         if self.path.stat().st_size and _torn(self.path):
             self._file.write("\n")  # a line torn by a killed process ends here, not in this attempt's first
@@ -371,6 +374,7 @@ class MetricsSink:
             self._file.flush()
             gone = restarts([self._previous, row]) if self._previous is not None else []
             self._previous = row
+            self.restarts.extend(gone)
 
             lv = (self.run, str(self.rank))
             values = {"step": m.step, "epoch": m.epoch, "loss": m.loss, "lr": m.lr, "grad_norm": m.grad_norm,

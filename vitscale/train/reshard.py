@@ -99,8 +99,8 @@ def _restore_stage3_groups(engine: Any, universal: Path) -> None:
     import torch
 
     with weights_only_loads():
-        saved = torch.load(universal / "zero" / "optimizer_state.pt", map_location="cpu",
-                           weights_only=True)["optimizer_state_dict"]
+        state = torch.load(universal / "zero" / "optimizer_state.pt", weights_only=True, map_location="cpu")
+    saved = state["optimizer_state_dict"]
     zero = engine.optimizer
     groups = zero.optimizer.param_groups
     if len(groups) != len(saved["param_groups"]):

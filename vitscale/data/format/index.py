@@ -11,7 +11,7 @@ with ranged reads (``read_range``): the footer once per process (row groups, sch
 record: O(shards)), then only the row groups asked for, so an ``s3://`` index is never downloaded
 whole: ``OpenDataset.load_index(shards)`` reads just those shards' row groups (the training
 stream asks for the shards each batch reaches and keeps a bounded cache of them:
-:class:`vitscale.data.loader.rows.IndexCache`).
+:class:`vitscale.data.loader.index_cache.IndexCache`).
 
 An index without a valid layout record (written before it existed, or rewritten by another tool)
 is the *legacy* layout: still read, eagerly and whole at open, as before (``vitscale shards
@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 
 from vitscale.data.format.meta import INDEX_NAME, INDEX_SCHEMA, DatasetError, DatasetMeta
 from vitscale.data.storage import Storage, StorageError
+from vitscale.data.storage.base import ObjectReader
 
 __all__ = ["LAYOUT_KEY", "IndexFile", "IndexLayout", "IndexWriter", "index_bytes", "reindex"]
 
@@ -153,30 +154,15 @@ def _grouped(table: pa.Table, meta: DatasetMeta) -> Iterator[tuple[str, str, pa.
 # --------------------------------------------------------------------------- reading
 
 
-class _RangeFile(io.RawIOBase):
+class _RangeFile(ObjectReader):
     """A read-only, seekable file over one storage object: a read inside ``prefetched`` is served
     from it, any other is one ``read_range``."""
 
     def __init__(self, storage: Storage, name: str, size: int) -> None:
-        self._storage, self._name, self._size, self._pos = storage, name, size, 0
+        super().__init__(size)
+        self._storage, self._name = storage, name
         self.prefetched: list[tuple[int, bytes]] = []
         """(start, bytes) spans already read (a row group's column chunks, read in one request)."""
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._pos = base + offset
-        return self._pos
 
     def read(self, n: int | None = -1) -> bytes:
         if n is None or n < 0:

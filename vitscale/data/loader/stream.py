@@ -56,8 +56,8 @@ from vitscale.config.checks import check, fraction, non_negative, positive_int
 from vitscale.data.carve import Carve
 from vitscale.data.config import DEFAULT_ERROR_BUDGET
 from vitscale.data.format import OpenDataset, open_dataset
+from vitscale.data.loader.index_cache import IndexCache
 from vitscale.data.loader.reader import BadSample, SampleReader
-from vitscale.data.loader.rows import IndexCache
 from vitscale.data.loader.sample import decode_sample
 from vitscale.data.loader.transforms import TransformSpec, sample_rng
 from vitscale.data.order import (

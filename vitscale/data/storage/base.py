@@ -5,14 +5,46 @@ Names are relative to the dataset root (``"train-000000.tar"``, ``"_index.parque
 
 from __future__ import annotations
 
+import io
 import os
 from typing import BinaryIO
 
-__all__ = ["Storage", "StorageError", "check_name"]
+__all__ = ["ObjectReader", "Storage", "StorageError", "check_name"]
 
 
 class StorageError(OSError):
     """A storage operation failed for good (after retries, or with a non-transient error)."""
+
+
+class ObjectReader(io.RawIOBase):
+    """A read-only raw stream over one object of known size: the position bookkeeping every reader
+    shares. A subclass reads at ``_pos`` (``readinto``) and may drop state when the position moves
+    (``_moved``)."""
+
+    def __init__(self, size: int) -> None:
+        self._size, self._pos = size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        new = base + offset
+        if new < 0:
+            raise ValueError(f"negative seek position {new}")
+        if new != self._pos:
+            self._moved()
+            self._pos = new
+        return self._pos
+
+    def _moved(self) -> None:
+        """The position is about to change: forget anything tied to the old one."""
 
 
 class Storage:

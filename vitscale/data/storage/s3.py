@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from vitscale.config.checks import check
 from vitscale.config.errors import UserError
-from vitscale.data.storage.base import Storage, StorageError, check_name
+from vitscale.data.storage.base import ObjectReader, Storage, StorageError, check_name
 from vitscale.data.storage.retry import RetryPolicy, ShortRead, is_missing, is_transient
 
 __all__ = ["ENDPOINT_ENV_VARS", "S3Storage", "resolve_endpoint_url"]
@@ -275,34 +275,17 @@ class S3Storage(Storage):
         self.delete(src)
 
 
-class _S3RawStream(io.RawIOBase):
+class _S3RawStream(ObjectReader):
     """A seekable raw stream over one S3 object that resumes with a ranged GET after a drop."""
 
     def __init__(self, storage: S3Storage, name: str, size: int) -> None:
+        super().__init__(size)
         self._s = storage
         self._name = name
-        self._size = size
-        self._pos = 0
         self._body: Any = None
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        new = base + offset
-        if new < 0:
-            raise ValueError(f"negative seek position {new}")
-        if new != self._pos:
-            self._drop_body()
-            self._pos = new
-        return self._pos
+    def _moved(self) -> None:
+        self._drop_body()  # the open GET streams from the old position
 
     def _drop_body(self) -> None:
         if self._body is not None:
