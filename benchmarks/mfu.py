@@ -1,6 +1,6 @@
 """Images/s and MFU of ViT-B/16 and ViT-L/16 training steps on whatever device is present.
 
-    python benchmarks/mfu.py [--models ViT-B/16 ViT-L/16] [--batch 128] [--steps 20] [--zero-stage 1]
+    python benchmarks/mfu.py [--models ViT-B/16 ViT-L/16] [--batch 128] [--steps 20] [--zero-stages 0 1 2 3]
 
 One process, one device, the vitscale model inside a DeepSpeed engine exactly as a worker builds
 it (bf16 on GPU), fed a fixed in-memory batch so the data loader is out of the picture. MFU is the
@@ -9,6 +9,10 @@ peak (`train.metrics.PEAK_BF16_FLOPS`). The peer measured in the same run is the
 large-matmul throughput, so the printed ratio says how close the model step gets to what the
 hardware's matmul actually delivers here (on a CPU, where no peak table applies, that is the only
 meaningful denominator). Targets on one H200: >= 45% MFU for ViT-B/16, >= 50% for ViT-L/16.
+
+Each ZeRO stage asked for is measured in turn, with the peak GPU memory of its step. On one device
+ZeRO has no peer to shard with, so the memory column shows each stage's own overhead at world size 1,
+not the per-rank saving it gives on N GPUs (model states / N for what the stage shards).
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ def _init_process_group() -> None:
     torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
 
 
-def bench_model(name: str, *, batch: int, steps: int, zero_stage: int, device: torch.device) -> dict:
+def bench_model(name: str, *, batch: int, steps: int, zero_stage: int, device: torch.device,
+                compile_model: bool = False) -> dict:
     from vitscale.models import create_model
     from vitscale.scaling.flops import forward_flops
     from vitscale.train.config import TrainConfig
@@ -64,6 +69,9 @@ def bench_model(name: str, *, batch: int, steps: int, zero_stage: int, device: t
     from vitscale.train.optim import derive_batch
 
     on_gpu = device.type == "cuda"
+    # What an earlier measurement left allocated (DeepSpeed keeps some buffers past `del engine`) is
+    # not this one's: its memory column is the peak above this.
+    resident = torch.cuda.memory_allocated(device) if on_gpu else 0
     precision = "bf16" if on_gpu else "fp32"
     train = TrainConfig(global_batch=batch, micro_batch=batch, zero_stage=zero_stage, precision=precision,
                         weight_decay=0.1)
@@ -74,6 +82,8 @@ def bench_model(name: str, *, batch: int, steps: int, zero_stage: int, device: t
     dtype = torch.bfloat16 if on_gpu else torch.float32
     images = torch.randn(batch, 3, 224, 224, device=device, dtype=dtype)
     labels = torch.randint(0, 1000, (batch,), device=device)
+    if compile_model:
+        engine.compile()  # torch.compile (inductor) of the module inside the engine; warm-up compiles it
     times = []
     for i in range(steps + 3):  # 3 warm-up steps (allocator, autotuning)
         _sync(device)
@@ -85,11 +95,29 @@ def bench_model(name: str, *, batch: int, steps: int, zero_stage: int, device: t
         if i >= 3:
             times.append(time.perf_counter() - t0)
     step = sorted(times)[len(times) // 2]  # median: robust to a stray slow step
+    # Where a step's time goes: a few more steps with a sync between phases (not in the figures above,
+    # which have none).
+    phases: dict[str, list[float]] = {"forward_s": [], "backward_s": [], "optimizer_s": []}
+    for _ in range(5):
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = classification_loss(engine(images), labels, kind="softmax")
+        _sync(device)
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        _sync(device)
+        t2 = time.perf_counter()
+        engine.step()
+        _sync(device)
+        for key, seconds in zip(phases, (t1 - t0, t2 - t1, time.perf_counter() - t2)):
+            phases[key].append(seconds)
     flops_per_image = 3 * forward_flops(name, img_size=224, num_classes=1000)
     result = {"model": name, "batch": batch, "precision": precision, "zero_stage": zero_stage,
-              "step_s": step, "images_per_s": batch / step, "model_tflops_per_s": flops_per_image * batch / step / 1e12}
+              "compiled": compile_model, "step_s": step,
+              **{key: sorted(v)[len(v) // 2] for key, v in phases.items()},
+              "images_per_s": batch / step, "model_tflops_per_s": flops_per_image * batch / step / 1e12}
     if on_gpu:
-        result["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        result["max_memory_gib"] = (torch.cuda.max_memory_allocated(device) - resident) / 2**30
     del engine, model
     if on_gpu:
         torch.cuda.empty_cache()
@@ -102,7 +130,10 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["ViT-B/16", "ViT-L/16"])
     parser.add_argument("--batch", type=int, default=None, help="per-step batch (default 256 on GPU, 8 on CPU)")
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--zero-stage", type=int, default=1)
+    parser.add_argument("--zero-stages", type=int, nargs="+", default=[1], choices=[0, 1, 2, 3])
+    parser.add_argument("--batch-for", nargs="*", default=[], metavar="MODEL=BATCH",
+                        help="a per-step batch for one model (a large model that does not fit --batch)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model inside the engine")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -115,26 +146,32 @@ def main() -> None:
     _init_process_group()
     peer = matmul_flops_per_s(device, torch.bfloat16 if on_gpu else torch.float32, 8192 if on_gpu else 1024)
     peak = peak_flops("auto") if on_gpu else None
+    batch_for = dict(item.split("=", 1) for item in args.batch_for)
+    device_name = torch.cuda.get_device_name(0) if on_gpu else "cpu"
     rows = []
     for name in args.models:
-        r = bench_model(name, batch=batch, steps=steps, zero_stage=args.zero_stage, device=device)
-        achieved = r["model_tflops_per_s"] * 1e12
-        r["matmul_peer_tflops_per_s"] = peer / 1e12
-        r["ratio_to_matmul_peer"] = achieved / peer
-        r["mfu"] = achieved / peak if peak else None
-        rows.append(r)
-    device_name = torch.cuda.get_device_name(0) if on_gpu else "cpu"
+        for stage in args.zero_stages:
+            r = bench_model(name, batch=int(batch_for.get(name, batch)), steps=steps, zero_stage=stage,
+                            device=device, compile_model=args.compile)
+            achieved = r["model_tflops_per_s"] * 1e12
+            r["matmul_peer_tflops_per_s"] = peer / 1e12
+            r["ratio_to_matmul_peer"] = achieved / peer
+            r["mfu"] = achieved / peak if peak else None
+            rows.append(r)
+            # One line per measurement as it lands: a run cut short keeps what it measured.
+            print(json.dumps({"device": device_name, **r}), flush=True)
     if args.json:
         print(json.dumps({"device": device_name, "results": rows}, indent=2))
         return
     print(f"device: {device_name}; large-matmul peer: {peer / 1e12:.1f} TFLOP/s"
           + (f"; dense bf16 peak {peak / 1e12:.0f} TFLOP/s" if peak else "; no peak table for this device"))
-    print("| model | batch | images/s | model TFLOP/s | vs matmul peer | MFU |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| model | device | ZeRO | batch | images/s | model TFLOP/s | vs matmul peer | MFU | peak GiB |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-        print(f"| {r['model']} | {r['batch']} | {r['images_per_s']:.1f} | {r['model_tflops_per_s']:.2f} | "
-              f"{r['ratio_to_matmul_peer']:.2f} | {mfu} |")
+        memory = f"{r['max_memory_gib']:.1f}" if "max_memory_gib" in r else "n/a"
+        print(f"| {r['model']} | {device_name} | {r['zero_stage']} | {r['batch']} | {r['images_per_s']:.1f} | "
+              f"{r['model_tflops_per_s']:.2f} | {r['ratio_to_matmul_peer']:.2f} | {mfu} | {memory} |")
 
 
 if __name__ == "__main__":

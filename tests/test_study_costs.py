@@ -104,12 +104,17 @@ def test_study_wall_time_bounds(walls: list[float], at_once: int) -> None:
     assert study_wall_hours(walls, 1) == pytest.approx(sum(walls))
 
 
-def test_table6_plan_prices_each_model_from_its_flops(capsys: pytest.CaptureFixture[str]) -> None:
+def test_table6_plan_prices_each_model_from_its_flops(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each cell's device-hours are its own FLOPs at its MFU; with no measured table every MFU is the
+    labelled estimate of its family, so hours scale exactly as FLOPs do within a family."""
     import json
 
     from vitscale.cli import main
 
-    assert main(["study", "plan", str(PIPELINES / "scaling-study.yaml"), "--json"]) == 0
+    no_table = tmp_path / "RESULTS.md"
+    no_table.write_text("nothing measured here\n")
+    pinned = ["--set", f"study.mfu_results={no_table}"]
+    assert main(["study", "plan", str(PIPELINES / "scaling-study.yaml"), *pinned, "--json"]) == 0
     cells = {(c["model"], c["epochs"]): c for c in json.loads(capsys.readouterr().out)}
     h14, b32 = cells[("ViT-H/14", 14.0)], cells[("ViT-B/32", 7.0)]
     for cell in cells.values():
@@ -118,9 +123,29 @@ def test_table6_plan_prices_each_model_from_its_flops(capsys: pytest.CaptureFixt
         assert cell["cost"] == pytest.approx(cell["device_hours"] * 2.5)
     assert h14["device_hours"] / b32["device_hours"] == pytest.approx(h14["exaflops"] / b32["exaflops"])
     assert 2500 < h14["device_hours"] < 3500
-    assert main(["study", "plan", str(PIPELINES / "scaling-study.yaml")]) == 0
+    assert main(["study", "plan", str(PIPELINES / "scaling-study.yaml"), *pinned]) == 0
     text = capsys.readouterr().out
-    assert "estimate" in text and "cost" in text and "wall time" in text and "H100 device-hours" in text
+    assert "estimate" in text and "measured" not in text
+    assert "cost" in text and "wall time" in text and "H100 device-hours" in text
+
+
+def test_the_measured_table_prices_a_model_from_its_own_row(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from vitscale.cli import main
+
+    table = tmp_path / "RESULTS.md"
+    table.write_text("| model | device | MFU |\n|---|---|---:|\n| ViT-H/14 | H200 | 35.3% |\n| ViT-B/16 | H200 | 25% |\n")
+    assert main(["study", "plan", str(PIPELINES / "scaling-study.yaml"), "--set",
+                 f"study.mfu_results={table}", "--json"]) == 0
+    cells = {(c["model"], c["epochs"]): c for c in json.loads(capsys.readouterr().out)}
+    h14, b32, r50 = cells[("ViT-H/14", 14.0)], cells[("ViT-B/32", 7.0)], cells[("R50x1", 7.0)]
+    assert h14["mfu"] == pytest.approx(0.353) and "measured" in h14["cost_source"]
+    assert b32["mfu"] == pytest.approx((0.353 + 0.25) / 2) and "same family" in b32["cost_source"]
+    assert r50["mfu"] == pytest.approx(DEFAULT_MFU["gpu"]["resnet"]) and "estimate" in r50["cost_source"]
+    for cell in (h14, b32):
+        assert cell["device_hours"] * 3600 * PEAK_FLOPS["H100"] * cell["mfu"] == pytest.approx(cell["exaflops"] * 1e18)
 
 
 def test_plan_writes_no_dataset_and_prints_first(tmp_path: Path, capsys: pytest.CaptureFixture[str],
