@@ -130,6 +130,38 @@ def test_a_preemption_notice_checkpoints_at_once_and_loses_no_step(tmp_path: Pat
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
+def test_sigterm_checkpoints_at_the_next_step_then_the_rank_leaves(tmp_path: Path, tiny_dataset: str,
+                                                                     process_group: None) -> None:
+    """A real SIGTERM to this process after step 4 (the fault injection sends it), held back as a notice:
+    the loop checkpoints step 5 (not a periodic one), reports once more, and raises Terminated; a run
+    resumed from that checkpoint ends with the uninterrupted run's weights."""
+    from vitscale.train.loop import WorkerContext, train
+    from vitscale.train.termination import Terminated, TerminationNotice
+
+    told = tiny_config(tiny_dataset, checkpoint_every=100,
+                       fault={"kill_rank": 0, "kill_at_step": 4, "kill_with": "SIGTERM"})
+    (tmp_path / "told").mkdir()
+    seen = Recorder(tmp_path / "told")
+    with TerminationNotice(60) as notice, pytest.raises(Terminated) as stopped:
+        train(told, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-a", report=seen,
+                                  terminated=notice.notice))
+    assert stopped.value.step == 5 and "received SIGTERM" in str(stopped.value)
+    assert [p.name for p in (tmp_path / "told").iterdir()] == ["checkpoint_000000005"]
+    assert check_complete(tmp_path / "told" / "checkpoint_000000005", 1) == []
+    # Each step's report, the checkpoint's, and one more that waits until the checkpoint's was taken.
+    assert [m["step"] for m in seen.metrics] == [1, 2, 3, 4, 5, 5]
+
+    (tmp_path / "resumed").mkdir()
+    train(told, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-b", report=Recorder(tmp_path / "resumed"),
+                              resume_from=tmp_path / "told" / "checkpoint_000000005"))
+    (tmp_path / "whole").mkdir()
+    train(tiny_config(tiny_dataset), WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-c",
+                                                   report=Recorder(tmp_path / "whole")))
+    a = final_weights(tmp_path / "whole" / "checkpoint_000000006")
+    b = final_weights(tmp_path / "resumed" / "checkpoint_000000006")
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
 def test_loss_goes_down(tmp_path: Path, tiny_dataset: str, process_group: None) -> None:
     from vitscale.train.loop import WorkerContext, train
 

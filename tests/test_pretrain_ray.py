@@ -142,10 +142,10 @@ def test_killed_rank_resumes_to_the_same_weights_and_samples(clean_run: dict, da
     assert [json.loads(x)["step"] for x in lines][:7] == [1, 2, 3, 4, 5, 4, 5]
 
 
-def _sigkill_a_worker_at(run_dir: Path, step: int, done: threading.Event) -> list[int]:
-    """SIGKILL one Ray Train worker process from outside once rank 0 has logged `step`; the pids killed."""
+def _sigkill_a_worker_at(run_dir: Path, step: int, done: threading.Event, signum: int = 9) -> list[int]:
+    """SIGKILL (or `signum`) one Ray Train worker process from outside once rank 0 has logged `step`; the
+    pids signalled."""
     import os
-    import signal
 
     import psutil
 
@@ -159,7 +159,7 @@ def _sigkill_a_worker_at(run_dir: Path, step: int, done: threading.Event) -> lis
                        if any("RayTrainWorker" in part for part in _cmdline(p))]
             if workers:
                 victim = workers[-1].pid
-                os.kill(victim, signal.SIGKILL)
+                os.kill(victim, signum)
                 return [victim]
         time.sleep(0.02)
     return []
@@ -194,6 +194,40 @@ def test_a_worker_sigkilled_from_outside_ends_with_the_uninterrupted_weights(
     # A restart happened: some step was logged twice by rank 0 (before and after the kill).
     steps = [json.loads(x)["step"] for x in (Path(killed_run["run_dir"]) / "metrics" / "rank0.jsonl").read_text().splitlines()]
     assert len(steps) > len(set(steps)) and max(steps) == 10
+
+
+def test_a_worker_sent_sigterm_checkpoints_first_and_no_step_is_trained_twice(
+        clean_run: dict, dataset: str, tmp_path: Path) -> None:
+    """SIGTERM (a spot VM's shutdown, a pod's deletion) is a notice: every rank checkpoints at the next step,
+    the told worker leaves, and the restart goes on from that checkpoint. No periodic checkpoint falls
+    inside the run (checkpoint_every 100), so without the notice the restart would start over at step 0."""
+    import signal
+
+    from vitscale.stages.run import run_pipeline
+
+    done, told = threading.Event(), []
+    watcher = threading.Thread(target=lambda: told.extend(
+        _sigkill_a_worker_at(tmp_path / "told", 3, done, signal.SIGTERM)))
+    watcher.start()
+    try:
+        told_run = run_pipeline(config(dataset, tmp_path, "told", checkpoint_every=100))
+    finally:
+        done.set()
+        watcher.join()
+    assert told, "the run ended before a worker could be sent SIGTERM"
+    run_dir = Path(told_run["run_dir"])
+    grace = sorted(p.name for p in (tmp_path / "told").glob("checkpoint_*"))
+    assert grace and grace[0] < "checkpoint_000000010", grace  # the notice's checkpoint, before the final one
+    for rank in (0, 1):
+        # Every step once: nothing past the notice's checkpoint was trained and thrown away (the other
+        # rank cannot finish a step without the told one), nothing before it trained again.
+        for record in ("samples", "metrics"):
+            lines = (run_dir / record / f"rank{rank}.jsonl").read_text().splitlines()
+            assert [json.loads(x)["step"] for x in lines] == list(range(1, 11)), (record, rank)
+    a, b = final_weights(Path(clean_run["run_dir"])), final_weights(run_dir)
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= 1e-5, worst
+    assert told_run["pretrain"]["restarts"] == 1, told_run["pretrain"]
 
 
 def _free_port() -> int:

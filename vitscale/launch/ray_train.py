@@ -17,7 +17,7 @@ import socket
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import ray
 import ray.train
@@ -36,6 +36,7 @@ from vitscale.launch.errors import PipelineFailed
 from vitscale.launch.failures import DeterministicFailure, StopOnDeterministicFailure, deterministic_cause
 from vitscale.train import checkpoint as ckpt
 from vitscale.train.job import TrainJob
+from vitscale.train.termination import Terminated, TerminationNotice
 
 
 class WorkerFailed(RuntimeError):
@@ -58,16 +59,22 @@ def train_worker(payload: dict[str, Any]) -> None:
     rank, world_size = context.get_world_rank(), context.get_world_size()
     run_dir = Path(payload["run_dir"])
     mirror = _rank_mirror(run_dir, payload.get("storage"), rank)
+    # SIGTERM (a spot VM's shutdown, a pod's deletion, `kill`) becomes a checkpoint, then this exit.
+    termination = TerminationNotice(float(payload.get("grace_s", 120.0)), label=f"rank {rank}")
     try:
-        with contextlib.ExitStack() as downloaded, labelled_lines(payload.get("label")):
+        with contextlib.ExitStack() as downloaded, labelled_lines(payload.get("label")), termination:
             resume_from = _resume_directory(world_size, rank, downloaded, payload.get("storage"))
             # `restored` releases a downloaded checkpoint as soon as the loop has loaded it.
             ctx = WorkerContext(rank=rank, world_size=world_size, run_dir=run_dir,
                                 report=functools.partial(_report, mirror=mirror, storage=payload.get("storage")),
                                 resume_from=resume_from, local_rank=context.get_local_rank(),
                                 restored=downloaded.close, storage=payload.get("storage"),
-                                elastic=bool(payload.get("elastic")), preemption=_preemption_notice)
+                                elastic=bool(payload.get("elastic")), preemption=_preemption_notice,
+                                terminated=termination.notice)
             train(job, ctx)  # its last step reports the final checkpoint and metrics
+    except Terminated as told:
+        print(f"[vitscale] {told}: leaving", flush=True)
+        _leave(termination, told)
     except Exception as exc:
         # Ray shows its own traceback of the actor; print the worker's with its rank so the driver's
         # log says which rank failed and why, then re-raise for Ray's failure handling.
@@ -81,6 +88,16 @@ def train_worker(payload: dict[str, Any]) -> None:
                 mirror.close()
             except OSError as exc:  # never hide the run's own outcome behind a failed last upload
                 print(f"[vitscale] rank {rank}: could not push its records to {mirror.storage.url}: {exc}", flush=True)
+
+
+def _leave(termination: TerminationNotice, told: Terminated) -> NoReturn:
+    """End this worker's process as the SIGTERM it held back would have (Ray's handler: SystemExit in the
+    actor's main thread); Ray Train then restarts the group from the checkpoint the loop just wrote."""
+    import time
+
+    termination.leave()
+    time.sleep(60)  # the main thread ends the process meanwhile; this thread must not return "finished"
+    raise WorkerFailed(f"{told}, but the process did not end within 60 s of the signal's own handler")
 
 
 def _preemption_notice() -> str | None:
@@ -134,9 +151,9 @@ def _resume_directory(world_size: int, rank: int, downloads: contextlib.ExitStac
                       storage: str | None = None) -> Path | None:
     """The newest COMPLETE checkpoint of this run as a local directory, or None for a fresh start.
 
-    Ray hands back the latest reported checkpoint; when it knows none, the run's storage is searched
-    all the same (a worker that died right after its upload leaves a checkpoint Ray never
-    registered, and a re-submitted run must not start from scratch past it). If the latest is
+    The newer of the latest checkpoint Ray hands back and the newest in the run's storage (a worker
+    that died right after its upload, a rank that left on SIGTERM, leaves a checkpoint Ray may never
+    have registered; a re-submitted run must not start from scratch or step back past it). If the latest is
     incomplete (a rank died while uploading, a damaged manifest), older checkpoints are searched in
     the run's storage itself
     (a local folder, NFS or object storage: never a temporary download folder). A copy fetched
@@ -144,9 +161,10 @@ def _resume_directory(world_size: int, rank: int, downloads: contextlib.ExitStac
     A checkpoint written by another world size is handed on as it is: the loop reshards it (an
     elastic run) or refuses it naming the change (`train/resume.py`), never falls back past it.
     """
-    latest = ray.train.get_checkpoint() or newest_in_storage(storage)
-    if latest is None:
+    known = [c for c in (ray.train.get_checkpoint(), newest_in_storage(storage)) if c is not None]
+    if not known:
         return None
+    latest = max(known, key=lambda c: posixpath.basename(c.path.rstrip("/")))  # checkpoint_{step:09d}
     problems: list[str] = []
     for candidate in _newest_first(latest):
         fetched = contextlib.ExitStack()
@@ -243,7 +261,7 @@ def trainer_for(job: TrainJob, cluster: ClusterConfig, run_name: str, run_dir: P
     return TorchTrainer(
         train_worker,
         train_loop_config={"job": job, "run_dir": str(run_dir), "storage": cluster.run_storage(run_name),
-                           "label": label, "elastic": cluster.elastic},
+                           "label": label, "elastic": cluster.elastic, "grace_s": cluster.preemption_grace_s},
         # An int, or (min, max): Train V2's elastic scaling (its type stubs are the V1 class's).
         scaling_config=ScalingConfig(num_workers=cluster.scaling(), use_gpu=cluster.use_gpu,  # type: ignore[arg-type,call-arg]
                                      resources_per_worker=resources,

@@ -35,10 +35,15 @@ class FaultConfig:
     """Rank whose process exits abruptly; null = no fault."""
     kill_at_step: int | None = None
     """Optimizer step after which that rank dies (only on the first attempt)."""
+    kill_with: str = "exit"
+    """How: "exit" ends the process on the spot (what a segfault or an OOM kill looks like to Ray);
+    "SIGTERM" sends it the signal a spot VM's shutdown or a pod's deletion sends (a preemption
+    notice: the run checkpoints at the next step, then the rank leaves)."""
 
     def validate(self, section: str = "train.fault") -> None:
         check((self.kill_rank is None) == (self.kill_at_step is None), section,
               "kill_rank and kill_at_step go together")
+        one_of(self.kill_with, ("exit", "SIGTERM"), f"{section}.kill_with")
         non_negative(self.kill_rank, f"{section}.kill_rank")
         positive(self.kill_at_step, f"{section}.kill_at_step")
 

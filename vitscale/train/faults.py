@@ -1,4 +1,5 @@
-"""Fault injection for tests and drills: the configured rank exits abruptly after the configured step, once per run.
+"""Fault injection for tests and drills: the configured rank exits abruptly (or is sent SIGTERM) after the
+configured step, once per run.
 
 "Once per run" is remembered by a marker file in the run's *storage* (the folder or s3:// prefix
 every node shares), not in a node's local run directory: Ray may restart the dead rank on another
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -19,7 +21,8 @@ def marker_name(rank: int, step: int) -> str:
 
 
 def maybe_die(fault: Any, rank: int, step: int, storage: str, endpoint_url: str | None = None) -> None:
-    """Exit the process (no cleanup, no exception) if `fault` targets this rank and step and has not fired."""
+    """Exit the process (no cleanup, no exception), or send it SIGTERM, if `fault` targets this rank and step and
+    has not fired."""
     if fault.kill_rank != rank or fault.kill_at_step != step:
         return
     from vitscale.data.storage import open_storage
@@ -29,5 +32,9 @@ def maybe_die(fault: Any, rank: int, step: int, storage: str, endpoint_url: str 
     if store.exists(name):
         return
     store.write_bytes(name, json.dumps({"time": time.time()}).encode())
+    if fault.kill_with == "SIGTERM":
+        print(f"[vitscale] fault injection: rank {rank} is sent SIGTERM at step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice: the process decides what follows
+        return
     print(f"[vitscale] fault injection: rank {rank} exits at step {step}", flush=True)
     os._exit(17)  # what a segfault or OOM kill looks like to Ray

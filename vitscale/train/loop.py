@@ -51,6 +51,7 @@ from vitscale.train.metrics import (
     progress_line,
 )
 from vitscale.train.optim import Decay, lr_at, resized_batch, schedule_length
+from vitscale.train.termination import Terminated
 
 ReportFn = Callable[[dict[str, Any], "Path | None"], None]
 
@@ -82,6 +83,10 @@ class WorkerContext:
     for every step). On the first notice the loop checkpoints at once."""
     preemption_every_s: float = 5.0
     """How often the loop asks: Ray Train polls node drains every 5 s itself."""
+    terminated: Callable[[], str | None] = field(default=lambda: None)
+    """A notice that this process was told to stop (SIGTERM held back by `train/termination.py`), or None;
+    local and cheap, asked every step. Every rank checkpoints at the step any rank's notice arrives; the
+    told ranks then raise `Terminated`."""
 
 
 class NonFiniteSteps(RuntimeError):
@@ -202,11 +207,14 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         # Mean loss over all ranks: what the user compares across runs; one tiny all-reduce per step.
         # A NaN on any rank makes the sum NaN on every rank, so all ranks skip the same steps. It also
         # carries rank 0's "time to ask Ray about preemption", so every rank asks at the same step.
+        # And how many ranks were told to stop (SIGTERM), so that all checkpoint at this same step.
         ask = ctx.rank == 0 and time.monotonic() - last_asked >= ctx.preemption_every_s
-        reduced = torch.stack([step_loss, torch.tensor(float(ask), device=device)])
+        told = ctx.terminated()
+        flags = torch.tensor([float(ask), float(told is not None)], device=device)
+        reduced = torch.cat([step_loss.reshape(1), flags])
         torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.SUM)
         loss_value = reduced[0].item() / ctx.world_size
-        ask = reduced[1].item() > 0
+        ask, stopping = reduced[1].item() > 0, int(reduced[2].item())
         applied = optimizer_step(engine, skip=not math.isfinite(loss_value))
         grad_norm = engine.get_global_grad_norm()
         if not applied:
@@ -254,10 +262,11 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         # run goes on until Ray Train restarts it without the preempted node (from this checkpoint).
         notice = ctx.preemption() if ask and not noticed else None
         last_asked = time.monotonic() if ask else last_asked
-        if notice is not None:
-            noticed = True
-            if ctx.rank == 0:
-                print(f"[vitscale] step {step}: {notice}: checkpointing now", flush=True)
+        noticed = noticed or notice is not None
+        if stopping:  # a told rank leaves after this step's checkpoint: no second notice comes
+            notice = told or f"{stopping} rank(s) received SIGTERM"
+        if notice is not None and (ctx.rank == 0 or told is not None):
+            print(f"[vitscale] step {step}: {notice}: checkpointing now", flush=True)
         if step % train.checkpoint_every == 0 or step == total_steps or notice is not None:
             if board is not None:
                 board.flush()
@@ -271,6 +280,15 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
                                                "checkpoint_score": checkpoint_score(step, first_skipped), **scores},
                              polyak)
             sink.checkpoint_saved(time.perf_counter() - t_save)
+            if stopping:
+                # One more report, from every rank (each is a barrier): a rank's report waits until the
+                # launcher took its last one, so the checkpoint is registered before a told rank leaves.
+                ctx.report({**_report_metrics(metrics), "skipped_steps": skipped, **scores}, None)
+                if told is not None and step < total_steps:  # (at the last step the run is done anyway)
+                    sink.close()
+                    if board is not None:
+                        board.close()
+                    raise Terminated(f"rank {ctx.rank}: {told}", step)
         elif step % train.log_every == 0 or scores:
             ctx.report({**_report_metrics(metrics), "skipped_steps": skipped, **scores}, None)
     sink.close()
