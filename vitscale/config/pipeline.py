@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar, overload
 
-from vitscale.config.checks import check, plain_name, positive
+from vitscale.config.checks import check, finite, plain_name, positive
 from vitscale.config.location import run_location
 
 
@@ -43,6 +43,11 @@ class ClusterConfig:
     """How long workers may go on past a preemption notice's deadline to finish and upload the checkpoint
     they write on the notice (Ray Train's `FailureConfig.preemption_grace_s`); a spot pod's
     `terminationGracePeriodSeconds` must exceed it (k8s/components/spot)."""
+    worker_wait_s: float | None = 600.0
+    """How long a run may go without room in the cluster for its fewest workers (`num_workers`, or MIN),
+    at start or after nodes were lost, before it stops with one line saying so; null = wait forever
+    (Ray Train's own behaviour). A run queued behind other work on a cluster big enough for it waits on
+    (docs/elastic.md)."""
     address: str | None = None
     """Ray address; null = $RAY_ADDRESS, or a new local Ray on this machine."""
     local_num_cpus: int | None = None
@@ -106,6 +111,10 @@ class ClusterConfig:
         positive(self.elastic_resize_s, "cluster.elastic_resize_s")
         check(self.preemption_grace_s >= 0, "cluster.preemption_grace_s",
               f"must be >= 0, got {self.preemption_grace_s}")
+        if self.worker_wait_s is not None:
+            finite(self.worker_wait_s, "cluster.worker_wait_s")
+            check(self.worker_wait_s > 0, "cluster.worker_wait_s",
+                  f"must be > 0 seconds (null waits forever), got {self.worker_wait_s!r}")
         positive(self.local_num_cpus, "cluster.local_num_cpus")
         check(bool(self.storage_path), "cluster.storage_path", "must name a folder or s3:// prefix")
         if self.run_name is not None:

@@ -12,14 +12,33 @@ ends after its first attempt with the workers' own messages.
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Callable
 from typing import Any
 
+import ray
+from ray.train.v2._internal.constants import (
+    DEFAULT_WORKER_GROUP_START_TIMEOUT_S,
+    WORKER_GROUP_START_TIMEOUT_S_ENV_VAR,
+)
+from ray.train.v2._internal.execution.callback import ControllerCallback
+from ray.train.v2._internal.execution.controller.state import (
+    InitializingState,
+    PreemptingState,
+    ReschedulingState,
+    ResizingState,
+    RestartingState,
+    RunningState,
+    SchedulingState,
+)
 from ray.train.v2.api.callback import UserCallback
 
 from vitscale.config.checks import ConfigError
 from vitscale.data.format import DatasetError
 from vitscale.data.loader.stream import ErrorBudgetExceeded
 from vitscale.data.storage.space import NO_SPACE_ERRNOS
+from vitscale.launch.worker_wait import Shortfall, no_room_line, observe, out_of_wait, workers_that_fit
 from vitscale.train.checkpoint import DiskFull
 from vitscale.train.engine import UnsafeCheckpoint
 from vitscale.train.loop import NonFiniteSteps
@@ -66,3 +85,62 @@ def _line(rank: int, exc: BaseException) -> str:
     text = str(exc)
     # The worker's own WorkerFailed already reads "rank R: Type: message".
     return text if text.startswith(f"rank {rank}:") else f"rank {rank}: {type(exc).__name__}: {text}"
+
+
+class WorkersUnavailable(RuntimeError):
+    """The cluster has had no room for the run's fewest workers for `cluster.worker_wait_s`; the message
+    is the one line that says so (launch/worker_wait.py)."""
+
+
+_WAITING = (InitializingState, SchedulingState, ReschedulingState, RestartingState, ResizingState)
+"""Controller states with no worker group running: starting, placing one, or about to place one again."""
+_PLACED = (RunningState, PreemptingState)
+
+
+def cluster_room(per_worker: dict[str, float]) -> int:
+    """Workers of `per_worker` resources the live nodes of the connected Ray cluster hold."""
+    return workers_that_fit((node["Resources"] for node in ray.nodes() if node.get("Alive")), per_worker)
+
+
+class StopWithoutRoom(ControllerCallback):
+    """Ends the run when the cluster has had no room for its fewest workers for `wait_s` seconds.
+
+    A Ray Train controller callback (a DeveloperAPI that Train V2 passes `RunConfig.callbacks` on to):
+    the controller calls `after_controller_state_update` on every turn of its loop. While no worker
+    group runs (starting, placing one, waiting for an elastic run's MIN), it counts the workers the live
+    nodes hold (every `sample_every_s`); the decision is `worker_wait.out_of_wait`. Raising here is a
+    `ControllerError` that Ray Train's failure policy never retries. A fixed run's controller blocks while
+    it waits for its placement group, so the callback also shortens that wait
+    (`RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`, in the controller's own process) to at most `wait_s`:
+    the run stops within about `wait_s` of the shortfall's start, never forever.
+    """
+
+    def __init__(self, need: int, per_worker: dict[str, float], wait_s: float, *, elastic: bool,
+                 workers_key: str = "cluster.num_workers", room: Callable[[], int] | None = None,
+                 clock: Callable[[], float] = time.monotonic, sample_every_s: float = 2.0):
+        self.need, self.per_worker, self.wait_s, self.elastic = need, dict(per_worker), wait_s, elastic
+        self.workers_key = workers_key
+        self._room = room
+        self._clock = clock
+        self._sample_every_s = sample_every_s
+        self._seen = Shortfall()
+        self._sampled_at = float("-inf")
+
+    def after_controller_start(self, train_run_context: Any) -> None:
+        # This process is the run's controller: the variable only reaches the worker groups it starts.
+        current = float(os.environ.get(WORKER_GROUP_START_TIMEOUT_S_ENV_VAR, DEFAULT_WORKER_GROUP_START_TIMEOUT_S))
+        os.environ[WORKER_GROUP_START_TIMEOUT_S_ENV_VAR] = f"{min(current, self.wait_s):g}"
+
+    def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
+        now = self._clock()
+        if isinstance(current_state, _PLACED):
+            self._seen, self._sampled_at = observe(self._seen, now, None, self.need), float("-inf")
+            return
+        if not isinstance(current_state, _WAITING):  # shutting down, or ended
+            return
+        if now - self._sampled_at >= self._sample_every_s:  # the loop turns often; the cluster is asked less
+            room = self._room() if self._room is not None else cluster_room(self.per_worker)
+            self._seen, self._sampled_at = observe(self._seen, now, room, self.need), now
+        if out_of_wait(self._seen, now, self.wait_s):
+            raise WorkersUnavailable(no_room_line(self.need, self.per_worker, self._seen, now, elastic=self.elastic,
+                                                  workers_key=self.workers_key))

@@ -33,7 +33,13 @@ from vitscale.data.storage.filesystem import ensure_uploaded, run_filesystem
 from vitscale.data.storage.mirror import RunMirror
 from vitscale.launch.console import labelled_lines
 from vitscale.launch.errors import PipelineFailed
-from vitscale.launch.failures import DeterministicFailure, StopOnDeterministicFailure, deterministic_cause
+from vitscale.launch.failures import (
+    DeterministicFailure,
+    StopOnDeterministicFailure,
+    StopWithoutRoom,
+    WorkersUnavailable,
+    deterministic_cause,
+)
 from vitscale.train import checkpoint as ckpt
 from vitscale.train.job import TrainJob
 from vitscale.train.termination import Terminated, TerminationNotice
@@ -247,10 +253,13 @@ def concurrent_runs(cluster: ClusterConfig, resources: dict[str, float]) -> int:
 
 
 def trainer_for(job: TrainJob, cluster: ClusterConfig, run_name: str, run_dir: Path,
-                callbacks: list[Any] | None = None, label: str | None = None) -> TorchTrainer:
+                callbacks: list[Any] | None = None, label: str | None = None,
+                workers_key: str = "cluster.num_workers") -> TorchTrainer:
     """The TorchTrainer that runs `job` as the run `run_name` (resumes it if that run has checkpoints).
 
     `label` (a sweep trial and its hyper-parameters) goes into every "[vitscale]" line its workers print.
+    `workers_key` is the key that set `cluster.num_workers` (a sweep's `sweep.workers_per_trial`): the
+    line of a run stopped for want of room (`cluster.worker_wait_s`) says to lower it.
     """
     storage, _ = run_directory(cluster, run_name)
     # Object storage: checkpoint uploads retry with backoff a bounded number of times (data/storage/filesystem.py).
@@ -282,9 +291,18 @@ def trainer_for(job: TrainJob, cluster: ClusterConfig, run_name: str, run_dir: P
             # Train V2 options below (worker_runtime_env, callbacks); the type stubs Ray ships are the V1 class's.
             worker_runtime_env={"env_vars": _worker_env()},
             # Bad data or an exceeded error budget ends the run at once: a restart repeats it.
-            callbacks=[StopOnDeterministicFailure(), *(callbacks or [])],  # type: ignore[list-item]
+            # No room for MIN workers for cluster.worker_wait_s ends the run in one line (launch/worker_wait.py).
+            callbacks=[StopOnDeterministicFailure(), *_room_callbacks(cluster, resources, workers_key),  # type: ignore[list-item]
+                       *(callbacks or [])],
         ),
     )
+
+
+def _room_callbacks(cluster: ClusterConfig, resources: dict[str, float], workers_key: str) -> list[Any]:
+    if cluster.worker_wait_s is None:  # wait forever, as Ray Train does
+        return []
+    return [StopWithoutRoom(cluster.min_workers, resources, cluster.worker_wait_s, elastic=cluster.elastic,
+                            workers_key=workers_key)]
 
 
 def final_metrics(result: Any) -> dict[str, Any]:
@@ -296,13 +314,14 @@ def final_metrics(result: Any) -> dict[str, Any]:
 
 
 def launch_training(job: TrainJob, cluster: ClusterConfig, run_name: str, run_dir: Path,
-                    what: str = "training") -> tuple[Any, dict[str, Any]]:
+                    what: str = "training", workers_key: str = "cluster.num_workers") -> tuple[Any, dict[str, Any]]:
     """Run `job` on Ray Train; returns (the final `ray.train.Checkpoint`, the final metrics)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        result = trainer_for(job, cluster, run_name, run_dir).fit()
+        result = trainer_for(job, cluster, run_name, run_dir, workers_key=workers_key).fit()
     except Exception as exc:  # re-raised with the workers' own errors up front
-        raise PipelineFailed(f"{what} failed: {_root_cause(exc)}") from exc
+        ended = "stopped" if isinstance(getattr(exc, "controller_failure", None), WorkersUnavailable) else "failed"
+        raise PipelineFailed(f"{what} {ended}: {_root_cause(exc)}") from exc
     # `checkpoint` is a ray.train.Checkpoint: later stages read it wherever it lives (disk, NFS, S3).
     return result.checkpoint, final_metrics(result)
 
@@ -321,7 +340,7 @@ def _worker_env() -> dict[str, str]:
 def _root_cause(exc: BaseException) -> str:
     """One line per failed rank ("rank 1: ValueError: ...") rather than Ray's wrapper exceptions."""
     stopped = getattr(exc, "controller_failure", None)
-    if isinstance(stopped, DeterministicFailure):
+    if isinstance(stopped, (DeterministicFailure, WorkersUnavailable)):
         return str(stopped)
     failures = getattr(exc, "worker_failures", None) or {}
     lines = []

@@ -248,6 +248,11 @@ def trial_cluster(config: PipelineConfig) -> ClusterConfig:
     return replace(config.cluster, num_workers=sweep_section(config).workers_per_trial or config.cluster.num_workers)
 
 
+def trial_workers_key(config: PipelineConfig) -> str:
+    """The key that sets a trial's number of workers (what a run stopped for want of room says to lower)."""
+    return "sweep.workers_per_trial" if sweep_section(config).workers_per_trial else "cluster.num_workers"
+
+
 def _trial(params: dict[str, Any], base: PipelineConfig, model: ModelConfig | None, init: str | None,
            logs: str, finished: dict[str, dict[str, Any]] | None = None) -> None:
     """One Tune trial: a TorchTrainer run of the selection job with this trial's values."""
@@ -269,7 +274,8 @@ def _trial(params: dict[str, Any], base: PipelineConfig, model: ModelConfig | No
     # Named after the trial id (no timestamp): a restarted trial finds and resumes its own checkpoints.
     trainer = trainer_for(job, trial_cluster(config), f"{base.run_name}-trial-{trial_id}",
                           Path(logs) / trial_id, callbacks=[TuneReportCallback()],
-                          label=trial_label(trial_id, params))  # trials run at once: each line names its trial
+                          label=trial_label(trial_id, params),  # trials run at once: each line names its trial
+                          workers_key=trial_workers_key(config))
     result = trainer.fit()
     ray.tune.report({**final_metrics(result), "started_at": started, "finished_at": time.time()})
 
@@ -411,7 +417,7 @@ def _retrain(config: PipelineConfig, model: ModelConfig | None, init: str | None
     # The same world size as the trials: the winner's recipe (batch split, schedule) unchanged.
     _, metrics = launch_training(trial_job(winner, model, init, final=True), trial_cluster(config),
                                  f"{config.run_name}-sweep{label}-final", directory / "final",
-                                 what="the winner's retrain")
+                                 what="the winner's retrain", workers_key=trial_workers_key(config))
     final = {k: v for k, v in metrics.items() if k.startswith("test_accuracy")}
     final["final_exaflops"] = metrics.get("cumulative_exaflops")
     (directory / "selected.json").write_text(json.dumps({**selected, **final}, indent=2, default=str))
