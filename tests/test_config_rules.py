@@ -85,7 +85,7 @@ def test_override_mappings_are_checked_against_their_class() -> None:
     toy = build_section(Toy, {"train": {"base_lr": "1e-3", "fault": {"kill_rank": 0, "kill_at_step": 2}},
                               "data": {"seed": 3.0}}, "toy")
     assert toy.train["base_lr"] == 0.001 and toy.data["seed"] == 3  # coerced as the section would be
-    assert to_dict(toy) == {"train": {"base_lr": 0.001, "fault": {"kill_rank": 0, "kill_at_step": 2}},
+    assert to_dict(toy) == {"train": {"base_lr": 0.001, "fault": {"kill_rank": 0, "kill_at_step": 2, "kill_with": "exit"}},
                             "data": {"seed": 3}}
     for raw, key in (({"train": {"base_rl": 1.0}}, "toy.train.base_rl"), ({"data": {"seed": "x"}}, "toy.data.seed"),
                      ({"train": [1]}, "toy.train")):

@@ -70,3 +70,15 @@ def test_a_hung_step_still_ends_within_the_grace_period() -> None:
     assert "no checkpoint within 2 s of SIGTERM" in out, out
     assert "handler: exit" in out and code == 7, (code, out)
     assert "context left" not in out and seconds < 30
+
+
+def test_a_fault_drill_names_how_it_kills_and_a_wrong_way_is_refused_by_its_key() -> None:
+    import pytest
+
+    from vitscale.config.checks import ConfigError
+    from vitscale.stages import build_pipeline
+
+    fault = {"kill_rank": 0, "kill_at_step": 2, "kill_with": "SIGTERM"}
+    assert build_pipeline({"train": {"fault": fault}}).train.fault.kill_with == "SIGTERM"
+    with pytest.raises(ConfigError, match="train.fault.kill_with"):
+        build_pipeline({"train": {"fault": {**fault, "kill_with": "SIGKILL"}}})
