@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import socket
 import threading
 import time
@@ -142,9 +143,9 @@ def test_killed_rank_resumes_to_the_same_weights_and_samples(clean_run: dict, da
     assert [json.loads(x)["step"] for x in lines][:7] == [1, 2, 3, 4, 5, 4, 5]
 
 
-def _sigkill_a_worker_at(run_dir: Path, step: int, done: threading.Event, signum: int = 9) -> list[int]:
-    """SIGKILL (or `signum`) one Ray Train worker process from outside once rank 0 has logged `step`; the
-    pids signalled."""
+def _signal_a_worker_at(run_dir: Path, step: int, done: threading.Event, signum: int = signal.SIGKILL) -> list[int]:
+    """Send `signum` to one Ray Train worker process from outside once rank 0 has logged `step`; the pids
+    signalled."""
     import os
 
     import psutil
@@ -180,7 +181,7 @@ def test_a_worker_sigkilled_from_outside_ends_with_the_uninterrupted_weights(
     from vitscale.stages.run import run_pipeline
 
     done, killed = threading.Event(), []
-    watcher = threading.Thread(target=lambda: killed.extend(_sigkill_a_worker_at(tmp_path / "killed", 2, done)))
+    watcher = threading.Thread(target=lambda: killed.extend(_signal_a_worker_at(tmp_path / "killed", 2, done)))
     watcher.start()
     try:
         killed_run = run_pipeline(config(dataset, tmp_path, "killed"))
@@ -201,13 +202,11 @@ def test_a_worker_sent_sigterm_checkpoints_first_and_no_step_is_trained_twice(
     """SIGTERM (a spot VM's shutdown, a pod's deletion) is a notice: every rank checkpoints at the next step,
     the told worker leaves, and the restart goes on from that checkpoint. No periodic checkpoint falls
     inside the run (checkpoint_every 100), so without the notice the restart would start over at step 0."""
-    import signal
-
     from vitscale.stages.run import run_pipeline
 
     done, told = threading.Event(), []
     watcher = threading.Thread(target=lambda: told.extend(
-        _sigkill_a_worker_at(tmp_path / "told", 3, done, signal.SIGTERM)))
+        _signal_a_worker_at(tmp_path / "told", 3, done, signal.SIGTERM)))
     watcher.start()
     try:
         told_run = run_pipeline(config(dataset, tmp_path, "told", checkpoint_every=100))
