@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from vitscale.config import ConfigError
 from vitscale.stages import build_pipeline
-from vitscale.train.optim import derive_batch, resized_batch
+from vitscale.train.optim import derive_batch, elastic_split, loss_weight, resized_batch
 
 
 def _pipeline(num_workers: object, global_batch: int = 48, micro_batch: int = 4):
@@ -36,13 +36,28 @@ def test_a_bad_range_names_the_key(bad: list[int]) -> None:
         _pipeline(bad)
 
 
-def test_a_range_the_global_batch_cannot_split_is_refused_in_one_line() -> None:
-    with pytest.raises(ConfigError) as caught:
-        _pipeline([2, 5], global_batch=48)  # 5 does not divide 48
-    message = str(caught.value)
-    assert "train.global_batch" in message and " 5 workers" in message and "60" in message  # lcm(2..5)
-    assert "\n" not in message
+def test_a_range_the_global_batch_does_not_divide_is_accepted() -> None:
+    _pipeline([2, 5], global_batch=48)  # 5 does not divide 48: shares of 9 and 10, weighted
+    _pipeline([8, 32], global_batch=4096, micro_batch=64)  # 24 GPUs (3 nodes of 8) among them
     _pipeline([2, 4], global_batch=48)  # 2, 3 and 4 all divide 48
+
+
+def test_a_range_that_would_leave_a_micro_batch_empty_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError) as caught:  # micro batch 1: a share of 9 cannot fill ceil(10 / 1) = 10
+        _pipeline([4, 5], global_batch=48, micro_batch=1)
+    message = str(caught.value)
+    assert "train.global_batch" in message and " 5 workers" in message and "train.micro_batch >= 2" in message
+    assert "\n" not in message
+    _pipeline([3, 4], global_batch=48, micro_batch=1)  # 3 and 4 divide 48: whole micro-batches of 1
+    with pytest.raises(ValueError, match="more workers than examples"):
+        elastic_split(4, 2, range(2, 6))
+
+
+def test_the_plan_at_24_of_4096() -> None:
+    plan = resized_batch(4096, 64, 24)  # shares of 170 and 171: ceil(171 / 64) = 3 micro-batches
+    assert (plan.micro_batch, plan.grad_accum_steps, plan.even) == (57, 3, False)
+    assert [plan.share(r) for r in range(24)].count(171) == 4096 - 24 * 170
+    assert plan.micro_sizes(0) == (57, 57, 56) and plan.micro_sizes(2) == (57, 57, 57)
 
 
 @settings(max_examples=200, deadline=None)
@@ -53,3 +68,36 @@ def test_the_resized_plan_keeps_the_global_batch(share: int, world: int, micro: 
     assert plan.micro_batch <= micro
     if (share * world) % (micro * world) == 0:  # where the fixed rule accepts the split, it is that same plan
         assert derive_batch(share * world, micro, world) == plan
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 512), st.integers(1, 64), st.integers(1, 40))
+def test_any_plan_takes_the_whole_global_batch_and_weights_it_to_its_mean(global_batch: int, micro: int,
+                                                                          world: int) -> None:
+    """Every rank accumulates the same number of micro-batches, none empty, at most `micro` examples each,
+    together the global batch; the loss weights make the step's gradient the global batch's mean: the
+    weighted per-micro-batch means, each divided by the accumulation steps (DeepSpeed) and averaged over
+    the ranks, are (1/G) x the sum of per-example losses. Even plans weigh exactly 1.0."""
+    from fractions import Fraction
+
+    try:
+        plan = resized_batch(global_batch, micro, world)
+    except ValueError:
+        assert world > global_batch or (global_batch % world and micro == 1)  # only what cannot work
+        return
+    sizes = [plan.micro_sizes(r) for r in range(world)]
+    assert {len(s) for s in sizes} == {plan.grad_accum_steps} and min(map(min, sizes)) >= 1
+    assert sum(map(sum, sizes)) == global_batch and max(map(max, sizes)) == plan.micro_batch <= micro
+    # DeepSpeed's assertion holds for the config the engine gets: train_batch_size = micro x accum x world
+    assert plan.micro_batch * plan.grad_accum_steps * world >= global_batch
+    # per-example losses l_i = 1, 2, 3, ... in global-batch order; each micro-batch's mean L, weighted
+    losses = iter(range(1, global_batch + 1))
+    step = Fraction(0)
+    for s in sizes:
+        for n in s:
+            mean = Fraction(sum(next(losses) for _ in range(n)), n)
+            assert loss_weight(n, plan) == n * world * plan.grad_accum_steps / global_batch
+            step += Fraction(n * world * plan.grad_accum_steps, global_batch) * mean / plan.grad_accum_steps
+    assert step / world == Fraction(global_batch + 1, 2)  # the global batch's mean loss
+    if global_batch % world == 0:
+        assert plan.even and all(loss_weight(n, plan) == 1.0 for s in sizes for n in s)

@@ -298,17 +298,19 @@ def test_steps_for_bad_args(args: tuple, name: str) -> None:
         steps_for(*args)
 
 
-@given(st.integers(1, 10**6), st.integers(1, 16), st.integers(1, 64), st.floats(0.1, 20))
-def test_schedule_length_fills_whole_steps_from_each_ranks_share(samples: int, world: int, per_rank: int,
-                                                                 epochs: float) -> None:
+@given(st.integers(1, 10**6), st.integers(1, 16), st.integers(1, 64), st.integers(0, 15), st.floats(0.1, 20))
+def test_schedule_length_fills_whole_global_batches(samples: int, world: int, per_rank: int, extra: int,
+                                                    epochs: float) -> None:
     from vitscale.train.optim import schedule_length
 
-    global_batch = per_rank * world
-    if samples // world < per_rank:
+    global_batch = per_rank * world + extra % world  # any size, the world dividing it or not
+    if samples < global_batch:
         with pytest.raises(ValueError, match="cannot fill one step"):
-            schedule_length(samples, world, global_batch, epochs, None)
+            schedule_length(samples, global_batch, epochs, None)
         return
-    per_epoch, total = schedule_length(samples, world, global_batch, epochs, None)
-    assert per_epoch == (samples // world) // per_rank  # whole steps of this rank's share
+    per_epoch, total = schedule_length(samples, global_batch, epochs, None)
+    assert per_epoch == samples // global_batch  # whole global batches: the same at every world size
+    if extra % world == 0:  # an even split: what each rank's whole steps of its share give
+        assert per_epoch == (samples // world) // per_rank
     assert total == steps_for(epochs, per_epoch * global_batch, global_batch)
-    assert schedule_length(samples, world, global_batch, epochs, 7) == (per_epoch, 7)
+    assert schedule_length(samples, global_batch, epochs, 7) == (per_epoch, 7)

@@ -1,31 +1,49 @@
 """Property tests of the global-batch layout (elastic training): the samples each optimizer step
-consumes do not depend on the world size, so any sequence of resizes consumes each sample of the
-epoch exactly once; and the layout keeps the span layout's guarantees (partition, balance, exact
-resume, bounded window shuffle)."""
+consumes do not depend on the world size, whether it divides the global batch or not (uneven shares
+differ by at most one sample), so any sequence of resizes consumes each sample of the epoch exactly
+once; and the layout keeps the span layout's guarantees (partition, balance, exact resume, bounded
+window shuffle). Also the pure batch cutting the stream uses (`micro_batch_sizes`, `batch_bounds`)."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vitscale.data.order import rank_order, samples_per_rank
+from vitscale.data.order import (
+    batch_bounds,
+    cycled_batches,
+    micro_batch_sizes,
+    num_batches,
+    rank_order,
+    samples_per_rank,
+    share_bounds,
+    split_evenly,
+)
 
 counts_st = st.lists(st.integers(0, 40), min_size=1, max_size=12)
 seed_st = st.integers(0, 2**32 - 1)
 epoch_st = st.integers(0, 5)
 buffer_st = st.integers(1, 64)
 FAST = settings(max_examples=150, deadline=None)
-WORLDS = (1, 2, 3, 4, 6, 12)  # the divisors of G = 12: every world size a range may hold
 G = 12
+WORLDS = tuple(range(1, G + 1))  # every world size a range may hold: divisors of G and not (5, 7-11)
+DIVISORS = tuple(w for w in WORLDS if G % w == 0)
+
+
+def share(world: int, rank: int) -> int:
+    lo, hi = share_bounds(G, world, rank)
+    return hi - lo
 
 
 def step_samples(counts, seed, epoch, world, buf, step):
     """The samples optimizer step `step` (0-based) consumes: every rank's share, rank order."""
-    share = G // world
     return np.concatenate([rank_order(counts, seed, epoch, r, world, 0, buf, global_batch=G)
-                           .global_indices(step * share, (step + 1) * share) for r in range(world)])
+                           .global_indices(step * share(world, r), (step + 1) * share(world, r))
+                           for r in range(world)])
 
 
 @FAST
@@ -33,7 +51,8 @@ def step_samples(counts, seed, epoch, world, buf, step):
 def test_epoch_is_a_balanced_partition_of_whole_global_batches(counts, seed, epoch, world, buf):
     n = sum(counts)
     orders = [rank_order(counts, seed, epoch, r, world, 0, buf, global_batch=G).indices for r in range(world)]
-    assert {len(o) for o in orders} == {(n // G) * (G // world)}
+    assert [len(o) for o in orders] == [(n // G) * share(world, r) for r in range(world)]
+    assert {share(world, r) for r in range(world)} <= {G // world, -(-G // world)}  # balanced: differ by <= 1
     seen = np.concatenate(orders)
     assert len(np.unique(seen)) == len(seen) and ((seen >= 0) & (seen < n)).all()
     assert n - len(seen) < G  # the remainder: less than one global batch
@@ -63,12 +82,17 @@ def test_random_resizes_consume_every_sample_exactly_once(counts, seed, epoch, b
     step = 0
     for world, run in [*resizes, (G, steps)]:  # the last world finishes the epoch
         stop = min(step + run, steps)
-        share = G // world
+        batch = [[] for _ in range(stop - step)]  # each step's samples, all ranks of this world
         for r in range(world):
-            order = rank_order(counts, seed, epoch, r, world, step * share, buf, global_batch=G)
-            mine = order.indices[: (stop - step) * share]
-            np.testing.assert_array_equal(mine, order.global_indices(step * share, stop * share))
+            n = share(world, r)
+            order = rank_order(counts, seed, epoch, r, world, step * n, buf, global_batch=G)
+            mine = order.indices[: (stop - step) * n]
+            np.testing.assert_array_equal(mine, order.global_indices(step * n, stop * n))
             consumed.append(mine)
+            for k in range(stop - step):
+                batch[k].extend(mine[k * n:(k + 1) * n].tolist())
+        for k in range(stop - step):  # the step's global batch is the fixed-size (W = 1) run's, as a set
+            assert sorted(batch[k]) == sorted(step_samples(counts, seed, epoch, 1, buf, step + k).tolist())
         step = stop
     seen = np.concatenate(consumed) if consumed else np.zeros(0, np.int64)
     whole = np.concatenate([rank_order(counts, seed, epoch, 0, 1, 0, buf, global_batch=G).indices])
@@ -130,6 +154,63 @@ def test_samples_per_rank(samples, world, batch, expected):
     assert samples_per_rank(samples, world, batch) == expected
 
 
-def test_a_global_batch_the_world_cannot_split_is_a_value_error():
+def test_uneven_shares_per_rank():
+    # 12 over 5 ranks: bounds 0, 2, 4, 7, 9, 12; 100 samples fill 8 global batches
+    assert [share_bounds(12, 5, r) for r in range(5)] == [(0, 2), (2, 4), (4, 7), (7, 9), (9, 12)]
+    assert [samples_per_rank(100, 5, 12, rank=r) for r in range(5)] == [16, 16, 24, 16, 24]
+
+
+@FAST
+@given(counts_st, seed_st, epoch_st, st.sampled_from(DIVISORS), buffer_st, st.data())
+def test_a_dividing_world_keeps_the_equal_share_layout(counts, seed, epoch, world, buf, data):
+    """Where W divides G, rank r takes positions [k*G + r*G/W, k*G + (r+1)*G/W) of step k, as before
+    uneven shares existed: existing runs and their checkpoints read the same samples."""
+    b = G // world
+    rank = data.draw(st.integers(0, world - 1))
+    assert share_bounds(G, world, rank) == (rank * b, (rank + 1) * b)
+    whole = rank_order(counts, seed, epoch, 0, 1, 0, buf, global_batch=G).indices  # the epoch's steps in order
+    mine = rank_order(counts, seed, epoch, rank, world, 0, buf, global_batch=G).indices
+    expected = [whole[k * G + rank * b + i] for k in range(len(whole) // G) for i in range(b)]
+    np.testing.assert_array_equal(mine, np.asarray(expected, dtype=np.int64))
+
+
+def test_a_global_batch_smaller_than_the_world_is_a_value_error():
+    rank_order([10, 10], 0, 0, 0, 3, global_batch=10)  # uneven shares: 3, 3, 4
     with pytest.raises(ValueError, match="global_batch"):
-        rank_order([10, 10], 0, 0, 0, 3, global_batch=10)
+        rank_order([10, 10], 0, 0, 0, 3, global_batch=2)
+
+
+@given(st.integers(0, 200), st.integers(1, 20))
+def test_split_evenly_is_balanced_and_larger_first(total, parts):
+    sizes = split_evenly(total, parts)
+    assert len(sizes) == parts and sum(sizes) == total
+    assert max(sizes) - min(sizes) <= 1 and list(sizes) == sorted(sizes, reverse=True)
+
+
+@given(st.integers(1, 4096), st.integers(1, 64), st.integers(1, 64), st.data())
+def test_micro_batches_are_as_many_on_every_rank(global_batch, world, batch_size, data):
+    if world > global_batch:
+        return
+    plans = [micro_batch_sizes(global_batch, world, r, batch_size) for r in range(world)]
+    assert len({len(p) for p in plans}) == 1  # the same accumulation count everywhere
+    assert len(plans[0]) == math.ceil(math.ceil(global_batch / world) / batch_size)  # ceil(ceil(G/W)/micro)
+    for r, p in enumerate(plans):
+        lo, hi = share_bounds(global_batch, world, r)
+        assert sum(p) == hi - lo and max(p) <= batch_size and max(p) - min(p) <= 1
+    if global_batch % world == 0 and (global_batch // world) % batch_size == 0:  # today's even plan
+        assert all(p == (batch_size,) * (global_batch // world // batch_size) for p in plans)
+
+
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=5), st.integers(0, 200), st.booleans())
+def test_cycled_batches_tile_the_positions(sizes, samples, drop_last):
+    count = cycled_batches(samples, sizes, drop_last)
+    bounds = [batch_bounds(b, sizes) for b in range(count)]
+    assert all(hi - lo == sizes[b % len(sizes)] for b, (lo, hi) in enumerate(bounds))
+    assert all(bounds[b][1] == bounds[b + 1][0] for b in range(count - 1))
+    covered = bounds[-1][1] if bounds else 0
+    if drop_last:
+        assert covered <= samples < covered + sizes[count % len(sizes)]
+    else:
+        assert covered >= samples and (count == 0 or bounds[-1][0] < samples)
+    if len(sizes) == 1:
+        assert count == num_batches(samples, sizes[0], drop_last)

@@ -362,3 +362,21 @@ def test_run_bench_reports_throughput(clean):
     r = run_bench(str(clean), resolution=R, seconds=0.3, batch_size=4)
     assert r["workers"] == 1 and r["images"] > 0 and r["images_per_s"] > 0
     assert r["images_per_cpu_s"] > 0 and r["skipped"] == 0
+
+
+def test_uneven_shares_cut_every_step_into_as_many_batches(clean):
+    """3 ranks of a global batch of 8 (shares 2, 3, 3), batches of at most 2: every rank emits 2 batches a
+    step (1+1, 2+1, 2+1), the ranks' batches of a step together are the 1-rank stream's step, same images;
+    a resume at a step boundary (with 2 loader workers) yields the rest exactly."""
+    one = _epoch(_stream(clean, seed=2, batch_size=2, global_batch=8))  # 3 steps of 4 batches of 2
+    ranks = [_epoch(_stream(clean, seed=2, batch_size=2, global_batch=8, rank=r, world_size=3)) for r in range(3)]
+    assert [[len(b["key"]) for b in batches] for batches in ranks] == [[1, 1] * 3, [2, 1] * 3, [2, 1] * 3]
+    for step in range(3):
+        together = [b for batches in ranks for b in batches[2 * step:2 * step + 2]]
+        mine = one[4 * step:4 * step + 4]
+        assert [k for b in together for k in b["key"]] == [k for b in mine for k in b["key"]]
+        assert torch.equal(torch.cat([b["image"] for b in together]), torch.cat([b["image"] for b in mine]))
+    resumed = _stream(clean, seed=2, batch_size=2, global_batch=8, rank=1, world_size=3, num_workers=2)
+    resumed.load_state_dict({"epoch": 0, "position": 3, "seed": 2})  # after step 1: its share is 3
+    assert len(resumed) == 4
+    assert [b["key"] for b in _epoch(resumed)] == [b["key"] for b in ranks[1][2:]]

@@ -13,11 +13,13 @@ so:
    - *Global batches* (``global_batch=G``, training). The first ``S*G`` positions (``S = N // G``
      optimizer steps) are the epoch; the last ``N - S*G < G`` are left out (which samples those
      are changes every epoch with the shard order). Step ``k`` consumes positions
-     ``[k*G, (k+1)*G)`` and rank ``r`` of ``W`` takes the ``b = G / W`` positions
-     ``[k*G + r*b, k*G + (r+1)*b)`` of it. The sequence of samples the *steps* consume is therefore
-     the same whatever the world size: a run that goes from ``W`` to ``W'`` ranks after step ``k``
-     opens the new ranks at ``start = k * G / W'`` and every sample of the epoch is still consumed
-     exactly once (elastic training, ``cluster.num_workers: [MIN, MAX]``).
+     ``[k*G, (k+1)*G)`` and rank ``r`` of ``W`` takes its *share*, the ``n_r = hi_r - lo_r``
+     positions ``[k*G + lo_r, k*G + hi_r)`` with ``lo_r = r*G // W``, ``hi_r = (r+1)*G // W``
+     (:func:`share_bounds`): ``G / W`` each when ``W`` divides ``G``, else ``floor`` or ``ceil`` of
+     it. The sequence of samples the *steps* consume is therefore the same whatever the world size:
+     a run that goes from ``W`` to ``W'`` ranks after step ``k`` opens rank ``r`` of the new world
+     at ``start = k * n_r`` and every sample of the epoch is still consumed exactly once (elastic
+     training, ``cluster.num_workers: [MIN, MAX]``, any ``W <= G``).
    - *Rank spans* (``global_batch=None``: evaluation, and users' own loops). ``m = N // world_size``
      samples per rank; rank ``r`` takes sequence positions ``[r*m, (r+1)*m)``: a contiguous run of
      shards, so it touches at most two partial shards. The last ``N - world_size*m < world_size``
@@ -28,14 +30,17 @@ so:
    whatever the dataset size, and a reader jumps around within one window (a few shards) at a time;
    with global batches all ranks read the same window at once, each its own samples (ranged reads).
 
-Guarantees (property-tested in ``tests/test_order.py``): per epoch the ranks' orders are disjoint,
-equally long and together miss fewer than ``world_size`` samples (rank spans) or ``global_batch``
-(global batches); the order depends only on (counts, seed, epoch, rank, world_size, shuffle_buffer,
+Guarantees (property-tested in ``tests/test_order.py``, ``tests/test_order_elastic.py``): per
+epoch the ranks' orders are disjoint, equally long (rank spans; global batches: each step's shares
+differ by at most one sample) and together miss fewer than ``world_size`` samples (rank spans) or
+``global_batch`` (global batches); the order depends only on (counts, seed, epoch, rank, world_size, shuffle_buffer,
 global_batch) and changes with the epoch; ordering from ``start=k`` yields exactly the tail ``[k:]``
 of the order from 0; with global batches, the samples consumed by steps ``1..k`` at any world size
 followed by steps ``k+1..`` at any other are the epoch's samples, each exactly once.
 
-Batches within a rank are consecutive runs of ``batch_size`` positions; with several data-loader
+Batches within a rank are consecutive runs of ``batch_size`` positions (global batches: each
+share cut into the same number of batches on every rank, :func:`micro_batch_sizes`, cycling from
+the stream's start: :func:`batch_bounds`); with several data-loader
 workers, batch ``b`` is built whole by worker ``b % num_workers`` (:func:`worker_batches`), which
 is the order PyTorch's ``DataLoader`` collects them in, so the emitted order is this order.
 """
@@ -51,10 +56,15 @@ __all__ = [
     "DEFAULT_SHUFFLE_BUFFER",
     "RankOrder",
     "ShardRange",
+    "batch_bounds",
+    "cycled_batches",
+    "micro_batch_sizes",
     "num_batches",
     "rank_keys",
     "rank_order",
     "samples_per_rank",
+    "share_bounds",
+    "split_evenly",
     "worker_batches",
 ]
 
@@ -88,7 +98,8 @@ class RankOrder:
     shuffle_buffer: int
     shuffle: bool
     samples_per_rank: int
-    """Samples every rank sees this epoch (:func:`samples_per_rank`)."""
+    """Samples this rank sees this epoch (:func:`samples_per_rank`; with global batches the ranks'
+    counts differ when ``world_size`` does not divide ``global_batch``)."""
     global_batch: int | None
     """Samples per optimizer step over all ranks (global-batch layout), or None (rank spans)."""
     extent: int
@@ -122,8 +133,9 @@ class RankOrder:
         """Window-relative sequence positions (before the window shuffle) of this rank's ``positions``."""
         if self.global_batch is None:
             return positions
-        share = self.global_batch // self.world_size
-        return (positions // share) * self.global_batch + self.rank * share + positions % share
+        lo, hi = share_bounds(self.global_batch, self.world_size, self.rank)
+        share = hi - lo  # this rank's n_r of every global batch
+        return (positions // share) * self.global_batch + lo + positions % share
 
     def sequence_to_global(self, seq: np.ndarray) -> np.ndarray:
         """Global sample indices of epoch-sequence positions ``seq`` (any int array)."""
@@ -202,9 +214,9 @@ def rank_order(
 
     ``counts`` are the samples per shard in ``dataset.json`` order. With ``shuffle=False``
     (evaluation) shards keep that order and samples tar order; the rank split is the same.
-    ``global_batch`` (a multiple of ``world_size``) lays the epoch out in global batches, each
-    rank taking its share of every one, so the samples each optimizer step consumes do not depend
-    on the world size; None gives each rank one contiguous span. See the module docstring for the
+    ``global_batch`` (at least ``world_size``) lays the epoch out in global batches, each rank
+    taking its share of every one (:func:`share_bounds`), so the samples each optimizer step
+    consumes do not depend on the world size; None gives each rank one contiguous span. See the module docstring for the
     algorithm and its guarantees.
     """
     c = np.asarray(list(counts), dtype=np.int64)
@@ -218,7 +230,7 @@ def rank_order(
         raise ValueError(f"seed and epoch must be >= 0, got seed={seed}, epoch={epoch}")
     if shuffle_buffer < 1:
         raise ValueError(f"shuffle_buffer must be >= 1, got {shuffle_buffer}")
-    m = samples_per_rank(int(c.sum()), world_size, global_batch)
+    m = samples_per_rank(int(c.sum()), world_size, global_batch, rank=rank)
     if not 0 <= start <= m:
         raise ValueError(f"start must be in [0, {m}] (samples per rank this epoch), got {start}")
     bases = np.zeros(c.size + 1, dtype=np.int64)
@@ -240,24 +252,63 @@ def rank_order(
         shuffle=shuffle,
         samples_per_rank=m,
         global_batch=global_batch,
-        extent=m if global_batch is None else m * world_size,
+        extent=m if global_batch is None else int(c.sum()) // global_batch * global_batch,
         shard_order=order,
         bases=bases,
         seq_offsets=seq_offsets,
     )
 
 
-def samples_per_rank(samples: int, world_size: int, global_batch: int | None = None) -> int:
-    """Samples each of ``world_size`` ranks takes from an epoch of ``samples``: ``samples // world_size``
-    (rank spans), or its ``global_batch / world_size`` share of each of the epoch's
+def samples_per_rank(samples: int, world_size: int, global_batch: int | None = None, *, rank: int = 0) -> int:
+    """Samples rank ``rank`` of ``world_size`` takes from an epoch of ``samples``: ``samples // world_size``
+    (rank spans), or its share ``n_r`` (:func:`share_bounds`) of each of the epoch's
     ``samples // global_batch`` whole global batches."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if global_batch is None:
         return samples // world_size
-    if global_batch < 1 or global_batch % world_size:
-        raise ValueError(f"global_batch must be a positive multiple of world_size={world_size}, got {global_batch}")
-    return (samples // global_batch) * (global_batch // world_size)
+    lo, hi = share_bounds(global_batch, world_size, rank)
+    return (samples // global_batch) * (hi - lo)
+
+
+def share_bounds(global_batch: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Positions ``[r*G // W, (r+1)*G // W)`` of each global batch of ``G`` that rank ``r`` of ``W`` takes.
+
+    Contiguous and in rank order, so the shares tile the batch; their sizes are ``floor(G/W)`` or
+    ``ceil(G/W)`` (differ by at most one), and exactly ``G / W`` each when ``W`` divides ``G``.
+    """
+    if global_batch < world_size or world_size < 1:
+        raise ValueError(f"global_batch must be >= world_size={world_size} (every rank takes at least one "
+                         f"sample of each global batch), got {global_batch}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    return rank * global_batch // world_size, (rank + 1) * global_batch // world_size
+
+
+def split_evenly(total: int, parts: int) -> tuple[int, ...]:
+    """``total`` cut into ``parts`` sizes as even as possible (they differ by at most one), larger first."""
+    if parts < 1 or total < 0:
+        raise ValueError(f"cannot split {total} into {parts} parts")
+    q, extra = divmod(total, parts)
+    return (q + 1,) * extra + (q,) * (parts - extra)
+
+
+def micro_batch_sizes(global_batch: int | None, world_size: int, rank: int, batch_size: int) -> tuple[int, ...]:
+    """The batches rank ``rank`` cuts its share of each global batch into (one optimizer step's micro-batches);
+    ``(batch_size,)`` without global batches (rank spans).
+
+    Every rank cuts its share into the same number ``g = ceil(ceil(G/W) / batch_size)`` (gradient
+    accumulation boundaries are global), as evenly as possible (:func:`split_evenly`): with ``W``
+    dividing ``G`` and ``batch_size`` dividing ``G/W`` that is ``G / (W * batch_size)`` batches of
+    ``batch_size``. A size 0 (a share smaller than ``g``) is possible and is the caller's to refuse.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if global_batch is None:
+        return (batch_size,)
+    lo, hi = share_bounds(global_batch, world_size, rank)
+    largest = -(-global_batch // world_size)
+    return split_evenly(hi - lo, -(-largest // batch_size))
 
 
 def num_batches(samples: int, batch_size: int, drop_last: bool) -> int:
@@ -265,6 +316,29 @@ def num_batches(samples: int, batch_size: int, drop_last: bool) -> int:
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     return samples // batch_size if drop_last else -(-samples // batch_size)
+
+
+def cycled_batches(samples: int, sizes: Sequence[int], drop_last: bool) -> int:
+    """Batches from ``samples`` positions cut into batches of ``sizes[0], sizes[1], ...`` over and
+    over (:func:`batch_bounds`): full ones only when ``drop_last``, else one partial. ``sizes ==
+    (b,)`` is :func:`num_batches`."""
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {tuple(sizes)}")
+    periods, left = divmod(samples, sum(sizes))
+    full = 0
+    while full < len(sizes) and left >= sizes[full]:
+        left -= sizes[full]
+        full += 1
+    return periods * len(sizes) + full + (1 if left and not drop_last else 0)
+
+
+def batch_bounds(batch: int, sizes: Sequence[int]) -> tuple[int, int]:
+    """Positions ``[lo, hi)`` (relative to the first batch's start) of batch number ``batch`` when
+    positions are cut into batches of ``sizes[0], sizes[1], ...`` over and over."""
+    g = len(sizes)
+    q, i = divmod(batch, g)
+    lo = q * sum(sizes) + sum(sizes[:i])
+    return lo, lo + sizes[i]
 
 
 def worker_batches(batches: int, worker: int, num_workers: int) -> range:

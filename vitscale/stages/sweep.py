@@ -239,8 +239,7 @@ def trial_steps(config: PipelineConfig, job: TrainJob) -> int:
         return job.train.max_steps
     samples = sum(open_dataset(job.data.url, job.data.split, endpoint_url=job.data.endpoint_url,
                                carve=job.carve).counts)
-    world = trial_cluster(config).max_workers
-    return schedule_length(samples, world, job.train.global_batch, job.train.epochs, None)[1]
+    return schedule_length(samples, job.train.global_batch, job.train.epochs, None)[1]
 
 
 def trial_cluster(config: PipelineConfig) -> ClusterConfig:

@@ -125,8 +125,9 @@ class TrainConfig:
     def check_batch_split(self, workers: int | range, section: str = "train",
                           workers_key: str = "cluster.num_workers") -> None:
         """The one batch rule, checked before Ray starts: `global_batch` is `micro_batch` x `workers` x the
-        accumulation steps (`train/optim.py`'s `derive_batch`, which the loop uses, decides). A range of
-        world sizes (an elastic run) needs a global batch every one of them splits (`elastic_split`)."""
+        accumulation steps (`train/optim.py`'s `derive_batch` decides). A range of world sizes (an elastic
+        run) needs a batch plan at every one of them (`elastic_split`): sizes that do not divide the global
+        batch take uneven, loss-weighted shares; only a micro-batch that would be empty is refused."""
         from vitscale.train.optim import derive_batch, elastic_split
 
         try:

@@ -39,7 +39,19 @@ def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool) -> d
         if train.zero_stage == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
     config: dict[str, Any] = {
-        "train_batch_size": batch.global_batch,
+        # DeepSpeed asserts train_batch_size == micro * accumulation * world (runtime/config.py:602,
+        # `_batch_assertion`). Uneven shares (a world size that does not divide the global batch) hold
+        # fewer examples than that, so it gets the largest micro-batch's product, not the global batch;
+        # the gradient is right because the loop weights each micro-batch's loss (`optim.loss_weight`).
+        # Besides that check, DeepSpeed 0.19.8 reads these two only for bookkeeping vitscale does not use:
+        # train_batch_size for the `global_samples` counter (runtime/engine.py:3560-3565, kept in its
+        # checkpoints, engine.py:4712 / 5033), the throughput timer and autotuning report (engine.py:638,
+        # 3719; printing is off), the fallback `lr_scheduler.step(train_batch_size())` (engine.py:3550: no
+        # DeepSpeed scheduler here) and random-LTD (engine.py:700, off); train_micro_batch_size_per_gpu for
+        # `deepspeed_io`'s default loader batch (engine.py:2835: vitscale has its own stream), random-LTD and
+        # the flops profiler's report. Neither scales the loss or the gradients: backward divides by
+        # gradient_accumulation_steps alone (engine.py:3413) and the reduction by the world size.
+        "train_batch_size": batch.micro_batch * batch.grad_accum_steps * batch.world_size,
         "train_micro_batch_size_per_gpu": batch.micro_batch,
         "gradient_accumulation_steps": batch.grad_accum_steps,
         "zero_optimization": zero,

@@ -8,7 +8,7 @@ model from `models/`, ZeRO engine from `engine.py`, the shard stream from `data/
 schedule from `optim.lr_at`, compute from `scaling.flops`.
 
 Exact resumption: step k of an epoch always consumes the samples at positions
-[k * accum * micro, (k + 1) * accum * micro) of this rank's plan for that epoch, so the stream
+[k * n, (k + 1) * n) of this rank's plan for that epoch (n: its share of the global batch), so the stream
 position is a pure function of the optimizer step, and a checkpoint at step k plus the plan gives
 the exact sample where training continues.
 """
@@ -50,7 +50,7 @@ from vitscale.train.metrics import (
     peak_flops,
     progress_line,
 )
-from vitscale.train.optim import Decay, lr_at, resized_batch, schedule_length
+from vitscale.train.optim import Decay, loss_weight, lr_at, resized_batch, schedule_length
 from vitscale.train.termination import Terminated
 
 ReportFn = Callable[[dict[str, Any], "Path | None"], None]
@@ -103,8 +103,10 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
     init_distributed(on_gpu)
 
     # The global batch is the run's, whatever the world size: each worker's share of it in micro batches
-    # (the driver checked every world size the run may reach).
+    # (the driver checked every world size the run may reach). A size that does not divide it gives
+    # uneven shares, whose micro-batch losses are weighted so the step is the global batch's mean.
     batch = resized_batch(train.global_batch, train.micro_batch, ctx.world_size)
+    weighted = not batch.even
     # Global-batch layout: the samples each step consumes do not depend on the world size (data/order.py).
     stream = ShardStream(
         data.url, data.split, rank=ctx.rank, world_size=ctx.world_size, seed=data.seed,
@@ -112,9 +114,9 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         num_workers=data.num_workers, shuffle_buffer=data.shuffle_buffer, error_budget=data.error_budget,
         endpoint_url=data.endpoint_url, carve=job.carve)
     num_classes = stream.dataset.num_classes
-    per_rank_step = batch.micro_batch * batch.grad_accum_steps
-    steps_per_epoch, total_steps = schedule_length(sum(stream.dataset.counts), ctx.world_size,
-                                                   batch.global_batch, train.epochs, train.max_steps)
+    per_rank_step = batch.share(ctx.rank)
+    steps_per_epoch, total_steps = schedule_length(sum(stream.dataset.counts), batch.global_batch, train.epochs,
+                                                   train.max_steps)
     eval_every = train.eval_every or (max(1, total_steps // job.evaluations) if job.evaluations else None)
 
     torch.manual_seed(train.seed)  # identical initial weights on every rank
@@ -199,12 +201,15 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
             labels = micro["label"].to(device, non_blocking=True)
             logits = engine(images)
             loss = _masked_loss(logits, labels, micro.get("valid"), train)
+            if weighted:  # n examples of the global batch's G: L * n * W * accum / G (exactly 1 when even)
+                loss = loss * loss_weight(len(micro["key"]), batch)
             engine.backward(loss)
             step_loss += loss.detach() / batch.grad_accum_steps
             keys.extend(micro["key"])
             if micro_step < batch.grad_accum_steps - 1:
                 engine.step()  # inside the accumulation: DeepSpeed only counts the micro-step
-        # Mean loss over all ranks: what the user compares across runs; one tiny all-reduce per step.
+        # Mean loss over all ranks (weighted: the global batch's mean at any world size): what the user
+        # compares across runs; one tiny all-reduce per step.
         # A NaN on any rank makes the sum NaN on every rank, so all ranks skip the same steps. It also
         # carries rank 0's "time to ask Ray about preemption", so every rank asks at the same step.
         # And how many ranks were told to stop (SIGTERM), so that all checkpoint at this same step.

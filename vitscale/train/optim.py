@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from vitscale.config.checks import non_negative_int, number, positive_int
+from vitscale.data.order import micro_batch_sizes, share_bounds
 
 if TYPE_CHECKING:
     from vitscale.train.config import TrainConfig
@@ -28,10 +29,14 @@ __all__ = [
     "DEFAULT_NO_DECAY_NAMES",
     "BatchPlan",
     "derive_batch",
+    "elastic_split",
     "epoch_at",
+    "loss_weight",
     "lr_at",
     "nearest_valid_global_batch",
     "param_groups",
+    "resized_batch",
+    "schedule_length",
     "split_decay",
     "steps_for",
 ]
@@ -187,16 +192,45 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """How one optimiser step's global batch is split: global = micro x accum x world."""
+    """How one optimiser step's global batch is split: global = micro x accum x world when the world
+    size divides it (even shares); otherwise each rank's share (floor or ceil of global / world) is cut
+    into ``grad_accum_steps`` micro-batches of at most ``micro_batch`` (:meth:`micro_sizes`)."""
 
     micro_batch: int
-    """Examples per forward/backward pass on one worker (``train.micro_batch``)."""
+    """Examples per forward/backward pass on one worker: the largest micro-batch of any rank."""
     grad_accum_steps: int
-    """Micro-batches accumulated per worker before each optimiser step."""
+    """Micro-batches accumulated per worker before each optimiser step: the same on every rank."""
     world_size: int
     """Number of data-parallel workers."""
     global_batch: int
     """Examples per optimiser step over all workers (``train.global_batch``; the paper: 4096)."""
+
+    @property
+    def even(self) -> bool:
+        """Every micro-batch of every rank holds ``micro_batch`` examples (loss weights all 1)."""
+        return self.micro_batch * self.grad_accum_steps * self.world_size == self.global_batch
+
+    def share(self, rank: int) -> int:
+        """Examples rank ``rank`` takes of each global batch (``data/order.py``'s ``share_bounds``)."""
+        lo, hi = share_bounds(self.global_batch, self.world_size, rank)
+        return hi - lo
+
+    def micro_sizes(self, rank: int) -> tuple[int, ...]:
+        """Rank ``rank``'s ``grad_accum_steps`` micro-batch sizes in one step (the stream cuts the same)."""
+        return micro_batch_sizes(self.global_batch, self.world_size, rank, self.micro_batch)
+
+
+def loss_weight(examples: int, plan: BatchPlan) -> float:
+    """Factor on the mean loss of a micro-batch of ``examples`` so the step's gradient is the global batch's mean.
+
+    DeepSpeed divides each micro-batch's loss by ``grad_accum_steps`` and averages gradients over
+    ``world_size`` ranks, which is the global mean only when every micro-batch is equally large. A
+    micro-batch of ``n`` examples whose mean loss is ``L`` therefore backpropagates
+    ``L * n * world_size * grad_accum_steps / global_batch``: summed over all micro-batches and
+    ranks, divided by ``grad_accum_steps * world_size``, that is ``(1 / global_batch) * sum of the
+    per-example losses``. Exactly 1.0 for the micro-batches of an even plan.
+    """
+    return examples * plan.world_size * plan.grad_accum_steps / plan.global_batch
 
 
 def nearest_valid_global_batch(global_batch: int, micro_batch: int, world_size: int) -> int:
@@ -248,42 +282,58 @@ def derive_batch(global_batch: int, micro_batch: int, world_size: int, *, sectio
 
 
 def resized_batch(global_batch: int, micro_batch: int, world_size: int) -> BatchPlan:
-    """The plan at a world size an elastic run reached: the same ``global_batch``, each worker's
-    ``global_batch / world_size`` share in the largest micro batch not above ``micro_batch`` that
-    divides it, times the accumulation steps. Where ``derive_batch`` succeeds it gives the same plan
-    (``micro_batch`` divides the share), so the loop uses this one at every world size and the
-    global batch, the schedule and the steps' samples never change with it.
+    """The plan at a world size an elastic run reached: the same ``global_batch`` at any world size.
+
+    ``world_size`` divides ``global_batch``: each worker's ``global_batch / world_size`` share in the
+    largest micro batch not above ``micro_batch`` that divides it, times the accumulation steps (where
+    ``derive_batch`` succeeds it gives the same plan). Otherwise the shares are ``floor`` or ``ceil`` of
+    ``global_batch / world_size`` (``data/order.py``) and every rank accumulates the same
+    ``ceil(ceil(global_batch / world_size) / micro_batch)`` micro-batches (DeepSpeed's accumulation
+    boundary is global), its share cut into them as evenly as possible; ``micro_batch`` in the plan is
+    then the largest of them. The loop weights each micro-batch's loss (:func:`loss_weight`).
 
     Raises:
-        ValueError: ``world_size`` does not divide ``global_batch`` (the run's range was checked
-            against this before it started: ``elastic_split``).
+        ValueError: a share cannot fill the accumulation steps (a micro-batch would be empty: more
+            workers than examples, or ``micro_batch`` 1 with uneven shares).
     """
     positive_int(global_batch, "train.global_batch")
     positive_int(micro_batch, "train.micro_batch")
     positive_int(world_size, "world_size")
     share, left = divmod(global_batch, world_size)
-    if left:
-        raise ValueError(f"train.global_batch={global_batch} does not split over {world_size} workers")
-    micro = max(m for m in range(1, min(micro_batch, share) + 1) if share % m == 0)
-    return BatchPlan(micro, share // micro, world_size, global_batch)
+    if not left:
+        micro = max(m for m in range(1, min(micro_batch, share) + 1) if share % m == 0)
+        return BatchPlan(micro, share // micro, world_size, global_batch)
+    accum = -(-(share + 1) // micro_batch)
+    if share < accum:
+        raise ValueError(f"train.global_batch={global_batch} over {world_size} workers gives shares of {share} and "
+                         f"{share + 1} examples, cut into {accum} micro-batches of at most train.micro_batch="
+                         f"{micro_batch}: a share of {share} would leave a micro-batch empty; "
+                         + ("use a train.micro_batch of 2 or more" if share else "use fewer workers"))
+    return BatchPlan(-(-(share + 1) // accum), accum, world_size, global_batch)
 
 
 def elastic_split(global_batch: int, micro_batch: int, world_sizes: range, *, section: str = "train",
                   world: str = "cluster.num_workers") -> None:
-    """Every world size an elastic run may reach splits ``global_batch`` into equal shares (each then
-    in micro batches of at most ``micro_batch``: ``resized_batch``); else a ValueError naming the sizes
-    that do not and the nearest global batch all of them split."""
+    """Every world size an elastic run may reach has a batch plan (``resized_batch``): the global batch
+    need not divide evenly (uneven shares are weighted), but every worker needs at least one example
+    in each of its micro-batches; else a ValueError, one line naming the sizes that cannot."""
     positive_int(global_batch, f"{section}.global_batch")
     positive_int(micro_batch, f"{section}.micro_batch")
-    bad = [w for w in world_sizes if global_batch % w]
+    bad: list[int] = []
+    for w in world_sizes:
+        try:
+            resized_batch(global_batch, micro_batch, w)
+        except ValueError:
+            bad.append(w)
     if not bad:
         return
-    unit = math.lcm(*world_sizes)
-    nearest = max(unit, round(global_batch / unit) * unit)
+    share = global_batch // bad[0]
     raise ValueError(
-        f"{section}.global_batch={global_batch} does not split evenly over {', '.join(map(str, bad))} workers, which "
-        f"{world}: [{world_sizes[0]}, {world_sizes[-1]}] may run at; use a global batch every size in the range "
-        f"divides (the nearest: {nearest}), or a range whose sizes all divide {global_batch}")
+        f"{section}.global_batch={global_batch} cannot be shared over {', '.join(map(str, bad))} workers, which "
+        f"{world}: [{world_sizes[0]}, {world_sizes[-1]}] may run at: "
+        + (f"a share of {share} examples in micro-batches of {section}.micro_batch={micro_batch} leaves one empty; "
+           f"use {section}.micro_batch >= 2" if share else
+           f"more workers than examples; use a global batch of at least {world_sizes[-1]}"))
 
 
 def steps_for(epochs: float, samples_per_epoch: int, global_batch: int) -> int:
@@ -306,19 +356,19 @@ def steps_for(epochs: float, samples_per_epoch: int, global_batch: int) -> int:
     return -(-examples // global_batch)  # ceil division on ints: exact for any size
 
 
-def schedule_length(split_samples: int, world_size: int, global_batch: int, epochs: float,
+def schedule_length(split_samples: int, global_batch: int, epochs: float,
                     max_steps: int | None) -> tuple[int, int]:
     """(steps per epoch, total steps) of a run over a split of `split_samples` samples.
 
-    Each rank reads `split_samples // world_size` samples an epoch (data/order.py) and an epoch is
-    the whole optimizer steps those fill; the schedule is `max_steps` or `epochs` of such epochs.
-    The loop and the driver (ASHA's horizon) both use this, so they agree on the step count.
+    An epoch is the whole global batches the split fills (data/order.py: each rank takes its share of
+    every one, whatever the world size), so the count does not depend on the world size; the schedule
+    is `max_steps` or `epochs` of such epochs. The loop and the driver (ASHA's horizon) both use this,
+    so they agree on the step count.
     """
-    per_rank_step = global_batch // world_size
-    steps_per_epoch = (split_samples // world_size) // per_rank_step
+    steps_per_epoch = split_samples // global_batch
     if steps_per_epoch == 0:
-        raise ValueError(f"data.url: {split_samples // world_size} samples per rank cannot fill one step of "
-                         f"{per_rank_step} (train.global_batch / world size); use a smaller train.global_batch")
+        raise ValueError(f"data.url: {split_samples} samples cannot fill one step of train.global_batch="
+                         f"{global_batch}; use a smaller train.global_batch")
     total = max_steps or steps_for(epochs, steps_per_epoch * global_batch, global_batch)
     return steps_per_epoch, total
 

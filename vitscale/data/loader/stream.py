@@ -6,7 +6,7 @@
 
 - the order is :func:`vitscale.data.order.rank_order`'s: disjoint, equal-length per rank,
   reshuffled per epoch, resumable at any sample; with ``global_batch`` each step's samples are the
-  same at any world size (elastic training);
+  same at any world size, dividing it or not (elastic training; ``data.order.micro_batch_sizes``);
 - each sample is fetched with a ranged read of its bytes (offsets from the index), so a rank reads
   only its own samples; with ``num_workers`` loader processes, batch ``b`` is built whole by worker
   ``b % num_workers``, which is the order ``DataLoader`` hands batches out, so the emitted order is
@@ -63,7 +63,9 @@ from vitscale.data.loader.transforms import TransformSpec, sample_rng
 from vitscale.data.order import (
     DEFAULT_SHUFFLE_BUFFER,
     RankOrder,
-    num_batches,
+    batch_bounds,
+    cycled_batches,
+    micro_batch_sizes,
     rank_order,
     samples_per_rank,
     worker_batches,
@@ -92,7 +94,7 @@ class StreamSpec:
     seed: int = 0
     """Seeds shard order, sample shuffle and augmentation (with the epoch)."""
     batch_size: int = 64
-    """Per-rank batch size."""
+    """Per-rank batch size (with ``global_batch``: the largest; see :attr:`batch_sizes`)."""
     global_batch: int | None = None
     """Samples per optimizer step, all ranks: each rank takes its share of every global batch, so a step's
     samples do not depend on ``world_size`` (training). None: one contiguous span per rank."""
@@ -118,38 +120,40 @@ class StreamSpec:
 
     def __post_init__(self) -> None:
         positive_int(self.world_size, "world_size")
-        check(0 <= self.rank < self.world_size, "rank",
-              f"must be in [0, world_size={self.world_size}), got {self.rank}")
+        check(0 <= self.rank < self.world_size, "rank", f"must be in [0, {self.world_size}) (world_size): {self.rank}")
         positive_int(self.batch_size, "batch_size")
-        share, left = divmod(positive_int(self.global_batch or self.world_size, "global_batch"), self.world_size)
-        check(self.global_batch is None or (left == 0 and share % self.batch_size == 0), "global_batch",
-              f"{self.global_batch} must split into {self.world_size} equal shares of batches of {self.batch_size}")
+        positive_int(self.global_batch or self.world_size, "global_batch")  # and at least world_size: batch_sizes
+        check(min(self.batch_sizes) > 0, "batch_size", f"{self.batch_size}: rank {self.rank}'s share of "
+              f"global_batch={self.global_batch} cannot fill the {len(self.batch_sizes)} batches every rank cuts")
         non_negative(self.num_workers, "num_workers")
         fraction(self.error_budget, "error_budget")
         non_negative(self.seed, "seed")
         positive_int(self.shuffle_buffer, "shuffle_buffer")
         positive_int(self.prefetch_factor, "prefetch_factor")
 
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        """Consecutive batches' sizes, repeated from the start: ``(batch_size,)``, or one step's micro-batches."""
+        return micro_batch_sizes(self.global_batch, self.world_size, self.rank, self.batch_size)
+
 
 class _EpochBatches(IterableDataset):
     """One epoch of one rank from ``order.start``: worker ``w`` builds batches ``b % W == w``."""
 
-    def __init__(
-        self, spec: StreamSpec, ds: OpenDataset, order: RankOrder, end: int
-    ) -> None:
+    def __init__(self, spec: StreamSpec, ds: OpenDataset, order: RankOrder, end: int) -> None:
         self.spec, self.ds, self.order, self.end = spec, ds, order, end
         self.index = IndexCache(ds)
-        self.batches = -(-(end - order.start) // spec.batch_size)
+        self.batches = cycled_batches(end - order.start, spec.batch_sizes, drop_last=False)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        bs, start = self.spec.batch_size, self.order.start
+        start, sizes = self.order.start, self.spec.batch_sizes
         reader = SampleReader(self.ds.storage)
         try:
             for b in worker_batches(self.batches, worker, workers):
-                lo = start + b * bs
-                yield self._build(reader, lo, min(lo + bs, self.end), shared=info is not None)
+                lo, hi = batch_bounds(b, sizes)
+                yield self._build(reader, start + lo, min(start + hi, self.end), shared=info is not None)
         finally:
             reader.close()
 
@@ -253,17 +257,13 @@ class ShardStream:
         )  # fmt: skip
         # `carve` reads one part (dev or rest) of a carve of the split instead of all of it.
         self.dataset = open_dataset(url, split, endpoint_url=endpoint_url, carve=carve)
-        self.samples_per_epoch = samples_per_rank(sum(self.dataset.counts), world_size, global_batch)  # this rank's
-        self.batches_per_epoch = num_batches(self.samples_per_epoch, batch_size, self.spec.drop_last)
+        self.samples_per_epoch = samples_per_rank(sum(self.dataset.counts), world_size, global_batch, rank=rank)
+        self.batches_per_epoch = cycled_batches(self.samples_per_epoch, self.spec.batch_sizes, self.spec.drop_last)
         if self.batches_per_epoch == 0:
-            raise ValueError(
-                f"split {split!r} has {sum(self.dataset.counts)} samples: {self.samples_per_epoch} "
-                f"per rank over {world_size} ranks, not one batch of {batch_size}; use a smaller "
-                "batch_size or world_size"
-            )
-        self.epoch = 0
-        self.position = 0
-        self.seed = seed
+            raise ValueError(f"split {split!r} has {sum(self.dataset.counts)} samples: {self.samples_per_epoch} "
+                             f"per rank over {world_size} ranks, not one batch of {batch_size}; use a smaller "
+                             "batch_size or world_size")
+        self.epoch, self.position, self.seed = 0, 0, seed
         self._skipped: Counter[str] = Counter()
         self._epoch_skipped: Counter[str] = Counter()  # this rank's, since the epoch or a resume began
         self._skipped_before = 0  # all ranks' count in this epoch before the resume (from a checkpoint)
@@ -274,11 +274,11 @@ class ShardStream:
     @property
     def _end(self) -> int:
         """Position after the epoch's last emitted sample (a partial batch dropped or not)."""
-        return min(self.batches_per_epoch * self.spec.batch_size, self.samples_per_epoch)
+        return min(batch_bounds(self.batches_per_epoch - 1, self.spec.batch_sizes)[1], self.samples_per_epoch)
 
     def __len__(self) -> int:
         """Batches left in the current epoch."""
-        return -(-(self._end - self.position) // self.spec.batch_size)
+        return cycled_batches(self._end - self.position, self.spec.batch_sizes, drop_last=False)
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its first sample on the next iteration."""
