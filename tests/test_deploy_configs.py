@@ -318,6 +318,18 @@ def test_spot_group_sizes_follow_the_pipelines_worker_range() -> None:
     assert group["replicas"] == group["maxReplicas"], "KubeRay keeps asking for every spot pod, and replaces lost ones"
 
 
+def test_the_spot_overlay_runs_the_gpu_overlays_run_elastic() -> None:
+    """Same pipeline, run name and storage as k8s/overlays/gpu (switching overlays resumes the run), only
+    cluster.num_workers differs: a range the spot pods grow into, whose every size has a batch plan."""
+    from dataclasses import replace
+
+    spot, plain = overlay_pipeline(SPOT_OVERLAY), overlay_pipeline("gpu")
+    low, high = worker_range(spot)
+    assert low < high and high == worker_range(plain)[1]
+    assert replace(spot, cluster=replace(spot.cluster, num_workers=plain.cluster.num_workers)) == plain
+    spot.train.check_batch_split(range(low, high + 1))
+
+
 def test_spot_pods_are_the_gpu_pods_but_for_where_they_run_and_how_they_end() -> None:
     spot, fixed = spot_and_fixed(SPOT_OVERLAY)
 
