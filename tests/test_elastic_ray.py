@@ -37,7 +37,9 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not os.environ.get("VITSCALE_CLUSTER_E2E"),
                                  reason="an elastic run on a local multi-node Ray (minutes): make test-cluster runs it")]
 
-GLOBAL_BATCH, STEPS, LR, WIDTH = 12, 12, 1e-3, 32
+GLOBAL_BATCH, STEPS, LR, WIDTH = 14, 24, 1e-3, 32
+"""14 does not divide over 4 workers (shares of 3 and 4, loss-weighted) and does over 2 (7 each): a
+resize moves between uneven and even shares, and the run must still match the uninterrupted one."""
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,8 @@ def nodes():
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
     out = tmp_path_factory.mktemp("data") / "synthetic"
-    # 60 samples in uneven shards: 5 global batches of 12 an epoch; 12 steps cross two epoch ends.
+    # 60 samples in uneven shards: 4 global batches of 14 an epoch; 24 steps cross five epoch ends (and
+    # leave the run at 2 workers time to grow back before it ends).
     write_dataset("synthetic", str(out), shard_size=23, max_side=32, seed=0,
                   source_options={"count": 60, "classes": 4, "image_size": 32}, progress=False)
     return str(out)
@@ -153,10 +156,12 @@ def test_a_run_that_shrinks_and_grows_matches_the_uninterrupted_one(nodes, datas
     assert 2 in worlds and worlds[-1] == 4, (worlds, log[-3000:])  # it shrank, and grew back
     assert all(len(keys) == GLOBAL_BATCH for _, keys in steps.values())  # the global batch never changed
 
-    # The uninterrupted 4-worker run, on the same nodes.
-    clean = run_pipeline(_config(dataset, tmp_path, "clean", 4, zero), verbose=False)
+    # The uninterrupted 4-worker run, on the same nodes. A fixed 4 keeps the classic batch rule (14 is no
+    # multiple of micro x 4), so it is a range whose MAX the free nodes hold from the start.
+    clean = run_pipeline(_config(dataset, tmp_path, "clean", [3, 4], zero), verbose=False)
     assert clean is not None
     reference = surviving_steps(tmp_path / "clean")
+    assert {w for w, _ in reference.values()} == {4}, "the reference run must not have resized"
     for step in steps:  # each step consumed the same samples (so each epoch's, exactly once)
         assert sorted(steps[step][1]) == sorted(reference[step][1]), step
     a, b = final_weights(run_dir), final_weights(tmp_path / "clean")

@@ -19,16 +19,14 @@ About 1-1.5 minutes on 2 CPU cores, most of it process start-up and engine const
 from __future__ import annotations
 
 import argparse
-import os
-import socket
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from gloo_ranks import launch_ranks
 
 STAGES = (0, 1, 2, 3)
 CASES = [(0, "fp32", False), (1, "fp32", False), (2, "fp32", False), (3, "fp32", False),
@@ -45,12 +43,6 @@ WIDTH = 32
 
 def _name(stage: int, precision: str, offload: bool) -> str:
     return f"s{stage}-{precision}" + ("-offload" if offload else "")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- the worker ------------------------------------------------------------------------------------------
@@ -149,28 +141,6 @@ def worker(out: Path, train: bool, load_from: int | None) -> None:
     dist.barrier()
 
 
-def _launch(out: Path, world: int, *args: str) -> None:
-    port = str(_free_port())
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
-               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-        log = open(out / f"log-w{world}-{'-'.join(args)}-r{rank}.txt", "w")  # noqa: SIM115 -- closed below
-        procs.append((subprocess.Popen([sys.executable, __file__, str(out), *args], env=env, stdout=log,
-                                       stderr=subprocess.STDOUT), log))
-    codes = []
-    for proc, log in procs:
-        try:
-            codes.append(proc.wait(timeout=300))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            codes.append(proc.wait())
-        log.close()
-    if any(codes):
-        logs = "\n".join(Path(log.name).read_text()[-3000:] for _, log in procs)
-        raise AssertionError(f"world {world} {args}: exit codes {codes}\n{logs}")
-
-
 # -- the tests -------------------------------------------------------------------------------------------
 
 
@@ -178,10 +148,10 @@ def _launch(out: Path, world: int, *args: str) -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("deepspeed")
     out = tmp_path_factory.mktemp("reshard")
-    _launch(out, 1, "--train")
-    _launch(out, 2, "--train", "--load-from", "1")
-    _launch(out, 1, "--load-from", "2")
-    _launch(out, 3, "--load-from", "2")
+    launch_ranks(__file__, out, 1, str(out), "--train")
+    launch_ranks(__file__, out, 2, str(out), "--train", "--load-from", "1")
+    launch_ranks(__file__, out, 1, str(out), "--load-from", "2")
+    launch_ranks(__file__, out, 3, str(out), "--load-from", "2")
     return out
 
 

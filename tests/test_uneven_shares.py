@@ -21,14 +21,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from gloo_ranks import launch_ranks
 
 GLOBAL_BATCH = 16
 MICRO_BATCH = 4
@@ -67,34 +67,6 @@ def worker(out: Path, data: str) -> None:
     (run / f"summary-r{rank}.json").write_text(json.dumps({"summary": summary, "losses": losses}, default=str))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(out: Path, data: str, world: int) -> None:
-    port = str(_free_port())
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
-               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-        log = open(out / f"log-w{world}-r{rank}.txt", "w")  # noqa: SIM115 -- closed below
-        procs.append((subprocess.Popen([sys.executable, __file__, str(out), data], env=env, stdout=log,
-                                       stderr=subprocess.STDOUT), log))
-    codes = []
-    for proc, log in procs:
-        try:
-            codes.append(proc.wait(timeout=300))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            codes.append(proc.wait())
-        log.close()
-    if any(codes):
-        logs = "\n".join(Path(log.name).read_text()[-3000:] for _, log in procs)
-        raise AssertionError(f"world {world}: exit codes {codes}\n{logs}")
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("deepspeed")
@@ -105,7 +77,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_dataset("synthetic", str(data), shard_size=37, max_side=32, seed=0,
                   source_options={"count": 160, "classes": 4, "image_size": 32}, progress=False)
     for world in WORLDS:
-        _launch(out, str(data), world)
+        launch_ranks(__file__, out, world, str(out), str(data))
     return out
 
 
