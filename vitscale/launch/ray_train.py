@@ -78,9 +78,12 @@ def train_worker(payload: dict[str, Any]) -> None:
                                 elastic=bool(payload.get("elastic")), preemption=_preemption_notice,
                                 terminated=termination.notice)
             train(job, ctx)  # its last step reports the final checkpoint and metrics
-    except Terminated as told:
-        print(f"[vitscale] {told}: leaving", flush=True)
-        _leave(termination, told)
+    except Terminated as stopped:
+        print(f"[vitscale] {stopped}: " + ("leaving" if stopped.signalled else "stopping for the restart"), flush=True)
+        if stopped.signalled:
+            _leave(termination, stopped)
+        # A peer's SIGTERM: this worker ends its attempt in one line, not with a failed collective's traceback.
+        raise WorkerFailed(str(stopped)) from None
     except Exception as exc:
         # Ray shows its own traceback of the actor; print the worker's with its rank so the driver's
         # log says which rank failed and why, then re-raise for Ray's failure handling.

@@ -85,8 +85,8 @@ class WorkerContext:
     """How often the loop asks: Ray Train polls node drains every 5 s itself."""
     terminated: Callable[[], str | None] = field(default=lambda: None)
     """A notice that this process was told to stop (SIGTERM held back by `train/termination.py`), or None;
-    local and cheap, asked every step. Every rank checkpoints at the step any rank's notice arrives; the
-    told ranks then raise `Terminated`."""
+    local and cheap, asked every step. Every rank checkpoints at the step any rank's notice arrives, then
+    raises `Terminated` (the told ranks leave; Ray Train restarts the group from that checkpoint)."""
 
 
 class NonFiniteSteps(RuntimeError):
@@ -289,11 +289,11 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
                 # One more report, from every rank (each is a barrier): a rank's report waits until the
                 # launcher took its last one, so the checkpoint is registered before a told rank leaves.
                 ctx.report({**_report_metrics(metrics), "skipped_steps": skipped, **scores}, None)
-                if told is not None and step < total_steps:  # (at the last step the run is done anyway)
+                if step < total_steps:  # (at the last step the run is done anyway)
                     sink.close()
                     if board is not None:
                         board.close()
-                    raise Terminated(f"rank {ctx.rank}: {told}", step)
+                    raise Terminated(f"rank {ctx.rank}: {notice}", step, signalled=told is not None)
         elif step % train.log_every == 0 or scores:
             ctx.report({**_report_metrics(metrics), "skipped_steps": skipped, **scores}, None)
     sink.close()

@@ -29,11 +29,14 @@ from typing import TextIO
 
 
 class Terminated(RuntimeError):
-    """This rank was told to stop (SIGTERM); the run's checkpoint at `step` holds everything up to it."""
+    """This rank stops: it (`signalled`) or a peer was told to stop (SIGTERM), and the run's checkpoint at
+    `step` holds everything up to it. A peer stops too rather than start a step the told rank will never
+    join (its collective would fail, or with NCCL wait, until Ray Train tore the group down)."""
 
-    def __init__(self, notice: str, step: int):
+    def __init__(self, notice: str, step: int, *, signalled: bool):
         super().__init__(f"{notice}; checkpointed at step {step}")
         self.step = step
+        self.signalled = signalled
 
 
 class TerminationNotice:
