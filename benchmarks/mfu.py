@@ -125,13 +125,21 @@ def bench_model(name: str, *, batch: int, steps: int, zero_stage: int, device: t
     return result
 
 
+def _model_batch(text: str) -> tuple[str, int]:
+    """`--batch-for` items: MODEL=BATCH with a positive batch (argparse shows the error, naming the item)."""
+    name, _, batch = text.partition("=")
+    if not name or not batch.isdigit() or int(batch) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected MODEL=BATCH with a positive batch, e.g. ViT-H/14=128")
+    return name, int(batch)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["ViT-B/16", "ViT-L/16"])
     parser.add_argument("--batch", type=int, default=None, help="per-step batch (default 256 on GPU, 8 on CPU)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--zero-stages", type=int, nargs="+", default=[1], choices=[0, 1, 2, 3])
-    parser.add_argument("--batch-for", nargs="*", default=[], metavar="MODEL=BATCH",
+    parser.add_argument("--batch-for", nargs="*", default=[], metavar="MODEL=BATCH", type=_model_batch,
                         help="a per-step batch for one model (a large model that does not fit --batch)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model inside the engine")
     parser.add_argument("--json", action="store_true")
@@ -146,12 +154,12 @@ def main() -> None:
     _init_process_group()
     peer = matmul_flops_per_s(device, torch.bfloat16 if on_gpu else torch.float32, 8192 if on_gpu else 1024)
     peak = peak_flops("auto") if on_gpu else None
-    batch_for = dict(item.split("=", 1) for item in args.batch_for)
+    batch_for = dict(args.batch_for)
     device_name = torch.cuda.get_device_name(0) if on_gpu else "cpu"
     rows = []
     for name in args.models:
         for stage in args.zero_stages:
-            r = bench_model(name, batch=int(batch_for.get(name, batch)), steps=steps, zero_stage=stage,
+            r = bench_model(name, batch=batch_for.get(name, batch), steps=steps, zero_stage=stage,
                             device=device, compile_model=args.compile)
             achieved = r["model_tflops_per_s"] * 1e12
             r["matmul_peer_tflops_per_s"] = peer / 1e12

@@ -42,7 +42,10 @@ class ClusterConfig:
     preemption_grace_s: float = 120.0
     """How long workers may go on past a preemption notice's deadline to finish and upload the checkpoint
     they write on the notice (Ray Train's `FailureConfig.preemption_grace_s`); a spot pod's
-    `terminationGracePeriodSeconds` must exceed it (k8s/components/spot)."""
+    `terminationGracePeriodSeconds` must exceed it (k8s/components/spot). SIGTERM sent straight to a
+    worker carries no deadline: this is then how long the worker may take to reach the checkpoint it
+    writes on the signal before it leaves without one (0: it leaves at once, as Ray's own handler would;
+    train/termination.py)."""
     worker_wait_s: float | None = 600.0
     """How long a run may go without room in the cluster for its fewest workers (`num_workers`, or MIN),
     at start or after nodes were lost, before it stops with one line saying so; null = wait forever
