@@ -82,7 +82,7 @@ def test_resume_refuses_a_planted_payload(tmp_path: Path, process_group: None) -
 
     model = torch.nn.Linear(4, 2)
     train = TrainConfig(global_batch=2, micro_batch=2, zero_stage=0, precision="fp32")
-    engine = build_engine(model, train, deepspeed_config(train, derive_batch(2, 2, 1), on_gpu=False))
+    engine = build_engine(model, train, deepspeed_config(train, derive_batch(2, 2, 1), on_gpu=False), on_gpu=False)
     engine.save_checkpoint(str(tmp_path / "ds"), tag="state")
     load_checkpoint(engine, tmp_path / "ds", "state")  # DeepSpeed's own files load with weights_only
     marker = tmp_path / "pwned"

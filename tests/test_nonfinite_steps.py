@@ -60,10 +60,10 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 def poison_loss_at(monkeypatch: pytest.MonkeyPatch, steps: set[int], micro_batches_per_step: int) -> None:
     """The loss of one micro-batch of each listed step becomes NaN."""
-    import vitscale.train.loop as loop
+    from vitscale.train.step import Stepper
 
     calls = {"n": 0}
-    original = loop._masked_loss
+    original = Stepper._masked_loss
 
     def masked_loss(*args, **kwargs):
         calls["n"] += 1
@@ -72,7 +72,7 @@ def poison_loss_at(monkeypatch: pytest.MonkeyPatch, steps: set[int], micro_batch
         last_micro = (calls["n"] - 1) % micro_batches_per_step == micro_batches_per_step - 1
         return loss * float("nan") if step in steps and last_micro else loss
 
-    monkeypatch.setattr(loop, "_masked_loss", masked_loss)
+    monkeypatch.setattr(Stepper, "_masked_loss", masked_loss)
 
 
 def test_checkpoint_score_ranks_every_checkpoint_before_the_first_bad_step_higher() -> None:
@@ -108,13 +108,13 @@ def test_non_finite_gradients_with_a_finite_loss_are_not_applied(
     original = loop.build_engine
     seen = {"steps": 0}
 
-    def build_engine(model, train_config, config):
+    def build_engine(model, train_config, config, **kwargs):
         def poison(grad: torch.Tensor) -> torch.Tensor:
             seen["steps"] += 1
             return grad * float("inf") if seen["steps"] == 2 else grad  # step 2 (one micro-batch per step)
 
         model.head.weight.register_hook(poison)
-        return original(model, train_config, config)
+        return original(model, train_config, config, **kwargs)
 
     monkeypatch.setattr(loop, "build_engine", build_engine)
     keep = Keep(tmp_path / "ckpt")

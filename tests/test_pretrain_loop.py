@@ -64,11 +64,16 @@ def final_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return consolidated_state_dict(checkpoint / "deepspeed", "state")
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path: Path, tiny_dataset: str,
-                                                          process_group: None) -> None:
+                                                          process_group: None, compiled: bool) -> None:
+    """Compiled (`train.compile`, inductor on the CPU too) or not, the same checkpoints and exact resume."""
+    from torch._dynamo.utils import counters
+
     from vitscale.train.loop import WorkerContext, train
 
-    config = tiny_config(tiny_dataset)
+    config = tiny_config(tiny_dataset, compile=compiled)
+    graphs = counters["stats"]["unique_graphs"]
     whole = Recorder(tmp_path / "whole")
     (tmp_path / "whole").mkdir()
     summary = train(config, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-a", report=whole))
@@ -98,6 +103,8 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path: Path, tiny_d
         return [json.loads(line)["keys"] for line in lines]
 
     assert keys("run-a")[3:] == keys("run-b")
+    # The model ran through torch.compile's graphs exactly when asked to.
+    assert (counters["stats"]["unique_graphs"] > graphs) == compiled
 
 
 def test_a_preemption_notice_checkpoints_at_once_and_loses_no_step(tmp_path: Path, tiny_dataset: str,

@@ -66,7 +66,7 @@ def _engine(stage: int, precision: str, offload: bool, world: int, seed: int) ->
     micro = GLOBAL_BATCH // world
     train = TrainConfig(global_batch=GLOBAL_BATCH, micro_batch=micro, zero_stage=stage, precision=precision, offload=offload,
                         weight_decay=0.1, base_lr=LR)
-    return build_engine(model, train, deepspeed_config(train, derive_batch(GLOBAL_BATCH, micro, world), on_gpu=False))
+    return build_engine(model, train, deepspeed_config(train, derive_batch(GLOBAL_BATCH, micro, world), on_gpu=False), on_gpu=False)
 
 
 def _step(engine: Any, step: int, rank: int, world: int) -> None:

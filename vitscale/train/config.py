@@ -25,6 +25,7 @@ from vitscale.config.fields import RESUME_FREE
 from vitscale.train.deepspeed_keys import check_overrides as check_deepspeed_overrides
 
 PEAK_FLOPS_NAMES = ("auto", "H200", "H100", "A100")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
 
 
 @dataclass(frozen=True)
@@ -117,10 +118,21 @@ class TrainConfig:
     """Fault injection (tests and drills)."""
     record_samples: bool = field(default=False, metadata=RESUME_FREE)
     """Log the keys of every sample each rank consumes (run_dir/samples/rank{r}.jsonl), for audits."""
+    compile: bool | str = field(default="auto", metadata=RESUME_FREE)
+    """torch.compile the model inside the DeepSpeed engine (`engine.compile`, inductor): true, false, or
+    "auto" = on when the worker trains on a GPU. Same weights, checkpoints and resume either way; the
+    first steps of each worker process pay the compilation (about a minute for ViT-B/16)."""
+    compile_mode: str = field(default="default", metadata=RESUME_FREE)
+    """torch.compile's mode when compiling: "default", "max-autotune-no-cudagraphs" (searches matmul
+    and fusion configs: longer compilation), "max-autotune" or "reduce-overhead" (both add CUDA graphs)."""
     deepspeed: dict[str, Any] = field(default_factory=dict, metadata=RESUME_FREE)
     """DeepSpeed settings merged over the config vitscale generates (e.g. {zero_optimization:
     {reduce_bucket_size: 5.0e8}}); keys vitscale derives from this section are refused
     (`train/deepspeed_keys.py`). Tuning knobs, not the maths: a resumed run may change them."""
+
+    def compiles(self, on_gpu: bool) -> bool:
+        """Whether the worker compiles the model: `compile` with "auto" resolved by the device."""
+        return on_gpu if self.compile == "auto" else bool(self.compile)
 
     def check_batch_split(self, workers: int | range, section: str = "train",
                           workers_key: str = "cluster.num_workers") -> None:
@@ -187,5 +199,7 @@ class TrainConfig:
                                                       f"got {self.peak_flops!r}") from None
             finite(value, f"{s}.peak_flops")
             positive(value, f"{s}.peak_flops")
+        one_of(self.compile, (True, False, "auto"), f"{s}.compile")
+        one_of(self.compile_mode, COMPILE_MODES, f"{s}.compile_mode")
         self.fault.validate(f"{s}.fault")
         check_deepspeed_overrides(self.deepspeed, s)

@@ -25,6 +25,7 @@ import torch
 from vitscale.config.errors import UserError
 from vitscale.train.config import TrainConfig
 from vitscale.train.deepspeed_keys import merge_overrides
+from vitscale.train.fused import fuse_gradient_norm
 from vitscale.train.optim import ADAM_EPS, BatchPlan, optimizer_for, param_groups
 
 
@@ -55,7 +56,9 @@ def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool) -> d
         "train_micro_batch_size_per_gpu": batch.micro_batch,
         "gradient_accumulation_steps": batch.grad_accum_steps,
         "zero_optimization": zero,
-        "bf16": {"enabled": train.precision == "bf16"},
+        # DeepSpeed's own non-finite check at ZeRO 1/2 is a loop of kernels over every gradient and a host
+        # sync per step; `optimizer_step` below makes the one check every stage shares (skip, count, stop).
+        "bf16": {"enabled": train.precision == "bf16", "check_grad_overflow": False},
         "steps_per_print": 10**9,  # vitscale prints its own progress lines
         "wall_clock_breakdown": False,
     }
@@ -70,7 +73,7 @@ def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool) -> d
             "weight_decay": train.weight_decay}}
         config["zero_force_ds_cpu_optimizer"] = True
     else:
-        # A plain torch AdamW: no fused CUDA op to compile, identical maths on CPU and GPU.
+        # A torch optimizer (`optimizer_for`): no DeepSpeed op to build, the same maths on CPU and GPU.
         config["zero_allow_untested_optimizer"] = True
         if train.offload:  # SGD: the torch optimizer steps the offloaded fp32 master weights on the host
             config["zero_force_ds_cpu_optimizer"] = False
@@ -103,25 +106,33 @@ def init_distributed(on_gpu: bool) -> None:
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
 
 
-def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str, Any]) -> Any:
+def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str, Any], *, on_gpu: bool) -> Any:
     """Wrap `model` in a DeepSpeed engine with `train`'s optimizer over its decay groups, and `ds_config`.
 
-    The optimizer is the torch one `optimizer_for` builds from the typed config (no fused op to
-    compile, the same maths on CPU and GPU), except with CPU offload of AdamW, where DeepSpeed builds
-    its DeepSpeedCPUAdam from `ds_config["optimizer"]`.
+    The optimizer is the torch one `optimizer_for` builds from the typed config (torch's fused kernel
+    on a GPU, the same update as the plain one on CPU; nothing for DeepSpeed to build), except with CPU
+    offload of AdamW, where DeepSpeed builds its DeepSpeedCPUAdam from `ds_config["optimizer"]`. With
+    `train.compiles(on_gpu)` the module is compiled inside the engine.
     """
     deepspeed = _deepspeed()
 
     # DeepSpeed reads LOCAL_RANK to pick a device; Ray Train sets the rank through its own context.
     os.environ.setdefault("LOCAL_RANK", "0")
     groups = param_groups(model, train.weight_decay)
-    optimizer = None if "optimizer" in ds_config else optimizer_for(train, groups)
+    # On a GPU the update is torch's fused kernel (one launch over the flat fp32 partition ZeRO hands it);
+    # optimizer state stays on the device, so a host-offloaded optimizer keeps the plain one.
+    fused = on_gpu and not train.offload
+    optimizer = None if "optimizer" in ds_config else optimizer_for(train, groups, fused=fused)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
         model_parameters=groups if optimizer is None else None,
         config=dict(ds_config),
     )
+    fuse_gradient_norm(engine)
+    if train.compiles(on_gpu):
+        # The module inside the engine, compiled in place: parameter names, hooks and checkpoints unchanged.
+        engine.compile(backend="inductor", compile_kwargs={"mode": train.compile_mode})
     return engine
 
 
@@ -145,12 +156,14 @@ def optimizer_step(engine: Any, *, skip: bool) -> bool:
 
     The update is not applied when `skip` is set (the loop saw a non-finite loss on some rank:
     every rank passes the same value), when any rank's gradients are not finite, or when DeepSpeed
-    skips the step itself (fp16 loss-scale overflow, ZeRO's own non-finite check: counted in
+    skips the step itself (fp16 loss-scale overflow, ZeRO-3's own non-finite check: counted in
     `engine.skipped_steps`). The check sits on the innermost torch optimizer's `step`, the one call
     that changes weights and optimizer state, so DeepSpeed's bookkeeping around it (gradient
     buffers cleared, micro-step counters) runs as usual whatever the ZeRO stage. Every rank calls
     that inner step, or none does (DeepSpeed decides overflow collectively), so the all-reduce
-    of the verdict inside it is safe.
+    of the verdict inside it is safe. It is the one non-finite check of ZeRO 1/2 (DeepSpeed's own is
+    switched off in `deepspeed_config`): one multi-tensor norm over the gradients the update reads,
+    one all-reduce and one host sync, whatever the number of parameters.
     """
     inner = engine.basic_optimizer
     skipped_before = engine.skipped_steps
@@ -161,10 +174,14 @@ def optimizer_step(engine: Any, *, skip: bool) -> bool:
     def guarded(*args: Any, **kwargs: Any) -> Any:
         nonlocal refused
         grads = [p.grad for group in inner.param_groups for p in group["params"] if p.grad is not None]
-        finite = all(bool(torch.isfinite(g).all()) for g in grads)
         on_gpu = torch.distributed.get_backend() == "nccl"
-        verdict = torch.tensor([float(skip or not finite)],
-                               device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        verdict = torch.full((1,), float(skip), device=device)
+        if grads:
+            # A non-finite entry makes its tensor's norm non-finite: one kernel per dtype and device
+            # instead of a check (and a host sync) per tensor.
+            norms = torch.stack([n.to(device) for n in torch._foreach_norm(grads)])
+            verdict = torch.maximum(verdict, (~torch.isfinite(norms)).any().to(verdict.dtype).reshape(1))
         torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MAX)
         if verdict.item() > 0:
             refused = True

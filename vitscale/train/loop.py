@@ -21,12 +21,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
-from vitscale.data.loader.transforms import normalize_on_device
 from vitscale.scaling.flops import forward_flops
 from vitscale.train import checkpoint as ckpt
 from vitscale.train.engine import (
@@ -34,14 +34,11 @@ from vitscale.train.engine import (
     deepspeed_config,
     init_distributed,
     load_checkpoint,
-    optimizer_step,
-    set_lr,
     whole_weights,
 )
 from vitscale.train.evaluate import Polyak, accuracy
 from vitscale.train.faults import maybe_die
 from vitscale.train.job import EvalSet, TrainJob
-from vitscale.train.losses import classification_loss
 from vitscale.train.metrics import (
     MetricsSink,
     StepMetrics,
@@ -50,7 +47,8 @@ from vitscale.train.metrics import (
     peak_flops,
     progress_line,
 )
-from vitscale.train.optim import Decay, loss_weight, lr_at, resized_batch, schedule_length
+from vitscale.train.optim import Decay, lr_at, resized_batch, schedule_length
+from vitscale.train.step import Stepper
 from vitscale.train.termination import Terminated
 
 ReportFn = Callable[[dict[str, Any], "Path | None"], None]
@@ -104,9 +102,8 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
 
     # The global batch is the run's, whatever the world size: each worker's share of it in micro batches
     # (the driver checked every world size the run may reach). A size that does not divide it gives
-    # uneven shares, whose micro-batch losses are weighted so the step is the global batch's mean.
+    # uneven shares, whose micro-batch losses are weighted so the step is the global batch's mean (`Stepper`).
     batch = resized_batch(train.global_batch, train.micro_batch, ctx.world_size)
-    weighted = not batch.even
     # Global-batch layout: the samples each step consumes do not depend on the world size (data/order.py).
     stream = ShardStream(
         data.url, data.split, rank=ctx.rank, world_size=ctx.world_size, seed=data.seed,
@@ -137,7 +134,8 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
                   f"{len(report.loaded)} tensors"
                   + (f", resampled {', '.join(report.resampled)}" if report.resampled else ""), flush=True)
     polyak = Polyak(model, train.polyak) if train.polyak is not None else None
-    engine = build_engine(model, train, deepspeed_config(train, batch, on_gpu=on_gpu))
+    engine = build_engine(model, train, deepspeed_config(train, batch, on_gpu=on_gpu), on_gpu=on_gpu)
+    stepper = Stepper(engine, train, batch, device, ctx.world_size)
     train_flops_per_example = 3 * forward_flops(model_cfg.name, img_size=model_cfg.img_size,
                                                 num_classes=num_classes, **model_cfg.options)
     # "auto" knows no peak without CUDA (MFU left out); a peak the user states is used on any device.
@@ -185,48 +183,23 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
             resume_stream = None
             batches = iter(stream)
         t0 = time.perf_counter()
-        data_wait = 0.0
         lr = lr_at(step, base_lr=train.base_lr, total_steps=total_steps, warmup_steps=train.warmup_steps,
                    decay=cast(Decay, train.lr_decay), end_lr=train.end_lr)
-        set_lr(engine, lr)
-        step_loss = torch.zeros((), device=device)
-        keys: list[str] = []
-        for micro_step in range(batch.grad_accum_steps):
-            tw = time.perf_counter()
-            micro = next(batches)
-            data_wait += time.perf_counter() - tw
-            images = normalize_on_device(micro["image"].to(device, non_blocking=True))
-            if train.precision == "bf16":
-                images = images.to(torch.bfloat16)
-            labels = micro["label"].to(device, non_blocking=True)
-            logits = engine(images)
-            loss = _masked_loss(logits, labels, micro.get("valid"), train)
-            if weighted:  # n examples of the global batch's G: L * n * W * accum / G (exactly 1 when even)
-                loss = loss * loss_weight(len(micro["key"]), batch)
-            engine.backward(loss)
-            step_loss += loss.detach() / batch.grad_accum_steps
-            keys.extend(micro["key"])
-            if micro_step < batch.grad_accum_steps - 1:
-                engine.step()  # inside the accumulation: DeepSpeed only counts the micro-step
-        # Mean loss over all ranks (weighted: the global batch's mean at any world size): what the user
-        # compares across runs; one tiny all-reduce per step.
-        # A NaN on any rank makes the sum NaN on every rank, so all ranks skip the same steps. It also
-        # carries rank 0's "time to ask Ray about preemption", so every rank asks at the same step.
-        # And how many ranks were told to stop (SIGTERM), so that all checkpoint at this same step.
+        # Votes every rank must agree on, summed over ranks in the step's loss all-reduce: rank 0's "time to ask
+        # Ray about preemption" (so every rank asks at the same step), how many ranks were told to stop
+        # (SIGTERM: all checkpoint at this step), and the epoch's skipped samples (the error budget's count).
         ask = ctx.rank == 0 and time.monotonic() - last_asked >= ctx.preemption_every_s
         told = ctx.terminated()
-        flags = torch.tensor([float(ask), float(told is not None)], device=device)
-        reduced = torch.cat([step_loss.reshape(1), flags])
-        torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.SUM)
-        loss_value = reduced[0].item() / ctx.world_size
-        ask, stopping = reduced[1].item() > 0, int(reduced[2].item())
-        applied = optimizer_step(engine, skip=not math.isfinite(loss_value))
-        grad_norm = engine.get_global_grad_norm()
+        outcome = stepper.step(batches, lr, votes=partial(_votes, ask, told, stream))
+        loss_value, applied, grad_norm = outcome.loss, outcome.applied, outcome.grad_norm
+        data_wait = outcome.data_wait_s
+        ask, stopping, epoch_skipped = outcome.votes[0] > 0, int(outcome.votes[1]), int(outcome.votes[2])
+        keys = outcome.keys
         if not applied:
             skipped += 1
             first_skipped = step + 1 if first_skipped is None else first_skipped
             if ctx.rank == 0:
-                print(f"[vitscale] step {step + 1}: loss {loss_value:.4g}, gradient norm {_as_float(grad_norm):.4g}: "
+                print(f"[vitscale] step {step + 1}: loss {loss_value:.4g}, gradient norm {grad_norm:.4g}: "
                       f"not applied ({skipped} skipped so far)", flush=True)
             if skipped > train.max_skipped_steps:
                 raise NonFiniteSteps(
@@ -238,13 +211,15 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         step += 1
         if step % steps_per_epoch == 0:
             batches = None  # epoch finished: the next step opens the next epoch's plan
-        _check_error_budget(stream, device)
+        # Every rank sees the same sum, so all raise `ErrorBudgetExceeded` at the same step (no rank is left
+        # waiting in a collective); the launcher then ends the run instead of restarting it.
+        stream.check_error_budget(epoch_skipped)
         examples += batch.global_batch
         flops += train_flops_per_example * batch.global_batch
         step_time = time.perf_counter() - t0
         images_per_s = batch.global_batch / step_time
         metrics = StepMetrics(
-            step=step, loss=loss_value, lr=lr, grad_norm=_as_float(grad_norm), images_per_s=images_per_s,
+            step=step, loss=loss_value, lr=lr, grad_norm=grad_norm, images_per_s=images_per_s,
             step_time_s=step_time, data_wait_s=data_wait, compute_s=step_time - data_wait,
             examples_seen=examples, cumulative_exaflops=flops / 1e18,
             mfu=None if peak is None else mfu(train_flops_per_example * images_per_s / ctx.world_size, peak),
@@ -310,6 +285,12 @@ def _restart_totals(sink: MetricsSink) -> dict[str, Any]:
     return {"restarts": len(sink.restarts), "restart_lost_s": round(sum(r.seconds_lost for r in sink.restarts), 1)}
 
 
+def _votes(ask: bool, told: str | None, stream: Any) -> list[float]:
+    """This rank's votes of a step (`Stepper.step`), read once its micro-batches are: ask Ray, told to stop,
+    the epoch's skipped samples."""
+    return [float(ask), float(told is not None), float(stream.epoch_skipped())]
+
+
 def _stream_state(step: int, steps_per_epoch: int, per_rank_step: int, seed: int) -> dict[str, int]:
     """Where this rank's stream stands before optimizer step `step + 1` (pure: the step fixes it)."""
     return {"epoch": step // steps_per_epoch, "position": (step % steps_per_epoch) * per_rank_step, "seed": seed}
@@ -320,17 +301,6 @@ def _stream_checkpoint(stream: Any, step: int, steps_per_epoch: int, per_rank_st
     count of the epoch so far (all ranks), so a restart goes on counting instead of starting over."""
     state = _stream_state(step, steps_per_epoch, per_rank_step, seed)
     return {**state, "skipped": stream.state_dict()["skipped"] if state["position"] else 0}
-
-
-def _check_error_budget(stream: Any, device: torch.device) -> None:
-    """Sum the epoch's skipped samples over all ranks and check `data.error_budget` against it.
-
-    Every rank runs it after every step and sees the same sum, so all ranks raise
-    `ErrorBudgetExceeded` at the same step (no rank is left waiting in a collective); the launcher
-    then ends the run instead of restarting it (`launch/failures.py`)."""
-    skipped = torch.tensor(float(stream.epoch_skipped()), device=device)
-    torch.distributed.all_reduce(skipped, op=torch.distributed.ReduceOp.SUM)
-    stream.check_error_budget(int(skipped.item()))
 
 
 def checkpoint_score(step: int, first_skipped: int | None) -> float:
@@ -366,27 +336,6 @@ def _evaluate(job: TrainJob, engine: Any, polyak: Polyak | None, ctx: WorkerCont
             print("[vitscale] " + "  ".join(f"{k} {v:.4f}" for k, v in scores.items()), flush=True)
         torch.distributed.barrier()
     return scores
-
-
-def _masked_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor | None, train: Any) -> torch.Tensor:
-    """Loss over the rows that hold real samples.
-
-    The stream keeps every batch full so ranks stay in lock-step; rows refilled after a corrupt
-    sample are marked invalid and must not train the model. A batch with no valid row still runs
-    backward (a zero loss) so every rank joins the same collectives.
-    """
-    if valid is not None and not bool(valid.all()):
-        keep = valid.to(logits.device)
-        if not bool(keep.any()):
-            return logits.sum() * 0.0
-        logits, labels = logits[keep], labels[keep]
-    return classification_loss(logits, labels, kind=train.loss, label_smoothing=train.label_smoothing)
-
-
-def _as_float(value: Any) -> float:
-    if value is None:
-        return float("nan")
-    return float(value.item() if torch.is_tensor(value) else value)
 
 
 def _report_metrics(m: StepMetrics) -> dict[str, Any]:

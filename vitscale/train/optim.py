@@ -381,15 +381,17 @@ def epoch_at(step: int, global_batch: int, samples_per_epoch: int) -> float:
     return step * global_batch / samples_per_epoch
 
 
-def optimizer_for(train: TrainConfig, groups: list[dict]) -> torch.optim.Optimizer:
+def optimizer_for(train: TrainConfig, groups: list[dict], *, fused: bool = False) -> torch.optim.Optimizer:
     """The torch optimizer `train` names, over `groups` (:func:`param_groups`): AdamW with
     ``(adam_beta1, adam_beta2)`` and decoupled weight decay for pre-training (Sec. 4.1, App. B.1),
     SGD with momentum for fine-tuning (App. B.1.1). Its learning rate is set before every step
-    from :func:`lr_at`; ``base_lr`` is only its starting value."""
+    from :func:`lr_at`; ``base_lr`` is only its starting value. ``fused``: torch's one-kernel CUDA
+    implementation (the same update; parameters must be on a GPU)."""
     if train.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=train.base_lr, momentum=train.momentum, weight_decay=train.weight_decay)
+        return torch.optim.SGD(groups, lr=train.base_lr, momentum=train.momentum, weight_decay=train.weight_decay,
+                               fused=fused or None)
     return torch.optim.AdamW(groups, lr=train.base_lr, betas=(train.adam_beta1, train.adam_beta2), eps=ADAM_EPS,
-                             weight_decay=train.weight_decay)
+                             weight_decay=train.weight_decay, fused=fused or None)
 
 
 ADAM_EPS = 1e-8

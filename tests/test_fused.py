@@ -1,0 +1,96 @@
+"""The training path's fused pieces against DeepSpeed's own: the ZeRO 1/2 gradient norm in one
+multi-tensor kernel (`train/fused.py`), the one non-finite check (`engine.optimizer_step`), torch's fused
+optimizer on a GPU, and `train.compile`'s switch. Real DeepSpeed engines on a one-rank gloo group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vitscale.models import create_model
+from vitscale.train.config import TrainConfig
+from vitscale.train.engine import build_engine, deepspeed_config, optimizer_step
+from vitscale.train.optim import derive_batch, optimizer_for, param_groups
+
+pytest.importorskip("deepspeed")
+
+TINY = {"img_size": 16, "depth": 2, "width": 32, "mlp_dim": 64, "heads": 2}
+
+
+def _engine(stage: int, grad_clip: float | None = 1e-3, fuse: bool = True):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = create_model("ViT-Ti/8", num_classes=5, **TINY)
+    for p in model.parameters():  # the zero-initialised head would leave most gradients zero
+        torch.nn.init.normal_(p, std=0.05)
+    train = TrainConfig(global_batch=4, micro_batch=4, zero_stage=stage, precision="fp32", grad_clip=grad_clip,
+                        weight_decay=0.1, base_lr=1e-2)
+    engine = build_engine(model, train, deepspeed_config(train, derive_batch(4, 4, 1), on_gpu=False), on_gpu=False)
+    if not fuse:  # DeepSpeed's own per-parameter fp64 norm, as it ships
+        engine.optimizer.__dict__.pop("get_grad_norm_direct", None)
+    return engine
+
+
+def _step(engine, poison: bool = False) -> bool:  # type: ignore[no-untyped-def]
+    torch.manual_seed(1)
+    images, labels = torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4,))
+    loss = torch.nn.functional.cross_entropy(engine(images), labels)
+    if poison:
+        loss = loss * float("inf")
+    engine.backward(loss)
+    return optimizer_step(engine, skip=False)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fused_norm_is_deepspeeds_norm_and_clips_the_same(process_group: None, stage: int) -> None:
+    fused, plain = _engine(stage), _engine(stage, fuse=False)
+    assert "get_grad_norm_direct" in fused.optimizer.__dict__  # installed on this engine's optimizer
+    assert _step(fused) and _step(plain)
+    a, b = float(fused.get_global_grad_norm()), float(plain.get_global_grad_norm())
+    assert a > 1e-3 and a == pytest.approx(b, rel=1e-6), (a, b)  # the clip (1e-3) acts on this step
+    for (name, p), q in zip(fused.module.named_parameters(), plain.module.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_non_finite_gradient_is_not_applied_with_the_fused_norm(process_group: None, stage: int) -> None:
+    engine = _engine(stage)
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    assert not _step(engine, poison=True)
+    assert all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+    assert _step(engine)  # the next, finite step is applied
+    assert any(not torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+
+
+def test_deepspeed_skips_its_own_overflow_check_in_bf16() -> None:
+    train = TrainConfig(global_batch=4, micro_batch=4, zero_stage=1, precision="bf16")
+    config = deepspeed_config(train, derive_batch(4, 4, 1), on_gpu=True)
+    assert config["bf16"] == {"enabled": True, "check_grad_overflow": False}
+
+
+def test_stage_0_and_3_keep_deepspeeds_norm(process_group: None) -> None:
+    for stage in (0, 3):
+        assert "get_grad_norm_direct" not in _engine(stage).optimizer.__dict__
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_fused_optimizer_is_asked_for_only_on_request(name: str) -> None:
+    model = create_model("ViT-Ti/8", num_classes=5, **TINY)
+    train = TrainConfig(optimizer=name)
+    groups = param_groups(model, train.weight_decay)
+    assert optimizer_for(train, groups).defaults.get("fused") in (None, False)
+    assert optimizer_for(train, param_groups(model, train.weight_decay), fused=True).defaults["fused"] is True
+
+
+@pytest.mark.parametrize(("value", "gpu", "cpu"), [("auto", True, False), (True, True, True), (False, False, False)])
+def test_compile_auto_means_on_a_gpu(value: bool | str, gpu: bool, cpu: bool) -> None:
+    train = TrainConfig(compile=value)
+    train.validate()
+    assert (train.compiles(on_gpu=True), train.compiles(on_gpu=False)) == (gpu, cpu)
+
+
+@pytest.mark.parametrize(("key", "value"), [("compile", "yes"), ("compile_mode", "fast")])
+def test_compile_settings_are_checked(key: str, value: str) -> None:
+    from vitscale.config.checks import ConfigError
+
+    with pytest.raises(ConfigError, match=f"train.{key}"):
+        TrainConfig(**{key: value}).validate()

@@ -1,0 +1,119 @@
+"""One optimizer step of the worker loop: micro-batches in, the ranks' verdict out.
+
+`Stepper.step` is the whole GPU-facing part of a training step, exactly as a Ray Train worker runs it
+(`train/loop.py`) and as `benchmarks/mfu.py` times it: the uint8 batch moved to the device and
+normalised there, forward and loss (rows a corrupt sample refilled left out, uneven shares weighted),
+backward into DeepSpeed's accumulation, then one all-reduce that carries the loss and the loop's
+per-step votes together, and the guarded optimizer step (`engine.optimizer_step`).
+
+Host syncs are what keep a GPU idle between kernels, so a step has few: the one all-reduce read back
+with a single `tolist`, the guard's verdict, and the gradient norm the metrics report.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vitscale.data.loader.transforms import normalize_on_device
+from vitscale.train.engine import optimizer_step, set_lr
+from vitscale.train.losses import classification_loss
+from vitscale.train.optim import BatchPlan, loss_weight
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one optimizer step tells the loop."""
+
+    loss: float
+    """Mean loss over all ranks (the global batch's mean when shares are uneven); NaN on any rank -> NaN."""
+    applied: bool
+    """Whether the update changed the weights (not when a loss or gradient was non-finite anywhere)."""
+    grad_norm: float
+    """Global gradient norm before clipping (NaN when the engine reports none)."""
+    votes: tuple[float, ...]
+    """The loop's per-step votes, summed over ranks (see `Stepper.step`)."""
+    keys: list[str]
+    """Keys of the samples this rank consumed, in order."""
+    data_wait_s: float
+    """Seconds spent waiting for the loader."""
+
+
+class Stepper:
+    """Runs optimizer steps of one engine over micro-batches from the shard stream.
+
+    Args:
+        engine: the DeepSpeed engine (`engine.build_engine`).
+        train: the typed train config (loss, label smoothing, precision).
+        batch: the batch plan at this world size (micro-batches per step, uneven-share weights).
+        device: where the model lives.
+        world_size: ranks in the step's all-reduce.
+    """
+
+    def __init__(self, engine: Any, train: Any, batch: BatchPlan, device: torch.device, world_size: int) -> None:
+        self.engine, self.train, self.batch, self.device = engine, train, batch, device
+        self.world_size = world_size
+        self.dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
+
+    def step(self, batches: Iterator[dict[str, Any]], lr: float,
+             votes: Callable[[], list[float]] = list) -> StepOutcome:
+        """One optimizer step over the next `batch.grad_accum_steps` micro-batches of `batches`.
+
+        `votes` is called once the step's micro-batches are read (so a count kept by the stream includes
+        them) and returns small host numbers that every rank must agree on this step (rank 0's "ask Ray
+        about preemption", "this rank was told to stop", the epoch's skipped samples): they ride in the
+        loss's all-reduce, summed over ranks, instead of costing a collective and a host sync each.
+        """
+        set_lr(self.engine, lr)
+        step_loss = torch.zeros((), device=self.device)
+        keys: list[str] = []
+        data_wait = 0.0
+        for micro_step in range(self.batch.grad_accum_steps):
+            t0 = time.perf_counter()
+            micro = next(batches)
+            data_wait += time.perf_counter() - t0
+            images = normalize_on_device(micro["image"].to(self.device, non_blocking=True), self.dtype)
+            labels = micro["label"].to(self.device, non_blocking=True)
+            loss = self._masked_loss(self.engine(images), labels, micro.get("valid"))
+            if not self.batch.even:  # n examples of the global batch's G: L * n * W * accum / G
+                loss = loss * loss_weight(len(micro["key"]), self.batch)
+            self.engine.backward(loss)
+            step_loss += loss.detach() / self.batch.grad_accum_steps
+            keys.extend(micro["key"])
+            if micro_step < self.batch.grad_accum_steps - 1:
+                self.engine.step()  # inside the accumulation: DeepSpeed only counts the micro-step
+        # Mean loss over all ranks (weighted: the global batch's mean at any world size): what the user
+        # compares across runs. A NaN on any rank makes the sum NaN on every rank, so all skip the same steps.
+        host = torch.tensor(votes(), dtype=torch.float32)
+        reduced = torch.cat([step_loss.reshape(1).float(), host.to(self.device)])
+        torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.SUM)
+        total, *summed = reduced.tolist()
+        loss_value = total / self.world_size
+        applied = optimizer_step(self.engine, skip=not math.isfinite(loss_value))
+        return StepOutcome(loss=loss_value, applied=applied, grad_norm=_as_float(self.engine.get_global_grad_norm()),
+                           votes=tuple(summed), keys=keys, data_wait_s=data_wait)
+
+    def _masked_loss(self, logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """Loss over the rows that hold real samples.
+
+        The stream keeps every batch full so ranks stay in lock-step; rows refilled after a corrupt
+        sample are marked invalid and must not train the model. A batch with no valid row still runs
+        backward (a zero loss) so every rank joins the same collectives.
+        """
+        if valid is not None and not bool(valid.all()):
+            keep = valid.to(logits.device)
+            if not bool(keep.any()):
+                return logits.sum() * 0.0
+            logits, labels = logits[keep], labels[keep]
+        return classification_loss(logits, labels, kind=self.train.loss, label_smoothing=self.train.label_smoothing)
+
+
+def _as_float(value: Any) -> float:
+    if value is None:
+        return float("nan")
+    return float(value.item() if torch.is_tensor(value) else value)
