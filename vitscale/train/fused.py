@@ -23,13 +23,14 @@ import torch
 
 def fuse_gradient_norm(engine: Any) -> bool:
     """Install the fused norm on `engine`'s ZeRO 1/2 optimizer; whether it was installed."""
-    optimizer = getattr(engine, "optimizer", None)
+    optimizer: Any = getattr(engine, "optimizer", None)
     if type(optimizer).__name__ != "DeepSpeedZeroOptimizer" or getattr(optimizer, "cpu_offload", True):
         return False
     original = getattr(optimizer, "get_grad_norm_direct", None)
     group = getattr(optimizer, "dp_process_group", None)
     if original is None or getattr(optimizer, "has_moe_layers", False):
         return False
+
     def grad_norm(gradients: list[torch.Tensor], params: list[torch.Tensor], norm_type: float = 2) -> torch.Tensor:
         if float(norm_type) != 2.0:
             return original(gradients, params, norm_type)
