@@ -1,33 +1,59 @@
-"""Images/s and MFU of ViT-B/16 and ViT-L/16 training steps on whatever device is present.
+"""Images/s and MFU of vitscale's training step against a hand-written PyTorch loop, in one run.
 
-    python benchmarks/mfu.py [--models ViT-B/16 ViT-L/16] [--batch 128] [--steps 20] [--zero-stages 0 1 2 3]
+    python benchmarks/mfu.py [--models ViT-B/16 ViT-L/16] [--zero-stages 1 2 3] [--peer] [--profile DIR]
+                             [--batch 256] [--batch-for ViT-H/14=128] [--steps 20] [--compile auto|on|off]
 
-One process, one device, the vitscale model inside a DeepSpeed engine exactly as a worker builds
-it (bf16 on GPU), fed a fixed in-memory batch so the data loader is out of the picture. MFU is the
-paper-convention model FLOPs (3x forward, `scaling.flops`) per second over the device's dense bf16
-peak (`train.metrics.PEAK_BF16_FLOPS`). The peer measured in the same run is the device's own
-large-matmul throughput, so the printed ratio says how close the model step gets to what the
-hardware's matmul actually delivers here (on a CPU, where no peak table applies, that is the only
-meaningful denominator). Targets on one H200: >= 45% MFU for ViT-B/16, >= 50% for ViT-L/16.
+vitscale's side is the training path exactly as a Ray Train worker runs it: the model inside the
+DeepSpeed engine `train/engine.py` builds (bf16 on GPU, torch's fused AdamW, `train.compile`'s
+torch.compile, which is on by default with a GPU), stepped by the loop's own `train/step.py` `Stepper`
+(uint8 batch normalised on the device, loss, backward, the one all-reduce, the guarded optimizer step
+with gradient clipping and the non-finite check), fed a fixed uint8 batch already on the device so
+the data loader is out of the picture (`benchmarks/train_data.py` measures it with real data).
 
-Each ZeRO stage asked for is measured in turn, with the peak GPU memory of its step. On one device
-ZeRO has no peer to shard with, so the memory column shows each stage's own overhead at world size 1,
-not the per-rank saving it gives on N GPUs (model states / N for what the stage shards).
+`--peer` measures, in the same process, the loop a performance-minded user writes by hand: timm's
+model of the same size (when timm is installed; it is a benchmark-only extra), `torch.compile`,
+`torch.optim.AdamW(fused=True)` over fp32 weights, bf16 autocast, no gradient clipping, and the same
+loop with vitscale's model instead of timm's. Each vitscale row prints its ratio to the timm peer
+(else to the vitscale-model peer). MFU is the paper-convention model FLOPs (3x forward,
+`scaling.flops`) per second over the device's dense bf16 peak (`train.metrics.PEAK_BF16_FLOPS`); the
+large-matmul rate measured in the same process says what the chip delivers here.
+
+Where a step's time goes: a few more steps with a device sync between forward (with the loss),
+backward and the optimizer step (which includes DeepSpeed's gradient flattening, the norm and
+clipping), reported as `*_ms` columns. `--profile DIR` traces three steps of the first vitscale
+measurement with `torch.profiler` and writes DIR/profile.md: the top GPU kernels by time, the host
+calls by count, and the host syncs (device-to-host copies, stream and device synchronisations).
+
+Targets on one H100/H200: vitscale >= 1.0x the timm peer for B/16 and L/16; >= 40% MFU for B/16 and
+>= 47% for L/16; the optimizer phase <= 5 ms (B/16) and <= 12 ms (L/16) at ZeRO 1 and 2; ZeRO 3
+within 15% of ZeRO 1's step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
 import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 
+TIMM_NAMES = {"ViT-Ti/16": "vit_tiny_patch16_224", "ViT-S/16": "vit_small_patch16_224",
+              "ViT-B/16": "vit_base_patch16_224", "ViT-B/32": "vit_base_patch32_224",
+              "ViT-L/16": "vit_large_patch16_224", "ViT-H/14": "vit_huge_patch14_224"}
+"""timm's model of the same size (class token, 224 px) for the peer loop."""
+
+WARMUP_STEPS = 3  # compilation, the allocator and autotuning land here
+
 
 def matmul_flops_per_s(device: torch.device, dtype: torch.dtype, n: int, seconds: float = 3.0) -> float:
-    """Achieved FLOP/s of square matmuls: the hardware's practical peak in this process."""
+    """Achieved FLOP/s of square matmuls on random data: the hardware's practical peak in this process."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(3):
@@ -49,80 +75,206 @@ def _sync(device: torch.device) -> None:
 
 
 def _init_process_group() -> None:
-    if torch.distributed.is_initialized():
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
-                       "LOCAL_RANK": "0"})
-    torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
+    """A one-rank group (NCCL on a GPU, gloo on CPU) joined the way a worker joins Ray Train's."""
+    from vitscale.train.engine import init_distributed
+
+    if not torch.distributed.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                           "LOCAL_RANK": "0"})
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
+    init_distributed(torch.cuda.is_available())
 
 
-def bench_model(name: str, *, batch: int, steps: int, zero_stage: int, device: torch.device,
-                compile_model: bool = False) -> dict:
-    from vitscale.models import create_model
+def _fixed_batch(batch: int, device: torch.device, img_size: int = 224) -> Iterator[dict[str, Any]]:
+    """The same uint8 micro-batch for ever, already on the device: what the stream hands the step."""
+    torch.manual_seed(0)
+    micro = {"image": torch.randint(0, 256, (batch, 3, img_size, img_size), dtype=torch.uint8, device=device),
+             "label": torch.randint(0, 1000, (batch,), device=device), "key": [f"{i:06d}" for i in range(batch)]}
+    while True:
+        yield micro
+
+
+def _time_steps(step: Callable[[], Any], steps: int, device: torch.device) -> float:
+    """Median seconds of `steps` calls after the warm-up ones, each ended by a device sync."""
+    times = []
+    for i in range(steps + WARMUP_STEPS):
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        if i >= WARMUP_STEPS:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]  # median: robust to a stray slow step
+
+
+def _phases(run: list[Callable[[], Any]], device: torch.device, repeats: int = 5) -> dict[str, float]:
+    """Median milliseconds of each phase of a step, a device sync after each (not in the step figures)."""
+    laps: list[list[float]] = [[] for _ in run]
+    for _ in range(repeats):
+        for lap, phase in zip(laps, run):
+            _sync(device)
+            t0 = time.perf_counter()
+            phase()
+            _sync(device)
+            lap.append(time.perf_counter() - t0)
+    names = ("forward_ms", "backward_ms", "optimizer_ms")
+    return {name: 1e3 * sorted(lap)[len(lap) // 2] for name, lap in zip(names, laps)}
+
+
+def _result(name: str, batch: int, step_s: float, device: torch.device, resident: int, *, img_size: int = 224,
+            options: dict[str, Any] | None = None, **extra: Any) -> dict:
     from vitscale.scaling.flops import forward_flops
+
+    flops_per_image = 3 * forward_flops(name, img_size=img_size, num_classes=1000, **(options or {}))
+    out = {"model": name, "batch": batch, "step_ms": 1e3 * step_s, "images_per_s": batch / step_s,
+           "model_tflops_per_s": flops_per_image * batch / step_s / 1e12, **extra}
+    if device.type == "cuda":
+        out["max_memory_gib"] = (torch.cuda.max_memory_allocated(device) - resident) / 2**30
+    return out
+
+
+def _release(device: torch.device) -> int:
+    """Free what the last measurement left and reset the peak; the bytes still allocated (not the next one's)."""
+    import gc
+
+    gc.collect()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def bench_vitscale(name: str, *, batch: int, steps: int, zero_stage: int, device: torch.device,
+                   compile_model: bool | str = "auto", compile_mode: str = "default",
+                   profile: Path | None = None, img_size: int = 224, options: dict[str, Any] | None = None) -> dict:
+    """vitscale's training step (engine + `Stepper`, as the worker loop runs it) on a fixed batch.
+
+    `img_size` and `options` (model options such as depth or width) shape the model as in a pipeline's
+    `model:` section; the defaults are the paper's model at 224 px."""
+    from vitscale.models import create_model
     from vitscale.train.config import TrainConfig
-    from vitscale.train.engine import build_engine, deepspeed_config
-    from vitscale.train.losses import classification_loss
+    from vitscale.train.engine import build_engine, deepspeed_config, optimizer_step
     from vitscale.train.optim import derive_batch
+    from vitscale.train.step import Stepper
 
     on_gpu = device.type == "cuda"
-    # What an earlier measurement left allocated (DeepSpeed keeps some buffers past `del engine`) is
-    # not this one's: its memory column is the peak above this.
-    resident = torch.cuda.memory_allocated(device) if on_gpu else 0
+    resident = _release(device)
     precision = "bf16" if on_gpu else "fp32"
     train = TrainConfig(global_batch=batch, micro_batch=batch, zero_stage=zero_stage, precision=precision,
-                        weight_decay=0.1)
-    model = create_model(name, num_classes=1000, img_size=224)
-    if on_gpu:
-        model = model.to(device)
-    engine = build_engine(model, train, deepspeed_config(train, derive_batch(batch, batch, 1), on_gpu=on_gpu))
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    images = torch.randn(batch, 3, 224, 224, device=device, dtype=dtype)
-    labels = torch.randint(0, 1000, (batch,), device=device)
-    if compile_model:
-        engine.compile()  # torch.compile (inductor) of the module inside the engine; warm-up compiles it
-    times = []
-    for i in range(steps + 3):  # 3 warm-up steps (allocator, autotuning)
-        _sync(device)
-        t0 = time.perf_counter()
-        loss = classification_loss(engine(images), labels, kind="softmax")
-        engine.backward(loss)
-        engine.step()
-        _sync(device)
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    step = sorted(times)[len(times) // 2]  # median: robust to a stray slow step
-    # Where a step's time goes: a few more steps with a sync between phases (not in the figures above,
-    # which have none).
-    phases: dict[str, list[float]] = {"forward_s": [], "backward_s": [], "optimizer_s": []}
-    for _ in range(5):
-        _sync(device)
-        t0 = time.perf_counter()
-        loss = classification_loss(engine(images), labels, kind="softmax")
-        _sync(device)
-        t1 = time.perf_counter()
-        engine.backward(loss)
-        _sync(device)
-        t2 = time.perf_counter()
-        engine.step()
-        _sync(device)
-        for key, seconds in zip(phases, (t1 - t0, t2 - t1, time.perf_counter() - t2)):
-            phases[key].append(seconds)
-    flops_per_image = 3 * forward_flops(name, img_size=224, num_classes=1000)
-    result = {"model": name, "batch": batch, "precision": precision, "zero_stage": zero_stage,
-              "compiled": compile_model, "step_s": step,
-              **{key: sorted(v)[len(v) // 2] for key, v in phases.items()},
-              "images_per_s": batch / step, "model_tflops_per_s": flops_per_image * batch / step / 1e12}
-    if on_gpu:
-        result["max_memory_gib"] = (torch.cuda.max_memory_allocated(device) - resident) / 2**30
-    del engine, model
-    if on_gpu:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    return result
+                        weight_decay=0.1, compile=compile_model, compile_mode=compile_mode)
+    train.validate()
+    plan = derive_batch(batch, batch, 1)
+    torch.manual_seed(0)
+    model = create_model(name, num_classes=1000, img_size=img_size, **(options or {}))
+    engine = build_engine(model, train, deepspeed_config(train, plan, on_gpu=on_gpu), on_gpu=on_gpu)
+    stepper = Stepper(engine, train, plan, device, world_size=1)
+    batches = _fixed_batch(batch, device, img_size)
+    step_s = _time_steps(lambda: stepper.step(batches, 1e-4), steps, device)
+    if profile is not None:
+        _profile(lambda: stepper.step(batches, 1e-4), profile / "profile.md", f"{name}, ZeRO {zero_stage}")
+
+    micro = next(batches)
+    state: dict[str, Any] = {}
+
+    def forward() -> None:
+        from vitscale.data.loader.transforms import normalize_on_device
+
+        state["loss"] = stepper._masked_loss(engine(normalize_on_device(micro["image"], stepper.dtype)),
+                                             micro["label"], None)
+
+    def optimizer() -> None:
+        optimizer_step(engine, skip=False)
+        engine.get_global_grad_norm()
+
+    phases = _phases([forward, lambda: engine.backward(state["loss"]), optimizer], device)
+    out = _result(name, batch, step_s, device, resident, img_size=img_size, options=options, loop="vitscale",
+                  zero_stage=zero_stage, precision=precision, compiled=train.compiles(on_gpu), **phases)
+    return out
+
+
+def bench_peer(name: str, *, batch: int, steps: int, device: torch.device, timm_model: bool,
+               compile_model: bool = True) -> dict:
+    """The hand-written loop: compiled model, fused AdamW over fp32 weights, bf16 autocast (fp32 on CPU)."""
+    from vitscale.data.loader.transforms import normalize_on_device
+    from vitscale.models import create_model
+    from vitscale.train.optim import param_groups
+
+    resident = _release(device)
+    torch.manual_seed(0)
+    if timm_model:
+        import timm
+
+        model = timm.create_model(TIMM_NAMES[name], num_classes=1000)
+    else:
+        model = create_model(name, num_classes=1000, img_size=224)
+    model = model.to(device).train()
+    on_gpu = device.type == "cuda"
+    groups = param_groups(model, 0.1) if not timm_model else [
+        {"params": [p for p in model.parameters() if p.ndim > 1], "weight_decay": 0.1},
+        {"params": [p for p in model.parameters() if p.ndim <= 1], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=1e-4, fused=on_gpu or None)
+    compiled = torch.compile(model) if compile_model else model
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext()
+    micro = next(_fixed_batch(batch, device))
+    state: dict[str, Any] = {}
+
+    def forward() -> None:
+        with autocast:
+            logits = compiled(normalize_on_device(micro["image"]))
+        state["loss"] = torch.nn.functional.cross_entropy(logits.float(), micro["label"])
+
+    def backward() -> None:
+        state["loss"].backward()
+
+    def update() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def step() -> None:
+        forward()
+        backward()
+        update()
+
+    step_s = _time_steps(step, steps, device)
+    phases = _phases([forward, backward, update], device)
+    out = _result(name, batch, step_s, device, resident, loop="peer: timm" if timm_model else "peer: vitscale model",
+                  zero_stage=None, precision="bf16 autocast" if on_gpu else "fp32", compiled=compile_model, **phases)
+    return out
+
+
+def _profile(step: Callable[[], Any], out: Path, title: str) -> None:
+    """Trace three steps; write the top kernels, the host calls by count and the host syncs as markdown."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    device_time = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    kernels = sorted((e for e in events if getattr(e, device_time, 0) > 0), key=lambda e: -getattr(e, device_time))
+    host = sorted(events, key=lambda e: -e.count)
+    syncs = [e for e in events if any(s in e.key for s in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                             "cudaMemcpy", "cudaEventSynchronize", "aten::item",
+                                                             "aten::_local_scalar_dense"))]
+    total_device = sum(getattr(e, device_time) for e in kernels) or 1
+    lines = [f"# Profile: {title}, 3 steps", "", "## GPU kernels by time", "",
+             "| kernel | calls | ms (3 steps) | share |", "|---|---:|---:|---:|"]
+    lines += [f"| `{e.key[:90]}` | {e.count} | {getattr(e, device_time) / 1e3:.2f} | "
+              f"{getattr(e, device_time) / total_device:.1%} |" for e in kernels[:25]]
+    lines += ["", "## Host calls by count", "", "| op | calls | host ms (self) |", "|---|---:|---:|"]
+    lines += [f"| `{e.key[:90]}` | {e.count} | {e.self_cpu_time_total / 1e3:.2f} |" for e in host[:25]]
+    lines += ["", "## Host syncs and copies", "", "| call | calls | host ms |", "|---|---:|---:|"]
+    lines += [f"| `{e.key[:90]}` | {e.count} | {e.cpu_time_total / 1e3:.2f} |" for e in syncs]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print(f"profile written to {out}", flush=True)
 
 
 def _model_batch(text: str) -> tuple[str, int]:
@@ -133,53 +285,112 @@ def _model_batch(text: str) -> tuple[str, int]:
     return name, int(batch)
 
 
-def main() -> None:
+def _compile_choice(text: str) -> bool | str:
+    return {"auto": "auto", "on": True, "off": False}[text]
+
+
+def _table(rows: list[dict], device_name: str) -> list[str]:
+    """The markdown table: each vitscale row against its model's peer (timm's, else vitscale's model)."""
+    peers = {}
+    for r in rows:
+        if r["loop"].startswith("peer") and (r["model"] not in peers or r["loop"] == "peer: timm"):
+            peers[r["model"]] = r
+    lines = ["| model | loop | ZeRO | compiled | batch | images/s | vs peer | MFU | forward ms | backward ms | "
+             "optimizer ms | peak GiB |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        peer = peers.get(r["model"])
+        ratio = f"{r['images_per_s'] / peer['images_per_s']:.2f}x" if peer and not r["loop"].startswith("peer") else ""
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
+        memory = f"{r['max_memory_gib']:.1f}" if "max_memory_gib" in r else "n/a"
+        stage = "" if r["zero_stage"] is None else str(r["zero_stage"])
+        lines.append(f"| {r['model']} | {r['loop']} | {stage} | {'yes' if r['compiled'] else 'no'} | {r['batch']} | "
+                     f"{r['images_per_s']:.1f} | {ratio} | {mfu} | {r['forward_ms']:.1f} | {r['backward_ms']:.1f} | "
+                     f"{r['optimizer_ms']:.1f} | {memory} |")
+    return [f"device: {device_name}", *lines]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["ViT-B/16", "ViT-L/16"])
+    parser.add_argument("--models", nargs="+", default=["ViT-B/16", "ViT-L/16"], help="vitscale model names")
     parser.add_argument("--batch", type=int, default=None, help="per-step batch (default 256 on GPU, 8 on CPU)")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--zero-stages", type=int, nargs="+", default=[1], choices=[0, 1, 2, 3])
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per measurement (after 3 warm-up)")
+    parser.add_argument("--zero-stages", type=int, nargs="+", default=[1], choices=[0, 1, 2, 3],
+                        help="ZeRO stages of vitscale's step to measure, each in turn")
     parser.add_argument("--batch-for", nargs="*", default=[], metavar="MODEL=BATCH", type=_model_batch,
                         help="a per-step batch for one model (a large model that does not fit --batch)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model inside the engine")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--compile", type=_compile_choice, default="auto", choices=["auto", True, False],
+                        metavar="{auto,on,off}", help="train.compile for vitscale's step (auto: on with a GPU)")
+    parser.add_argument("--compile-mode", default="default", help="train.compile_mode for vitscale's step")
+    parser.add_argument("--eager-too", action="store_true", help="also measure vitscale's step without compile")
+    parser.add_argument("--peer", action="store_true",
+                        help="measure the hand-written loop in the same run (timm's model where timm is installed)")
+    parser.add_argument("--peer-own-model", action="store_true",
+                        help="also run the hand-written loop with vitscale's model (always, where timm is missing)")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="trace the first vitscale measurement; write DIR/profile.md")
+    parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
+    parser.add_argument("--json", action="store_true", help="print the rows as one JSON document at the end")
+    args = parser.parse_args(argv)
 
     from vitscale.train.metrics import peak_flops
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     on_gpu = device.type == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(device)
     batch = args.batch or (256 if on_gpu else 8)
     steps = args.steps or (20 if on_gpu else 3)
     _init_process_group()
-    peer = matmul_flops_per_s(device, torch.bfloat16 if on_gpu else torch.float32, 8192 if on_gpu else 1024)
+    matmul = matmul_flops_per_s(device, torch.bfloat16 if on_gpu else torch.float32, 8192 if on_gpu else 1024)
     peak = peak_flops("auto") if on_gpu else None
     batch_for = dict(args.batch_for)
     device_name = torch.cuda.get_device_name(0) if on_gpu else "cpu"
-    rows = []
+    try:
+        import timm  # noqa: F401 -- only asks whether the peer can use timm's model
+        has_timm = True
+    except ImportError:
+        has_timm = False
+    plans: list[tuple[str, Callable[[], dict]]] = []
+    # The peer compiles as vitscale's step does (`--compile off` keeps both eager, e.g. on a CPU).
+    peer_compiles = on_gpu if args.compile == "auto" else bool(args.compile)
+    profile = args.profile
     for name in args.models:
+        n = batch_for.get(name, batch)
+        if args.peer:
+            if has_timm and name in TIMM_NAMES:
+                plans.append((f"{name} peer timm", lambda name=name, n=n: bench_peer(
+                    name, batch=n, steps=steps, device=device, timm_model=True, compile_model=peer_compiles)))
+            if args.peer_own_model or not (has_timm and name in TIMM_NAMES):
+                plans.append((f"{name} peer vitscale-model", lambda name=name, n=n: bench_peer(
+                    name, batch=n, steps=steps, device=device, timm_model=False, compile_model=peer_compiles)))
         for stage in args.zero_stages:
-            r = bench_model(name, batch=batch_for.get(name, batch), steps=steps, zero_stage=stage,
-                            device=device, compile_model=args.compile)
-            achieved = r["model_tflops_per_s"] * 1e12
-            r["matmul_peer_tflops_per_s"] = peer / 1e12
-            r["ratio_to_matmul_peer"] = achieved / peer
-            r["mfu"] = achieved / peak if peak else None
-            rows.append(r)
-            # One line per measurement as it lands: a run cut short keeps what it measured.
-            print(json.dumps({"device": device_name, **r}), flush=True)
+            for compiled in [args.compile, *([False] if args.eager_too else [])]:
+                plans.append((f"{name} ZeRO {stage} compile={compiled}",
+                              lambda name=name, n=n, stage=stage, compiled=compiled, profile=profile: bench_vitscale(
+                                  name, batch=n, steps=steps, zero_stage=stage, device=device,
+                                  compile_model=compiled, compile_mode=args.compile_mode, profile=profile)))
+                profile = None
+    rows = []
+    for label, run in plans:
+        try:
+            r = run()
+        except Exception:  # noqa: BLE001 -- one failed measurement must not lose the others (GPU time is scarce)
+            print(f"FAILED {label}:\n{traceback.format_exc(limit=6)}", flush=True)
+            continue
+        achieved = r["model_tflops_per_s"] * 1e12
+        r.update(device=device_name, matmul_tflops_per_s=matmul / 1e12, ratio_to_matmul=achieved / matmul,
+                 mfu=achieved / peak if peak else None)
+        rows.append(r)
+        print(json.dumps(r), flush=True)  # one line per measurement as it lands: a cut-short run keeps it
+    if args.out is not None:
+        args.out.write_text(json.dumps({"device": device_name, "rows": rows}, indent=2))
     if args.json:
         print(json.dumps({"device": device_name, "results": rows}, indent=2))
-        return
-    print(f"device: {device_name}; large-matmul peer: {peer / 1e12:.1f} TFLOP/s"
+        return rows
+    print(f"large-matmul rate here: {matmul / 1e12:.1f} TFLOP/s"
           + (f"; dense bf16 peak {peak / 1e12:.0f} TFLOP/s" if peak else "; no peak table for this device"))
-    print("| model | device | ZeRO | batch | images/s | model TFLOP/s | vs matmul peer | MFU | peak GiB |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-        memory = f"{r['max_memory_gib']:.1f}" if "max_memory_gib" in r else "n/a"
-        print(f"| {r['model']} | {device_name} | {r['zero_stage']} | {r['batch']} | {r['images_per_s']:.1f} | "
-              f"{r['model_tflops_per_s']:.2f} | {r['ratio_to_matmul_peer']:.2f} | {mfu} | {memory} |")
+    print("\n".join(_table(rows, device_name)))
+    return rows
 
 
 if __name__ == "__main__":

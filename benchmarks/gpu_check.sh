@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Every GPU measurement of vitscale in one script, for a bare one-GPU machine (minutes of GPU time).
+#
+#   bash benchmarks/gpu_check.sh [OUT_DIR]      (OUT_DIR defaults to $OUT, else ./gpu-check)
+#
+# What such a machine lacks comes from wheels carried in .whl/ (DeepSpeed built here with DS_BUILD_OPS=0,
+# pydantic and its core, hjson, simplejpeg, boto3 and its parts): `make gpu-wheels` fetches them. Then,
+# in order of what matters most, each with its own time limit so one slow part cannot eat the others:
+#   1. benchmarks/mfu.py: vitscale's training step against the hand-written peer (timm + compile + fused
+#      AdamW + bf16 autocast) for ViT-B/16 at ZeRO 1, 2 and 3 (with a torch.profiler summary) and ViT-L/16
+#      at ZeRO 1, with the forward / backward / optimizer phases;
+#   2. benchmarks/train_data.py: the real worker loop on >= 20,000 JPEGs written here, against the fixed batch;
+#   3. the GPU tests (bf16 over NCCL at ZeRO 0-3, compiled, exact resume).
+# Tables and logs land in OUT_DIR; the last lines printed are the tables.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-${OUT:-gpu-check}}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore TOKENIZERS_PARALLELISM=false
+python=python3
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+stamp() { echo "== $(date +%H:%M:%S) $*"; }
+stamp "machine"; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+$python -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)" 2>&1 | tail -1
+
+stamp "mfu ViT-B/16"
+timeout 230 $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 2 3 --peer --steps 20 \
+  --profile "$out" --out "$out/mfu_b16.json" 2>&1 | tee "$out/mfu_b16.log" | grep -v '^{'
+stamp "mfu ViT-L/16"
+timeout 120 $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 1 --peer --steps 12 \
+  --out "$out/mfu_l16.json" 2>&1 | tee "$out/mfu_l16.log" | grep -v '^{'
+stamp "train_data ViT-B/16"
+timeout 130 $python benchmarks/train_data.py --out "$out/train_data.json" 2>&1 | tee "$out/train_data.log" | tail -25
+stamp "gpu tests"
+timeout 80 $python -m pytest -m gpu tests/test_gpu_training.py tests/test_flops.py -q -x -p no:cacheprovider 2>&1 \
+  | tee "$out/gpu_tests.log" | tail -8
+stamp "done"
