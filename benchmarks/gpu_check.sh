@@ -30,14 +30,14 @@ stamp "machine"; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.
 $python -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)" 2>&1 | tail -1
 
 stamp "mfu ViT-B/16"
-timeout 230 $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 2 3 --peer --steps 20 \
+timeout 220 $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 2 3 --peer --steps 20 \
   --profile "$out" --out "$out/mfu_b16.json" 2>&1 | tee "$out/mfu_b16.log" | grep -v '^{'
 stamp "mfu ViT-L/16"
-timeout 120 $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 1 --peer --steps 12 \
+timeout 110 $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 1 --peer --steps 12 \
   --out "$out/mfu_l16.json" 2>&1 | tee "$out/mfu_l16.log" | grep -v '^{'
 stamp "train_data ViT-B/16"
-timeout 130 $python benchmarks/train_data.py --out "$out/train_data.json" 2>&1 | tee "$out/train_data.log" | tail -25
+timeout 150 $python benchmarks/train_data.py --steps 50 --fixed-steps 10 --decode-seconds 3 --out "$out/train_data.json" 2>&1 | tee "$out/train_data.log" | tail -25
 stamp "gpu tests"
-timeout 80 $python -m pytest -m gpu tests/test_gpu_training.py tests/test_flops.py -q -x -p no:cacheprovider 2>&1 \
+timeout 75 $python -m pytest -m gpu tests/test_gpu_training.py tests/test_flops.py -q -x -p no:cacheprovider 2>&1 \
   | tee "$out/gpu_tests.log" | tail -8
 stamp "done"

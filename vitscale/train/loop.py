@@ -109,7 +109,9 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         data.url, data.split, rank=ctx.rank, world_size=ctx.world_size, seed=data.seed,
         batch_size=batch.micro_batch, global_batch=batch.global_batch, resolution=model_cfg.img_size, train=True,
         num_workers=data.num_workers, shuffle_buffer=data.shuffle_buffer, error_budget=data.error_budget,
-        endpoint_url=data.endpoint_url, carve=job.carve)
+        endpoint_url=data.endpoint_url, carve=job.carve,
+        # Page-locked batches: the step's copy to the GPU is asynchronous instead of a blocking staged one.
+        pin_memory=on_gpu)
     num_classes = stream.dataset.num_classes
     per_rank_step = batch.share(ctx.rank)
     steps_per_epoch, total_steps = schedule_length(sum(stream.dataset.counts), batch.global_batch, train.epochs,
@@ -188,9 +190,10 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         # Votes every rank must agree on, summed over ranks in the step's loss all-reduce: rank 0's "time to ask
         # Ray about preemption" (so every rank asks at the same step), how many ranks were told to stop
         # (SIGTERM: all checkpoint at this step), and the epoch's skipped samples (the error budget's count).
-        ask = ctx.rank == 0 and time.monotonic() - last_asked >= ctx.preemption_every_s
-        told = ctx.terminated()
-        outcome = stepper.step(batches, lr, votes=partial(_votes, ask, told, stream))
+        # Asked once the step's micro-batches have run, so a notice that arrived meanwhile counts at this step.
+        heard: dict[str, Any] = {}
+        outcome = stepper.step(batches, lr, votes=partial(_votes, ctx, last_asked, stream, heard))
+        told = heard["told"]
         loss_value, applied, grad_norm = outcome.loss, outcome.applied, outcome.grad_norm
         data_wait = outcome.data_wait_s
         ask, stopping, epoch_skipped = outcome.votes[0] > 0, int(outcome.votes[1]), int(outcome.votes[2])
@@ -285,10 +288,12 @@ def _restart_totals(sink: MetricsSink) -> dict[str, Any]:
     return {"restarts": len(sink.restarts), "restart_lost_s": round(sum(r.seconds_lost for r in sink.restarts), 1)}
 
 
-def _votes(ask: bool, told: str | None, stream: Any) -> list[float]:
-    """This rank's votes of a step (`Stepper.step`), read once its micro-batches are: ask Ray, told to stop,
-    the epoch's skipped samples."""
-    return [float(ask), float(told is not None), float(stream.epoch_skipped())]
+def _votes(ctx: WorkerContext, last_asked: float, stream: Any, heard: dict[str, Any]) -> list[float]:
+    """This rank's votes of a step (`Stepper.step`), taken once its micro-batches have run: time for rank 0 to
+    ask Ray about preemption, told to stop (the notice is kept in `heard["told"]`), the epoch's skipped samples."""
+    ask = ctx.rank == 0 and time.monotonic() - last_asked >= ctx.preemption_every_s
+    heard["told"] = ctx.terminated()
+    return [float(ask), float(heard["told"] is not None), float(stream.epoch_skipped())]
 
 
 def _stream_state(step: int, steps_per_epoch: int, per_rank_step: int, seed: int) -> dict[str, int]:
