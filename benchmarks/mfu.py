@@ -150,7 +150,8 @@ def _release(device: torch.device) -> int:
 
 def bench_vitscale(name: str, *, batch: int, steps: int, zero_stage: int, device: torch.device,
                    compile_model: bool | str = "auto", compile_mode: str = "default",
-                   profile: Path | None = None, img_size: int = 224, options: dict[str, Any] | None = None) -> dict:
+                   profile: Path | None = None, img_size: int = 224, options: dict[str, Any] | None = None,
+                   deepspeed: dict[str, Any] | None = None) -> dict:
     """vitscale's training step (engine + `Stepper`, as the worker loop runs it) on a fixed batch.
 
     `img_size` and `options` (model options such as depth or width) shape the model as in a pipeline's
@@ -165,7 +166,7 @@ def bench_vitscale(name: str, *, batch: int, steps: int, zero_stage: int, device
     resident = _release(device)
     precision = "bf16" if on_gpu else "fp32"
     train = TrainConfig(global_batch=batch, micro_batch=batch, zero_stage=zero_stage, precision=precision,
-                        weight_decay=0.1, compile=compile_model, compile_mode=compile_mode)
+                        weight_decay=0.1, compile=compile_model, compile_mode=compile_mode, deepspeed=deepspeed or {})
     train.validate()
     plan = derive_batch(batch, batch, 1)
     torch.manual_seed(0)
@@ -321,6 +322,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--compile", type=_compile_choice, default="auto", choices=["auto", True, False],
                         metavar="{auto,on,off}", help="train.compile for vitscale's step (auto: on with a GPU)")
     parser.add_argument("--compile-mode", default="default", help="train.compile_mode for vitscale's step")
+    parser.add_argument("--deepspeed", type=json.loads, default={}, metavar="JSON",
+                        help="train.deepspeed for vitscale's step, e.g. '{\"compile\": {\"deepcompile\": true}}'")
     parser.add_argument("--eager-too", action="store_true", help="also measure vitscale's step without compile")
     parser.add_argument("--peer", action="store_true",
                         help="measure the hand-written loop in the same run (timm's model where timm is installed)")
@@ -368,7 +371,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 plans.append((f"{name} ZeRO {stage} compile={compiled}",
                               lambda name=name, n=n, stage=stage, compiled=compiled, profile=profile: bench_vitscale(
                                   name, batch=n, steps=steps, zero_stage=stage, device=device,
-                                  compile_model=compiled, compile_mode=args.compile_mode, profile=profile)))
+                                  compile_model=compiled, compile_mode=args.compile_mode, profile=profile,
+                                  deepspeed=args.deepspeed)))
                 profile = None
     rows = []
     for label, run in plans:

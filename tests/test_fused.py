@@ -17,12 +17,13 @@ pytest.importorskip("deepspeed")
 TINY = {"img_size": 16, "depth": 2, "width": 32, "mlp_dim": 64, "heads": 2}
 
 
-def _engine(stage: int, grad_clip: float | None = 1e-3, fuse: bool = True):  # type: ignore[no-untyped-def]
+def _engine(stage: int, grad_clip: float | None = 1e-3, fuse: bool = True,  # type: ignore[no-untyped-def]
+            precision: str = "fp32"):
     torch.manual_seed(0)
     model = create_model("ViT-Ti/8", num_classes=5, **TINY)
     for p in model.parameters():  # the zero-initialised head would leave most gradients zero
         torch.nn.init.normal_(p, std=0.05)
-    train = TrainConfig(global_batch=4, micro_batch=4, zero_stage=stage, precision="fp32", grad_clip=grad_clip,
+    train = TrainConfig(global_batch=4, micro_batch=4, zero_stage=stage, precision=precision, grad_clip=grad_clip,
                         weight_decay=0.1, base_lr=1e-2)
     engine = build_engine(model, train, deepspeed_config(train, derive_batch(4, 4, 1), on_gpu=False), on_gpu=False)
     if not fuse:  # DeepSpeed's own per-parameter fp64 norm, as it ships
@@ -32,7 +33,8 @@ def _engine(stage: int, grad_clip: float | None = 1e-3, fuse: bool = True):  # t
 
 def _step(engine, poison: bool = False) -> bool:  # type: ignore[no-untyped-def]
     torch.manual_seed(1)
-    images, labels = torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4,))
+    dtype = next(engine.module.parameters()).dtype
+    images, labels = torch.randn(4, 3, 16, 16, dtype=dtype), torch.randint(0, 5, (4,))
     loss = torch.nn.functional.cross_entropy(engine(images), labels)
     if poison:
         loss = loss * float("inf")
@@ -81,11 +83,28 @@ def test_fused_optimizer_is_asked_for_only_on_request(name: str) -> None:
     assert optimizer_for(train, param_groups(model, train.weight_decay), fused=True).defaults["fused"] is True
 
 
-@pytest.mark.parametrize(("value", "gpu", "cpu"), [("auto", True, False), (True, True, True), (False, False, False)])
-def test_compile_auto_means_on_a_gpu(value: bool | str, gpu: bool, cpu: bool) -> None:
-    train = TrainConfig(compile=value)
+@pytest.mark.parametrize(("value", "stage", "gpu", "cpu"), [
+    ("auto", 1, True, False), ("auto", 0, True, False), ("auto", 2, True, False), ("auto", 3, False, False),
+    (True, 1, True, True), (True, 3, True, True), (False, 1, False, False)])
+def test_compile_auto_means_on_a_gpu_below_zero_3(value: bool | str, stage: int, gpu: bool, cpu: bool) -> None:
+    train = TrainConfig(compile=value, zero_stage=stage)
     train.validate()
     assert (train.compiles(on_gpu=True), train.compiles(on_gpu=False)) == (gpu, cpu)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_non_finite_gradient_in_one_group_updates_no_group(process_group: None, stage: int) -> None:
+    """Without clipping, a NaN only in a no-decay parameter's gradient (a bias: the second group) must not
+    let the first group's update through: one verdict for the whole step. In bf16, where DeepSpeed's own
+    overflow check is off and vitscale's is the only one."""
+    engine = _engine(stage, grad_clip=None, precision="bf16")
+    bias = engine.module.blocks[0].mlp.fc1.bias
+    handle = bias.register_hook(lambda g: g * float("nan"))
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    assert not _step(engine)
+    assert all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+    handle.remove()
+    assert _step(engine)
 
 
 @pytest.mark.parametrize(("key", "value"), [("compile", "yes"), ("compile_mode", "fast")])

@@ -120,8 +120,11 @@ class TrainConfig:
     """Log the keys of every sample each rank consumes (run_dir/samples/rank{r}.jsonl), for audits."""
     compile: bool | str = field(default="auto", metadata=RESUME_FREE)
     """torch.compile the model inside the DeepSpeed engine (`engine.compile`, inductor): true, false, or
-    "auto" = on when the worker trains on a GPU. Same weights, checkpoints and resume either way; the
-    first steps of each worker process pay the compilation (about a minute for ViT-B/16)."""
+    "auto" = on when the worker trains on a GPU at ZeRO 0-2. Same weights, checkpoints and resume either
+    way; the first step of each worker process pays the compilation (under a minute for ViT-B/16). ZeRO 3
+    fetches every layer's parameters from hooks that torch.compile cannot trace through (it recompiles
+    them per layer type, then falls back): measured on an H200, a compiled ZeRO-3 ViT-B/16 step ran at a
+    third of the eager one's speed, so "auto" leaves it eager (benchmarks/RESULTS.md)."""
     compile_mode: str = field(default="default", metadata=RESUME_FREE)
     """torch.compile's mode when compiling: "default", "max-autotune-no-cudagraphs" (searches matmul
     and fusion configs: longer compilation), "max-autotune" or "reduce-overhead" (both add CUDA graphs)."""
@@ -131,8 +134,8 @@ class TrainConfig:
     (`train/deepspeed_keys.py`). Tuning knobs, not the maths: a resumed run may change them."""
 
     def compiles(self, on_gpu: bool) -> bool:
-        """Whether the worker compiles the model: `compile` with "auto" resolved by the device."""
-        return on_gpu if self.compile == "auto" else bool(self.compile)
+        """Whether the worker compiles the model: `compile`, "auto" resolved by the device and ZeRO stage."""
+        return on_gpu and self.zero_stage < 3 if self.compile == "auto" else bool(self.compile)
 
     def check_batch_split(self, workers: int | range, section: str = "train",
                           workers_key: str = "cluster.num_workers") -> None:

@@ -25,7 +25,7 @@ import torch
 from vitscale.config.errors import UserError
 from vitscale.train.config import TrainConfig
 from vitscale.train.deepspeed_keys import merge_overrides
-from vitscale.train.fused import fuse_gradient_norm
+from vitscale.train.fused import fuse_gradient_norm, fused_norm_installed
 from vitscale.train.optim import ADAM_EPS, BatchPlan, optimizer_for, param_groups
 
 
@@ -161,32 +161,23 @@ def optimizer_step(engine: Any, *, skip: bool) -> bool:
     that changes weights and optimizer state, so DeepSpeed's bookkeeping around it (gradient
     buffers cleared, micro-step counters) runs as usual whatever the ZeRO stage. Every rank calls
     that inner step, or none does (DeepSpeed decides overflow collectively), so the all-reduce
-    of the verdict inside it is safe. It is the one non-finite check of ZeRO 1/2 (DeepSpeed's own is
-    switched off in `deepspeed_config`): one multi-tensor norm over the gradients the update reads,
-    one all-reduce and one host sync, whatever the number of parameters.
+    of the verdict inside it is safe. ZeRO 1/2 step each parameter group in turn: there the verdict
+    (`_refuse`) comes from the global norm at the first group and holds for all. It is the one non-finite
+    check of ZeRO 1/2 (DeepSpeed's own is switched off in `deepspeed_config`).
     """
     inner = engine.basic_optimizer
     skipped_before = engine.skipped_steps
-    refused = False
+    verdict: bool | None = None  # refused or not; from the global norm, decided once for every group
+    global_norm = fused_norm_installed(engine)
     own = inner.__dict__.get("step")  # an instance-level step someone else installed, kept as it was
     original = inner.step
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        nonlocal refused
-        grads = [p.grad for group in inner.param_groups for p in group["params"] if p.grad is not None]
-        on_gpu = torch.distributed.get_backend() == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        verdict = torch.full((1,), float(skip), device=device)
-        if grads:
-            # A non-finite entry makes its tensor's norm non-finite: one kernel per dtype and device
-            # instead of a check (and a host sync) per tensor.
-            norms = torch.stack([n.to(device) for n in torch._foreach_norm(grads)])
-            verdict = torch.maximum(verdict, (~torch.isfinite(norms)).any().to(verdict.dtype).reshape(1))
-        torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MAX)
-        if verdict.item() > 0:
-            refused = True
-            return None
-        return original(*args, **kwargs)
+        nonlocal verdict
+        if verdict is None or (not verdict and not global_norm):
+            # Without the global norm each group's gradients are checked as it comes; once refused, always.
+            verdict = _refuse(engine, inner, skip)
+        return None if verdict else original(*args, **kwargs)
 
     inner.step = guarded
     try:
@@ -196,7 +187,32 @@ def optimizer_step(engine: Any, *, skip: bool) -> bool:
             del inner.step
         else:
             inner.step = own
-    return not refused and engine.skipped_steps == skipped_before and engine.was_step_applied()
+    return not verdict and engine.skipped_steps == skipped_before and engine.was_step_applied()
+
+
+def _refuse(engine: Any, inner: Any, skip: bool) -> bool:
+    """Whether this step's update is refused on every rank: `skip`, or a gradient not finite on some rank.
+
+    ZeRO 1/2 compute the global gradient norm over every parameter group before the first group's update
+    (`fused.py`): one finite check of that norm covers them all, so no group is updated when another's
+    gradient is not finite. Elsewhere the gradients the inner optimizer is about to read are checked with
+    one multi-tensor norm (a non-finite entry makes its tensor's norm non-finite). Either way: one
+    all-reduce, one host sync.
+    """
+    on_gpu = torch.distributed.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    flag = torch.full((1,), float(skip), device=device)
+    norm = getattr(engine.optimizer, "_global_grad_norm", None) if fused_norm_installed(engine) else None
+    norms: torch.Tensor | None = None
+    if torch.is_tensor(norm):
+        norms = norm.reshape(1).to(device)
+    else:
+        grads = [p.grad for group in inner.param_groups for p in group["params"] if p.grad is not None]
+        norms = torch.stack([n.to(device) for n in torch._foreach_norm(grads)]) if grads else None
+    if norms is not None:
+        flag = torch.maximum(flag, (~torch.isfinite(norms)).any().to(flag.dtype).reshape(1))
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item() > 0)
 
 
 def set_lr(engine: Any, lr: float) -> None:

@@ -51,3 +51,8 @@ def fuse_gradient_norm(engine: Any) -> bool:
     optimizer.get_grad_norm_direct = grad_norm
     return True
 
+
+def fused_norm_installed(engine: Any) -> bool:
+    """Whether `engine`'s optimizer computes its global gradient norm with `fuse_gradient_norm`'s kernel."""
+    return "get_grad_norm_direct" in getattr(getattr(engine, "optimizer", None), "__dict__", {})
+
