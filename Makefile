@@ -10,7 +10,7 @@ TORCH_CONSTRAINTS ?= constraints/cpu.txt
 PIP = $(VENV)/bin/python -m pip
 CONSTRAIN = $(if $(TORCH_CONSTRAINTS),-c $(TORCH_CONSTRAINTS))
 
-.PHONY: install install-test-tools quickstart lint test test-fast test-cluster bench private-cluster
+.PHONY: install install-test-tools quickstart lint test test-fast test-cluster bench gpu-wheels private-cluster
 
 # PYTHONWARNINGS=ignore: setuptools' notices about editable installs are for package authors, not for
 # whoever runs this.
@@ -56,6 +56,18 @@ test-fast: install
 bench: install
 	$(VENV)/bin/python benchmarks/data_throughput.py
 	$(VENV)/bin/python benchmarks/train_overhead.py
+
+# Wheels a bare GPU machine (CUDA torch, no DeepSpeed, no registry) needs for benchmarks/gpu_check.sh, into .whl/
+# (git-ignored): DeepSpeed as a py3-none-any wheel with no ops built (DS_BUILD_OPS=0), and the packages it and
+# vitscale import that such an image lacks, for its Python (GPU_PYTHON, 3.12 on the machines measured).
+GPU_PYTHON ?= 3.12
+GPU_WHEELS = pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 hjson==3.1.0 \
+	simplejpeg==1.9.0 boto3==1.44.8 botocore==1.44.8 jmespath==1.1.0 s3transfer==0.19.3
+gpu-wheels: install
+	DS_BUILD_OPS=0 $(PIP) wheel -q --no-deps --no-build-isolation -w .whl deepspeed==0.19.8
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
 
 # A head and two worker nodes on this machine, each in its own mount namespace with a private /tmp and
 # $HOME, token authentication on: the shape of a KubeRay or `ray up` cluster (needs root). Prints the
