@@ -167,16 +167,16 @@ def optimizer_step(engine: Any, *, skip: bool) -> bool:
     """
     inner = engine.basic_optimizer
     skipped_before = engine.skipped_steps
-    verdict: bool | None = None  # refused or not; from the global norm, decided once for every group
-    global_norm = fused_norm_installed(engine)
+    verdict: bool | None = None  # refused or not
+    whole = False  # the verdict came from the global norm: it holds for every group of this step
     own = inner.__dict__.get("step")  # an instance-level step someone else installed, kept as it was
     original = inner.step
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        nonlocal verdict
-        if verdict is None or (not verdict and not global_norm):
+        nonlocal verdict, whole
+        if verdict is None or (not verdict and not whole):
             # Without the global norm each group's gradients are checked as it comes; once refused, always.
-            verdict = _refuse(engine, inner, skip)
+            verdict, whole = _refuse(engine, inner, skip)
         return None if verdict else original(*args, **kwargs)
 
     inner.step = guarded
@@ -190,8 +190,9 @@ def optimizer_step(engine: Any, *, skip: bool) -> bool:
     return not verdict and engine.skipped_steps == skipped_before and engine.was_step_applied()
 
 
-def _refuse(engine: Any, inner: Any, skip: bool) -> bool:
-    """Whether this step's update is refused on every rank: `skip`, or a gradient not finite on some rank.
+def _refuse(engine: Any, inner: Any, skip: bool) -> tuple[bool, bool]:
+    """Whether this step's update is refused on every rank (`skip`, or a gradient not finite on some rank),
+    and whether that verdict covers every parameter group (it came from the global norm).
 
     ZeRO 1/2 compute the global gradient norm over every parameter group before the first group's update
     (`fused.py`): one finite check of that norm covers them all, so no group is updated when another's
@@ -212,7 +213,7 @@ def _refuse(engine: Any, inner: Any, skip: bool) -> bool:
     if norms is not None:
         flag = torch.maximum(flag, (~torch.isfinite(norms)).any().to(flag.dtype).reshape(1))
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item() > 0)
+    return bool(flag.item() > 0), torch.is_tensor(norm)
 
 
 def set_lr(engine: Any, lr: float) -> None:
