@@ -92,3 +92,28 @@ def test_no_second_list_of_model_options() -> None:
         text = path.read_text()
         for option in ("pos_emb_placement", "attention_dropout", "activation_checkpointing"):
             assert option not in text, f"vitscale.{module} names the model option {option!r}"
+
+
+TRAIN_FUNCTION_LINES = 80
+
+
+def test_every_function_under_train_is_short() -> None:
+    """The worker loop is components (set-up, step, observers, stop vote, checkpointer, evaluation): the next
+    feature lands in one of them or a new one, not as another stretch of a long function."""
+    long = []
+    for module, path in modules():
+        if not module.startswith("train"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > TRAIN_FUNCTION_LINES:
+                    long.append(f"vitscale.{module}.{node.name}: {length} lines")
+    assert not long, f"functions under train/ over {TRAIN_FUNCTION_LINES} lines: {long}"
+
+
+def test_the_training_loop_reads_at_a_glance() -> None:
+    """nanoGPT's loop is about 60 lines; vitscale's `train` stays in that range."""
+    tree = ast.parse((PACKAGE / "train" / "loop.py").read_text())
+    loop = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    assert (loop.end_lineno or loop.lineno) - loop.lineno + 1 <= 60

@@ -102,10 +102,10 @@ def test_a_nan_loss_step_is_not_applied_and_the_budget_stops_the_run(
 def test_non_finite_gradients_with_a_finite_loss_are_not_applied(
         tmp_path: Path, dataset: str, process_group: None, monkeypatch: pytest.MonkeyPatch, stage: int) -> None:
     """Stage 0: vitscale's guard refuses the step; stage 2: ZeRO skips it itself (counted all the same)."""
-    import vitscale.train.loop as loop
+    import vitscale.train.worker as worker
     from vitscale.train.loop import WorkerContext, train
 
-    original = loop.build_engine
+    original = worker.build_engine
     seen = {"steps": 0}
 
     def build_engine(model, train_config, config, **kwargs):
@@ -116,7 +116,7 @@ def test_non_finite_gradients_with_a_finite_loss_are_not_applied(
         model.head.weight.register_hook(poison)
         return original(model, train_config, config, **kwargs)
 
-    monkeypatch.setattr(loop, "build_engine", build_engine)
+    monkeypatch.setattr(worker, "build_engine", build_engine)
     keep = Keep(tmp_path / "ckpt")
     summary = train(job(dataset, zero_stage=stage, global_batch=4, max_steps=2),
                     WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run", report=keep))

@@ -1,17 +1,22 @@
 """Top-1 accuracy on an evaluation set, and Polyak averaging of the weights (App. B.1.1).
 
-Plain PyTorch: the loop calls these on rank 0 with the engine's whole weights.
+Plain PyTorch: the loop calls `evaluate` on every rank; rank 0 measures with the engine's whole weights.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from vitscale.data.config import DEFAULT_ERROR_BUDGET
+from vitscale.train.engine import whole_weights
 from vitscale.train.job import EvalSet
+
+if TYPE_CHECKING:
+    from vitscale.train.worker import Worker
 
 
 @torch.no_grad()
@@ -79,3 +84,36 @@ class Polyak:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for name, tensor in state.items():
             self.average[name].copy_(tensor)
+
+
+def evaluation_due(worker: Worker, step: int) -> bool:
+    """Whether the job evaluates after `step`: its last step, every `eval_every`, and the steps it names."""
+    job = worker.job
+    return bool(job.evals) and (step == worker.total_steps or bool(worker.eval_every and step % worker.eval_every == 0)
+                                or step in job.eval_steps)
+
+
+def evaluate(worker: Worker) -> dict[str, float]:
+    """Accuracy on every evaluation set, with the raw and (if on) the averaged weights; rank 0 measures.
+
+    Every rank enters (gathering ZeRO-3 weights is a collective) and waits at the barrier, so
+    ranks stay in step; the scores are rank 0's, which is whose metrics Ray keeps.
+    """
+    job, polyak = worker.job, worker.polyak
+    dtype = torch.bfloat16 if job.train.precision == "bf16" else torch.float32
+    scores: dict[str, float] = {}
+    with whole_weights(worker.engine) as model:
+        if worker.ctx.rank == 0:
+            for eval_set in job.evals:
+                def measure(m: torch.nn.Module, eval_set: EvalSet = eval_set) -> float:
+                    return accuracy(m, eval_set, resolution=job.model.img_size, batch_size=job.eval_batch,
+                                    device=worker.device, dtype=dtype, endpoint_url=job.data.endpoint_url,
+                                    error_budget=job.data.error_budget)
+
+                scores[f"{eval_set.name}_accuracy"] = measure(model)
+                if polyak is not None:
+                    with polyak.swapped_in(model) as averaged:
+                        scores[f"{eval_set.name}_accuracy_polyak"] = measure(averaged)
+            print("[vitscale] " + "  ".join(f"{k} {v:.4f}" for k, v in scores.items()), flush=True)
+        torch.distributed.barrier()
+    return scores

@@ -1,0 +1,62 @@
+"""The stop vote: whether this step ends with a checkpoint because a node is going away.
+
+Two kinds of notice reach a worker: Ray Train's preemption info (a node is draining; rank 0 asks every
+`preemption_every_s`, since asking is a barrier through an actor) and a SIGTERM to this process, held
+back by `train/termination.py`. Every rank must act at the same step, so each rank's vote (rank 0's
+"time to ask", "I was told to stop") rides in the step's one all-reduce (`Stepper.step`), and every
+rank reads the same sums back. `decide` turns them into this step's notice, or None.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vitscale.train.loop import WorkerContext
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Checkpoint at this step, because of `text`."""
+
+    text: str
+    stopping: int
+    """Ranks told to stop (SIGTERM): after the checkpoint they leave, and the others end the attempt too."""
+    told: bool
+    """This rank is one of them."""
+
+
+class StopVote:
+    """One worker's side of the vote."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.noticed = False  # a preemption notice was answered with a checkpoint (one per notice is enough)
+        self.last_asked = time.monotonic()
+        self.told: str | None = None
+
+    def votes(self, stream: Any) -> list[float]:
+        """This rank's votes, taken once the step's micro-batches have run (so a notice that arrived meanwhile
+        counts at this step): time for rank 0 to ask Ray, told to stop, and the epoch's skipped samples (the
+        error budget's count, which rides in the same all-reduce)."""
+        ask = self.ctx.rank == 0 and time.monotonic() - self.last_asked >= self.ctx.preemption_every_s
+        self.told = self.ctx.terminated()
+        return [float(ask), float(self.told is not None), float(stream.epoch_skipped())]
+
+    def decide(self, summed: tuple[float, ...], step: int) -> Notice | None:
+        """This step's notice from the ranks' summed votes (the same on every rank), or None."""
+        ask, stopping = summed[0] > 0, int(summed[1])
+        # A preemption notice: checkpoint now rather than lose the steps since the last periodic one; the
+        # run goes on until Ray Train restarts it without the preempted node (from this checkpoint).
+        text = self.ctx.preemption() if ask and not self.noticed else None
+        self.last_asked = time.monotonic() if ask else self.last_asked
+        self.noticed = self.noticed or text is not None
+        if stopping:  # a told rank leaves after this step's checkpoint: no second notice comes
+            text = self.told or f"{stopping} rank(s) received SIGTERM"
+        if text is None:
+            return None
+        if self.ctx.rank == 0 or self.told is not None:
+            print(f"[vitscale] step {step}: {text}: checkpointing now", flush=True)
+        return Notice(text, stopping, self.told is not None)
