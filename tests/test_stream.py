@@ -357,9 +357,10 @@ def test_reads_what_the_shard_writer_writes(tmp_path):
 
 
 def test_run_bench_reports_throughput(clean):
+    from vitscale.data.loader.stream import StreamSpec
     from vitscale.data.tools.bench import run_bench
 
-    r = run_bench(str(clean), resolution=R, seconds=0.3, batch_size=4)
+    r = run_bench(StreamSpec(url=str(clean), resolution=R, batch_size=4), seconds=0.3)
     assert r["workers"] == 1 and r["images"] > 0 and r["images_per_s"] > 0
     assert r["images_per_cpu_s"] > 0 and r["skipped"] == 0
 

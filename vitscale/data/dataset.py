@@ -45,8 +45,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from vitscale.data.loader.stream import ErrorBudgetExceeded, ShardStream
-from vitscale.data.order import DEFAULT_SHUFFLE_BUFFER, worker_batches
+from vitscale.data.loader.stream import ErrorBudgetExceeded, ShardStream, StreamSpec
+from vitscale.data.order import worker_batches
 
 __all__ = ["ShardDataset", "Transform"]
 
@@ -64,31 +64,20 @@ class ShardDataset(IterableDataset):
     :class:`~vitscale.data.loader.stream.ShardStream`'s.
     """
 
-    def __init__(
-        self,
-        url: str,
-        split: str = "train",
-        *,
-        batch_size: int = 64,
-        resolution: int = 224,
-        train: bool = True,
-        transform: Transform | None = None,
-        rank: int = 0,
-        world_size: int = 1,
-        seed: int = 0,
-        shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
-        error_budget: float = 0.001,
-        endpoint_url: str | None = None,
-        drop_last: bool | None = None,
-    ) -> None:
+    def __init__(self, url: str | StreamSpec, split: str = "train", *, transform: Transform | None = None,
+                 **fields: Any) -> None:
+        """``ShardDataset(url, split, **fields)`` with :class:`~vitscale.data.loader.stream.StreamSpec`'s fields
+        (``batch_size``, ``resolution``, ``train``, ``seed``, ``rank``, ``world_size``, ...), or a whole
+        ``StreamSpec``. ``transform``: a callable applied to each decoded uint8 (H, W, 3) image instead of
+        the loader's own tensor conversion. Decoding runs in the ``DataLoader`` this is wrapped in, so the
+        stream's own ``num_workers`` must stay 0."""
         super().__init__()
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be a callable (uint8 HWC array -> tensor), got {transform!r}")
-        self.stream = ShardStream(
-            url, split, rank=rank, world_size=world_size, seed=seed, batch_size=batch_size,
-            resolution=resolution, train=train, num_workers=0, shuffle_buffer=shuffle_buffer,
-            error_budget=error_budget, endpoint_url=endpoint_url, drop_last=drop_last,
-        )  # fmt: skip
+        self.stream = ShardStream(url, split, **fields) if not isinstance(url, StreamSpec) else ShardStream(url)
+        if self.stream.spec.num_workers:
+            raise ValueError(f"num_workers={self.stream.spec.num_workers}: a ShardDataset decodes in the DataLoader "
+                             "it is wrapped in; set num_workers there")
         self.transform = transform
 
     @property

@@ -45,8 +45,8 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -109,16 +109,25 @@ class StreamSpec:
     (1.0: all of them)."""
     endpoint_url: str | None = None
     """S3-protocol endpoint (MinIO, moto, Ceph); None: environment, then AWS."""
-    drop_last: bool = True
-    """Drop the epoch's last partial batch (training) or keep it (evaluation)."""
-    transform: TransformSpec = field(default_factory=TransformSpec)
-    """Crop/flip/resolution of each image."""
+    resolution: int = 224
+    """Side of the square images the stream emits (the transform's output)."""
+    drop_last: bool | None = None
+    """Drop the epoch's last partial batch; None: as ``train`` (training drops it, evaluation keeps it)."""
+    transform: TransformSpec | None = None
+    """Crop/flip of each image; None: the standard one (`TransformSpec`) for ``resolution`` and ``train``."""
     prefetch_factor: int = 2
     """Batches each worker prepares ahead."""
     pin_memory: bool = False
     """Page-lock batches for faster, asynchronous host-to-GPU copies."""
 
     def __post_init__(self) -> None:
+        # Resolved once here, so every reader of a spec sees whole values (frozen: set through object).
+        if self.transform is None:
+            object.__setattr__(self, "transform", TransformSpec(resolution=self.resolution, train=self.train))
+        elif self.transform.resolution != self.resolution or self.transform.train != self.train:
+            raise ValueError("transform.resolution/train must match resolution/train")
+        if self.drop_last is None:
+            object.__setattr__(self, "drop_last", self.train)
         positive_int(self.world_size, "world_size")
         check(0 <= self.rank < self.world_size, "rank", f"must be in [0, {self.world_size}) (world_size): {self.rank}")
         positive_int(self.batch_size, "batch_size")
@@ -130,6 +139,16 @@ class StreamSpec:
         non_negative(self.seed, "seed")
         positive_int(self.shuffle_buffer, "shuffle_buffer")
         positive_int(self.prefetch_factor, "prefetch_factor")
+
+    @property
+    def image_transform(self) -> TransformSpec:
+        """`transform`, resolved in `__post_init__` (never None once built)."""
+        return cast(TransformSpec, self.transform)
+
+    @property
+    def drops_last(self) -> bool:
+        """`drop_last`, resolved in `__post_init__` (never None once built)."""
+        return bool(self.drop_last)
 
     @property
     def batch_sizes(self) -> tuple[int, ...]:
@@ -158,7 +177,7 @@ class _EpochBatches(IterableDataset):
             reader.close()
 
     def _build(self, reader: SampleReader, lo: int, hi: int, shared: bool) -> dict[str, Any]:
-        ds, tspec = self.ds, self.spec.transform
+        ds, tspec = self.ds, self.spec.image_transform
         g = self.order.global_indices(lo, hi)  # (n,) global sample indices, in emit order
         shard, local = self.order.locate(g)
         n, r = len(g), tspec.resolution
@@ -222,43 +241,20 @@ class ShardStream:
     no shuffling, and keeps the last partial batch (``drop_last`` defaults to ``train``).
     """
 
-    def __init__(
-        self,
-        url: str,
-        split: str = "train",
-        *,
-        rank: int = 0,
-        world_size: int = 1,
-        seed: int = 0,
-        batch_size: int = 64,
-        global_batch: int | None = None,
-        resolution: int = 224,
-        train: bool = True,
-        num_workers: int = 0,
-        shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
-        error_budget: float = DEFAULT_ERROR_BUDGET,
-        endpoint_url: str | None = None,
-        drop_last: bool | None = None,
-        transform: TransformSpec | None = None,
-        prefetch_factor: int = 2,
-        pin_memory: bool = False,
-        carve: Carve | None = None,
-    ) -> None:
-        if transform is None:
-            transform = TransformSpec(resolution=resolution, train=train)
-        elif transform.resolution != resolution or transform.train != train:
-            raise ValueError("transform.resolution/train must match resolution/train")
-        self.spec = StreamSpec(
-            url=url, split=split, rank=rank, world_size=world_size, seed=seed,
-            batch_size=batch_size, global_batch=global_batch, train=train, num_workers=num_workers,
-            shuffle_buffer=shuffle_buffer, error_budget=error_budget, endpoint_url=endpoint_url,
-            drop_last=train if drop_last is None else drop_last, transform=transform,
-            prefetch_factor=prefetch_factor, pin_memory=pin_memory,
-        )  # fmt: skip
-        # `carve` reads one part (dev or rest) of a carve of the split instead of all of it.
+    def __init__(self, url: str | StreamSpec, split: str = "train", *, carve: Carve | None = None,
+                 **fields: Any) -> None:
+        """``ShardStream(spec)``, or ``ShardStream(url, split, **fields)`` with `StreamSpec`'s fields (the one
+        list of loader settings: a new one is added there alone). ``carve`` reads one part (dev or rest)
+        of a carve of the split instead of all of it."""
+        spec = url if isinstance(url, StreamSpec) else StreamSpec(url=url, split=split, **fields)
+        if isinstance(url, StreamSpec) and fields:
+            raise TypeError(f"ShardStream(spec) takes no further settings, got {sorted(fields)}")
+        self.spec = spec
+        url, split, rank, world_size, seed = spec.url, spec.split, spec.rank, spec.world_size, spec.seed
+        global_batch, batch_size, endpoint_url = spec.global_batch, spec.batch_size, spec.endpoint_url
         self.dataset = open_dataset(url, split, endpoint_url=endpoint_url, carve=carve)
         self.samples_per_epoch = samples_per_rank(sum(self.dataset.counts), world_size, global_batch, rank=rank)
-        self.batches_per_epoch = cycled_batches(self.samples_per_epoch, self.spec.batch_sizes, self.spec.drop_last)
+        self.batches_per_epoch = cycled_batches(self.samples_per_epoch, self.spec.batch_sizes, self.spec.drops_last)
         if self.batches_per_epoch == 0:
             raise ValueError(f"split {split!r} has {sum(self.dataset.counts)} samples: {self.samples_per_epoch} "
                              f"per rank over {world_size} ranks, not one batch of {batch_size}; use a smaller "

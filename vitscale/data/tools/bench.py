@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from vitscale.config.checks import positive, positive_int
-from vitscale.data.loader.stream import ShardStream
+from vitscale.config.checks import positive
+from vitscale.data.loader.stream import ShardStream, StreamSpec
 
 __all__ = ["cpu_seconds", "measure", "run_bench"]
 
@@ -75,34 +75,16 @@ def measure(
     }
 
 
-def run_bench(
-    dataset_url: str,
-    *,
-    split: str = "train",
-    resolution: int = 224,
-    seconds: float = 15.0,
-    workers: int = 1,
-    batch_size: int = 64,
-    endpoint_url: str | None = None,
-) -> dict[str, Any]:
-    """Training-mode :class:`ShardStream` throughput on ``dataset_url``.
+def run_bench(spec: StreamSpec, *, seconds: float = 15.0) -> dict[str, Any]:
+    """Throughput of the :class:`ShardStream` that `spec` describes (the loader's one list of settings).
 
-    ``workers=1`` decodes in this process (no loader workers), so ``images_per_s`` is the
-    single-core rate; ``workers=N>1`` uses N DataLoader worker processes. Returns images_per_s,
-    images_per_s_per_worker, images_per_cpu_s (per core, all processes counted), workers, images,
-    seconds, startup_s, resolution, batch_size and skipped (bad samples met).
+    ``spec.num_workers=0`` decodes in this process, so ``images_per_s`` is the single-core rate; ``N>0``
+    uses N DataLoader worker processes. Returns images_per_s, images_per_s_per_worker, images_per_cpu_s
+    (per core, all processes counted), workers, images, seconds, startup_s, resolution, batch_size and
+    skipped (bad samples met).
     """
-    positive_int(workers, "workers")
-    stream = ShardStream(
-        dataset_url,
-        split,
-        batch_size=batch_size,
-        resolution=resolution,
-        train=True,
-        num_workers=0 if workers == 1 else workers,
-        endpoint_url=endpoint_url,
-        error_budget=0.5,  # a benchmark reports bad data, it does not stop on it
-    )
+    stream = ShardStream(spec)
+    workers = max(1, spec.num_workers)
     # One intra-op thread while decoding in this process, as DataLoader sets in its workers: the
     # per-image resize is too small to gain from torch's thread pool.
     threads = torch.get_num_threads()
@@ -112,8 +94,8 @@ def run_bench(
     finally:
         torch.set_num_threads(threads)
     return {
-        "dataset": dataset_url,
-        "split": split,
+        "dataset": spec.url,
+        "split": spec.split,
         "images_per_s": m["images_per_s"],
         "images_per_s_per_worker": m["images_per_s"] / workers,
         "images_per_cpu_s": m["images_per_cpu_s"],
@@ -121,7 +103,7 @@ def run_bench(
         "images": int(m["images"]),
         "seconds": m["wall_s"],
         "startup_s": m["startup_s"],
-        "resolution": resolution,
-        "batch_size": batch_size,
+        "resolution": spec.resolution,
+        "batch_size": spec.batch_size,
         "skipped": sum(stream.skipped().values()),
     }
