@@ -33,7 +33,7 @@ from vitscale.data.format import INDEX_NAME, META_NAME
 from vitscale.data.storage import LocalStorage, Storage, StorageError
 from vitscale.data.storage.cleanup import after_error, missing_folders, remove_new_folders
 from vitscale.data.storage.lease import RunLease, hold_run_lease
-from vitscale.data.storage.space import free_bytes, is_no_space, megabytes
+from vitscale.data.storage.space import free_bytes, is_no_space, size_text
 
 __all__ = ["WRITING", "abort", "claim", "no_space", "release"]
 
@@ -130,8 +130,8 @@ def no_space(storage: Storage, written: int | None, free: int | None) -> Storage
     What was written plus what was still free when the write failed did not hold the dataset, so it
     needs more than their sum.
     """
-    need = (f"it needs more than {megabytes(written + free)} there ({megabytes(written)} written before the disk "
-            f"filled, {megabytes(free)} free)") if written is not None and free is not None else \
-        f"{megabytes(free)} free there"
+    need = (f"it needs more than {size_text(written + free)} there ({size_text(written)} written before the disk "
+            f"filled, {size_text(free)} free)") if written is not None and free is not None else \
+        f"{size_text(free)} free there"
     return StorageError(f"no space left on the device of {storage.url}: {need}; free space (what was written is "
                         "removed) or choose another --out, and write again")
