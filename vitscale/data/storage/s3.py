@@ -22,6 +22,7 @@ from typing import Any, BinaryIO, TypeVar
 from vitscale.config.checks import check
 from vitscale.config.errors import UserError
 from vitscale.data.storage.base import ObjectReader, Storage, check_name
+from vitscale.data.storage.cleanup import after_error
 from vitscale.data.storage.retry import RetryPolicy, ShortRead, call
 
 __all__ = ["ENDPOINT_ENV_VARS", "S3Storage", "resolve_endpoint_url"]
@@ -143,8 +144,10 @@ class S3Storage(Storage):
         body = resp["Body"]
         try:
             data = body.read()
-        finally:
-            body.close()
+        except BaseException as exc:  # the read's error decides the retry, not a failed close after it
+            after_error(exc, "closing the response body", body.close)
+            raise
+        body.close()
         expected = resp.get("ContentLength")
         if expected is not None and len(data) != expected:
             raise ShortRead(f"got {len(data)} of {expected} bytes")
