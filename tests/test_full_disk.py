@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import tarfile
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ from PIL import Image
 
 from checkpoint_helpers import complete_checkpoint
 from vitscale.cli import main
-from vitscale.data.storage.space import free_bytes, is_no_space
+from vitscale.data.storage.space import free_bytes, is_no_space, size_text
 from vitscale.train import checkpoint as ckpt
 
 
@@ -77,7 +78,7 @@ def test_a_checkpoint_into_a_full_disk_is_one_line_and_the_run_resumes_once_spac
     with pytest.raises(ckpt.DiskFull) as err, ckpt.space_for(run, step=2, copying=local):
         _upload(local, run / "checkpoint_000000002")
     message = str(err.value)
-    assert "\n" not in message and f"in {run}:" in message and "needs about 0.8 MB" in message, message
+    assert "\n" not in message and f"in {run}:" in message and re.search(r"needs about 8\d\d\.\d kB", message), message
     assert "free" in message and "resumes from the last complete checkpoint" in message
     assert not (run / "checkpoint_000000002").exists()
 
@@ -107,7 +108,7 @@ def test_saving_a_rank_part_into_a_full_disk_is_one_line(tmp_path: Path, small_d
     # The next save knows the last one's size and checks before writing.
     ok = _local_checkpoint(tmp_path / "ok", 1, payload=100_000)
     assert ckpt.record_part(ok) == ckpt.tree_bytes(ok) > 100_000
-    with pytest.raises(ckpt.DiskFull, match="needs about 0.2 MB \\(2 ranks' parts\\)"), \
+    with pytest.raises(ckpt.DiskFull, match=r"needs about 2\d\d\.\d kB \(2 ranks' parts\)"), \
             ckpt.space_for(disk, step=8, parts=2):
         raise AssertionError("not reached: the check comes first")
 
@@ -129,6 +130,12 @@ def test_a_full_disk_is_a_failure_a_restart_repeats() -> None:
     assert free_bytes("s3://bucket/run") is None
 
 
+def test_sizes_in_messages_are_in_the_unit_that_shows_them() -> None:
+    assert [size_text(n) for n in (None, 0, 1, 999, 1000, 12_345, 999_949, 1_000_000, 1_234_500_000)] == [
+        "an unknown amount", "0 bytes", "1 byte", "999 bytes", "1.0 kB", "12.3 kB", "999.9 kB", "1.0 MB",
+        "1,234.5 MB"]
+
+
 def _one_line_error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
     assert main(argv) == 2
     out, err = capsys.readouterr()
@@ -144,7 +151,8 @@ def test_shards_write_into_a_full_disk_is_one_line_and_leaves_nothing(small_disk
             "--shard-size", "50", "--out", str(disk / "ds")]
     line = _one_line_error(capsys, argv)
     assert f"no space left on the device of {disk / 'ds'}" in line and "it needs more than" in line, line
-    assert sorted(os.listdir(disk / "ds")) == []  # no shard, no index, no marker: nothing taken for a dataset
+    # No shard, no index, no marker, and not the folder the write created: nothing taken for a dataset.
+    assert sorted(os.listdir(disk)) == []
     # A smaller dataset fits in the same place afterwards.
     assert main([*argv[:5], "30", *argv[6:]]) == 0
     assert (disk / "ds" / "dataset.json").exists()
@@ -168,7 +176,9 @@ def test_shards_index_out_into_a_full_disk_is_one_line(tmp_path: Path, small_dis
     disk = small_disk(64_000)
     (disk / "filler").write_bytes(b"\0" * (free_bytes(disk) or 0))  # nothing left
     line = _one_line_error(capsys, ["shards", "index", str(tmp_path / "wds"), "--out", str(disk / "idx")])
-    assert f"no space left on the device of {disk / 'idx'}" in line and "they need about" in line, line
+    assert f"no space left on the device of {disk / 'idx'}" in line, line
+    # A few kilobytes of index say so, not "0.0 MB" (the one size format: space.size_text).
+    assert re.search(r"they need about \d+\.\d kB, \d+(\.\d kB)?( bytes)? free", line), line
     assert not (disk / "idx" / "dataset.json").exists()
     (disk / "filler").unlink()
     assert main(["shards", "index", str(tmp_path / "wds"), "--out", str(disk / "idx")]) == 0

@@ -460,7 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
              "dataset.json for them without rewriting them.", shard_verbs)
     p.add_argument("url", help="folder or s3:// prefix of .tar shards, one tar, or braces: train-{000000..000999}.tar")
     p.add_argument("--out", default=None, help="where the index and dataset.json go (default: beside the tars)")
-    p.add_argument("--split", default="train", help="split name of these shards (default: train)")
+    p.add_argument("--split", default=None,
+                   help="put every tar into this split (default: the split each tar's name says, "
+                        "{split}-NNNNNN.tar, else train)")
     p.add_argument("--label-member", default="cls", help="cls (class id), txt (class name) or json:KEY (default: cls)")
     p.add_argument("--classes", default=None, help="file of class names, one per line, in index order")
     p.add_argument("--no-checksums", action="store_true",

@@ -141,7 +141,7 @@ class DatasetWriter:
         """Remove what this write put at ``out`` (no dataset is left); ``error`` is why."""
         self._closed = True
         for writer in self._writers.values():
-            writer.abort()
+            writer.abort(error)
         publish.abort(self.storage, error)
 
     def __enter__(self) -> Self:

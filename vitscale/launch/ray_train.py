@@ -31,6 +31,7 @@ from vitscale.data.storage import open_storage
 from vitscale.data.storage.endpoint import endpoint_env
 from vitscale.data.storage.filesystem import ensure_uploaded, run_filesystem
 from vitscale.data.storage.mirror import RunMirror
+from vitscale.data.storage.retry import RETRY_ENV
 from vitscale.launch.console import labelled_lines
 from vitscale.launch.errors import PipelineFailed
 from vitscale.launch.failures import (
@@ -334,7 +335,8 @@ def _worker_env() -> dict[str, str]:
     # probe for CUDA on CPU-only nodes.
     # Ray Train's print patch would echo every worker print a second time through its logger.
     env = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
-    for key in ("DS_ACCELERATOR", "OMP_NUM_THREADS", "VITSCALE_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL"):
+    # The retry budget too: a worker gives up on a broken store when the driver would.
+    for key in ("DS_ACCELERATOR", "OMP_NUM_THREADS", "VITSCALE_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL", RETRY_ENV):
         if key in os.environ:
             env[key] = os.environ[key]
     return env

@@ -31,7 +31,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from vitscale.data.storage.space import free_bytes, is_no_space, megabytes
+from vitscale.data.storage.space import free_bytes, is_no_space, size_text
 
 DEEPSPEED_DIR = "deepspeed"
 DEEPSPEED_TAG = "state"
@@ -303,9 +303,9 @@ def record_part(directory: Path) -> int:
 
 def _disk_full(where: str | os.PathLike[str], step: int, needed: int | None, free: int | None,
                parts: int) -> DiskFull:
-    need = (f"it needs about {megabytes(needed)}" + (f" ({parts} ranks' parts)" if parts > 1 else "")
+    need = (f"it needs about {size_text(needed)}" + (f" ({parts} ranks' parts)" if parts > 1 else "")
             if needed is not None else "the first checkpoint's size is not known yet")
-    has = f"{megabytes(free)} free" if free is not None else "free space unknown"
+    has = f"{size_text(free)} free" if free is not None else "free space unknown"
     error = DiskFull(f"no space for the checkpoint of step {step} in {os.fspath(where)}: {need}, {has}; "
                      "free space there and run again: it resumes from the last complete checkpoint")
     error.errno = errno.ENOSPC
@@ -318,5 +318,5 @@ def one_line(exc: BaseException, run_storage: str) -> str:
     if isinstance(exc, (DiskFull, CheckpointNotWritten)) or not is_no_space(exc):
         return f"{type(exc).__name__}: {exc}"
     where = getattr(exc, "filename", None) or run_storage
-    return (f"DiskFull: no space left on the device of {where} ({megabytes(free_bytes(where))} free): "
+    return (f"DiskFull: no space left on the device of {where} ({size_text(free_bytes(where))} free): "
             f"{exc}; free space there and run again: it resumes from the last complete checkpoint")

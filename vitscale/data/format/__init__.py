@@ -41,6 +41,7 @@ from vitscale.data.format.meta import (
     read_index,
     read_meta,
     shard_name,
+    split_of_shard,
     write_index_and_meta,
 )
 from vitscale.data.format.split import OpenDataset, ShardIndex, open_dataset
@@ -49,5 +50,5 @@ __all__ = [
     "CRC_COLUMN", "INDEX_COLUMNS", "INDEX_NAME", "INDEX_SCHEMA", "LABEL_SOURCE", "META_NAME", "SHARD_ROOT",
     "DatasetError", "DatasetMeta", "IndexFile", "IndexWriter",
     "OpenDataset", "ShardIndex", "ShardMeta", "SplitMeta", "has_dataset", "index_bytes", "open_dataset",
-    "read_index", "read_meta", "shard_name", "write_index_and_meta",
+    "read_index", "read_meta", "shard_name", "split_of_shard", "write_index_and_meta",
 ]

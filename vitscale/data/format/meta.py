@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,17 @@ shards whose label member is ``.txt`` or a ``.json`` key), absent when from ``.c
 def shard_name(split: str, n: int) -> str:
     """``{split}-{n:06d}.tar``."""
     return f"{split}-{n:06d}.tar"
+
+
+_SHARD_NAME = re.compile(r"(?P<split>[A-Za-z0-9_]+)-\d+\.tar")
+
+
+def split_of_shard(name: str) -> str | None:
+    """The split a shard's file name says by WebDataset's ``{split}-NNNNNN.tar`` convention (the one
+    :func:`shard_name` follows; any number of digits), or None when it says none (``00000.tar``,
+    ``imagenet-train-000000.tar``: a split name is letters, digits and ``_``)."""
+    match = _SHARD_NAME.fullmatch(name.rpartition("/")[2])
+    return match.group("split") if match else None
 
 
 class DatasetError(ValueError):

@@ -47,7 +47,7 @@ def open_storage(
     if url.startswith("s3://"):
         rest = url[len("s3://") :]
         bucket, _, prefix = rest.partition("/")
-        return S3Storage(bucket, prefix, endpoint_url=endpoint_url, retry=retry or RetryPolicy())
+        return S3Storage(bucket, prefix, endpoint_url=endpoint_url, retry=retry)
     if is_url(url) and not url.startswith("file://"):
         raise UserError(f"unsupported dataset url {url!r}: use a local path, file:// or s3://")
     return LocalStorage(url.removeprefix("file://"))

@@ -19,12 +19,14 @@ import os
 from collections.abc import Iterator
 
 from vitscale.config.checks import ConfigError
+from vitscale.data.storage.retry import RETRY_ENV
 from vitscale.data.storage.s3 import ENDPOINT_ENV_VARS
 
 __all__ = ["SHARED_VARS", "endpoint_env", "run_endpoint"]
 
-SHARED_VARS = (*ENDPOINT_ENV_VARS, "AWS_REGION", "AWS_DEFAULT_REGION")
-"""What every process of a run must agree on to reach the same store (no credentials)."""
+SHARED_VARS = (*ENDPOINT_ENV_VARS, "AWS_REGION", "AWS_DEFAULT_REGION", RETRY_ENV)
+"""What every process of a run must agree on to reach the same store and give up on it alike (no
+credentials)."""
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from pathlib import Path
 from vitscale.config.location import is_url
 from vitscale.data.storage import open_storage
 from vitscale.data.storage.base import Storage
+from vitscale.data.storage.cleanup import after_error, remove_file
 
 __all__ = ["cache_root", "is_folder", "local_copy", "subfolders"]
 
@@ -86,5 +87,6 @@ def _fetch(storage: Storage, name: str, target: Path, size: int | None = None) -
         with storage.open_read(name) as source, part.open("wb") as out:
             shutil.copyfileobj(source, out, 8 << 20)
         part.replace(target)
-    finally:
-        part.unlink(missing_ok=True)
+    except BaseException as exc:
+        after_error(exc, f"removing {part}", lambda: remove_file(part))
+        raise

@@ -4,11 +4,12 @@ Ray Train copies every reported checkpoint into ``storage_path/run_name`` with
 ``pyarrow.fs.copy_files``. Left to itself it builds an S3 filesystem from the URL with the AWS
 SDK's defaults; here it is built once with an explicit retry strategy
 (``AwsStandardS3RetryStrategy``: exponential backoff with jitter, for throttling (503 SlowDown),
-5xx answers and dropped or reset connections) and timeouts, so a flaky object store costs a few
-retried requests and a dead one ends the upload after ``max_attempts`` tries with the SDK's last
-error, instead of hanging. The endpoint comes from ``endpoint_url``, else
-``VITSCALE_S3_ENDPOINT_URL``, else ``AWS_ENDPOINT_URL`` (as for datasets); credentials from the AWS
-SDK's standard chain.
+5xx answers and dropped or reset connections; refusals such as 403 are not retried) and timeouts.
+pyarrow takes no retry rule of ours, so its number of tries is derived from the one retry budget
+(``$VITSCALE_S3_RETRY_S``, :func:`~vitscale.data.storage.retry.sdk_attempts`): a flaky object store
+costs a few retried requests and a dead one ends the upload within the budget with the SDK's last
+error. The endpoint comes from ``endpoint_url``, else ``VITSCALE_S3_ENDPOINT_URL``, else
+``AWS_ENDPOINT_URL`` (as for datasets); credentials from the AWS SDK's standard chain.
 
 Ray pickles the filesystem into its controller and every worker, and pyarrow's ``S3FileSystem``
 pickles without its retry strategy (pyarrow 26: the copy gets the SDK's default of 3 tries), so the
@@ -18,6 +19,7 @@ filesystem is a subclass that pickles its constructor arguments and is rebuilt f
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -27,22 +29,24 @@ from urllib.parse import urlparse
 import pyarrow.fs
 
 from vitscale.config.location import is_url
+from vitscale.data.storage.retry import RetryPolicy, call, retry_budget_s, sdk_attempts
 from vitscale.data.storage.s3 import resolve_endpoint_url
 
-__all__ = ["CHECKPOINT_MAX_ATTEMPTS", "RetryingS3FileSystem", "ensure_uploaded", "run_filesystem"]
-
-CHECKPOINT_MAX_ATTEMPTS = 10
-"""Tries per request of a checkpoint upload, the first one included."""
+__all__ = ["RetryingS3FileSystem", "ensure_uploaded", "run_filesystem"]
 
 
 def run_filesystem(storage_path: str, *, endpoint_url: str | None = None,
-                   max_attempts: int = CHECKPOINT_MAX_ATTEMPTS, connect_timeout_s: float = 10.0,
+                   max_attempts: int | None = None, connect_timeout_s: float = 10.0,
                    request_timeout_s: float = 120.0) -> tuple[Any, str]:
     """``(storage_filesystem, storage_path)`` for Ray's ``RunConfig``: ``(None, storage_path)`` for a
     local or NFS folder (Ray's default), a retrying ``pyarrow.fs.S3FileSystem`` and the path without
-    its ``s3://`` for object storage (Ray wants the bare path beside a filesystem)."""
+    its ``s3://`` for object storage (Ray wants the bare path beside a filesystem).
+
+    ``max_attempts``: tries per request; None: as many as end within the retry budget."""
     if not storage_path.startswith("s3://"):
         return None, storage_path
+    if max_attempts is None:
+        max_attempts = sdk_attempts(retry_budget_s())
     if max_attempts < 1:
         raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
     kwargs: dict[str, Any] = {
@@ -82,35 +86,38 @@ def _rebuild(max_attempts: int, kwargs: dict[str, Any]) -> RetryingS3FileSystem:
 
 
 def ensure_uploaded(local: str | os.PathLike[str], storage: str, *, endpoint_url: str | None = None,
-                    attempts: int = 3, max_attempts: int = CHECKPOINT_MAX_ATTEMPTS) -> list[str]:
+                    retry: RetryPolicy | None = None) -> list[str]:
     """Check that every file of the local folder ``local`` is in the folder ``storage`` (a local path
     or ``s3://`` URL) at its size; copy again the ones that are not. Returns the names copied again.
 
     ``pyarrow.fs.copy_files`` (Ray Train's checkpoint upload) drops the error of a multipart upload
     whose last part or completion failed after its retries (pyarrow 26): the copy "succeeds" and
     the object is missing. Here each missing file is written through an output stream, whose close
-    does raise, up to ``attempts`` times (each request retried ``max_attempts`` times); an
-    ``OSError`` naming the file and the last error when it still fails.
+    does raise. The filesystem does not retry on its own: every request goes through
+    :func:`~vitscale.data.storage.retry.call` with ``retry`` (default: the ``$VITSCALE_S3_RETRY_S``
+    budget), so errors that will not heal stop at once and the others within the budget, in one
+    :class:`~vitscale.data.storage.StorageError` naming the file's URL, the last error and the tries.
     """
-    filesystem, root = run_filesystem(storage, endpoint_url=endpoint_url, max_attempts=max_attempts)
+    policy = retry or RetryPolicy.from_setting()
+    filesystem, root = run_filesystem(storage, endpoint_url=endpoint_url, max_attempts=1)
     if filesystem is None:
         filesystem, root = (pyarrow.fs.FileSystem.from_uri(storage) if is_url(storage)
                             else (pyarrow.fs.LocalFileSystem(), os.fspath(storage)))
+    scheme = "s3://" if storage.startswith("s3://") else ""
     base = Path(local)
     files = sorted(p for p in base.rglob("*") if p.is_file())
     remote = [f"{root}/{p.relative_to(base).as_posix()}" for p in files]
-    infos = filesystem.get_file_info(remote)
+    infos = call(lambda: filesystem.get_file_info(remote), policy, "list", storage)
     copied = []
     for path, target, info in zip(files, remote, infos, strict=True):
         if info.type == pyarrow.fs.FileType.File and info.size == path.stat().st_size:
             continue
-        for attempt in range(1, attempts + 1):
-            try:
-                with path.open("rb") as source, filesystem.open_output_stream(target) as out:
-                    shutil.copyfileobj(source, out, 8 << 20)
-                break
-            except OSError as exc:
-                if attempt == attempts:
-                    raise OSError(f"{target}: not stored after {attempts} tries: {exc}") from exc
+        call(functools.partial(_copy, path, filesystem, target), policy, "store", scheme + target)
         copied.append(path.relative_to(base).as_posix())
     return copied
+
+
+def _copy(path: Path, filesystem: Any, target: str) -> None:
+    """One try at writing the local file ``path`` to ``target``; the stream's close reports a failed upload."""
+    with path.open("rb") as source, filesystem.open_output_stream(target) as out:
+        shutil.copyfileobj(source, out, 8 << 20)

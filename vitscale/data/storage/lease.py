@@ -347,7 +347,7 @@ def hold_run_lease(run_url: str, *, force: bool = False, endpoint_url: str | Non
     holder = Holder.me(ttl_s)
     if run_url.startswith("s3://"):
         bucket, _, prefix = run_url[len("s3://"):].partition("/")
-        storage = S3Storage(bucket, prefix, endpoint_url=endpoint_url, retry=retry or RetryPolicy())
+        storage = S3Storage(bucket, prefix, endpoint_url=endpoint_url, retry=retry)
         return _S3Lease(storage, holder, force, on_lost, log, kind)
     if is_url(run_url) and not run_url.startswith("file://"):
         raise ValueError(f"run storage {run_url!r}: use a local path, file:// or s3://")

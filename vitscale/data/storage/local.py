@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from vitscale.data.storage.base import Storage, StorageError, check_name
+from vitscale.data.storage.cleanup import after_error, remove_file
 
 __all__ = ["LocalStorage"]
 
@@ -64,8 +65,8 @@ class LocalStorage(Storage):
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+        except BaseException as exc:
+            after_error(exc, f"removing {tmp}", lambda: remove_file(tmp))
             raise
 
     def write_file(self, name: str, local_path: str | os.PathLike[str]) -> None:
@@ -75,8 +76,8 @@ class LocalStorage(Storage):
         try:
             shutil.copyfile(local_path, tmp)
             os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+        except BaseException as exc:
+            after_error(exc, f"removing {tmp}", lambda: remove_file(tmp))
             raise
 
     def exists(self, name: str) -> bool:

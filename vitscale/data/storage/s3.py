@@ -16,14 +16,14 @@ import io
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, BinaryIO, TypeVar
 
 from vitscale.config.checks import check
 from vitscale.config.errors import UserError
-from vitscale.data.storage.base import ObjectReader, Storage, StorageError, check_name
-from vitscale.data.storage.retry import RetryPolicy, ShortRead, is_missing, is_transient
+from vitscale.data.storage.base import ObjectReader, Storage, check_name
+from vitscale.data.storage.cleanup import after_error
+from vitscale.data.storage.retry import RetryPolicy, ShortRead, call
 
 __all__ = ["ENDPOINT_ENV_VARS", "S3Storage", "resolve_endpoint_url"]
 
@@ -42,8 +42,6 @@ def resolve_endpoint_url(endpoint_url: str | None = None) -> str | None:
             return os.environ[var]
     return None
 
-
-_DEFAULT_RETRY = RetryPolicy()
 
 _CLIENTS: dict[tuple[int, str | None, float], Any] = {}
 _CLIENTS_LOCK = threading.Lock()
@@ -81,7 +79,7 @@ class S3Storage(Storage):
         prefix: str = "",
         *,
         endpoint_url: str | None = None,
-        retry: RetryPolicy = _DEFAULT_RETRY,
+        retry: RetryPolicy | None = None,
         multipart_threshold: int = 64 * 1024 * 1024,
         multipart_chunksize: int = 16 * 1024 * 1024,
         read_timeout_s: float = 60.0,
@@ -93,7 +91,7 @@ class S3Storage(Storage):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.endpoint_url = resolve_endpoint_url(endpoint_url)
-        self.retry = retry
+        self.retry = retry or RetryPolicy.from_setting()  # the budget of $VITSCALE_S3_RETRY_S
         self.multipart_threshold = multipart_threshold
         self.multipart_chunksize = multipart_chunksize
         self.read_timeout_s = read_timeout_s
@@ -133,26 +131,9 @@ class S3Storage(Storage):
         return f"s3://{self.bucket}/{self.key_of(name)}"
 
     def _retrying(self, what: str, name: str | None, fn: Callable[[], T]) -> T:
-        """Run ``fn`` with bounded backoff on transient errors; final errors name the object.
-
-        ``name`` None means the dataset root itself (listing).
-        """
-        where = self.url_of(name) if name is not None else self.url
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return fn()
-            except Exception as exc:
-                if is_missing(exc):
-                    raise FileNotFoundError(f"{what}: no such object {where}") from exc
-                if not is_transient(exc):
-                    raise StorageError(f"{what} {where} failed: {exc!r}") from exc
-                if attempt >= self.retry.max_attempts:
-                    raise StorageError(f"{what} {where} failed after {attempt} attempts: {exc!r}") from exc
-                delay = self.retry.delay(attempt)
-                log.debug("%s %s: transient %r, retry %d in %.2fs", what, name, exc, attempt, delay)
-                time.sleep(delay)
+        """Run ``fn`` within this storage's retry policy (:func:`~vitscale.data.storage.retry.call`, the
+        one retry loop); final errors name the object. ``name`` None means the dataset root (listing)."""
+        return call(fn, self.retry, what, self.url_of(name) if name is not None else self.url)
 
     def _get(self, name: str, byte_range: str | None) -> bytes:
         """One GET including its body; a short body counts as a transient failure."""
@@ -163,8 +144,10 @@ class S3Storage(Storage):
         body = resp["Body"]
         try:
             data = body.read()
-        finally:
-            body.close()
+        except BaseException as exc:  # the read's error decides the retry, not a failed close after it
+            after_error(exc, "closing the response body", body.close)
+            raise
+        body.close()
         expected = resp.get("ContentLength")
         if expected is not None and len(data) != expected:
             raise ShortRead(f"got {len(data)} of {expected} bytes")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from vitscale.config.location import is_url
 
-__all__ = ["NO_SPACE_ERRNOS", "free_bytes", "is_no_space", "megabytes"]
+__all__ = ["NO_SPACE_ERRNOS", "free_bytes", "is_no_space", "size_text"]
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _NO_SPACE_TEXT = ("no space left on device", "disk quota exceeded", "[errno 28]", "[errno 122]")
@@ -51,6 +51,14 @@ def free_bytes(path: str | os.PathLike[str]) -> int | None:
         return None
 
 
-def megabytes(n: int | None) -> str:
-    """``n`` bytes for a message ("unknown" for None)."""
-    return "an unknown amount" if n is None else f"{n / 1e6:,.1f} MB"
+def size_text(n: int | None) -> str:
+    """``n`` bytes for a message, in the unit that shows it: ``512 bytes``, ``12.3 kB``, ``1,234.5 MB``
+    ("an unknown amount" for None). The one size format of every message about space: an index of a
+    few kilobytes must not read "0.0 MB"."""
+    if n is None:
+        return "an unknown amount"
+    if n < 1000:
+        return f"{n} byte" if n == 1 else f"{n} bytes"
+    if n < 1_000_000:
+        return f"{n / 1e3:.1f} kB"
+    return f"{n / 1e6:,.1f} MB"

@@ -45,6 +45,7 @@ from vitscale.data.format import (
     DatasetMeta,
     ShardMeta,
     SplitMeta,
+    split_of_shard,
     write_index_and_meta,
 )
 from vitscale.data.loader.labels import (
@@ -57,7 +58,7 @@ from vitscale.data.loader.labels import (
 )
 from vitscale.data.loader.sample import IMAGE_MEMBERS
 from vitscale.data.storage import Storage, StorageError, open_storage
-from vitscale.data.storage.space import free_bytes, is_no_space, megabytes
+from vitscale.data.storage.space import free_bytes, is_no_space, size_text
 from vitscale.data.tools.progress import Progress
 
 __all__ = ["expand_braces", "index_shards", "split_url"]
@@ -224,12 +225,34 @@ class _Labels:
         return [self._id(v) for v in parse_json_label(data, self.json_key)]
 
 
-def index_shards(url: str, *, out: str | None = None, split: str = "train", label_member: str = "cls",
+DEFAULT_SPLIT = "train"
+"""The split of a tar whose name says none (``00000.tar``)."""
+
+
+def shard_splits(names: list[str], split: str | None, where: str) -> dict[str, str]:
+    """``{tar: split}``: the split each name says (``{split}-NNNNNN.tar``), else :data:`DEFAULT_SPLIT`;
+    with ``split`` given, that one for all of them, unless their names say two splits or more (a test
+    tar put into train unseen is a leak): then a ``DatasetError`` naming them."""
+    said = {name: split_of_shard(name) for name in names}
+    if split is None:
+        return {name: s or DEFAULT_SPLIT for name, s in said.items()}
+    named = sorted({s for s in said.values() if s is not None})
+    if len(named) > 1:
+        examples = ", ".join(next(n for n, s in said.items() if s == x) for x in named[:3])
+        raise DatasetError(f"{where} holds tars of {len(named)} splits by their names ({examples}); --split {split} "
+                           "would put them all into one: leave --split out to index each as its own split, or "
+                           "name one split's tars (train-{000000..000099}.tar)")
+    return dict.fromkeys(names, split)
+
+
+def index_shards(url: str, *, out: str | None = None, split: str | None = None, label_member: str = "cls",
                  classes_file: str | None = None, endpoint_url: str | None = None,
                  checksums: bool = True, num_classes: int | None = None, max_bad: int | None = 100,
                  progress: bool = True) -> dict[str, Any]:
     """Index the WebDataset tars at ``url`` (see the module docstring); returns ``dataset.json``'s content.
 
+    Each tar belongs to the split its name says (``test-000000.tar``: ``test``), else to ``train``;
+    ``split`` puts them all into that one (refused when their names say several: :func:`shard_splits`).
     ``num_classes`` bounds the class ids (else the ``--classes`` file's length, else
     ``labels.MAX_CLASSES``); more than ``max_bad`` bad samples (None: no limit) stop the index
     with one line naming the last one.
@@ -249,6 +272,7 @@ def index_shards(url: str, *, out: str | None = None, split: str = "train", labe
     missing = [n for n in names if n not in sizes]
     if missing or not names:
         raise DatasetError(f"no tar shard {missing[0] if missing else '(*.tar)'} under {shards.url}")
+    split_of = shard_splits(names, split, shards.url)
     classes = None
     if classes_file:
         with open(classes_file, encoding="utf-8") as f:
@@ -289,8 +313,8 @@ def index_shards(url: str, *, out: str | None = None, split: str = "train", labe
             except LabelError as exc:
                 reject(shard, key, f"label: {exc}")
                 continue
-            rows.append({"split": split, "shard": shard, "key": key, "labels": ids, "offset": offset, "size": size,
-                         "crc32": crc})
+            rows.append({"split": split_of[shard], "shard": shard, "key": key, "labels": ids, "offset": offset,
+                         "size": size, "crc32": crc})
             kept += 1
         entries.append((shard, kept))
         bar.update()
@@ -299,11 +323,11 @@ def index_shards(url: str, *, out: str | None = None, split: str = "train", labe
         raise DatasetError(f"no sample with an image and a .{labels.ext} label in {len(names)} shard(s) "
                            f"under {shards.url}")
     class_names = _finish_labels(rows, classes, num_classes)
-    shard_meta = tuple(ShardMeta(shard, kept, None, sizes[shard]) for shard, kept in entries)
+    splits = {name: _split_meta(name, entries, split_of, sizes) for name in dict.fromkeys(split_of.values())}
     meta = DatasetMeta(
         name=posixpath.basename(shards.url.rstrip("/")) or "dataset", classes=tuple(class_names),
         num_classes=len(class_names), multi_label=any(len(r["labels"]) != 1 for r in rows),
-        splits={split: SplitMeta(len(rows), shard_meta)},
+        splits=splits,
         extra={"source": f"shards index {url}", "label_member": label_member, "format": 1, "bad_samples": bad,
                **({LABEL_SOURCE: "index"} if labels.kind != "cls" else {}),
                **({SHARD_ROOT: shards.url} if dest is not shards else {})},
@@ -316,9 +340,16 @@ def index_shards(url: str, *, out: str | None = None, split: str = "train", labe
         # The index and dataset.json are written whole (each to a temporary name first): nothing is
         # left half-written; say how much room they need.
         raise StorageError(f"no space left on the device of {dest.url} for {INDEX_NAME} and {META_NAME}: they need "
-                           f"about {megabytes(_index_bytes(rows, meta))}, {megabytes(free_bytes(dest.url))} free; free "
+                           f"about {size_text(_index_bytes(rows, meta))}, {size_text(free_bytes(dest.url))} free; free "
                            "space or choose another --out, and index again") from exc
     return meta.to_json()
+
+
+def _split_meta(split: str, entries: list[tuple[str, int]], split_of: dict[str, str],
+                sizes: dict[str, int]) -> SplitMeta:
+    """``split``'s entry in ``dataset.json``: its shards (in index order) and their kept samples."""
+    shards = tuple(ShardMeta(shard, kept, None, sizes[shard]) for shard, kept in entries if split_of[shard] == split)
+    return SplitMeta(sum(s.samples for s in shards), shards)
 
 
 def _index_bytes(rows: list[dict[str, Any]], meta: DatasetMeta) -> int:

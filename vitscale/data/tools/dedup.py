@@ -32,10 +32,11 @@ from PIL import Image
 
 from vitscale.config.checks import check
 from vitscale.data.format import SplitMeta, read_index, read_meta, write_index_and_meta
-from vitscale.data.storage import open_storage
+from vitscale.data.storage import Storage, open_storage
+from vitscale.data.tools import publish
 from vitscale.data.tools.progress import Progress
 from vitscale.data.tools.scan import ShardSample, iter_shard, labels_of
-from vitscale.data.tools.write import ShardWriter, ensure_empty_destination
+from vitscale.data.tools.write import ShardWriter
 
 __all__ = [
     "DEFAULT_THRESHOLD",
@@ -257,7 +258,20 @@ def dedup_dataset(
         raise ValueError("dedup needs at least one --against dataset")
     band_layout(1, threshold)  # validates the threshold before any work
     out_storage = open_storage(out, endpoint_url=endpoint_url)
-    ensure_empty_destination(out_storage)
+    # Claimed, filled, published (data/tools/publish.py): a failed or interrupted dedup leaves no dataset.
+    publish.claim(out_storage)
+    try:
+        summary = _dedup_into(out_storage, train, against, threshold, endpoint_url, progress)
+    except BaseException as exc:
+        publish.abort(out_storage, exc, also=(PAIRS_NAME, SUMMARY_NAME))
+        raise
+    publish.release(out_storage)
+    return summary
+
+
+def _dedup_into(out_storage: Storage, train: str, against: list[str], threshold: int, endpoint_url: str | None,
+                progress: bool) -> dict[str, Any]:
+    """The body of :func:`dedup_dataset` once ``out_storage`` is claimed; returns the summary."""
     train_storage = open_storage(train, endpoint_url=endpoint_url)
     meta, train_index = read_meta(train_storage), read_index(train_storage)
     train_h = hash_dataset(train, endpoint_url=endpoint_url, progress=progress)
@@ -309,9 +323,9 @@ def dedup_dataset(
                 wr.finish_shard()
                 new_splits[split] = SplitMeta(len(wr.rows), tuple(wr.shards))
                 rows.extend(wr.rows)
-        except BaseException:
+        except BaseException as exc:
             for wr in writers.values():
-                wr.abort()
+                wr.abort(exc)
             raise
     summary = {
         "train": train_storage.url,

@@ -12,8 +12,10 @@ A dataset is visible to readers only through its ``dataset.json`` (:func:`vitsca
 
 An error or interruption before step 3 leaves no ``dataset.json``: the folder is never read as a
 dataset. :func:`abort` removes what the failed write put there, best effort: an error while
-cleaning up is added to the original error as a note, never raised in its place, and the marker
-stays so the next write clears the rest.
+cleaning up is added to the original error as a note, never raised in its place
+(:mod:`vitscale.data.storage.cleanup`), and the marker stays so the next write clears the rest.
+A local destination folder the write created (and any parent it created with it) is removed again
+when it is left empty; a folder that was there before stays, as it was.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ import logging
 import os
 import re
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 from vitscale.config.errors import UserError
 from vitscale.data.format import INDEX_NAME, META_NAME
-from vitscale.data.storage import Storage, StorageError
+from vitscale.data.storage import LocalStorage, Storage, StorageError
+from vitscale.data.storage.cleanup import after_error, missing_folders, remove_new_folders
 from vitscale.data.storage.lease import RunLease, hold_run_lease
-from vitscale.data.storage.space import free_bytes, is_no_space, megabytes
+from vitscale.data.storage.space import free_bytes, is_no_space, size_text
 
 __all__ = ["WRITING", "abort", "claim", "no_space", "release"]
 
@@ -46,6 +51,8 @@ def _ours(names: list[str]) -> list[str]:
 
 _LEASES: dict[str, RunLease] = {}
 """The lease each destination being written is held by (one writer per destination)."""
+_CREATED: dict[str, list[Path]] = {}
+"""The local folders each destination's write created (deepest first): what a failed write removes."""
 
 
 def claim(storage: Storage) -> None:
@@ -55,19 +62,23 @@ def claim(storage: Storage) -> None:
     :func:`release` or :func:`abort`: a second write to the same place is refused in one line naming
     the first, so the leftovers cleared below are always a dead write's, never a live one's.
     """
+    # Before the lease: taking it creates a local destination folder.
+    created = missing_folders(storage.url) if isinstance(storage, LocalStorage) else []
     lease = hold_run_lease(storage.url, endpoint_url=getattr(storage, "endpoint_url", None), kind="dataset")
+    _LEASES[storage.url], _CREATED[storage.url] = lease, created
     try:
         _claim(storage)
-    except BaseException:
-        lease.release()
+    except BaseException as exc:
+        after_error(exc, f"releasing the lease on {storage.url}", lambda: _drop_lease(storage))
         raise
-    _LEASES[storage.url] = lease
 
 
 def _drop_lease(storage: Storage) -> None:
     lease = _LEASES.pop(storage.url, None)
+    created = _CREATED.pop(storage.url, [])
     if lease is not None:
         lease.release()
+    remove_new_folders(created)  # only those left empty: after a publish, or a cleanup that failed, none
 
 
 def _claim(storage: Storage) -> None:
@@ -93,21 +104,22 @@ def release(storage: Storage) -> None:
         _drop_lease(storage)
 
 
-def abort(storage: Storage, error: BaseException) -> None:
-    """Remove the shards and index a failed write left; never raise over ``error``, except to say in
-    one line that the destination's disk is full (:func:`no_space`)."""
+def abort(storage: Storage, error: BaseException, *, also: Sequence[str] = ()) -> None:
+    """Remove the shards and index a failed write left (and the names in ``also``: a tool's own files),
+    and a folder the write created; never raise over ``error``, except to say in one line that the
+    destination's disk is full (:func:`no_space`)."""
     written, free = None, free_bytes(storage.url)
-    try:
+
+    def remove() -> None:
+        nonlocal written
         sizes = storage.list_sizes()
         written = sum(sizes[name] for name in _ours(list(sizes)))
-        for name in _ours(list(sizes)):
+        for name in [*_ours(list(sizes)), *(n for n in also if n in sizes)]:
             storage.delete(name)
         storage.delete(WRITING)
-    except Exception as cleanup:  # noqa: BLE001 -- the original error is the one to report
-        error.add_note(f"while cleaning up {storage.url}: {type(cleanup).__name__}: {cleanup} "
-                       "(the next write to it clears what is left)")
-    finally:
-        _drop_lease(storage)
+
+    after_error(error, f"cleaning up {storage.url} (the next write to it clears what is left)", remove)
+    after_error(error, f"releasing the lease on {storage.url}", lambda: _drop_lease(storage))
     if isinstance(error, Exception) and is_no_space(error) and not isinstance(error, StorageError):
         raise no_space(storage, written, free) from error
 
@@ -118,8 +130,8 @@ def no_space(storage: Storage, written: int | None, free: int | None) -> Storage
     What was written plus what was still free when the write failed did not hold the dataset, so it
     needs more than their sum.
     """
-    need = (f"it needs more than {megabytes(written + free)} there ({megabytes(written)} written before the disk "
-            f"filled, {megabytes(free)} free)") if written is not None and free is not None else \
-        f"{megabytes(free)} free there"
+    need = (f"it needs more than {size_text(written + free)} there ({size_text(written)} written before the disk "
+            f"filled, {size_text(free)} free)") if written is not None and free is not None else \
+        f"{size_text(free)} free there"
     return StorageError(f"no space left on the device of {storage.url}: {need}; free space (what was written is "
                         "removed) or choose another --out, and write again")

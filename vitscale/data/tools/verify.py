@@ -20,6 +20,7 @@ from vitscale.data.format import INDEX_NAME, LABEL_SOURCE, META_NAME, SHARD_ROOT
 from vitscale.data.loader.labels import LabelError
 from vitscale.data.loader.sample import IMAGE_MEMBERS
 from vitscale.data.storage import Storage, open_storage
+from vitscale.data.storage.space import size_text
 from vitscale.data.tools.progress import Progress
 from vitscale.data.tools.scan import iter_shard, labels_of
 
@@ -194,7 +195,7 @@ def format_stats(stats: dict[str, Any]) -> str:
     """A human-readable table of :func:`dataset_stats` output (the CLI's default view)."""
     lines = [
         f"{stats['name']}  {stats['url']}",
-        f"{stats['samples']} samples in {stats['shards']} shards, {stats['bytes'] / 1e6:.1f} MB, "
+        f"{stats['samples']} samples in {stats['shards']} shards, {size_text(stats['bytes'])}, "
         f"{stats['classes']} classes{' (multi-label)' if stats['multi_label'] else ''}, "
         f"max side {stats['max_side']} px, JPEG q{stats['quality']}",
         f"{'split':<12}{'shards':>8}{'samples':>10}{'MB':>10}{'classes':>9}{'min/cls':>9}{'max/cls':>9}",

@@ -32,8 +32,6 @@ from vitscale.config.checks import check, positive_int
 from vitscale.config.errors import UserError
 from vitscale.data.config import check_splits
 from vitscale.data.format import (
-    INDEX_NAME,
-    META_NAME,
     DatasetMeta,
     ShardMeta,
     SplitMeta,
@@ -41,6 +39,7 @@ from vitscale.data.format import (
     write_index_and_meta,
 )
 from vitscale.data.storage import Storage, open_storage
+from vitscale.data.storage.cleanup import after_error, remove_file
 from vitscale.data.tools import publish
 from vitscale.data.tools.images import MAX_PIXELS, UnreadableImage, encode_image
 from vitscale.data.tools.progress import Progress
@@ -50,7 +49,6 @@ __all__ = [
     "ShardWriter",
     "assign_splits",
     "encode_image",
-    "ensure_empty_destination",
     "parse_splits",
     "write_dataset",
 ]
@@ -183,29 +181,29 @@ class ShardWriter:
         self._tar.close()
         self._tmp.close()
         name = shard_name(self.split, len(self.shards))
-        try:
-            self.storage.write_file(name, self._tmp.name)
-        finally:
-            os.unlink(self._tmp.name)
-        self.shards.append(ShardMeta(name, self._count, self._hf.sha.hexdigest(), self._hf.n))
+        entry = ShardMeta(name, self._count, self._hf.sha.hexdigest(), self._hf.n)
+        spool = self._tmp.name
+        # The shard is closed: from here its spool file is this call's to remove, not abort()'s.
         self._tar = self._hf = self._tmp = None
+        try:
+            self.storage.write_file(name, spool)
+        except BaseException as exc:
+            after_error(exc, f"removing the spool file {spool}", lambda: remove_file(spool))
+            raise
+        remove_file(spool)
+        self.shards.append(entry)
 
-    def abort(self) -> None:
-        """Drop the open shard's spool file after an error."""
-        if self._tmp is not None:
-            self._tmp.close()
-            os.unlink(self._tmp.name)
-            self._tar = self._hf = self._tmp = None
+    def abort(self, error: BaseException) -> None:
+        """Drop the open shard's spool file after ``error`` (which a failure to do so never replaces)."""
+        if self._tmp is None:
+            return
+        tmp, self._tar, self._hf, self._tmp = self._tmp, None, None, None
 
+        def drop() -> None:
+            tmp.close()
+            remove_file(tmp.name)
 
-def ensure_empty_destination(storage: Storage) -> None:
-    """Refuse to write over an existing dataset (stale shards would linger and mislead)."""
-    existing = [n for n in storage.list() if n in (META_NAME, INDEX_NAME) or n.endswith(".tar")]
-    if existing:
-        raise ValueError(
-            f"{storage.url} already holds a dataset ({existing[0]}); write to a new --out or delete it first"
-        )
-
+        after_error(error, f"removing the spool file {tmp.name}", drop)
 
 
 _Encoded = tuple[Sample, bytes, int, int] | tuple[int, str]
@@ -340,8 +338,9 @@ def write_dataset(
                         seen.add(sample.key)
                         writer.add(sample.key, jpeg, sample.labels, w, h)
                     writer.finish_shard()
-                finally:
-                    writer.abort()  # drops an unfinished shard's spool file (a no-op once finished)
+                except BaseException as exc:
+                    writer.abort(exc)  # drops an unfinished shard's spool file
+                    raise
                 meta_splits[split] = SplitMeta(len(writer.rows), tuple(writer.shards))
                 rows.extend(writer.rows)
         empty = [s for s, sp in meta_splits.items() if sp.samples == 0]
