@@ -72,6 +72,9 @@ class WorkerContext:
     """Called once `resume_from` is loaded: the launcher releases a downloaded copy then."""
     storage: str | None = None
     """The run's storage every node shares (a folder or s3:// prefix): fault markers; None = run_dir."""
+    run_name: str | None = None
+    """The run's name in its metrics (the `run` label); None = run_dir's name. A node's cache folder of an
+    object-storage run carries a hash of its location (data/storage/run_cache.py), not a name to show."""
     elastic: bool = False
     """The run's world size may change between restarts (`cluster.num_workers: [MIN, MAX]`): a
     checkpoint of another world size is resharded, not refused."""
@@ -157,7 +160,7 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
             raise RuntimeError(f"{ctx.resume_from}: rank {ctx.rank}'s saved stream position {resume_stream} is not "
                                f"the one step {state.step} implies ({implied}); the checkpoint does not belong "
                                "to this run's sample order")
-    sink = MetricsSink(ctx.run_dir, run=ctx.run_dir.name, rank=ctx.rank, addr=train.metrics_addr,
+    sink = MetricsSink(ctx.run_dir, run=ctx.run_name or ctx.run_dir.name, rank=ctx.rank, addr=train.metrics_addr,
                        port=None if train.metrics_port is None else
                        (0 if train.metrics_port == 0 else train.metrics_port + ctx.local_rank))
     if sink.port is not None:
