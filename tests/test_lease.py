@@ -181,6 +181,49 @@ def test_s3_force_takes_over_a_dead_holders_lease_before_it_expires(s3_run: str,
     assert "(forced)" in logged[0] and f"pid {proc.pid}" in logged[0]
 
 
+def test_s3_a_holder_that_died_on_this_machine_is_taken_over_at_once(s3_run: str, moto_s3: str) -> None:
+    """No wait for the expiry and no --force: the lease names this machine, and its pid is gone."""
+    proc = _holder(s3_run, ttl_s=600.0, endpoint=moto_s3)
+    _kill(proc)
+    logged: list[str] = []
+    started = time.monotonic()
+    with hold_run_lease(s3_run, endpoint_url=moto_s3, log=logged.append) as lease:
+        assert _lease_object(s3_run, moto_s3)["token"] == lease.holder.token
+    assert time.monotonic() - started < 30  # far inside the 600 s ttl
+    assert len(logged) == 1 and f"from pid {proc.pid} on host {socket.gethostname()}" in logged[0]
+    assert "its process is gone from this machine" in logged[0]
+
+
+def test_s3_a_reused_pid_is_not_the_holder_and_a_live_one_is(s3_run: str, moto_s3: str) -> None:
+    """A live process with the holder's pid but another start time is a later process: the holder is gone.
+    With the holder's own start time it is the holder, alive: refused, --force included."""
+    me = Holder.me(600.0)
+    assert me.machine is not None and me.started is not None  # this test needs Linux's /proc
+    _write_lease(s3_run, moto_s3, dataclasses.replace(me, token="live", started=me.started))
+    for force in (False, True):
+        with pytest.raises(LeaseHeld, match=f"pid {os.getpid()} "):
+            hold_run_lease(s3_run, endpoint_url=moto_s3, force=force)
+    _write_lease(s3_run, moto_s3, dataclasses.replace(me, token="reused", started=me.started - 1))
+    logged: list[str] = []
+    with hold_run_lease(s3_run, endpoint_url=moto_s3, log=logged.append):
+        pass
+    assert len(logged) == 1 and "its process is gone from this machine" in logged[0]
+
+
+def test_s3_an_older_lease_without_machine_or_start_waits_for_its_expiry(s3_run: str, moto_s3: str) -> None:
+    """A lease that names only a host proves nothing about a dead pid (containers share host names)."""
+    proc = _holder(s3_run, ttl_s=600.0, endpoint=moto_s3)
+    _kill(proc)
+    old = json.loads(json.dumps(_lease_object(s3_run, moto_s3)))
+    del old["machine"], old["started"]
+    bucket, _, prefix = s3_run[len("s3://"):].partition("/")
+    boto3.client("s3", endpoint_url=moto_s3).put_object(Bucket=bucket, Key=f"{prefix}/{LEASE_NAME}",
+                                                         Body=json.dumps(old).encode())
+    with pytest.raises(LeaseHeld, match="--force"):
+        hold_run_lease(s3_run, endpoint_url=moto_s3)
+    hold_run_lease(s3_run, endpoint_url=moto_s3, force=True, log=lambda line: None).release()  # dead: forceable
+
+
 def test_s3_a_holder_whose_lease_is_taken_over_is_told(s3_run: str, moto_s3: str) -> None:
     lost: list[str] = []
     lease = hold_run_lease(s3_run, endpoint_url=moto_s3, ttl_s=1.5, on_lost=lost.append)

@@ -259,7 +259,7 @@ class RunPlace:
         return posixpath.basename(self.storage)
 
     def local_dir(self) -> Path:
-        """This node's folder for the run: the storage itself, or this node's cache of it (created)."""
+        """This node's folder for the run: the storage itself, or this node's cache of it (its root created)."""
         if self.cache_key is None:
             return Path(self.storage)
         return run_cache_dir(self.cache_key, self.part)
