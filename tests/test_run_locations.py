@@ -270,3 +270,58 @@ def test_the_mirror_leaves_every_train_runs_checkpoints_to_ray(tmp_path: Path) -
         open_storage(str(storage)).write_bytes(name, b"ray train's")
     assert RunMirror(tmp_path / "elsewhere", open_storage(str(storage))).pull() == [
         "finetune/metrics/rank0.jsonl", "sweep/trials/t1/metrics/rank0.jsonl"]  # no checkpoint copied to a driver
+
+
+# -- end to end: two teams, one run name, one node ------------------------------------------------
+
+
+def _keys(s3, bucket: str) -> dict[str, str]:
+    return {o["Key"]: o["ETag"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+            for o in page.get("Contents", [])}
+
+
+@pytest.mark.slow
+def test_two_teams_runs_of_one_name_stay_in_their_own_buckets(moto_s3: str, small_synthetic: str, tmp_path: Path,
+                                                              node_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Team A pre-trains and fine-tunes `exp1` in its bucket, then team B pre-trains its own `exp1` on the same
+    machine. Each bucket holds its own run only, all of it inside `runs/exp1/` (the fine-tuning too), and
+    team B's run changes nothing in team A's bucket."""
+    from ray_runs import run
+    from vitscale.data.tools.write import write_dataset
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3)  # the drivers and, through them, their workers
+    s3 = boto3.client("s3", endpoint_url=moto_s3)
+    team_a, team_b = _bucket(moto_s3, "team-a"), _bucket(moto_s3, "team-b")
+    digits = tmp_path / "digits"
+    write_dataset("digits", str(digits), shard_size=500, seed=0, progress=False, splits={"train": 0.8, "test": 0.2})
+    tiny = {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "heads": 2, "mlp_dim": 32}
+    outputs = {}
+    for bucket, stages, steps in ((team_a, ["pretrain", "finetune"], 2), (team_b, ["pretrain"], 3)):
+        raw = {"name": "exp1", "stages": stages, "data": {"url": small_synthetic}, "model": tiny,
+               "train": {"global_batch": 8, "micro_batch": 8, "max_steps": steps, "warmup_steps": 0, "log_every": 1,
+                         "precision": "fp32"},
+               "finetune": {"dev_fraction": 0.2, "resolution": 16, "data": {"url": str(digits), "num_workers": 0},
+                            "train": {"base_lr": 0.01, "max_steps": 2, "warmup_steps": 0, "global_batch": 16,
+                                      "micro_batch": 16, "precision": "fp32"}},
+               "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "max_failures": 0,
+                           "storage_path": f"s3://{bucket}/runs"}}
+        pipeline = tmp_path / f"{bucket}.yaml"
+        pipeline.write_text(yaml.safe_dump(raw))
+        if bucket == team_b:
+            before = _keys(s3, team_a)
+        outputs[bucket] = run(pipeline, tmp_path / f"{bucket}.log")
+        assert '"ok": true' in outputs[bucket]
+    assert _keys(s3, team_a) == before  # team B's run wrote nothing into team A's bucket
+
+    a, b = _keys(s3, team_a), _keys(s3, team_b)
+    assert all(k.startswith("runs/exp1/") for k in [*a, *b]), sorted(k for k in [*a, *b] if not k.startswith("runs/exp1/"))
+    assert any(k.startswith("runs/exp1/finetune/checkpoint_000000002/") for k in a)  # fine-tuning inside the run
+    assert "runs/exp1/finetune/metrics/rank0.jsonl" in a
+    assert not any("/finetune/" in k for k in b)
+    for bucket, steps in ((team_a, 2), (team_b, 3)):
+        body = s3.get_object(Bucket=bucket, Key="runs/exp1/metrics/rank0.jsonl")["Body"].read().decode()
+        assert [json.loads(line)["step"] for line in body.splitlines()] == list(range(1, steps + 1)), (bucket, body)
+        config = yaml.safe_load(s3.get_object(Bucket=bucket, Key="runs/exp1/config.yaml")["Body"].read())
+        assert config["cluster"]["storage_path"] == f"s3://{bucket}/runs"
+    caches = sorted(p.name for p in node_cache.iterdir())
+    assert len(caches) == 2 and all(name.startswith("exp1-") for name in caches)

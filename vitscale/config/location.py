@@ -114,7 +114,7 @@ def part_location(run_storage: str, part: str) -> str:
     return posixpath.join(run_storage, part) if part else run_storage
 
 
-def _canonical_endpoint(endpoint_url: str | None) -> str:
+def canonical_endpoint(endpoint_url: str | None) -> str:
     """An endpoint URL with its case-insensitive parts (scheme, host) lower-cased and no trailing `/`."""
     if not endpoint_url:
         return ""  # AWS's own endpoint
@@ -129,7 +129,7 @@ def run_cache_name(run_storage: str, endpoint_url: str | None) -> str:
     alone: `s3://team-a/runs/exp1` and `s3://team-b/runs/exp1` (or one bucket name on two endpoints)
     are different runs, and a shared folder would push one run's files into the other's storage.
     """
-    endpoint = _canonical_endpoint(endpoint_url)
+    endpoint = canonical_endpoint(endpoint_url)
     digest = hashlib.sha256(f"{run_storage}\n{endpoint}".encode()).hexdigest()[:12]
     name = posixpath.basename(run_storage.rstrip("/"))
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "run"
