@@ -34,14 +34,17 @@ def test_is_url_is_the_only_spelling_of_the_rule() -> None:
 
 
 def test_a_run_is_stored_in_one_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from vitscale.launch.ray_train import run_directory
+    from vitscale.launch.ray_train import run_place
 
     monkeypatch.chdir(tmp_path)
     local = ClusterConfig(storage_path="runs")
     assert local.run_storage("r") == run_location("runs", "r") == str(tmp_path / "runs" / "r")
-    assert run_directory(local, "r") == (str(tmp_path / "runs"), tmp_path / "runs" / "r")
+    assert run_place(local, "r").local_dir() == tmp_path / "runs" / "r"
+    assert run_place(local, "r").ray_storage() == (str(tmp_path / "runs"), "r")
     remote = ClusterConfig(storage_path="s3://bucket/runs/")
-    assert remote.run_storage("r") == "s3://bucket/runs/r" and run_directory(remote, "r")[0] == "s3://bucket/runs"
+    assert remote.run_storage("r") == "s3://bucket/runs/r" and run_place(remote, "r").ray_storage() == ("s3://bucket/runs", "r")
+    # A part of the run (its fine-tuning) is stored inside it, and Ray Train is told so.
+    assert run_place(remote, "r", "finetune").ray_storage() == ("s3://bucket/runs/r", "finetune")
 
 
 def test_shared_defaults_have_one_home() -> None:

@@ -6,6 +6,7 @@ where a test needs a crashed driver.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -120,6 +121,22 @@ def _lease_object(url: str, endpoint: str) -> dict:
     return json.loads(body.read())
 
 
+def _write_lease(url: str, endpoint: str, holder: Holder) -> None:
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    boto3.client("s3", endpoint_url=endpoint).put_object(Bucket=bucket, Key=f"{prefix}/{LEASE_NAME}",
+                                                         Body=holder.encode())
+
+
+def _as_if_elsewhere(url: str, endpoint: str) -> Holder:
+    """The lease's holder as a driver on another machine (another boot, another pid namespace) would have
+    written it: whether its pid is alive cannot be seen from here. Rewriting it renews it (Last-Modified)."""
+    holder = Holder.decode(json.dumps(_lease_object(url, endpoint)).encode())
+    assert holder is not None
+    elsewhere = dataclasses.replace(holder, machine="another-boot/pid:[4026531836]")
+    _write_lease(url, endpoint, elsewhere)
+    return elsewhere
+
+
 def test_s3_second_writer_is_refused_and_release_frees_it(s3_run: str, moto_s3: str) -> None:
     with hold_run_lease(s3_run, endpoint_url=moto_s3, ttl_s=30) as lease:
         assert _lease_object(s3_run, moto_s3)["token"] == lease.holder.token
@@ -142,6 +159,7 @@ def test_s3_heartbeat_renews_and_a_sigkilled_holder_expires(s3_run: str, moto_s3
             hold_run_lease(s3_run, endpoint_url=moto_s3)
     finally:
         _kill(proc)  # a crashed driver: no release, no more heartbeats
+    _as_if_elsewhere(s3_run, moto_s3)  # its death cannot be seen from here: only the expiry frees the lease
     with pytest.raises(LeaseHeld, match=f"pid {proc.pid} "):
         hold_run_lease(s3_run, endpoint_url=moto_s3)  # not expired yet
     time.sleep(4.5)  # > ttl since its last renewal (Last-Modified has whole seconds)
@@ -154,12 +172,56 @@ def test_s3_heartbeat_renews_and_a_sigkilled_holder_expires(s3_run: str, moto_s3
 def test_s3_force_takes_over_a_dead_holders_lease_before_it_expires(s3_run: str, moto_s3: str) -> None:
     proc = _holder(s3_run, ttl_s=600.0, endpoint=moto_s3)
     _kill(proc)
+    _as_if_elsewhere(s3_run, moto_s3)  # a holder on this machine that died is taken over without --force
     with pytest.raises(LeaseHeld, match="--force"):
         hold_run_lease(s3_run, endpoint_url=moto_s3)
     logged: list[str] = []
     with hold_run_lease(s3_run, endpoint_url=moto_s3, force=True, log=logged.append) as lease:
         assert _lease_object(s3_run, moto_s3)["token"] == lease.holder.token
     assert "(forced)" in logged[0] and f"pid {proc.pid}" in logged[0]
+
+
+def test_s3_a_holder_that_died_on_this_machine_is_taken_over_at_once(s3_run: str, moto_s3: str) -> None:
+    """No wait for the expiry and no --force: the lease names this machine, and its pid is gone."""
+    proc = _holder(s3_run, ttl_s=600.0, endpoint=moto_s3)
+    _kill(proc)
+    logged: list[str] = []
+    started = time.monotonic()
+    with hold_run_lease(s3_run, endpoint_url=moto_s3, log=logged.append) as lease:
+        assert _lease_object(s3_run, moto_s3)["token"] == lease.holder.token
+    assert time.monotonic() - started < 30  # far inside the 600 s ttl
+    assert len(logged) == 1 and f"from pid {proc.pid} on host {socket.gethostname()}" in logged[0]
+    assert "its process is gone from this machine" in logged[0]
+
+
+def test_s3_a_reused_pid_is_not_the_holder_and_a_live_one_is(s3_run: str, moto_s3: str) -> None:
+    """A live process with the holder's pid but another start time is a later process: the holder is gone.
+    With the holder's own start time it is the holder, alive: refused, --force included."""
+    me = Holder.me(600.0)
+    assert me.machine is not None and me.started is not None  # this test needs Linux's /proc
+    _write_lease(s3_run, moto_s3, dataclasses.replace(me, token="live", started=me.started))
+    for force in (False, True):
+        with pytest.raises(LeaseHeld, match=f"pid {os.getpid()} "):
+            hold_run_lease(s3_run, endpoint_url=moto_s3, force=force)
+    _write_lease(s3_run, moto_s3, dataclasses.replace(me, token="reused", started=me.started - 1))
+    logged: list[str] = []
+    with hold_run_lease(s3_run, endpoint_url=moto_s3, log=logged.append):
+        pass
+    assert len(logged) == 1 and "its process is gone from this machine" in logged[0]
+
+
+def test_s3_an_older_lease_without_machine_or_start_waits_for_its_expiry(s3_run: str, moto_s3: str) -> None:
+    """A lease that names only a host proves nothing about a dead pid (containers share host names)."""
+    proc = _holder(s3_run, ttl_s=600.0, endpoint=moto_s3)
+    _kill(proc)
+    old = json.loads(json.dumps(_lease_object(s3_run, moto_s3)))
+    del old["machine"], old["started"]
+    bucket, _, prefix = s3_run[len("s3://"):].partition("/")
+    boto3.client("s3", endpoint_url=moto_s3).put_object(Bucket=bucket, Key=f"{prefix}/{LEASE_NAME}",
+                                                         Body=json.dumps(old).encode())
+    with pytest.raises(LeaseHeld, match="--force"):
+        hold_run_lease(s3_run, endpoint_url=moto_s3)
+    hold_run_lease(s3_run, endpoint_url=moto_s3, force=True, log=lambda line: None).release()  # dead: forceable
 
 
 def test_s3_a_holder_whose_lease_is_taken_over_is_told(s3_run: str, moto_s3: str) -> None:

@@ -74,17 +74,19 @@ def test_export_of_the_run_directory_a_finetune_prints(tmp_path: Path, tiny_data
     from vitscale.train.loop import WorkerContext, train
 
     # The layout `vitscale finetune` leaves: the pipeline's run directory (what the console prints),
-    # and beside it the fine-tuning's own Ray Train run with the checkpoints.
+    # and inside it the fine-tuning's own Ray Train run with the checkpoints.
     storage = tmp_path / "runs"
-    tuned = storage / "ft-finetune"
+    run_dir = storage / "ft"
+    tuned = run_dir / "finetune"
     tuned.mkdir(parents=True)
     train(tiny_config(tiny_dataset, max_steps=3), WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "w",
                                                                  report=Recorder(tuned)))
-    run_dir = storage / "ft"
-    run_dir.mkdir()
-    assert export_run(run_dir, tmp_path / "a.pt")["step"] == 3  # died before its summary: the run beside it
-    shutil.copytree(tuned, storage / "elsewhere")
-    shutil.rmtree(tuned)
+    assert export_run(run_dir, tmp_path / "a.pt")["step"] == 3  # died before its summary: the run inside it
+    beside = storage / "ft-finetune"  # the older layout: the fine-tuning run beside the run
+    shutil.move(tuned, beside)
+    assert export_run(run_dir, tmp_path / "c.pt")["step"] == 3
+    shutil.copytree(beside, storage / "elsewhere")
+    shutil.rmtree(beside)
     (run_dir / "summary.json").write_text(json.dumps(
         {"finetune": {"checkpoint": str(storage / "elsewhere" / "checkpoint_000000003")}}))
     assert export_run(run_dir, tmp_path / "b.pt")["step"] == 3  # the checkpoint its summary names

@@ -378,8 +378,8 @@ def test_a_node_lost_under_running_trials_loses_no_finished_trial(cluster: Priva
         assert time.monotonic() < deadline, "the trials never reached the moment to kill a node"
         keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="runs/")
                 for o in page.get("Contents", [])]
-        short_done = any("-trial-" in k and "/checkpoint_000000004/MANIFEST-rank0.json" in k for k in keys)
-        long_saved = any("-trial-" in k and "/checkpoint_000000100/MANIFEST-rank0.json" in k for k in keys)
+        short_done = any("/sweep/trials/" in k and "/checkpoint_000000004/MANIFEST-rank0.json" in k for k in keys)
+        long_saved = any("/sweep/trials/" in k and "/checkpoint_000000100/MANIFEST-rank0.json" in k for k in keys)
         if short_done and long_saved:
             victim = _node_running(cluster, "RayTrainWorker")
         time.sleep(0.5)

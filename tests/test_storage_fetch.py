@@ -58,3 +58,18 @@ def test_find_checkpoint_in_storage_skips_an_incomplete_newest(bucket: str, tmp_
     assert find_checkpoint(f"s3://{bucket}/runs/run/checkpoint_000000004") == found
     with pytest.raises(Exception, match="incomplete"):
         find_checkpoint(f"s3://{bucket}/runs/run/checkpoint_000000006")
+
+
+def test_one_bucket_name_on_two_endpoints_has_two_cached_copies(bucket: str, moto_s3: str, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from vitscale.data.storage.fetch import _cached_path
+
+    url = f"s3://{bucket}/runs/r/model.pt"
+    here = _cached_path(url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://minio.internal:9000")
+    elsewhere = _cached_path(url)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    aws = _cached_path(url)
+    assert len({here, elsewhere, aws}) == 3 and aws == tmp_path / "cache" / "storage" / "s3" / bucket / "runs/r/model.pt"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3.replace("http://", "HTTP://") + "/")
+    assert _cached_path(url) == here  # one endpoint, however it is spelled

@@ -111,8 +111,8 @@ def results_table(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def train_checkpoints(storage: Path, name: str, trial_id: str) -> list[int]:
-    """Steps of the checkpoints the trial's own Train run (`<run>-trial-<id>`) has written."""
-    return sorted(int(p.name.split("_")[1]) for p in (storage / f"{name}-trial-{trial_id}").glob("checkpoint_*")
+    """Steps of the checkpoints the trial's own Train run (inside the run: `<run>/sweep/trials/<id>`) has written."""
+    return sorted(int(p.name.split("_")[1]) for p in (storage / name / "sweep" / "trials" / trial_id).glob("checkpoint_*")
                   if p.is_dir())
 
 
@@ -171,8 +171,9 @@ def test_tensorboard_serves_every_trials_accuracy_curve(assets: dict[str, str], 
     for folder in (run_dir / "sweep", run_dir / "sweep" / "scratch"):
         selected = json.loads((folder / "selected.json").read_text())
         assert 0.0 <= selected["test_accuracy"] <= 1.0 and selected["params"]["finetune.train.base_lr"] in (0.003, 0.03)
-    for final in ("tb-sweep-final", "tb-sweep-scratch-final"):
-        assert [p.name for p in (tmp_path / "runs" / final).glob("checkpoint_*") if p.is_dir()] == ["checkpoint_000000006"]
+    for final in (run_dir / "sweep" / "final", run_dir / "sweep" / "scratch" / "final"):  # inside the run
+        assert [p.name for p in final.glob("checkpoint_*") if p.is_dir()] == ["checkpoint_000000006"]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["tb"]  # nothing of the run beside it
     assert "[vitscale] retraining 2 winners at once" in output
     assert set(json.loads(output.strip().splitlines()[-1])["finetune"]) == {"pretrained", "scratch"}
     rows = {r["trial_id"]: r for r in results_table(run_dir)}
@@ -238,7 +239,7 @@ def test_a_killed_sweep_resumes_where_it_stopped(assets: dict[str, str], tmp_pat
     output = run(pipeline, tmp_path / "second.log")
     assert "resuming the sweep" in output
     # The unfinished trial's own Train run resumed from one of its checkpoints (its rank 0 says so).
-    resumed = [line for line in output.splitlines() if "resumed from" in line and f"{name}-trial-{second_id}" in line]
+    resumed = [line for line in output.splitlines() if "resumed from" in line and f"{name}/sweep/trials/{second_id}/" in line]
     assert resumed, output[-4000:]
     assert any(f"at step {step} " in resumed[0] for step in before_kill), (resumed, before_kill)
 

@@ -1,14 +1,34 @@
-"""Where things live: the one test for "is this a URL", and the one rule for where a run is stored.
+"""Where things live: the one test for "is this a URL", the one spelling of a storage location, and
+the one rule for where a run and its node-local cache are.
 
 Every location in a pipeline (a dataset, `cluster.storage_path`, a checkpoint) is either a local
 path or a URL with a scheme (`s3://bucket/prefix`, `file:///...`). Code that must tell them apart
-asks `is_url`; code that needs a run's place asks `run_location`.
+asks `is_url`; code that needs a run's place asks `run_location` (or `ClusterConfig.run_storage`),
+which is always in the one canonical form `canonical_location` gives: the lease, the run's mirror
+and Ray Train all receive that same string, so two spellings of one place can never hold two
+leases on it while writing into one folder.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import posixpath
+import re
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from vitscale.config.checks import ConfigError
+
+STORAGE_KEY = "cluster.storage_path"
+"""The key named when a run's storage location is refused."""
+
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+"""S3's bucket naming rules (lower case: S3 itself refuses upper-case names for new buckets)."""
+
+_AMBIGUOUS = {"%": "a %-encoding", "?": "a query (?)", "#": "a fragment (#)", "\\": "a backslash"}
+"""Characters one tool reads literally and another decodes or splits on (pyarrow's URI parser decodes
+`%2F` and reads `?` as options; boto3 takes the key as written): refused rather than guessed."""
 
 
 def is_url(location: str) -> bool:
@@ -16,13 +36,101 @@ def is_url(location: str) -> bool:
     return "://" in location
 
 
-def storage_root(storage_path: str) -> str:
-    """`cluster.storage_path` as every node must read it: a URL as written, a local path made absolute."""
-    if is_url(storage_path):
-        return storage_path.rstrip("/")
-    return str(Path(os.path.expanduser(storage_path)).resolve())
+def canonical_location(location: str, key: str = STORAGE_KEY) -> str:
+    """The one spelling of a storage location; `ConfigError(key, ...)` in one line for one that has none.
+
+    - `s3://bucket/a/b`: scheme lower-cased, `.` and empty segments (`//`, a trailing `/`) dropped,
+      `..` applied (refused if it climbs out of the bucket);
+    - `file:///path` and local paths: `~` expanded and the path made absolute with symlinks and `..`
+      resolved (`file://` dropped: a local path is what the lease, the mirror and Ray all take);
+    - refused: other schemes, a bucket that breaks S3's naming rules, `%`, `?`, `#`, `\\`, control
+      characters (see `_AMBIGUOUS`), `file://HOST/...`.
+
+    Idempotent: a canonical location is its own canonical form.
+    """
+    if not location:
+        raise ConfigError(key, "must name a folder or an s3:// prefix")
+    if any(ord(c) < 32 or ord(c) == 127 for c in location):
+        raise ConfigError(key, f"{location!r} contains a control character")
+    if not is_url(location):
+        return _canonical_path(location)
+    scheme, _, rest = location.partition("://")
+    scheme = scheme.lower()
+    _refuse_ambiguous(location, key)
+    if scheme == "file":
+        if not rest.startswith("/"):
+            raise ConfigError(key, f"{location}: a file:// URL names a local path (file:///path), not a host")
+        return _canonical_path(rest)
+    if scheme != "s3":
+        raise ConfigError(key, f"{location}: use a local path, file:// or s3://")
+    return _canonical_s3(rest, location, key)
+
+
+def _refuse_ambiguous(location: str, key: str) -> None:
+    for char, what in _AMBIGUOUS.items():
+        if char in location:
+            raise ConfigError(key, f"{location} contains {what}, which tools read differently; "
+                              "write the location with plain characters")
+
+
+def _canonical_path(path: str) -> str:
+    return str(Path(os.path.expanduser(path)).resolve())
+
+
+def _canonical_s3(rest: str, location: str, key: str) -> str:
+    bucket, _, prefix = rest.partition("/")
+    if not _BUCKET.fullmatch(bucket) or ".." in bucket:
+        raise ConfigError(key, f"{location}: {bucket!r} is not an S3 bucket name (3-63 lower-case letters, "
+                          "digits, '.' and '-')")
+    parts: list[str] = []
+    for part in prefix.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not parts:
+                raise ConfigError(key, f"{location}: '..' climbs out of the bucket {bucket}")
+            parts.pop()
+            continue
+        parts.append(part)
+    return "/".join([f"s3://{bucket}", *parts])
 
 
 def run_location(storage_path: str, run_name: str) -> str:
-    """Where the run `run_name` keeps its checkpoints and results: `storage_path/run_name`."""
-    return f"{storage_root(storage_path)}/{run_name}"
+    """Where the run `run_name` keeps its checkpoints and results: `storage_path/run_name`, canonical."""
+    return f"{canonical_location(storage_path)}/{run_name}"
+
+
+FINETUNE_PART = "finetune"
+"""Where a pipeline's fine-tuning stage stores its Train run inside the run (`storage_path/run/finetune`).
+Before, it was a sibling, `storage_path/run-finetune`: readers still find that (`train/export.py`), and
+the finetune stage refuses to resume one in one line naming the new place."""
+
+SIBLING_FINETUNE_SUFFIX = "-finetune"
+"""The older layout's sibling fine-tuning run: `<run>-finetune` beside `<run>`."""
+
+
+def part_location(run_storage: str, part: str) -> str:
+    """Where a part of a run (`finetune`, `sweep/trials/<id>`) is stored: inside the run, never beside it."""
+    return posixpath.join(run_storage, part) if part else run_storage
+
+
+def canonical_endpoint(endpoint_url: str | None) -> str:
+    """An endpoint URL with its case-insensitive parts (scheme, host) lower-cased and no trailing `/`."""
+    if not endpoint_url:
+        return ""  # AWS's own endpoint
+    parts = urlsplit(endpoint_url.strip())
+    return urlunsplit((parts.scheme.lower(), parts.netloc.lower(), parts.path.rstrip("/"), parts.query, ""))
+
+
+def run_cache_name(run_storage: str, endpoint_url: str | None) -> str:
+    """The name of a run's node-local cache folder: the run's name, readable, and a hash of where it is.
+
+    Keyed by the run's whole canonical location and the object-storage endpoint, never by its name
+    alone: `s3://team-a/runs/exp1` and `s3://team-b/runs/exp1` (or one bucket name on two endpoints)
+    are different runs, and a shared folder would push one run's files into the other's storage.
+    """
+    endpoint = canonical_endpoint(endpoint_url)
+    digest = hashlib.sha256(f"{run_storage}\n{endpoint}".encode()).hexdigest()[:12]
+    name = posixpath.basename(run_storage.rstrip("/"))
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "run"
+    return f"{slug[:64]}-{digest}"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar, overload
 
 from vitscale.config.checks import check, finite, plain_name, positive
-from vitscale.config.location import run_location
+from vitscale.config.location import STORAGE_KEY, canonical_location, run_location
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,14 @@ class ClusterConfig:
         """Ray Train's `ScalingConfig.num_workers`: an int, or `(min, max)` for elastic scaling."""
         return (self.min_workers, self.max_workers) if self.elastic else self.max_workers
 
+    @property
+    def storage_root(self) -> str:
+        """`storage_path` in its one canonical form (config/location.py): what every reader and writer of
+        the cluster's runs uses, so two spellings of one place are one place."""
+        return canonical_location(self.storage_path, STORAGE_KEY)
+
     def run_storage(self, run_name: str) -> str:
-        """Where the run `run_name` keeps its checkpoints: `storage_path/run_name` (a folder or URL)."""
+        """Where the run `run_name` keeps its checkpoints: `storage_path/run_name` (a folder or URL), canonical."""
         return run_location(self.storage_path, run_name)
 
     def check_fits(self, workers: int, cpus: float, gpus: int, where: str) -> None:
@@ -119,7 +125,8 @@ class ClusterConfig:
             check(self.worker_wait_s > 0, "cluster.worker_wait_s",
                   f"must be > 0 seconds (null waits forever), got {self.worker_wait_s!r}")
         positive(self.local_num_cpus, "cluster.local_num_cpus")
-        check(bool(self.storage_path), "cluster.storage_path", "must name a folder or s3:// prefix")
+        check(bool(self.storage_path), STORAGE_KEY, "must name a folder or s3:// prefix")
+        canonical_location(self.storage_path, STORAGE_KEY)  # one with no canonical spelling is refused here
         if self.run_name is not None:
             plain_name(self.run_name, "cluster.run_name")
 

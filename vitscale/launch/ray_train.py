@@ -16,6 +16,7 @@ import posixpath
 import socket
 import traceback
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -25,13 +26,14 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from vitscale.config.checks import ConfigError
-from vitscale.config.location import is_url, storage_root
+from vitscale.config.location import is_url, part_location
 from vitscale.config.pipeline import ClusterConfig, ray_address
 from vitscale.data.storage import open_storage
 from vitscale.data.storage.endpoint import endpoint_env
 from vitscale.data.storage.filesystem import ensure_uploaded, run_filesystem
 from vitscale.data.storage.mirror import RunMirror
 from vitscale.data.storage.retry import RETRY_ENV
+from vitscale.data.storage.run_cache import run_cache_dir, run_cache_key
 from vitscale.launch.console import labelled_lines
 from vitscale.launch.errors import PipelineFailed
 from vitscale.launch.failures import (
@@ -64,18 +66,20 @@ def train_worker(payload: dict[str, Any]) -> None:
 
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
-    run_dir = Path(payload["run_dir"])
-    mirror = _rank_mirror(run_dir, payload.get("storage"), rank)
+    place: RunPlace = payload["place"]
+    run_dir = place.local_dir()  # on this node, as this node's user: never the driver's path
+    storage = place.storage
+    mirror = _rank_mirror(run_dir, storage, rank)
     # SIGTERM (a spot VM's shutdown, a pod's deletion, `kill`) becomes a checkpoint, then this exit.
     termination = TerminationNotice(float(payload.get("grace_s", 120.0)), label=f"rank {rank}")
     try:
         with contextlib.ExitStack() as downloaded, labelled_lines(payload.get("label")), termination:
-            resume_from = _resume_directory(world_size, rank, downloaded, payload.get("storage"))
+            resume_from = _resume_directory(world_size, rank, downloaded, storage)
             # `restored` releases a downloaded checkpoint as soon as the loop has loaded it.
             ctx = WorkerContext(rank=rank, world_size=world_size, run_dir=run_dir,
-                                report=functools.partial(_report, mirror=mirror, storage=payload.get("storage")),
+                                report=functools.partial(_report, mirror=mirror, storage=storage),
                                 resume_from=resume_from, local_rank=context.get_local_rank(),
-                                restored=downloaded.close, storage=payload.get("storage"),
+                                restored=downloaded.close, storage=storage, run_name=place.name,
                                 elastic=bool(payload.get("elastic")), preemption=_preemption_notice,
                                 terminated=termination.notice)
             train(job, ctx)  # its last step reports the final checkpoint and metrics
@@ -89,7 +93,7 @@ def train_worker(payload: dict[str, Any]) -> None:
         # Ray shows its own traceback of the actor; print the worker's with its rank so the driver's
         # log says which rank failed and why, then re-raise for Ray's failure handling.
         print(f"[vitscale] rank {rank} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}", flush=True)
-        failure = WorkerFailed(f"rank {rank}: {ckpt.one_line(exc, payload.get('storage') or str(run_dir))}")
+        failure = WorkerFailed(f"rank {rank}: {ckpt.one_line(exc, storage)}")
         failure.deterministic = deterministic_cause(exc) is not None  # survives pickling; the cause does not
         raise failure from exc
     finally:
@@ -233,14 +237,52 @@ def _newest_first(latest: Any) -> Iterator[Any]:
             yield ray.train.Checkpoint(path, filesystem=latest.filesystem)
 
 
-def run_directory(cluster: ClusterConfig, run_name: str) -> tuple[str, Path]:
-    """(storage_path, local run directory) of the run `run_name`: the run itself is stored at
-    `cluster.run_storage(run_name)` (config/location.py, the one rule)."""
-    storage = storage_root(cluster.storage_path)
-    if is_url(storage):
-        # Checkpoints go to object storage; per-rank logs stay on each node's disk.
-        return storage, Path(os.path.expanduser("~/vitscale-runs-local")) / run_name
-    return storage, Path(cluster.run_storage(run_name))
+@dataclass(frozen=True)
+class RunPlace:
+    """Where one Ray Train run of a pipeline run lives: in storage, and on whichever node asks.
+
+    A pipeline run's Train runs all live inside it (`storage_path/run_name/<part>`: the pretraining at
+    the run itself, `finetune`, `sweep/trials/<id>`, ...), never beside it. On object storage each node
+    keeps its files in its own cache folder (`data/storage/run_cache.py`), found from `cache_key` on
+    that node: the driver ships the key, not a path of its own disk.
+    """
+
+    storage: str
+    """This Train run's canonical location: a shared folder or an `s3://` prefix."""
+    cache_key: str | None
+    """The pipeline run's node-local cache name; None when the storage is a folder every node reads."""
+    part: str = ""
+    """This Train run's path inside the pipeline run ("" for the run itself)."""
+
+    @property
+    def name(self) -> str:
+        """The Train run's name (the last segment of its location: the run's name, `finetune`, a trial id)."""
+        return posixpath.basename(self.storage)
+
+    def local_dir(self) -> Path:
+        """This node's folder for the run: the storage itself, or this node's cache of it (its root created)."""
+        if self.cache_key is None:
+            return Path(self.storage)
+        return run_cache_dir(self.cache_key, self.part)
+
+    def sub(self, part: str) -> RunPlace:
+        """The Train run at `part` inside this one (a sweep's trials inside `sweep/trials`)."""
+        inner = posixpath.join(self.part, part) if self.part else part
+        return RunPlace(part_location(self.storage, part), self.cache_key, inner)
+
+    def ray_storage(self) -> tuple[str, str]:
+        """(`RunConfig.storage_path`, `RunConfig.name`): Ray Train stores the run at their join."""
+        return posixpath.dirname(self.storage), self.name
+
+
+def run_place(cluster: ClusterConfig, run_name: str, part: str = "") -> RunPlace:
+    """Where the run `run_name` (or its `part`) lives: `cluster.run_storage(run_name)` is the one rule
+    (config/location.py), and an object-storage run's node cache is keyed by that location and the
+    endpoint in force, never by the name alone."""
+    storage = cluster.run_storage(run_name)
+    cache = run_cache_key(storage) if is_url(storage) else None
+    place = RunPlace(storage, cache)
+    return place.sub(part) if part else place
 
 
 FINAL_METRICS = ("step", "epoch", "loss", "examples_seen", "cumulative_exaflops", "images_per_s", "mfu",
@@ -256,31 +298,31 @@ def concurrent_runs(cluster: ClusterConfig, resources: dict[str, float]) -> int:
     return max(1, min(fits))
 
 
-def trainer_for(job: TrainJob, cluster: ClusterConfig, run_name: str, run_dir: Path,
+def trainer_for(job: TrainJob, cluster: ClusterConfig, place: RunPlace,
                 callbacks: list[Any] | None = None, label: str | None = None,
                 workers_key: str = "cluster.num_workers") -> TorchTrainer:
-    """The TorchTrainer that runs `job` as the run `run_name` (resumes it if that run has checkpoints).
+    """The TorchTrainer that runs `job` as the Train run at `place` (resumes it if it has checkpoints).
 
     `label` (a sweep trial and its hyper-parameters) goes into every "[vitscale]" line its workers print.
     `workers_key` is the key that set `cluster.num_workers` (a sweep's `sweep.workers_per_trial`): the
     line of a run stopped for want of room (`cluster.worker_wait_s`) says to lower it.
     """
-    storage, _ = run_directory(cluster, run_name)
+    parent, name = place.ray_storage()
     # Object storage: checkpoint uploads retry with backoff a bounded number of times (data/storage/filesystem.py).
-    filesystem, storage = run_filesystem(storage)
+    filesystem, storage = run_filesystem(parent)
     resources = {"CPU": cluster.cpus_per_worker}
     if cluster.use_gpu:
         resources["GPU"] = cluster.gpus_per_worker
     return TorchTrainer(
         train_worker,
-        train_loop_config={"job": job, "run_dir": str(run_dir), "storage": cluster.run_storage(run_name),
+        train_loop_config={"job": job, "place": place,
                            "label": label, "elastic": cluster.elastic, "grace_s": cluster.preemption_grace_s},
         # An int, or (min, max): Train V2's elastic scaling (its type stubs are the V1 class's).
         scaling_config=ScalingConfig(num_workers=cluster.scaling(), use_gpu=cluster.use_gpu,  # type: ignore[arg-type,call-arg]
                                      resources_per_worker=resources,
                                      elastic_resize_monitor_interval_s=cluster.elastic_resize_s),
         run_config=RunConfig(
-            name=run_name, storage_path=storage, storage_filesystem=filesystem,
+            name=name, storage_path=storage, storage_filesystem=filesystem,
             # A preemption (a node drained with a deadline: a spot reclaim, k8s/components/spot) restarts the
             # run from the checkpoint the loop writes on the notice, without counting as a failure.
             # (Train V2's FailureConfig; the type stubs Ray ships are the V1 class's.)
@@ -317,12 +359,12 @@ def final_metrics(result: Any) -> dict[str, Any]:
     return out
 
 
-def launch_training(job: TrainJob, cluster: ClusterConfig, run_name: str, run_dir: Path,
+def launch_training(job: TrainJob, cluster: ClusterConfig, place: RunPlace,
                     what: str = "training", workers_key: str = "cluster.num_workers") -> tuple[Any, dict[str, Any]]:
-    """Run `job` on Ray Train; returns (the final `ray.train.Checkpoint`, the final metrics)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """Run `job` on Ray Train at `place`; returns (the final `ray.train.Checkpoint`, the final metrics)."""
+    place.local_dir().mkdir(parents=True, exist_ok=True)
     try:
-        result = trainer_for(job, cluster, run_name, run_dir, workers_key=workers_key).fit()
+        result = trainer_for(job, cluster, place, workers_key=workers_key).fit()
     except Exception as exc:  # re-raised with the workers' own errors up front
         ended = "stopped" if isinstance(getattr(exc, "controller_failure", None), WorkersUnavailable) else "failed"
         raise PipelineFailed(f"{what} {ended}: {_root_cause(exc)}") from exc

@@ -16,6 +16,7 @@ from typing import Any
 
 from vitscale.config.checks import ConfigError, check
 from vitscale.config.loader import build_section, to_yaml
+from vitscale.config.location import FINETUNE_PART, SIBLING_FINETUNE_SUFFIX, is_url, part_location
 from vitscale.config.pipeline import PipelineConfig, local_cluster
 from vitscale.data.config import DataConfig
 from vitscale.models.config import ModelConfig
@@ -140,14 +141,32 @@ def prepare_finetune(config: PipelineConfig) -> None:
 
     meta = check_downstream(config)
     check_checkpoint(config, meta.num_classes)
+    refuse_sibling_finetune(config)
     # A re-run resumes the fine-tuning run of the same name: refuse a changed recipe before Ray starts.
-    refuse_changed_run_in(config.cluster.run_storage(finetune_run_name(config)), to_yaml(config), FINETUNE_SCOPE,
-                          config.cluster.fixed_world_size)
+    refuse_changed_run_in(finetune_storage(config), to_yaml(config), FINETUNE_SCOPE, config.cluster.fixed_world_size)
 
 
-def finetune_run_name(config: PipelineConfig) -> str:
-    """The fine-tuning run's name: the pipeline's run name + "-finetune"."""
-    return f"{config.run_name}-finetune"
+def finetune_storage(config: PipelineConfig) -> str:
+    """Where the pipeline's fine-tuning Train run is stored: inside the run, `storage_path/run/finetune`."""
+    return part_location(config.cluster.run_storage(config.run_name), FINETUNE_PART)
+
+
+def refuse_sibling_finetune(config: PipelineConfig) -> None:
+    """A fine-tuning run in the older layout (`<run>-finetune` beside the run) is not resumed from scratch in
+    the new place without a word: refused in one line naming where it must move."""
+    old = config.cluster.run_storage(config.run_name) + SIBLING_FINETUNE_SUFFIX
+    new = finetune_storage(config)
+    if _has_checkpoints(old, config.data.endpoint_url) and not _has_checkpoints(new, config.data.endpoint_url):
+        raise ConfigError("cluster.run_name", f"{config.run_name}'s fine-tuning is at {old}, beside the run (an older "
+                          f"layout); a run now keeps it inside: move it to {new} to resume it, or choose another name")
+
+
+def _has_checkpoints(location: str, endpoint_url: str | None) -> bool:
+    from vitscale.data.storage import open_storage
+
+    if not is_url(location):  # a glob, not a walk through every checkpoint's files
+        return any(Path(location).glob("checkpoint_*"))
+    return bool(open_storage(location, endpoint_url=endpoint_url).list("checkpoint_"))
 
 
 def _model_of_run(checkpoint_dir: Path) -> ModelConfig:
@@ -202,15 +221,15 @@ def _handed_over(config: PipelineConfig, context: StageContext) -> str:
 
 
 def run_finetune(config: PipelineConfig, context: StageContext) -> Finetuned:
-    from vitscale.launch.ray_train import launch_training
+    from vitscale.launch.ray_train import launch_training, run_place
 
     fc = finetune_section(config)
     model, init = initial_weights(config, context)
     lr = refuse_unset_lr(fc, "the finetune stage")  # check_finetune refused an unset one already
     job = final_job(fc, finetune_model(model, fc.resolution), init, lr, use_gpu=config.cluster.use_gpu,
                     endpoint_url=config.data.endpoint_url, config_yaml=to_yaml(config))
-    name = finetune_run_name(config)
-    checkpoint, metrics = launch_training(job, config.cluster, name, context.run_dir / "finetune", what="fine-tuning")
+    place = run_place(config.cluster, config.run_name, FINETUNE_PART)  # inside the run: storage_path/run/finetune
+    checkpoint, metrics = launch_training(job, config.cluster, place, what="fine-tuning")
     return Finetuned(checkpoint=checkpoint, base_lr=lr, metrics=metrics)
 
 

@@ -116,9 +116,9 @@ def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose:
 
 
 def _run_stages(config: PipelineConfig, verbose: bool, t0: float) -> dict[str, Any]:
-    from vitscale.launch.ray_train import run_directory
+    from vitscale.launch.ray_train import run_place
 
-    _, run_dir = run_directory(config.cluster, config.run_name)
+    run_dir = run_place(config.cluster, config.run_name).local_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     # The run's storage is the truth and this node's folder a cache of it (data/storage/mirror.py): on a
     # cluster whose nodes share only object storage, the driver's files must outlive its node, and a

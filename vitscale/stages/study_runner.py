@@ -68,13 +68,13 @@ def checkpoint_uri(checkpoint: Any) -> str | None:
 def run_cell(config: PipelineConfig, cell_id: str, state_url: str, endpoint_url: str | None) -> dict[str, Any]:
     """In the cell's Ray task: its stages in order, skipping those an earlier run finished."""
     from vitscale.data.storage.lease import hold_run_lease
-    from vitscale.launch.ray_train import run_directory
+    from vitscale.launch.ray_train import run_place
     from vitscale.stages import get_stage
     from vitscale.stages.base import StageContext
 
     state = StudyState(state_url, endpoint_url)
     done = state.stages(cell_id)
-    _, run_dir = run_directory(config.cluster, config.run_name)
+    run_dir = run_place(config.cluster, config.run_name).local_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     context = StageContext(run_dir=run_dir, run_name=config.run_name, verbose=False)
     # One writer per cell run, as for `vitscale run` (data/storage/lease.py).
@@ -111,9 +111,9 @@ def devices(config: PipelineConfig) -> float:
 
 def _progress(config: PipelineConfig, planned: PlannedCell) -> str | None:
     """The cell's latest step from rank 0's metrics file (local runs), as one line."""
-    from vitscale.launch.ray_train import run_directory
+    from vitscale.launch.ray_train import run_place
 
-    path = run_directory(config.cluster, config.run_name)[1] / "metrics" / "rank0.jsonl"
+    path = run_place(config.cluster, config.run_name).local_dir() / "metrics" / "rank0.jsonl"
     try:
         with open(path, "rb") as f:
             f.seek(max(0, f.seek(0, 2) - 4096))

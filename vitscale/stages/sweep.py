@@ -25,7 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vitscale.config.checks import ConfigError, check, non_negative, one_of, positive, seed
 from vitscale.config.loader import to_dict, to_yaml
@@ -48,6 +48,9 @@ from vitscale.stages.sweep_results import (
 from vitscale.train.config import TrainConfig
 from vitscale.train.finetune import FinetuneConfig, finetune_model
 from vitscale.train.job import EvalSet, TrainJob, final_job, selection_job
+
+if TYPE_CHECKING:  # Ray is imported lazily, inside the stage
+    from vitscale.launch.ray_train import RunPlace
 
 TARGETS = {"finetune": ("finetune.", "model."), "pretrain": ("train.", "model.", "data.")}
 """What a sweep tunes, and the config sections its hyper-parameters may come from."""
@@ -253,8 +256,9 @@ def trial_workers_key(config: PipelineConfig) -> str:
 
 
 def _trial(params: dict[str, Any], base: PipelineConfig, model: ModelConfig | None, init: str | None,
-           logs: str, finished: dict[str, dict[str, Any]] | None = None) -> None:
-    """One Tune trial: a TorchTrainer run of the selection job with this trial's values."""
+           trials: RunPlace, finished: dict[str, dict[str, Any]] | None = None) -> None:
+    """One Tune trial: a TorchTrainer run of the selection job with this trial's values, stored inside the
+    pipeline run at `trials/<trial id>` (`sweep/trials/<id>`)."""
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
@@ -271,8 +275,7 @@ def _trial(params: dict[str, Any], base: PipelineConfig, model: ModelConfig | No
     config = with_params(base, params)
     job = trial_job(config, model, init, final=False)
     # Named after the trial id (no timestamp): a restarted trial finds and resumes its own checkpoints.
-    trainer = trainer_for(job, trial_cluster(config), f"{base.run_name}-trial-{trial_id}",
-                          Path(logs) / trial_id, callbacks=[TuneReportCallback()],
+    trainer = trainer_for(job, trial_cluster(config), trials.sub(trial_id), callbacks=[TuneReportCallback()],
                           label=trial_label(trial_id, params),  # trials run at once: each line names its trial
                           workers_key=trial_workers_key(config))
     result = trainer.fit()
@@ -281,6 +284,18 @@ def _trial(params: dict[str, Any], base: PipelineConfig, model: ModelConfig | No
 
 # -- the stage ------------------------------------------------------------------------------------
 
+SWEEP_PART = "sweep"
+"""The sweep's folder inside the run: its tables, and its trials' and retrains' Train runs
+(`sweep/trials/<id>`, `sweep/final`; the random-weights search's under `sweep/scratch/`)."""
+SCRATCH = "-scratch"
+"""The label of the search from random weights (`sweep.scratch_baseline`)."""
+
+
+def sweep_part(label: str) -> str:
+    """The folder, inside the run, of the search labelled `label` ("" or `SCRATCH`)."""
+    return f"{SWEEP_PART}/{label.lstrip('-')}" if label else SWEEP_PART
+
+
 
 def run_sweep(config: PipelineConfig, context: StageContext) -> SweepResult:
     model, init = None, None
@@ -288,10 +303,10 @@ def run_sweep(config: PipelineConfig, context: StageContext) -> SweepResult:
         from vitscale.stages.finetune import initial_weights
 
         model, init = initial_weights(config, context)
-    directory = context.run_dir / "sweep"
+    directory = context.run_dir / sweep_part("")
     searches = [(init, directory, "")]
     if sweep_section(config).scratch_baseline:
-        searches.append((None, directory / "scratch", "-scratch"))
+        searches.append((None, context.run_dir / sweep_part(SCRATCH), SCRATCH))
     selections = []
     for start, folder, label in searches:
         if label:
@@ -316,7 +331,7 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
 
     from vitscale.eval.tables import write_table
     from vitscale.launch.console import library_output_to
-    from vitscale.launch.ray_train import concurrent_runs
+    from vitscale.launch.ray_train import concurrent_runs, run_place
 
     sweep = sweep_section(config)
     directory.mkdir(parents=True, exist_ok=True)
@@ -332,7 +347,8 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
     # The trial function only drives its TorchTrainer: it takes no CPU from the workers (Ray wants
     # some resource in a trial's bundle, so it asks for a token 64 MiB of memory).
     trainable = tune.with_resources(
-        tune.with_parameters(_trial, base=config, model=model, init=init, logs=str(directory / "trials"),
+        tune.with_parameters(_trial, base=config, model=model, init=init,
+                             trials=run_place(config.cluster, config.run_name, f"{sweep_part(label)}/trials"),
                              finished=finished_trials(experiment) if restoring else {}),
         {"cpu": 0, "memory": 64 * 2**20})
     metric = sweep.metric
@@ -407,7 +423,7 @@ def _retrain_winners(config: PipelineConfig, model: ModelConfig | None,
 
 def _retrain(config: PipelineConfig, model: ModelConfig | None, init: str | None, directory: Path, label: str,
              selected: dict[str, Any]) -> dict[str, Any]:
-    from vitscale.launch.ray_train import launch_training
+    from vitscale.launch.ray_train import launch_training, run_place
 
     start = "pre-trained" if init is not None else "random weights"
     print(f"[vitscale] retraining the winner {json.dumps(selected['params'])} from {start} on the whole "
@@ -415,7 +431,7 @@ def _retrain(config: PipelineConfig, model: ModelConfig | None, init: str | None
     winner = with_params(config, selected["params"])
     # The same world size as the trials: the winner's recipe (batch split, schedule) unchanged.
     _, metrics = launch_training(trial_job(winner, model, init, final=True), trial_cluster(config),
-                                 f"{config.run_name}-sweep{label}-final", directory / "final",
+                                 run_place(config.cluster, config.run_name, f"{sweep_part(label)}/final"),
                                  what="the winner's retrain", workers_key=trial_workers_key(config))
     final = {k: v for k, v in metrics.items() if k.startswith("test_accuracy")}
     final["final_exaflops"] = metrics.get("cumulative_exaflops")

@@ -15,7 +15,7 @@ import yaml
 
 from vitscale.config.errors import UserError
 from vitscale.config.loader import build_section
-from vitscale.config.location import is_url
+from vitscale.config.location import FINETUNE_PART, SIBLING_FINETUNE_SUFFIX, is_url
 from vitscale.data.storage.fetch import is_folder, local_copy, subfolders
 from vitscale.models.config import ModelConfig
 from vitscale.train import checkpoint as ckpt
@@ -64,12 +64,13 @@ def local_weights(location: str | Path) -> Path:
 
 
 def _trained_elsewhere(run_dir: Path) -> str | None:
-    """The training run a pipeline's run directory points to, when its checkpoints live beside it.
+    """The training run a pipeline's run directory points to, when it has no checkpoints of its own.
 
     `vitscale finetune` (and a pipeline whose last training stage is `finetune`) trains in a Ray Train run
-    of its own, `<run>-finetune`, while the console prints the pipeline's run directory: that directory's
-    summary.json names the checkpoint (the fine-tuned one first); a run that died before writing it has
-    its fine-tuning run beside it.
+    of its own, `<run>/finetune` (config/location.py), while the console prints the pipeline's run
+    directory: that directory's summary.json names the checkpoint (the fine-tuned one first); a run that
+    died before writing it has its fine-tuning run inside it, or, in the older layout, beside it
+    (`<run>-finetune`).
     """
     import json
 
@@ -83,14 +84,21 @@ def _trained_elsewhere(run_dir: Path) -> str | None:
             entry = stages.get(stage)
             if isinstance(entry, dict) and isinstance(entry.get("checkpoint"), str):
                 return str(entry["checkpoint"])
-    beside = run_dir.parent / f"{run_dir.name}-finetune"
-    return str(beside) if beside.is_dir() else None
+    for trained in (run_dir / FINETUNE_PART, run_dir.parent / f"{run_dir.name}{SIBLING_FINETUNE_SUFFIX}"):
+        if trained.is_dir():
+            return str(trained)
+    return None
 
 
 def _find_remote_checkpoint(url: str) -> Path:
-    folders = [f for f in subfolders(url) if f.rsplit("/", 1)[-1].startswith("checkpoint_")]
-    if not folders:  # the URL is a checkpoint itself
-        return find_checkpoint(local_copy(url))
+    folders = _checkpoint_folders(url)
+    if not folders:
+        # A pipeline run whose training was its fine-tuning keeps it inside (or, in the older layout, beside
+        # it): only that part is copied, not the whole run.
+        trained = _trained_part(url)
+        if trained is not None:
+            return _find_remote_checkpoint(trained)
+        return find_checkpoint(local_copy(url))  # the URL is a checkpoint itself
     problems = []
     for folder in reversed(folders):  # checkpoint_{step:09d}: the name orders by step
         local = local_copy(folder)
@@ -100,6 +108,19 @@ def _find_remote_checkpoint(url: str) -> Path:
             return local
         problems.append(f"{folder}: {'; '.join(found)}")
     raise UserError(f"{url}: none of its {len(folders)} checkpoints is complete ({problems[0]})")
+
+
+def _checkpoint_folders(url: str) -> list[str]:
+    return [f for f in subfolders(url) if f.rsplit("/", 1)[-1].startswith("checkpoint_")]
+
+
+def _trained_part(url: str) -> str | None:
+    """The fine-tuning run of the pipeline run at `url` in object storage, if it has checkpoints."""
+    run = url.rstrip("/")
+    for trained in (f"{run}/{FINETUNE_PART}", f"{run}{SIBLING_FINETUNE_SUFFIX}"):
+        if _checkpoint_folders(trained):
+            return trained
+    return None
 
 
 def model_from_checkpoint(checkpoint: str | Path) -> tuple[torch.nn.Module, ModelConfig, dict[str, Any]]:

@@ -59,6 +59,9 @@ class WorkerContext:
     """Called once `resume_from` is loaded: the launcher releases a downloaded copy then."""
     storage: str | None = None
     """The run's storage every node shares (a folder or s3:// prefix): fault markers; None = run_dir."""
+    run_name: str | None = None
+    """The run's name in its metrics (the `run` label); None = run_dir's name. A node's cache folder of an
+    object-storage run carries a hash of its location (data/storage/run_cache.py), not a name to show."""
     elastic: bool = False
     """The run's world size may change between restarts (`cluster.num_workers: [MIN, MAX]`): a
     checkpoint of another world size is resharded, not refused."""

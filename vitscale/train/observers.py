@@ -25,8 +25,8 @@ class Observers:
         ctx, train = worker.ctx, worker.job.train
         self.ctx, self.total_steps, self.log_every = ctx, worker.total_steps, train.log_every
         self.start_step = worker.state.step
-        self.sink = MetricsSink(ctx.run_dir, run=ctx.run_dir.name, rank=ctx.rank, addr=train.metrics_addr,
-                                port=None if train.metrics_port is None else
+        self.sink = MetricsSink(ctx.run_dir, run=ctx.run_name or ctx.run_dir.name, rank=ctx.rank,
+                                addr=train.metrics_addr, port=None if train.metrics_port is None else
                                 (0 if train.metrics_port == 0 else train.metrics_port + ctx.local_rank))
         if self.sink.port is not None:
             print(f"[vitscale] rank {ctx.rank}: Prometheus metrics on :{self.sink.port}/metrics", flush=True)

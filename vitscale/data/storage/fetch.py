@@ -2,19 +2,22 @@
 
 Tools that read a model (`vitscale export | fewshot | inspect | finetune`, `finetune.checkpoint`)
 work on local files. Given an `s3://` location they read a copy from the cache instead
-(`$VITSCALE_CACHE`, default `~/.cache/vitscale`), laid out as `storage/<bucket>/<key>`. An object
+(`$VITSCALE_CACHE`, default `~/.cache/vitscale`), laid out as `storage/s3/<bucket>/<key>` for AWS and
+`storage/s3@<hash of the endpoint>/<bucket>/<key>` for another endpoint (one bucket name on MinIO and on
+AWS are two places, and a copy of one must never be read as the other). An object
 already in the cache at its size is not fetched again; a download lands under a temporary name and is
 renamed, so an interrupted fetch never leaves a file that looks whole.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
 
-from vitscale.config.location import is_url
-from vitscale.data.storage import open_storage
+from vitscale.config.location import canonical_endpoint, is_url
+from vitscale.data.storage import open_storage, resolve_endpoint_url
 from vitscale.data.storage.base import Storage
 from vitscale.data.storage.cleanup import after_error, remove_file
 
@@ -36,6 +39,9 @@ def _split(url: str) -> tuple[Storage, str]:
 
 def _cached_path(url: str) -> Path:
     scheme, _, rest = url.partition("://")
+    endpoint = canonical_endpoint(resolve_endpoint_url())  # the endpoint open_storage reads `url` from
+    if endpoint:
+        scheme = f"{scheme}@{hashlib.sha256(endpoint.encode()).hexdigest()[:12]}"
     return cache_root() / "storage" / scheme / rest.rstrip("/")
 
 

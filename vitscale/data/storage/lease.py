@@ -18,6 +18,10 @@ therefore holds the run's lease first; a second writer is refused with one line 
   clocks that disagree between machines do not matter. ``force=True`` (``vitscale run --force``)
   takes over a lease that has not expired yet: for a holder known to be dead, when waiting
   ``ttl_s`` is not wanted. A holder on this machine whose process is alive is never forced out.
+  A holder that provably died on this very machine is taken over at once, without ``force``: the
+  lease records the machine (boot id and pid namespace, not just the host name, which containers and
+  clones share) and the holder's process start time, so a pid reused by another process since is
+  not mistaken for the holder (``Holder.dead_here``).
 
 A writer whose heartbeat finds the lease taken over (or cannot renew it for ``ttl_s``) has lost
 it: ``on_lost`` is called (the CLI's default interrupts the driver) so that it stops writing.
@@ -72,10 +76,17 @@ class Holder:
     token: str
     """Random id of this holding (two holders on one host with a recycled pid still differ)."""
     ttl_s: float = DEFAULT_TTL_S
+    machine: str | None = None
+    """This kernel's boot and pid namespace (`machine_id`): where `pid` means this process; None = unknown."""
+    started: int | None = None
+    """The holder process's start time (clock ticks since boot, `process_start`): tells it from a later
+    process given the same pid; None = unknown (a lease written by an older vitscale)."""
 
     @staticmethod
     def me(ttl_s: float) -> Holder:
-        return Holder(socket.gethostname(), os.getpid(), time.time(), uuid.uuid4().hex, ttl_s)
+        pid = os.getpid()
+        return Holder(socket.gethostname(), pid, time.time(), uuid.uuid4().hex, ttl_s, machine_id(),
+                      process_start(pid))
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since))
@@ -89,22 +100,70 @@ class Holder:
         """The holder in ``data``, or None when it is empty or not a holder (never raises)."""
         try:
             raw = json.loads(data.decode("utf-8"))
+            machine, started = raw.get("machine"), raw.get("started")
             return Holder(host=str(raw["host"]), pid=int(raw["pid"]), since=float(raw["since"]),
-                          token=str(raw["token"]), ttl_s=float(raw.get("ttl_s", DEFAULT_TTL_S)))
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
+                          token=str(raw["token"]), ttl_s=float(raw.get("ttl_s", DEFAULT_TTL_S)),
+                          machine=None if machine is None else str(machine),
+                          started=None if started is None else int(started))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError, AttributeError):
             return None
 
+    def here(self) -> bool:
+        """Whether `pid` names a process of this machine: same host name and, when recorded, same kernel
+        boot and pid namespace (a container on another host, or beside this one, is elsewhere)."""
+        return self.host == socket.gethostname() and (self.machine is None or self.machine == machine_id())
+
     def alive_here(self) -> bool:
-        """Whether this holder is a live process on this machine (False when it is elsewhere)."""
-        if self.host != socket.gethostname():
+        """Whether this holder may be a live process on this machine (False when it is elsewhere)."""
+        return self.here() and not self.dead_here() and not _no_such_process(self.pid)
+
+    def dead_here(self) -> bool:
+        """Whether this holder is provably gone: it was a process of this very machine (its recorded
+        machine id is this one's) and no process with its pid and start time exists now. Unknown
+        machine or start time (an older lease) proves nothing: the lease then waits for its expiry."""
+        if self.machine is None or self.machine != machine_id() or self.host != socket.gethostname():
             return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True  # exists, owned by someone else
+        now = process_start(self.pid)
+        if now is None:
+            return _no_such_process(self.pid)
+        return self.started is not None and now != self.started  # the pid was reused by a later process
+
+
+def machine_id() -> str | None:
+    """This kernel's boot id and this process's pid namespace (Linux), or None where unknown.
+
+    A host name is no identity: containers, pods and cloned VMs share them. A pid means one process only
+    within one pid namespace of one boot; two holders with the same `machine_id` see the same pids.
+    """
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    return f"{boot}/{namespace}"
+
+
+def process_start(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (`/proc/PID/stat` field 22), or None when
+    there is no such process or no /proc. Exact and immune to clock changes, unlike a wall time."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    try:  # the name (field 2) may hold spaces and parentheses: count fields after its last ')'
+        return int(stat[stat.rindex(")") + 2:].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def _no_such_process(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return True
+    except PermissionError:
+        return False  # exists, owned by someone else
+    return False
 
 
 _ADVICE = {
@@ -266,7 +325,8 @@ class _S3Lease(RunLease):
             ttl = holder.ttl_s if holder is not None else self.holder.ttl_s
             if holder is not None and holder.token == self.holder.token:
                 return etag
-            if age <= ttl and not force:
+            dead = holder is not None and age <= ttl and holder.dead_here()
+            if age <= ttl and not force and not dead:
                 raise _refusal(self.url, holder, f"lease {self.where} renewed {age:.0f} s ago; it expires "
                                f"{ttl:.0f} s after its last renewal", self.kind)
             if age <= ttl and holder is not None and holder.alive_here():
@@ -275,7 +335,8 @@ class _S3Lease(RunLease):
             taken = self._put(IfMatch=etag)
             if taken is not None and self._still_mine():
                 who = holder.describe() if holder is not None else "an unreadable holder"
-                why = "forced" if age <= ttl else f"not renewed for {age:.0f} s"
+                why = ("its process is gone from this machine" if dead else "forced" if age <= ttl
+                       else f"not renewed for {age:.0f} s")
                 self.log(f"[vitscale] took over the lease of {self.url} from {who} ({why})")
                 return taken
         raise StorageError(f"lease {self.where}: other writers kept changing it; try again")

@@ -11,8 +11,9 @@ the run's storage; a machine that has never seen the run *pulls* what it needs f
 seconds for logs costs one stat per file. Where the storage *is* the local folder (a local or NFS
 `storage_path`), both directions are no-ops.
 
-Names under `checkpoint_*/` are left out of both directions: checkpoints are written to the storage
-by Ray Train itself and read through `ray.train.Checkpoint`.
+Names under `checkpoint_*/` are left out of both directions, at any depth: checkpoints are written to
+the storage by Ray Train itself and read through `ray.train.Checkpoint`, the run's own (at its top) and
+those of the Train runs inside it (`finetune/checkpoint_*`, `sweep/trials/<id>/checkpoint_*`).
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ from vitscale.data.storage.local import LocalStorage
 __all__ = ["RunMirror"]
 
 SKIPPED_PREFIXES = ("checkpoint_",)
-"""Top-level names a mirror never copies: Ray Train's own checkpoint folders (and its bookkeeping)."""
+"""Folder names a mirror never copies, at any depth: Ray Train's own checkpoint folders (and its bookkeeping)."""
 SKIPPED_NAMES = ("checkpoint_manager_snapshot.json", ".validate_storage_marker", ".vitscale-lease")
 """Ray Train's bookkeeping and the run's lease (data/storage/lease.py): owned by their writers, never copied."""
 
 
 def _skipped(name: str) -> bool:
-    top = name.split("/", 1)[0]
-    return top.startswith(SKIPPED_PREFIXES) or top in SKIPPED_NAMES or name.endswith(".part")
+    # Every segment: a part of the run (its fine-tuning, a sweep trial) is a Ray Train run of its own.
+    segments = name.split("/")
+    return any(s.startswith(SKIPPED_PREFIXES) or s in SKIPPED_NAMES for s in segments) or name.endswith(".part")
 
 
 class RunMirror:
@@ -130,7 +132,6 @@ class RunMirror:
         out = []
         for root, dirs, files in os.walk(self.local):
             rel = Path(root).relative_to(self.local)
-            if rel == Path("."):
-                dirs[:] = [d for d in dirs if not _skipped(d)]
+            dirs[:] = [d for d in dirs if not _skipped(d)]
             out += [(rel / f).as_posix() if rel != Path(".") else f for f in files]
         return out
