@@ -95,7 +95,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(args: argparse.Namespace) -> int:
         raise ValueError("an internal bug")
 
-    monkeypatch.setattr(cli, "cmd_models", broken)
+    monkeypatch.setattr(cli.models, "cmd_models", broken)
     with pytest.raises(ValueError, match="an internal bug"):
         main(["models"])
 
@@ -104,7 +104,7 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch: pytest.MonkeyPatch, capsys
     def interrupted(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "cmd_models", interrupted)
+    monkeypatch.setattr(cli.models, "cmd_models", interrupted)
     assert main(["models"]) == 130
     assert capsys.readouterr().err == "vitscale: interrupted\n"
 
@@ -128,3 +128,12 @@ def test_a_wrong_address_is_one_line_within_seconds(tmp_path: Path, small_synthe
     assert code == 2 and time.monotonic() - started < 30, (out, err)
     assert err.count("\n") == 1 and f"no Ray cluster answers at 127.0.0.1:{port}" in err, err
     assert not ray.is_initialized()
+
+
+
+def test_every_argument_of_every_verb_says_what_it_is() -> None:
+    """`--help` explains every argument: none is left bare (a bare --json or DEST says nothing)."""
+    bare = [f"{path}: {action.dest}" for path, parser in _parsers(build_parser()) for action in parser._actions
+            if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction, argparse._VersionAction))
+            and not (action.help or "").strip()]
+    assert not bare, bare

@@ -1,4 +1,4 @@
-"""`vitscale study plan | report | recommend`: the study's verbs besides `vitscale run`."""
+"""`vitscale study plan | report | recommend`: the scaling study's verbs besides `vitscale run`."""
 
 from __future__ import annotations
 
@@ -70,14 +70,15 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_study_verbs(verbs: Any, verb: Callable[..., argparse.ArgumentParser]) -> None:
+def add_verbs(verbs: Any, verb: Callable[..., argparse.ArgumentParser]) -> None:
     """`vitscale study ...` under the CLI's verbs."""
     study = verbs.add_parser("study", help="Plan a scaling study, report its results, recommend a model for a budget.")
     study_verbs = study.add_subparsers(dest="study_verb", required=True, metavar="VERB")
 
     p = verb("plan", cmd_plan, "Every cell of a study pipeline with its planned compute (nothing runs).", study_verbs)
     p.add_argument("pipeline", help="a pipeline with a study stage (e.g. scaling-study-local)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set study.max_exaflops=10 (repeatable)")
     p.add_argument("--json", action="store_true", help="a list of cells: model, epochs, examples, exaflops, ...")
 
     for name, func, text in (("report", cmd_report, "Regenerate a study's tables, plots and fits from its state."),
@@ -90,4 +91,4 @@ def add_study_verbs(verbs: Any, verb: Callable[..., argparse.ArgumentParser]) ->
         if name == "recommend":
             p.add_argument("--budget", type=float, required=True, help="pre-training compute in exaFLOPs")
         else:
-            p.add_argument("--json", action="store_true")
+            p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")

@@ -1,0 +1,92 @@
+"""The `vitscale` command. Thin on purpose: parse arguments, load config, call one function per verb.
+
+Each group of verbs lives in its own module with its arguments next to its command (`models.py`,
+`run.py`, `weights.py`, `shards.py`, `study.py`); this module builds the parser from them and turns
+errors into one line. Heavy imports (torch, ray, deepspeed) happen inside the verb that needs them,
+so `vitscale config` and `--help` answer instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from vitscale.cli import models, run, shards, study, weights
+from vitscale.cli.parser import Parser, chosen_parser
+from vitscale.config.suggest import did_you_mean
+
+GROUPS = (run, models, weights, study, shards)
+"""The verb groups, in the order `vitscale --help` lists them."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole `vitscale` parser: every group's verbs."""
+    from vitscale._version import __version__
+
+    parser = Parser(prog="vitscale",
+                    description="Pre-train Vision Transformers at scale on Ray Train + DeepSpeed ZeRO.")
+    parser.add_argument("--version", action="version", version=f"vitscale {__version__}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    def verb(name: str, func: Callable[[argparse.Namespace], int], help: str,
+             into: Any = None) -> argparse.ArgumentParser:
+        p = (verbs if into is None else into).add_parser(name, help=help, description=help)
+        p.set_defaults(func=func)
+        return p
+
+    for group in GROUPS:
+        group.add_verbs(verbs, verb)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `vitscale` console script.
+
+    Errors that are the user's to fix (a setting, the data, storage, a file: `launch/errors.py`) are one
+    line and exit 2; a failed stage is one line after the workers' own output and exits 1; Ctrl-C is one
+    line and exits 130. Anything else is a bug and keeps its traceback.
+    """
+    from vitscale.config.checks import ConfigError
+    from vitscale.launch.errors import PipelineFailed, known_errors
+
+    # Before Ray is imported (it reads the variable then; Ray's logging guide documents it): the console
+    # routes every forwarded line itself, and Ray's de-duplication would hold repeated lines back and
+    # print them late, after the summary and the final JSON line.
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        chosen = chosen_parser(parser, args)
+        flags = [flag for action in chosen._actions for flag in action.option_strings]
+        hints = "".join(did_you_mean(item.partition("=")[0], flags) for item in extra if item.startswith("-"))
+        chosen.error(f"unrecognized arguments: {' '.join(extra)}{hints}")
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("vitscale: interrupted", file=sys.stderr)
+        return 130
+    except known_errors() as exc:
+        text = from_set(exc, getattr(args, "set", ())) if isinstance(exc, ConfigError) else str(exc)
+        print(f"vitscale: error: {text}", file=sys.stderr)
+        return 2
+    except PipelineFailed as exc:
+        # The workers' tracebacks are already in the log above; end with who failed and why.
+        print(f"vitscale: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def from_set(exc: Exception, overrides: Sequence[str]) -> str:
+    """The error's line, naming the `--set KEY=VALUE` the bad value came from (not the pipeline file)."""
+    key = getattr(exc, "key", "")
+    for item in reversed(list(overrides)):  # the last --set of a key is the one that counts
+        given = item.partition("=")[0].strip()
+        if key == given or key.startswith((f"{given}.", f"{given}[")) or given.startswith(f"{key}."):
+            return f"{key}: {getattr(exc, 'message', exc)} (from --set {item})"
+    return str(exc)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""`vitscale models | flops`: the paper's models and their compute."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from vitscale.cli.parser import VerbFn, print_json
+
+
+def add_verbs(verbs: Any, verb: VerbFn) -> None:
+    """This module's verbs under the CLI's: each one's arguments are set by the function above its command."""
+    _models_args(verb(
+        "models", cmd_models,
+        "List every model with parameters and forward GFLOPs at 224 and 384."))
+    _flops_args(verb(
+        "flops", cmd_flops,
+        "Forward and training compute of a model (the paper's convention)."))
+
+
+def _models_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from vitscale.scaling.catalog import model_rows, models_markdown
+
+    rows = model_rows()
+    if args.json:
+        print_json(rows)
+    else:
+        print(models_markdown(rows))
+    return 0
+
+
+def _flops_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help='model name, e.g. "ViT-B/16"')
+    p.add_argument("--resolution", type=int, default=224, help="input side in pixels")
+    p.add_argument("--examples", type=int, default=None, help="dataset size (default: JFT-300M)")
+    p.add_argument("--epochs", type=float, default=1.0, help="passes over the dataset")
+    p.add_argument("--classes", type=int, default=1000, help="classifier width (JFT-300M: 18291)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a model option, as in a pipeline's model: section (e.g. representation_size=768)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a summary")
+
+
+def cmd_flops(args: argparse.Namespace) -> int:
+    from vitscale.config.loader import apply_override
+    from vitscale.scaling.catalog import flops_summary, summary_markdown
+
+    options: dict = {}
+    for item in args.option:  # YAML values, as a pipeline's `model:` section reads them
+        options = apply_override(options, item)
+    summary = flops_summary(args.model, resolution=args.resolution, examples=args.examples, epochs=args.epochs,
+                            num_classes=args.classes, **options)
+    if args.json:
+        print_json(summary)
+    else:
+        print(summary_markdown(summary))
+    return 0

@@ -1,0 +1,94 @@
+"""`vitscale run | config | finetune`: pipelines, run on Ray (a local one by default)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from vitscale.cli.parser import VerbFn
+
+
+def add_verbs(verbs: Any, verb: VerbFn) -> None:
+    """This module's verbs under the CLI's: each one's arguments are set by the function above its command."""
+    _run_args(verb(
+        "run", cmd_run,
+        "Run a pipeline's stages (starts a local Ray unless --address/RAY_ADDRESS)."))
+    _config_args(verb(
+        "config", cmd_config,
+        "Print the resolved pipeline config (defaults < file < --set)."))
+    _finetune_args(verb(
+        "finetune", cmd_finetune,
+        "Fine-tune a checkpoint on a sharded dataset with the paper's recipe (SGD, cosine, "
+        "Table 4 presets) and test it once."))
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("pipeline", help="pipeline YAML file, or the name of one under pipelines/")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set train.base_lr=4e-4 (repeatable)")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS or local)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show Ray's and DeepSpeed's own output here too (default: RUN_DIR/logs/ray.log)")
+    p.add_argument("--force", action="store_true",
+                   help="take over the run's lease from a writer known to be dead (object storage; a local "
+                        "run's lock goes by itself when its holder dies)")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from vitscale.stages import load_pipeline
+    from vitscale.stages.run import resolve_pipeline_path, run_pipeline
+
+    config = load_pipeline(resolve_pipeline_path(args.pipeline), args.set)
+    summary = run_pipeline(config, address=args.address, verbose=args.verbose, force=args.force)
+    print(json.dumps(summary, default=str))
+    return 0 if summary.get("ok", True) else 1
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("pipeline", help="pipeline YAML file, or the name of one under pipelines/")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set train.base_lr=4e-4 (repeatable)")
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from vitscale.config import to_yaml
+    from vitscale.stages import load_pipeline
+    from vitscale.stages.run import resolve_pipeline_path
+
+    config = load_pipeline(resolve_pipeline_path(args.pipeline), args.set)
+    print(to_yaml(config), end="")
+    return 0
+
+
+def _finetune_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="run directory, vitscale export (.pt/.safetensors), official .npz or timm file")
+    p.add_argument("--data", required=True, help="downstream dataset (vitscale shards) with train and test splits")
+    p.add_argument("--preset", default=None, help="imagenet | cifar10 | cifar100 | pets | flowers | vtab (Table 4)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the preset's, if it has one)")
+    p.add_argument("--model", default=None, help='architecture of a .npz/timm file, e.g. "ViT-B/16"')
+    p.add_argument("--img-size", type=int, default=None, help="resolution the .npz/timm file was trained at")
+    p.add_argument("--resolution", type=int, default=None, help="fine-tuning resolution (default 384)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the preset's)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any pipeline value, e.g. --set finetune.train.global_batch=64 --set cluster.num_workers=2 "
+                        "(without --address the cluster is this machine: a worker per GPU, or one CPU worker)")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS or local)")
+    p.add_argument("--verbose", action="store_true", help="show Ray's and DeepSpeed's own output here too")
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from vitscale.config import apply_override
+    from vitscale.config.pipeline import ray_address
+    from vitscale.stages import build_pipeline
+    from vitscale.stages.finetune import finetune_pipeline
+    from vitscale.stages.run import run_pipeline
+
+    raw = finetune_pipeline(args.checkpoint, args.data, preset=args.preset, base_lr=args.lr, model=args.model,
+                            img_size=args.img_size, resolution=args.resolution, steps=args.steps,
+                            local=ray_address(args.address) is None)
+    for item in args.set:
+        raw = apply_override(raw, item)
+    summary = run_pipeline(build_pipeline(raw, "vitscale finetune"), address=args.address, verbose=args.verbose)
+    print(json.dumps(summary, default=str))
+    return 0

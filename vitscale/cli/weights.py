@@ -1,0 +1,118 @@
+"""`vitscale export | fewshot | inspect`: what trained weights are and hold, in this process."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from vitscale.cli.parser import VerbFn, print_json
+
+
+def add_verbs(verbs: Any, verb: VerbFn) -> None:
+    """This module's verbs under the CLI's: each one's arguments are set by the function above its command."""
+    _export_args(verb(
+        "export", cmd_export,
+        "Write a run's latest checkpoint as one fp32 model file."))
+    _fewshot_args(verb(
+        "fewshot", cmd_fewshot,
+        "Few-shot linear probe of a checkpoint (closed-form least squares, Sec. 4.1), in this "
+        "process: mean and std over seeds per dataset and shot count."))
+    _inspect_args(verb(
+        "inspect", cmd_inspect,
+        "The paper's model analyses of a ViT or hybrid (Sec. 4.5, Figures 6-7): "
+        "embedding-filter components, position-embedding similarity, attention distance, "
+        "attention rollout; PNGs and parquet tables."))
+
+
+def _export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="run directory (or a checkpoint directory inside it)")
+    p.add_argument("--out", required=True, help="the model file to write (.pt, or .npz with --format npz)")
+    p.add_argument("--format", choices=("pt", "npz"), default="pt",
+                   help="pt: a vitscale state dict with its header; npz: big_vision's layout")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from vitscale.train.export import export_run
+
+    info = export_run(args.run_dir, args.out, fmt=args.format, progress=True)
+    print_json(info)
+    return 0
+
+
+def _fewshot_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="run directory, vitscale export (.pt/.safetensors), official .npz or timm file")
+    p.add_argument("--data", action="append", required=True, metavar="SHARDS",
+                   help="dataset (vitscale shards) with train and test splits (repeatable)")
+    p.add_argument("--shots", type=int, nargs="+", default=None, help="examples per class (default: 1 5 10 25)")
+    p.add_argument("--seeds", type=int, default=None, help="few-shot draws per shot count (default: 3)")
+    p.add_argument("--seed", type=int, default=None, help="first seed of the draws (default: 0)")
+    p.add_argument("--l2", type=float, default=None, help="ridge strength (default: 1024, as big_vision)")
+    p.add_argument("--resolution", type=int, default=None, help="probe resolution (default: the model's)")
+    p.add_argument("--train-split", default=None, help="split the shots are drawn from (default: train)")
+    p.add_argument("--test-split", default=None, help="split accuracy is measured on (default: test)")
+    p.add_argument("--model", default=None, help='architecture of a .npz/timm file, e.g. "ViT-B/16"')
+    p.add_argument("--img-size", type=int, default=None, help="resolution the .npz/timm file was trained at (224)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a model option of the .npz/timm file's architecture, as in a pipeline's model: section "
+                        "(e.g. depth=6, classifier=gap; repeatable)")
+    p.add_argument("--batch-size", type=int, default=None, help="images per forward pass (default: 128)")
+    p.add_argument("--error-budget", type=float, default=None,
+                   help="fraction of unreadable samples tolerated per split (default: 0.001)")
+    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint URL")
+    p.add_argument("--json", action="store_true", help="print the accuracies as JSON instead of a table")
+
+
+def cmd_fewshot(args: argparse.Namespace) -> int:
+    from vitscale.eval.checkpoint_probe import fewshot_checkpoint, fewshot_table
+
+    fewshot = {"datasets": tuple(args.data), "shots": tuple(args.shots) if args.shots else None,
+               "seeds": args.seeds, "seed": args.seed, "l2": args.l2, "resolution": args.resolution,
+               "train_split": args.train_split, "test_split": args.test_split, "batch_size": args.batch_size,
+               "error_budget": args.error_budget}
+    from vitscale.config.loader import apply_override
+
+    options: dict[str, Any] = {}
+    for item in args.option:  # YAML values, as a pipeline's `model:` section reads them
+        options = apply_override(options, item)
+    report = fewshot_checkpoint(args.checkpoint, fewshot, model_name=args.model, img_size=args.img_size,
+                                endpoint_url=args.endpoint_url, progress=True, model_options=options)
+    if args.json:
+        print_json(report)
+    else:
+        print(fewshot_table(report))
+    return 0
+
+
+def _inspect_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="run directory, vitscale export (.pt/.safetensors), official .npz or timm file")
+    p.add_argument("--images", required=True, metavar="SHARDS", help="dataset (vitscale shards) of sample images")
+    p.add_argument("--out", required=True, help="folder for the PNGs, parquet tables and inspect.json")
+    p.add_argument("--count", type=int, default=8, help="sample images, the first readable ones (default: 8)")
+    p.add_argument("--split", default="train", help="split the images are read from (default: train)")
+    p.add_argument("--model", default=None, help='architecture of a .npz/timm file, e.g. "ViT-B/16"')
+    p.add_argument("--img-size", type=int, default=None, help="resolution the .npz/timm file was trained at (224)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a model option of the .npz/timm file's architecture, as in a pipeline's model: section "
+                        "(e.g. depth=6, classifier=gap; repeatable)")
+    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint URL")
+    p.add_argument("--json", action="store_true", help="print inspect.json's content instead of a summary")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from vitscale.config.loader import apply_override
+    from vitscale.inspect.run import inspect_checkpoint
+
+    options: dict[str, Any] = {}
+    for item in args.option:  # YAML values, as a pipeline's `model:` section reads them
+        options = apply_override(options, item)
+    report = inspect_checkpoint(args.checkpoint, args.images, args.out, count=args.count, split=args.split,
+                                model_name=args.model, img_size=args.img_size, endpoint_url=args.endpoint_url,
+                                progress=True, model_options=options)
+    if args.json:
+        print_json(report)
+    else:
+        print(f"{report['checkpoint']} ({report['format']}, {report['model']} at {report['img_size']}): "
+              f"{len(report['image_keys'])} images of {args.images} ({args.split})")
+        print("\n".join([*(f"  note: {note}" for note in report["notes"]),
+                         *(f"  wrote {args.out}/{name}" for name in report["files"])]))
+    return 0
