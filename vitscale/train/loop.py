@@ -27,6 +27,7 @@ from typing import Any, cast
 
 import torch
 
+from vitscale.data.storage.atomic import AppendOnly
 from vitscale.scaling.flops import forward_flops
 from vitscale.train import checkpoint as ckpt
 from vitscale.train.engine import (
@@ -428,10 +429,10 @@ class _SamplesLog:
     def __init__(self, ctx: WorkerContext):
         directory = ctx.run_dir / "samples"
         directory.mkdir(parents=True, exist_ok=True)
-        self.file = open(directory / f"rank{ctx.rank}.jsonl", "a")  # noqa: SIM115 -- appended to per step, closed with the run
+        # Whole lines or nothing (data/storage/atomic.py), as the metrics: a full disk tears no record.
+        self.file = AppendOnly(directory / f"rank{ctx.rank}.jsonl")
 
     def write(self, step: int, keys: list[str], world_size: int) -> None:
         # The world size and time say which attempt's lines survive when an elastic run resized.
-        self.file.write(json.dumps({"step": step, "keys": keys, "world_size": world_size,
-                                    "time": round(time.time(), 3)}) + "\n")
-        self.file.flush()
+        self.file.append(json.dumps({"step": step, "keys": keys, "world_size": world_size,
+                                     "time": round(time.time(), 3)}))
