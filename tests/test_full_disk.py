@@ -5,12 +5,16 @@ taken for complete."""
 
 from __future__ import annotations
 
+import asyncio
 import io
+import json
 import os
+import shutil
 import subprocess
 import tarfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.fs
@@ -20,6 +24,7 @@ from PIL import Image
 
 from checkpoint_helpers import complete_checkpoint
 from vitscale.cli import main
+from vitscale.data.storage.atomic import AppendOnly, atomic_path, write_atomic
 from vitscale.data.storage.space import free_bytes, is_no_space
 from vitscale.train import checkpoint as ckpt
 
@@ -172,6 +177,161 @@ def test_shards_index_out_into_a_full_disk_is_one_line(tmp_path: Path, small_dis
     assert not (disk / "idx" / "dataset.json").exists()
     (disk / "filler").unlink()
     assert main(["shards", "index", str(tmp_path / "wds"), "--out", str(disk / "idx")]) == 0
+
+
+
+# ------------------------------------------------------------------ files written whole or not at all
+
+def _fill(disk: Path, leave: int = 0) -> Path:
+    """Fill ``disk`` to ``leave`` free bytes (tmpfs counts whole pages) with a file the test can remove."""
+    filler = disk / "filler"
+    with filler.open("ab") as f:
+        f.write(b"\0" * max(0, (free_bytes(disk) or 0) - leave))
+    return filler
+
+
+def test_a_whole_file_into_a_full_disk_keeps_its_previous_version(small_disk: Callable[[int], Path]) -> None:
+    disk = small_disk(256_000)
+    target = disk / "run" / "summary.json"
+    write_atomic(target, '{"ok": true}')
+    filler = _fill(disk, leave=8192)
+    with pytest.raises(OSError) as err:
+        write_atomic(target, "x" * 100_000)  # does not fit: fails part-way through the temporary file
+    assert is_no_space(err.value) and err.value.filename == str(target)  # names the file, not its temporary
+    assert target.read_text() == '{"ok": true}'  # the previous version, whole
+    assert sorted(p.name for p in target.parent.iterdir()) == ["summary.json"]  # no temporary file left over
+    with pytest.raises(RuntimeError, match="a writer's own error"), atomic_path(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("a writer's own error")
+    assert target.read_text() == '{"ok": true}' and len(list(target.parent.iterdir())) == 1
+    filler.unlink()
+    write_atomic(target, "x" * 100_000)
+    assert target.read_text() == "x" * 100_000
+
+
+def test_a_record_into_a_full_disk_is_cut_back_and_a_torn_one_cut_off(small_disk: Callable[[int], Path]) -> None:
+    disk = small_disk(256_000)
+    path = disk / "metrics" / "rank0.jsonl"
+    log = AppendOnly(path)
+    log.append('{"step": 1}')
+    filler = _fill(disk, leave=4096)
+    before = path.read_bytes()
+    with pytest.raises(OSError) as err:
+        log.append(json.dumps({"step": 2, "pad": "x" * 20_000}))  # the disk takes the first page, then refuses
+    assert is_no_space(err.value) and err.value.filename == str(path)
+    assert path.read_bytes() == before == b'{"step": 1}\n'  # cut back: no torn line for a reader to choke on
+    filler.unlink()
+    log.append('{"step": 2}')
+    log.close()
+    with path.open("ab") as f:
+        f.write(b'{"step": 3, "ti')  # a writer killed mid-line
+    AppendOnly(path).close()
+    assert path.read_text().splitlines() == ['{"step": 1}', '{"step": 2}']
+
+
+def test_the_console_log_on_a_full_disk_leaves_lines_out_without_raising(small_disk: Callable[[int], Path]) -> None:
+    from vitscale.launch.console import RunLog, TerminalFilter
+
+    disk = small_disk(128_000)
+    terminal = io.StringIO()
+    log = RunLog(disk / "logs" / "ray.log", warn=terminal)
+    out = TerminalFilter(terminal, log)
+    out.write("(RayTrainWorker pid=7, ip=10.0.0.1) line 1\n")
+    filler = _fill(disk)
+    for i in range(2, 50):  # what made Ray's forwarding thread print a traceback per line
+        out.write(f"(RayTrainWorker pid=7, ip=10.0.0.1) line {i} " + "x" * 200 + "\n")
+    warnings = terminal.getvalue().splitlines()
+    assert len(warnings) == 1 and f"{disk / 'logs' / 'ray.log'}: lines left out" in warnings[0], warnings
+    assert "no space left on the device of" in warnings[0] and "free" in warnings[0]
+    filler.unlink()
+    out.write("(RayTrainWorker pid=7, ip=10.0.0.1) line 50\n")
+    log.close()
+    lines = (disk / "logs" / "ray.log").read_text().splitlines()  # whole lines only; the gap counted
+    *kept, note, last = lines
+    assert kept[0].endswith("line 1") and all(line.endswith("x" * 200) for line in kept[1:]), lines
+    assert note == f"[vitscale] {49 - len(kept)} line(s) of this log were lost here: its disk was full", lines
+    assert last.endswith("line 50") and len(kept) < 40
+
+
+def _checkpoint_manager(storage: Path, name: str) -> Any:
+    """Ray Train V2's own CheckpointManager of run ``name``: it reads the run's snapshot when built."""
+    from ray.train import CheckpointConfig
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
+    from ray.train.v2._internal.execution.storage import StorageContext
+
+    return CheckpointManager(CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="checkpoint_score",
+                                              checkpoint_score_order="max"), StorageContext(str(storage), name))
+
+
+_LOOP = asyncio.new_event_loop()
+"""Ray's controller registers checkpoints inside its event loop; the tests' managers share this one."""
+
+
+def _register(manager: Any, run: Path, step: int, **metrics: Any) -> None:
+    from ray.train import Checkpoint
+    from ray.train.v2._internal.execution.training_report import _TrainingReport
+
+    async def register() -> None:
+        manager.register_checkpoint(_TrainingReport(Checkpoint(str(run / f"checkpoint_{step:09d}")),
+                                                    {"step": step, "checkpoint_score": float(step), **metrics},
+                                                    False))
+
+    _LOOP.run_until_complete(register())
+
+
+def test_a_snapshot_torn_by_a_full_disk_is_rebuilt_from_the_checkpoints(small_disk: Callable[[int], Path]) -> None:
+    from ray.train.v2._internal.exceptions import CheckpointManagerInitializationError
+
+    from vitscale.launch.snapshot import SNAPSHOT, repair_snapshot
+
+    disk = small_disk(1_000_000)
+    run = disk / "r"
+    manager = _checkpoint_manager(disk, "r")
+    for step in (10, 20):
+        complete_checkpoint(run / f"checkpoint_{step:09d}", step, world_size=1)
+        _register(manager, run, step)
+    assert repair_snapshot(run) is None  # Ray's own, whole: left as it is
+    complete_checkpoint(run / "checkpoint_000000030", 30, world_size=1)
+    filler = _fill(disk)
+    with pytest.raises(OSError):  # Ray Train writes its snapshot in place (truncated first): it grows past the disk
+        _register(manager, run, 30, accuracies="0.5" * 5000)
+    torn = (run / SNAPSHOT).stat().st_size  # the page that fitted (0 bytes in the issue's run): not JSON
+    assert torn < 10_000
+    (run / "checkpoint_000000040").mkdir()  # a checkpoint whose copy the full disk cut short: no manifest
+    filler.unlink()
+    with pytest.raises(CheckpointManagerInitializationError):
+        _checkpoint_manager(disk, "r")  # the run could never start again
+
+    line = repair_snapshot(run)
+    assert line is not None and f"{run / SNAPSHOT} was {torn} bytes, unreadable" in line, line
+    assert "checkpoint_000000010, checkpoint_000000020, checkpoint_000000030" in line
+    restored = _checkpoint_manager(disk, "r")  # Ray reads it back
+    assert restored.latest_checkpoint_result.checkpoint.path == str(run / "checkpoint_000000030")
+    assert [r.metrics["checkpoint_score"] for r in restored._checkpoint_results] == [10.0, 20.0, 30.0]
+    complete_checkpoint(run / "checkpoint_000000050", 50, world_size=1)
+    _register(restored, run, 50)  # rotation goes on from the rebuilt record: keep 2, the oldest go
+    assert sorted(p.name for p in run.glob("checkpoint_*") if p.is_dir()) == ["checkpoint_000000030", "checkpoint_000000040",
+                                                                "checkpoint_000000050"]
+
+
+def test_a_snapshot_naming_a_checkpoint_that_is_gone_or_torn_mid_file_is_rebuilt(tmp_path: Path) -> None:
+    from vitscale.launch.snapshot import SNAPSHOT, repair_snapshot, snapshot_problem
+
+    run = tmp_path / "r"
+    manager = _checkpoint_manager(tmp_path, "r")
+    for step in (10, 20):
+        complete_checkpoint(run / f"checkpoint_{step:09d}", step, world_size=1)
+        _register(manager, run, step)
+    whole = (run / SNAPSHOT).read_bytes()
+    (run / SNAPSHOT).write_bytes(whole[: len(whole) // 2])
+    assert "unreadable (JSONDecodeError" in (snapshot_problem(run) or "")
+    assert repair_snapshot(run) is not None and _checkpoint_manager(tmp_path, "r").latest_checkpoint_result
+    (run / SNAPSHOT).write_bytes(whole)
+    shutil.rmtree(run / "checkpoint_000000020")
+    assert snapshot_problem(run) == "names checkpoint folders that are gone: checkpoint_000000020"
+    repair_snapshot(run)
+    assert _checkpoint_manager(tmp_path, "r").latest_checkpoint_result.checkpoint.path.endswith("checkpoint_000000010")
+    assert repair_snapshot(tmp_path / "no-run-yet") is None and repair_snapshot("s3://bucket/run") is None
 
 
 @pytest.mark.slow

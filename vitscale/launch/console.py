@@ -54,6 +54,7 @@ class RunLog(io.TextIOBase):
         self._warn = warn
         self._partial = ""
         self._lost = 0
+        self._warned = False
         self._lock = threading.Lock()
 
     def writable(self) -> bool:
@@ -85,13 +86,14 @@ class RunLog(io.TextIOBase):
             super().close()
 
     def _append(self, line: str) -> None:
+        # The note of lost lines and the next line go in one append: both fit, or neither (no note of 0 lines).
+        note = f"{PREFIX} {self._lost} line(s) of this log were lost here: its disk was full\n" if self._lost else ""
         try:
-            if self._lost:
-                self._file.append(f"{PREFIX} {self._lost} line(s) of this log were lost here: its disk was full")
-                self._lost = 0
-            self._file.append(line)
+            self._file.append(note + line)
+            self._lost = 0
         except OSError as exc:
-            if self._lost == 0:
+            if not self._warned:  # once: the log itself counts every later gap
+                self._warned = True
                 self._say(f"{PREFIX} {self.path}: lines left out until space is freed: "
                           + no_space_line(self.path, exc.strerror or str(exc)))
             self._lost += 1

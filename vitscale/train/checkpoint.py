@@ -334,7 +334,8 @@ def next_checkpoint_bytes(run_storage: str | os.PathLike[str], parts: int = 1) -
     if is_url(text):
         return None
     with contextlib.suppress(OSError):
-        newest = max(Path(text).glob("checkpoint_*"), default=None)  # checkpoint_{step:09d}: the name orders
-        if newest is not None and newest.is_dir():
-            return tree_bytes(newest)
+        # checkpoint_{step:09d}: the name orders by step (Ray's checkpoint_manager_snapshot.json is no checkpoint)
+        folders = [p for p in Path(text).glob("checkpoint_*") if p.name[len("checkpoint_"):].isdigit() and p.is_dir()]
+        if folders:
+            return tree_bytes(max(folders))
     return None
