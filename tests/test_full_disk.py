@@ -385,3 +385,98 @@ def test_a_run_whose_disk_fills_stops_in_one_line_and_resumes_once_space_is_free
     assert proc.returncode == 0, out[-3000:]
     assert "step 21/40" in out and "step 1/40" not in out, out[-3000:]  # resumed after checkpoint 20
     assert ckpt.latest_complete(sorted(run.glob("checkpoint_*")), 1) == run / "checkpoint_000000040"
+
+
+# ------------------------------------------------------- a disk that fills at a random moment of a real run
+
+_FILL_SEEDS = (2, 7, 28)
+"""Each draws the moment the disk runs out over the run's life (its bytes written): start-up, between
+checkpoints (metrics, logs), inside one."""
+
+
+def _tiny_run(tmp_path: Path, disk: Path, small_synthetic: str, name: str) -> Path:
+    import yaml
+
+    raw = {"name": name, "stages": ["pretrain"], "data": {"url": small_synthetic},
+           "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "heads": 2, "mlp_dim": 32},
+           "train": {"global_batch": 8, "micro_batch": 8, "max_steps": 12, "warmup_steps": 0, "checkpoint_every": 4,
+                     "keep_checkpoints": 2, "log_every": 1},
+           "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "storage_path": str(disk),
+                       "run_name": name}}
+    pipeline = tmp_path / f"{name}.yaml"
+    pipeline.write_text(yaml.safe_dump(raw))
+    return pipeline
+
+
+def _vitscale_run(pipeline: Path, log: Path) -> tuple[int, str]:
+    from ray_runs import RUN_TIMEOUT_S, kill_tree, start
+
+    proc = start(pipeline, log)
+    try:
+        proc.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    return proc.returncode, log.read_text()
+
+
+def _nothing_torn(run: Path) -> None:
+    """Every file of the run is whole: JSON parses, every JSONL line parses, no temporary file is left, and
+    every checkpoint is complete or plainly not (no manifest, or files its manifests do not match)."""
+    import yaml
+
+    for path in run.rglob("*"):
+        if not path.is_file() or path.name == "checkpoint_manager_snapshot.json":  # Ray's own: repaired at start
+            continue
+        assert not path.name.endswith(".part"), path
+        if path.suffix == ".json":
+            json.loads(path.read_text())
+        elif path.suffix == ".jsonl":
+            for line in path.read_text().splitlines():
+                json.loads(line)
+        elif path.name == "config.yaml" and path.parent == run:
+            assert yaml.safe_load(path.read_text())["name"]
+    for folder in (p for p in run.glob("checkpoint_*") if p.is_dir()):
+        if not ckpt.check_complete(folder, 1):
+            assert ckpt.read_train_state(folder).step == int(folder.name.split("_")[1]), folder
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_at_a_random_moment_ends_in_one_line_and_the_run_resumes(
+        tmp_path: Path, small_disk: Callable[[int], Path], small_synthetic: str) -> None:
+    """The run's bytes are measured once uninterrupted; then, per seed, a disk left with a random part of them
+    free: the run stops in one line naming the path and the space (no traceback), nothing half-written is
+    taken for complete, and with space freed the same command resumes and ends at the uninterrupted step."""
+    size = 48 * 2**20
+    reference = small_disk(size)
+    before = free_bytes(reference) or 0
+    code, out = _vitscale_run(_tiny_run(tmp_path, reference, small_synthetic, "whole"), tmp_path / "whole.log")
+    assert code == 0 and "step 12/12" in out, out[-3000:]
+    needs = before - (free_bytes(reference) or 0)  # what the run leaves on its disk (pages, as tmpfs counts)
+
+    for seed in _FILL_SEEDS:
+        budget = int(np.random.default_rng(seed).uniform(0.02, 0.9) * needs)
+        disk = small_disk(size)
+        filler = _fill(disk, leave=budget)
+        pipeline = _tiny_run(tmp_path, disk, small_synthetic, f"fill{seed}")
+        code, out = _vitscale_run(pipeline, tmp_path / f"fill{seed}.log")
+        what = f"seed {seed}: {budget:,} of {needs:,} bytes free\n{out[-4000:]}"
+        errors = [line for line in out.splitlines() if line.startswith("vitscale: error:")]
+        assert code in (1, 2) and len(errors) == 1, what
+        line = errors[0]
+        assert str(disk) in line and ("no space left on the device of" in line or "no space for the checkpoint" in line), what
+        assert " free" in line and any(n in line for n in ("needed for the next checkpoint", "it needs about",
+                                                            "not known yet")), what
+        assert "Traceback" not in out, what
+        run = disk / f"fill{seed}"
+        _nothing_torn(run)
+        last = ckpt.latest_complete(sorted(p for p in run.glob("checkpoint_*") if p.is_dir()), 1)
+
+        filler.unlink()
+        code, out = _vitscale_run(pipeline, tmp_path / f"fill{seed}-resumed.log")
+        assert code == 0 and "step 12/12" in out and "Traceback" not in out, f"seed {seed}, resumed\n{out[-4000:]}"
+        first_step = 1 if last is None else ckpt.read_train_state(last).step + 1
+        assert f"step {first_step}/12" in out and f"step {first_step - 1}/12" not in out, f"seed {seed}: from {last}"
+        assert ckpt.latest_complete(sorted(p for p in run.glob("checkpoint_*") if p.is_dir()), 1) == \
+            run / "checkpoint_000000012"
+        print(f"seed {seed}: {budget:,} of {needs:,} bytes free; stopped with: {line}; resumed from {last}")
