@@ -12,6 +12,8 @@ import os
 import shutil
 import subprocess
 import tarfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -389,9 +391,27 @@ def test_a_run_whose_disk_fills_stops_in_one_line_and_resumes_once_space_is_free
 
 # ------------------------------------------------------- a disk that fills at a random moment of a real run
 
-_FILL_SEEDS = (2, 7, 28)
-"""Each draws the moment the disk runs out over the run's life (its bytes written): start-up, between
-checkpoints (metrics, logs), inside one."""
+_FILL_SEEDS = ((34, "before"), (2, "before"), (7, "before"), (28, "before"), (5, "during"), (11, "during"))
+"""Each seed draws the moment the disk runs out over the run's life. "before": the disk is left, before the
+run starts, with a random part of the bytes the whole run writes (start-up, the checkpoints: a checkpoint that
+cannot fit is refused before it is written). "during": at a random time of the run's training, the disk is
+filled to a random few KiB, so a metrics or log line (between checkpoints) or Ray's own write meets it."""
+
+
+def _fill_during(disk: Path, run: Path, seconds: float, rng: np.random.Generator) -> threading.Thread:
+    """Fill ``disk`` to a few KiB free at a time drawn from ``rng`` within ``seconds`` of training's start."""
+    at, leave = rng.uniform(0, 0.8 * seconds), int(rng.integers(0, 16_384))  # 0.8: before the run may end
+
+    def fill() -> None:
+        deadline = time.monotonic() + 600
+        while not (run / "metrics" / "rank0.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(at)
+        _fill(disk, leave=leave)
+
+    thread = threading.Thread(target=fill, daemon=True)
+    thread.start()
+    return thread
 
 
 def _tiny_run(tmp_path: Path, disk: Path, small_synthetic: str, name: str) -> Path:
@@ -453,14 +473,25 @@ def test_a_disk_that_fills_at_a_random_moment_ends_in_one_line_and_the_run_resum
     code, out = _vitscale_run(_tiny_run(tmp_path, reference, small_synthetic, "whole"), tmp_path / "whole.log")
     assert code == 0 and "step 12/12" in out, out[-3000:]
     needs = before - (free_bytes(reference) or 0)  # what the run leaves on its disk (pages, as tmpfs counts)
+    times = [float(json.loads(line)["time"]) for line in (reference / "whole" / "metrics" / "rank0.jsonl").open()]
+    training_s = times[-1] - times[0]
 
-    for seed in _FILL_SEEDS:
-        budget = int(np.random.default_rng(seed).uniform(0.02, 0.9) * needs)
+    for seed, when in _FILL_SEEDS:
+        rng = np.random.default_rng(seed)
         disk = small_disk(size)
-        filler = _fill(disk, leave=budget)
+        run = disk / f"fill{seed}"
+        if when == "before":
+            budget = int(rng.uniform(0.02, 0.9) * needs)
+            filler = _fill(disk, leave=budget)
+            moment = f"{budget:,} of {needs:,} bytes free"
+        else:
+            filling = _fill_during(disk, run, training_s, rng)
+            filler, moment = disk / "filler", f"filled during the run's {training_s:.0f} s of training"
         pipeline = _tiny_run(tmp_path, disk, small_synthetic, f"fill{seed}")
         code, out = _vitscale_run(pipeline, tmp_path / f"fill{seed}.log")
-        what = f"seed {seed}: {budget:,} of {needs:,} bytes free\n{out[-4000:]}"
+        if when == "during":
+            filling.join()
+        what = f"seed {seed}: {moment}\n{out[-4000:]}"
         errors = [line for line in out.splitlines() if line.startswith("vitscale: error:")]
         assert code in (1, 2) and len(errors) == 1, what
         line = errors[0]
@@ -468,15 +499,14 @@ def test_a_disk_that_fills_at_a_random_moment_ends_in_one_line_and_the_run_resum
         assert " free" in line and any(n in line for n in ("needed for the next checkpoint", "it needs about",
                                                             "not known yet")), what
         assert "Traceback" not in out, what
-        run = disk / f"fill{seed}"
         _nothing_torn(run)
         last = ckpt.latest_complete(sorted(p for p in run.glob("checkpoint_*") if p.is_dir()), 1)
+        first_step = 1 if last is None else ckpt.read_train_state(last).step + 1  # (rotation may delete it later)
 
         filler.unlink()
         code, out = _vitscale_run(pipeline, tmp_path / f"fill{seed}-resumed.log")
         assert code == 0 and "step 12/12" in out and "Traceback" not in out, f"seed {seed}, resumed\n{out[-4000:]}"
-        first_step = 1 if last is None else ckpt.read_train_state(last).step + 1
         assert f"step {first_step}/12" in out and f"step {first_step - 1}/12" not in out, f"seed {seed}: from {last}"
         assert ckpt.latest_complete(sorted(p for p in run.glob("checkpoint_*") if p.is_dir()), 1) == \
             run / "checkpoint_000000012"
-        print(f"seed {seed}: {budget:,} of {needs:,} bytes free; stopped with: {line}; resumed from {last}")
+        print(f"seed {seed}: {moment}; stopped with: {line}; resumed from {last}")
