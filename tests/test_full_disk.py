@@ -5,13 +5,19 @@ taken for complete."""
 
 from __future__ import annotations
 
+import asyncio
 import io
+import json
 import os
 import re
+import shutil
 import subprocess
 import tarfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.fs
@@ -21,6 +27,7 @@ from PIL import Image
 
 from checkpoint_helpers import complete_checkpoint
 from vitscale.cli import main
+from vitscale.data.storage.atomic import AppendOnly, atomic_path, write_atomic
 from vitscale.data.storage.space import free_bytes, is_no_space, size_text
 from vitscale.train import checkpoint as ckpt
 
@@ -184,6 +191,161 @@ def test_shards_index_out_into_a_full_disk_is_one_line(tmp_path: Path, small_dis
     assert main(["shards", "index", str(tmp_path / "wds"), "--out", str(disk / "idx")]) == 0
 
 
+
+# ------------------------------------------------------------------ files written whole or not at all
+
+def _fill(disk: Path, leave: int = 0) -> Path:
+    """Fill ``disk`` to ``leave`` free bytes (tmpfs counts whole pages) with a file the test can remove."""
+    filler = disk / "filler"
+    with filler.open("ab") as f:
+        f.write(b"\0" * max(0, (free_bytes(disk) or 0) - leave))
+    return filler
+
+
+def test_a_whole_file_into_a_full_disk_keeps_its_previous_version(small_disk: Callable[[int], Path]) -> None:
+    disk = small_disk(256_000)
+    target = disk / "run" / "summary.json"
+    write_atomic(target, '{"ok": true}')
+    filler = _fill(disk, leave=8192)
+    with pytest.raises(OSError) as err:
+        write_atomic(target, "x" * 100_000)  # does not fit: fails part-way through the temporary file
+    assert is_no_space(err.value) and err.value.filename == str(target)  # names the file, not its temporary
+    assert target.read_text() == '{"ok": true}'  # the previous version, whole
+    assert sorted(p.name for p in target.parent.iterdir()) == ["summary.json"]  # no temporary file left over
+    with pytest.raises(RuntimeError, match="a writer's own error"), atomic_path(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("a writer's own error")
+    assert target.read_text() == '{"ok": true}' and len(list(target.parent.iterdir())) == 1
+    filler.unlink()
+    write_atomic(target, "x" * 100_000)
+    assert target.read_text() == "x" * 100_000
+
+
+def test_a_record_into_a_full_disk_is_cut_back_and_a_torn_one_cut_off(small_disk: Callable[[int], Path]) -> None:
+    disk = small_disk(256_000)
+    path = disk / "metrics" / "rank0.jsonl"
+    log = AppendOnly(path)
+    log.append('{"step": 1}')
+    filler = _fill(disk, leave=4096)
+    before = path.read_bytes()
+    with pytest.raises(OSError) as err:
+        log.append(json.dumps({"step": 2, "pad": "x" * 20_000}))  # the disk takes the first page, then refuses
+    assert is_no_space(err.value) and err.value.filename == str(path)
+    assert path.read_bytes() == before == b'{"step": 1}\n'  # cut back: no torn line for a reader to choke on
+    filler.unlink()
+    log.append('{"step": 2}')
+    log.close()
+    with path.open("ab") as f:
+        f.write(b'{"step": 3, "ti')  # a writer killed mid-line
+    AppendOnly(path).close()
+    assert path.read_text().splitlines() == ['{"step": 1}', '{"step": 2}']
+
+
+def test_the_console_log_on_a_full_disk_leaves_lines_out_without_raising(small_disk: Callable[[int], Path]) -> None:
+    from vitscale.launch.console import RunLog, TerminalFilter
+
+    disk = small_disk(128_000)
+    terminal = io.StringIO()
+    log = RunLog(disk / "logs" / "ray.log", warn=terminal)
+    out = TerminalFilter(terminal, log)
+    out.write("(RayTrainWorker pid=7, ip=10.0.0.1) line 1\n")
+    filler = _fill(disk)
+    for i in range(2, 50):  # what made Ray's forwarding thread print a traceback per line
+        out.write(f"(RayTrainWorker pid=7, ip=10.0.0.1) line {i} " + "x" * 200 + "\n")
+    warnings = terminal.getvalue().splitlines()
+    assert len(warnings) == 1 and f"{disk / 'logs' / 'ray.log'}: lines left out" in warnings[0], warnings
+    assert "no space left on the device of" in warnings[0] and "free" in warnings[0]
+    filler.unlink()
+    out.write("(RayTrainWorker pid=7, ip=10.0.0.1) line 50\n")
+    log.close()
+    lines = (disk / "logs" / "ray.log").read_text().splitlines()  # whole lines only; the gap counted
+    *kept, note, last = lines
+    assert kept[0].endswith("line 1") and all(line.endswith("x" * 200) for line in kept[1:]), lines
+    assert note == f"[vitscale] {49 - len(kept)} line(s) of this log were lost here: its disk was full", lines
+    assert last.endswith("line 50") and len(kept) < 40
+
+
+def _checkpoint_manager(storage: Path, name: str) -> Any:
+    """Ray Train V2's own CheckpointManager of run ``name``: it reads the run's snapshot when built."""
+    from ray.train import CheckpointConfig
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
+    from ray.train.v2._internal.execution.storage import StorageContext
+
+    return CheckpointManager(CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="checkpoint_score",
+                                              checkpoint_score_order="max"), StorageContext(str(storage), name))
+
+
+_LOOP = asyncio.new_event_loop()
+"""Ray's controller registers checkpoints inside its event loop; the tests' managers share this one."""
+
+
+def _register(manager: Any, run: Path, step: int, **metrics: Any) -> None:
+    from ray.train import Checkpoint
+    from ray.train.v2._internal.execution.training_report import _TrainingReport
+
+    async def register() -> None:
+        manager.register_checkpoint(_TrainingReport(Checkpoint(str(run / f"checkpoint_{step:09d}")),
+                                                    {"step": step, "checkpoint_score": float(step), **metrics},
+                                                    False))
+
+    _LOOP.run_until_complete(register())
+
+
+def test_a_snapshot_torn_by_a_full_disk_is_rebuilt_from_the_checkpoints(small_disk: Callable[[int], Path]) -> None:
+    from ray.train.v2._internal.exceptions import CheckpointManagerInitializationError
+
+    from vitscale.launch.snapshot import SNAPSHOT, repair_snapshot
+
+    disk = small_disk(1_000_000)
+    run = disk / "r"
+    manager = _checkpoint_manager(disk, "r")
+    for step in (10, 20):
+        complete_checkpoint(run / f"checkpoint_{step:09d}", step, world_size=1)
+        _register(manager, run, step)
+    assert repair_snapshot(run) is None  # Ray's own, whole: left as it is
+    complete_checkpoint(run / "checkpoint_000000030", 30, world_size=1)
+    filler = _fill(disk)
+    with pytest.raises(OSError):  # Ray Train writes its snapshot in place (truncated first): it grows past the disk
+        _register(manager, run, 30, accuracies="0.5" * 5000)
+    torn = (run / SNAPSHOT).stat().st_size  # the page that fitted (0 bytes in the issue's run): not JSON
+    assert torn < 10_000
+    (run / "checkpoint_000000040").mkdir()  # a checkpoint whose copy the full disk cut short: no manifest
+    filler.unlink()
+    with pytest.raises(CheckpointManagerInitializationError):
+        _checkpoint_manager(disk, "r")  # the run could never start again
+
+    line = repair_snapshot(run)
+    assert line is not None and f"{run / SNAPSHOT} was {torn} bytes, unreadable" in line, line
+    assert "checkpoint_000000010, checkpoint_000000020, checkpoint_000000030" in line
+    restored = _checkpoint_manager(disk, "r")  # Ray reads it back
+    assert restored.latest_checkpoint_result.checkpoint.path == str(run / "checkpoint_000000030")
+    assert [r.metrics["checkpoint_score"] for r in restored._checkpoint_results] == [10.0, 20.0, 30.0]
+    complete_checkpoint(run / "checkpoint_000000050", 50, world_size=1)
+    _register(restored, run, 50)  # rotation goes on from the rebuilt record: keep 2, the oldest go
+    assert sorted(p.name for p in run.glob("checkpoint_*") if p.is_dir()) == ["checkpoint_000000030", "checkpoint_000000040",
+                                                                "checkpoint_000000050"]
+
+
+def test_a_snapshot_naming_a_checkpoint_that_is_gone_or_torn_mid_file_is_rebuilt(tmp_path: Path) -> None:
+    from vitscale.launch.snapshot import SNAPSHOT, repair_snapshot, snapshot_problem
+
+    run = tmp_path / "r"
+    manager = _checkpoint_manager(tmp_path, "r")
+    for step in (10, 20):
+        complete_checkpoint(run / f"checkpoint_{step:09d}", step, world_size=1)
+        _register(manager, run, step)
+    whole = (run / SNAPSHOT).read_bytes()
+    (run / SNAPSHOT).write_bytes(whole[: len(whole) // 2])
+    assert "unreadable (JSONDecodeError" in (snapshot_problem(run) or "")
+    assert repair_snapshot(run) is not None and _checkpoint_manager(tmp_path, "r").latest_checkpoint_result
+    (run / SNAPSHOT).write_bytes(whole)
+    shutil.rmtree(run / "checkpoint_000000020")
+    assert snapshot_problem(run) == "names checkpoint folders that are gone: checkpoint_000000020"
+    repair_snapshot(run)
+    assert _checkpoint_manager(tmp_path, "r").latest_checkpoint_result.checkpoint.path.endswith("checkpoint_000000010")
+    assert repair_snapshot(tmp_path / "no-run-yet") is None and repair_snapshot("s3://bucket/run") is None
+
+
 @pytest.mark.slow
 def test_a_run_whose_disk_fills_stops_in_one_line_and_resumes_once_space_is_freed(
         tmp_path: Path, small_disk: Callable[[int], Path], small_synthetic: str) -> None:
@@ -235,3 +397,126 @@ def test_a_run_whose_disk_fills_stops_in_one_line_and_resumes_once_space_is_free
     assert proc.returncode == 0, out[-3000:]
     assert "step 21/40" in out and "step 1/40" not in out, out[-3000:]  # resumed after checkpoint 20
     assert ckpt.latest_complete(sorted(run.glob("checkpoint_*")), 1) == run / "checkpoint_000000040"
+
+
+# ------------------------------------------------------- a disk that fills at a random moment of a real run
+
+_FILL_SEEDS = ((34, "before"), (2, "before"), (7, "before"), (28, "before"), (5, "during"), (11, "during"))
+"""Each seed draws the moment the disk runs out over the run's life. "before": the disk is left, before the
+run starts, with a random part of the bytes the whole run writes (start-up, the checkpoints: a checkpoint that
+cannot fit is refused before it is written). "during": at a random time of the run's training, the disk is
+filled to a random few KiB, so a metrics or log line (between checkpoints) or Ray's own write meets it."""
+
+
+def _fill_during(disk: Path, run: Path, seconds: float, rng: np.random.Generator) -> threading.Thread:
+    """Fill ``disk`` to a few KiB free at a time drawn from ``rng`` within ``seconds`` of training's start."""
+    at, leave = rng.uniform(0, 0.8 * seconds), int(rng.integers(0, 16_384))  # 0.8: before the run may end
+
+    def fill() -> None:
+        deadline = time.monotonic() + 600
+        while not (run / "metrics" / "rank0.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(at)
+        _fill(disk, leave=leave)
+
+    thread = threading.Thread(target=fill, daemon=True)
+    thread.start()
+    return thread
+
+
+def _tiny_run(tmp_path: Path, disk: Path, small_synthetic: str, name: str) -> Path:
+    import yaml
+
+    raw = {"name": name, "stages": ["pretrain"], "data": {"url": small_synthetic},
+           "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "heads": 2, "mlp_dim": 32},
+           "train": {"global_batch": 8, "micro_batch": 8, "max_steps": 12, "warmup_steps": 0, "checkpoint_every": 4,
+                     "keep_checkpoints": 2, "log_every": 1},
+           "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "storage_path": str(disk),
+                       "run_name": name}}
+    pipeline = tmp_path / f"{name}.yaml"
+    pipeline.write_text(yaml.safe_dump(raw))
+    return pipeline
+
+
+def _vitscale_run(pipeline: Path, log: Path) -> tuple[int, str]:
+    from ray_runs import RUN_TIMEOUT_S, kill_tree, start
+
+    proc = start(pipeline, log)
+    try:
+        proc.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    return proc.returncode, log.read_text()
+
+
+def _nothing_torn(run: Path) -> None:
+    """Every file of the run is whole: JSON parses, every JSONL line parses, no temporary file is left, and
+    every checkpoint is complete or plainly not (no manifest, or files its manifests do not match)."""
+    import yaml
+
+    for path in run.rglob("*"):
+        if not path.is_file() or path.name == "checkpoint_manager_snapshot.json":  # Ray's own: repaired at start
+            continue
+        assert not path.name.endswith(".part"), path
+        if path.suffix == ".json":
+            json.loads(path.read_text())
+        elif path.suffix == ".jsonl":
+            for line in path.read_text().splitlines():
+                json.loads(line)
+        elif path.name == "config.yaml" and path.parent == run:
+            assert yaml.safe_load(path.read_text())["name"]
+    for folder in (p for p in run.glob("checkpoint_*") if p.is_dir()):
+        if not ckpt.check_complete(folder, 1):
+            assert ckpt.read_train_state(folder).step == int(folder.name.split("_")[1]), folder
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_at_a_random_moment_ends_in_one_line_and_the_run_resumes(
+        tmp_path: Path, small_disk: Callable[[int], Path], small_synthetic: str) -> None:
+    """The run's bytes are measured once uninterrupted; then, per seed, a disk left with a random part of them
+    free: the run stops in one line naming the path and the space (no traceback), nothing half-written is
+    taken for complete, and with space freed the same command resumes and ends at the uninterrupted step."""
+    size = 48 * 2**20
+    reference = small_disk(size)
+    before = free_bytes(reference) or 0
+    code, out = _vitscale_run(_tiny_run(tmp_path, reference, small_synthetic, "whole"), tmp_path / "whole.log")
+    assert code == 0 and "step 12/12" in out, out[-3000:]
+    needs = before - (free_bytes(reference) or 0)  # what the run leaves on its disk (pages, as tmpfs counts)
+    times = [float(json.loads(line)["time"]) for line in (reference / "whole" / "metrics" / "rank0.jsonl").open()]
+    training_s = times[-1] - times[0]
+
+    for seed, when in _FILL_SEEDS:
+        rng = np.random.default_rng(seed)
+        disk = small_disk(size)
+        run = disk / f"fill{seed}"
+        if when == "before":
+            budget = int(rng.uniform(0.02, 0.9) * needs)
+            filler = _fill(disk, leave=budget)
+            moment = f"{budget:,} of {needs:,} bytes free"
+        else:
+            filling = _fill_during(disk, run, training_s, rng)
+            filler, moment = disk / "filler", f"filled during the run's {training_s:.0f} s of training"
+        pipeline = _tiny_run(tmp_path, disk, small_synthetic, f"fill{seed}")
+        code, out = _vitscale_run(pipeline, tmp_path / f"fill{seed}.log")
+        if when == "during":
+            filling.join()
+        what = f"seed {seed}: {moment}\n{out[-4000:]}"
+        errors = [line for line in out.splitlines() if line.startswith("vitscale: error:")]
+        assert code in (1, 2) and len(errors) == 1, what
+        line = errors[0]
+        assert str(disk) in line and ("no space left on the device of" in line or "no space for the checkpoint" in line), what
+        assert " free" in line and any(n in line for n in ("needed for the next checkpoint", "it needs about",
+                                                            "not known yet")), what
+        assert "Traceback" not in out, what
+        _nothing_torn(run)
+        last = ckpt.latest_complete(sorted(p for p in run.glob("checkpoint_*") if p.is_dir()), 1)
+        first_step = 1 if last is None else ckpt.read_train_state(last).step + 1  # (rotation may delete it later)
+
+        filler.unlink()
+        code, out = _vitscale_run(pipeline, tmp_path / f"fill{seed}-resumed.log")
+        assert code == 0 and "step 12/12" in out and "Traceback" not in out, f"seed {seed}, resumed\n{out[-4000:]}"
+        assert f"step {first_step}/12" in out and f"step {first_step - 1}/12" not in out, f"seed {seed}: from {last}"
+        assert ckpt.latest_complete(sorted(p for p in run.glob("checkpoint_*") if p.is_dir()), 1) == \
+            run / "checkpoint_000000012"
+        print(f"seed {seed}: {moment}; stopped with: {line}; resumed from {last}")

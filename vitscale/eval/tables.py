@@ -10,12 +10,15 @@ Pure file output from plain rows (dicts of scalars); no Ray. Used by the sweep s
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from vitscale.data.storage.atomic import atomic_path, write_atomic
 
 
 def _cell(value: Any) -> Any:
@@ -34,13 +37,24 @@ def write_table(rows: Sequence[dict[str, Any]], directory: Path, stem: str) -> l
     columns = list(dict.fromkeys(k for row in rows for k in row))
     flat = [{c: _cell(row.get(c)) for c in columns} for row in rows]
     paths = [directory / f"{stem}.parquet", directory / f"{stem}.csv", directory / f"{stem}.md"]
-    pq.write_table(pa.Table.from_pylist(flat) if flat else pa.table({}), paths[0])
-    with open(paths[1], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(flat)
-    paths[2].write_text(markdown_table(flat, columns))
+    # Each file whole or not at all (data/storage/atomic.py): a full disk leaves the previous tables.
+    with atomic_path(paths[0]) as tmp:
+        pq.write_table(pa.Table.from_pylist(flat) if flat else pa.table({}), tmp)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(flat)
+    write_atomic(paths[1], text.getvalue())
+    write_atomic(paths[2], markdown_table(flat, columns))
     return paths
+
+
+def save_figure(fig: Any, path: Path, **savefig: Any) -> Path:
+    """``fig.savefig`` to ``path`` whole or not at all (data/storage/atomic.py); the format from its suffix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format=path.suffix.lstrip(".") or None, **savefig)
+    return path
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
@@ -96,7 +110,6 @@ def plot_metric(rows: Sequence[dict[str, Any]], x: str, y: str, path: Path, *, l
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
     return path

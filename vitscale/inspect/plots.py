@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from vitscale.eval.tables import save_figure
+
 
 def _pyplot() -> Any:
     import matplotlib
@@ -22,8 +24,7 @@ def _pyplot() -> Any:
 
 
 def _save(fig: Any, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight")
+    save_figure(fig, path, bbox_inches="tight")
     _pyplot().close(fig)
     return path
 

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vitscale.data.storage.atomic import atomic_path, write_atomic
 from vitscale.inspect.analyses import (
     attention_rollout,
     filter_components,
@@ -55,7 +56,8 @@ def _write_parquet(columns: dict[str, Any], path: Path) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({k: np.asarray(v) for k, v in columns.items()}), path)
+    with atomic_path(path) as tmp:  # whole or not at all (data/storage/atomic.py)
+        pq.write_table(pa.table({k: np.asarray(v) for k, v in columns.items()}), tmp)
     return path
 
 
@@ -170,5 +172,5 @@ def inspect_checkpoint(path: str | Path, images: str, out: str | Path, *, count:
     files += paths
     report = {**facts, "images": images, "split": split, "image_keys": sample.keys, **attention,
               "files": sorted(p.name for p in files), "notes": notes}
-    (out / "inspect.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write_atomic(out / "inspect.json", json.dumps(report, indent=2, default=str) + "\n")
     return report

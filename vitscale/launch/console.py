@@ -26,12 +26,114 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
+from vitscale.data.storage.atomic import AppendOnly
+from vitscale.data.storage.space import no_space_line
+
 PREFIX = "[vitscale]"
 _WORKERS_QUIET = threading.Event()
 """Set while workers' own lines go to the log only (`workers_off_terminal`)."""
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _FORWARDED = re.compile(r"^\((?:[^()]*\bpid=[^()]*|raylet[^()]*|autoscaler[^()]*)\) ?")
 """The prefix Ray puts before a line it forwards from a worker, actor, raylet or autoscaler."""
+
+
+class RunLog(io.TextIOBase):
+    """A log file of the run as this process writes it: whole lines only, and never an error.
+
+    Lines go through :class:`AppendOnly` (data/storage/atomic.py): one that does not fit is cut back,
+    never left torn. A log must not end a run, nor throw a traceback into the thread that printed (Ray's
+    output forwarder, a logging call): on a full disk the lines are left out, one ``[vitscale]`` line on
+    the terminal says so, and once space is back the log says how many it lost. The run itself ends in
+    its own one line when a write it needs (metrics, a checkpoint) meets the same disk.
+    """
+
+    def __init__(self, path: Path, warn: TextIO | None = None) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self._file = AppendOnly(self.path)
+        self._warn = warn
+        self._partial = ""
+        self._lost = 0
+        self._warned = False
+        self._lock = threading.Lock()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            if self.closed:  # a logger or thread that outlives the run: its lines have nowhere to go
+                return len(text)
+            lines = (self._partial + text).split("\n")
+            self._partial = lines.pop()
+            for line in lines:
+                self._append(line)
+        return len(text)
+
+    def flush(self) -> None:
+        """Nothing to do: every whole line is written as it comes (`AppendOnly` has no buffer)."""
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            if self._partial:
+                self._append(self._partial)
+                self._partial = ""
+            self._file.close()
+            if _LOGS.get(str(self.path)) is self:
+                del _LOGS[str(self.path)]
+            super().close()
+
+    def _append(self, line: str) -> None:
+        # The note of lost lines and the next line go in one append: both fit, or neither (no note of 0 lines).
+        note = f"{PREFIX} {self._lost} line(s) of this log were lost here: its disk was full\n" if self._lost else ""
+        try:
+            self._file.append(note + line)
+            self._lost = 0
+        except OSError as exc:
+            if not self._warned:  # once: the log itself counts every later gap
+                self._warned = True
+                self._say(f"{PREFIX} {self.path}: lines left out until space is freed: "
+                          + no_space_line(self.path, exc.strerror or str(exc)))
+            self._lost += 1
+
+    def _say(self, line: str) -> None:
+        warn = self._warn or sys.__stderr__
+        if warn is not None:
+            with contextlib.suppress(OSError, ValueError):
+                warn.write(line + "\n")
+                warn.flush()
+
+
+_LOGS: dict[str, RunLog] = {}
+"""This process's open run logs by path: Ray's output and the driver's loggers share one writer per file."""
+
+
+def run_log(path: Path, warn: TextIO | None = None) -> RunLog:
+    """The open :class:`RunLog` of ``path`` (opened once per process, its folder made)."""
+    log = _LOGS.get(str(path))
+    if log is None or log.closed:
+        log = _LOGS[str(path)] = RunLog(path, warn)
+    return log
+
+
+class _RunLogHandler(logging.FileHandler):
+    """A `logging` handler writing into a :class:`RunLog` (a FileHandler by type, so code that looks for the
+    file handlers of a path finds it; it never opens a stream of its own: a full disk raises nothing)."""
+
+    def __init__(self, log: RunLog) -> None:
+        super().__init__(log.path, delay=True)
+        self.run_log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.run_log.write(self.format(record) + "\n")
+        except Exception:  # noqa: BLE001 -- a record that does not format: logging's own report of it
+            self.handleError(record)
+
+    def close(self) -> None:
+        logging.Handler.close(self)  # the RunLog belongs to the run, not to this handler
 
 
 class TerminalFilter(io.TextIOBase):
@@ -42,11 +144,11 @@ class TerminalFilter(io.TextIOBase):
     or, within `library_lines_to`, to a library's log unless they are vitscale's.
     """
 
-    def __init__(self, terminal: TextIO, log: TextIO):
+    def __init__(self, terminal: TextIO, log: TextIO | io.TextIOBase):
         super().__init__()
         self.terminal = terminal
         self.log = log
-        self.library_log: TextIO | None = None
+        self.library_log: TextIO | io.TextIOBase | None = None
         self._partial = ""
         self._lock = threading.Lock()
 
@@ -146,8 +248,7 @@ def quiet_driver_logs(log_path: Path, *, verbose: bool) -> None:
     """Before `ray.init`: Ray's and DeepSpeed's driver-side INFO lines go to `log_path`; warnings stay visible."""
     if verbose:
         return
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    file_handler = logging.FileHandler(log_path)
+    file_handler = _RunLogHandler(run_log(log_path))
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     for name in ("ray", "DeepSpeed", "deepspeed"):
         logger = logging.getLogger(name)
@@ -177,13 +278,12 @@ def route_ray_output(log_path: Path, *, verbose: bool) -> str | None:
     """
     if verbose:
         return None
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "a", buffering=1)  # noqa: SIM115 -- kept open by the filters for the run
     for name in ("stdout", "stderr"):
         current = getattr(sys, name)
+        log = run_log(log_path, current.terminal if isinstance(current, TerminalFilter) else current)
         if isinstance(current, TerminalFilter):
             previous, current.log = current.log, log
-            if previous is not log:
+            if previous is not log and not isinstance(previous, RunLog):
                 previous.close()
         else:
             setattr(sys, name, TerminalFilter(current, log))
@@ -223,9 +323,8 @@ def library_output_to(log_path: Path, *, verbose: bool) -> Iterator[None]:
     if verbose:
         yield
         return
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     filters = [s for s in (sys.stdout, sys.stderr) if isinstance(s, TerminalFilter)]
-    with open(log_path, "a", buffering=1) as log:
+    with contextlib.closing(RunLog(log_path, filters[0].terminal if filters else sys.__stderr__)) as log:
         if not filters:  # output not routed (a caller of run_pipeline without route_ray_output)
             with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
                 yield

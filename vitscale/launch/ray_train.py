@@ -34,6 +34,7 @@ from vitscale.data.storage.filesystem import ensure_uploaded, run_filesystem
 from vitscale.data.storage.mirror import RunMirror
 from vitscale.data.storage.retry import RETRY_ENV
 from vitscale.data.storage.run_cache import run_cache_dir, run_cache_key
+from vitscale.data.storage.space import is_no_space, no_space_line
 from vitscale.launch.console import labelled_lines
 from vitscale.launch.errors import PipelineFailed
 from vitscale.launch.failures import (
@@ -43,6 +44,7 @@ from vitscale.launch.failures import (
     WorkersUnavailable,
     deterministic_cause,
 )
+from vitscale.launch.snapshot import repair_snapshot
 from vitscale.train import checkpoint as ckpt
 from vitscale.train.job import TrainJob
 from vitscale.train.termination import Terminated, TerminationNotice
@@ -93,7 +95,7 @@ def train_worker(payload: dict[str, Any]) -> None:
         # Ray shows its own traceback of the actor; print the worker's with its rank so the driver's
         # log says which rank failed and why, then re-raise for Ray's failure handling.
         print(f"[vitscale] rank {rank} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}", flush=True)
-        failure = WorkerFailed(f"rank {rank}: {ckpt.one_line(exc, storage)}")
+        failure = WorkerFailed(f"rank {rank}: {ckpt.one_line(exc, storage, world_size)}")
         failure.deterministic = deterministic_cause(exc) is not None  # survives pickling; the cause does not
         raise failure from exc
     finally:
@@ -308,6 +310,11 @@ def trainer_for(job: TrainJob, cluster: ClusterConfig, place: RunPlace,
     line of a run stopped for want of room (`cluster.worker_wait_s`) says to lower it.
     """
     parent, name = place.ray_storage()
+    # Ray reads its record of the run's checkpoints when the trainer starts: a torn one (a disk that filled
+    # while Ray wrote it) would keep the run from ever resuming (launch/snapshot.py).
+    repaired = repair_snapshot(place.storage)
+    if repaired:
+        print(f"[vitscale] {repaired}", flush=True)
     # Object storage: checkpoint uploads retry with backoff a bounded number of times (data/storage/filesystem.py).
     filesystem, storage = run_filesystem(parent)
     resources = {"CPU": cluster.cpus_per_worker}
@@ -367,7 +374,8 @@ def launch_training(job: TrainJob, cluster: ClusterConfig, place: RunPlace,
         result = trainer_for(job, cluster, place, workers_key=workers_key).fit()
     except Exception as exc:  # re-raised with the workers' own errors up front
         ended = "stopped" if isinstance(getattr(exc, "controller_failure", None), WorkersUnavailable) else "failed"
-        raise PipelineFailed(f"{what} {ended}: {_root_cause(exc)}") from exc
+        cause = _root_cause(exc, place.storage, cluster.max_workers)
+        raise PipelineFailed(f"{what} {ended}: {cause}") from exc
     # `checkpoint` is a ray.train.Checkpoint: later stages read it wherever it lives (disk, NFS, S3).
     return result.checkpoint, final_metrics(result)
 
@@ -384,11 +392,19 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-def _root_cause(exc: BaseException) -> str:
-    """One line per failed rank ("rank 1: ValueError: ...") rather than Ray's wrapper exceptions."""
+def _root_cause(exc: BaseException, storage: str | None = None, parts: int = 1) -> str:
+    """One line per failed rank ("rank 1: ValueError: ...") rather than Ray's wrapper exceptions; a full
+    disk met by Ray Train itself (its record of the checkpoints, its storage check) as one line naming the
+    run's storage and the space needed, not pyarrow's "Error writing bytes to file" naming nothing."""
     stopped = getattr(exc, "controller_failure", None)
     if isinstance(stopped, (DeterministicFailure, WorkersUnavailable)):
         return str(stopped)
+    ray_own = stopped if stopped is not None else exc
+    if not getattr(exc, "worker_failures", None) and is_no_space(ray_own):
+        detail = f"Ray Train could not write into the run: {' '.join(str(ray_own).split())[:200]}"
+        where = getattr(ray_own, "filename", None) or storage or "the run's storage"
+        needed = ckpt.next_checkpoint_bytes(storage, parts) if storage else None
+        return "DiskFull: " + no_space_line(where, detail, needed=needed)
     failures = getattr(exc, "worker_failures", None) or {}
     lines = []
     for rank, failure in sorted(failures.items()):

@@ -17,6 +17,7 @@ from vitscale.config.checks import ConfigError
 from vitscale.config.loader import absolute_paths, to_yaml
 from vitscale.config.pipeline import PipelineConfig, ray_address
 from vitscale.data.storage import open_storage
+from vitscale.data.storage.atomic import write_atomic
 from vitscale.data.storage.mirror import RunMirror
 from vitscale.stages import get_stage
 from vitscale.stages.base import StageContext
@@ -96,7 +97,7 @@ def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose:
     from vitscale.data.storage.base import StorageError
     from vitscale.data.storage.endpoint import run_endpoint
     from vitscale.data.storage.lease import hold_run_lease
-    from vitscale.data.storage.space import is_no_space
+    from vitscale.data.storage.space import is_no_space, no_space_line
 
     t0 = time.time()
     if address:  # --address: the run joins that cluster, and the checks below must know it
@@ -110,9 +111,11 @@ def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose:
         except OSError as exc:  # the driver's own files (config, logs, summary) on a full disk: one line
             if isinstance(exc, StorageError) or not is_no_space(exc):
                 raise
-            raise StorageError(f"no space left on the device of {getattr(exc, 'filename', None) or config.run_name}: "
-                               f"{exc.strerror or exc}; free space and run again (it resumes from the last "
-                               "complete checkpoint)") from exc
+            from vitscale.train.checkpoint import next_checkpoint_bytes
+
+            needed = next_checkpoint_bytes(storage, config.cluster.max_workers)
+            raise StorageError(no_space_line(getattr(exc, "filename", None) or storage, exc.strerror or str(exc),
+                                             needed=needed)) from exc
 
 
 def _run_stages(config: PipelineConfig, verbose: bool, t0: float) -> dict[str, Any]:
@@ -126,7 +129,7 @@ def _run_stages(config: PipelineConfig, verbose: bool, t0: float) -> dict[str, A
     # a sweep's finished trials).
     mirror = RunMirror(run_dir, open_storage(config.cluster.run_storage(config.run_name)))
     mirror.pull()
-    (run_dir / "config.yaml").write_text(to_yaml(config))
+    write_atomic(run_dir / "config.yaml", to_yaml(config))  # whole or not at all (data/storage/atomic.py)
     mirror.push()
     where = "" if mirror.same_place else f" (a cache of {mirror.storage.url})"
     print(f"[vitscale] run directory: {run_dir}{where}", flush=True)
@@ -165,7 +168,7 @@ def _stages(config: PipelineConfig, verbose: bool, t0: float, run_dir: Path, mir
         table.append((name, [*result.rows(), ("time", f"{time.time() - started:.0f} s")]))
         mirror.push()  # a stage's tables and plots reach storage as soon as it ends
     summary["seconds"] = round(time.time() - t0, 1)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2, default=str))
     print(f"\n{config.name}: done in {summary['seconds']:.0f} s, run directory {run_dir}\n"
           f"{summary_table(table)}\n", flush=True)
     return summary

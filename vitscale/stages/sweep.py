@@ -32,6 +32,7 @@ from vitscale.config.loader import to_dict, to_yaml
 from vitscale.config.pipeline import ClusterConfig, PipelineConfig
 from vitscale.data.carve import Carve
 from vitscale.data.config import DataConfig
+from vitscale.data.storage.atomic import write_atomic
 from vitscale.data.storage.filesystem import run_filesystem
 from vitscale.models.config import ModelConfig
 from vitscale.stages.base import Pretrained, Stage, StageContext
@@ -397,7 +398,7 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
     selected = {"trial_id": best["trial_id"], "params": best["params"], "metric": best["metric"], "metric_name": metric}
     # On disk as soon as it is chosen (with `retrain: false`, or a retrain that fails, this is the
     # sweep's answer); `_retrain` rewrites it with the winner's test accuracy.
-    (directory / "selected.json").write_text(json.dumps(selected, indent=2, default=str))
+    write_atomic(directory / "selected.json", json.dumps(selected, indent=2, default=str))
     return rows, selected
 
 
@@ -435,7 +436,7 @@ def _retrain(config: PipelineConfig, model: ModelConfig | None, init: str | None
                                  what="the winner's retrain", workers_key=trial_workers_key(config))
     final = {k: v for k, v in metrics.items() if k.startswith("test_accuracy")}
     final["final_exaflops"] = metrics.get("cumulative_exaflops")
-    (directory / "selected.json").write_text(json.dumps({**selected, **final}, indent=2, default=str))
+    write_atomic(directory / "selected.json", json.dumps({**selected, **final}, indent=2, default=str))
     return final
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from vitscale.config.location import is_url
+from vitscale.eval.tables import save_figure
 
 
 @dataclass(frozen=True)
@@ -213,8 +214,7 @@ def plot_searches(path: Path, x: str, metric: str,
     ax.set_title(f"{metric} per trial" + (" and the winners' test accuracy" if len(searches) else ""))
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)  # below: never over a point
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight")
+    save_figure(fig, path, bbox_inches="tight")
     plt.close(fig)
     return path
 

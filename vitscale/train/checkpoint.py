@@ -31,7 +31,9 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from vitscale.data.storage.space import free_bytes, is_no_space, size_text
+from vitscale.config.location import is_url
+from vitscale.data.storage.atomic import PART_SUFFIX, atomic_path, write_atomic
+from vitscale.data.storage.space import free_bytes, is_no_space, no_space_line, size_text
 
 DEEPSPEED_DIR = "deepspeed"
 DEEPSPEED_TAG = "state"
@@ -109,19 +111,19 @@ def write_rank_part(directory: Path, *, rank: int, stream_state: dict[str, Any],
     part: dict[str, Any] = {"stream": stream_state, "rng": rng_state()}
     if polyak is not None:
         part["polyak"] = polyak  # every rank keeps the (identical) average it resumes from: no cross-rank read
-    torch.save(part, directory / f"rank{rank}.pt")
+    # Each file whole or not at all (data/storage/atomic.py); the manifest, last, says the set is complete.
+    with atomic_path(directory / f"rank{rank}.pt") as tmp:
+        torch.save(part, tmp)
     if rank == 0:
-        (directory / TRAIN_STATE).write_text(json.dumps(asdict(train_state), indent=2))
-        (directory / "config.yaml").write_text(config_yaml)
+        write_atomic(directory / TRAIN_STATE, json.dumps(asdict(train_state), indent=2))
+        write_atomic(directory / "config.yaml", config_yaml)
     files = {}
     for path in sorted(directory.rglob("*")):
-        if path.is_file() and not path.name.startswith("MANIFEST-"):
+        if path.is_file() and not path.name.startswith("MANIFEST-") and not path.name.endswith(PART_SUFFIX):
             rel = path.relative_to(directory).as_posix()
             files[rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
     manifest = {"rank": rank, "step": train_state.step, "world_size": train_state.world_size, "files": files}
-    tmp = directory / f".MANIFEST-rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    tmp.rename(directory / f"MANIFEST-rank{rank}.json")  # atomic: the manifest appears whole or not at all
+    write_atomic(directory / f"MANIFEST-rank{rank}.json", json.dumps(manifest, indent=1))  # whole or not at all
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:
@@ -312,11 +314,28 @@ def _disk_full(where: str | os.PathLike[str], step: int, needed: int | None, fre
     return error
 
 
-def one_line(exc: BaseException, run_storage: str) -> str:
-    """``Type: message`` of a worker's error; a full disk met outside a checkpoint (metrics, logs) also
-    names the run's storage and its free space, as :class:`DiskFull` does."""
+def one_line(exc: BaseException, run_storage: str, parts: int = 1) -> str:
+    """``Type: message`` of a worker's error; a full disk met outside a checkpoint (metrics, logs, Ray's
+    own files) also names the file, its device's free space and what the run needs (``parts`` ranks'
+    next checkpoint), as :class:`DiskFull` does."""
     if isinstance(exc, (DiskFull, CheckpointNotWritten)) or not is_no_space(exc):
         return f"{type(exc).__name__}: {exc}"
     where = getattr(exc, "filename", None) or run_storage
-    return (f"DiskFull: no space left on the device of {where} ({size_text(free_bytes(where))} free): "
-            f"{exc}; free space there and run again: it resumes from the last complete checkpoint")
+    detail = " ".join(str(exc).split())[:300]
+    return f"DiskFull: {no_space_line(where, detail, needed=next_checkpoint_bytes(run_storage, parts))}"
+
+
+def next_checkpoint_bytes(run_storage: str | os.PathLike[str], parts: int = 1) -> int | None:
+    """About what the run's next checkpoint needs: ``parts`` times this process's part of the last one it
+    saved, else the size of the newest checkpoint in a local ``run_storage``; None when neither is known."""
+    if "part" in _LAST_PART_BYTES:
+        return _LAST_PART_BYTES["part"] * parts
+    text = os.fspath(run_storage)
+    if is_url(text):
+        return None
+    with contextlib.suppress(OSError):
+        # checkpoint_{step:09d}: the name orders by step (Ray's checkpoint_manager_snapshot.json is no checkpoint)
+        folders = [p for p in Path(text).glob("checkpoint_*") if p.name[len("checkpoint_"):].isdigit() and p.is_dir()]
+        if folders:
+            return tree_bytes(max(folders))
+    return None

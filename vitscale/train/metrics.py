@@ -2,8 +2,9 @@
 
 What a step reports is one frozen :class:`StepMetrics`. :class:`MetricsSink` writes it
 
-* as one JSON line to ``<run_dir>/metrics/rank<rank>.jsonl`` (flushed per line, so ``tail -f`` and
-  a crash both see every finished step), and
+* as one JSON line to ``<run_dir>/metrics/rank<rank>.jsonl`` (written per line, so ``tail -f`` and
+  a crash both see every finished step; a line is appended whole or not at all, so a full disk never
+  leaves a torn one: ``data/storage/atomic.py``), and
 * when a port is given, to Prometheus series served from this process by
   ``prometheus_client.start_http_server`` on a registry of its own (never the global default
   registry, so two sinks in one process — tests, Ray Tune trials — do not collide).
@@ -65,7 +66,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Self
+from typing import Self
 
 from prometheus_client import (
     CollectorRegistry,
@@ -76,6 +77,7 @@ from prometheus_client import (
 )
 
 from vitscale.config.checks import check, non_negative_int
+from vitscale.data.storage.atomic import AppendOnly
 from vitscale.train.restarts import Restart, read_rows, restarts
 
 __all__ = [
@@ -268,9 +270,9 @@ class MetricsSink:
         self.restarts: list[Restart] = restarts(earlier)
         """Every restart of the run in this rank's lines so far, earlier attempts' included (read once at
         open, then added to as lines are recorded: never re-read on the step path)."""
-        self._file: IO[str] | None = self.path.open("a", encoding="utf-8")
-        if self.path.stat().st_size and _torn(self.path):
-            self._file.write("\n")  # a line torn by a killed process ends here, not in this attempt's first
+        # Whole lines or nothing (data/storage/atomic.py): a full disk or a killed writer never leaves a torn
+        # line for the next attempt to continue from; a torn one an earlier writer left is cut off here.
+        self._file: AppendOnly | None = AppendOnly(self.path)
         self._lock = threading.Lock()
         self._last: dict[str, float] = {}  # cumulative value last fed to each counter child
         self.registry = CollectorRegistry(auto_describe=True)
@@ -370,8 +372,7 @@ class MetricsSink:
         if skipped_by_shard:
             row["skipped_by_shard"] = dict(skipped_by_shard)
         with self._lock:
-            self._file.write(json.dumps(row, allow_nan=False) + "\n")
-            self._file.flush()
+            self._file.append(json.dumps(row, allow_nan=False))
             gone = restarts([self._previous, row]) if self._previous is not None else []
             self._previous = row
             self.restarts.extend(gone)
@@ -430,13 +431,6 @@ class MetricsSink:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _torn(path: Path) -> bool:
-    """The file's last line has no newline (its writer was killed mid-line)."""
-    with path.open("rb") as f:
-        f.seek(-1, 2)
-        return f.read(1) != b"\n"
 
 
 def hms(seconds: float) -> str:

@@ -11,6 +11,7 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
+from vitscale.data.storage.atomic import AppendOnly
 from vitscale.train.metrics import MetricsSink, StepMetrics, TensorBoardLog, progress_line
 
 if TYPE_CHECKING:
@@ -83,10 +84,10 @@ class SamplesLog:
     def __init__(self, ctx: WorkerContext):
         directory = ctx.run_dir / "samples"
         directory.mkdir(parents=True, exist_ok=True)
-        self.file = open(directory / f"rank{ctx.rank}.jsonl", "a")  # noqa: SIM115 -- appended to per step, closed with the run
+        # Whole lines or nothing (data/storage/atomic.py), as the metrics: a full disk tears no record.
+        self.file = AppendOnly(directory / f"rank{ctx.rank}.jsonl")
 
     def write(self, step: int, keys: list[str], world_size: int) -> None:
         # The world size and time say which attempt's lines survive when an elastic run resized.
-        self.file.write(json.dumps({"step": step, "keys": keys, "world_size": world_size,
-                                    "time": round(time.time(), 3)}) + "\n")
-        self.file.flush()
+        self.file.append(json.dumps({"step": step, "keys": keys, "world_size": world_size,
+                                     "time": round(time.time(), 3)}))

@@ -1,4 +1,4 @@
-"""Local-folder storage: plain files, written atomically (write a hidden part file, rename)."""
+"""Local-folder storage: plain files, written atomically (data/storage/atomic.py: a hidden part file, renamed)."""
 
 from __future__ import annotations
 
@@ -7,26 +7,10 @@ import shutil
 from pathlib import Path
 from typing import BinaryIO
 
-from vitscale.data.storage.base import Storage, StorageError, check_name
-from vitscale.data.storage.cleanup import after_error, remove_file
+from vitscale.data.storage.atomic import PART_SUFFIX, atomic_path, write_atomic
+from vitscale.data.storage.base import Storage, check_name
 
 __all__ = ["LocalStorage"]
-
-
-def _create_part_file(path: Path) -> tuple[int, str]:
-    """Create a hidden sibling ``.NAME.<random>.part`` for an atomic write-then-rename.
-
-    Unlike ``mkstemp`` (always 0600) this honours the umask, so finished files get the usual
-    permissions of the folder's other files.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for _ in range(100):
-        tmp = path.parent / f".{path.name}.{os.urandom(6).hex()}.part"
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), str(tmp)
-        except FileExistsError:
-            continue
-    raise StorageError(f"cannot create a temporary file next to {path}")
 
 
 class LocalStorage(Storage):
@@ -58,27 +42,12 @@ class LocalStorage(Storage):
         return self._path(name).stat().st_size
 
     def write_bytes(self, name: str, data: bytes) -> None:
-        path = self._path(name)
-        # Write then rename so a reader never sees a half-written shard or index.
-        fd, tmp = _create_part_file(path)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException as exc:
-            after_error(exc, f"removing {tmp}", lambda: remove_file(tmp))
-            raise
+        # Written whole or not at all (data/storage/atomic.py): a reader never sees a half-written shard or index.
+        write_atomic(self._path(name), data)
 
     def write_file(self, name: str, local_path: str | os.PathLike[str]) -> None:
-        path = self._path(name)
-        fd, tmp = _create_part_file(path)
-        os.close(fd)
-        try:
+        with atomic_path(self._path(name)) as tmp:
             shutil.copyfile(local_path, tmp)
-            os.replace(tmp, path)
-        except BaseException as exc:
-            after_error(exc, f"removing {tmp}", lambda: remove_file(tmp))
-            raise
 
     def exists(self, name: str) -> bool:
         return self._path(name).is_file()
@@ -96,7 +65,7 @@ class LocalStorage(Storage):
             folder = os.path.relpath(dirpath, root)
             folder = "" if folder == "." else folder.replace(os.sep, "/") + "/"
             for f in files:
-                if f.endswith(".part") and f.startswith("."):
+                if f.endswith(PART_SUFFIX) and f.startswith("."):
                     continue  # an in-flight atomic write
                 rel = folder + f
                 if rel.startswith(prefix):

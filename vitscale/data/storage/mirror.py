@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from vitscale.data.storage.atomic import PART_SUFFIX, write_atomic
 from vitscale.data.storage.base import Storage
 from vitscale.data.storage.local import LocalStorage
 
@@ -38,7 +39,7 @@ SKIPPED_NAMES = ("checkpoint_manager_snapshot.json", ".validate_storage_marker",
 def _skipped(name: str) -> bool:
     # Every segment: a part of the run (its fine-tuning, a sweep trial) is a Ray Train run of its own.
     segments = name.split("/")
-    return any(s.startswith(SKIPPED_PREFIXES) or s in SKIPPED_NAMES for s in segments) or name.endswith(".part")
+    return any(s.startswith(SKIPPED_PREFIXES) or s in SKIPPED_NAMES for s in segments) or name.endswith(PART_SUFFIX)
 
 
 class RunMirror:
@@ -98,10 +99,7 @@ class RunMirror:
             path = self.local / name
             if path.is_file() and path.stat().st_size == size:
                 continue
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".part")
-            tmp.write_bytes(self.storage.read_bytes(name))
-            tmp.replace(path)
+            write_atomic(path, self.storage.read_bytes(name))
             stat = path.stat()
             self._pushed[name] = (stat.st_size, stat.st_mtime_ns)  # what is there already need not go back
             pulled.append(name)

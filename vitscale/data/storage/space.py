@@ -14,9 +14,11 @@ from pathlib import Path
 
 from vitscale.config.location import is_url
 
-__all__ = ["NO_SPACE_ERRNOS", "free_bytes", "is_no_space", "size_text"]
+__all__ = ["NO_SPACE_ERRNOS", "RESUMES", "free_bytes", "is_no_space", "no_space_line", "size_text"]
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+RESUMES = "free space there and run again: it resumes from the last complete checkpoint"
+"""How every full-disk line of a run ends: what to do, and what the run does then."""
 _NO_SPACE_TEXT = ("no space left on device", "disk quota exceeded", "[errno 28]", "[errno 122]")
 
 
@@ -62,3 +64,14 @@ def size_text(n: int | None) -> str:
     if n < 1_000_000:
         return f"{n / 1e3:.1f} kB"
     return f"{n / 1e6:,.1f} MB"
+
+
+def no_space_line(where: str | os.PathLike[str], detail: str = "", *, needed: int | None = None) -> str:
+    """The one line a run's full disk ends in (outside a checkpoint's own save, `train/checkpoint.py`):
+    the path that did not fit, the space free there, the space the run needs to go on (``needed``: its
+    next checkpoint, about the size of its last; unknown before the first), the error's own words."""
+    need = (f"about {size_text(needed)} needed for the next checkpoint" if needed is not None
+            else "the next checkpoint's size not known yet")
+    tail = f": {detail}" if detail else ""
+    free = size_text(free_bytes(where))
+    return f"no space left on the device of {os.fspath(where)} ({free} free, {need}){tail}; {RESUMES}"

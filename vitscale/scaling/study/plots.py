@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from vitscale.eval.tables import save_figure
+
 MARKERS = {"ViT": "o", "ResNet": "s", "Hybrid": "^"}
 COLOURS = {"ViT": "tab:blue", "ResNet": "tab:orange", "Hybrid": "tab:green"}
 
@@ -52,8 +54,7 @@ def plot_compute(rows: Sequence[dict[str, Any]], metric: str, fits: dict[str, An
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(fontsize=7, loc="best", framealpha=0.6)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -101,7 +102,6 @@ def plot_data_size(rows: Sequence[dict[str, Any]], metric: str, path: Path) -> P
     if series:
         ax.legend(fontsize=7)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
     return path
