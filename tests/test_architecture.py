@@ -15,7 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "vitscale"
 
 LAYERS = {
-    "config": 0, "_version": 0,
+    "config": 0, "_version": 0, "say": 0,
     "models": 1, "data": 1, "scaling": 1, "scaling.flops": 1, "scaling.catalog": 1,
     "train": 2, "eval": 2, "inspect": 2, "scaling.study": 2,
     "launch": 3, "stages": 3,
@@ -74,6 +74,14 @@ def test_deepspeed_only_in_the_engine() -> None:
     offenders = [m for m, path in modules()
                  if any(n == "deepspeed" or n.startswith("deepspeed.") for n in imports_of(path))]
     assert offenders == ["train.engine"]
+
+
+def test_vitscale_lines_are_said_in_one_place() -> None:
+    """The "[vitscale]" prefix is written once (`vitscale/say.py`); every line goes through `say` or `line`."""
+    typed = [m for m, path in modules() if m != "say" and any(
+        isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("[vitscale]")
+        for node in ast.walk(ast.parse(path.read_text())))]
+    assert not typed, f"modules that type the prefix by hand: {typed}"
 
 
 def test_models_import_nothing_distributed() -> None:

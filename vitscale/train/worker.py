@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from vitscale.say import say
 from vitscale.scaling.flops import forward_flops
 from vitscale.train import checkpoint as ckpt
 from vitscale.train.engine import build_engine, deepspeed_config, init_distributed, load_checkpoint
@@ -136,9 +137,9 @@ def _build_model(job: TrainJob, ctx: WorkerContext, num_classes: int) -> torch.n
         report = load_pretrained(model, weights)
         if ctx.rank == 0 and ctx.resume_from is None:
             # The file's digest says which weights a trial started from, whichever node it ran on.
-            print(f"[vitscale] initialised from {job.init} (sha256 {ckpt.sha256_file(weights)}): "
+            say(f"initialised from {job.init} (sha256 {ckpt.sha256_file(weights)}): "
                   f"{len(report.loaded)} tensors"
-                  + (f", resampled {', '.join(report.resampled)}" if report.resampled else ""), flush=True)
+                  + (f", resampled {', '.join(report.resampled)}" if report.resampled else ""))
     return model
 
 
@@ -198,8 +199,8 @@ def restore(engine: Any, ctx: WorkerContext, polyak: Polyak | None,
     state = ckpt.read_train_state(directory)
     if ctx.rank == 0:
         resized = f", resharded from {saved_world} to {ctx.world_size} workers" if saved_world != ctx.world_size else ""
-        print(f"[vitscale] resumed from {directory} at step {state.step} "
-              f"(stream epoch {part['stream']['epoch']}, position {part['stream']['position']}{resized})", flush=True)
+        say(f"resumed from {directory} at step {state.step} "
+              f"(stream epoch {part['stream']['epoch']}, position {part['stream']['position']}{resized})")
     return state, dict(part["stream"])
 
 
