@@ -125,3 +125,29 @@ def test_the_training_loop_reads_at_a_glance() -> None:
     tree = ast.parse((PACKAGE / "train" / "loop.py").read_text())
     loop = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
     assert (loop.end_lineno or loop.lineno) - loop.lineno + 1 <= 60
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """vitscale modules `path` imports when it runs (lazy imports included; `if TYPE_CHECKING:` left out)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+                   for n in ast.walk(node)}
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return {n.removeprefix("vitscale.") for n in names if n.startswith("vitscale.")}
+
+
+def test_no_two_modules_import_each_other() -> None:
+    """A circle held together by a lazy import is a design left half-done: what both need lives in a third."""
+    known = dict(modules())
+    imports = {m: _runtime_imports(p) for m, p in known.items()}
+    circles = sorted({tuple(sorted((a, b))) for a, deps in imports.items() for b in deps
+                      if b != a and b in imports and a in imports[b]})
+    assert not circles, circles

@@ -17,11 +17,12 @@ import torch
 from vitscale.say import say
 from vitscale.scaling.flops import forward_flops
 from vitscale.train import checkpoint as ckpt
+from vitscale.train.batch import BatchPlan, resized_batch
 from vitscale.train.engine import build_engine, deepspeed_config, init_distributed, load_checkpoint
 from vitscale.train.evaluate import Polyak
 from vitscale.train.job import TrainJob
 from vitscale.train.metrics import peak_flops
-from vitscale.train.optim import BatchPlan, Decay, lr_at, resized_batch, schedule_length
+from vitscale.train.optim import Decay, lr_at, schedule_length
 from vitscale.train.step import Stepper
 
 if TYPE_CHECKING:
