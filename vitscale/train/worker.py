@@ -128,7 +128,7 @@ def _build_model(job: TrainJob, ctx: WorkerContext, num_classes: int) -> torch.n
     model = job.model.build(num_classes)
     if job.init is not None:
         from vitscale.data.storage.fetch import local_copy
-        from vitscale.models.checkpoints import load_pretrained
+        from vitscale.models.weights_files import load_pretrained
 
         # Fine-tuning: pre-trained weights; head and pre-logits dropped, position embeddings
         # resampled to this resolution (Sec. 3.2), the zero-initialised head kept.
