@@ -8,6 +8,7 @@ A module may import its own layer and the layers below it, never one above.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,12 @@ def test_no_two_modules_import_each_other() -> None:
     circles = sorted({tuple(sorted((a, b))) for a, deps in imports.items() for b in deps
                       if b != a and b in imports and a in imports[b]})
     assert not circles, circles
+
+
+def test_every_module_is_in_the_architecture_docs() -> None:
+    """docs/architecture.md's "Every module" table lists each module of the package: a newcomer finds all."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    listed = set(re.findall(r"^\| `([\w/]+\.py)` \|", text.split("## Every module", 1)[1], re.M))
+    missing = [path.relative_to(PACKAGE).as_posix() for _, path in modules()
+               if path.relative_to(PACKAGE).as_posix() not in listed]
+    assert not missing, f"add these to docs/architecture.md's module table: {missing}"
