@@ -157,9 +157,9 @@ def bench_vitscale(name: str, *, batch: int, steps: int, zero_stage: int, device
     `img_size` and `options` (model options such as depth or width) shape the model as in a pipeline's
     `model:` section; the defaults are the paper's model at 224 px."""
     from vitscale.models import create_model
+    from vitscale.train.batch import derive_batch
     from vitscale.train.config import TrainConfig
     from vitscale.train.engine import build_engine, deepspeed_config, optimizer_step
-    from vitscale.train.optim import derive_batch
     from vitscale.train.step import Stepper
 
     on_gpu = device.type == "cuda"

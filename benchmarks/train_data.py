@@ -301,8 +301,8 @@ def _fixed_batch_here(job: Any, num_classes: int, device: Any, steps: int) -> di
 
     import torch
 
+    from vitscale.train.batch import derive_batch
     from vitscale.train.engine import build_engine, deepspeed_config
-    from vitscale.train.optim import derive_batch
     from vitscale.train.step import Stepper
 
     model_cfg, train = job.model, job.train

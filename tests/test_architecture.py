@@ -8,6 +8,7 @@ A module may import its own layer and the layers below it, never one above.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "vitscale"
 
 LAYERS = {
-    "config": 0, "_version": 0,
+    "config": 0, "_version": 0, "say": 0,
     "models": 1, "data": 1, "scaling": 1, "scaling.flops": 1, "scaling.catalog": 1,
     "train": 2, "eval": 2, "inspect": 2, "scaling.study": 2,
     "launch": 3, "stages": 3,
@@ -76,6 +77,14 @@ def test_deepspeed_only_in_the_engine() -> None:
     assert offenders == ["train.engine"]
 
 
+def test_vitscale_lines_are_said_in_one_place() -> None:
+    """The "[vitscale]" prefix is written once (`vitscale/say.py`); every line goes through `say` or `line`."""
+    typed = [m for m, path in modules() if m != "say" and any(
+        isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("[vitscale]")
+        for node in ast.walk(ast.parse(path.read_text())))]
+    assert not typed, f"modules that type the prefix by hand: {typed}"
+
+
 def test_models_import_nothing_distributed() -> None:
     for module, path in modules():
         if module.startswith("models"):
@@ -117,3 +126,38 @@ def test_the_training_loop_reads_at_a_glance() -> None:
     tree = ast.parse((PACKAGE / "train" / "loop.py").read_text())
     loop = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
     assert (loop.end_lineno or loop.lineno) - loop.lineno + 1 <= 60
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """vitscale modules `path` imports when it runs (lazy imports included; `if TYPE_CHECKING:` left out)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+                   for n in ast.walk(node)}
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return {n.removeprefix("vitscale.") for n in names if n.startswith("vitscale.")}
+
+
+def test_no_two_modules_import_each_other() -> None:
+    """A circle held together by a lazy import is a design left half-done: what both need lives in a third."""
+    known = dict(modules())
+    imports = {m: _runtime_imports(p) for m, p in known.items()}
+    circles = sorted({tuple(sorted((a, b))) for a, deps in imports.items() for b in deps
+                      if b != a and b in imports and a in imports[b]})
+    assert not circles, circles
+
+
+def test_every_module_is_in_the_architecture_docs() -> None:
+    """docs/architecture.md's "Every module" table lists each module of the package: a newcomer finds all."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    listed = set(re.findall(r"^\| `([\w/]+\.py)` \|", text.split("## Every module", 1)[1], re.M))
+    missing = [path.relative_to(PACKAGE).as_posix() for _, path in modules()
+               if path.relative_to(PACKAGE).as_posix() not in listed]
+    assert not missing, f"add these to docs/architecture.md's module table: {missing}"

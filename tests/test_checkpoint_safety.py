@@ -76,9 +76,9 @@ def test_probe_refuses_a_planted_payload(tmp_path: Path) -> None:
 
 
 def test_resume_refuses_a_planted_payload(tmp_path: Path, process_group: None) -> None:
+    from vitscale.train.batch import derive_batch
     from vitscale.train.config import TrainConfig
     from vitscale.train.engine import UnsafeCheckpoint, build_engine, deepspeed_config, load_checkpoint
-    from vitscale.train.optim import derive_batch
 
     model = torch.nn.Linear(4, 2)
     train = TrainConfig(global_batch=2, micro_batch=2, zero_stage=0, precision="fp32")

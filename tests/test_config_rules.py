@@ -61,7 +61,7 @@ def test_shared_defaults_have_one_home() -> None:
 
 @given(st.integers(1, 5000), st.integers(1, 256), st.integers(1, 32))
 def test_the_batch_rule_is_derive_batchs(global_batch: int, micro: int, workers: int) -> None:
-    from vitscale.train.optim import derive_batch
+    from vitscale.train.batch import derive_batch
 
     config = TrainConfig(global_batch=global_batch, micro_batch=min(micro, global_batch))
     try:

@@ -33,9 +33,9 @@ def test_merge_keeps_every_override_and_every_other_generated_key(generated: dic
 
 
 def test_engine_config_takes_unowned_keys() -> None:
+    from vitscale.train.batch import derive_batch
     from vitscale.train.config import TrainConfig
     from vitscale.train.engine import deepspeed_config
-    from vitscale.train.optim import derive_batch
 
     train = TrainConfig(global_batch=16, micro_batch=8, zero_stage=2, deepspeed={
         "zero_optimization": {"reduce_bucket_size": 500000, "overlap_comm": True}, "communication_data_type": "fp32"})

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from vitscale.config import ConfigError
 from vitscale.stages import build_pipeline
-from vitscale.train.optim import derive_batch, elastic_split, loss_weight, resized_batch
+from vitscale.train.batch import derive_batch, elastic_split, loss_weight, resized_batch
 
 
 def _pipeline(num_workers: object, global_batch: int = 48, micro_batch: int = 4):

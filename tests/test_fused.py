@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from vitscale.models import create_model
+from vitscale.train.batch import derive_batch
 from vitscale.train.config import TrainConfig
 from vitscale.train.engine import build_engine, deepspeed_config, optimizer_step
-from vitscale.train.optim import derive_batch, optimizer_for, param_groups
+from vitscale.train.optim import optimizer_for, param_groups
 
 pytest.importorskip("deepspeed")
 

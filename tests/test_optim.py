@@ -13,16 +13,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from vitscale.train.optim import (
-    BatchPlan,
-    derive_batch,
-    epoch_at,
-    lr_at,
-    nearest_valid_global_batch,
-    param_groups,
-    split_decay,
-    steps_for,
-)
+from vitscale.train.batch import BatchPlan, derive_batch, nearest_valid_global_batch
+from vitscale.train.optim import epoch_at, lr_at, param_groups, split_decay, steps_for
 
 # ------------------------------------------------------------------------------------ lr_at
 

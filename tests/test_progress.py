@@ -44,8 +44,8 @@ def test_the_verbs_show_progress_on_a_terminal(verb: str, tmp_path: Path, small_
 
     from vitscale.cli import main
     from vitscale.models import create_model
-    from vitscale.models.checkpoints import export_state_dict
     from vitscale.models.factory import model_meta
+    from vitscale.models.weights_files import export_state_dict
 
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)

@@ -57,9 +57,9 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _engine(stage: int, precision: str, offload: bool, world: int, seed: int) -> Any:
     from model_helpers import randomize
     from vitscale.models.factory import create_model
+    from vitscale.train.batch import derive_batch
     from vitscale.train.config import TrainConfig
     from vitscale.train.engine import build_engine, deepspeed_config
-    from vitscale.train.optim import derive_batch
 
     model = randomize(create_model("ViT-Ti/8", num_classes=3, img_size=16, depth=1, width=WIDTH, heads=2, mlp_dim=32),
                       seed)

@@ -14,7 +14,7 @@ from vitscale.scaling.study.cells import location_free, settings_hash
 from vitscale.scaling.study.fit import WELL_DETERMINED, fit_power_law, saturating
 from vitscale.scaling.study.recommend import recommend
 from vitscale.scaling.study.state import CellRecord, StudyState
-from vitscale.scaling.study.uncertainty import backtest, backtest_split, predict
+from vitscale.scaling.study.uncertainty import backtest, backtest_split, fit_with_intervals, predict
 
 TRUTH = (2e-4, 0.45, 0.12, 2e-7)
 
@@ -26,7 +26,7 @@ def _noisy(n: int, seed: int = 0, sigma: float = 0.004) -> tuple[np.ndarray, np.
 
 def test_bootstrap_intervals_cover_the_truth_and_predictions() -> None:
     compute, error = _noisy(10)
-    fit = fit_power_law(compute, error, bootstrap=100, seed=1)
+    fit = fit_with_intervals(compute, error, bootstrap=100, seed=1)
     assert len(fit.intervals) == 4 and len(fit.samples) >= 50
     (b_lo, b_hi), (c_lo, c_hi) = fit.intervals[1], fit.intervals[2]
     assert b_lo <= TRUTH[1] <= b_hi and c_lo <= TRUTH[2] <= c_hi
@@ -94,7 +94,7 @@ def test_backtest_predicts_a_known_law_and_refuses_thin_families() -> None:
 
 def _vit_fit() -> object:
     compute = np.geomspace(1e-7, 1e-5, 6)
-    return fit_power_law(compute, 1 - (0.43 - 0.02 * np.log10(1e-5 / compute)), bootstrap=40)
+    return fit_with_intervals(compute, 1 - (0.43 - 0.02 * np.log10(1e-5 / compute)), bootstrap=40)
 
 
 def test_recommend_shows_an_unfitted_family_measured_inside_the_budget() -> None:

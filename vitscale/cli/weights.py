@@ -63,7 +63,7 @@ def _fewshot_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_fewshot(args: argparse.Namespace) -> int:
-    from vitscale.eval.checkpoint_probe import fewshot_checkpoint, fewshot_table
+    from vitscale.eval.weights_probe import fewshot_table, fewshot_weights
 
     fewshot = {"datasets": tuple(args.data), "shots": tuple(args.shots) if args.shots else None,
                "seeds": args.seeds, "seed": args.seed, "l2": args.l2, "resolution": args.resolution,
@@ -74,7 +74,7 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {}
     for item in args.option:  # YAML values, as a pipeline's `model:` section reads them
         options = apply_override(options, item)
-    report = fewshot_checkpoint(args.checkpoint, fewshot, model_name=args.model, img_size=args.img_size,
+    report = fewshot_weights(args.checkpoint, fewshot, model_name=args.model, img_size=args.img_size,
                                 endpoint_url=args.endpoint_url, progress=True, model_options=options)
     if args.json:
         print_json(report)

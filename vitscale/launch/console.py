@@ -28,8 +28,8 @@ from typing import TextIO
 
 from vitscale.data.storage.atomic import AppendOnly
 from vitscale.data.storage.space import no_space_line
+from vitscale.say import PREFIX
 
-PREFIX = "[vitscale]"
 _WORKERS_QUIET = threading.Event()
 """Set while workers' own lines go to the log only (`workers_off_terminal`)."""
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

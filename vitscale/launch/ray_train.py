@@ -45,6 +45,7 @@ from vitscale.launch.failures import (
     deterministic_cause,
 )
 from vitscale.launch.snapshot import repair_snapshot
+from vitscale.say import say
 from vitscale.train import checkpoint as ckpt
 from vitscale.train.job import TrainJob
 from vitscale.train.termination import Terminated, TerminationNotice
@@ -86,7 +87,7 @@ def train_worker(payload: dict[str, Any]) -> None:
                                 terminated=termination.notice)
             train(job, ctx)  # its last step reports the final checkpoint and metrics
     except Terminated as stopped:
-        print(f"[vitscale] {stopped}: " + ("leaving" if stopped.signalled else "stopping for the restart"), flush=True)
+        say(f"{stopped}: " + ("leaving" if stopped.signalled else "stopping for the restart"))
         if stopped.signalled:
             _leave(termination, stopped)
         # A peer's SIGTERM: this worker ends its attempt in one line, not with a failed collective's traceback.
@@ -94,7 +95,7 @@ def train_worker(payload: dict[str, Any]) -> None:
     except Exception as exc:
         # Ray shows its own traceback of the actor; print the worker's with its rank so the driver's
         # log says which rank failed and why, then re-raise for Ray's failure handling.
-        print(f"[vitscale] rank {rank} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}", flush=True)
+        say(f"rank {rank} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         failure = WorkerFailed(f"rank {rank}: {ckpt.one_line(exc, storage, world_size)}")
         failure.deterministic = deterministic_cause(exc) is not None  # survives pickling; the cause does not
         raise failure from exc
@@ -103,7 +104,7 @@ def train_worker(payload: dict[str, Any]) -> None:
             try:
                 mirror.close()
             except OSError as exc:  # never hide the run's own outcome behind a failed last upload
-                print(f"[vitscale] rank {rank}: could not push its records to {mirror.storage.url}: {exc}", flush=True)
+                say(f"rank {rank}: could not push its records to {mirror.storage.url}: {exc}")
 
 
 def _leave(termination: TerminationNotice, told: Terminated) -> NoReturn:
@@ -160,7 +161,7 @@ def _report(metrics: dict[str, Any], checkpoint_dir: Path | None, mirror: RunMir
     if storage is not None:  # Ray's copy can lose a file without a word (filesystem.py): check, copy again
         copied = ensure_uploaded(checkpoint_dir, posixpath.join(storage, name))
         if copied:
-            print(f"[vitscale] {name}: stored again what the first upload lost: {', '.join(copied)}", flush=True)
+            say(f"{name}: stored again what the first upload lost: {', '.join(copied)}")
 
 
 def _resume_directory(world_size: int, rank: int, downloads: contextlib.ExitStack,
@@ -192,8 +193,8 @@ def _resume_directory(world_size: int, rank: int, downloads: contextlib.ExitStac
         if not found:
             downloads.callback(fetched.close)
             if candidate is not latest:
-                print(f"[vitscale] latest checkpoint {posixpath.basename(latest.path)} is incomplete; "
-                      f"resuming from {posixpath.basename(candidate.path)}", flush=True)
+                say(f"latest checkpoint {posixpath.basename(latest.path)} is incomplete; "
+                      f"resuming from {posixpath.basename(candidate.path)}")
             return directory
         fetched.close()
         problems.extend(found)
@@ -314,7 +315,7 @@ def trainer_for(job: TrainJob, cluster: ClusterConfig, place: RunPlace,
     # while Ray wrote it) would keep the run from ever resuming (launch/snapshot.py).
     repaired = repair_snapshot(place.storage)
     if repaired:
-        print(f"[vitscale] {repaired}", flush=True)
+        say(f"{repaired}")
     # Object storage: checkpoint uploads retry with backoff a bounded number of times (data/storage/filesystem.py).
     filesystem, storage = run_filesystem(parent)
     resources = {"CPU": cluster.cpus_per_worker}

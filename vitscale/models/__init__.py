@@ -1,4 +1,4 @@
-"""Model zoo: ViT (Ti/S/B/L/H, any patch size), BiT ResNet-v2, hybrids; checkpoint I/O.
+"""Model zoo: ViT (Ti/S/B/L/H, any patch size), BiT ResNet-v2, hybrids; weights files in and out.
 
     from vitscale.models import create_model, load_pretrained
     model = create_model("ViT-B/16", num_classes=1000, img_size=224)
@@ -14,13 +14,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS: dict[str, str] = {
-    "LoadReport": "checkpoints",
-    "create_from_checkpoint": "checkpoints",
-    "export_npz": "checkpoints",
-    "export_state_dict": "checkpoints",
-    "load_pretrained": "checkpoints",
-    "read_checkpoint": "checkpoints",
-    "timm_state_dict": "checkpoints",
+    "LoadReport": "weights_files",
+    "create_from_weights": "weights_files",
+    "export_npz": "weights_files",
+    "export_state_dict": "weights_files",
+    "load_pretrained": "weights_files",
+    "read_weights": "weights_files",
+    "timm_state_dict": "weights_files",
     "create_from_meta": "factory",
     "create_model": "factory",
     "OPTIONS": "options",
@@ -49,8 +49,8 @@ __all__ = [
     "ViTConfig",
     "ViTDims",
     "VisionTransformer",
-    "create_from_checkpoint",
     "create_from_meta",
+    "create_from_weights",
     "create_model",
     "export_npz",
     "export_state_dict",
@@ -58,22 +58,13 @@ __all__ = [
     "model_meta",
     "model_names",
     "parse_model_name",
-    "read_checkpoint",
+    "read_weights",
     "resample_posemb",
     "timm_alias",
     "timm_state_dict",
 ]
 
 if TYPE_CHECKING:
-    from vitscale.models.checkpoints import (
-        LoadReport,
-        create_from_checkpoint,
-        export_npz,
-        export_state_dict,
-        load_pretrained,
-        read_checkpoint,
-        timm_state_dict,
-    )
     from vitscale.models.config import ModelConfig
     from vitscale.models.factory import create_from_meta, create_model, model_meta
     from vitscale.models.options import OPTIONS, ResNetConfig, ViTConfig
@@ -88,6 +79,15 @@ if TYPE_CHECKING:
         timm_alias,
     )
     from vitscale.models.vit import VisionTransformer
+    from vitscale.models.weights_files import (
+        LoadReport,
+        create_from_weights,
+        export_npz,
+        export_state_dict,
+        load_pretrained,
+        read_weights,
+        timm_state_dict,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -6,6 +6,7 @@ from typing import Any
 
 from vitscale.config.checks import ConfigError
 from vitscale.data.config import SourceConfig
+from vitscale.say import say
 
 
 def ensure_dataset(url: str, source: SourceConfig | None, endpoint_url: str | None, key: str) -> Any:
@@ -20,7 +21,7 @@ def ensure_dataset(url: str, source: SourceConfig | None, endpoint_url: str | No
         if source is None:
             raise FileNotFoundError(f"{key}: no dataset at {url} (no dataset.json); write one with "
                                     f"`vitscale shards write --source ... --out {url}`")
-        print(f"[vitscale] writing {source.kind} dataset to {url}", flush=True)
+        say(f"writing {source.kind} dataset to {url}")
         write_dataset(source.kind, url, shard_size=source.shard_size, max_side=source.max_side,
                       quality=source.quality, seed=0, splits=dict(source.splits) if source.splits else None,
                       source_options=source.source_options(), endpoint_url=endpoint_url)

@@ -127,7 +127,7 @@ def check_checkpoint(config: PipelineConfig, num_classes: int) -> None:
         except (ValueError, FileNotFoundError) as exc:
             raise ConfigError("finetune.checkpoint", str(exc)) from None
         return
-    from vitscale.models.checkpoints import load_pretrained
+    from vitscale.models.weights_files import load_pretrained
 
     try:
         model = finetune_model(_model_of_file(path, config.model), fc.resolution).build(num_classes)
@@ -178,9 +178,9 @@ def _model_of_run(checkpoint_dir: Path) -> ModelConfig:
 
 def _model_of_file(path: Path, fallback: ModelConfig) -> ModelConfig:
     """A vitscale export names its architecture; .npz and timm files use the pipeline's `model:` section."""
-    from vitscale.models.checkpoints import read_checkpoint
+    from vitscale.models.weights_files import read_weights
 
-    _, _, meta = read_checkpoint(path)
+    _, _, meta = read_weights(path)
     if not meta:
         return fallback
     return build_section(ModelConfig, {"name": meta["name"], "img_size": meta["img_size"],

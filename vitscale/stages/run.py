@@ -19,6 +19,7 @@ from vitscale.config.pipeline import PipelineConfig, ray_address
 from vitscale.data.storage import open_storage
 from vitscale.data.storage.atomic import write_atomic
 from vitscale.data.storage.mirror import RunMirror
+from vitscale.say import say
 from vitscale.stages import get_stage
 from vitscale.stages.base import StageContext
 
@@ -132,7 +133,7 @@ def _run_stages(config: PipelineConfig, verbose: bool, t0: float) -> dict[str, A
     write_atomic(run_dir / "config.yaml", to_yaml(config))  # whole or not at all (data/storage/atomic.py)
     mirror.push()
     where = "" if mirror.same_place else f" (a cache of {mirror.storage.url})"
-    print(f"[vitscale] run directory: {run_dir}{where}", flush=True)
+    say(f"run directory: {run_dir}{where}")
     mirror.push_every(30.0)
     try:
         return _stages(config, verbose, t0, run_dir, mirror)
@@ -140,7 +141,7 @@ def _run_stages(config: PipelineConfig, verbose: bool, t0: float) -> dict[str, A
         try:
             mirror.close()
         except OSError as exc:
-            print(f"[vitscale] could not push the run's files to {mirror.storage.url}: {exc}", flush=True)
+            say(f"could not push the run's files to {mirror.storage.url}: {exc}")
 
 
 def _stages(config: PipelineConfig, verbose: bool, t0: float, run_dir: Path, mirror: RunMirror) -> dict[str, Any]:
@@ -150,16 +151,16 @@ def _stages(config: PipelineConfig, verbose: bool, t0: float, run_dir: Path, mir
 
     log_path = run_dir / "logs" / "ray.log"
     quiet_driver_logs(log_path, verbose=verbose)
-    print(f"[vitscale] {ensure_ray(config.cluster.address, config.cluster.local_num_cpus)}", flush=True)
+    say(f"{ensure_ray(config.cluster.address, config.cluster.local_num_cpus)}")
     routed = route_ray_output(log_path, verbose=verbose)
     if routed:
-        print(f"[vitscale] {routed}", flush=True)
+        say(f"{routed}")
 
     context = StageContext(run_dir=run_dir, run_name=config.run_name, verbose=verbose, sync=mirror.push)
     summary: dict[str, Any] = {"pipeline": config.name, "run": config.run_name, "run_dir": str(run_dir), "ok": True}
     table: list[tuple[str, list[tuple[str, str]]]] = []
     for name in config.stages:
-        print(f"[vitscale] stage {name}", flush=True)
+        say(f"stage {name}")
         started = time.time()
         result = get_stage(name).run(config, context)
         context.results.append(result)

@@ -17,6 +17,7 @@ from typing import Any
 from vitscale.config.location import is_url
 from vitscale.config.pipeline import PipelineConfig
 from vitscale.launch.errors import PipelineFailed
+from vitscale.say import say
 from vitscale.scaling.study.cells import Cell
 from vitscale.scaling.study.plan import PlannedCell
 from vitscale.scaling.study.state import (
@@ -141,9 +142,8 @@ def run_cells(config: PipelineConfig, cells: list[Cell], planned: list[PlannedCe
     resumed = [c.id for c in queue if records[c.id].runs]
     width = concurrent_runs(runs[cells[0].id].cluster, ray.cluster_resources()) if cells else 1
     at_once = max_concurrent or width
-    print(f"[vitscale] study: {len(cells)} cells, {done} done, {len(queue)} to run"
-          + (f" ({len(resumed)} resumed)" if resumed else "") + f", {at_once} at a time; state in {state.url}",
-          flush=True)
+    say(f"study: {len(cells)} cells, {done} done, {len(queue)} to run"
+          + (f" ({len(resumed)} resumed)" if resumed else "") + f", {at_once} at a time; state in {state.url}")
     task = ray.remote(num_cpus=0, max_retries=0)(run_cell)
     running: dict[Any, tuple[Cell, float]] = {}
     last_line: dict[str, tuple[float, str]] = {}
@@ -158,7 +158,7 @@ def run_cells(config: PipelineConfig, cells: list[Cell], planned: list[PlannedCe
                 record.started_at = record.started_at or time.time()
                 record.open_attempt(devices(runs[cell.id]))  # a killed attempt's time counts too
                 state.write(record)
-                print(f"[vitscale] cell {cell.id}: started (run {record.runs})", flush=True)
+                say(f"cell {cell.id}: started (run {record.runs})")
                 running[task.remote(runs[cell.id], cell.id, state.url, endpoint)] = (cell, time.time())
             ready, _ = ray.wait(list(running), num_returns=1, timeout=5.0)
             for ref in ready:
@@ -176,7 +176,7 @@ def run_cells(config: PipelineConfig, cells: list[Cell], planned: list[PlannedCe
                         raise PipelineFailed(
                             f"the local Ray node died under cell {cell.id} ({record.error}); run the same command "
                             "again: finished cells are kept, interrupted ones resume") from exc
-                    print(f"[vitscale] cell {cell.id}: its node died; running it again", flush=True)
+                    say(f"cell {cell.id}: its node died; running it again")
                     queue.append(cell)
                     continue
                 except Exception as exc:  # noqa: BLE001 -- a failed cell is a row with its error; the study goes on
@@ -184,19 +184,19 @@ def run_cells(config: PipelineConfig, cells: list[Cell], planned: list[PlannedCe
                     record.error = _one_line(exc)
                     record.status = "failed"
                     again = record.failures <= retries
-                    print(f"[vitscale] cell {cell.id}: failed ({record.error})"
-                          + ("; running it again" if again else "; failed for good"), flush=True)
+                    say(f"cell {cell.id}: failed ({record.error})"
+                          + ("; running it again" if again else "; failed for good"))
                     if again:
                         queue.append(cell)
                 else:
                     _finish(record, stages, runs[cell.id])
-                    print(f"[vitscale] cell {cell.id}: done in {record.wall_s:.0f} s, "
-                          + ", ".join(f"{k} {v:.3f}" for k, v in record.accuracies.items()), flush=True)
+                    say(f"cell {cell.id}: done in {record.wall_s:.0f} s, "
+                          + ", ".join(f"{k} {v:.3f}" for k, v in record.accuracies.items()))
                 state.write(record)
                 finished = sum(r.status == "done" for r in records.values())
                 spent = sum(r.exaflops or 0.0 for r in records.values())
-                print(f"[vitscale] cells {finished}/{len(cells)} done; {spent:.4g} of "
-                      f"{sum(p.exaflops for p in planned):.4g} planned exaFLOPs spent", flush=True)
+                say(f"cells {finished}/{len(cells)} done; {spent:.4g} of "
+                      f"{sum(p.exaflops for p in planned):.4g} planned exaFLOPs spent")
             now = time.time()
             if now - heartbeat >= HEARTBEAT_S:  # a killed driver loses at most this much time from the record
                 heartbeat = now
@@ -208,7 +208,7 @@ def run_cells(config: PipelineConfig, cells: list[Cell], planned: list[PlannedCe
                 previous = last_line.get(cell.id)
                 if line and (previous is None or (line != previous[1] and now - previous[0] >= PROGRESS_EVERY_S)):
                     last_line[cell.id] = (now, line)
-                    print(f"[vitscale] cell {cell.id}: {line}", flush=True)
+                    say(f"cell {cell.id}: {line}")
     return records
 
 

@@ -35,6 +35,7 @@ from vitscale.data.config import DataConfig
 from vitscale.data.storage.atomic import write_atomic
 from vitscale.data.storage.filesystem import run_filesystem
 from vitscale.models.config import ModelConfig
+from vitscale.say import say
 from vitscale.stages.base import Pretrained, Stage, StageContext
 from vitscale.stages.finetune import finetune_section
 from vitscale.stages.sweep_asha import asha_grace, asha_rungs
@@ -311,7 +312,7 @@ def run_sweep(config: PipelineConfig, context: StageContext) -> SweepResult:
     selections = []
     for start, folder, label in searches:
         if label:
-            print("[vitscale] the same sweep from random weights (same architecture, recipe and budget)", flush=True)
+            say("the same sweep from random weights (same architecture, recipe and budget)")
         selections.append(_search(config, context, model, start, folder, label))
     finals = _retrain_winners(config, model, [(start, folder, label, selected)
                                               for (start, folder, label), (_, selected) in zip(searches, selections)])
@@ -366,7 +367,7 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
     # ASHA already ignores results without its metric.
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
     if restoring:
-        print(f"[vitscale] resuming the sweep in {experiment}", flush=True)
+        say(f"resuming the sweep in {experiment}")
         tuner = tune.Tuner.restore(experiment if filesystem is None else f"{tune_path}/sweep-trials{label}",
                                    trainable=trainable, resume_unfinished=True, resume_errored=True,
                                    storage_filesystem=filesystem)
@@ -380,8 +381,8 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
                                       storage_filesystem=filesystem,
                                       failure_config=tune.FailureConfig(max_failures=sweep.trial_retries)))
     count = len(combinations(space)) if sweep.scheduler != "random" else sweep.num_samples
-    print(f"[vitscale] sweep{label}: {count} trial(s), {concurrent} at a time, {sweep.scheduler}; "
-          f"TensorBoard: tensorboard --logdir {context.run_dir}", flush=True)
+    say(f"sweep{label}: {count} trial(s), {concurrent} at a time, {sweep.scheduler}; "
+          f"TensorBoard: tensorboard --logdir {context.run_dir}")
     with library_output_to(context.run_dir / "logs" / "tune.log", verbose=context.verbose):
         grid = tuner.fit()  # Tune's own progress tables go to the log; vitscale's lines stay on the terminal
     pre_exaflops = 0.0 if init is None else pretrain_exaflops(
@@ -415,7 +416,7 @@ def _retrain_winners(config: PipelineConfig, model: ModelConfig | None,
         return [{} for _ in winners]
     at_once = min(len(winners), concurrent_runs(trial_cluster(config), ray.cluster_resources()))
     if at_once > 1:
-        print(f"[vitscale] retraining {len(winners)} winners at once", flush=True)
+        say(f"retraining {len(winners)} winners at once")
     # TorchTrainer.fit from a thread is what Tune itself does; each run has its own name and folder.
     with ThreadPoolExecutor(max_workers=at_once) as pool:
         runs = [pool.submit(_retrain, config, model, *winner) for winner in winners]
@@ -427,8 +428,8 @@ def _retrain(config: PipelineConfig, model: ModelConfig | None, init: str | None
     from vitscale.launch.ray_train import launch_training, run_place
 
     start = "pre-trained" if init is not None else "random weights"
-    print(f"[vitscale] retraining the winner {json.dumps(selected['params'])} from {start} on the whole "
-          "training split", flush=True)
+    say(f"retraining the winner {json.dumps(selected['params'])} from {start} on the whole "
+          "training split")
     winner = with_params(config, selected["params"])
     # The same world size as the trials: the winner's recipe (batch split, schedule) unchanged.
     _, metrics = launch_training(trial_job(winner, model, init, final=True), trial_cluster(config),

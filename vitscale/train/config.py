@@ -22,6 +22,7 @@ from vitscale.config.checks import (
     seed,
 )
 from vitscale.config.fields import RESUME_FREE
+from vitscale.train.batch import derive_batch, elastic_split
 from vitscale.train.deepspeed_keys import check_overrides as check_deepspeed_overrides
 
 PEAK_FLOPS_NAMES = ("auto", "H200", "H100", "A100")
@@ -140,11 +141,9 @@ class TrainConfig:
     def check_batch_split(self, workers: int | range, section: str = "train",
                           workers_key: str = "cluster.num_workers") -> None:
         """The one batch rule, checked before Ray starts: `global_batch` is `micro_batch` x `workers` x the
-        accumulation steps (`train/optim.py`'s `derive_batch` decides). A range of world sizes (an elastic
+        accumulation steps (`train/batch.py`'s `derive_batch` decides). A range of world sizes (an elastic
         run) needs a batch plan at every one of them (`elastic_split`): sizes that do not divide the global
         batch take uneven, loss-weighted shares; only a micro-batch that would be empty is refused."""
-        from vitscale.train.optim import derive_batch, elastic_split
-
         try:
             if isinstance(workers, range) and len(workers) > 1:
                 elastic_split(self.global_batch, self.micro_batch, workers, section=section, world=workers_key)

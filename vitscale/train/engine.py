@@ -23,10 +23,11 @@ from typing import Any
 import torch
 
 from vitscale.config.errors import UserError
+from vitscale.train.batch import BatchPlan
 from vitscale.train.config import TrainConfig
 from vitscale.train.deepspeed_keys import merge_overrides
 from vitscale.train.fused import fuse_gradient_norm, fused_norm_installed
-from vitscale.train.optim import ADAM_EPS, BatchPlan, optimizer_for, param_groups
+from vitscale.train.optim import ADAM_EPS, optimizer_for, param_groups
 
 
 def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool) -> dict[str, Any]:

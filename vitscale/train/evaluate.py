@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vitscale.data.config import DEFAULT_ERROR_BUDGET
+from vitscale.say import say
 from vitscale.train.engine import whole_weights
 from vitscale.train.job import EvalSet
 
@@ -114,6 +115,6 @@ def evaluate(worker: Worker) -> dict[str, float]:
                 if polyak is not None:
                     with polyak.swapped_in(model) as averaged:
                         scores[f"{eval_set.name}_accuracy_polyak"] = measure(averaged)
-            print("[vitscale] " + "  ".join(f"{k} {v:.4f}" for k, v in scores.items()), flush=True)
+            say("  ".join(f"{k} {v:.4f}" for k, v in scores.items()))
         torch.distributed.barrier()
     return scores

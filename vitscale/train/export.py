@@ -151,8 +151,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "pt", progres
     `progress` shows the two steps (consolidating the ZeRO shards, writing the file) on stderr.
     """
     from vitscale.data.tools.progress import Progress
-    from vitscale.models.checkpoints import export_npz, export_state_dict
     from vitscale.models.factory import model_meta
+    from vitscale.models.weights_files import export_npz, export_state_dict
 
     bar = Progress(2, f"export {run_dir}", unit="step", enabled=progress)
     checkpoint = find_checkpoint(run_dir)
@@ -163,7 +163,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "pt", progres
     if fmt == "npz":
         export_npz(model, out)
     elif fmt == "pt":
-        export_state_dict(model, out, meta=model_meta(model))  # `create_from_checkpoint` rebuilds from it
+        export_state_dict(model, out, meta=model_meta(model))  # `create_from_weights` rebuilds from it
     else:
         raise UserError(f"--format: must be pt or npz, got {fmt!r}")
     bar.update()

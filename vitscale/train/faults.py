@@ -14,6 +14,8 @@ import signal
 import time
 from typing import Any
 
+from vitscale.say import say
+
 
 def marker_name(rank: int, step: int) -> str:
     """The marker that says the fault of `rank` at `step` has fired."""
@@ -33,8 +35,8 @@ def maybe_die(fault: Any, rank: int, step: int, storage: str, endpoint_url: str 
         return
     store.write_bytes(name, json.dumps({"time": time.time()}).encode())
     if fault.kill_with == "SIGTERM":
-        print(f"[vitscale] fault injection: rank {rank} is sent SIGTERM at step {step}", flush=True)
+        say(f"fault injection: rank {rank} is sent SIGTERM at step {step}")
         os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice: the process decides what follows
         return
-    print(f"[vitscale] fault injection: rank {rank} exits at step {step}", flush=True)
+    say(f"fault injection: rank {rank} exits at step {step}")
     os._exit(17)  # what a segfault or OOM kill looks like to Ray

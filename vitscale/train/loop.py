@@ -25,6 +25,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from vitscale.say import say
 from vitscale.train import checkpoint as ckpt
 from vitscale.train.checkpointer import Checkpointer, checkpoint_score, report_metrics
 from vitscale.train.evaluate import evaluate, evaluation_due
@@ -137,8 +138,8 @@ def _skipped(state: ckpt.TrainState, loss: float, grad_norm: float, budget: int,
     skipped = state.skipped_steps + 1
     first = step if state.first_skipped_step is None else state.first_skipped_step
     if rank == 0:
-        print(f"[vitscale] step {step}: loss {loss:.4g}, gradient norm {grad_norm:.4g}: "
-              f"not applied ({skipped} skipped so far)", flush=True)
+        say(f"step {step}: loss {loss:.4g}, gradient norm {grad_norm:.4g}: "
+              f"not applied ({skipped} skipped so far)")
     if skipped > budget:
         raise NonFiniteSteps(
             f"step {step}: loss or gradients not finite; {skipped} steps skipped, more than "

@@ -78,6 +78,7 @@ from prometheus_client import (
 
 from vitscale.config.checks import check, non_negative_int
 from vitscale.data.storage.atomic import AppendOnly
+from vitscale.say import line
 from vitscale.train.restarts import Restart, read_rows, restarts
 
 __all__ = [
@@ -452,8 +453,8 @@ def progress_line(m: StepMetrics, total_steps: int, elapsed_s: float, steps_done
     rate = f"{m.images_per_s:.{0 if m.images_per_s >= 10 else 2}f}"  # a big ViT on CPU runs below 1 img/s
     data = m.data_wait_s / m.step_time_s if m.step_time_s > 0 else 0.0
     clock = time.strftime("%H:%M:%S", time.localtime(time.time() if now is None else now))
-    return (f"[vitscale] {clock} step {m.step}/{total_steps} epoch {m.epoch:.2f} loss {m.loss:.4f} lr {m.lr:.2e} "
-            f"{rate} img/s (data {data:.0%}){mfu_text} {m.cumulative_exaflops:.3g} EFLOP eta {hms(eta)}")
+    return line(f"{clock} step {m.step}/{total_steps} epoch {m.epoch:.2f} loss {m.loss:.4f} lr {m.lr:.2e} "
+                f"{rate} img/s (data {data:.0%}){mfu_text} {m.cumulative_exaflops:.3g} EFLOP eta {hms(eta)}")
 
 
 class TensorBoardLog:

@@ -12,6 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from vitscale.data.storage.atomic import AppendOnly
+from vitscale.say import say
 from vitscale.train.metrics import MetricsSink, StepMetrics, TensorBoardLog, progress_line
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ class Observers:
                                 addr=train.metrics_addr, port=None if train.metrics_port is None else
                                 (0 if train.metrics_port == 0 else train.metrics_port + ctx.local_rank))
         if self.sink.port is not None:
-            print(f"[vitscale] rank {ctx.rank}: Prometheus metrics on :{self.sink.port}/metrics", flush=True)
+            say(f"rank {ctx.rank}: Prometheus metrics on :{self.sink.port}/metrics")
         self.samples = SamplesLog(ctx) if train.record_samples else None
         # Rank 0's curves, keyed by optimiser step, in the run directory (pushed to the run's storage with
         # the metrics); a resumed run continues them from its checkpoint's step.

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from vitscale.data.loader.transforms import normalize_on_device
+from vitscale.train.batch import BatchPlan, loss_weight
 from vitscale.train.engine import optimizer_step, set_lr
 from vitscale.train.losses import classification_loss
-from vitscale.train.optim import BatchPlan, loss_weight
 
 
 @dataclass(frozen=True)

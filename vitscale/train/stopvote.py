@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vitscale.say import say
+
 if TYPE_CHECKING:
     from vitscale.train.loop import WorkerContext
 
@@ -58,5 +60,5 @@ class StopVote:
         if text is None:
             return None
         if self.ctx.rank == 0 or self.told is not None:
-            print(f"[vitscale] step {step}: {text}: checkpointing now", flush=True)
+            say(f"step {step}: {text}: checkpointing now")
         return Notice(text, stopping, self.told is not None)

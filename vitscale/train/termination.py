@@ -27,6 +27,8 @@ import time
 from types import TracebackType
 from typing import TextIO
 
+from vitscale.say import say
+
 
 class Terminated(RuntimeError):
     """This rank stops: it (`signalled`) or a peer was told to stop (SIGTERM), and the run's checkpoint at
@@ -88,8 +90,8 @@ class TerminationNotice:
             os.close(self._read_fd)
             return
         if not self._closed.wait(self.grace_s):
-            print(f"[vitscale] {self.label}: no checkpoint within {self.grace_s:.0f} s of SIGTERM "
-                  "(cluster.preemption_grace_s); leaving without one", flush=True)
+            say(f"{self.label}: no checkpoint within {self.grace_s:.0f} s of SIGTERM "
+                  "(cluster.preemption_grace_s); leaving without one")
             self.leave()
         os.close(self._read_fd)
 

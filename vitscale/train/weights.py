@@ -75,16 +75,16 @@ def load_model(path: str | Path, *, model_name: str | None = None, img_size: int
     except UserError:
         raise
     except ValueError as exc:
-        # Reading a file the user named (models/checkpoints.py) or parsing a model name they typed:
+        # Reading a file the user named (models/weights_files.py) or parsing a model name they typed:
         # the error is about that file or name, so it is theirs to fix and shown as one line.
         raise UserError("; ".join(line.strip() for line in str(exc).splitlines() if line.strip())) from exc
 
 
 def _load_model(path: str | Path, *, model_name: str | None, img_size: int | None,
                 resolution: int | None, model_options: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
-    from vitscale.models.checkpoints import load_pretrained, read_checkpoint
     from vitscale.models.factory import create_from_meta, create_model
     from vitscale.models.variants import parse_model_name
+    from vitscale.models.weights_files import load_pretrained, read_weights
 
     def agree(what: str, given: Any, actual: Any, where: str) -> None:
         if given is not None and given != actual:
@@ -114,7 +114,7 @@ def _load_model(path: str | Path, *, model_name: str | None, img_size: int | Non
                        "img_size": facts["img_size"], "step": facts["step"], "notes": []}
 
     try:
-        fmt, raw, meta = read_checkpoint(p)
+        fmt, raw, meta = read_weights(p)
     except ValueError as exc:  # torch's unpickling errors run to several paragraphs: the first line says it
         raise ValueError(str(exc).splitlines()[0]) from exc
     if fmt == "vitscale":

@@ -14,13 +14,15 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from vitscale.say import say
 from vitscale.scaling.flops import forward_flops
 from vitscale.train import checkpoint as ckpt
+from vitscale.train.batch import BatchPlan, resized_batch
 from vitscale.train.engine import build_engine, deepspeed_config, init_distributed, load_checkpoint
 from vitscale.train.evaluate import Polyak
 from vitscale.train.job import TrainJob
 from vitscale.train.metrics import peak_flops
-from vitscale.train.optim import BatchPlan, Decay, lr_at, resized_batch, schedule_length
+from vitscale.train.optim import Decay, lr_at, schedule_length
 from vitscale.train.step import Stepper
 
 if TYPE_CHECKING:
@@ -126,7 +128,7 @@ def _build_model(job: TrainJob, ctx: WorkerContext, num_classes: int) -> torch.n
     model = job.model.build(num_classes)
     if job.init is not None:
         from vitscale.data.storage.fetch import local_copy
-        from vitscale.models.checkpoints import load_pretrained
+        from vitscale.models.weights_files import load_pretrained
 
         # Fine-tuning: pre-trained weights; head and pre-logits dropped, position embeddings
         # resampled to this resolution (Sec. 3.2), the zero-initialised head kept.
@@ -136,9 +138,9 @@ def _build_model(job: TrainJob, ctx: WorkerContext, num_classes: int) -> torch.n
         report = load_pretrained(model, weights)
         if ctx.rank == 0 and ctx.resume_from is None:
             # The file's digest says which weights a trial started from, whichever node it ran on.
-            print(f"[vitscale] initialised from {job.init} (sha256 {ckpt.sha256_file(weights)}): "
+            say(f"initialised from {job.init} (sha256 {ckpt.sha256_file(weights)}): "
                   f"{len(report.loaded)} tensors"
-                  + (f", resampled {', '.join(report.resampled)}" if report.resampled else ""), flush=True)
+                  + (f", resampled {', '.join(report.resampled)}" if report.resampled else ""))
     return model
 
 
@@ -198,8 +200,8 @@ def restore(engine: Any, ctx: WorkerContext, polyak: Polyak | None,
     state = ckpt.read_train_state(directory)
     if ctx.rank == 0:
         resized = f", resharded from {saved_world} to {ctx.world_size} workers" if saved_world != ctx.world_size else ""
-        print(f"[vitscale] resumed from {directory} at step {state.step} "
-              f"(stream epoch {part['stream']['epoch']}, position {part['stream']['position']}{resized})", flush=True)
+        say(f"resumed from {directory} at step {state.step} "
+              f"(stream epoch {part['stream']['epoch']}, position {part['stream']['position']}{resized})")
     return state, dict(part["stream"])
 
 

@@ -24,7 +24,7 @@ shards and the index's footer before any training, :func:`write_index_and_meta` 
 in that order, and :class:`IndexWriter` streams an index one shard at a time.
 """
 
-from vitscale.data.format.index import IndexFile, IndexWriter, index_bytes
+from vitscale.data.format.index import IndexFile, IndexWriter, index_bytes, write_index_and_meta
 from vitscale.data.format.meta import (
     CRC_COLUMN,
     INDEX_COLUMNS,
@@ -42,7 +42,6 @@ from vitscale.data.format.meta import (
     read_meta,
     shard_name,
     split_of_shard,
-    write_index_and_meta,
 )
 from vitscale.data.format.split import OpenDataset, ShardIndex, open_dataset
 

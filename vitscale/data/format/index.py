@@ -34,7 +34,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from vitscale.data.format.meta import INDEX_NAME, INDEX_SCHEMA, DatasetError, DatasetMeta
+from vitscale.data.format.meta import (
+    INDEX_NAME,
+    INDEX_SCHEMA,
+    META_NAME,
+    DatasetError,
+    DatasetMeta,
+    read_index,
+    read_meta,
+)
 from vitscale.data.storage import Storage, StorageError
 from vitscale.data.storage.base import ObjectReader
 
@@ -321,7 +329,6 @@ def reindex(url: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
     """Rewrite the ``_index.parquet`` of the dataset at ``url`` in the per-shard layout (``vitscale
     shards reindex``); an index already in it is left alone. Reads the whole index once; its rows,
     columns and values and ``dataset.json`` stay as they are."""
-    from vitscale.data.format.meta import read_index, read_meta
     from vitscale.data.storage import open_storage
 
     storage = open_storage(url, endpoint_url=endpoint_url)
@@ -344,3 +351,10 @@ def reindex(url: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
         raise DatasetError(f"{after.url}: the rewritten index does not read back; write the dataset again")
     return {"index": after.url, "rewritten": True, "row_groups": after.metadata.num_row_groups,
             "rows": table.num_rows}
+
+
+def write_index_and_meta(storage: Storage, rows: list[dict[str, Any]], meta: DatasetMeta) -> None:
+    """Write ``_index.parquet`` (one row group per shard, in ``meta``'s order) then ``dataset.json`` (last:
+    its presence marks a complete set)."""
+    storage.write_bytes(INDEX_NAME, index_bytes(pa.Table.from_pylist(rows, schema=INDEX_SCHEMA), meta))
+    storage.write_bytes(META_NAME, (json.dumps(meta.to_json(), indent=2) + "\n").encode())

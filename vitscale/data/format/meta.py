@@ -226,12 +226,3 @@ def read_index(url: str | Storage, *, endpoint_url: str | None = None) -> pa.Tab
     """The whole ``_index.parquet`` of the dataset at ``url`` (tools; the stream reads per shard)."""
     storage = _storage(url, endpoint_url)
     return pq.read_table(io.BytesIO(storage.read_bytes(INDEX_NAME)))
-
-
-def write_index_and_meta(storage: Storage, rows: list[dict[str, Any]], meta: DatasetMeta) -> None:
-    """Write ``_index.parquet`` (one row group per shard, in ``meta``'s order: see
-    :mod:`vitscale.data.format.index`) then ``dataset.json`` (last: its presence marks a complete set)."""
-    from vitscale.data.format.index import index_bytes  # it builds on this module
-
-    storage.write_bytes(INDEX_NAME, index_bytes(pa.Table.from_pylist(rows, schema=INDEX_SCHEMA), meta))
-    storage.write_bytes(META_NAME, (json.dumps(meta.to_json(), indent=2) + "\n").encode())

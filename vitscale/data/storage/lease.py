@@ -48,6 +48,7 @@ from vitscale.data.storage.holder import DEFAULT_TTL_S, Holder
 from vitscale.data.storage.retry import RetryPolicy
 from vitscale.data.storage.s3 import S3Storage
 from vitscale.data.storage.space import is_no_space
+from vitscale.say import line
 
 __all__ = ["DEFAULT_TTL_S", "LEASE_NAME", "Holder", "LeaseHeld", "RunLease", "hold_run_lease"]
 
@@ -229,7 +230,7 @@ class _S3Lease(RunLease):
                 who = holder.describe() if holder is not None else "an unreadable holder"
                 why = ("its process is gone from this machine" if dead else "forced" if age <= ttl
                        else f"not renewed for {age:.0f} s")
-                self.log(f"[vitscale] took over the lease of {self.url} from {who} ({why})")
+                self.log(line(f"took over the lease of {self.url} from {who} ({why})"))
                 return taken
         raise StorageError(f"lease {self.where}: other writers kept changing it; try again")
 
@@ -275,7 +276,7 @@ class _S3Lease(RunLease):
             self._conditional("lease", lambda: self.storage.client.delete_object(
                 Bucket=self.storage.bucket, Key=self.key, IfMatch=self.etag))
         except (StorageError, OSError) as exc:  # it expires by itself after ttl_s
-            self.log(f"[vitscale] could not remove {self.where} ({exc}); it expires in {self.holder.ttl_s:.0f} s")
+            self.log(line(f"could not remove {self.where} ({exc}); it expires in {self.holder.ttl_s:.0f} s"))
 
 
 def _interrupt(message: str) -> None:

@@ -124,10 +124,9 @@ def bounds(compute: np.ndarray, error: np.ndarray) -> tuple[list[float], list[fl
     return [1e-9, 0.01, 0.0, 0.0], [1e3, 3.0, c_hi, top]
 
 
-def fit_power_law(compute: Sequence[float], error: Sequence[float], *, bootstrap: int = 0,
-                  seed: int = 0) -> PowerLawFit:
-    """Fit E = a (C + d)^-b + c to (compute, error) points (compute > 0, error in [0, 1]); with
-    `bootstrap` > 0, that many refits on cells resampled with replacement give the intervals."""
+def fit_power_law(compute: Sequence[float], error: Sequence[float]) -> PowerLawFit:
+    """Fit E = a (C + d)^-b + c to (compute, error) points (compute > 0, error in [0, 1]); the intervals
+    of a bootstrap over the cells are `uncertainty.fit_with_intervals`'."""
     x = np.asarray(compute, dtype=float)
     y = np.asarray(error, dtype=float)
     if x.shape != y.shape or x.ndim != 1:
@@ -160,12 +159,7 @@ def fit_power_law(compute: Sequence[float], error: Sequence[float], *, bootstrap
     fit = PowerLawFit(a=big_a, b=b, c=c, d=d * scale, a_std=a_std, b_std=float(std[1]), c_std=float(std[2]),
                       d_std=float(std[3]) * scale, points=n, rmse=math.sqrt(rss / n), max_compute=float(x.max()),
                       min_compute=float(x.min()), condition=condition, on_bound=on_bound)
-    fit = replace(fit, warnings=identifiability(fit))
-    if bootstrap > 0:
-        from vitscale.scaling.study.uncertainty import with_bootstrap
-
-        fit = with_bootstrap(fit, x, y, bootstrap, seed)
-    return fit
+    return replace(fit, warnings=identifiability(fit))
 
 
 def _least_squares(xs: np.ndarray, y: np.ndarray, start: Sequence[float] | None,

@@ -23,12 +23,11 @@ from typing import Any
 from vitscale.scaling.study.fit import (
     FitRefused,
     PowerLawFit,
-    fit_power_law,
     pareto_frontier,
 )
 from vitscale.scaling.study.recommend import answer_text, recommend
 from vitscale.scaling.study.state import CellRecord, StudyState
-from vitscale.scaling.study.uncertainty import BOOTSTRAP, BacktestRow, backtest
+from vitscale.scaling.study.uncertainty import BOOTSTRAP, BacktestRow, backtest, fit_with_intervals
 
 FAMILY_NAMES = {"vit": "ViT", "resnet": "ResNet", "hybrid": "Hybrid"}
 NOT_ACCURACY = {"cell", "model", "family", "epochs", "data_size", "status", "partial", "exaflops", "planned_exaflops",
@@ -96,7 +95,7 @@ def family_fits(rows: list[dict[str, Any]], metric: str, bootstrap: int = BOOTST
     for family in dict.fromkeys(r["family"] for r in rows):
         points = _points(rows, metric, family)
         try:
-            fits[family] = fit_power_law([p[0] for p in points], [1.0 - p[1] for p in points], bootstrap=bootstrap)
+            fits[family] = fit_with_intervals([p[0] for p in points], [1.0 - p[1] for p in points], bootstrap=bootstrap)
         except FitRefused as exc:
             refused[family] = f"{len(points)} finished cell(s): {exc}"
     return fits, refused

@@ -74,6 +74,15 @@ def with_bootstrap(fit: PowerLawFit, x: np.ndarray, y: np.ndarray, n: int, seed:
     return replace(fit, intervals=intervals, samples=tuple(samples))
 
 
+def fit_with_intervals(compute: Any, error: Any, *, bootstrap: int = BOOTSTRAP, seed: int = 0) -> PowerLawFit:
+    """`fit.fit_power_law` of (compute, error); with `bootstrap` > 0, that many refits on cells resampled with
+    replacement give its parameters' and predictions' intervals."""
+    fit = fit_power_law(compute, error)
+    if bootstrap <= 0:
+        return fit
+    return with_bootstrap(fit, np.asarray(compute, dtype=float), np.asarray(error, dtype=float), bootstrap, seed)
+
+
 def predict(fit: PowerLawFit, compute: float) -> tuple[float, float | None, float | None]:
     """Accuracy (1 - error) at `compute` and its 95% bootstrap interval (None, None without one)."""
     mid = 1.0 - float(fit.error(compute))
@@ -125,7 +134,7 @@ def backtest(compute: Any, accuracy: Any, *, holdout: int = 1, bootstrap: int = 
     if len(np.unique(x[train])) < MIN_POINTS:
         raise FitRefused(f"a backtest needs {MIN_POINTS} distinct compute values besides the {holdout} held out; "
                          f"there are {len(np.unique(x[train]))}")
-    fit = fit_power_law(x[train], 1.0 - acc[train], bootstrap=bootstrap, seed=seed)
+    fit = fit_with_intervals(x[train], 1.0 - acc[train], bootstrap=bootstrap, seed=seed)
     out = []
     for c, a in zip(x[held], acc[held]):
         mid, lo, hi = predict(fit, float(c))

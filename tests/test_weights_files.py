@@ -1,4 +1,4 @@
-"""Checkpoint import/export round trips on tiny models (vitscale.models.checkpoints)."""
+"""Checkpoint import/export round trips on tiny models (vitscale.models.weights_files)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 from model_helpers import TINY, X32
 from model_helpers import randomize as _randomize
 from vitscale.models import (
-    create_from_checkpoint,
+    create_from_weights,
     create_model,
     export_npz,
     export_state_dict,
@@ -144,7 +144,7 @@ def test_vitscale_export_round_trip_and_rebuild(tmp_path: Path, suffix: str) -> 
     assert report.meta["name"] == "ViT-Ti/8" and report.meta["num_classes"] == 5 and report.meta["img_size"] == 32
     with torch.no_grad():
         assert torch.equal(dst(X32), src(X32))
-    rebuilt, _ = create_from_checkpoint(path)
+    rebuilt, _ = create_from_weights(path)
     assert rebuilt.cfg == src.cfg
     with torch.no_grad():
         assert torch.equal(rebuilt.eval()(X32), src(X32))
@@ -234,4 +234,4 @@ def test_unreadable_files_raise_value_error(tmp_path: Path) -> None:
         load_pretrained(model, tmp_path / "nodict.pth")
     torch.save(timm_state_dict(model), tmp_path / "t.pth")
     with pytest.raises(ValueError, match="without a vitscale header"):
-        create_from_checkpoint(tmp_path / "t.pth")
+        create_from_weights(tmp_path / "t.pth")

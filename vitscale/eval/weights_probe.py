@@ -1,4 +1,4 @@
-"""`vitscale fewshot CHECKPOINT --data SHARDS`: the few-shot probe of any checkpoint, in this process.
+"""`vitscale fewshot WEIGHTS --data SHARDS`: the few-shot probe of any weights, in this process.
 
 No Ray: the model runs on this machine's GPU (or CPU). It reads whatever `train/weights.py`
 (:func:`~vitscale.train.weights.load_model`) reads: a run or training checkpoint (probed at the size
@@ -20,11 +20,11 @@ from vitscale.eval.probe import check_probe_datasets, fewshot_probe
 from vitscale.train.weights import load_model
 
 
-def fewshot_checkpoint(path: str | Path, fewshot: Mapping[str, Any], *, model_name: str | None = None,
+def fewshot_weights(path: str | Path, fewshot: Mapping[str, Any], *, model_name: str | None = None,
                        img_size: int | None = None, endpoint_url: str | None = None,
                        device: torch.device | None = None, progress: bool = False,
                        model_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Probe the checkpoint at `path` on `fewshot["datasets"]`: what `vitscale fewshot` prints.
+    """Probe the weights at `path` on `fewshot["datasets"]`: what `vitscale fewshot` prints.
 
     `progress` shows each split's feature extraction (images, rate, ETA) on stderr.
 
@@ -62,7 +62,7 @@ def _name(url: str) -> str:
 
 
 def fewshot_table(report: Mapping[str, Any]) -> str:
-    """`fewshot_checkpoint`'s report as a text table: one row per dataset, mean±std per shot count."""
+    """`fewshot_weights`'s report as a text table: one row per dataset, mean±std per shot count."""
     results = report["results"]
     datasets = [k for k, v in results.items() if isinstance(v, dict)]
     shots = [k for k in results[datasets[0]] if k.endswith("shot")]

@@ -40,8 +40,8 @@ from vitscale.models.posemb import resample_1d, resample_posemb, resample_relati
 from vitscale.models.resnet import ResNetStage, ResNetV2
 from vitscale.models.vit import VisionTransformer
 
-__all__ = ["LoadReport", "create_from_checkpoint", "export_npz", "export_state_dict", "load_pretrained",
-           "read_checkpoint", "timm_state_dict"]
+__all__ = ["LoadReport", "create_from_weights", "export_npz", "export_state_dict", "load_pretrained",
+           "read_weights", "timm_state_dict"]
 
 EXTRA_PREFIX = "vitscale/"
 _HEAD_PREFIXES = ("head.", "pre_logits.")
@@ -247,7 +247,7 @@ def _unwrap(obj: Any) -> dict[str, Tensor]:
     return out
 
 
-def read_checkpoint(path: str | Path) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+def read_weights(path: str | Path) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
     """Read a checkpoint file: (format, raw entries, vitscale meta or None).
 
     format is "npz" (entries are numpy arrays under Flax names), "timm" or "vitscale"
@@ -343,7 +343,7 @@ def load_pretrained(model: nn.Module, path: str | Path) -> LoadReport:
     the report says so. Raises ValueError listing missing / unexpected / shape-mismatched
     parameters when the file does not fit the model.
     """
-    fmt, raw, meta = read_checkpoint(path)
+    fmt, raw, meta = read_weights(path)
     if fmt == "npz":
         sd, unexpected = _npz_to_state_dict(raw, model)
     else:
@@ -475,9 +475,9 @@ def export_state_dict(model: nn.Module, path: str | Path, meta: Mapping[str, Any
         torch.save({"format": "vitscale", "version": 1, "meta": header, "state_dict": sd}, p)
 
 
-def create_from_checkpoint(path: str | Path) -> tuple[nn.Module, LoadReport]:
+def create_from_weights(path: str | Path) -> tuple[nn.Module, LoadReport]:
     """Rebuild a model from a vitscale export's header and load its weights."""
-    fmt, _, meta = read_checkpoint(path)
+    fmt, _, meta = read_weights(path)
     if fmt != "vitscale" or not meta:
         raise ValueError(f"{path} is a {fmt} checkpoint without a vitscale header; use create_model + load_pretrained")
     model = create_from_meta(meta)
