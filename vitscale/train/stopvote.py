@@ -47,6 +47,11 @@ class StopVote:
         self.told = self.ctx.terminated()
         return [float(ask), float(self.told is not None), float(stream.epoch_skipped())]
 
+    @staticmethod
+    def skipped_samples(summed: tuple[float, ...]) -> int:
+        """The epoch's skipped samples over all ranks (the error budget's count), from the summed votes."""
+        return int(summed[2])
+
     def decide(self, summed: tuple[float, ...], step: int) -> Notice | None:
         """This step's notice from the ranks' summed votes (the same on every rank), or None."""
         ask, stopping = summed[0] > 0, int(summed[1])
