@@ -41,6 +41,7 @@ import webdataset as wds
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+from photos import bundled_photos, photo_like  # benchmarks/photos.py, beside this script
 from vitscale.data.loader.stream import ShardStream
 from vitscale.data.tools.bench import measure
 
@@ -48,26 +49,13 @@ from vitscale.data.tools.bench import measure
 
 
 def make_jpeg_folder(root: Path, images: int, size: tuple[int, int], classes: int, seed: int) -> Path:
-    """``root/class_k/img_n.jpg`` photo-like JPEGs (quality 90) made from sklearn's sample photos."""
-    from sklearn.datasets import load_sample_images
-
-    photos = [Image.fromarray(a) for a in load_sample_images().images]  # 640x427, bundled
+    """``root/class_k/img_n.jpg`` photo-like JPEGs (quality 90): `photos.photo_like` views of sklearn's photos."""
+    photos = bundled_photos()
     rng = random.Random(seed)
-    w, h = size
     for n in range(images):
-        src = photos[n % len(photos)]
-        # A random crop of 40-100% of the photo, scaled to the target size: varied photo content.
-        f = rng.uniform(0.4, 1.0)
-        cw, ch = int(src.width * f), int(src.height * f)
-        x, y = rng.randint(0, src.width - cw), rng.randint(0, src.height - ch)
-        img = src.crop((x, y, x + cw, y + ch)).resize((w, h), Image.Resampling.BICUBIC)
-        if rng.random() < 0.5:
-            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        gains = np.array([rng.uniform(0.7, 1.3) for _ in range(3)], np.float32)
-        arr = np.clip(np.asarray(img, np.float32) * gains, 0, 255).astype(np.uint8)
         folder = root / f"class_{n % classes:03d}"
         folder.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(arr).save(folder / f"img_{n:06d}.jpg", quality=90)
+        photo_like(photos[n % len(photos)], rng, size).save(folder / f"img_{n:06d}.jpg", quality=90)
     return root
 
 

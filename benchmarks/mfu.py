@@ -310,6 +310,40 @@ def _table(rows: list[dict], device_name: str) -> list[str]:
     return [f"device: {device_name}", *lines]
 
 
+def _plans(args: argparse.Namespace, *, batch: int, steps: int, device: torch.device,
+           batch_for: dict[str, int]) -> list[tuple[str, Callable[[], dict]]]:
+    """The measurements to take, in order, each a label and a call: per model the peer(s), then vitscale's
+    step at each ZeRO stage (the first of them profiled when asked)."""
+    on_gpu = device.type == "cuda"
+    try:
+        import timm  # noqa: F401 -- only asks whether the peer can use timm's model
+        has_timm = True
+    except ImportError:
+        has_timm = False
+    plans: list[tuple[str, Callable[[], dict]]] = []
+    # The peer compiles as vitscale's step does (`--compile off` keeps both eager, e.g. on a CPU).
+    peer_compiles = on_gpu if args.compile == "auto" else bool(args.compile)
+    profile = args.profile
+    for name in args.models:
+        n = batch_for.get(name, batch)
+        if args.peer:
+            if has_timm and name in TIMM_NAMES:
+                plans.append((f"{name} peer timm", lambda name=name, n=n: bench_peer(
+                    name, batch=n, steps=steps, device=device, timm_model=True, compile_model=peer_compiles)))
+            if args.peer_own_model or not (has_timm and name in TIMM_NAMES):
+                plans.append((f"{name} peer vitscale-model", lambda name=name, n=n: bench_peer(
+                    name, batch=n, steps=steps, device=device, timm_model=False, compile_model=peer_compiles)))
+        for stage in args.zero_stages:
+            for compiled in [args.compile, *([False] if args.eager_too else [])]:
+                plans.append((f"{name} ZeRO {stage} compile={compiled}",
+                              lambda name=name, n=n, stage=stage, compiled=compiled, profile=profile: bench_vitscale(
+                                  name, batch=n, steps=steps, zero_stage=stage, device=device,
+                                  compile_model=compiled, compile_mode=args.compile_mode, profile=profile,
+                                  deepspeed=args.deepspeed)))
+                profile = None
+    return plans
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["ViT-B/16", "ViT-L/16"], help="vitscale model names")
@@ -346,34 +380,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     _init_process_group()
     matmul = matmul_flops_per_s(device, torch.bfloat16 if on_gpu else torch.float32, 8192 if on_gpu else 1024)
     peak = peak_flops("auto") if on_gpu else None
-    batch_for = dict(args.batch_for)
     device_name = torch.cuda.get_device_name(0) if on_gpu else "cpu"
-    try:
-        import timm  # noqa: F401 -- only asks whether the peer can use timm's model
-        has_timm = True
-    except ImportError:
-        has_timm = False
-    plans: list[tuple[str, Callable[[], dict]]] = []
-    # The peer compiles as vitscale's step does (`--compile off` keeps both eager, e.g. on a CPU).
-    peer_compiles = on_gpu if args.compile == "auto" else bool(args.compile)
-    profile = args.profile
-    for name in args.models:
-        n = batch_for.get(name, batch)
-        if args.peer:
-            if has_timm and name in TIMM_NAMES:
-                plans.append((f"{name} peer timm", lambda name=name, n=n: bench_peer(
-                    name, batch=n, steps=steps, device=device, timm_model=True, compile_model=peer_compiles)))
-            if args.peer_own_model or not (has_timm and name in TIMM_NAMES):
-                plans.append((f"{name} peer vitscale-model", lambda name=name, n=n: bench_peer(
-                    name, batch=n, steps=steps, device=device, timm_model=False, compile_model=peer_compiles)))
-        for stage in args.zero_stages:
-            for compiled in [args.compile, *([False] if args.eager_too else [])]:
-                plans.append((f"{name} ZeRO {stage} compile={compiled}",
-                              lambda name=name, n=n, stage=stage, compiled=compiled, profile=profile: bench_vitscale(
-                                  name, batch=n, steps=steps, zero_stage=stage, device=device,
-                                  compile_model=compiled, compile_mode=args.compile_mode, profile=profile,
-                                  deepspeed=args.deepspeed)))
-                profile = None
+    plans = _plans(args, batch=batch, steps=steps, device=device, batch_for=dict(args.batch_for))
     rows = []
     for label, run in plans:
         try:

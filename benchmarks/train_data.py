@@ -57,6 +57,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from photos import bundled_photos, photo_like  # benchmarks/photos.py, beside this script
+
 BENCHMARKS = Path(__file__).resolve().parent
 WARMUP_FRACTION = 0.25
 """Share of the loop's first steps left out of its figure: compilation and worker start-up land there."""
@@ -80,34 +82,16 @@ _PHOTOS: list[Any] = []
 
 
 def _load_photos() -> None:
-    """Pool initializer: sklearn's two bundled 640x427 photographs, once per process."""
-    from PIL import Image
-    from sklearn.datasets import load_sample_images
-
-    _PHOTOS[:] = [Image.fromarray(a) for a in load_sample_images().images]
+    """Pool initializer: the bundled photographs, once per process."""
+    _PHOTOS[:] = bundled_photos()
 
 
 def _write_jpegs(job: tuple[Path, list[int], tuple[int, int], int, int]) -> int:
     """Write images ``ns`` as ``root/class_k/img_n.jpg``; each from its own seeded RNG, so the set is the
-    same whatever the number of processes (``make_jpeg_folder`` in data_throughput.py, parallel)."""
-    import numpy as np
-    from PIL import Image
-
-    root, ns, (w, h), classes, seed = job
+    same whatever the number of processes (`photos.photo_like`, the recipe data_throughput.py writes too)."""
+    root, ns, size, classes, seed = job
     for n in ns:
-        rng = random.Random(seed * 1_000_003 + n)
-        src = _PHOTOS[n % len(_PHOTOS)]
-        # A random crop of 40-100% of the photo, scaled to the target size: varied photo content.
-        f = rng.uniform(0.4, 1.0)
-        cw, ch = int(src.width * f), int(src.height * f)
-        x, y = rng.randint(0, src.width - cw), rng.randint(0, src.height - ch)
-        img = src.crop((x, y, x + cw, y + ch)).resize((w, h), Image.Resampling.BICUBIC)
-        if rng.random() < 0.5:
-            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        gains = [rng.uniform(0.7, 1.3) for _ in range(3)]
-        # A colour shift per channel as one lookup table in C: the pixels of make_jpeg_folder's float
-        # multiply, clip and truncate, at a fraction of its cost.
-        img = img.point([min(255, int(np.float32(i) * np.float32(g))) for g in gains for i in range(256)])
+        img = photo_like(_PHOTOS[n % len(_PHOTOS)], random.Random(seed * 1_000_003 + n), size)
         folder = root / f"class_{n % classes:03d}"
         folder.mkdir(parents=True, exist_ok=True)
         img.save(folder / f"img_{n:06d}.jpg", quality=90)

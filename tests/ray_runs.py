@@ -45,14 +45,19 @@ def kill_tree(proc: subprocess.Popen) -> list[Any]:
     return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-def run(pipeline: Path, log: Path) -> str:
-    """Run the pipeline to the end; returns its terminal output."""
+def finished(pipeline: Path, log: Path) -> tuple[int, str]:
+    """Run the pipeline until it ends (killed with its tree after RUN_TIMEOUT_S); (exit code, terminal output)."""
     proc = start(pipeline, log)
     try:
         proc.wait(timeout=RUN_TIMEOUT_S)
     finally:
         if proc.poll() is None:
             kill_tree(proc)
-    output = log.read_text()
-    assert proc.returncode == 0, output[-6000:]
+    return proc.returncode, log.read_text()
+
+
+def run(pipeline: Path, log: Path) -> str:
+    """Run the pipeline to the end; returns its terminal output."""
+    code, output = finished(pipeline, log)
+    assert code == 0, output[-6000:]
     return output

@@ -441,15 +441,9 @@ def _tiny_run(tmp_path: Path, disk: Path, small_synthetic: str, name: str) -> Pa
 
 
 def _vitscale_run(pipeline: Path, log: Path) -> tuple[int, str]:
-    from ray_runs import RUN_TIMEOUT_S, kill_tree, start
+    from ray_runs import finished
 
-    proc = start(pipeline, log)
-    try:
-        proc.wait(timeout=RUN_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-    return proc.returncode, log.read_text()
+    return finished(pipeline, log)
 
 
 def _nothing_torn(run: Path) -> None:
