@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from vitscale.config.checks import positive_int
+from vitscale.config.checks import non_negative_int, positive_int
 from vitscale.models.hybrid import build_hybrid
 from vitscale.models.options import (
     DIM_OPTIONS,
@@ -40,7 +40,8 @@ def create_model(name: str, *, num_classes: int, img_size: int | None = None, **
         name: e.g. "ViT-B/16", "ViT-L/14", "R50x1", "R50x1+ViT-B/16", or timm's name for one of
             them: "vit_base_patch16_224", "vit_large_patch16_384", "vit_base_r50_s16_384",
             "resnetv2_50x1_bit" (`variants.timm_alias`; the architecture only, no weights).
-        num_classes: classifier outputs (the head is zero-initialised).
+        num_classes: classifier outputs (the head is zero-initialised); 0 for a ViT without a classifier
+            (masked patch prediction's encoder: `models/masked_patch.py`).
         img_size: square input resolution the position embeddings are built for (default: the
             resolution a timm name states, else 224).
         **overrides: any of `OPTIONS` (the fields of `ViTConfig` / `ResNetConfig` in
@@ -56,7 +57,7 @@ def create_model(name: str, *, num_classes: int, img_size: int | None = None, **
         alias = timm_alias(name)
         img_size = alias[1] if alias is not None and alias[1] is not None else 224
     check_option_names(overrides, spec.family, spec.name)
-    positive_int(num_classes, "num_classes")
+    non_negative_int(num_classes, "num_classes")
     positive_int(img_size, "img_size")
     spec = with_overrides(spec, **{k: overrides.pop(k) for k in DIM_OPTIONS if k in overrides})
     if spec.family == "resnet":

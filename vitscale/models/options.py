@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from vitscale.config.checks import ConfigError, check, finite, one_of, positive_int, probability
+from vitscale.config.checks import ConfigError, check, finite, non_negative_int, one_of, positive_int, probability
 from vitscale.models.variants import ResNetDims, ViTDims
 
 CLASSIFIERS: tuple[str, ...] = ("token", "gap")
@@ -68,7 +68,7 @@ class ViTConfig:
         positive_int(self.patch_size, "patch_size")
         positive_int(self.grid[0], "grid rows")
         positive_int(self.grid[1], "grid cols")
-        positive_int(self.num_classes, "num_classes")
+        non_negative_int(self.num_classes, "num_classes")  # 0: no classifier (an encoder)
         positive_int(self.in_chans, "in_chans")
         one_of(self.classifier, CLASSIFIERS, "classifier")
         if self.representation_size is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, cast
 
 import torch
@@ -63,9 +64,11 @@ class PreLogits(nn.Module):
 
 
 def zero_head(in_features: int, num_classes: int, bias_init: float, like: Tensor | None = None) -> nn.Linear:
-    """A D x K linear classifier with zero weights and constant bias (paper's fine-tuning head)."""
+    """A D x K linear classifier with zero weights and constant bias (paper's fine-tuning head); K = 0: none."""
     kw: dict[str, Any] = {} if like is None else {"device": like.device, "dtype": like.dtype}
-    head = nn.Linear(in_features, num_classes, **kw)
+    with warnings.catch_warnings():  # 0 classes (an encoder): torch warns that initialising nothing does nothing
+        warnings.simplefilter("ignore", UserWarning)
+        head = nn.Linear(in_features, num_classes, **kw)
     nn.init.zeros_(head.weight)
     nn.init.constant_(head.bias, float(bias_init))
     return head
@@ -196,10 +199,18 @@ class VisionTransformer(nn.Module):
         maps: list[Tensor] = []
         return self._encode(x, maps), maps
 
+    def embed_patches(self, x: Tensor) -> Tensor:
+        """(B, C, H, W) -> (B, N, D): the patch embeddings x_p E of Eq. 1, before any token or position is added
+        (masked patch prediction corrupts these: `models/masked_patch.py`)."""
+        self._check_input(x)
+        return cast(Tensor, self.patch_embed(x))
+
     def _encode(self, x: Tensor, attention: list[Tensor] | None = None) -> Tensor:
         """The encoder; with a list, every block's attention probabilities are appended to it."""
-        self._check_input(x)
-        x = self.patch_embed(x)  # (B, N, D)
+        return self.encode_patches(self.embed_patches(x), attention)
+
+    def encode_patches(self, x: Tensor, attention: list[Tensor] | None = None) -> Tensor:
+        """(B, N, D) patch embeddings -> (B, T, D): class token, position embeddings, the blocks, `norm`."""
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1+N, D)
         every = self.cfg.pos_emb_placement != "input"

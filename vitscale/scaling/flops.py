@@ -235,7 +235,7 @@ def flops_breakdown(
             (`models/options.py`); only dims, classifier and representation_size change compute.
     """
     positive_int(img_size, "img_size")
-    positive_int(num_classes, "num_classes")
+    non_negative_int(num_classes, "num_classes")  # 0: an encoder without a classifier
     spec, classifier, rep = _resolve(name, **overrides)
     parts: dict[str, int] = {}
     if spec.family == "resnet":
@@ -278,6 +278,26 @@ def forward_flops(
         flops_breakdown(name, img_size=img_size, num_classes=num_classes, count_padding=count_padding, **overrides)
         .values()
     )
+
+
+def masked_patch_flops(name: str, *, img_size: int, corrupted: int, outputs: int, **overrides: Any) -> dict[str, int]:
+    """Forward FLOPs per example of masked patch prediction (Sec. 4.6), by component.
+
+    The encoder's keys as `flops_breakdown` gives them for a ViT without a classifier or pre-logits, then
+    ``patch_prediction``: the linear head D -> `outputs` on each of the `corrupted` patches' output tokens
+    (512 outputs for the 3-bit mean colour, 16 x 512 for the 4 x 4 downsizing, P x P x 3 for the pixels).
+    Replacing embeddings by [mask] or another patch's is a copy: not counted.
+    """
+    non_negative_int(corrupted, "corrupted")
+    positive_int(outputs, "outputs")
+    encoder = {k: v for k, v in overrides.items() if k != "representation_size"}
+    parts = flops_breakdown(name, img_size=img_size, num_classes=0, **encoder)
+    parts.pop("pre_logits", None), parts.pop("head", None)  # both 0: no pooled head
+    spec, _, _ = _resolve(name, **encoder)
+    if spec.vit is None:
+        raise ValueError(f"{spec.name} is not a ViT: masked patch prediction corrupts a ViT's patch embeddings")
+    parts["patch_prediction"] = linear_flops(corrupted, spec.vit.width, outputs)
+    return parts
 
 
 def training_flops(forward_flops_per_example: int, examples: int) -> int:

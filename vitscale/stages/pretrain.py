@@ -5,7 +5,7 @@ Runs on Ray Train (`launch/ray_train.py`), every worker in `train/loop.py`; make
 
 from __future__ import annotations
 
-from vitscale.config.checks import check
+from vitscale.config.checks import ConfigError, check
 from vitscale.config.loader import to_yaml
 from vitscale.config.pipeline import PipelineConfig
 from vitscale.data.config import DataConfig
@@ -27,6 +27,25 @@ def check_pretrain(config: PipelineConfig) -> None:
     check(not train.metrics_port or last_port <= 65535, "train.metrics_port",
           f"({train.metrics_port}) + up to {cluster.max_workers - 1} local ranks = {last_port}, past 65535")
     train.check_batch_split(cluster.world_sizes)
+    check_objective(config)
+
+
+def check_objective(config: PipelineConfig) -> None:
+    """Masked patch prediction needs patch embeddings to corrupt (a ViT or a hybrid) and a grid its plan fits."""
+    train, model = config.train, config.model
+    if train.objective != "masked_patch":
+        return
+    from vitscale.models.variants import parse_model_name
+    from vitscale.train.objective import masked_patch_plan
+
+    family = parse_model_name(model.name).family
+    check(family != "resnet", "train.objective",
+          f"masked_patch corrupts a ViT's patch embeddings; model.name {model.name!r} is a ResNet")
+    try:
+        masked_patch_plan(model, train.masked_patch)
+    except ValueError as exc:
+        key = "train.masked_patch.target" if "downsized" in str(exc) else "train.masked_patch.corrupt"
+        raise ConfigError(key, f"{exc} (model {model.name} at model.img_size {model.img_size})") from None
 
 
 def prepare_pretrain(config: PipelineConfig) -> None:

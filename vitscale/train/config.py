@@ -26,6 +26,8 @@ from vitscale.train.batch import derive_batch, elastic_split
 from vitscale.train.deepspeed_keys import check_overrides as check_deepspeed_overrides
 
 PEAK_FLOPS_NAMES = ("auto", "H200", "H100", "A100")
+OBJECTIVES = ("supervised", "masked_patch")
+PATCH_TARGETS = ("mean_colour", "downsized_4x4", "pixels")  # models/masked_patch.py's TARGETS
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
 
 
@@ -48,6 +50,40 @@ class FaultConfig:
         one_of(self.kill_with, ("exit", "SIGTERM"), f"{section}.kill_with")
         non_negative(self.kill_rank, f"{section}.kill_rank")
         positive(self.kill_at_step, f"{section}.kill_at_step")
+
+
+@dataclass(frozen=True)
+class MaskedPatchConfig:
+    """Masked patch prediction (Sec. 4.6, App. B.1.2): what is corrupted and what is predicted.
+
+    The defaults are the paper's: 50% of the patch embeddings corrupted, of those 80% replaced by the
+    [mask] embedding, 10% by another patch's, 10% kept; each corrupted patch's 3-bit mean colour predicted
+    (512-way softmax). Which patches: `data/corruption.py`; the model and targets: `models/masked_patch.py`.
+    """
+
+    target: str = "mean_colour"
+    """"mean_colour" (3-bit mean colour, 512 classes), "downsized_4x4" (16 x 3-bit colours of the patch
+    downsized to 4 x 4) or "pixels" (the whole patch, L2)."""
+    corrupt: float = 0.5
+    """Share of each image's patches corrupted and predicted."""
+    mask: float = 0.8
+    """Share of the corrupted patches replaced by the learnable [mask] embedding."""
+    swap: float = 0.1
+    """Share of the corrupted patches replaced by the embedding of another patch of the same image."""
+    bits: int = 3
+    """Bits per colour channel of the colour targets."""
+
+    def validate(self, section: str = "train.masked_patch") -> None:
+        one_of(self.target, PATCH_TARGETS, f"{section}.target")
+        check(0.0 < self.corrupt <= 1.0, f"{section}.corrupt", f"must be in (0, 1], got {self.corrupt!r}")
+        for key in ("mask", "swap"):
+            value = getattr(self, key)
+            check(isinstance(value, (int, float)) and 0.0 <= value <= 1.0, f"{section}.{key}",
+                  f"must be in [0, 1], got {value!r}")
+        check(self.mask + self.swap <= 1.0, f"{section}.swap",
+              f"mask + swap ({self.mask} + {self.swap}) must be at most 1: the rest of the corrupted patches are kept")
+        check(isinstance(self.bits, int) and not isinstance(self.bits, bool) and 1 <= self.bits <= 8,
+              f"{section}.bits", f"must be an int in [1, 8], got {self.bits!r}")
 
 
 @dataclass(frozen=True)
@@ -83,7 +119,12 @@ class TrainConfig:
     label_smoothing: float = 0.0
     """Label smoothing, for either loss."""
     loss: str = "softmax"
-    """"softmax" cross-entropy, or "sigmoid" (multi-label, JFT-style)."""
+    """"softmax" cross-entropy, or "sigmoid" (multi-label, JFT-style); supervised objective only."""
+    objective: str = "supervised"
+    """What pre-training learns from: "supervised" (the labels, Sec. 4.1-4.5) or "masked_patch" (no labels:
+    masked patch prediction, Sec. 4.6; `masked_patch` says how). Fine-tuning is always supervised."""
+    masked_patch: MaskedPatchConfig = field(default_factory=MaskedPatchConfig)
+    """The masked patch objective's settings (read only when `objective` is "masked_patch")."""
     zero_stage: int = 1
     """DeepSpeed ZeRO stage 0-3."""
     offload: bool = False
@@ -176,6 +217,8 @@ class TrainConfig:
         positive(self.grad_clip, f"{s}.grad_clip")
         probability(self.label_smoothing, f"{s}.label_smoothing")
         one_of(self.loss, ("softmax", "sigmoid"), f"{s}.loss")
+        one_of(self.objective, OBJECTIVES, f"{s}.objective")
+        self.masked_patch.validate(f"{s}.masked_patch")
         one_of(self.zero_stage, (0, 1, 2, 3), f"{s}.zero_stage")
         check(not (self.offload and self.zero_stage == 0), f"{s}.offload",
               f"needs {s}.zero_stage >= 1 (ZeRO-Offload moves optimizer state)")

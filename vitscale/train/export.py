@@ -136,13 +136,40 @@ def model_from_checkpoint(checkpoint: str | Path) -> tuple[torch.nn.Module, Mode
     raw = yaml.safe_load(config_path.read_text()) or {}
     model_config = build_section(ModelConfig, raw.get("model"), "model")
     state = consolidated_state_dict(checkpoint / ckpt.DEEPSPEED_DIR, ckpt.DEEPSPEED_TAG)
-    num_classes = int(state["head.weight"].shape[0])
-    model = model_config.build(num_classes)
-    model.load_state_dict(state, strict=True)
-    facts = {"model": model_config.name, "num_classes": num_classes, "img_size": model_config.img_size,
-             "step": ckpt.read_train_state(checkpoint).step, "checkpoint": str(checkpoint),
-             "seed": int((raw.get("train") or {}).get("seed", 0))}
+    objective = (raw.get("train") or {}).get("objective", "supervised")
+    if objective == "masked_patch":
+        model, model_config = _masked_patch_encoder(state, model_config)
+    else:
+        num_classes = int(state["head.weight"].shape[0])
+        model = model_config.build(num_classes)
+        model.load_state_dict(state, strict=True)
+    facts = {"model": model_config.name, "num_classes": int(getattr(model, "num_classes", 0)),
+             "img_size": model_config.img_size, "step": ckpt.read_train_state(checkpoint).step,
+             "checkpoint": str(checkpoint), "seed": int((raw.get("train") or {}).get("seed", 0)),
+             "objective": objective}
     return model, model_config, facts
+
+
+def _masked_patch_encoder(state: dict[str, Any], model_config: ModelConfig) -> tuple[torch.nn.Module, ModelConfig]:
+    """A masked patch run's encoder (a ViT without a classifier): its prediction head and [mask] dropped.
+
+    Transfer from it is transfer from any pre-trained ViT: a fine-tuning head is zero-initialised (Sec. 3.2)."""
+    from vitscale.train.objective import encoder_config
+
+    model_config = encoder_config(model_config)
+    model = model_config.build(0)
+    prefix = "encoder."
+    encoder = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+    dropped = sorted(k for k in state if not k.startswith(prefix))
+    if dropped != ["head.bias", "head.weight", "mask_token"]:
+        raise UserError(f"a masked patch checkpoint holds encoder.*, mask_token and head.*; this one also "
+                        f"{[k for k in dropped if k not in ('head.bias', 'head.weight', 'mask_token')]}")
+    # The encoder's 0-class head holds no values: the checkpoint has none (the predictor replaced it).
+    missing, unexpected = model.load_state_dict(encoder, strict=False)
+    if unexpected or any(k not in ("head.weight", "head.bias") for k in missing):
+        raise UserError(f"the masked patch checkpoint's encoder does not match model {model_config.name}: "
+                        f"missing {missing}, unexpected {unexpected}")
+    return model, model_config
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "pt", progress: bool = False) -> dict[str, Any]:

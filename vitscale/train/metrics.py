@@ -142,6 +142,9 @@ class StepMetrics:
     attempt: float = 0.0
     """Unix time this attempt of the run (a start or a restart of the worker group) began: a new value in
     a rank's lines marks a restart (:func:`restarts`)."""
+    patch_accuracy: float | None = None
+    """Masked patch prediction (Sec. 4.6): the share of this step's corrupted patches (all ranks) whose
+    target was predicted exactly; None for supervised training and the regression target."""
 
 
 def mfu(model_flops_per_s: float, peak_flops_per_s: float) -> float:
@@ -304,6 +307,9 @@ class MetricsSink:
             ),
         }
         self._mfu = Gauge("vitscale_mfu_ratio", "Model FLOPs utilisation (0-1) vs dense bf16 peak.", labels, registry=r)
+        self._patch = Gauge("vitscale_patch_accuracy_ratio",
+                            "Masked patch prediction: share of the last step's corrupted patches predicted exactly.",
+                            labels, registry=r)
         self._h = {
             "step_time_s": Histogram(
                 "vitscale_step_seconds", "Wall time per optimiser step.", labels, buckets=_SECONDS_BUCKETS,
@@ -385,6 +391,8 @@ class MetricsSink:
                 gauge.labels(*lv).set(values[key])  # NaN is a legal Prometheus value: shows a diverged loss
             if m.mfu is not None and math.isfinite(m.mfu):
                 self._mfu.labels(*lv).set(m.mfu)
+            if m.patch_accuracy is not None:
+                self._patch.labels(*lv).set(m.patch_accuracy)
             for key, hist in self._h.items():
                 hist.labels(*lv).observe(getattr(m, key))
             self._advance("examples", self._examples.labels(*lv), float(m.examples_seen))
@@ -450,10 +458,11 @@ def progress_line(m: StepMetrics, total_steps: int, elapsed_s: float, steps_done
     """
     eta = elapsed_s / max(steps_done, 1) * (total_steps - m.step)
     mfu_text = f" mfu {m.mfu:.1%}" if m.mfu is not None else ""
+    patch = f" patch acc {m.patch_accuracy:.1%}" if m.patch_accuracy is not None else ""
     rate = f"{m.images_per_s:.{0 if m.images_per_s >= 10 else 2}f}"  # a big ViT on CPU runs below 1 img/s
     data = m.data_wait_s / m.step_time_s if m.step_time_s > 0 else 0.0
     clock = time.strftime("%H:%M:%S", time.localtime(time.time() if now is None else now))
-    return line(f"{clock} step {m.step}/{total_steps} epoch {m.epoch:.2f} loss {m.loss:.4f} lr {m.lr:.2e} "
+    return line(f"{clock} step {m.step}/{total_steps} epoch {m.epoch:.2f} loss {m.loss:.4f}{patch} lr {m.lr:.2e} "
                 f"{rate} img/s (data {data:.0%}){mfu_text} {m.cumulative_exaflops:.3g} EFLOP eta {hms(eta)}")
 
 
@@ -478,7 +487,8 @@ class TensorBoardLog:
     def record(self, m: StepMetrics) -> None:
         """One optimiser step's training scalars."""
         values = {"loss": m.loss, "lr": m.lr, "images_per_s": m.images_per_s, "grad_norm": m.grad_norm,
-                  "epoch": m.epoch, "exaflops": m.cumulative_exaflops, "mfu": m.mfu}
+                  "epoch": m.epoch, "exaflops": m.cumulative_exaflops, "mfu": m.mfu,
+                  "patch_accuracy": m.patch_accuracy}
         for name, value in values.items():
             if value is not None:
                 self._writer.add_scalar(f"train/{name}", value, m.step)

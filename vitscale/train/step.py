@@ -2,9 +2,10 @@
 
 `Stepper.step` is the whole GPU-facing part of a training step, exactly as a Ray Train worker runs it
 (`train/loop.py`) and as `benchmarks/mfu.py` times it: the uint8 batch moved to the device and
-normalised there, forward and loss (rows a corrupt sample refilled left out, uneven shares weighted),
-backward into DeepSpeed's accumulation, then one all-reduce that carries the loss and the loop's
-per-step votes together, and the guarded optimizer step (`engine.optimizer_step`).
+normalised there, forward and the objective's loss (`train/objective.py`: rows a corrupt sample refilled
+left out, uneven shares weighted), backward into DeepSpeed's accumulation, then one all-reduce that
+carries the loss, the objective's counts and the loop's per-step votes together, and the guarded
+optimizer step (`engine.optimizer_step`).
 
 Host syncs are what keep a GPU idle between kernels, so a step has few: the one all-reduce read back
 with a single `tolist`, the guard's verdict, and the gradient norm the metrics report.
@@ -23,7 +24,7 @@ import torch
 from vitscale.data.loader.transforms import normalize_on_device
 from vitscale.train.batch import BatchPlan, loss_weight
 from vitscale.train.engine import optimizer_step, set_lr
-from vitscale.train.losses import classification_loss
+from vitscale.train.objective import Objective, Supervised
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class StepOutcome:
     """Keys of the samples this rank consumed, in order."""
     data_wait_s: float
     """Seconds spent waiting for the loader."""
+    patch_accuracy: float | None = None
+    """Masked patch prediction: the share of the step's corrupted patches (all ranks) whose target the model
+    predicted; None for the supervised objective."""
 
 
 class Stepper:
@@ -49,15 +53,18 @@ class Stepper:
 
     Args:
         engine: the DeepSpeed engine (`engine.build_engine`).
-        train: the typed train config (loss, label smoothing, precision).
+        train: the typed train config (precision).
         batch: the batch plan at this world size (micro-batches per step, uneven-share weights).
         device: where the model lives.
         world_size: ranks in the step's all-reduce.
+        objective: what the loss is (`train/objective.py`); None: supervised by `train`.
     """
 
-    def __init__(self, engine: Any, train: Any, batch: BatchPlan, device: torch.device, world_size: int) -> None:
+    def __init__(self, engine: Any, train: Any, batch: BatchPlan, device: torch.device, world_size: int,
+                 objective: Objective | None = None) -> None:
         self.engine, self.train, self.batch, self.device = engine, train, batch, device
         self.world_size = world_size
+        self.objective = objective if objective is not None else Supervised(train)
         self.dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
 
     def step(self, batches: Iterator[dict[str, Any]], lr: float,
@@ -71,46 +78,35 @@ class Stepper:
         """
         set_lr(self.engine, lr)
         step_loss = torch.zeros((), device=self.device)
+        tally = torch.zeros(2, device=self.device)  # masked patches: (hits, predicted patches) of the step
         keys: list[str] = []
         data_wait = 0.0
         for micro_step in range(self.batch.grad_accum_steps):
             t0 = time.perf_counter()
             micro = next(batches)
             data_wait += time.perf_counter() - t0
-            images = normalize_on_device(micro["image"].to(self.device, non_blocking=True), self.dtype)
-            labels = micro["label"].to(self.device, non_blocking=True)
-            loss = self._masked_loss(self.engine(images), labels, micro.get("valid"))
+            pixels = micro["image"].to(self.device, non_blocking=True)
+            loss, counts = self.objective.loss(self.engine, pixels, normalize_on_device(pixels, self.dtype), micro)
             if not self.batch.even:  # n examples of the global batch's G: L * n * W * accum / G
                 loss = loss * loss_weight(len(micro["key"]), self.batch)
             self.engine.backward(loss)
             step_loss += loss.detach() / self.batch.grad_accum_steps
+            if counts is not None:
+                tally += counts
             keys.extend(micro["key"])
             if micro_step < self.batch.grad_accum_steps - 1:
                 self.engine.step()  # inside the accumulation: DeepSpeed only counts the micro-step
         # Mean loss over all ranks (weighted: the global batch's mean at any world size): what the user
         # compares across runs. A NaN on any rank makes the sum NaN on every rank, so all skip the same steps.
         host = torch.tensor(votes(), dtype=torch.float32)
-        reduced = torch.cat([step_loss.reshape(1).float(), host.to(self.device)])
+        reduced = torch.cat([step_loss.reshape(1).float(), tally, host.to(self.device)])
         torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.SUM)
-        total, *summed = reduced.tolist()
+        total, hits, predicted, *summed = reduced.tolist()
         loss_value = total / self.world_size
         applied = optimizer_step(self.engine, skip=not math.isfinite(loss_value))
         return StepOutcome(loss=loss_value, applied=applied, grad_norm=_as_float(self.engine.get_global_grad_norm()),
-                           votes=tuple(summed), keys=keys, data_wait_s=data_wait)
-
-    def _masked_loss(self, logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-        """Loss over the rows that hold real samples.
-
-        The stream keeps every batch full so ranks stay in lock-step; rows refilled after a corrupt
-        sample are marked invalid and must not train the model. A batch with no valid row still runs
-        backward (a zero loss) so every rank joins the same collectives.
-        """
-        if valid is not None and not bool(valid.all()):
-            keep = valid.to(logits.device)
-            if not bool(keep.any()):
-                return logits.sum() * 0.0
-            logits, labels = logits[keep], labels[keep]
-        return classification_loss(logits, labels, kind=self.train.loss, label_smoothing=self.train.label_smoothing)
+                           votes=tuple(summed), keys=keys, data_wait_s=data_wait,
+                           patch_accuracy=hits / predicted if predicted else None)
 
 
 def _as_float(value: Any) -> float:

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from vitscale.say import say
-from vitscale.scaling.flops import forward_flops
 from vitscale.train import checkpoint as ckpt
 from vitscale.train.batch import BatchPlan, resized_batch
 from vitscale.train.engine import build_engine, deepspeed_config, init_distributed, load_checkpoint
 from vitscale.train.evaluate import Polyak
 from vitscale.train.job import TrainJob
 from vitscale.train.metrics import peak_flops
+from vitscale.train.objective import Objective, objective_flops, objective_for
 from vitscale.train.optim import Decay, lr_at, schedule_length
 from vitscale.train.step import Stepper
 
@@ -47,6 +47,8 @@ class Worker:
     polyak: Polyak | None
     engine: Any
     stepper: Stepper
+    objective: Objective
+    """What the steps optimise (`train.objective`): the labels or masked patch prediction."""
     flops_per_example: float
     """Training FLOPs per example (3x forward, the paper's convention)."""
     peak: float | None
@@ -86,21 +88,22 @@ def set_up(job: TrainJob, ctx: WorkerContext) -> Worker:
     # The global batch is the run's, whatever the world size: each worker's share of it in micro batches
     # (the driver checked every world size the run may reach).
     batch = resized_batch(train.global_batch, train.micro_batch, ctx.world_size)
-    stream = _open_stream(job, ctx, batch, on_gpu)
+    objective = objective_for(train, model_cfg)
+    stream = _open_stream(job, ctx, batch, on_gpu, objective)
     num_classes = stream.dataset.num_classes
     steps_per_epoch, total_steps = schedule_length(sum(stream.dataset.counts), batch.global_batch, train.epochs,
                                                    train.max_steps)
     torch.manual_seed(train.seed)  # identical initial weights on every rank
-    model = _build_model(job, ctx, num_classes)
+    model = _build_model(job, ctx, objective, num_classes)
     polyak = Polyak(model, train.polyak) if train.polyak is not None else None
     engine = build_engine(model, train, deepspeed_config(train, batch, on_gpu=on_gpu), on_gpu=on_gpu)
     worker = Worker(
         job=job, ctx=ctx, device=device, batch=batch, stream=stream, steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
         eval_every=train.eval_every or (max(1, total_steps // job.evaluations) if job.evaluations else None),
-        model=model, polyak=polyak, engine=engine, stepper=Stepper(engine, train, batch, device, ctx.world_size),
-        flops_per_example=3 * forward_flops(model_cfg.name, img_size=model_cfg.img_size, num_classes=num_classes,
-                                            **model_cfg.options),
+        model=model, polyak=polyak, engine=engine, objective=objective,
+        stepper=Stepper(engine, train, batch, device, ctx.world_size, objective),
+        flops_per_example=3 * objective_flops(objective, model_cfg, num_classes),
         # "auto" knows no peak without CUDA (MFU left out); a peak the user states is used on any device.
         peak=peak_flops(train.peak_flops) if on_gpu or train.peak_flops != "auto" else None,
         state=ckpt.TrainState(world_size=ctx.world_size), resume_stream=None)
@@ -109,7 +112,7 @@ def set_up(job: TrainJob, ctx: WorkerContext) -> Worker:
     return worker
 
 
-def _open_stream(job: TrainJob, ctx: WorkerContext, batch: BatchPlan, on_gpu: bool) -> Any:
+def _open_stream(job: TrainJob, ctx: WorkerContext, batch: BatchPlan, on_gpu: bool, objective: Objective) -> Any:
     from vitscale.data.loader.stream import ShardStream
 
     data = job.data
@@ -118,14 +121,14 @@ def _open_stream(job: TrainJob, ctx: WorkerContext, batch: BatchPlan, on_gpu: bo
         data.url, data.split, rank=ctx.rank, world_size=ctx.world_size, seed=data.seed,
         batch_size=batch.micro_batch, global_batch=batch.global_batch, resolution=job.model.img_size, train=True,
         num_workers=data.num_workers, shuffle_buffer=data.shuffle_buffer, error_budget=data.error_budget,
-        endpoint_url=data.endpoint_url, carve=job.carve,
+        endpoint_url=data.endpoint_url, carve=job.carve, corruption=objective.corruption,
         # Page-locked batches: the step's copy to the GPU is asynchronous instead of a blocking staged one.
         pin_memory=on_gpu)
 
 
-def _build_model(job: TrainJob, ctx: WorkerContext, num_classes: int) -> torch.nn.Module:
-    """The job's model; for fine-tuning, with the pre-trained weights it names."""
-    model = job.model.build(num_classes)
+def _build_model(job: TrainJob, ctx: WorkerContext, objective: Objective, num_classes: int) -> torch.nn.Module:
+    """The job's model for its objective; for fine-tuning, with the pre-trained weights it names."""
+    model = objective.build_model(job.model, num_classes)
     if job.init is not None:
         from vitscale.data.storage.fetch import local_copy
         from vitscale.models.weights_files import load_pretrained

@@ -55,6 +55,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from vitscale.config.checks import check, fraction, non_negative, positive_int
 from vitscale.data.carve import Carve
 from vitscale.data.config import DEFAULT_ERROR_BUDGET
+from vitscale.data.corruption import Corruption, corrupted_positions
 from vitscale.data.format import OpenDataset, open_dataset
 from vitscale.data.loader.index_cache import IndexCache
 from vitscale.data.loader.reader import BadSample, SampleReader
@@ -119,6 +120,9 @@ class StreamSpec:
     """Batches each worker prepares ahead."""
     pin_memory: bool = False
     """Page-lock batches for faster, asynchronous host-to-GPU copies."""
+    corruption: Corruption | None = None
+    """Masked patch prediction: each sample's corrupted patches (``positions``, ``sources``) from
+    :func:`vitscale.data.corruption.corrupted_positions` of (seed, epoch, key); None: not computed."""
 
     def __post_init__(self) -> None:
         # Resolved once here, so every reader of a spec sees whole values (frozen: set through object).
@@ -221,7 +225,7 @@ class _EpochBatches(IterableDataset):
                 label[i, ls] = 1.0
         else:
             label = torch.tensor([ls[0] if ls else 0 for ls in labels], dtype=torch.int64)  # (n,)
-        return {
+        batch = {
             "image": images,
             "label": label,
             "key": keys,
@@ -229,6 +233,10 @@ class _EpochBatches(IterableDataset):
             "_skipped": skipped,
             "_count": hi - lo,
         }
+        if self.spec.corruption is not None:
+            positions, sources = corrupted_positions(self.order.seed, self.order.epoch, keys, self.spec.corruption)
+            batch["positions"], batch["sources"] = torch.from_numpy(positions), torch.from_numpy(sources)
+        return batch
 
 
 class ShardStream:
@@ -237,8 +245,9 @@ class ShardStream:
     Batches are dicts: ``image`` uint8 (B, 3, R, R) contiguous (normalise on the device with
     :func:`vitscale.data.loader.transforms.normalize_on_device`), ``label`` int64 (B,) or, for multi-label
     datasets, float32 multi-hot (B, K), ``key`` list[str], ``valid`` bool (B,) (False only for rows
-    refilled after a skipped sample). ``train=False`` gives the centre-crop evaluation transform,
-    no shuffling, and keeps the last partial batch (``drop_last`` defaults to ``train``).
+    refilled after a skipped sample); with a ``corruption``, ``positions`` int64 (B, corrupted) and
+    ``sources`` int64 (B, swapped) (:mod:`vitscale.data.corruption`). ``train=False`` gives the centre-crop
+    evaluation transform, no shuffling, and keeps the last partial batch (``drop_last`` defaults to ``train``).
     """
 
     def __init__(self, url: str | StreamSpec, split: str = "train", *, carve: Carve | None = None,
