@@ -88,16 +88,24 @@ def patch_accuracy(model: Any, corruption: Any, held: tp.Images, x: torch.Tensor
     return float(torch.cat(hits).float().mean()), majority
 
 
-def pretrain(seed: int, epochs: float, target: str, every: int) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
-    """Masked patch pre-training on the quickstart's fractal images; (encoder state, held-out curve)."""
+def source_images(source: str, seed: int, digits: tp.Digits) -> tp.Images:
+    """The pre-training images: the quickstart's fractal source, or the digits' own training split (in-domain,
+    labels never read; the test split is never seen)."""
+    if source == "digits":
+        return digits.train
+    kind, options = tp.variant("fractal")
+    return tp.encode_source(kind, {**options, "seed": seed})
+
+
+def pretrain(images: tp.Images, seed: int, epochs: float, target: str,
+             every: int) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
+    """Masked patch pre-training on `images`; (encoder state, held-out curve)."""
     from vitscale.data.corruption import corrupted_positions
     from vitscale.data.loader.transforms import normalize_on_device
     from vitscale.data.tools.write import assign_splits
     from vitscale.models.masked_patch import patch_targets
     from vitscale.train.optim import lr_at, param_groups, steps_for
 
-    kind, options = tp.variant("fractal")
-    images = tp.encode_source(kind, {**options, "seed": seed})
     split = assign_splits(len(images), {"train": 0.9, "test": 0.1}, seed)
     data, held = images.subset(split["train"]), images.subset(split["test"])
     xheld = pixels(held, np.arange(len(held)), train=False, seed=seed, epoch=0)
@@ -139,6 +147,8 @@ def main() -> None:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="pre-training and fine-tuning seeds")
     p.add_argument("--epochs", type=float, default=6.0, help="pre-training epochs (the quickstart: 6)")
     p.add_argument("--target", default="mean_colour", help="mean_colour, downsized_4x4 or pixels")
+    p.add_argument("--source", default="fractal", choices=["fractal", "digits"],
+                   help="pre-training images: the quickstart's fractals, or the digits' training split itself")
     p.add_argument("--every", type=int, default=25, help="steps between held-out patch accuracy measurements")
     p.add_argument("--ft-steps", type=int, default=50, help="fine-tuning steps (the quickstart: 50)")
     p.add_argument("--ft-batch", type=int, default=64, help="fine-tuning batch (the quickstart: 64)")
@@ -162,7 +172,8 @@ def main() -> None:
             t1 = time.perf_counter()
             state = None
             if name == "masked_patch":
-                state, curves[seed] = pretrain(seed, args.epochs, args.target, args.every)
+                images = source_images(args.source, seed, digits)
+                state, curves[seed] = pretrain(images, seed, args.epochs, args.target, args.every)
                 last = curves[seed][-1]
                 points = " ".join(f"{c['patch_accuracy']:.3f}" for c in curves[seed])
                 print(f"  masked_patch seed {seed}: held-out patch accuracy {points} (steps 0, {args.every}, ...; "
@@ -176,7 +187,8 @@ def main() -> None:
             print(f"  {name:>13} seed {seed}: fine-tuned test {test:.3f} (lr {lr:g}), 5/25-shot "
                   f"{shots[5]:.3f}/{shots[25]:.3f} [{time.perf_counter() - t1:.0f} s]", flush=True)
 
-    print(f"\nDigits test accuracy, {len(args.seeds)} seeds (mean ± std), pre-training {args.epochs:g} epochs:")
+    print(f"\nDigits test accuracy, {len(args.seeds)} seeds (mean ± std), pre-training {args.epochs:g} epochs of "
+          f"{args.source}:")
     print(f"{'init':>13}  {'fine-tuned':>14}  {'5-shot':>14}  {'25-shot':>14}  LRs chosen")
     for name, rs in rows.items():
         print(f"{name:>13}  {tp.mean_std([r['test'] for r in rs]):>14}  "

@@ -43,6 +43,8 @@ def check_probe_dataset(meta: Any, url: str, cfg: FewshotConfig, key: str) -> No
     (whether every class has enough is known only from the labels: `sample_shots` says which does
     not). Raises `ConfigError` naming `key` (e.g. "fewshot.datasets[0]").
     """
+    check(meta.labelled, key, f"{url} holds images without labels (num_classes 0); the few-shot probe needs "
+                              "one label per image")
     check(not meta.multi_label, key, f"{url} is multi-label; the few-shot probe needs one label per image")
     for split, split_key in ((cfg.train_split, "fewshot.train_split"), (cfg.test_split, "fewshot.test_split")):
         if split not in meta.splits:

@@ -33,3 +33,10 @@ def require_split(meta: Any, split: str, key: str, url: str) -> int:
     if split not in meta.splits:
         raise ConfigError(key, f"{split!r} is not a split of {url} (splits: {sorted(meta.splits)})")
     return meta.samples(split)
+
+
+def require_labels(meta: Any, key: str, url: str, needed_by: str) -> None:
+    """A `ConfigError` naming `key` when the dataset at `url` has no labels (images alone, `num_classes` 0)."""
+    if not meta.labelled:
+        raise ConfigError(key, f"{url} holds images without labels (num_classes 0); {needed_by} needs labels "
+                               "(images alone are for pre-training with train.objective: masked_patch)")

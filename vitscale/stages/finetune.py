@@ -21,7 +21,7 @@ from vitscale.config.pipeline import PipelineConfig, local_cluster
 from vitscale.data.config import DataConfig
 from vitscale.models.config import ModelConfig
 from vitscale.stages.base import Pretrained, Stage, StageContext
-from vitscale.stages.datasets import ensure_dataset, require_split
+from vitscale.stages.datasets import ensure_dataset, require_labels, require_split
 from vitscale.train.finetune import FinetuneConfig, finetune_model, refuse_unset_lr
 from vitscale.train.job import final_job
 
@@ -96,6 +96,7 @@ def check_downstream(config: PipelineConfig) -> Any:
     check(not meta.multi_label, "finetune.data.url",
           f"{data.url} is multi-label; fine-tuning needs one label per image")
     train = require_split(meta, data.split, "finetune.data.split", data.url)
+    require_labels(meta, "finetune.data.url", data.url, "fine-tuning")
     require_split(meta, fc.test_split, "finetune.test_split", data.url)
     check(train >= batch, "finetune.train.global_batch",
           f"({batch}) cannot be filled: split {data.split!r} of {data.url} has {train} samples")

@@ -11,7 +11,7 @@ from vitscale.config.pipeline import PipelineConfig
 from vitscale.data.config import DataConfig
 from vitscale.models.config import ModelConfig
 from vitscale.stages.base import Pretrained, Stage, StageContext
-from vitscale.stages.datasets import ensure_dataset, require_split
+from vitscale.stages.datasets import ensure_dataset, require_labels, require_split
 from vitscale.train.config import TrainConfig
 from vitscale.train.job import TrainJob
 
@@ -55,6 +55,8 @@ def prepare_pretrain(config: PipelineConfig) -> None:
     data, train = config.data, config.train
     meta = ensure_dataset(data.url, data.create_if_missing, data.endpoint_url, "data.url")
     samples = require_split(meta, data.split, "data.split", data.url)
+    if train.objective == "supervised":
+        require_labels(meta, "data.url", data.url, "train.objective 'supervised'")
     open_dataset(data.url, data.split, endpoint_url=data.endpoint_url)  # the index agrees with dataset.json
     if data.subset is not None:
         check(data.subset <= samples, "data.subset",

@@ -91,6 +91,9 @@ def set_up(job: TrainJob, ctx: WorkerContext) -> Worker:
     objective = objective_for(train, model_cfg)
     stream = _open_stream(job, ctx, batch, on_gpu, objective)
     num_classes = stream.dataset.num_classes
+    if num_classes == 0 and train.objective == "supervised":  # the driver refuses it first (stages/pretrain.py)
+        raise ValueError(f"{job.data.url} holds images without labels: supervised training needs labels "
+                         "(train.objective: masked_patch learns from images alone)")
     steps_per_epoch, total_steps = schedule_length(sum(stream.dataset.counts), batch.global_batch, train.epochs,
                                                    train.max_steps)
     torch.manual_seed(train.seed)  # identical initial weights on every rank

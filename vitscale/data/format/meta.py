@@ -131,6 +131,11 @@ class DatasetMeta:
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Every other key (seed, source, source_options, format, dedup, ...), in file order."""
 
+    @property
+    def labelled(self) -> bool:
+        """Whether the samples carry labels (``num_classes`` 0: images alone, for self-supervised pre-training)."""
+        return self.num_classes > 0
+
     def split(self, split: str) -> SplitMeta:
         """The entry of ``split``; :class:`DatasetError` naming the splits there are."""
         if split not in self.splits:
@@ -188,8 +193,8 @@ class DatasetMeta:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise DatasetError(f"{where} is malformed: {exc!r}") from exc
-        if meta.num_classes < 1:
-            raise DatasetError(f"{where}: num_classes must be >= 1")
+        if meta.num_classes < 0:
+            raise DatasetError(f"{where}: num_classes must be >= 0 (0: images without labels)")
         return meta
 
 

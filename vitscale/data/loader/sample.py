@@ -41,14 +41,17 @@ def decode_sample(
 
     ``size`` and ``crc`` are the index's (``crc < 0``: the index has no checksum for it); ``rng``
     drives the training crop; ``labels`` are the index's, for datasets whose labels live there
-    (otherwise they are parsed from the ``.cls``/``.json`` member). Raises :class:`BadSample` for
+    (otherwise they are parsed from the ``.cls``/``.json`` member); ``num_classes`` 0 (an unlabelled
+    dataset) reads no label and returns ``[]``. Raises :class:`BadSample` for
     anything wrong with ``raw`` or the labels.
     """
     if len(raw) != size:
         raise BadSample(f"truncated read: got {len(raw)} of {size} bytes")
     check_crc(raw, crc)
     members = split_tar_record(raw, key)
-    if labels is None:
+    if num_classes == 0:  # an unlabelled dataset: images alone, any label member ignored
+        labels = []
+    elif labels is None:
         labels = parse_label(members, num_classes, multi_label)
     else:
         check_labels(labels, num_classes, multi_label)

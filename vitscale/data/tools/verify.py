@@ -116,7 +116,8 @@ def _verify_shard(
                 count += 1
                 row = idx.get((name, s.key))
                 try:
-                    labels = None if index_labels else labels_of(s)
+                    # An unlabelled dataset (num_classes 0) reads no label member: images alone.
+                    labels = None if index_labels else [] if num_classes == 0 else labels_of(s)
                 except LabelError as exc:  # a hostile label is this sample's problem, not the shard's
                     problems.append(f"{name}: sample {s.key!r}: {exc}")
                     continue

@@ -152,8 +152,9 @@ class ShardWriter:
         self._tar.addfile(*_member(f"{key}.jpg", jpeg))
         if self.multi_label:
             self._tar.addfile(*_member(f"{key}.json", json.dumps({"labels": list(labels)}).encode()))
-        else:
+        elif labels:
             self._tar.addfile(*_member(f"{key}.cls", str(labels[0]).encode("ascii")))
+        # No label at all: an unlabelled source (images alone); the sample is its image member.
         name = shard_name(self.split, len(self.shards))
         self.rows.append(
             dict(split=self.split, shard=name, key=key, labels=list(labels), offset=start,
