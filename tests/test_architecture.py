@@ -2,7 +2,9 @@
 
 Layers, lowest first (docs/architecture.md):
   config  <-  models, data, scaling.flops  <-  train, eval, inspect, scaling.study  <-  launch, stages  <-  cli
-A module may import its own layer and the layers below it, never one above.
+A module may import its own layer and the layers below it, never one above. The study is one package
+(`scaling/study/`) whose Ray-free parts sit with `eval` and whose stage modules (`stage`, `cell_pipelines`,
+`runner`) sit with `stages`: a module's layer is that of its longest matching prefix in LAYERS.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ LAYERS = {
     "models": 1, "data": 1, "scaling": 1, "scaling.flops": 1, "scaling.catalog": 1,
     "train": 2, "eval": 2, "inspect": 2, "scaling.study": 2,
     "launch": 3, "stages": 3,
+    "scaling.study.stage": 3, "scaling.study.cell_pipelines": 3, "scaling.study.runner": 3,
     "cli": 4, "__main__": 4,
 }
 
@@ -64,11 +67,24 @@ def test_imports_point_down(module: str, path: Path) -> None:
     assert not upward, f"vitscale.{module} (layer {mine}) imports from a layer above: {upward}"
 
 
-def test_ray_only_in_launch_and_stages() -> None:
+EDGE = LAYERS["stages"]
+"""Ray's layer: `launch/`, `stages/` and the study's stage modules; nothing below it and not the CLI."""
+
+
+def test_ray_only_at_the_edge() -> None:
     offenders = [m for m, path in modules()
                  if any(n == "ray" or n.startswith("ray.") for n in imports_of(path))
-                 and not m.startswith(("launch", "stages"))]
-    assert not offenders
+                 and layer_of(m) != EDGE]
+    assert not offenders, f"modules outside the launch/stages layer that import Ray: {offenders}"
+
+
+def test_the_study_stage_is_registered_from_its_package() -> None:
+    """The study lives in one package; the stage registry still finds it by name."""
+    from vitscale.stages import REGISTRY, get_stage
+
+    assert REGISTRY["study"] == "vitscale.scaling.study.stage"
+    assert get_stage("study").name == "study"
+    assert not list((PACKAGE / "stages").glob("study*.py"))
 
 
 def test_deepspeed_only_in_the_engine() -> None:

@@ -143,15 +143,15 @@ TINY = {"name": "ViT-Ti/16", "depth": 1, "width": 32, "mlp_dim": 64, "heads": 2}
 
 
 def _plan(raw: dict):
+    from vitscale.scaling.study.stage import plan
     from vitscale.stages import build_pipeline
-    from vitscale.stages.study import plan
 
     return plan(build_pipeline(raw, "study.yaml"))
 
 
 def test_grid_cells_ids_and_subsets(tmp_path: Path) -> None:
+    from vitscale.scaling.study.cell_pipelines import resolve_cells
     from vitscale.stages import build_pipeline
-    from vitscale.stages.study_cells import resolve_cells
 
     raw = _study(tmp_path, {"models": [TINY, {**TINY, "width": 64, "label": "wide"}], "epochs": [1, 2],
                             "data_sizes": [60, None], "cells": [{"model": "R50x1", "epochs": 1, "data_size": 30}]})
@@ -300,7 +300,7 @@ def test_checkpoint_uri_keeps_the_scheme() -> None:
     import pyarrow.fs as pafs
     from ray.train import Checkpoint
 
-    from vitscale.stages.study_runner import checkpoint_uri
+    from vitscale.scaling.study.runner import checkpoint_uri
 
     local = Checkpoint("/runs/cell/checkpoint_000003")
     remote = Checkpoint("bucket/study/cells/c/checkpoint_000003",

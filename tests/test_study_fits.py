@@ -158,8 +158,8 @@ def test_cell_ids_do_not_see_where_the_data_lives() -> None:
 
 def test_resolved_cells_are_the_same_from_another_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from vitscale.config.loader import absolute_paths
+    from vitscale.scaling.study.cell_pipelines import resolve_cells
     from vitscale.stages import load_pipeline
-    from vitscale.stages.study_cells import resolve_cells
 
     pipeline = Path(__file__).resolve().parents[1] / "pipelines" / "scaling-study-local.yaml"
     ids = []

@@ -12,9 +12,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Every cell with its parameters and planned compute; refused when over `study.max_exaflops`."""
     from vitscale.config.loader import absolute_paths
     from vitscale.scaling.study.plan import plan_markdown
+    from vitscale.scaling.study.stage import plan, pricing
     from vitscale.stages import load_pipeline
     from vitscale.stages.run import resolve_pipeline_path
-    from vitscale.stages.study import plan, pricing
 
     config = load_pipeline(resolve_pipeline_path(args.pipeline), args.set)
     if "study" not in config.stages:

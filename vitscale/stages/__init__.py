@@ -1,7 +1,8 @@
 """The stage registry: every stage a pipeline may name, and loading a pipeline against it.
 
 To add a stage, write one module here that defines `STAGE = vitscale.stages.base.Stage(...)`
-(see docs/architecture.md) and add one line to `REGISTRY`. Nothing else: the loader learns the
+(see docs/architecture.md) and add one line to `REGISTRY`; a stage that is one part of a larger
+package lives in it instead (the study: `vitscale/scaling/study/stage.py`). Nothing else: the loader learns the
 stage's config sections from it, `run_pipeline` runs it, and a pipeline naming a stage that is
 not registered is refused when it is loaded.
 """
@@ -24,7 +25,7 @@ REGISTRY: dict[str, str] = {
     "fewshot": "vitscale.stages.fewshot",
     "finetune": "vitscale.stages.finetune",
     "sweep": "vitscale.stages.sweep",
-    "study": "vitscale.stages.study",
+    "study": "vitscale.scaling.study.stage",
 }
 """Stage name -> the module defining its `STAGE` (imported on first use: no torch or Ray at import)."""
 

@@ -1,6 +1,7 @@
 """What a stage is: its config sections, its checks, its run function, and what it needs and makes.
 
-A stage is one module under `vitscale/stages/` that defines `STAGE = Stage(...)`; the registry
+A stage is one module (under `vitscale/stages/`, or in its own package: the study's is
+`vitscale/scaling/study/stage.py`) that defines `STAGE = Stage(...)`; the registry
 (`vitscale/stages/__init__.py`) lists it by name. Stages hand each other typed results: a stage
 that needs a pre-trained model says `needs=(Pretrained,)` and reads `context.need(Pretrained)`;
 the registry refuses a pipeline in which no earlier stage makes what a stage needs.

@@ -1,7 +1,7 @@
 """A study's cell and its id (pure): what a cell is, and the name its directory and state carry.
 
 A cell is the study's own pipeline with the cell's model, recipe, epochs and `data.subset` set
-and `stages: [pretrain, *study.transfer]`; `stages/study_cells.py` resolves the study section
+and `stages: [pretrain, *study.transfer]`; `cell_pipelines.py` resolves the study section
 into cells and validates each with the same loader and stage checks as any pipeline.
 
 A cell's id names its directory and state file: readable (model, epochs, data size) and ended by

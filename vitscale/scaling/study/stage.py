@@ -1,8 +1,8 @@
 """The study stage: a scaling study of (model x epochs x data size) cells, each pre-trained and
 transferred by the existing stages, to Table 6's table, Figure 5's plot and per-family fits.
 
-`vitscale/scaling/study/` has the Ray-free pieces (cells, plan, costs, state, fits, report);
-`study_cells.py` resolves the section into cells, `study_runner.py` runs them on Ray; this module
+The rest of `vitscale/scaling/study/` has the Ray-free pieces (cells, plan, costs, state, fits,
+report); `cell_pipelines.py` resolves the section into cells, `runner.py` runs them on Ray; this module
 is the stage's shape: checks when the pipeline loads (every cell is a valid pipeline), checks
 against the data before Ray starts (sizes, budget, downstream splits), and the run.
 """
@@ -18,10 +18,10 @@ from vitscale.config.pipeline import PipelineConfig
 from vitscale.data.config import DataConfig
 from vitscale.eval.config import FewshotConfig
 from vitscale.models.config import ModelConfig
+from vitscale.scaling.study.cell_pipelines import build_cell, resolve_cells
 from vitscale.scaling.study.config import StudyConfig
 from vitscale.scaling.study.plan import DataFacts, PlannedCell, Pricing, plan_study
 from vitscale.stages.base import Stage, StageContext
-from vitscale.stages.study_cells import build_cell, resolve_cells
 from vitscale.stages.sweep import SweepConfig
 from vitscale.train.config import TrainConfig
 from vitscale.train.finetune import FinetuneConfig
@@ -177,8 +177,8 @@ def prepare_study(config: PipelineConfig) -> None:
 
 def run_study(config: PipelineConfig, context: StageContext) -> StudyResult:
     from vitscale.scaling.study.report import publish_report
+    from vitscale.scaling.study.runner import run_cells
     from vitscale.scaling.study.state import StudyState
-    from vitscale.stages.study_runner import run_cells
 
     study = config.section("study")
     # The run's storage, not the driver's disk: on a cluster whose nodes share only object storage the

@@ -18,6 +18,7 @@ from vitscale.config.location import is_url
 from vitscale.config.pipeline import PipelineConfig
 from vitscale.launch.errors import PipelineFailed
 from vitscale.say import say
+from vitscale.scaling.study.cell_pipelines import cell_run
 from vitscale.scaling.study.cells import Cell
 from vitscale.scaling.study.plan import PlannedCell
 from vitscale.scaling.study.state import (
@@ -27,7 +28,6 @@ from vitscale.scaling.study.state import (
     accuracies,
     runnable,
 )
-from vitscale.stages.study_cells import cell_run
 
 PROGRESS_EVERY_S = 15.0
 """Seconds between a running cell's progress lines."""
@@ -163,40 +163,11 @@ def run_cells(config: PipelineConfig, cells: list[Cell], planned: list[PlannedCe
             ready, _ = ray.wait(list(running), num_returns=1, timeout=5.0)
             for ref in ready:
                 cell, started = running.pop(ref)
-                record = records[cell.id]
-                record.close_attempt(time.time() - started)
-                try:
-                    stages = ray.get(ref)
-                except (ray.exceptions.LocalRayletDiedError, ray.exceptions.NodeDiedError) as exc:
-                    # The machine under the cell went away, not the cell: it stays "running" (a
-                    # re-run resumes it) and no failure is counted against it.
-                    record.error = _one_line(exc)
-                    state.write(record)
-                    if isinstance(exc, ray.exceptions.LocalRayletDiedError):
-                        raise PipelineFailed(
-                            f"the local Ray node died under cell {cell.id} ({record.error}); run the same command "
-                            "again: finished cells are kept, interrupted ones resume") from exc
-                    say(f"cell {cell.id}: its node died; running it again")
-                    queue.append(cell)
-                    continue
-                except Exception as exc:  # noqa: BLE001 -- a failed cell is a row with its error; the study goes on
-                    record.failures += 1
-                    record.error = _one_line(exc)
-                    record.status = "failed"
-                    again = record.failures <= retries
-                    say(f"cell {cell.id}: failed ({record.error})"
-                          + ("; running it again" if again else "; failed for good"))
-                    if again:
-                        queue.append(cell)
-                else:
-                    _finish(record, stages, runs[cell.id])
-                    say(f"cell {cell.id}: done in {record.wall_s:.0f} s, "
-                          + ", ".join(f"{k} {v:.3f}" for k, v in record.accuracies.items()))
-                state.write(record)
-                finished = sum(r.status == "done" for r in records.values())
-                spent = sum(r.exaflops or 0.0 for r in records.values())
-                say(f"cells {finished}/{len(cells)} done; {spent:.4g} of "
-                      f"{sum(p.exaflops for p in planned):.4g} planned exaFLOPs spent")
+                if _collect(ref, cell, started, records[cell.id], runs[cell.id], state, queue, retries):
+                    finished = sum(r.status == "done" for r in records.values())
+                    spent = sum(r.exaflops or 0.0 for r in records.values())
+                    say(f"cells {finished}/{len(cells)} done; {spent:.4g} of "
+                          f"{sum(p.exaflops for p in planned):.4g} planned exaFLOPs spent")
             now = time.time()
             if now - heartbeat >= HEARTBEAT_S:  # a killed driver loses at most this much time from the record
                 heartbeat = now
@@ -210,6 +181,44 @@ def run_cells(config: PipelineConfig, cells: list[Cell], planned: list[PlannedCe
                     last_line[cell.id] = (now, line)
                     say(f"cell {cell.id}: {line}")
     return records
+
+
+def _collect(ref: Any, cell: Cell, started: float, record: CellRecord, run: PipelineConfig, state: StudyState,
+             queue: list[Cell], retries: int) -> bool:
+    """A cell's task has ended: record how (done; failed, run again while retries last; or its node lost,
+    queued again), writing the record. False when its node died (the cell is neither done nor failed)."""
+    import ray
+
+    record.close_attempt(time.time() - started)
+    try:
+        stages = ray.get(ref)
+    except (ray.exceptions.LocalRayletDiedError, ray.exceptions.NodeDiedError) as exc:
+        # The machine under the cell went away, not the cell: it stays "running" (a
+        # re-run resumes it) and no failure is counted against it.
+        record.error = _one_line(exc)
+        state.write(record)
+        if isinstance(exc, ray.exceptions.LocalRayletDiedError):
+            raise PipelineFailed(
+                f"the local Ray node died under cell {cell.id} ({record.error}); run the same command "
+                "again: finished cells are kept, interrupted ones resume") from exc
+        say(f"cell {cell.id}: its node died; running it again")
+        queue.append(cell)
+        return False
+    except Exception as exc:  # noqa: BLE001 -- a failed cell is a row with its error; the study goes on
+        record.failures += 1
+        record.error = _one_line(exc)
+        record.status = "failed"
+        again = record.failures <= retries
+        say(f"cell {cell.id}: failed ({record.error})"
+              + ("; running it again" if again else "; failed for good"))
+        if again:
+            queue.append(cell)
+    else:
+        _finish(record, stages, run)
+        say(f"cell {cell.id}: done in {record.wall_s:.0f} s, "
+              + ", ".join(f"{k} {v:.3f}" for k, v in record.accuracies.items()))
+    state.write(record)
+    return True
 
 
 def _finish(record: CellRecord, stages: dict[str, Any], config: PipelineConfig) -> None:
