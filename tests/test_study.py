@@ -307,3 +307,19 @@ def test_checkpoint_uri_keeps_the_scheme() -> None:
                         filesystem=pafs.S3FileSystem(endpoint_override="http://127.0.0.1:1", anonymous=True))
     assert checkpoint_uri(local) == "/runs/cell/checkpoint_000003"
     assert checkpoint_uri(remote) == "s3://bucket/study/cells/c/checkpoint_000003"
+
+
+def test_a_cell_may_name_the_masked_patch_objective_and_its_head_is_priced(tmp_path: Path) -> None:
+    """A model entry's `train:` names the objective: the cell pre-trains by masked patch prediction (its
+    own id), and the plan's compute counts the encoder and the per-patch head, as the worker does."""
+    from vitscale.scaling.flops import masked_patch_flops, training_flops
+
+    mpp = {**TINY, "label": "mpp", "train": {"objective": "masked_patch"}}
+    raw = _study(tmp_path, {"models": [TINY, mpp], "epochs": [1]})
+    _, (supervised, masked) = _plan(raw)
+    assert masked.id != supervised.id and masked.label == "mpp"
+    dims = {k: v for k, v in TINY.items() if k != "name"}
+    # ViT-Ti/16 at 32 px: a 2 x 2 grid, 2 patches corrupted, 512 colours each.
+    per_example = sum(masked_patch_flops("ViT-Ti/16", img_size=32, corrupted=2, outputs=512, **dims).values())
+    assert masked.exaflops == pytest.approx(training_flops(per_example, 120) / 1e18, rel=1e-12)
+    assert masked.exaflops != supervised.exaflops

@@ -19,6 +19,7 @@ from vitscale.scaling.flops import (
     JFT300M_EXAMPLES,
     exaflops,
     flops_breakdown,
+    masked_patch_flops,
     forward_flops,
     training_flops,
 )
@@ -69,6 +70,7 @@ def flops_summary(
     examples: int | None = None,
     epochs: float = 1.0,
     num_classes: int = 1000,
+    masked_patch: tuple[int, int] | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Compute of training `model` for `epochs` over a dataset of `examples` images.
@@ -80,6 +82,9 @@ def flops_summary(
             303,000,000).
         epochs: passes over the dataset (may be fractional); examples seen = round(epochs * examples).
         num_classes: classifier width (FLOPs and params).
+        masked_patch: (corrupted patches, outputs per patch) when pre-training by masked patch prediction
+            (Sec. 4.6): the encoder and its per-patch head are counted instead of the pooled classifier
+            (`masked_patch_flops`); None: supervised.
         **options: the model's options (`create_model`'s keywords, e.g. representation_size=768
             for the paper's JFT pre-training head, or shrunk dims), as in a pipeline's `model:`.
 
@@ -94,7 +99,16 @@ def flops_summary(
     if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not math.isfinite(epochs) or epochs <= 0:
         raise ValueError(f"epochs must be a positive number, got {epochs!r}")
     spec = parse_model_name(model)
-    parts = flops_breakdown(spec.name, img_size=resolution, num_classes=num_classes, **options)
+    if masked_patch is None:
+        parts = flops_breakdown(spec.name, img_size=resolution, num_classes=num_classes, **options)
+        params = count_params(spec.name, num_classes=num_classes, img_size=resolution, **options)
+    else:
+        corrupted, outputs = masked_patch
+        parts = masked_patch_flops(spec.name, img_size=resolution, corrupted=corrupted, outputs=outputs, **options)
+        encoder = {k: v for k, v in options.items() if k != "representation_size"}
+        width = int(options.get("width") or (spec.vit.width if spec.vit is not None else 0))
+        # The encoder, its [mask] embedding (D) and the per-patch head (D x outputs + outputs).
+        params = count_params(spec.name, num_classes=0, img_size=resolution, **encoder) + width * (outputs + 1) + outputs
     fwd = sum(parts.values())
     seen = round(epochs * examples)
     return {
@@ -102,7 +116,7 @@ def flops_summary(
         "family": spec.family,
         "resolution": resolution,
         "num_classes": num_classes,
-        "params": count_params(spec.name, num_classes=num_classes, img_size=resolution, **options),
+        "params": params,
         "forward_gflops": fwd / 1e9,
         "train_gflops_per_example": training_flops(fwd, 1) / 1e9,
         "examples": examples,

@@ -97,7 +97,7 @@ def plan_cell(cell: Cell, data: DataFacts, pricing: Pricing | None = None) -> Pl
                                          f"({data.examples} samples)")
     examples = cell.data_size or data.examples
     summary = flops_summary(name, resolution=img_size, examples=examples, epochs=cell.epochs,
-                            num_classes=data.num_classes, **options)
+                            num_classes=data.num_classes, masked_patch=_masked_patch(cell), **options)
     seen = summary["examples_seen"]
     mfu, source = choose_mfu(summary["model"], cell.family, pricing.device, pricing.mfu_table, pricing.mfu_source)
     cost = cell_cost(exaflops=summary["train_exaflops"], examples_seen=seen, devices=pricing.devices_per_cell,
@@ -107,6 +107,22 @@ def plan_cell(cell: Cell, data: DataFacts, pricing: Pricing | None = None) -> Pl
                        examples, seen, summary["train_gflops_per_example"], summary["train_exaflops"],
                        cost.device_hours, tuple(cell.raw["stages"][1:]), cost.devices, cost.wall_hours, cost.cost,
                        cost.mfu, cost.source, pricing.device)
+
+
+def _masked_patch(cell: Cell) -> tuple[int, int] | None:
+    """(corrupted patches, outputs per patch) of a cell pre-trained by masked patch prediction, else None:
+    the objective's head is part of the cell's compute (`train/objective.py`)."""
+    train = cell.raw.get("train") or {}
+    if train.get("objective", "supervised") != "masked_patch":
+        return None
+    from vitscale.config.loader import build_section
+    from vitscale.models.config import ModelConfig
+    from vitscale.train.config import MaskedPatchConfig
+    from vitscale.train.objective import masked_patch_plan
+
+    settings = build_section(MaskedPatchConfig, train.get("masked_patch"), "train.masked_patch")
+    corruption, target = masked_patch_plan(ModelConfig.from_mapping(cell.raw["model"]), settings)
+    return corruption.counts[0], target.outputs
 
 
 def plan_study(cells: list[Cell], data: DataFacts, max_exaflops: float | None,
