@@ -19,8 +19,8 @@ from vitscale.scaling.flops import (
     JFT300M_EXAMPLES,
     exaflops,
     flops_breakdown,
-    masked_patch_flops,
     forward_flops,
+    masked_patch_flops,
     training_flops,
 )
 
@@ -108,7 +108,8 @@ def flops_summary(
         encoder = {k: v for k, v in options.items() if k != "representation_size"}
         width = int(options.get("width") or (spec.vit.width if spec.vit is not None else 0))
         # The encoder, its [mask] embedding (D) and the per-patch head (D x outputs + outputs).
-        params = count_params(spec.name, num_classes=0, img_size=resolution, **encoder) + width * (outputs + 1) + outputs
+        params = count_params(spec.name, num_classes=0, img_size=resolution, **encoder)
+        params += width * (outputs + 1) + outputs
     fwd = sum(parts.values())
     seen = round(epochs * examples)
     return {
