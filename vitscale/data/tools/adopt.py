@@ -29,6 +29,7 @@ import posixpath
 import re
 import tarfile
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
@@ -273,12 +274,7 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
     if missing or not names:
         raise DatasetError(f"no tar shard {missing[0] if missing else '(*.tar)'} under {shards.url}")
     split_of = shard_splits(names, split, shards.url)
-    classes = None
-    if classes_file:
-        with open(classes_file, encoding="utf-8") as f:
-            classes = [line.strip() for line in f if line.strip()]
-        if num_classes is not None and num_classes != len(classes):
-            raise UserError(f"--num-classes {num_classes} but --classes {classes_file} names {len(classes)}")
+    classes = _read_classes(classes_file, num_classes) if classes_file else None
     bound = num_classes if num_classes is not None else (len(classes) if classes is not None else None)
     labels = _Labels(label_member, classes)
     rows: list[dict[str, Any]] = []
@@ -298,25 +294,9 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
             raise DatasetError(f"{shards.url_of(shard)} is not a readable tar: {exc}") from exc
         for entry in damaged:
             reject(entry["shard"], entry["key"], entry["error"])
-        kept = 0
-        for (key, offset, size, members), crc in zip(found, crcs, strict=True):
-            label = members.get(labels.ext)
-            if not any(ext in members for ext in IMAGE_MEMBERS):
-                reject(shard, key, f"no image member ({', '.join(IMAGE_MEMBERS)}) among {sorted(members)[:10]}")
-                continue
-            if label is None:
-                reject(shard, key, f"no readable .{labels.ext} label member")
-                continue
-            try:
-                ids = labels.parse(label)
-                check_class_ids([v for v in ids if isinstance(v, int)], bound)
-            except LabelError as exc:
-                reject(shard, key, f"label: {exc}")
-                continue
-            rows.append({"split": split_of[shard], "shard": shard, "key": key, "labels": ids, "offset": offset,
-                         "size": size, "crc32": crc})
-            kept += 1
-        entries.append((shard, kept))
+        kept = _shard_rows(shard, split_of[shard], found, crcs, labels, bound, reject)
+        rows += kept
+        entries.append((shard, len(kept)))
         bar.update()
     bar.close()
     if not rows:
@@ -332,6 +312,44 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
                **({LABEL_SOURCE: "index"} if labels.kind != "cls" else {}),
                **({SHARD_ROOT: shards.url} if dest is not shards else {})},
     )
+    _write(dest, rows, meta)
+    return meta.to_json()
+
+
+def _read_classes(classes_file: str, num_classes: int | None) -> list[str]:
+    """The class names of a ``--classes`` file, one a line; refused when ``--num-classes`` says another count."""
+    with open(classes_file, encoding="utf-8") as f:
+        classes = [line.strip() for line in f if line.strip()]
+    if num_classes is not None and num_classes != len(classes):
+        raise UserError(f"--num-classes {num_classes} but --classes {classes_file} names {len(classes)}")
+    return classes
+
+
+def _shard_rows(shard: str, split: str, found: list[tuple[str, int, int, dict[str, bytes | None]]], crcs: list[int],
+                labels: _Labels, bound: int | None, reject: Callable[[str, str, str], None]) -> list[dict[str, Any]]:
+    """One shard's samples as index rows; one without an image or a readable label is rejected instead."""
+    rows = []
+    for (key, offset, size, members), crc in zip(found, crcs, strict=True):
+        label = members.get(labels.ext)
+        if not any(ext in members for ext in IMAGE_MEMBERS):
+            reject(shard, key, f"no image member ({', '.join(IMAGE_MEMBERS)}) among {sorted(members)[:10]}")
+            continue
+        if label is None:
+            reject(shard, key, f"no readable .{labels.ext} label member")
+            continue
+        try:
+            ids = labels.parse(label)
+            check_class_ids([v for v in ids if isinstance(v, int)], bound)
+        except LabelError as exc:
+            reject(shard, key, f"label: {exc}")
+            continue
+        rows.append({"split": split, "shard": shard, "key": key, "labels": ids, "offset": offset,
+                     "size": size, "crc32": crc})
+    return rows
+
+
+def _write(dest: Storage, rows: list[dict[str, Any]], meta: DatasetMeta) -> None:
+    """``_index.parquet`` and ``dataset.json`` into ``dest``; a full disk says how much room they need."""
     try:
         write_index_and_meta(dest, rows, meta)
     except OSError as exc:
@@ -342,7 +360,6 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
         raise StorageError(f"no space left on the device of {dest.url} for {INDEX_NAME} and {META_NAME}: they need "
                            f"about {size_text(_index_bytes(rows, meta))}, {size_text(free_bytes(dest.url))} free; free "
                            "space or choose another --out, and index again") from exc
-    return meta.to_json()
 
 
 def _split_meta(split: str, entries: list[tuple[str, int]], split_of: dict[str, str],

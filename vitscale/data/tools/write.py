@@ -295,13 +295,8 @@ def write_dataset(
     listed; one more raises ``ValueError`` naming it (``max_pixels`` None: :data:`MAX_PIXELS`). Returns the
     ``dataset.json`` content.
     """
-    positive_int(shard_size, "shard_size")
-    check(isinstance(max_bad, int) and max_bad >= 0, "max_bad", f"must be an integer >= 0, got {max_bad!r}")
     max_pixels = MAX_PIXELS if max_pixels is None else max_pixels
-    positive_int(max_pixels, "max_pixels")
-    check(max_side >= 8, "max_side", f"must be >= 8 px, got {max_side}")
-    check(1 <= quality <= 95, "quality", f"must be in [1, 95] (JPEG), got {quality}")
-    check(chroma in ("4:2:0", "4:2:2", "4:4:4"), "chroma", f"must be 4:2:0, 4:2:2 or 4:4:4, got {chroma!r}")
+    _check_options(shard_size, max_bad, max_pixels, max_side, quality, chroma)
     opts = dict(source_options or {})
     if source.partition(":")[0] in ("synthetic", "fractal"):
         opts.setdefault("seed", seed)
@@ -324,24 +319,8 @@ def write_dataset(
         with Progress(len(src), f"write {storage.url}", unit="img", enabled=progress) as bar:
             for split, order in by_split.items():
                 writer = ShardWriter(storage, split, shard_size, src.multi_label)
-                try:
-                    for item in _encoded_in_order(src, order, encode, n_workers):
-                        bar.update()
-                        if len(item) == 2:
-                            bad.append({"file": src.origin(item[0]), "error": item[1]})
-                            if len(bad) > max_bad:
-                                raise UserError(f"{len(bad)} unreadable source files, more than --max-bad "
-                                                 f"{max_bad}; the last: {bad[-1]['file']}: {bad[-1]['error']}")
-                            continue
-                        sample, jpeg, w, h = item
-                        if sample.key in seen:
-                            raise UserError(f"{source}: duplicate sample key {sample.key!r}; keys must be unique")
-                        seen.add(sample.key)
-                        writer.add(sample.key, jpeg, sample.labels, w, h)
-                    writer.finish_shard()
-                except BaseException as exc:
-                    writer.abort(exc)  # drops an unfinished shard's spool file
-                    raise
+                _write_split(writer, src, _encoded_in_order(src, order, encode, n_workers), bar, seen, bad,
+                             max_bad, source)
                 meta_splits[split] = SplitMeta(len(writer.rows), tuple(writer.shards))
                 rows.extend(writer.rows)
         empty = [s for s, sp in meta_splits.items() if sp.samples == 0]
@@ -356,6 +335,40 @@ def write_dataset(
         raise
     publish.release(storage)
     return meta.to_json()
+
+
+def _check_options(shard_size: int, max_bad: int, max_pixels: int, max_side: int, quality: int, chroma: str) -> None:
+    """:func:`write_dataset`'s own values, each refused with a line naming it."""
+    positive_int(shard_size, "shard_size")
+    check(isinstance(max_bad, int) and max_bad >= 0, "max_bad", f"must be an integer >= 0, got {max_bad!r}")
+    positive_int(max_pixels, "max_pixels")
+    check(max_side >= 8, "max_side", f"must be >= 8 px, got {max_side}")
+    check(1 <= quality <= 95, "quality", f"must be in [1, 95] (JPEG), got {quality}")
+    check(chroma in ("4:2:0", "4:2:2", "4:4:4"), "chroma", f"must be 4:2:0, 4:2:2 or 4:4:4, got {chroma!r}")
+
+
+def _write_split(writer: ShardWriter, src: Source, encoded: Iterator[_Encoded], bar: Progress, seen: set[str],
+                 bad: list[dict[str, str]], max_bad: int, source: str) -> None:
+    """One split's encoded samples into ``writer``'s shards; an unreadable one is listed in ``bad`` (more
+    than ``max_bad``: refused), a key seen before is refused; on any error the unfinished shard is dropped."""
+    try:
+        for item in encoded:
+            bar.update()
+            if len(item) == 2:
+                bad.append({"file": src.origin(item[0]), "error": item[1]})
+                if len(bad) > max_bad:
+                    raise UserError(f"{len(bad)} unreadable source files, more than --max-bad "
+                                     f"{max_bad}; the last: {bad[-1]['file']}: {bad[-1]['error']}")
+                continue
+            sample, jpeg, w, h = item
+            if sample.key in seen:
+                raise UserError(f"{source}: duplicate sample key {sample.key!r}; keys must be unique")
+            seen.add(sample.key)
+            writer.add(sample.key, jpeg, sample.labels, w, h)
+        writer.finish_shard()
+    except BaseException as exc:
+        writer.abort(exc)  # drops an unfinished shard's spool file
+        raise
 
 
 def _meta(src: Source, name: str | None, splits: dict[str, SplitMeta], max_side: int, quality: int, seed: int,
