@@ -73,4 +73,4 @@ gpu-wheels: install
 # $HOME, token authentication on: the shape of a KubeRay or `ray up` cluster (needs root). Prints the
 # address and token; Ctrl-C stops it. tests/test_private_cluster.py checks the shape.
 private-cluster: install
-	$(VENV)/bin/python tests/private_cluster.py up
+	$(VENV)/bin/python tests/helpers/private_cluster.py up

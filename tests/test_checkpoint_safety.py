@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from checkpoint_helpers import complete_checkpoint
+from helpers.checkpoints import complete_checkpoint
 from vitscale.train import checkpoint as ckpt
 
 pytest.importorskip("deepspeed")

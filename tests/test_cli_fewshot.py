@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest_data import write_test_dataset
+from helpers.datasets import write_test_dataset
 from vitscale.cli import main
 from vitscale.data.tools.write import write_dataset
 from vitscale.models import create_model, export_npz, export_state_dict, timm_state_dict

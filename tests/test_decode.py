@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from conftest_data import tar_records
+from helpers.datasets import tar_records
 from vitscale.data.loader.decode import decode_image_into
 from vitscale.data.loader.reader import BadSample, parse_label, split_tar_record
 from vitscale.data.loader.transforms import (

@@ -1,6 +1,6 @@
 """The deployment configs (k8s/, cluster/, Dockerfile) agree with each other and with the pipelines they run.
 
-Nothing here talks to a cluster. The k8s/ checks read what `kubectl kustomize` renders (tests/k8s_render.py);
+Nothing here talks to a cluster. The k8s/ checks read what `kubectl kustomize` renders (tests/helpers/k8s_render.py);
 schema, operator and policy checks of the same output are in test_k8s_schemas.py and test_k8s_policy.py.
 Ray's own cluster-config schema checks cluster/*.yaml, and botocore's EC2 model the AWS node configs in it.
 """
@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from k8s_policy import DRAIN_ENV, PREEMPTION_GRACE_S, SPOT_LABELS, drain_seconds, on_spot
-from k8s_render import K8S, OVERLAYS, ROOT, one, render
+from helpers.k8s_policy import DRAIN_ENV, PREEMPTION_GRACE_S, SPOT_LABELS, drain_seconds, on_spot
+from helpers.k8s_render import K8S, OVERLAYS, ROOT, one, render
 from vitscale.config import PipelineConfig
 from vitscale.config.pipeline import ClusterConfig
 from vitscale.stages import load_pipeline

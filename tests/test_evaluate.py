@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest_data import write_test_dataset
+from helpers.datasets import write_test_dataset
 from vitscale.data.loader.stream import ErrorBudgetExceeded
 from vitscale.models import create_model
 from vitscale.train.evaluate import accuracy

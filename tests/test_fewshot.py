@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from sklearn.linear_model import Ridge
 from torch import nn
 
-from conftest_data import write_test_dataset
+from helpers.datasets import write_test_dataset
 from vitscale.eval.fewshot import (
     BIAS_CONSTANT,
     class_indices,

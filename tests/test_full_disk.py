@@ -25,7 +25,7 @@ import pytest
 import torch
 from PIL import Image
 
-from checkpoint_helpers import complete_checkpoint
+from helpers.checkpoints import complete_checkpoint
 from vitscale.cli import main
 from vitscale.data.storage.atomic import AppendOnly, atomic_path, write_atomic
 from vitscale.data.storage.space import free_bytes, is_no_space, size_text
@@ -356,7 +356,7 @@ def test_a_run_whose_disk_fills_stops_in_one_line_and_resumes_once_space_is_free
 
     import yaml
 
-    from ray_runs import kill_tree, start
+    from helpers.ray_runs import kill_tree, start
 
     disk = small_disk(64 * 2**20)
     raw = {"name": "full", "stages": ["pretrain"], "data": {"url": small_synthetic},
@@ -441,7 +441,7 @@ def _tiny_run(tmp_path: Path, disk: Path, small_synthetic: str, name: str) -> Pa
 
 
 def _vitscale_run(pipeline: Path, log: Path) -> tuple[int, str]:
-    from ray_runs import finished
+    from helpers.ray_runs import finished
 
     return finished(pipeline, log)
 

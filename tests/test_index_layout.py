@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest_data import write_test_dataset
+from helpers.datasets import write_test_dataset
 from vitscale.cli import main
 from vitscale.data.carve import Carve
 from vitscale.data.format import (

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from model_helpers import TINY
+from helpers.models import TINY
 from vitscale.cli import main
 from vitscale.data.tools.write import write_dataset
 from vitscale.inspect.analyses import (
@@ -303,7 +303,7 @@ def test_a_resnet_is_refused_in_one_line(images: str, tmp_path: Path, capsys: py
 
 
 def test_sample_images_are_the_first_readable_ones(tmp_path: Path) -> None:
-    from conftest_data import write_test_dataset
+    from helpers.datasets import write_test_dataset
     from vitscale.inspect.images import sample_images
 
     def corrupt(key: str, sample: dict[str, bytes]) -> dict[str, bytes]:

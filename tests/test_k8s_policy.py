@@ -1,4 +1,4 @@
-"""The policy suite (tests/k8s_policy.py) holds on every overlay, and each rule rejects a manifest
+"""The policy suite (tests/helpers/k8s_policy.py) holds on every overlay, and each rule rejects a manifest
 mutated to break it, the way a careless edit would."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from k8s_policy import DRAIN_ENV, violations
-from k8s_render import OVERLAYS, one, render
+from helpers.k8s_policy import DRAIN_ENV, violations
+from helpers.k8s_render import OVERLAYS, one, render
 
 Docs = list[dict[str, Any]]
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from k8s_render import OVERLAYS, base_cluster_template, one, render
-from k8s_schema import crd_problems, crd_source, kubernetes_problems
-from kuberay_rules import MAX_RAYJOB_NAME, operator_problems
+from helpers.k8s_render import OVERLAYS, base_cluster_template, one, render
+from helpers.k8s_schema import crd_problems, crd_source, kubernetes_problems
+from helpers.kuberay_rules import MAX_RAYJOB_NAME, operator_problems
 
 
 def all_problems(doc: dict[str, Any]) -> list[str]:

@@ -252,7 +252,7 @@ def test_two_vitscale_runs_on_one_run_name_the_second_refuses_and_a_killed_first
         tmp_path: Path, small_synthetic: str) -> None:
     """Two real `vitscale run` processes: the second is refused in one line naming the first, which is
     then SIGKILLed with its whole Ray; the run is free again at once."""
-    from ray_runs import VITSCALE, kill_tree, start
+    from helpers.ray_runs import VITSCALE, kill_tree, start
 
     pipeline = _pipeline(tmp_path, small_synthetic)
     raw = yaml.safe_load(pipeline.read_text())

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from model_helpers import TINY, X32, randomize
+from helpers.models import TINY, X32, randomize
 from vitscale.models import create_model, model_meta, model_names, parse_model_name
 from vitscale.models.layers import Attention
 from vitscale.models.resnet import StdConv2d, same_pad_amounts

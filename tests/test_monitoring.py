@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from prometheus_server import PrometheusServer, ensure_prometheus, free_port
+from helpers.prometheus_server import PrometheusServer, ensure_prometheus, free_port
 
 MONITORING = Path(__file__).resolve().parents[1] / "k8s" / "monitoring"
 #: What Grafana puts in place of the dashboard's variables when every run and rank is picked.

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import yaml
 
-from ray_runs import kill_tree, start
+from helpers.ray_runs import kill_tree, start
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest_data import write_test_dataset
+from helpers.datasets import write_test_dataset
 from vitscale.cli import main
 from vitscale.data.loader.stream import ShardStream
 

@@ -1,4 +1,4 @@
-"""vitscale on a cluster of nodes with private disks (tests/private_cluster.py), one cluster for the file.
+"""vitscale on a cluster of nodes with private disks (tests/helpers/private_cluster.py), one cluster for the file.
 
 First the cluster's shape: each node's /tmp and $HOME are its own; object storage (moto on loopback)
 is the only thing nodes share; a node can be SIGKILLed whole and come back with an empty disk; token
@@ -22,7 +22,7 @@ import pytest
 import torch
 import yaml
 
-from private_cluster import RAY, PrivateCluster
+from helpers.private_cluster import RAY, PrivateCluster
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ PROBE = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def cluster(moto_s3: str, tmp_path_factory: pytest.TempPathFactory):
-    from private_cluster import skip_reason
+    from helpers.private_cluster import skip_reason
 
     reason = skip_reason()
     if reason:
@@ -345,7 +345,7 @@ def _sweep(bucket: str) -> dict:
 
 def _node_running(cluster: PrivateCluster, process_name: str) -> str | None:
     """The worker node one of whose processes is named `process_name` (a Ray actor's title)."""
-    from private_cluster import _session_members
+    from helpers.private_cluster import _session_members
 
     for name, node in cluster.nodes.items():
         if name != "head" and node.alive:

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 
-from gloo_ranks import launch_ranks
+from helpers.gloo_ranks import launch_ranks
 
 STAGES = (0, 1, 2, 3)
 CASES = [(0, "fp32", False), (1, "fp32", False), (2, "fp32", False), (3, "fp32", False),
@@ -55,7 +55,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _engine(stage: int, precision: str, offload: bool, world: int, seed: int) -> Any:
-    from model_helpers import randomize
+    from helpers.models import randomize
     from vitscale.models.factory import create_model
     from vitscale.train.batch import derive_batch
     from vitscale.train.config import TrainConfig
@@ -298,7 +298,7 @@ def test_the_conversion_loads_only_plain_data(tmp_path: Path) -> None:
 
 
 def test_a_complete_checkpoint_of_another_world_size_can_be_accepted(tmp_path: Path) -> None:
-    from checkpoint_helpers import complete_checkpoint
+    from helpers.checkpoints import complete_checkpoint
     from vitscale.train import checkpoint as ckpt
 
     directory = complete_checkpoint(tmp_path / "checkpoint_000000002", 2, world_size=2)

@@ -17,7 +17,7 @@ import pyarrow.fs
 import pytest
 import ray.train
 
-from checkpoint_helpers import complete_checkpoint
+from helpers.checkpoints import complete_checkpoint
 from vitscale.data.storage import open_storage
 from vitscale.launch import ray_train
 from vitscale.train import checkpoint as ckpt

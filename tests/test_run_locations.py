@@ -223,7 +223,7 @@ def test_a_second_spelling_of_a_held_run_is_refused_by_its_lease(tmp_path: Path,
 
 def test_a_runs_finetuning_is_found_inside_it_and_in_the_older_sibling_layout(moto_s3: str, tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from checkpoint_helpers import complete_checkpoint
+    from helpers.checkpoints import complete_checkpoint
     from vitscale.train.export import find_checkpoint
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3)
@@ -239,7 +239,7 @@ def test_a_runs_finetuning_is_found_inside_it_and_in_the_older_sibling_layout(mo
 
 
 def test_resuming_a_finetuning_of_the_older_layout_is_refused_naming_the_new_place(tmp_path: Path) -> None:
-    from checkpoint_helpers import complete_checkpoint
+    from helpers.checkpoints import complete_checkpoint
     from vitscale.stages import build_pipeline
     from vitscale.stages.finetune import refuse_sibling_finetune
 
@@ -287,7 +287,7 @@ def test_two_teams_runs_of_one_name_stay_in_their_own_buckets(moto_s3: str, smal
     """Team A pre-trains and fine-tunes `exp1` in its bucket, then team B pre-trains its own `exp1` on the same
     machine. Each bucket holds its own run only, all of it inside `runs/exp1/` (the fine-tuning too), and
     team B's run changes nothing in team A's bucket."""
-    from ray_runs import run
+    from helpers.ray_runs import run
     from vitscale.data.tools.write import write_dataset
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3)  # the drivers and, through them, their workers

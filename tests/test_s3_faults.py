@@ -1,4 +1,4 @@
-"""Object storage faults, injected by a proxy in front of moto's S3 server (tests/s3_faults.py): 503
+"""Object storage faults, injected by a proxy in front of moto's S3 server (tests/helpers/s3_faults.py): 503
 SlowDown, 500, connections dropped or reset mid-body, a slow server. Shard reads and checkpoint uploads
 either succeed after bounded retries with backoff or stop in one line naming the URL and the last
 error; a checkpoint whose upload failed is never complete."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from s3_faults import FaultProxy
+from helpers.s3_faults import FaultProxy
 from vitscale.cli import main
 from vitscale.data.format import read_index
 from vitscale.data.loader.stream import ShardStream

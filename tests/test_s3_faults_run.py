@@ -1,4 +1,4 @@
-"""A real `vitscale run` whose run storage is moto behind the fault proxy (tests/s3_faults.py): its lease,
+"""A real `vitscale run` whose run storage is moto behind the fault proxy (tests/helpers/s3_faults.py): its lease,
 checkpoint uploads (pyarrow through `data/storage/filesystem.py`'s retry strategy) and records meet 503s,
 500s and dropped connections, and the run still ends with complete checkpoints in the bucket."""
 
@@ -11,7 +11,7 @@ import boto3
 import pytest
 import yaml
 
-from s3_faults import FaultProxy
+from helpers.s3_faults import FaultProxy
 from vitscale.data.storage.lease import LEASE_NAME
 from vitscale.train import checkpoint as ckpt
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 def test_a_run_on_flaky_object_storage_ends_with_complete_checkpoints(tmp_path: Path, moto_s3: str,
                                                                        small_synthetic: str,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from ray_runs import run
+    from helpers.ray_runs import run
 
     bucket = f"flakyrun-{uuid.uuid4().hex[:10]}"
     s3 = boto3.client("s3", endpoint_url=moto_s3)

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from conftest_data import tar_records
+from helpers.datasets import tar_records
 from vitscale.data.loader.sample import decode_sample
 from vitscale.data.loader.tar import BadSample, split_tar_record
 from vitscale.data.loader.transforms import TransformSpec, sample_rng

@@ -3,7 +3,7 @@ retried within the retry budget (`$VITSCALE_S3_RETRY_S`), one classification for
 (data/storage/retry.py); a failed upload is reported as itself, never as the cleanup that followed it;
 a write that fails removes a destination folder it created; `shards index` keeps splits apart.
 
-Real parts throughout: moto's S3 server behind the fault proxy (tests/s3_faults.py), real files."""
+Real parts throughout: moto's S3 server behind the fault proxy (tests/helpers/s3_faults.py), real files."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from s3_faults import FaultProxy
+from helpers.s3_faults import FaultProxy
 from vitscale.cli import main
 from vitscale.config.errors import UserError
 from vitscale.data.format import read_index, read_meta

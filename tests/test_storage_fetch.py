@@ -8,7 +8,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from checkpoint_helpers import complete_checkpoint
+from helpers.checkpoints import complete_checkpoint
 from vitscale.data.storage import open_storage
 from vitscale.data.storage.fetch import local_copy, subfolders
 from vitscale.train.export import find_checkpoint

@@ -1,6 +1,6 @@
 """Storage against a real S3-protocol server (moto's standalone server on loopback).
 
-Faults are injected by a loopback HTTP proxy in front of moto (tests/s3_faults.py) that answers a
+Faults are injected by a loopback HTTP proxy in front of moto (tests/helpers/s3_faults.py) that answers a
 fraction of requests with 500/503, drops the connection without answering, or cuts a response body
 short, so the real botocore/urllib3 error paths and our retry layer are exercised end to end.
 """
@@ -15,7 +15,7 @@ import uuid
 import boto3
 import pytest
 
-from s3_faults import FaultProxy
+from helpers.s3_faults import FaultProxy
 from vitscale.data.format import read_index, read_meta
 from vitscale.data.storage import RetryPolicy, S3Storage, StorageError, open_storage
 from vitscale.data.tools.scan import iter_shard

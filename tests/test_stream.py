@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest_data import write_test_dataset
+from helpers.datasets import write_test_dataset
 from vitscale.data.format import DatasetError
 from vitscale.data.loader.stream import ErrorBudgetExceeded, ShardStream
 from vitscale.data.order import rank_keys

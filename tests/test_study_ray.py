@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ray_runs import RUN_TIMEOUT_S, VITSCALE, kill_tree, run, start
+from helpers.ray_runs import RUN_TIMEOUT_S, VITSCALE, kill_tree, run, start
 from vitscale.data.tools.write import write_dataset
 
 pytestmark = pytest.mark.slow

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import yaml
 
-from ray_runs import RUN_TIMEOUT_S, kill_tree, run, start
+from helpers.ray_runs import RUN_TIMEOUT_S, kill_tree, run, start
 from vitscale.config.loader import merge
 from vitscale.data.tools.write import write_dataset
 

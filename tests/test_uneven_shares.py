@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 
-from gloo_ranks import launch_ranks
+from helpers.gloo_ranks import launch_ranks
 
 GLOBAL_BATCH = 16
 MICRO_BATCH = 4

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from model_helpers import TINY, X32
-from model_helpers import randomize as _randomize
+from helpers.models import TINY, X32
+from helpers.models import randomize as _randomize
 from vitscale.models import (
     create_from_weights,
     create_model,

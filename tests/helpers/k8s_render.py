@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 #: overlay (relative to k8s/overlays) -> (the RayJob it runs, its pipeline file, runs on GPUs)
 OVERLAYS = {

@@ -3,7 +3,7 @@
 * Kubernetes' own kinds, and the pod templates inside KubeRay's objects, against the Kubernetes OpenAPI
   schemas that the kubernetes-validate package ships (strict: unknown fields are errors).
 * RayCluster and RayJob against KubeRay v1.7.0's CRD schemas, trimmed to the fields vitscale uses
-  (tests/kuberay/schema-v1.7.0.json, written by tests/kuberay/trim_crd.py, which says where they came
+  (tests/helpers/kuberay/schema-v1.7.0.json, written by tests/helpers/kuberay/trim_crd.py, which says where they came
   from). Unknown fields are errors too, and the message tells a field KubeRay does not have from one it
   has that the trimmed copy left out.
 """
@@ -44,7 +44,7 @@ def _unknown_fields(schema: dict[str, Any], value: Any, path: str) -> list[str]:
                 problems += _unknown_fields(schema["properties"][key], sub, f"{path}.{key}")
             elif key in schema.get("x-crd-properties", ()):
                 problems.append(f"{path}.{key}: in KubeRay's CRD but not in the trimmed schema: "
-                                "regenerate it with tests/kuberay/trim_crd.py")
+                                "regenerate it with tests/helpers/kuberay/trim_crd.py")
             else:
                 problems.append(f'{path}: unknown field "{key}"')
     elif isinstance(value, dict) and isinstance(schema.get("additionalProperties"), dict):
@@ -89,7 +89,7 @@ def kubernetes_problems(doc: dict[str, Any]) -> list[str]:
     """A Kubernetes object against the Kubernetes schemas (strict); RayCluster/RayJob: their pod templates."""
     import kubernetes_validate
 
-    from k8s_render import pod_templates
+    from helpers.k8s_render import pod_templates
 
     where = f"{doc['kind']}/{doc['metadata']['name']}"
     if doc.get("apiVersion") == "ray.io/v1":

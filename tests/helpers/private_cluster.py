@@ -17,7 +17,7 @@ on a node's disk:
 Object storage is not started here (tests use the `moto_s3` fixture, a moto server on loopback).
 Requires root and `unshare`; `skip_reason()` says why a machine cannot build it.
 
-    python tests/private_cluster.py up [--workers 2] [--cpus 2]    # prints the addresses, Ctrl-C stops it
+    python tests/helpers/private_cluster.py up [--workers 2] [--cpus 2]    # prints the addresses, Ctrl-C stops it
 """
 
 from __future__ import annotations

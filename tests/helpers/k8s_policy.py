@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from k8s_render import cluster_specs, pod_templates
+from helpers.k8s_render import cluster_specs, pod_templates
 
 GPU = "nvidia.com/gpu"
 RAY_CONTROL_PORTS = {8265, 6379, 10001}  # dashboard + job API, GCS, Ray client: code execution on the cluster

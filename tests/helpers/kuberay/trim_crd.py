@@ -1,11 +1,11 @@
-"""Writes tests/kuberay/schema-v1.7.0.json: KubeRay's CRD schemas cut down to the fields vitscale uses.
+"""Writes tests/helpers/kuberay/schema-v1.7.0.json: KubeRay's CRD schemas cut down to the fields vitscale uses.
 
 Not run by the tests (they read the JSON it wrote); run it again when k8s/ starts using a field the
 trimmed schema lacks (the tests say so), with the CRDs read from the ray-project/kuberay repository:
 
     git --git-dir=KUBERAY/.git show v1.7.0:ray-operator/config/crd/bases/ray.io_rayjobs.yaml > rayjobs.yaml
     git --git-dir=KUBERAY/.git show v1.7.0:ray-operator/config/crd/bases/ray.io_rayclusters.yaml > rayclusters.yaml
-    .venv/bin/python tests/kuberay/trim_crd.py rayclusters.yaml rayjobs.yaml
+    .venv/bin/python tests/helpers/kuberay/trim_crd.py rayclusters.yaml rayjobs.yaml
 
 Trimming keeps, for every object the manifests reach, the CRD's full definition of each field they set
 (type, enum, pattern, bounds, required, nested the same way), and the names of all the fields the CRD
@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 OUT = Path(__file__).with_name("schema-v1.7.0.json")
 SOURCE = {
     "repository": "github.com/ray-project/kuberay",
@@ -31,12 +31,12 @@ SOURCE = {
     "commit": "59d663aeec13760646da3db9c1cf8cfe883e30b7",
     "paths": ["ray-operator/config/crd/bases/ray.io_rayclusters.yaml",
               "ray-operator/config/crd/bases/ray.io_rayjobs.yaml"],
-    "note": "identical to helm-chart/kuberay-operator/crds/ at that tag; trimmed by tests/kuberay/trim_crd.py",
+    "note": "identical to helm-chart/kuberay-operator/crds/ at that tag; trimmed by tests/helpers/kuberay/trim_crd.py",
 }
 
 
 #: Fields kept although vitscale does not set them: the ones the operator's cross-field rules
-#: (tests/kuberay_rules.py) are about, so that those rules can be proven on schema-valid objects.
+#: (tests/helpers/kuberay_rules.py) are about, so that those rules can be proven on schema-valid objects.
 ALWAYS_KEEP = {"spec.suspend", "spec.clusterSelector", "spec.activeDeadlineSeconds", "spec.submitterConfig",
                "spec.rayClusterSpec.authOptions.enableK8sTokenAuth", "spec.authOptions.enableK8sTokenAuth"}
 
