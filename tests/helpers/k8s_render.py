@@ -1,18 +1,19 @@
 """What `kubectl apply -k` would send: every kustomization under k8s/ rendered by kubectl's own kustomize.
 
-kubectl (with its built-in kustomize) is required: the manifests are never rendered by an imitation.
+kubectl (with its built-in kustomize) is required: the manifests are never rendered by an imitation. Where it
+is missing and this user cannot install it, the tests that render skip and say so (helpers/tools.py).
 """
 
 from __future__ import annotations
 
 import functools
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
+
+from helpers.tools import need_tools
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
@@ -27,10 +28,8 @@ OVERLAYS = {
 
 
 def kubectl() -> str:
-    found = shutil.which("kubectl")
-    if found is None:
-        pytest.fail("kubectl is needed to render k8s/ (its built-in kustomize): install it, e.g. apt-get install kubectl")
-    return found
+    """kubectl (its built-in kustomize renders k8s/): installed where this user may, else the test skips."""
+    return need_tools("kubectl", "kubectl")[0]
 
 
 @functools.cache

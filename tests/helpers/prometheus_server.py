@@ -1,14 +1,13 @@
 """A real Prometheus server (Debian's `prometheus` package) on loopback, for tests, and promtool.
 
-`ensure_prometheus()` installs the package when it is missing (apt-get update once, then
-apt-get install -y prometheus: what `make install-test-tools` does), so a fresh machine runs the
-monitoring tests instead of skipping them.
+`ensure_prometheus()` installs the package when it is missing and this user may (root or passwordless
+sudo: what `make install-test-tools` does), so a fresh machine runs the monitoring tests; without
+either, the test skips and says why (helpers/tools.py).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import subprocess
 import time
@@ -19,15 +18,14 @@ from typing import Any
 
 import yaml
 
+from helpers.tools import need_tools
+
 
 def ensure_prometheus() -> tuple[str, str]:
-    """(prometheus, promtool) executables, installing Debian's package if they are not on PATH."""
-    if shutil.which("prometheus") is None or shutil.which("promtool") is None:
-        for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "prometheus"]):
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed (run `make install-test-tools` as root):\n{done.stderr[-2000:]}")
-    return shutil.which("prometheus"), shutil.which("promtool")  # type: ignore[return-value]
+    """(prometheus, promtool) executables, installing Debian's package if they are not on PATH and this
+    user may; the calling test skips with the reason where not (helpers/tools.py)."""
+    prometheus, promtool = need_tools("prometheus", "prometheus", "promtool")
+    return prometheus, promtool
 
 
 def free_port() -> int:
