@@ -177,3 +177,29 @@ def test_every_module_is_in_the_architecture_docs() -> None:
     missing = [path.relative_to(PACKAGE).as_posix() for _, path in modules()
                if path.relative_to(PACKAGE).as_posix() not in listed]
     assert not missing, f"add these to docs/architecture.md's module table: {missing}"
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_every_module_is_in_the_map_of_the_tests() -> None:
+    """tests/README.md maps each module of the package to its tests, and names only files that exist: a
+    newcomer finds the tests of a module, and every test file and helper, from one page."""
+    text = (TESTS / "README.md").read_text()
+    section = text.split("## Module to tests", 1)[1].split("\n## ", 1)[0]
+    mapped = set(re.findall(r"^\| `([\w/]+\.py)` \|", section, re.M))
+    missing = [path.relative_to(PACKAGE).as_posix() for _, path in modules()
+               if path.relative_to(PACKAGE).as_posix() not in mapped]
+    assert not missing, f"add these to tests/README.md's module map: {missing}"
+    stale = sorted(m for m in mapped if not (PACKAGE / m).is_file())
+    assert not stale, f"tests/README.md maps modules that do not exist: {stale}"
+    named = set(re.findall(r"\b(test_\w+\.py)\b", text))
+    gone = sorted(n for n in named if not (TESTS / n).is_file())
+    assert not gone, f"tests/README.md names test files that do not exist: {gone}"
+    unnamed = sorted(p.name for p in TESTS.glob("test_*.py") if p.name not in named)
+    assert not unnamed, f"test files tests/README.md does not name: {unnamed}"
+    helpers = set(re.findall(r"`helpers/([\w/.-]+)`", text))
+    gone = sorted(h for h in helpers if not (TESTS / "helpers" / h).exists())
+    assert not gone, f"tests/README.md names helpers that do not exist: {gone}"
+    unlisted = sorted(p.name for p in (TESTS / "helpers").glob("*.py") if p.name != "__init__.py" and p.name not in helpers)
+    assert not unlisted, f"helpers tests/README.md does not list: {unlisted}"
