@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 
-from gloo_ranks import launch_ranks
+from helpers.gloo_ranks import launch_ranks
 
 STEPS = 4
 TOLERANCE = 2e-5
