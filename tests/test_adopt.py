@@ -118,7 +118,46 @@ def test_index_on_s3(tmp_path, moto_s3):
 def test_bad_label_member_is_one_line(tmp_path, capsys):
     root = _tars(tmp_path / "wds", shards=1)
     assert main(["shards", "index", str(root), "--label-member", "xml"]) == 2
-    assert capsys.readouterr().err.strip() == "vitscale: error: --label-member must be cls, txt or json:KEY, got 'xml'"
+    assert capsys.readouterr().err.strip() == ("vitscale: error: --label-member must be cls, txt, json:KEY or none "
+                                               "(images alone), got 'xml'")
+
+
+def _image_tars(root: Path, shards: int = 2, per: int = 5, labelled_from: int | None = None) -> Path:
+    """Tars of images alone (no .cls/.txt/.json member), as a crawl of unlabelled images writes them; from
+    shard `labelled_from` on, with .cls members too."""
+    root.mkdir(parents=True, exist_ok=True)
+    for s in range(shards):
+        with wds.TarWriter(str(root / f"train-{s:06d}.tar")) as tw:
+            for i in range(per):
+                sample = {"__key__": f"{s}-{i:04d}", "jpg": _image(s * per + i, "JPEG")}
+                if labelled_from is not None and s >= labelled_from:
+                    sample["cls"] = b"1"
+                tw.write(sample)
+    return root
+
+
+def test_tars_without_label_members_index_as_images_without_labels(tmp_path, capsys):
+    root = _image_tars(tmp_path / "crawl")
+    assert main(["shards", "index", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "no sample has a label member" in out and "masked_patch" in out
+    meta = json.loads((root / "dataset.json").read_text())
+    assert (meta["num_classes"], meta["classes"], meta["label_member"], meta["bad_samples"]) == (0, [], "none", [])
+    assert meta["splits"]["train"]["samples"] == 10 and verify_dataset(str(root)) == []
+    stream = ShardStream(str(root), batch_size=5, resolution=16, train=False, error_budget=0.0)
+    assert sum(int(b["valid"].sum()) for b in stream) == 10 and stream.skipped() == {}
+
+
+def test_label_member_none_ignores_labels_and_cls_requires_them(tmp_path):
+    root = _image_tars(tmp_path / "mixed", labelled_from=1)  # the first tar has none: the default is images alone
+    meta = index_shards(str(root), out=str(tmp_path / "default"), progress=False)
+    assert meta["num_classes"] == 0 and meta["splits"]["train"]["samples"] == 10
+    labelled = _tars(tmp_path / "wds", shards=1)
+    meta = index_shards(str(labelled), out=str(tmp_path / "none"), label_member="none", progress=False)
+    assert meta["num_classes"] == 0 and meta["splits"]["train"]["samples"] == 4  # labels there, not read
+    with pytest.raises(Exception, match="no sample with an image and a .cls label"):
+        index_shards(str(_image_tars(tmp_path / "crawl")), out=str(tmp_path / "cls"), label_member="cls",
+                     max_bad=None, progress=False)
 
 
 def _flip_a_pixel_byte(tar: Path, key: str) -> None:

@@ -103,7 +103,9 @@ def _shards_index_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default=None,
                    help="put every tar into this split (default: the split each tar's name says, "
                         "{split}-NNNNNN.tar, else train)")
-    p.add_argument("--label-member", default="cls", help="cls (class id), txt (class name) or json:KEY (default: cls)")
+    p.add_argument("--label-member", default=None,
+                   help="cls (class id), txt (class name), json:KEY, or none (images alone, for masked patch "
+                        "pre-training); default: cls, or none when the first tar has no label member at all")
     p.add_argument("--classes", default=None, help="file of class names, one per line, in index order")
     p.add_argument("--no-checksums", action="store_true",
                    help="read headers only: no crc32 per sample (saves one read of every shard; reads go unchecked)")

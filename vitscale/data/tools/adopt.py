@@ -10,7 +10,10 @@ walks each tar's headers and writes ``_index.parquet`` (one row per sample: its 
 - the label comes from ``--label-member``: ``cls`` (an integer class id, the default), ``txt``
   (a class name) or ``json:KEY`` (an integer, a name or a list of either under ``KEY``); names
   map to indices by ``--classes FILE`` (one name per line) or, without it, in sorted order. Labels
-  other than ``cls`` are read from the index when training (``label_source: index``).
+  other than ``cls`` are read from the index when training (``label_source: index``); ``none``: images
+  alone (``num_classes`` 0, for masked patch pre-training). Left unset, it is ``cls``, unless not one
+  sample of the first tar has a label member (``.cls``, ``.txt`` or ``.json``): then the tars are images
+  without labels, and the index says so in one line.
 
 Checksums cost one sequential read of every shard. ``--no-checksums`` skips it (headers only: the
 walk seeks over member data, so an ``s3://`` shard is not downloaded); such samples are then read
@@ -61,6 +64,7 @@ from vitscale.data.loader.sample import IMAGE_MEMBERS
 from vitscale.data.storage import Storage, StorageError, open_storage
 from vitscale.data.storage.space import free_bytes, is_no_space, size_text
 from vitscale.data.tools.progress import Progress
+from vitscale.say import say
 
 __all__ = ["expand_braces", "index_shards", "split_url"]
 
@@ -200,9 +204,11 @@ class _Labels:
 
     def __init__(self, member: str, classes: list[str] | None) -> None:
         kind, _, self.json_key = member.partition(":")
-        if kind not in ("cls", "txt", "json") or (kind == "json") != bool(self.json_key):
-            raise UserError(f"--label-member must be cls, txt or json:KEY, got {member!r}")
-        self.kind, self.fixed = kind, classes is not None
+        if kind not in ("cls", "txt", "json", "none") or (kind == "json") != bool(self.json_key):
+            raise UserError(f"--label-member must be cls, txt, json:KEY or none (images alone), got {member!r}")
+        if kind == "none" and classes is not None:
+            raise UserError("--classes names classes, but --label-member none indexes images without labels")
+        self.member, self.kind, self.fixed = member, kind, classes is not None
         self.names: dict[str, int] = {c: i for i, c in enumerate(classes or [])}
 
     @property
@@ -246,7 +252,7 @@ def shard_splits(names: list[str], split: str | None, where: str) -> dict[str, s
     return dict.fromkeys(names, split)
 
 
-def index_shards(url: str, *, out: str | None = None, split: str | None = None, label_member: str = "cls",
+def index_shards(url: str, *, out: str | None = None, split: str | None = None, label_member: str | None = None,
                  classes_file: str | None = None, endpoint_url: str | None = None,
                  checksums: bool = True, num_classes: int | None = None, max_bad: int | None = 100,
                  progress: bool = True) -> dict[str, Any]:
@@ -254,6 +260,7 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
 
     Each tar belongs to the split its name says (``test-000000.tar``: ``test``), else to ``train``;
     ``split`` puts them all into that one (refused when their names say several: :func:`shard_splits`).
+    ``label_member`` None: ``cls``, or ``none`` when the first tar has no label member at all.
     ``num_classes`` bounds the class ids (else the ``--classes`` file's length, else
     ``labels.MAX_CLASSES``); more than ``max_bad`` bad samples (None: no limit) stop the index
     with one line naming the last one.
@@ -276,7 +283,6 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
     split_of = shard_splits(names, split, shards.url)
     classes = _read_classes(classes_file, num_classes) if classes_file else None
     bound = num_classes if num_classes is not None else (len(classes) if classes is not None else None)
-    labels = _Labels(label_member, classes)
     rows: list[dict[str, Any]] = []
     bad: list[dict[str, str]] = []
     entries: list[tuple[str, int]] = []
@@ -285,6 +291,7 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
         bad.append({"shard": shard, "key": key, "error": why})
         _check_bad(bad, max_bad, shards)
 
+    labels: _Labels | None = None if label_member is None else _Labels(label_member, classes)
     bar = Progress(len(names), f"index {shards.url}", unit="shard", enabled=progress)  # a line per shard read
     for shard in names:
         try:
@@ -292,6 +299,8 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
             crcs = _checksums(shards, shard, [(o, n) for _, o, n, _ in found]) if checksums else [-1] * len(found)
         except (tarfile.TarError, OSError) as exc:
             raise DatasetError(f"{shards.url_of(shard)} is not a readable tar: {exc}") from exc
+        if labels is None:  # the default: decided by the first tar
+            labels = _Labels(_member_of(found, shards.url_of(shard), progress), classes)
         for entry in damaged:
             reject(entry["shard"], entry["key"], entry["error"])
         kept = _shard_rows(shard, split_of[shard], found, crcs, labels, bound, reject)
@@ -299,21 +308,31 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
         entries.append((shard, len(kept)))
         bar.update()
     bar.close()
-    if not rows:
-        raise DatasetError(f"no sample with an image and a .{labels.ext} label in {len(names)} shard(s) "
-                           f"under {shards.url}")
-    class_names = _finish_labels(rows, classes, num_classes)
+    if labels is None or not rows:
+        what = "an image" if labels is None or labels.kind == "none" else f"an image and a .{labels.ext} label"
+        raise DatasetError(f"no sample with {what} in {len(names)} shard(s) under {shards.url}")
+    class_names = [] if labels.kind == "none" else _finish_labels(rows, classes, num_classes)
     splits = {name: _split_meta(name, entries, split_of, sizes) for name in dict.fromkeys(split_of.values())}
     meta = DatasetMeta(
         name=posixpath.basename(shards.url.rstrip("/")) or "dataset", classes=tuple(class_names),
-        num_classes=len(class_names), multi_label=any(len(r["labels"]) != 1 for r in rows),
+        num_classes=len(class_names), multi_label=bool(class_names) and any(len(r["labels"]) != 1 for r in rows),
         splits=splits,
-        extra={"source": f"shards index {url}", "label_member": label_member, "format": 1, "bad_samples": bad,
-               **({LABEL_SOURCE: "index"} if labels.kind != "cls" else {}),
+        extra={"source": f"shards index {url}", "label_member": labels.member, "format": 1, "bad_samples": bad,
+               **({LABEL_SOURCE: "index"} if labels.kind in ("txt", "json") else {}),
                **({SHARD_ROOT: shards.url} if dest is not shards else {})},
     )
     _write(dest, rows, meta)
     return meta.to_json()
+
+
+def _member_of(found: list[tuple[str, int, int, dict[str, bytes | None]]], where: str, announce: bool) -> str:
+    """The default ``--label-member``: ``cls``, unless no sample of the first tar (`found`) has a label member."""
+    if found and not any(ext in members for _, _, _, members in found for ext in _LABEL_EXTS):
+        if announce:
+            say(f"{where}: no sample has a label member (.cls, .txt or .json): indexing images without labels "
+                "(num_classes 0, for train.objective: masked_patch; --label-member cls to require labels)")
+        return "none"
+    return "cls"
 
 
 def _read_classes(classes_file: str, num_classes: int | None) -> list[str]:
@@ -333,6 +352,10 @@ def _shard_rows(shard: str, split: str, found: list[tuple[str, int, int, dict[st
         label = members.get(labels.ext)
         if not any(ext in members for ext in IMAGE_MEMBERS):
             reject(shard, key, f"no image member ({', '.join(IMAGE_MEMBERS)}) among {sorted(members)[:10]}")
+            continue
+        if labels.kind == "none":  # images alone: any label member is ignored
+            rows.append({"split": split, "shard": shard, "key": key, "labels": [], "offset": offset,
+                         "size": size, "crc32": crc})
             continue
         if label is None:
             reject(shard, key, f"no readable .{labels.ext} label member")
