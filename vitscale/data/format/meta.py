@@ -195,6 +195,8 @@ class DatasetMeta:
             raise DatasetError(f"{where} is malformed: {exc!r}") from exc
         if meta.num_classes < 0:
             raise DatasetError(f"{where}: num_classes must be >= 0 (0: images without labels)")
+        if meta.num_classes == 0 and meta.classes:
+            raise DatasetError(f"{where}: num_classes 0 (images without labels) but classes names {len(meta.classes)}")
         return meta
 
 
