@@ -1,9 +1,9 @@
 """An elastic run for real: Ray Train on a local Ray of worker nodes, `cluster.num_workers: [2, 4]`.
 
-Four CPU workers start on two nodes of 2 CPUs; mid-epoch one node is removed (its 2 workers die and
+Four CPU workers start on two nodes of 2 CPUs; mid-epoch one node is SIGKILLed (its 2 workers die and
 their resources go with it): Ray Train restarts the run on the 2 left, from the latest checkpoint,
-resharded from 4 to 2 workers. The node is added back and the run grows to 4 again (resharded from 2
-to 4). At the end: each step's samples are those of an uninterrupted 4-worker run (so every sample of
+resharded from 4 to 2 workers, its first step within `LOSS_TO_STEP_LIMIT_S` of the loss. The node is
+added back and the run grows to 4 again (resharded from 2 to 4). At the end: each step's samples are those of an uninterrupted 4-worker run (so every sample of
 each epoch is consumed exactly once), the global batch never changed, and the final weights equal
 the uninterrupted run's within float reduction error.
 
@@ -40,6 +40,11 @@ pytestmark = [pytest.mark.slow,
 GLOBAL_BATCH, STEPS, LR, WIDTH = 14, 24, 1e-3, 32
 """14 does not divide over 4 workers (shares of 3 and 4, loss-weighted) and does over 2 (7 each): a
 resize moves between uneven and even shares, and the run must still match the uninterrupted one."""
+
+LOSS_TO_STEP_LIMIT_S = 45.0
+"""A node SIGKILLed -> the first step at 2 workers: the target is 30 s (docs/elastic.md, "A lost node"; about
+27 s measured), with margin for a loaded 2-core machine. Before launch/node_loss.py it was 76 s: a group of
+4 tried first from a stale view, waiting out Ray Train's 60 s start timeout."""
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +105,16 @@ def surviving_steps(run_dir: Path) -> dict[int, tuple[int, list[str]]]:
     return out
 
 
+def seconds_to_step(run_dir: Path, since: float, world: int) -> float:
+    """Seconds from `since` (Unix time) to the end of the first step rank 0 made at `world` workers after it."""
+    from vitscale.train.restarts import read_rows
+
+    ends = [float(r["time"]) for r in read_rows(run_dir / "metrics" / "rank0.jsonl")  # type: ignore[arg-type]
+            if r.get("world_size") == world and float(r["time"]) > since]  # type: ignore[arg-type]
+    assert ends, f"no step at {world} workers after the loss"
+    return min(ends) - since
+
+
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     from vitscale.train.export import find_checkpoint, model_from_checkpoint
 
@@ -138,7 +153,10 @@ def test_a_run_that_shrinks_and_grows_matches_the_uninterrupted_one(nodes, datas
                       if (p / "MANIFEST-rank0.json").exists())
 
     wait_for("step 4 at 4 workers", lambda: any(s >= 4 for s in checkpoints()))
-    cluster.remove_node(workers[1])  # two workers and their CPUs gone: the run goes on with 2
+    lost_at = time.time()
+    # SIGKILL, as a crashed or cut-off machine: no goodbye to the GCS, which learns of the loss only when its
+    # health checks fail (a graceful removal tells it at once, and hid the stale view this run once paid for).
+    cluster.remove_node(workers[1], allow_graceful=False)  # two workers and their CPUs gone: the run goes on with 2
     wait_for("a checkpoint at 2 workers",
              lambda: any(json.loads((run_dir / f"checkpoint_{s:09d}" / "train_state.json").read_text())
                          ["world_size"] == 2 for s in checkpoints()))
@@ -154,6 +172,11 @@ def test_a_run_that_shrinks_and_grows_matches_the_uninterrupted_one(nodes, datas
     assert sorted(steps) == list(range(1, STEPS + 1))
     worlds = [w for _, (w, _) in sorted(steps.items())]
     assert 2 in worlds and worlds[-1] == 4, (worlds, log[-3000:])  # it shrank, and grew back
+    # The restart after the loss starts at the size the live nodes hold (2), not at a stale 4 whose placement
+    # would wait out Ray Train's worker-group start timeout (docs/elastic.md, "A lost node").
+    recovered = seconds_to_step(run_dir, lost_at, world=2)
+    print(f"\nnode lost -> first step at 2 workers: {recovered:.1f} s (ZeRO {zero})")
+    assert recovered <= LOSS_TO_STEP_LIMIT_S, (recovered, log[-3000:])
     assert all(len(keys) == GLOBAL_BATCH for _, keys in steps.values())  # the global batch never changed
 
     # The uninterrupted 4-worker run, on the same nodes. A fixed 4 keeps the classic batch rule (14 is no

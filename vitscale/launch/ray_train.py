@@ -44,6 +44,7 @@ from vitscale.launch.failures import (
     WorkersUnavailable,
     deterministic_cause,
 )
+from vitscale.launch.node_loss import RestartAtLiveSize
 from vitscale.launch.snapshot import repair_snapshot
 from vitscale.say import say
 from vitscale.train import checkpoint as ckpt
@@ -345,7 +346,8 @@ def trainer_for(job: TrainJob, cluster: ClusterConfig, place: RunPlace,
             # Train V2 options below (worker_runtime_env, callbacks); the type stubs Ray ships are the V1 class's.
             worker_runtime_env={"env_vars": _worker_env()},
             # Bad data or an exceeded error budget ends the run at once: a restart repeats it.
-            # No room for MIN workers for cluster.worker_wait_s ends the run in one line (launch/worker_wait.py).
+            # No room for MIN workers for cluster.worker_wait_s ends the run in one line (launch/worker_wait.py);
+            # an elastic run's restart after a lost node starts at the live size (launch/node_loss.py).
             callbacks=[StopOnDeterministicFailure(), *_room_callbacks(cluster, resources, workers_key),  # type: ignore[list-item]
                        *(callbacks or [])],
         ),
@@ -353,10 +355,13 @@ def trainer_for(job: TrainJob, cluster: ClusterConfig, place: RunPlace,
 
 
 def _room_callbacks(cluster: ClusterConfig, resources: dict[str, float], workers_key: str) -> list[Any]:
+    # An elastic run restarts after a lost node at the size the live nodes hold, not at a stale MAX whose
+    # placement waits out Ray Train's start timeout (launch/node_loss.py).
+    callbacks: list[Any] = [RestartAtLiveSize()] if cluster.elastic else []
     if cluster.worker_wait_s is None:  # wait forever, as Ray Train does
-        return []
-    return [StopWithoutRoom(cluster.min_workers, resources, cluster.worker_wait_s, elastic=cluster.elastic,
-                            workers_key=workers_key)]
+        return callbacks
+    return [*callbacks, StopWithoutRoom(cluster.min_workers, resources, cluster.worker_wait_s,
+                                        elastic=cluster.elastic, workers_key=workers_key)]
 
 
 def final_metrics(result: Any) -> dict[str, Any]:
