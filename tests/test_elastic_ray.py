@@ -259,3 +259,39 @@ def test_a_preemption_notice_is_answered_with_a_checkpoint_and_no_step_is_lost(n
     history = restarts(read_rows(metrics))
     assert history and history[0].step == grace, history  # resumed from the notice's checkpoint
     assert outcome["summary"]["pretrain"]["step"] == steps
+
+
+def test_a_refresh_drops_a_dead_node_from_the_resource_view_at_once(nodes) -> None:
+    """The refresh `launch/node_loss.py` makes before a recovery's size decision: once the GCS holds a SIGKILLed
+    node dead, Ray's AutoscalingCoordinator (whose view Ray Train sizes an elastic run from) reserves nothing on
+    it, without waiting for its own 20 s tick."""
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator,
+    )
+
+    from vitscale.launch.node_loss import refresh_reserved_resources
+
+    cluster, workers = nodes
+    coordinator, requester = get_or_create_autoscaling_coordinator(), "train-refresh-probe"
+
+    def reserved_cpus() -> float:
+        reserved = ray.get(coordinator.get_reserved_resources.remote(requester), timeout=10)
+        return sum(node.get("CPU", 0.0) for node in reserved.values())
+
+    ray.get(coordinator.request_resources.remote(requester_id=requester, resources=[{"CPU": 1.0}] * 4,
+                                                 expire_after_s=300), timeout=10)
+    try:
+        refresh_reserved_resources(requester)
+        assert reserved_cpus() == 4.0
+        victim = workers[1]
+        cluster.remove_node(victim, allow_graceful=False)
+        deadline = time.monotonic() + 120
+        while any(n["NodeID"] == victim.node_id and n["Alive"] for n in ray.nodes()):  # the GCS's verdict
+            assert time.monotonic() < deadline, "the GCS never declared the killed node dead"
+            time.sleep(0.2)
+        print(f"\nreserved CPUs once the GCS held the node dead: {reserved_cpus():g} before the refresh")
+        refresh_reserved_resources(requester)
+        assert reserved_cpus() == 2.0
+    finally:
+        ray.get(coordinator.cancel_request.remote(requester_id=requester), timeout=10)
+        workers[1] = cluster.add_node(num_cpus=2)  # capacity back for the other tests
