@@ -343,7 +343,7 @@ def test_training_is_three_forwards_per_example(f: int, n: int) -> None:
         (lambda: fl.forward_flops("ViT-B/16", depht=2), "unknown override"),
         (lambda: fl.forward_flops("R50x1", classifier="gap"), "do not apply to ResNet"),
         (lambda: fl.forward_flops("ViT-B/16", classifier="cls"), "classifier"),
-        (lambda: fl.forward_flops("ViT-B/16", num_classes=0), "num_classes"),
+        (lambda: fl.forward_flops("ViT-B/16", num_classes=-1), "num_classes"),
         (lambda: fl.training_flops(10, -1), "examples"),
     ],
 )

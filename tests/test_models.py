@@ -116,7 +116,15 @@ def test_bad_sizes_raise() -> None:
     with pytest.raises(ValueError, match="img_size"), torch.device("meta"):
         create_model("ViT-B/16", num_classes=10, img_size=100)
     with pytest.raises(ValueError, match="num_classes"), torch.device("meta"):
-        create_model("ViT-B/16", num_classes=0)
+        create_model("ViT-B/16", num_classes=-1)
+
+
+def test_no_classes_is_an_encoder() -> None:
+    """num_classes 0: no classifier (masked patch prediction's encoder); its features are the model's."""
+    model = create_model("ViT-Ti/8", num_classes=0, img_size=16, depth=1, width=32, mlp_dim=64, heads=2)
+    x = torch.randn(2, 3, 16, 16)
+    assert model(x).shape == (2, 0) and model.forward_features(x).shape == (2, 32)
+    assert model.head.weight.numel() == 0
 
 
 # --- parameter counts on the meta device ------------------------------------------------------

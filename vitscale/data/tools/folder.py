@@ -40,7 +40,8 @@ class FolderSource(Source):
                 if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS:
                     files.append((p, ci))
         if not files:
-            raise UserError(f"folder source: no images ({sorted(IMAGE_EXTENSIONS)}) under {self.root}")
+            raise UserError(f"folder source: no images ({sorted(IMAGE_EXTENSIONS)}) under {self.root}: expected one "
+                            "sub-folder of images per class (ImageNet layout), or images alone (no labels)")
         self._files: list[tuple[Path, int | None]] = files
         self._keys = unique_keys([p.relative_to(self.root).with_suffix("").as_posix() for p, _ in files])
 
