@@ -53,10 +53,10 @@ def test_masked_patch_pre_training_on_a_bucket_survives_a_lost_worker_and_transf
     assert summary["ok"] is True, output[-3000:]
     assert "patch acc" in output  # the progress lines show the objective's own accuracy
     assert "resumed from" in output  # rank 1 died after step 5: the group restarted from checkpoint 3
-    assert 0.0 <= summary["fewshot"][str(digits)]["2"] <= 1.0 if isinstance(summary.get("fewshot"), dict) else True
+    assert 0.0 <= summary["fewshot"]["mean_2shot"] <= 1.0  # the encoder's representation, probed
     assert 0.0 <= summary["finetune"]["test_accuracy"] <= 1.0
 
-    encoder, _, facts = model_from_checkpoint(find_checkpoint(f"s3://{bucket}/runs/mpp"))
+    _, _, facts = model_from_checkpoint(find_checkpoint(f"s3://{bucket}/runs/mpp"))
     assert (facts["objective"], facts["step"], facts["num_classes"]) == ("masked_patch", 8, 0)
     metrics = [json.loads(line) for line in _read(bucket, moto_s3, "runs/mpp/metrics/rank0.jsonl").splitlines()]
     last = {m["step"]: m for m in metrics}
