@@ -109,6 +109,28 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch: pytest.MonkeyPatch, capsys
     assert capsys.readouterr().err == "vitscale: interrupted\n"
 
 
+def test_ctrl_c_of_a_run_says_where_it_is_kept_and_how_to_resume(tmp_path: Path, small_synthetic: str,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    import vitscale.stages.run as runner
+
+    def interrupted(*args: object, **kwargs: object) -> dict:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_pipeline", interrupted)
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(yaml.safe_dump({
+        "name": "exp1", "stages": ["pretrain"], "data": {"url": small_synthetic},
+        "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "heads": 2, "mlp_dim": 32},
+        "train": {"global_batch": 8, "micro_batch": 8, "max_steps": 2},
+        "cluster": {"num_workers": 1, "use_gpu": False, "storage_path": str(tmp_path / "runs")}}))
+    assert main(["run", str(pipeline), "--set", "train.base_lr=4e-4"]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("vitscale: interrupted; the run is kept at ")
+    assert str(tmp_path / "runs" / "exp1") in err
+    assert f"`vitscale run {pipeline} --set=train.base_lr=4e-4`" in err
+
+
 def test_a_wrong_address_is_one_line_within_seconds(tmp_path: Path, small_synthetic: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     import ray

@@ -157,3 +157,22 @@ def test_asha_rungs_are_the_milestones_ray_judges_at(max_t: int, grace: int, rf:
     assume(grace <= max_t)
     ray_rungs = sorted(milestone for milestone, _ in _Bracket(grace, max_t, rf, s=0)._rungs)
     assert list(asha_rungs(max_t, grace, rf)) == ray_rungs
+
+
+def test_the_two_final_retrains_are_tagged_like_trials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Both winners retrain at once: their workers' lines read `[final pretrained]` and `[final scratch]`."""
+    import vitscale.launch.ray_train as ray_train
+    from vitscale.stages.sweep import _retrain
+
+    labels: list[str | None] = []
+
+    def launched(*args: object, label: str | None = None, **kwargs: object) -> tuple[None, dict]:
+        labels.append(label)
+        return None, {"test_accuracy": 0.5, "cumulative_exaflops": 1e-9}
+
+    monkeypatch.setattr(ray_train, "launch_training", launched)
+    config = build_pipeline(sweep_pipeline())
+    selected = {"params": {"finetune.train.base_lr": 0.01}}
+    for init in ("weights.pt", None):
+        _retrain(config, None, init, tmp_path, "pretrained" if init else "scratch", selected)
+    assert labels == ["final pretrained", "final scratch"]

@@ -65,8 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         chosen.error(f"unrecognized arguments: {' '.join(extra)}{hints}")
     try:
         return int(args.func(args))
-    except KeyboardInterrupt:
-        print("vitscale: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # `vitscale run` says where the run is kept and how to resume it
+        print(f"vitscale: {str(exc) or 'interrupted'}", file=sys.stderr)
         return 130
     except known_errors() as exc:
         text = from_set(exc, getattr(args, "set", ())) if isinstance(exc, ConfigError) else str(exc)

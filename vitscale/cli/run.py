@@ -40,9 +40,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     from vitscale.stages.run import resolve_pipeline_path, run_pipeline
 
     config = load_pipeline(resolve_pipeline_path(args.pipeline), args.set)
-    summary = run_pipeline(config, address=args.address, verbose=args.verbose, force=args.force)
+    try:
+        summary = run_pipeline(config, address=args.address, verbose=args.verbose, force=args.force)
+    except KeyboardInterrupt:
+        raise Interrupted(resume_line(args, config.cluster.run_storage(config.run_name))) from None
     print(json.dumps(summary, default=str))
     return 0 if summary.get("ok", True) else 1
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: the CLI's one line says where the run is kept and how to go on with it."""
+
+
+def resume_line(args: argparse.Namespace, storage: str) -> str:
+    """`interrupted; ... resume with: vitscale run PIPELINE [--set ...]` (the same command resumes: Sec. resume)."""
+    import shlex
+
+    command = ["vitscale", "run", args.pipeline, *(f"--set={item}" for item in args.set)]
+    if args.address:
+        command += ["--address", args.address]
+    return (f"interrupted; the run is kept at {storage}: resume it from its last complete checkpoint with "
+            f"`{shlex.join(command)}`")
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:

@@ -372,12 +372,13 @@ def final_metrics(result: Any) -> dict[str, Any]:
     return out
 
 
-def launch_training(job: TrainJob, cluster: ClusterConfig, place: RunPlace,
-                    what: str = "training", workers_key: str = "cluster.num_workers") -> tuple[Any, dict[str, Any]]:
-    """Run `job` on Ray Train at `place`; returns (the final `ray.train.Checkpoint`, the final metrics)."""
+def launch_training(job: TrainJob, cluster: ClusterConfig, place: RunPlace, what: str = "training",
+                    workers_key: str = "cluster.num_workers", label: str | None = None) -> tuple[Any, dict[str, Any]]:
+    """Run `job` on Ray Train at `place`; returns (the final `ray.train.Checkpoint`, the final metrics).
+    `label` tags the workers' console lines (`[final pretrained]`) as a sweep's trials are tagged."""
     place.local_dir().mkdir(parents=True, exist_ok=True)
     try:
-        result = trainer_for(job, cluster, place, workers_key=workers_key).fit()
+        result = trainer_for(job, cluster, place, workers_key=workers_key, label=label).fit()
     except Exception as exc:  # re-raised with the workers' own errors up front
         ended = "stopped" if isinstance(getattr(exc, "controller_failure", None), WorkersUnavailable) else "failed"
         cause = _root_cause(exc, place.storage, cluster.max_workers)

@@ -434,7 +434,9 @@ def _retrain(config: PipelineConfig, model: ModelConfig | None, init: str | None
     # The same world size as the trials: the winner's recipe (batch split, schedule) unchanged.
     _, metrics = launch_training(trial_job(winner, model, init, final=True), trial_cluster(config),
                                  run_place(config.cluster, config.run_name, f"{sweep_part(label)}/final"),
-                                 what="the winner's retrain", workers_key=trial_workers_key(config))
+                                 what="the winner's retrain", workers_key=trial_workers_key(config),
+                                 # Both winners retrain at once: each line says which, as the trials' lines do.
+                                 label=f"final {'pretrained' if init is not None else 'scratch'}")
     final = {k: v for k, v in metrics.items() if k.startswith("test_accuracy")}
     final["final_exaflops"] = metrics.get("cumulative_exaflops")
     write_atomic(directory / "selected.json", json.dumps({**selected, **final}, indent=2, default=str))
