@@ -122,3 +122,27 @@ def test_every_zero_stage_trains_and_transfers_the_encoder(tmp_path: Path, image
     report = load_pretrained(classifier, exported["out"])
     assert torch.equal(classifier.state_dict()["blocks.1.mlp.fc2.weight"], trained["encoder.blocks.1.mlp.fc2.weight"])
     assert classifier.head.weight.abs().sum() == 0 and report.head_kept  # the fine-tuning head: zero-initialised
+
+
+def test_a_sigterm_checkpoints_at_the_next_step_and_the_resumed_run_ends_as_the_whole_one(
+        tmp_path: Path, images: str, process_group: None) -> None:
+    """A real SIGTERM after step 4 (a preemption): checkpoint of step 5, the rank leaves; resumed from it, the
+    run ends with the uninterrupted run's weights: the corrupted patches of step 6 are the same either way."""
+    from vitscale.train.loop import WorkerContext, train
+    from vitscale.train.termination import Terminated, TerminationNotice
+
+    told = job(images, checkpoint_every=100, fault={"kill_rank": 0, "kill_at_step": 4, "kill_with": "SIGTERM"})
+    seen = Recorder(tmp_path / "told")
+    with TerminationNotice(60) as notice, pytest.raises(Terminated):
+        train(told, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-a", report=seen,
+                                  terminated=notice.notice))
+    assert [p.name for p in (tmp_path / "told").iterdir()] == ["checkpoint_000000005"]
+    resumed = Recorder(tmp_path / "resumed")
+    train(told, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-b", report=resumed,
+                              resume_from=tmp_path / "told" / "checkpoint_000000005"))
+    whole = Recorder(tmp_path / "whole")
+    train(job(images, checkpoint_every=100), WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-c",
+                                                           report=whole))
+    a, b = weights(tmp_path / "whole" / "checkpoint_000000006"), weights(tmp_path / "resumed" / "checkpoint_000000006")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert whole.metrics[-1]["patch_accuracy"] == resumed.metrics[-1]["patch_accuracy"]
