@@ -160,3 +160,16 @@ def test_fine_tuning_refuses_the_pre_training_objective() -> None:
     with pytest.raises(ConfigError) as err:
         build_pipeline(raw)
     assert err.value.key == "finetune.train.objective"
+
+
+def test_vitscale_flops_prices_the_objective(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from vitscale.cli import main
+
+    assert main(["flops", "ViT-B/16", "--objective", "masked_patch", "--epochs", "14", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["breakdown_gflops"]["patch_prediction"] == pytest.approx(linear_flops(98, 768, 512) / 1e9)
+    assert "head" not in summary["breakdown_gflops"]
+    encoder = sum(v for k, v in flops_breakdown("ViT-B/16", num_classes=0).items())
+    assert summary["forward_gflops"] == pytest.approx((encoder + linear_flops(98, 768, 512)) / 1e9)

@@ -41,6 +41,11 @@ def _flops_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--classes", type=int, default=1000, help="classifier width (JFT-300M: 18291)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a model option, as in a pipeline's model: section (e.g. representation_size=768)")
+    p.add_argument("--objective", choices=["supervised", "masked_patch"], default="supervised",
+                   help="what pre-training predicts: the classes, or masked patch prediction's per-patch head "
+                        "(the paper's: 50%% of the patches, 3-bit mean colour; --target for the others)")
+    p.add_argument("--target", choices=["mean_colour", "downsized_4x4", "pixels"], default="mean_colour",
+                   help="masked patch prediction's target (with --objective masked_patch)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a summary")
 
 
@@ -51,8 +56,17 @@ def cmd_flops(args: argparse.Namespace) -> int:
     options: dict = {}
     for item in args.option:  # YAML values, as a pipeline's `model:` section reads them
         options = apply_override(options, item)
+    masked_patch = None
+    if args.objective == "masked_patch":
+        from vitscale.models.config import ModelConfig
+        from vitscale.train.config import MaskedPatchConfig
+        from vitscale.train.objective import masked_patch_plan
+
+        model = ModelConfig.from_mapping({"name": args.model, "img_size": args.resolution, **options})
+        corruption, target = masked_patch_plan(model, MaskedPatchConfig(target=args.target))
+        masked_patch = (corruption.counts[0], target.outputs)
     summary = flops_summary(args.model, resolution=args.resolution, examples=args.examples, epochs=args.epochs,
-                            num_classes=args.classes, **options)
+                            num_classes=args.classes, masked_patch=masked_patch, **options)
     if args.json:
         print_json(summary)
     else:
