@@ -146,3 +146,16 @@ def test_a_sigterm_checkpoints_at_the_next_step_and_the_resumed_run_ends_as_the_
     a, b = weights(tmp_path / "whole" / "checkpoint_000000006"), weights(tmp_path / "resumed" / "checkpoint_000000006")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert whole.metrics[-1]["patch_accuracy"] == resumed.metrics[-1]["patch_accuracy"]
+
+
+@pytest.mark.parametrize("target, head", [("downsized_4x4", 16 * 512), ("pixels", 4 * 4 * 3)])
+def test_the_appendix_targets_train_in_the_loop(tmp_path: Path, images: str, process_group: None, target: str,
+                                                head: int) -> None:
+    from vitscale.train.loop import WorkerContext, train
+
+    seen = Recorder(tmp_path / "kept")
+    train(job(images, max_steps=2, checkpoint_every=2, masked_patch={"target": target}),
+          WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run", report=seen))
+    assert weights(tmp_path / "kept" / "checkpoint_000000002")["head.weight"].shape == (head, 32)
+    accuracy = [m["patch_accuracy"] for m in seen.metrics]
+    assert all(a is None for a in accuracy) if target == "pixels" else all(0 <= a <= 1 for a in accuracy)

@@ -83,7 +83,8 @@ class MaskedPatch:
 
     def loss(self, engine: Any, pixels: torch.Tensor, images: torch.Tensor,
              micro: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(mean loss over the valid rows' corrupted patches, (hits, predicted patches) of those rows)."""
+        """(mean loss over the valid rows' corrupted patches, (hits, predicted patches) of those rows; None for
+        the pixel regression)."""
         from vitscale.models.masked_patch import patch_targets
 
         positions = micro["positions"].to(images.device, non_blocking=True)
@@ -97,6 +98,8 @@ class MaskedPatch:
             predictions, targets, positions = predictions[keep], targets[keep], positions[keep]
         predictor = getattr(engine, "module", engine)  # the DeepSpeed engine's model, or a bare one
         loss = predictor.loss(predictions, targets, positions)
+        if not self.target.classifies:  # a regression (pixels) has no exact hit to count
+            return loss, None
         with torch.no_grad():
             hits = predictor.hits(predictions, targets, positions)
             tally = torch.stack([hits.sum().float(), torch.tensor(float(hits.numel()), device=hits.device)])
