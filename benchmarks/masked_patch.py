@@ -156,9 +156,12 @@ def main() -> None:
                    help="fine-tuning learning rates selected on the dev carve (the quickstart's)")
     p.add_argument("--dev-fraction", type=float, default=0.1, help="dev carve of the training split")
     p.add_argument("--supervised", action="store_true", help="also supervised pre-training on the fractal labels")
+    p.add_argument("--cache", type=Path, default=Path("data_cache/masked_patch"),
+                   help="folder for pre-trained encoders and their curves (reused when present; '' to skip)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--json", type=Path, default=None, help="also write every number here")
     args = p.parse_args()
+    args.cache = args.cache if str(args.cache) else None
     torch.set_num_threads(args.threads)
     tp.MODEL.pop("representation_size", None)  # every row the same architecture: no pre-logits
 
@@ -172,8 +175,15 @@ def main() -> None:
             t1 = time.perf_counter()
             state = None
             if name == "masked_patch":
-                images = source_images(args.source, seed, digits)
-                state, curves[seed] = pretrain(images, seed, args.epochs, args.target, args.every)
+                cached = args.cache / f"{args.source}-{args.target}-s{seed}-e{args.epochs:g}.pt" if args.cache else None
+                if cached is not None and cached.exists():  # the encoder and its curve, from an earlier run
+                    state, curves[seed] = torch.load(cached, weights_only=True).values()
+                else:
+                    images = source_images(args.source, seed, digits)
+                    state, curves[seed] = pretrain(images, seed, args.epochs, args.target, args.every)
+                    if cached is not None:
+                        cached.parent.mkdir(parents=True, exist_ok=True)
+                        torch.save({"state": state, "curve": curves[seed]}, cached)
                 last = curves[seed][-1]
                 points = " ".join(f"{c['patch_accuracy']:.3f}" for c in curves[seed])
                 print(f"  masked_patch seed {seed}: held-out patch accuracy {points} (steps 0, {args.every}, ...; "
