@@ -184,8 +184,8 @@ def bench_vitscale(name: str, *, batch: int, steps: int, zero_stage: int, device
     def forward() -> None:
         from vitscale.data.loader.transforms import normalize_on_device
 
-        state["loss"] = stepper._masked_loss(engine(normalize_on_device(micro["image"], stepper.dtype)),
-                                             micro["label"], None)
+        state["loss"], _ = stepper.objective.loss(engine, micro["image"], normalize_on_device(micro["image"],
+                                                                                             stepper.dtype), micro)
 
     def optimizer() -> None:
         optimizer_step(engine, skip=False)

@@ -42,7 +42,7 @@ def test_masked_patch_pre_training_on_a_bucket_survives_a_lost_worker_and_transf
                      "log_every": 1, "fault": {"kill_rank": 1, "kill_at_step": 5}},
            "fewshot": {"datasets": [str(digits)], "shots": [2], "resolution": 16},
            "finetune": {"data": {"url": str(digits), "num_workers": 0}, "resolution": 16,
-                        "train": {"base_lr": 0.03, "max_steps": 4, "global_batch": 16, "micro_batch": 16,
+                        "train": {"base_lr": 0.03, "max_steps": 4, "global_batch": 16, "micro_batch": 8,
                                   "precision": "fp32", "checkpoint_every": 4}},
            "cluster": {"num_workers": 2, "use_gpu": False, "cpus_per_worker": 1, "max_failures": 1,
                        "storage_path": f"s3://{bucket}/runs"}}

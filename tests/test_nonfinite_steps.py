@@ -60,19 +60,19 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 def poison_loss_at(monkeypatch: pytest.MonkeyPatch, steps: set[int], micro_batches_per_step: int) -> None:
     """The loss of one micro-batch of each listed step becomes NaN."""
-    from vitscale.train.step import Stepper
+    from vitscale.train.objective import Supervised
 
     calls = {"n": 0}
-    original = Stepper._masked_loss
+    original = Supervised.loss
 
-    def masked_loss(*args, **kwargs):
+    def loss_of(*args, **kwargs):
         calls["n"] += 1
-        loss = original(*args, **kwargs)
+        loss, counts = original(*args, **kwargs)
         step = (calls["n"] - 1) // micro_batches_per_step + 1
         last_micro = (calls["n"] - 1) % micro_batches_per_step == micro_batches_per_step - 1
-        return loss * float("nan") if step in steps and last_micro else loss
+        return (loss * float("nan") if step in steps and last_micro else loss), counts
 
-    monkeypatch.setattr(Stepper, "_masked_loss", masked_loss)
+    monkeypatch.setattr(Supervised, "loss", loss_of)
 
 
 def test_checkpoint_score_ranks_every_checkpoint_before_the_first_bad_step_higher() -> None:

@@ -225,17 +225,11 @@ class _EpochBatches(IterableDataset):
                 label[i, ls] = 1.0
         else:
             label = torch.tensor([ls[0] if ls else 0 for ls in labels], dtype=torch.int64)  # (n,)
-        batch = {
-            "image": images,
-            "label": label,
-            "key": keys,
-            "valid": torch.from_numpy(valid),
-            "_skipped": skipped,
-            "_count": hi - lo,
-        }
-        if self.spec.corruption is not None:
-            positions, sources = corrupted_positions(self.order.seed, self.order.epoch, keys, self.spec.corruption)
-            batch["positions"], batch["sources"] = torch.from_numpy(positions), torch.from_numpy(sources)
+        batch = {"image": images, "label": label, "key": keys, "valid": torch.from_numpy(valid), "_skipped": skipped,
+                 "_count": hi - lo}
+        if self.spec.corruption is not None:  # masked patch prediction's plan (data/corruption.py)
+            plan = corrupted_positions(self.order.seed, self.order.epoch, keys, self.spec.corruption)
+            batch["positions"], batch["sources"] = (torch.from_numpy(a) for a in plan)
         return batch
 
 

@@ -52,19 +52,12 @@ from vitscale.data.format import (
     split_of_shard,
     write_index_and_meta,
 )
-from vitscale.data.loader.labels import (
-    MAX_LABEL_BYTES,
-    LabelError,
-    check_class_ids,
-    parse_class_id,
-    parse_json_label,
-    parse_text_label,
-)
+from vitscale.data.loader.labels import MAX_LABEL_BYTES, LabelError, check_class_ids
 from vitscale.data.loader.sample import IMAGE_MEMBERS
 from vitscale.data.storage import Storage, StorageError, open_storage
 from vitscale.data.storage.space import free_bytes, is_no_space, size_text
+from vitscale.data.tools.label_member import LABEL_EXTS, LabelMember, default_member
 from vitscale.data.tools.progress import Progress
-from vitscale.say import say
 
 __all__ = ["expand_braces", "index_shards", "split_url"]
 
@@ -111,7 +104,6 @@ def _member_key(name: str) -> tuple[str, str]:
     return (f"{folder}/{stem}" if folder else stem), ext.lower()
 
 
-_LABEL_EXTS = ("cls", "txt", "json")
 
 
 def _samples(storage: Storage, shard: str, shard_size: int
@@ -165,7 +157,7 @@ def _samples(storage: Storage, shard: str, shard_size: int
                 key, start, members, damaged = k, m.offset, {}, ""
             end = m.offset_data + -(-m.size // 512) * 512
             members[ext] = None
-            if ext in _LABEL_EXTS and end <= shard_size:
+            if ext in LABEL_EXTS and end <= shard_size:
                 try:  # labels are small; images are not read (their bytes stay in the shard)
                     members[ext] = tar.extractfile(m).read(MAX_LABEL_BYTES + 1)  # type: ignore[union-attr]
                 except (tarfile.TarError, OSError) as exc:
@@ -193,43 +185,6 @@ def _checksums(storage: Storage, shard: str, ranges: list[tuple[int, int]]) -> l
                     crc, need = zlib.crc32(chunk, crc), need - len(chunk)
             crcs.append(crc)
     return crcs
-
-
-class _Labels:
-    """Class ids from a sample's label member, by ``--label-member``; names mapped as they come.
-
-    Parsing is :mod:`vitscale.data.loader.labels`' (bounded size and depth, the training loader's
-    own parser): anything that cannot be a label raises ``LabelError``.
-    """
-
-    def __init__(self, member: str, classes: list[str] | None) -> None:
-        kind, _, self.json_key = member.partition(":")
-        if kind not in ("cls", "txt", "json", "none") or (kind == "json") != bool(self.json_key):
-            raise UserError(f"--label-member must be cls, txt, json:KEY or none (images alone), got {member!r}")
-        if kind == "none" and classes is not None:
-            raise UserError("--classes names classes, but --label-member none indexes images without labels")
-        self.member, self.kind, self.fixed = member, kind, classes is not None
-        self.names: dict[str, int] = {c: i for i, c in enumerate(classes or [])}
-
-    @property
-    def ext(self) -> str:
-        return self.kind
-
-    def _id(self, value: int | str) -> int | str:
-        if isinstance(value, str) and not self.fixed:
-            return value  # mapped to an index once all names are known (sorted)
-        if isinstance(value, str):
-            if value not in self.names:
-                raise LabelError(f"class {value[:64]!r} is not in --classes")
-            return self.names[value]
-        return value
-
-    def parse(self, data: bytes) -> list[int | str]:
-        if self.kind == "cls":
-            return [parse_class_id(data)]
-        if self.kind == "txt":
-            return [self._id(parse_text_label(data))]
-        return [self._id(v) for v in parse_json_label(data, self.json_key)]
 
 
 DEFAULT_SPLIT = "train"
@@ -291,7 +246,7 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
         bad.append({"shard": shard, "key": key, "error": why})
         _check_bad(bad, max_bad, shards)
 
-    labels: _Labels | None = None if label_member is None else _Labels(label_member, classes)
+    labels: LabelMember | None = None if label_member is None else LabelMember(label_member, classes)
     bar = Progress(len(names), f"index {shards.url}", unit="shard", enabled=progress)  # a line per shard read
     for shard in names:
         try:
@@ -300,7 +255,7 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
         except (tarfile.TarError, OSError) as exc:
             raise DatasetError(f"{shards.url_of(shard)} is not a readable tar: {exc}") from exc
         if labels is None:  # the default: decided by the first tar
-            labels = _Labels(_member_of(found, shards.url_of(shard), progress), classes)
+            labels = LabelMember(default_member(found, shards.url_of(shard), progress), classes)
         for entry in damaged:
             reject(entry["shard"], entry["key"], entry["error"])
         kept = _shard_rows(shard, split_of[shard], found, crcs, labels, bound, reject)
@@ -325,16 +280,6 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
     return meta.to_json()
 
 
-def _member_of(found: list[tuple[str, int, int, dict[str, bytes | None]]], where: str, announce: bool) -> str:
-    """The default ``--label-member``: ``cls``, unless no sample of the first tar (`found`) has a label member."""
-    if found and not any(ext in members for _, _, _, members in found for ext in _LABEL_EXTS):
-        if announce:
-            say(f"{where}: no sample has a label member (.cls, .txt or .json): indexing images without labels "
-                "(num_classes 0, for train.objective: masked_patch; --label-member cls to require labels)")
-        return "none"
-    return "cls"
-
-
 def _read_classes(classes_file: str, num_classes: int | None) -> list[str]:
     """The class names of a ``--classes`` file, one a line; refused when ``--num-classes`` says another count."""
     with open(classes_file, encoding="utf-8") as f:
@@ -345,7 +290,8 @@ def _read_classes(classes_file: str, num_classes: int | None) -> list[str]:
 
 
 def _shard_rows(shard: str, split: str, found: list[tuple[str, int, int, dict[str, bytes | None]]], crcs: list[int],
-                labels: _Labels, bound: int | None, reject: Callable[[str, str, str], None]) -> list[dict[str, Any]]:
+                labels: LabelMember, bound: int | None,
+                reject: Callable[[str, str, str], None]) -> list[dict[str, Any]]:
     """One shard's samples as index rows; one without an image or a readable label is rejected instead."""
     rows = []
     for (key, offset, size, members), crc in zip(found, crcs, strict=True):
