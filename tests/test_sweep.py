@@ -176,3 +176,11 @@ def test_the_two_final_retrains_are_tagged_like_trials(monkeypatch: pytest.Monke
     for init in ("weights.pt", None):
         _retrain(config, None, init, tmp_path, "pretrained" if init else "scratch", selected)
     assert labels == ["final pretrained", "final scratch"]
+
+
+def test_a_pre_training_sweep_refuses_the_masked_patch_objective() -> None:
+    raw = sweep_pipeline(sweep={"target": "pretrain", "space": {"train.weight_decay": [0.01, 0.1]}})
+    raw["train"] = {**raw.get("train", {}), "objective": "masked_patch"}
+    with pytest.raises(ConfigError) as err:
+        build_pipeline(raw)
+    assert err.value.key == "sweep.target" and "masked_patch" in err.value.message

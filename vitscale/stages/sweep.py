@@ -176,6 +176,9 @@ def check_sweep(config: PipelineConfig) -> None:
             with_params(config, {key: value})
     check(sweep.target != "pretrain" or config.data.subset is None, "data.subset",
           "a pre-training sweep carves its dev set from the whole split; leave data.subset out")
+    check(sweep.target != "pretrain" or config.section("train", TrainConfig).objective == "supervised",
+          "sweep.target", "a pre-training sweep selects on the dev carve's top-1 accuracy, which train.objective "
+          "masked_patch does not learn; sweep its fine-tuning (sweep.target: finetune) instead")
     workers = trial_cluster(config).world_sizes
     workers_key = "sweep.workers_per_trial" if sweep.workers_per_trial else "cluster.num_workers"
     for point in combinations(space):  # every trial's batch splits evenly over its workers
