@@ -147,4 +147,5 @@ def test_every_dashboard_and_alert_expression_evaluates(scraped_run: tuple[Prome
     assert errors == {}
     # The panels over gauges and counters have data for the run (rates need two scrapes in their window).
     empty = [n for n, a in answers.items() if n in dashboard_exprs() and not a["data"]["result"]]
-    assert empty == [], empty
+    # The masked patch panel has data only for runs of that objective; this run is supervised.
+    assert [n for n in empty if "Masked patch" not in n] == [], empty
