@@ -14,6 +14,7 @@ import tarfile
 import tempfile
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import boto3
@@ -85,18 +86,19 @@ def test_a_missing_bucket_is_named_and_not_retried(moto_s3: str) -> None:
 def test_throttling_for_ever_gives_up_within_the_budget(moto_s3: str, bucket: str) -> None:
     with FaultProxy(moto_s3, methods=("PUT",)) as proxy:
         proxy.schedule(*["503"] * 1000)
-        storage = open_storage(f"s3://{bucket}/ds", endpoint_url=proxy.url, retry=QUICK)
+        # 3 s: under a loaded 2-core machine one try through the proxy has taken a whole second.
+        storage = open_storage(f"s3://{bucket}/ds", endpoint_url=proxy.url, retry=replace(QUICK, budget_s=3.0))
         started = time.monotonic()
         with pytest.raises(StorageError) as err:
             storage.write_bytes("note.txt", b"x")
         took = time.monotonic() - started
     tries = proxy.counts["503"]
-    # Tries are retried until the 1 s budget is spent, and no new one starts after it; how many fit in it
-    # depends on the machine's load (2 on a busy 2-core CI machine), so the count is only "more than one".
-    assert 0.9 < took < 4.0 and tries >= 2, (took, tries)
+    # Tries are retried until the budget is spent, and no new one starts after it; how many fit in it
+    # depends on the machine's load, so the count is only "more than one".
+    assert 2.9 < took < 7.0 and tries >= 2, (took, tries)
     message = str(err.value)
     assert f"write s3://{bucket}/ds/note.txt failed after {tries} attempts: SlowDown (HTTP 503)" in message, message
-    assert "retry budget $VITSCALE_S3_RETRY_S: 1 s" in message
+    assert "retry budget $VITSCALE_S3_RETRY_S: 3 s" in message
 
 
 def test_throttling_that_passes_is_ridden_out(moto_s3: str, bucket: str) -> None:
