@@ -22,8 +22,7 @@ def predictor(target: str = "mean_colour", *, classifier: str = "token", seed: i
 
 
 def solid(colours: list[tuple[int, int, int]], side: int = 16, patch: int = 4) -> torch.Tensor:
-    """uint8 (len(colours), 3, side, side) images, each patch of image i the colour i, then patch (0, 0) of
-    each image painted with the next image's colour."""
+    """uint8 (len(colours), 3, side, side) images, image i all of colour i."""
     images = torch.tensor(colours, dtype=torch.uint8).reshape(-1, 3, 1, 1).expand(-1, -1, side, side).clone()
     return images
 

@@ -130,7 +130,7 @@ class MaskedPatchPredictor(nn.Module):
         self.target = target
         self.masked = masked
         width = encoder.cfg.dims.width
-        # [mask] starts like a patch embedding would (the embeddings it stands in for are O(1)), not at zero.
+        # [mask] starts small and random, as BERT's embeddings do, and is learned from there.
         self.mask_token = nn.Parameter(torch.zeros(width))
         nn.init.normal_(self.mask_token, std=0.02)
         self.head = nn.Linear(width, target.outputs)
