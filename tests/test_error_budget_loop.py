@@ -9,7 +9,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from test_pretrain_loop import Recorder, tiny_config
+from helpers.loop_runs import Recorder
+from test_pretrain_loop import tiny_config
 from vitscale.data.loader.stream import ErrorBudgetExceeded
 from vitscale.data.order import rank_keys
 from vitscale.data.tools.write import write_dataset

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from test_pretrain_loop import Recorder, tiny_config, tiny_dataset  # noqa: F401 -- the module's fixture
+from helpers.loop_runs import Recorder
+from test_pretrain_loop import tiny_config, tiny_dataset  # noqa: F401 -- the module's fixture
 
 pytest.importorskip("deepspeed")
 

@@ -21,7 +21,7 @@ def predictor(target: str = "mean_colour", *, classifier: str = "token", seed: i
     return MaskedPatchPredictor(encoder, PatchTarget(target, patch=4), masked=Corruption(16).counts[1])
 
 
-def solid(colours: list[tuple[int, int, int]], side: int = 16, patch: int = 4) -> torch.Tensor:
+def solid(colours: list[tuple[int, int, int]], side: int = 16) -> torch.Tensor:
     """uint8 (len(colours), 3, side, side) images, image i all of colour i."""
     images = torch.tensor(colours, dtype=torch.uint8).reshape(-1, 3, 1, 1).expand(-1, -1, side, side).clone()
     return images
@@ -43,7 +43,7 @@ def test_a_patch_of_two_halves_averages_before_quantising() -> None:
 
 
 def test_downsized_targets_are_16_colours_per_patch_in_row_major_cells() -> None:
-    images = solid([(0, 0, 0)], side=16, patch=8)
+    images = solid([(0, 0, 0)], side=16)
     images[0, :, 2:4, 0:2] = 255  # patch (0, 0), cell row 1, col 0
     t = patch_targets(images, PatchTarget("downsized_4x4", patch=8))
     assert t.shape == (1, 4, 16)

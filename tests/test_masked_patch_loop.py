@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers.loop_runs import Recorder, weights
 from vitscale.data.corruption import corrupted_positions
 from vitscale.stages import build_pipeline
 from vitscale.stages.pretrain import pretraining_job
@@ -36,26 +36,6 @@ def job(url: str, **train: object) -> TrainJob:
                   "log_every": 1, "record_samples": True, **train},
         "cluster": {"num_workers": 1, "use_gpu": False},
     }))
-
-
-class Recorder:
-    """The launcher's report hook: every metric line, every checkpoint copied aside."""
-
-    def __init__(self, keep: Path):
-        self.keep = keep
-        keep.mkdir(parents=True, exist_ok=True)
-        self.metrics: list[dict] = []
-
-    def __call__(self, metrics: dict, checkpoint_dir: Path | None) -> None:
-        self.metrics.append(metrics)
-        if checkpoint_dir is not None:
-            shutil.copytree(checkpoint_dir, self.keep / f"checkpoint_{metrics['step']:09d}")
-
-
-def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    from vitscale.train.engine import consolidated_state_dict
-
-    return consolidated_state_dict(checkpoint / "deepspeed", "state")
 
 
 def test_the_stream_hands_each_sample_its_own_plan(images: str) -> None:

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.loop_runs import Recorder
+from helpers.loop_runs import weights as final_weights
 from vitscale.data.tools.write import write_dataset
 from vitscale.stages import build_pipeline
 from vitscale.stages.pretrain import pretraining_job
@@ -41,27 +43,6 @@ def tiny_config(url: str, **train: object) -> TrainJob:
                   "record_samples": True, **train},
         "cluster": {"num_workers": 1, "use_gpu": False},
     }))
-
-
-class Recorder:
-    """Stands in for the launcher's report hook: keeps every checkpoint a rank hands over."""
-
-    def __init__(self, keep: Path):
-        self.keep = keep
-        self.metrics: list[dict] = []
-
-    def __call__(self, metrics: dict, checkpoint_dir: Path | None) -> None:
-        import shutil
-
-        self.metrics.append(metrics)
-        if checkpoint_dir is not None:
-            shutil.copytree(checkpoint_dir, self.keep / f"checkpoint_{metrics['step']:09d}")
-
-
-def final_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    from vitscale.train.engine import consolidated_state_dict
-
-    return consolidated_state_dict(checkpoint / "deepspeed", "state")
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
