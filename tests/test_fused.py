@@ -114,3 +114,44 @@ def test_compile_settings_are_checked(key: str, value: str) -> None:
 
     with pytest.raises(ConfigError, match=f"train.{key}"):
         TrainConfig(**{key: value}).validate()
+
+
+def _zero3(leaves: bool, checkpointing: bool):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = create_model("ViT-Ti/8", num_classes=5, activation_checkpointing=checkpointing, **TINY)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    overrides = {} if leaves else {"zero_optimization": {"leaf_module": {"classes": []}}}
+    train = TrainConfig(global_batch=4, micro_batch=4, zero_stage=3, precision="fp32", grad_clip=1e-3,
+                        weight_decay=0.1, base_lr=1e-2, deepspeed=overrides)
+    return build_engine(model, train, deepspeed_config(train, derive_batch(4, 4, 1), on_gpu=False), on_gpu=False)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_zero_3_gathers_each_block_whole_and_trains_the_same(process_group: None, checkpointing: bool) -> None:
+    """ZeRO-3's hooks sit on each transformer block instead of each layer (`deepspeed_config`): fewer hooks,
+    the same partitioned parameters, the same steps (with activation checkpointing's recompute too)."""
+    from vitscale.train.engine import whole_weights
+
+    leaves, layers = _zero3(True, checkpointing), _zero3(False, checkpointing)
+    assert [type(m).__name__ for m in leaves.module.modules() if getattr(m, "_z3_leaf", False)] == ["Block"] * 2
+    assert not any(getattr(m, "_z3_leaf", False) for m in layers.module.modules())
+    assert all(p.ds_numel and p.numel() == 0 for p in leaves.module.parameters())  # still partitioned
+    for _ in range(3):
+        assert _step(leaves) and _step(layers)
+    with whole_weights(leaves) as a, whole_weights(layers) as b:
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+def test_zero_3_names_the_zoos_units_as_leaves() -> None:
+    from vitscale.models import REPEATED_UNITS, create_model as make
+
+    config = deepspeed_config(TrainConfig(zero_stage=3), derive_batch(4, 4, 1), on_gpu=True)
+    assert config["zero_optimization"]["leaf_module"] == {"classes": list(REPEATED_UNITS)}
+    for stage in (0, 1, 2):
+        assert "leaf_module" not in deepspeed_config(TrainConfig(zero_stage=stage), derive_batch(4, 4, 1),
+                                                     on_gpu=True)["zero_optimization"]
+    named = {f"{type(m).__module__}.{type(m).__qualname__}" for name in ("ViT-Ti/16", "R26x1", "R26x1+ViT-Ti/16")
+             for m in make(name, num_classes=2, img_size=32).modules()}
+    assert set(REPEATED_UNITS) <= named  # each unit exists in the zoo: no name DeepSpeed would fail to match

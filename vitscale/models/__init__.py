@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "create_from_meta": "factory",
     "create_model": "factory",
     "OPTIONS": "options",
+    "REPEATED_UNITS": "factory",
     "ModelConfig": "config",
     "model_meta": "factory",
     "resample_posemb": "posemb",
@@ -39,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "VisionTransformer": "vit",
 }
 __all__ = [
+    "REPEATED_UNITS",
     "OPTIONS",
     "LoadReport",
     "ModelConfig",
@@ -66,7 +68,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from vitscale.models.config import ModelConfig
-    from vitscale.models.factory import create_from_meta, create_model, model_meta
+    from vitscale.models.factory import REPEATED_UNITS, create_from_meta, create_model, model_meta
     from vitscale.models.options import OPTIONS, ResNetConfig, ViTConfig
     from vitscale.models.posemb import resample_posemb
     from vitscale.models.resnet import ResNetV2

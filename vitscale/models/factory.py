@@ -20,7 +20,8 @@ from vitscale.models.options import (
     ViTConfig,
     check_option_names,
 )
-from vitscale.models.resnet import ResNetV2
+from vitscale.models.layers import Block
+from vitscale.models.resnet import Bottleneck, PreActBottleneck, ResNetV2
 from vitscale.models.variants import (
     ModelSpec,
     model_names,
@@ -30,7 +31,12 @@ from vitscale.models.variants import (
 )
 from vitscale.models.vit import VisionTransformer
 
-__all__ = ["OPTIONS", "create_from_meta", "create_model", "model_meta", "model_names", "parse_model_name"]
+__all__ = ["OPTIONS", "REPEATED_UNITS", "create_from_meta", "create_model", "model_meta", "model_names", "parse_model_name"]
+
+REPEATED_UNITS: tuple[str, ...] = tuple(f"{unit.__module__}.{unit.__qualname__}"
+                                        for unit in (Block, PreActBottleneck, Bottleneck))
+"""Qualified class names of the modules every model of the zoo repeats: the transformer block and the two
+ResNet units. ZeRO-3 gathers each one's parameters at once (`train/engine.py`)."""
 
 
 def create_model(name: str, *, num_classes: int, img_size: int | None = None, **overrides: Any) -> nn.Module:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from vitscale.config.errors import UserError
+from vitscale.models import REPEATED_UNITS
 from vitscale.train.batch import BatchPlan
 from vitscale.train.config import TrainConfig
 from vitscale.train.deepspeed_keys import merge_overrides
@@ -36,6 +37,13 @@ def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool) -> d
     if train.zero_stage >= 1:
         # Bucketed, overlapped reduce-scatter: the defaults DeepSpeed recommends for data parallelism.
         zero.update({"overlap_comm": on_gpu, "contiguous_gradients": True, "reduce_scatter": True})
+    if train.zero_stage == 3:
+        # ZeRO-3 gathers parameters in hooks DeepSpeed puts around every module, each a few hundred
+        # microseconds of host work that a GPU waits on (ViT-B/16 has about 130 modules, so its forward
+        # took 86 ms against 23 ms at ZeRO 1 on an H200). Marked as leaves, a transformer block or ResNet
+        # unit is gathered whole by one hook: the same parameters partitioned and gathered, a block's worth
+        # alive at a time instead of a linear layer's. `benchmarks/host_cost.py` measures the hooks' cost.
+        zero["leaf_module"] = {"classes": list(REPEATED_UNITS)}
     if train.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
         if train.zero_stage == 3:
