@@ -159,8 +159,9 @@ def bench_vitscale(name: str, *, batch: int, steps: int, zero_stage: int, device
     from vitscale.models import create_model
     from vitscale.train.batch import derive_batch
     from vitscale.train.config import TrainConfig
-    from vitscale.train.engine import build_engine, deepspeed_config, optimizer_step
+    from vitscale.train.engine import build_engine, deepspeed_config
     from vitscale.train.step import Stepper
+    from vitscale.train.update import apply_update
 
     on_gpu = device.type == "cuda"
     resident = _release(device)
@@ -187,9 +188,8 @@ def bench_vitscale(name: str, *, batch: int, steps: int, zero_stage: int, device
         state["loss"], _ = stepper.objective.loss(engine, micro["image"], normalize_on_device(micro["image"],
                                                                                              stepper.dtype), micro)
 
-    def optimizer() -> None:
-        optimizer_step(engine, skip=False)
-        engine.get_global_grad_norm()
+    def optimizer() -> None:  # as `Stepper.step` ends: the update, then its one read of verdict and norm
+        apply_update(engine, loss=state["loss"].detach()).read()
 
     phases = _phases([forward, lambda: engine.backward(state["loss"]), optimizer], device)
     out = _result(name, batch, step_s, device, resident, img_size=img_size, options=options, loop="vitscale",

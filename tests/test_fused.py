@@ -1,5 +1,5 @@
 """The training path's fused pieces against DeepSpeed's own: the ZeRO 1/2 gradient norm in one
-multi-tensor kernel (`train/fused.py`), the one non-finite check (`engine.optimizer_step`), torch's fused
+multi-tensor kernel (`train/fused.py`), the one non-finite check (`train/update.py`), torch's fused
 optimizer on a GPU, and `train.compile`'s switch. Real DeepSpeed engines on a one-rank gloo group."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import torch
 from vitscale.models import create_model
 from vitscale.train.batch import derive_batch
 from vitscale.train.config import TrainConfig
-from vitscale.train.engine import build_engine, deepspeed_config, optimizer_step
+from vitscale.train.engine import build_engine, deepspeed_config
 from vitscale.train.optim import optimizer_for, param_groups
+from vitscale.train.update import optimizer_step
 
 pytest.importorskip("deepspeed")
 
@@ -29,6 +30,7 @@ def _engine(stage: int, grad_clip: float | None = 1e-3, fuse: bool = True,  # ty
     engine = build_engine(model, train, deepspeed_config(train, derive_batch(4, 4, 1), on_gpu=False), on_gpu=False)
     if not fuse:  # DeepSpeed's own per-parameter fp64 norm, as it ships
         engine.optimizer.__dict__.pop("get_grad_norm_direct", None)
+        engine.optimizer.__dict__.pop("unscale_and_clip_grads", None)
     return engine
 
 
@@ -145,7 +147,8 @@ def test_zero_3_gathers_each_block_whole_and_trains_the_same(process_group: None
 
 
 def test_zero_3_names_the_zoos_units_as_leaves() -> None:
-    from vitscale.models import REPEATED_UNITS, create_model as make
+    from vitscale.models import REPEATED_UNITS
+    from vitscale.models import create_model as make
 
     config = deepspeed_config(TrainConfig(zero_stage=3), derive_batch(4, 4, 1), on_gpu=True)
     assert config["zero_optimization"]["leaf_module"] == {"classes": list(REPEATED_UNITS)}

@@ -40,8 +40,8 @@ _EXPORTS: dict[str, str] = {
     "VisionTransformer": "vit",
 }
 __all__ = [
-    "REPEATED_UNITS",
     "OPTIONS",
+    "REPEATED_UNITS",
     "LoadReport",
     "ModelConfig",
     "ModelSpec",

@@ -12,6 +12,7 @@ from torch import nn
 
 from vitscale.config.checks import non_negative_int, positive_int
 from vitscale.models.hybrid import build_hybrid
+from vitscale.models.layers import Block
 from vitscale.models.options import (
     DIM_OPTIONS,
     OPTIONS,
@@ -20,7 +21,6 @@ from vitscale.models.options import (
     ViTConfig,
     check_option_names,
 )
-from vitscale.models.layers import Block
 from vitscale.models.resnet import Bottleneck, PreActBottleneck, ResNetV2
 from vitscale.models.variants import (
     ModelSpec,
@@ -31,7 +31,8 @@ from vitscale.models.variants import (
 )
 from vitscale.models.vit import VisionTransformer
 
-__all__ = ["OPTIONS", "REPEATED_UNITS", "create_from_meta", "create_model", "model_meta", "model_names", "parse_model_name"]
+__all__ = ["OPTIONS", "REPEATED_UNITS", "create_from_meta", "create_model", "model_meta", "model_names",
+           "parse_model_name"]
 
 REPEATED_UNITS: tuple[str, ...] = tuple(f"{unit.__module__}.{unit.__qualname__}"
                                         for unit in (Block, PreActBottleneck, Bottleneck))

@@ -27,7 +27,7 @@ from vitscale.models import REPEATED_UNITS
 from vitscale.train.batch import BatchPlan
 from vitscale.train.config import TrainConfig
 from vitscale.train.deepspeed_keys import merge_overrides
-from vitscale.train.fused import fuse_gradient_norm, fused_norm_installed
+from vitscale.train.fused import fuse_clipping, fuse_gradient_norm
 from vitscale.train.optim import ADAM_EPS, optimizer_for, param_groups
 
 
@@ -66,7 +66,7 @@ def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool) -> d
         "gradient_accumulation_steps": batch.grad_accum_steps,
         "zero_optimization": zero,
         # DeepSpeed's own non-finite check at ZeRO 1/2 is a loop of kernels over every gradient and a host
-        # sync per step; `optimizer_step` below makes the one check every stage shares (skip, count, stop).
+        # sync per step; `train/update.py` makes the one check every stage shares (skip, count, stop).
         "bf16": {"enabled": train.precision == "bf16", "check_grad_overflow": False},
         "steps_per_print": 10**9,  # vitscale prints its own progress lines
         "wall_clock_breakdown": False,
@@ -138,7 +138,8 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str
         model_parameters=groups if optimizer is None else None,
         config=dict(ds_config),
     )
-    fuse_gradient_norm(engine)
+    if fuse_gradient_norm(engine):
+        fuse_clipping(engine)
     if train.compiles(on_gpu):
         # The module inside the engine, compiled in place: parameter names, hooks and checkpoints unchanged.
         engine.compile(backend="inductor", compile_kwargs={"mode": train.compile_mode})
@@ -158,71 +159,6 @@ def whole_weights(engine: Any) -> Iterator[torch.nn.Module]:
             yield engine.module
     else:
         yield engine.module
-
-
-def optimizer_step(engine: Any, *, skip: bool) -> bool:
-    """The accumulation boundary's `engine.step()`; returns whether it changed the weights.
-
-    The update is not applied when `skip` is set (the loop saw a non-finite loss on some rank:
-    every rank passes the same value), when any rank's gradients are not finite, or when DeepSpeed
-    skips the step itself (fp16 loss-scale overflow, ZeRO-3's own non-finite check: counted in
-    `engine.skipped_steps`). The check sits on the innermost torch optimizer's `step`, the one call
-    that changes weights and optimizer state, so DeepSpeed's bookkeeping around it (gradient
-    buffers cleared, micro-step counters) runs as usual whatever the ZeRO stage. Every rank calls
-    that inner step, or none does (DeepSpeed decides overflow collectively), so the all-reduce
-    of the verdict inside it is safe. ZeRO 1/2 step each parameter group in turn: there the verdict
-    (`_refuse`) comes from the global norm at the first group and holds for all. It is the one non-finite
-    check of ZeRO 1/2 (DeepSpeed's own is switched off in `deepspeed_config`).
-    """
-    inner = engine.basic_optimizer
-    skipped_before = engine.skipped_steps
-    verdict: bool | None = None  # refused or not
-    whole = False  # the verdict came from the global norm: it holds for every group of this step
-    own = inner.__dict__.get("step")  # an instance-level step someone else installed, kept as it was
-    original = inner.step
-
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        nonlocal verdict, whole
-        if verdict is None or (not verdict and not whole):
-            # Without the global norm each group's gradients are checked as it comes; once refused, always.
-            verdict, whole = _refuse(engine, inner, skip)
-        return None if verdict else original(*args, **kwargs)
-
-    inner.step = guarded
-    try:
-        engine.step()
-    finally:
-        if own is None:
-            del inner.step
-        else:
-            inner.step = own
-    return not verdict and engine.skipped_steps == skipped_before and engine.was_step_applied()
-
-
-def _refuse(engine: Any, inner: Any, skip: bool) -> tuple[bool, bool]:
-    """Whether this step's update is refused on every rank (`skip`, or a gradient not finite on some rank),
-    and whether that verdict covers every parameter group (it came from the global norm).
-
-    ZeRO 1/2 compute the global gradient norm over every parameter group before the first group's update
-    (`fused.py`): one finite check of that norm covers them all, so no group is updated when another's
-    gradient is not finite. Elsewhere the gradients the inner optimizer is about to read are checked with
-    one multi-tensor norm (a non-finite entry makes its tensor's norm non-finite). Either way: one
-    all-reduce, one host sync.
-    """
-    on_gpu = torch.distributed.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    flag = torch.full((1,), float(skip), device=device)
-    norm = getattr(engine.optimizer, "_global_grad_norm", None) if fused_norm_installed(engine) else None
-    norms: torch.Tensor | None = None
-    if torch.is_tensor(norm):
-        norms = norm.reshape(1).to(device)
-    else:
-        grads = [p.grad for group in inner.param_groups for p in group["params"] if p.grad is not None]
-        norms = torch.stack([n.to(device) for n in torch._foreach_norm(grads)]) if grads else None
-    if norms is not None:
-        flag = torch.maximum(flag, (~torch.isfinite(norms)).any().to(flag.dtype).reshape(1))
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item() > 0), torch.is_tensor(norm)
 
 
 def set_lr(engine: Any, lr: float) -> None:

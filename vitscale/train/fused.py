@@ -1,4 +1,4 @@
-"""The global gradient norm of ZeRO 1/2 in one multi-tensor kernel instead of a loop over parameters.
+"""ZeRO 1/2's gradient norm in one multi-tensor kernel, and its clipping without a host sync.
 
 DeepSpeed's `DeepSpeedZeroOptimizer.get_grad_norm_direct` (ZeRO 1 and 2, the norm that clipping and
 `engine.get_global_grad_norm()` use) casts every parameter's gradient to fp64 and takes its norm one
@@ -8,6 +8,11 @@ parallelism, which vitscale's models do not use. `fuse_gradient_norm` replaces t
 engine's optimizer with `torch._foreach_norm` over the same gradients: the same L2 norm (accumulated
 in fp32 per tensor, then summed over tensors and ranks as DeepSpeed does), the same non-finite sentinel
 (-1), in one launch per dtype and no host sync.
+
+`fuse_clipping` replaces `unscale_and_clip_grads`, which DeepSpeed calls once per parameter group: its
+`is_invalid_grad_norm(norm)` reads the norm on the host (a sync per group, the GPU idle while the host
+then launches the update). The replacement computes the same clip coefficient, the same invalid-norm rule
+(an infinite norm) and the same multiply on the device.
 
 It leaves any other optimizer (stage 0, ZeRO-3, CPU offload, whose norm is computed on the host)
 as DeepSpeed built it, and leaves a method it does not recognise alone (a DeepSpeed release that
@@ -56,3 +61,31 @@ def fused_norm_installed(engine: Any) -> bool:
     """Whether `engine`'s optimizer computes its global gradient norm with `fuse_gradient_norm`'s kernel."""
     return "get_grad_norm_direct" in getattr(getattr(engine, "optimizer", None), "__dict__", {})
 
+
+
+def fuse_clipping(engine: Any) -> bool:
+    """Install DeepSpeed's clipping without its host read on `engine`'s ZeRO 1/2 optimizer (one with
+    `fuse_gradient_norm`'s norm); whether it was installed."""
+    optimizer: Any = getattr(engine, "optimizer", None)
+    if not fused_norm_installed(engine) or getattr(optimizer, "unscale_and_clip_grads", None) is None:
+        return False
+
+    def unscale_and_clip(grad_groups_flat: list[Any], total_norm: Any) -> None:
+        # DeepSpeed 0.19's `DeepSpeedZeroOptimizer.unscale_and_clip_grads`, op for op, so the gradients come
+        # out bit for bit the same; only the invalid-norm test stays a tensor instead of a Python bool.
+        if optimizer.clip_grad == 0.0 and optimizer.loss_scale == 1.0:
+            return
+        combined_scale: Any = optimizer.loss_scale
+        if optimizer.clip_grad > 0.0:
+            norm = total_norm if torch.is_tensor(total_norm) else torch.tensor(float(total_norm),
+                                                                                device=optimizer.device)
+            invalid = ~torch.isfinite(norm) | (norm < 0)  # DeepSpeed clips an invalid norm as an infinite one
+            clip_norm = torch.where(invalid, torch.full_like(norm, float("inf")), norm)
+            clip = ((clip_norm / optimizer.loss_scale) + 1e-6) / optimizer.clip_grad
+            combined_scale = torch.clamp(clip, min=1.0) * optimizer.loss_scale
+        for grad in grad_groups_flat:
+            for g in grad if isinstance(grad, list) else [grad]:
+                g.data.mul_(1.0 / combined_scale)
+
+    optimizer.unscale_and_clip_grads = unscale_and_clip
+    return True

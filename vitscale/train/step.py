@@ -5,15 +5,16 @@
 normalised there, forward and the objective's loss (`train/objective.py`: rows a corrupt sample refilled
 left out, uneven shares weighted), backward into DeepSpeed's accumulation, then one all-reduce that
 carries the loss, the objective's counts and the loop's per-step votes together, and the guarded
-optimizer step (`engine.optimizer_step`).
+optimizer step (`train/update.py`).
 
-Host syncs are what keep a GPU idle between kernels, so a step has few: the one all-reduce read back
-with a single `tolist`, the guard's verdict, and the gradient norm the metrics report.
+Host syncs are what keep a GPU idle between kernels, so a step has as few as the engine allows: at ZeRO
+1/2 on a GPU one, reading the all-reduced loss and votes, the update's verdict and the gradient norm
+together once the step's kernels are queued; elsewhere two more (the loss before the update, the
+verdict's all-reduce).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,8 +24,9 @@ import torch
 
 from vitscale.data.loader.transforms import normalize_on_device
 from vitscale.train.batch import BatchPlan, loss_weight
-from vitscale.train.engine import optimizer_step, set_lr
+from vitscale.train.engine import set_lr
 from vitscale.train.objective import Objective, Supervised
+from vitscale.train.update import apply_update
 
 
 @dataclass(frozen=True)
@@ -101,15 +103,8 @@ class Stepper:
         host = torch.tensor(votes(), dtype=torch.float32)
         reduced = torch.cat([step_loss.reshape(1).float(), tally, host.to(self.device)])
         torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.SUM)
-        total, hits, predicted, *summed = reduced.tolist()
-        loss_value = total / self.world_size
-        applied = optimizer_step(self.engine, skip=not math.isfinite(loss_value))
-        return StepOutcome(loss=loss_value, applied=applied, grad_norm=_as_float(self.engine.get_global_grad_norm()),
-                           votes=tuple(summed), keys=keys, data_wait_s=data_wait,
-                           patch_accuracy=hits / predicted if predicted else None)
-
-
-def _as_float(value: Any) -> float:
-    if value is None:
-        return float("nan")
-    return float(value.item() if torch.is_tensor(value) else value)
+        # The update reads the loss sum on the device where it can (`train/update.py`): then the step's one
+        # host sync is this read, after every kernel of the step is queued.
+        applied, grad_norm, (total, hits, predicted, *summed) = apply_update(self.engine, loss=reduced[0]).read(reduced)
+        return StepOutcome(loss=total / self.world_size, applied=applied, grad_norm=grad_norm, votes=tuple(summed),
+                           keys=keys, data_wait_s=data_wait, patch_accuracy=hits / predicted if predicted else None)

@@ -1,0 +1,155 @@
+"""The accumulation boundary's update: applied on every rank or on none, with one host sync where it can.
+
+A step's update is refused when the step's loss was not finite on some rank, when some rank's gradient is
+not finite, or when DeepSpeed skips it itself (fp16 loss-scale overflow, ZeRO-3's own non-finite check:
+counted in `engine.skipped_steps`). The check sits on the innermost torch optimizer's `step`, the one call
+that changes weights and optimizer state, so DeepSpeed's bookkeeping around it (gradient buffers cleared,
+micro-step counters) runs as usual whatever the ZeRO stage. It is the one non-finite check of ZeRO 1/2
+(DeepSpeed's own is switched off in `engine.deepspeed_config`).
+
+Two ways to decide, the same verdict:
+
+- **On the device** (ZeRO 1/2 with `fused.py`'s global norm and torch's fused optimizer, i.e. a GPU without
+  offload): the verdict is a 0/1 tensor the fused kernel reads as its `found_inf` (torch's AMP protocol:
+  the kernel leaves weights, moments and step counts as they were where it is 1). The global norm is
+  already summed over ranks and the loss already all-reduced, so every rank computes the same flag with no
+  collective, and nothing waits for the GPU until `Update.read`, the step's one host sync.
+- **On the host** everywhere else: the loss is read, the gradients the inner optimizer is about to use are
+  checked with one multi-tensor norm, the flag all-reduced (MAX) and read, and the inner step not called.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vitscale.train.fused import fused_norm_installed
+
+
+@dataclass(frozen=True)
+class Update:
+    """What one `apply_update` did, still on the device until `read`."""
+
+    refused: bool | torch.Tensor
+    """Whether vitscale's check refused the update: a host bool, or a 0/1 device flag (decided on the device)."""
+    deepspeed_applied: bool
+    """DeepSpeed's own verdict (its overflow skip), known on the host."""
+    grad_norm: Any
+    """The engine's global gradient norm before clipping: a tensor, a number, or None (not computed)."""
+
+    def read(self, *also: torch.Tensor) -> tuple[bool, float, list[float]]:
+        """(applied, grad_norm, `also`'s values): one host sync for all, `also` being 1-d tensors on the
+        device that the step wants on the host anyway (the loop's all-reduced loss and votes)."""
+        pending = {"refused": self.refused, "norm": self.grad_norm}
+        tensors = {k: v for k, v in pending.items() if torch.is_tensor(v)}
+        parts = [t.detach().reshape(1).float() for t in tensors.values()] + [t.detach().reshape(-1).float()
+                                                                             for t in also]
+        if parts:
+            device = parts[0].device
+            values = torch.cat([p.to(device) for p in parts]).tolist()
+            pending.update(zip(tensors, values))
+            values = values[len(tensors):]
+        else:
+            values = []
+        applied = not pending["refused"] and self.deepspeed_applied
+        norm = pending["norm"]
+        return applied, float("nan") if norm is None else float(norm), values
+
+
+def apply_update(engine: Any, *, loss: float | torch.Tensor) -> Update:
+    """The accumulation boundary's `engine.step()` with the one non-finite check.
+
+    `loss` is the step's loss as every rank sees it (all-reduced): a non-finite value refuses the update
+    everywhere. A tensor is not read on the host when the update can be decided on the device.
+    """
+    inner = engine.basic_optimizer
+    skipped_before = engine.skipped_steps
+    verdict: bool | torch.Tensor | None = None  # refused (host) or the device flag
+    whole = False  # the verdict came from the global norm: it holds for every group of this step
+    own = inner.__dict__.get("step")  # an instance-level step someone else installed, kept as it was
+    original = inner.step
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        nonlocal verdict, whole
+        if verdict is None and _decides_on_device(engine, inner):
+            verdict, whole = _device_verdict(engine, loss), True
+        if verdict is None or (verdict is False and not whole):
+            # Without the global norm each group's gradients are checked as it comes; once refused, always.
+            verdict, whole = _refuse(engine, inner, not _finite(loss))
+        if isinstance(verdict, torch.Tensor):
+            inner.found_inf = verdict
+            try:
+                return original(*args, **kwargs)
+            finally:
+                del inner.found_inf
+        return None if verdict else original(*args, **kwargs)
+
+    inner.step = guarded
+    try:
+        engine.step()
+    finally:
+        if own is None:
+            del inner.step
+        else:
+            inner.step = own
+    return Update(refused=False if verdict is None else verdict,
+                  deepspeed_applied=engine.skipped_steps == skipped_before and engine.was_step_applied(),
+                  grad_norm=engine.get_global_grad_norm())
+
+
+def optimizer_step(engine: Any, *, skip: bool) -> bool:
+    """`apply_update` with the loss's verdict known on the host (`skip`); whether the weights changed."""
+    applied, _, _ = apply_update(engine, loss=math.nan if skip else 0.0).read()
+    return applied
+
+
+def _finite(loss: float | torch.Tensor) -> bool:
+    return math.isfinite(float(loss.item()) if isinstance(loss, torch.Tensor) else float(loss))
+
+
+def _decides_on_device(engine: Any, inner: Any) -> bool:
+    """ZeRO 1/2's global norm is a device tensor every rank shares, and the inner optimizer is torch's fused
+    one, which takes a `found_inf` flag (`_step_supports_amp_scaling`)."""
+    norm = getattr(engine.optimizer, "_global_grad_norm", None)
+    return (fused_norm_installed(engine) and torch.is_tensor(norm)
+            and bool(getattr(inner, "_step_supports_amp_scaling", False)) and bool(inner.defaults.get("fused")))
+
+
+def _device_verdict(engine: Any, loss: float | torch.Tensor) -> torch.Tensor:
+    """1.0 where the global norm (summed over ranks, so the same on every rank) or the loss is not finite."""
+    norm = engine.optimizer._global_grad_norm.reshape(()).float()
+    bad = ~torch.isfinite(norm)
+    if isinstance(loss, torch.Tensor):
+        bad = bad | ~torch.isfinite(loss.detach().reshape(()).to(norm.device))
+    elif not math.isfinite(loss):
+        bad = torch.ones_like(bad)
+    return bad.float()
+
+
+def _refuse(engine: Any, inner: Any, skip: bool) -> tuple[bool, bool]:
+    """Whether this step's update is refused on every rank (`skip`, or a gradient not finite on some rank),
+    and whether that verdict covers every parameter group (it came from the global norm).
+
+    ZeRO 1/2 compute the global gradient norm over every parameter group before the first group's update
+    (`fused.py`): one finite check of that norm covers them all, so no group is updated when another's
+    gradient is not finite. Elsewhere the gradients the inner optimizer is about to read are checked with
+    one multi-tensor norm (a non-finite entry makes its tensor's norm non-finite). Either way: one
+    all-reduce, one host sync.
+    """
+    on_gpu = torch.distributed.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    flag = torch.full((1,), float(skip), device=device)
+    norm = getattr(engine.optimizer, "_global_grad_norm", None) if fused_norm_installed(engine) else None
+    norms: torch.Tensor | None = None
+    if torch.is_tensor(norm):
+        norms = norm.reshape(1).to(device)
+    else:
+        grads = [p.grad for group in inner.param_groups for p in group["params"] if p.grad is not None]
+        norms = torch.stack([n.to(device) for n in torch._foreach_norm(grads)]) if grads else None
+    if norms is not None:
+        flag = torch.maximum(flag, (~torch.isfinite(norms)).any().to(flag.dtype).reshape(1))
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item() > 0), torch.is_tensor(norm)
