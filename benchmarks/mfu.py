@@ -148,103 +148,143 @@ def _release(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device)
 
 
+class VitscaleStep:
+    """vitscale's training step as a worker runs it (engine + `Stepper`) on a fixed batch, and its phases.
+
+    `img_size` and `options` (model options such as depth or width) shape the model as in a pipeline's
+    `model:` section; `precision` and `fused` default to what the device trains with (bf16 and torch's
+    fused optimizer on a GPU)."""
+
+    def __init__(self, name: str, *, batch: int, zero_stage: int, device: torch.device,
+                 compile_model: bool | str = "auto", compile_mode: str = "default", img_size: int = 224,
+                 options: dict[str, Any] | None = None, deepspeed: dict[str, Any] | None = None,
+                 precision: str | None = None, fused: bool | None = None) -> None:
+        from vitscale.models import create_model
+        from vitscale.train.batch import derive_batch
+        from vitscale.train.config import TrainConfig
+        from vitscale.train.engine import build_engine, deepspeed_config
+        from vitscale.train.step import Stepper
+
+        on_gpu = device.type == "cuda"
+        self.precision = precision or ("bf16" if on_gpu else "fp32")
+        self.train = TrainConfig(global_batch=batch, micro_batch=batch, zero_stage=zero_stage,
+                                 precision=self.precision, weight_decay=0.1, compile=compile_model,
+                                 compile_mode=compile_mode, deepspeed=deepspeed or {})
+        self.train.validate()
+        self.compiled = self.train.compiles(on_gpu)
+        plan = derive_batch(batch, batch, 1)
+        torch.manual_seed(0)
+        model = create_model(name, num_classes=1000, img_size=img_size, **(options or {}))
+        self.engine = build_engine(model, self.train, deepspeed_config(self.train, plan, on_gpu=on_gpu),
+                                   on_gpu=on_gpu, fused=fused)
+        self.stepper = Stepper(self.engine, self.train, plan, device, world_size=1)
+        self.batches = _fixed_batch(batch, device, img_size)
+        self.micro = next(self.batches)
+        self.loss: torch.Tensor | None = None
+
+    def step(self) -> None:
+        self.stepper.step(self.batches, 1e-4)
+
+    def forward(self) -> None:
+        from vitscale.data.loader.transforms import normalize_on_device
+
+        image = self.micro["image"]
+        self.loss, _ = self.stepper.objective.loss(self.engine, image, normalize_on_device(image, self.stepper.dtype),
+                                                   self.micro)
+
+    def backward(self) -> None:
+        self.engine.backward(self.loss)
+
+    def update(self) -> None:  # as `Stepper.step` ends: the update, then its one read of verdict and norm
+        from vitscale.train.update import apply_update
+
+        assert self.loss is not None
+        apply_update(self.engine, loss=self.loss.detach()).read()
+
+    def phases(self) -> list[Callable[[], Any]]:
+        return [self.forward, self.backward, self.update]
+
+
 def bench_vitscale(name: str, *, batch: int, steps: int, zero_stage: int, device: torch.device,
                    compile_model: bool | str = "auto", compile_mode: str = "default",
                    profile: Path | None = None, img_size: int = 224, options: dict[str, Any] | None = None,
                    deepspeed: dict[str, Any] | None = None) -> dict:
-    """vitscale's training step (engine + `Stepper`, as the worker loop runs it) on a fixed batch.
-
-    `img_size` and `options` (model options such as depth or width) shape the model as in a pipeline's
-    `model:` section; the defaults are the paper's model at 224 px."""
-    from vitscale.models import create_model
-    from vitscale.train.batch import derive_batch
-    from vitscale.train.config import TrainConfig
-    from vitscale.train.engine import build_engine, deepspeed_config
-    from vitscale.train.step import Stepper
-    from vitscale.train.update import apply_update
-
-    on_gpu = device.type == "cuda"
+    """Images/s and phases of `VitscaleStep` (the paper's model at 224 px by default)."""
     resident = _release(device)
-    precision = "bf16" if on_gpu else "fp32"
-    train = TrainConfig(global_batch=batch, micro_batch=batch, zero_stage=zero_stage, precision=precision,
-                        weight_decay=0.1, compile=compile_model, compile_mode=compile_mode, deepspeed=deepspeed or {})
-    train.validate()
-    plan = derive_batch(batch, batch, 1)
-    torch.manual_seed(0)
-    model = create_model(name, num_classes=1000, img_size=img_size, **(options or {}))
-    engine = build_engine(model, train, deepspeed_config(train, plan, on_gpu=on_gpu), on_gpu=on_gpu)
-    stepper = Stepper(engine, train, plan, device, world_size=1)
-    batches = _fixed_batch(batch, device, img_size)
-    step_s = _time_steps(lambda: stepper.step(batches, 1e-4), steps, device)
+    run = VitscaleStep(name, batch=batch, zero_stage=zero_stage, device=device, compile_model=compile_model,
+                       compile_mode=compile_mode, img_size=img_size, options=options, deepspeed=deepspeed)
+    step_s = _time_steps(run.step, steps, device)
     if profile is not None:
-        _profile(lambda: stepper.step(batches, 1e-4), profile / "profile.md", f"{name}, ZeRO {zero_stage}")
+        _profile(run.step, profile / "profile.md", f"{name}, ZeRO {zero_stage}")
+    phases = _phases(run.phases(), device)
+    return _result(name, batch, step_s, device, resident, img_size=img_size, options=options, loop="vitscale",
+                   zero_stage=zero_stage, precision=run.precision, compiled=run.compiled, **phases)
 
-    micro = next(batches)
-    state: dict[str, Any] = {}
 
-    def forward() -> None:
+class PeerStep:
+    """The hand-written loop: the model (timm's, else vitscale's), `torch.compile`, fused AdamW over fp32
+    weights, bf16 autocast, no clipping. `bf16` and `fused` default to what a GPU gets (fp32 and torch's
+    default optimizer kernel on a CPU)."""
+
+    def __init__(self, name: str, *, batch: int, device: torch.device, timm_model: bool, compile_model: bool = True,
+                 img_size: int = 224, options: dict[str, Any] | None = None, bf16: bool | None = None,
+                 fused: bool | None = None) -> None:
+        from vitscale.models import create_model
+        from vitscale.train.optim import param_groups
+
+        on_gpu = device.type == "cuda"
+        torch.manual_seed(0)
+        if timm_model:
+            import timm
+
+            model = timm.create_model(TIMM_NAMES[name], num_classes=1000)
+        else:
+            model = create_model(name, num_classes=1000, img_size=img_size, **(options or {}))
+        model = model.to(device).train()
+        groups = param_groups(model, 0.1) if not timm_model else [
+            {"params": [p for p in model.parameters() if p.ndim > 1], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.ndim <= 1], "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(groups, lr=1e-4, fused=(on_gpu if fused is None else fused) or None)
+        self.model = torch.compile(model) if compile_model else model
+        self.bf16 = on_gpu if bf16 is None else bf16
+        self.precision = "bf16 autocast" if self.bf16 else "fp32"
+        self.micro = next(_fixed_batch(batch, device, img_size))
+        self.loss: torch.Tensor | None = None
+
+    def forward(self) -> None:
         from vitscale.data.loader.transforms import normalize_on_device
 
-        state["loss"], _ = stepper.objective.loss(engine, micro["image"], normalize_on_device(micro["image"],
-                                                                                             stepper.dtype), micro)
+        image = self.micro["image"]
+        with torch.autocast(image.device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext():
+            logits = self.model(normalize_on_device(image))
+        self.loss = torch.nn.functional.cross_entropy(logits.float(), self.micro["label"])
 
-    def optimizer() -> None:  # as `Stepper.step` ends: the update, then its one read of verdict and norm
-        apply_update(engine, loss=state["loss"].detach()).read()
+    def backward(self) -> None:
+        assert self.loss is not None
+        self.loss.backward()
 
-    phases = _phases([forward, lambda: engine.backward(state["loss"]), optimizer], device)
-    out = _result(name, batch, step_s, device, resident, img_size=img_size, options=options, loop="vitscale",
-                  zero_stage=zero_stage, precision=precision, compiled=train.compiles(on_gpu), **phases)
-    return out
+    def update(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        self.forward()
+        self.backward()
+        self.update()
+
+    def phases(self) -> list[Callable[[], Any]]:
+        return [self.forward, self.backward, self.update]
 
 
 def bench_peer(name: str, *, batch: int, steps: int, device: torch.device, timm_model: bool,
                compile_model: bool = True) -> dict:
-    """The hand-written loop: compiled model, fused AdamW over fp32 weights, bf16 autocast (fp32 on CPU)."""
-    from vitscale.data.loader.transforms import normalize_on_device
-    from vitscale.models import create_model
-    from vitscale.train.optim import param_groups
-
+    """Images/s and phases of `PeerStep` (the paper's model at 224 px)."""
     resident = _release(device)
-    torch.manual_seed(0)
-    if timm_model:
-        import timm
-
-        model = timm.create_model(TIMM_NAMES[name], num_classes=1000)
-    else:
-        model = create_model(name, num_classes=1000, img_size=224)
-    model = model.to(device).train()
-    on_gpu = device.type == "cuda"
-    groups = param_groups(model, 0.1) if not timm_model else [
-        {"params": [p for p in model.parameters() if p.ndim > 1], "weight_decay": 0.1},
-        {"params": [p for p in model.parameters() if p.ndim <= 1], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=1e-4, fused=on_gpu or None)
-    compiled = torch.compile(model) if compile_model else model
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext()
-    micro = next(_fixed_batch(batch, device))
-    state: dict[str, Any] = {}
-
-    def forward() -> None:
-        with autocast:
-            logits = compiled(normalize_on_device(micro["image"]))
-        state["loss"] = torch.nn.functional.cross_entropy(logits.float(), micro["label"])
-
-    def backward() -> None:
-        state["loss"].backward()
-
-    def update() -> None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    def step() -> None:
-        forward()
-        backward()
-        update()
-
-    step_s = _time_steps(step, steps, device)
-    phases = _phases([forward, backward, update], device)
-    out = _result(name, batch, step_s, device, resident, loop="peer: timm" if timm_model else "peer: vitscale model",
-                  zero_stage=None, precision="bf16 autocast" if on_gpu else "fp32", compiled=compile_model, **phases)
-    return out
+    run = PeerStep(name, batch=batch, device=device, timm_model=timm_model, compile_model=compile_model)
+    step_s = _time_steps(run.step, steps, device)
+    phases = _phases(run.phases(), device)
+    return _result(name, batch, step_s, device, resident, loop="peer: timm" if timm_model else "peer: vitscale model",
+                   zero_stage=None, precision=run.precision, compiled=compile_model, **phases)
 
 
 def _profile(step: Callable[[], Any], out: Path, title: str) -> None:

@@ -5,7 +5,11 @@ Real DeepSpeed engines on a one-rank gloo group."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,10 +21,13 @@ import vitscale.train.update as update_module
 from vitscale.models import create_model
 from vitscale.train.batch import derive_batch
 from vitscale.train.config import TrainConfig
-from vitscale.train.engine import build_engine, deepspeed_config
+from vitscale.train.engine import build_engine, deepspeed_config, whole_weights
 from vitscale.train.optim import optimizer_for
 from vitscale.train.step import Stepper
 from vitscale.train.update import apply_update
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers.gloo_ranks import launch_ranks  # noqa: E402
 
 pytest.importorskip("deepspeed")
 
@@ -41,7 +48,8 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _engine(monkeypatch: pytest.MonkeyPatch, stage: int, *, fused: bool = True, grad_clip: float | None = 1e-2) -> Any:
+def _engine(monkeypatch: pytest.MonkeyPatch, stage: int, *, fused: bool = True, grad_clip: float | None = 1e-2,
+            world: int = 1) -> Any:
     """A ZeRO engine whose inner optimizer is torch's fused AdamW, as on a GPU (`fused`), on CPU."""
     monkeypatch.setattr(engine_module, "optimizer_for",
                         lambda train, groups, fused=False, _f=fused: optimizer_for(train, groups, fused=_f))
@@ -50,9 +58,10 @@ def _engine(monkeypatch: pytest.MonkeyPatch, stage: int, *, fused: bool = True, 
     for p in model.parameters():  # the zero-initialised head would leave most gradients zero
         torch.nn.init.normal_(p, std=0.05)
     # bf16 as on a GPU: DeepSpeed's own overflow check (with its host read) is off, vitscale's is the only one.
-    train = TrainConfig(global_batch=4, micro_batch=4, zero_stage=stage, precision="bf16", grad_clip=grad_clip,
-                        weight_decay=0.1, base_lr=1e-2)
-    return build_engine(model, train, deepspeed_config(train, derive_batch(4, 4, 1), on_gpu=False), on_gpu=False)
+    train = TrainConfig(global_batch=4 * world, micro_batch=4, zero_stage=stage, precision="bf16",
+                        grad_clip=grad_clip, weight_decay=0.1, base_lr=1e-2)
+    plan = derive_batch(4 * world, 4, world)
+    return build_engine(model, train, deepspeed_config(train, plan, on_gpu=False), on_gpu=False)
 
 
 def _backward(engine: Any, seed: int, poison: str = "") -> torch.Tensor:
@@ -69,7 +78,7 @@ def _backward(engine: Any, seed: int, poison: str = "") -> torch.Tensor:
     return torch.tensor(float("nan")) if poison == "loss" else loss.detach()
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_device_and_host_verdicts_agree_step_for_step(process_group: None, monkeypatch: pytest.MonkeyPatch,
                                                       stage: int) -> None:
     device, host = _engine(monkeypatch, stage), _engine(monkeypatch, stage)
@@ -79,19 +88,23 @@ def test_device_and_host_verdicts_agree_step_for_step(process_group: None, monke
             monkeypatch.setattr(update_module, "_decides_on_device", lambda engine, inner: False)
         for seed, poison in enumerate(["", "gradient", "loss", "", ""]):
             update = apply_update(engine, loss=_backward(engine, seed, poison))
-            assert isinstance(update.refused, torch.Tensor) == (name == "device")
+            # On the device wherever the inner step ran (ZeRO 3 skips a non-finite norm before it, itself).
+            assert isinstance(update.refused, torch.Tensor) == (name == "device" and update.deepspeed_applied)
             seen[name].append(update.read()[0])
     assert seen["device"] == seen["host"] == [True, False, False, True, True]
-    for (name, p), q in zip(device.module.named_parameters(), host.module.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    with whole_weights(device) as a, whole_weights(host) as b:
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
     a, b = device.basic_optimizer.state, host.basic_optimizer.state
     for pa, pb in zip(a.values(), b.values()):  # the refused steps counted in neither optimizer
-        assert float(pa["step"]) == float(pb["step"]) == 3
+        # ZeRO 0's bf16 wrapper steps once with zero gradients when it is built (DeepSpeed's
+        # `initialize_optimizer_states`): its count starts at 1.
+        assert float(pa["step"]) == float(pb["step"]) == 3 + (stage == 0)
         torch.testing.assert_close(pa["exp_avg_sq"], pb["exp_avg_sq"], rtol=0, atol=0)
 
 
 def test_a_plain_optimizer_is_decided_on_the_host(process_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    for stage, fused in ((1, False), (0, True), (3, True)):
+    for stage, fused in ((0, False), (1, False), (3, False)):
         engine = _engine(monkeypatch, stage, fused=fused)
         update = apply_update(engine, loss=_backward(engine, 0))
         assert update.refused is False and update.read()[0], (stage, fused)
@@ -111,6 +124,29 @@ def test_sync_free_clipping_is_deepspeeds_bit_for_bit(process_group: None, monke
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
 
 
+def test_zero_0_in_bf16_steps_as_deepspeeds_own_without_its_reads(process_group: None,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's bf16 wrapper at ZeRO 0 reads every gradient on the host for overflow; vitscale's step
+    (`fused.fuse_bf16_step`) makes the same update (its norm in fp32 on the device, DeepSpeed's summed on
+    the host in double: the clip coefficients agree to rounding) with none, and refuses a non-finite one."""
+    ours, theirs = _engine(monkeypatch, 0), _engine(monkeypatch, 0)
+    assert type(theirs.optimizer).__name__ == "FP16_UnfusedOptimizer" and "step" in ours.optimizer.__dict__
+    del theirs.optimizer.step
+    for engine in (ours, theirs):
+        for seed, poison in enumerate(["", "", "gradient", ""]):
+            with HostReads() as counted:
+                applied, norm, _ = apply_update(engine, loss=_backward(engine, seed, poison)).read()
+            assert applied == (poison == ""), (seed, poison)
+            assert (norm > 1e-2) if applied else norm == float("inf")
+            if engine is ours:
+                assert counted.reads == ["tolist"]
+    for (name, p), q in zip(ours.module.named_parameters(), theirs.module.parameters()):
+        torch.testing.assert_close(p.float(), q.float(), rtol=0, atol=1e-6, msg=name)
+    for a, b in zip(ours.optimizer.fp32_groups, theirs.optimizer.fp32_groups):
+        for p, q in zip(a, b):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
 def _fixed(batch: int) -> Iterator[dict[str, Any]]:
     torch.manual_seed(0)
     micro = {"image": torch.randint(0, 256, (batch, 3, 16, 16), dtype=torch.uint8),
@@ -119,19 +155,59 @@ def _fixed(batch: int) -> Iterator[dict[str, Any]]:
         yield micro
 
 
-@pytest.mark.parametrize(("stage", "on_device", "reads"), [(1, True, 1), (2, True, 1), (1, False, 3)])
+@pytest.mark.parametrize(("stage", "on_device", "reads"),
+                         [(0, True, 1), (1, True, 1), (2, True, 1), (3, True, 2), (1, False, 3)])
 def test_a_step_reads_the_device_once_where_the_update_is_decided_there(
         process_group: None, monkeypatch: pytest.MonkeyPatch, stage: int, on_device: bool, reads: int) -> None:
-    """Each read is a host sync on a GPU: the GPU's ZeRO 1/2 step has one, at its end (the loss, votes,
-    verdict and norm together); a host-decided update adds the loss before it and the verdict's."""
+    """Each read is a host sync on a GPU: the GPU's ZeRO 0-2 step has one, at its end (the loss, votes,
+    verdict and norm together), ZeRO 3 one more (DeepSpeed's own finite check of its norm); a host-decided
+    update adds the loss before it and the verdict's."""
     engine = _engine(monkeypatch, stage)
     if not on_device:
         monkeypatch.setattr(update_module, "_decides_on_device", lambda engine, inner: False)
     train = TrainConfig(global_batch=4, micro_batch=4, zero_stage=stage, precision="bf16")
     stepper = Stepper(engine, train, derive_batch(4, 4, 1), torch.device("cpu"), world_size=1)
     batches = _fixed(4)
-    stepper.step(batches, 1e-3)  # the first step creates optimizer state
+    for _ in range(2):  # the first step creates optimizer state, the second checks ZeRO 3's trace on all ranks
+        stepper.step(batches, 1e-3)
     with HostReads() as counted:
         outcome = stepper.step(batches, 1e-3, votes=lambda: [1.0, 2.0])
     assert outcome.applied and outcome.votes == (1.0, 2.0) and outcome.grad_norm > 0
     assert len(counted.reads) == reads, counted.reads
+
+
+def ranks(out: Path, stage: int) -> None:
+    """One rank of `test_one_ranks_bad_gradient_refuses_the_update_on_every_rank` (run as a script)."""
+    from vitscale.train.engine import init_distributed
+
+    torch.distributed.init_process_group("gloo")
+    init_distributed(on_gpu=False)
+    rank = torch.distributed.get_rank()
+    engine = _engine(pytest.MonkeyPatch(), stage, world=torch.distributed.get_world_size())
+    applied, kinds = [], []
+    for step, poison in enumerate(["", "gradient", ""]):
+        # Each rank its own data (so the gradients differ before averaging); rank 1 alone poisoned.
+        update = apply_update(engine, loss=_backward(engine, 10 * step + rank, poison if rank == 1 else ""))
+        kinds.append(type(update.refused).__name__)
+        applied.append(update.read()[0])
+    with whole_weights(engine) as model:
+        weights = [float(p.double().sum()) for p in model.parameters()]
+    (out / f"rank{rank}.json").write_text(json.dumps({"applied": applied, "kinds": kinds, "weights": weights}))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_one_ranks_bad_gradient_refuses_the_update_on_every_rank(tmp_path: Path, stage: int) -> None:
+    """Two gloo ranks on the device path: a NaN in one rank's gradient reaches the other through the averaged
+    gradients and the global norm, so both refuse that step with no collective of their own, and both
+    apply the others; the ranks' weights stay identical."""
+    launch_ranks(__file__, tmp_path, 2, str(tmp_path), str(stage), timeout_s=240)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert seen[0]["applied"] == seen[1]["applied"] == [True, False, True]
+    if stage != 3:  # ZeRO 3 skips the non-finite step itself, before the inner step
+        assert seen[0]["kinds"] == seen[1]["kinds"] == ["Tensor"] * 3
+    assert seen[0]["weights"] == seen[1]["weights"]
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    ranks(Path(sys.argv[1]), int(sys.argv[2]))

@@ -27,7 +27,7 @@ from vitscale.models import REPEATED_UNITS
 from vitscale.train.batch import BatchPlan
 from vitscale.train.config import TrainConfig
 from vitscale.train.deepspeed_keys import merge_overrides
-from vitscale.train.fused import fuse_clipping, fuse_gradient_norm
+from vitscale.train.fused import fuse_bf16_step, fuse_clipping, fuse_gradient_norm
 from vitscale.train.optim import ADAM_EPS, optimizer_for, param_groups
 
 
@@ -115,13 +115,15 @@ def init_distributed(on_gpu: bool) -> None:
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
 
 
-def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str, Any], *, on_gpu: bool) -> Any:
+def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str, Any], *, on_gpu: bool,
+                 fused: bool | None = None) -> Any:
     """Wrap `model` in a DeepSpeed engine with `train`'s optimizer over its decay groups, and `ds_config`.
 
     The optimizer is the torch one `optimizer_for` builds from the typed config (torch's fused kernel
     on a GPU, the same update as the plain one on CPU; nothing for DeepSpeed to build), except with CPU
     offload of AdamW, where DeepSpeed builds its DeepSpeedCPUAdam from `ds_config["optimizer"]`. With
-    `train.compiles(on_gpu)` the module is compiled inside the engine.
+    `train.compiles(on_gpu)` the module is compiled inside the engine. `fused` forces the optimizer's
+    kernel either way (`benchmarks/host_cost.py` runs a GPU's update path on the CPU with it).
     """
     deepspeed = _deepspeed()
 
@@ -130,7 +132,7 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str
     groups = param_groups(model, train.weight_decay)
     # On a GPU the update is torch's fused kernel (one launch over the flat fp32 partition ZeRO hands it);
     # optimizer state stays on the device, so a host-offloaded optimizer keeps the plain one.
-    fused = on_gpu and not train.offload
+    fused = on_gpu and not train.offload if fused is None else fused
     optimizer = None if "optimizer" in ds_config else optimizer_for(train, groups, fused=fused)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
@@ -140,6 +142,7 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str
     )
     if fuse_gradient_norm(engine):
         fuse_clipping(engine)
+    fuse_bf16_step(engine)
     if train.compiles(on_gpu):
         # The module inside the engine, compiled in place: parameter names, hooks and checkpoints unchanged.
         engine.compile(backend="inductor", compile_kwargs={"mode": train.compile_mode})

@@ -1,4 +1,4 @@
-"""ZeRO 1/2's gradient norm in one multi-tensor kernel, and its clipping without a host sync.
+"""The optimizer step's norm, clipping and copies in multi-tensor kernels without host syncs, ZeRO 0-2.
 
 DeepSpeed's `DeepSpeedZeroOptimizer.get_grad_norm_direct` (ZeRO 1 and 2, the norm that clipping and
 `engine.get_global_grad_norm()` use) casts every parameter's gradient to fp64 and takes its norm one
@@ -14,9 +14,18 @@ in fp32 per tensor, then summed over tensors and ranks as DeepSpeed does), the s
 then launches the update). The replacement computes the same clip coefficient, the same invalid-norm rule
 (an infinite norm) and the same multiply on the device.
 
-It leaves any other optimizer (stage 0, ZeRO-3, CPU offload, whose norm is computed on the host)
-as DeepSpeed built it, and leaves a method it does not recognise alone (a DeepSpeed release that
-renamed it keeps its own, slower norm: correct either way).
+`fuse_bf16_step` does the same for ZeRO 0 in bf16, where DeepSpeed wraps the optimizer in its
+`FP16_UnfusedOptimizer`: that step checks every gradient for overflow with a host read each (152 for
+ViT-B/16, although `bf16.check_grad_overflow` is off) and sums the norm on the host. The replacement: the
+same fp32 master gradients, one multi-tensor norm, the same clip, the inner step, one multi-tensor copy
+back to the bf16 weights, no host read; a non-finite gradient is refused by `train/update.py`'s one check
+instead of DeepSpeed's overflow skip.
+
+Each installer marks the optimizer (`GLOBAL_NORM`): its `_global_grad_norm` is then this step's norm over
+every group and rank, on the device, before the inner optimizer steps (what `train/update.py` decides
+from). It leaves any other optimizer (ZeRO-3, CPU offload, whose norm is computed on the host) as
+DeepSpeed built it, and leaves a method it does not recognise alone (a DeepSpeed release that renamed it
+keeps its own, slower path: correct either way).
 """
 
 from __future__ import annotations
@@ -24,6 +33,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+GLOBAL_NORM = "vitscale_global_norm"
+"""The attribute marking an optimizer whose `_global_grad_norm` one of these installers computes."""
 
 
 def fuse_gradient_norm(engine: Any) -> bool:
@@ -54,12 +66,13 @@ def fuse_gradient_norm(engine: Any) -> bool:
         return total.sqrt().nan_to_num_(nan=-1.0, posinf=-1.0, neginf=-1.0)
 
     optimizer.get_grad_norm_direct = grad_norm
+    setattr(optimizer, GLOBAL_NORM, True)
     return True
 
 
 def fused_norm_installed(engine: Any) -> bool:
-    """Whether `engine`'s optimizer computes its global gradient norm with `fuse_gradient_norm`'s kernel."""
-    return "get_grad_norm_direct" in getattr(getattr(engine, "optimizer", None), "__dict__", {})
+    """Whether `engine`'s optimizer computes its global gradient norm with one of these installers' kernels."""
+    return bool(getattr(getattr(engine, "optimizer", None), "__dict__", {}).get(GLOBAL_NORM))
 
 
 
@@ -88,4 +101,49 @@ def fuse_clipping(engine: Any) -> bool:
                 g.data.mul_(1.0 / combined_scale)
 
     optimizer.unscale_and_clip_grads = unscale_and_clip
+    return True
+
+
+def fuse_bf16_step(engine: Any) -> bool:
+    """Install the sync-free step on `engine`'s ZeRO 0 bf16 wrapper (DeepSpeed's `FP16_UnfusedOptimizer` with a
+    static loss scale, no model parallelism); whether it was installed."""
+    optimizer: Any = getattr(engine, "optimizer", None)
+    if (type(optimizer).__name__ != "FP16_UnfusedOptimizer" or getattr(optimizer, "fused_lamb_legacy", True)
+            or getattr(optimizer, "mpu", None) is not None
+            or getattr(getattr(optimizer, "loss_scale_config", None), "dynamic_loss_scale", True)):
+        return False
+
+    def step(closure: Any = None) -> bool:
+        low = [p for group in optimizer.fp16_groups for p in group]
+        master = [p for group in optimizer.fp32_groups for p in group]  # copied into in place when loaded
+        # Data parallelism has already averaged the gradients over ranks (the engine's backward): every rank's
+        # norm is the global one, with no collective.
+        grads = [p.grad for p in low if p.grad is not None]
+        device = master[0].device
+        if grads:
+            norm = torch.stack([n.to(device) for n in torch._foreach_norm(grads, 2.0, dtype=torch.float32)])
+            # DeepSpeed reports a step it skipped for a non-finite gradient with an infinite norm.
+            norm = norm.square().sum().sqrt().nan_to_num(nan=float("inf"))
+        else:
+            norm = torch.zeros((), dtype=torch.float32, device=device)
+        for p32, p16 in zip(master, low):  # DeepSpeed's fp32 master gradients (zeros for a parameter without one)
+            p32.grad = torch.zeros_like(p32) if p16.grad is None else p16.grad.to(p32.dtype)
+        optimizer._global_grad_norm = norm
+        optimizer.overflow = False
+        optimizer._update_scale(False)
+        scale = optimizer.loss_scale_config.cur_scale
+        combined: Any = scale
+        if optimizer.clip_grad > 0.0:  # DeepSpeed's rule: scale down only when the norm exceeds the clip
+            clip = ((norm / scale) + 1e-6) / optimizer.clip_grad
+            combined = torch.clamp(clip, min=1.0) * scale
+        if optimizer.clip_grad > 0.0 or scale != 1.0:
+            torch._foreach_mul_([p.grad for p in master], 1.0 / combined)
+        optimizer.optimizer.step()
+        for p32 in master:
+            p32.grad = None
+        torch._foreach_copy_([p.data for p in low], [p.data for p in master])
+        return False
+
+    optimizer.step = step
+    setattr(optimizer, GLOBAL_NORM, True)
     return True

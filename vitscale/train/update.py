@@ -4,16 +4,17 @@ A step's update is refused when the step's loss was not finite on some rank, whe
 not finite, or when DeepSpeed skips it itself (fp16 loss-scale overflow, ZeRO-3's own non-finite check:
 counted in `engine.skipped_steps`). The check sits on the innermost torch optimizer's `step`, the one call
 that changes weights and optimizer state, so DeepSpeed's bookkeeping around it (gradient buffers cleared,
-micro-step counters) runs as usual whatever the ZeRO stage. It is the one non-finite check of ZeRO 1/2
-(DeepSpeed's own is switched off in `engine.deepspeed_config`).
+micro-step counters) runs as usual whatever the ZeRO stage. It is the one non-finite check of ZeRO 0-2
+(DeepSpeed's own is switched off in `engine.deepspeed_config` or replaced in `fused.py`).
 
 Two ways to decide, the same verdict:
 
-- **On the device** (ZeRO 1/2 with `fused.py`'s global norm and torch's fused optimizer, i.e. a GPU without
-  offload): the verdict is a 0/1 tensor the fused kernel reads as its `found_inf` (torch's AMP protocol:
-  the kernel leaves weights, moments and step counts as they were where it is 1). The global norm is
-  already summed over ranks and the loss already all-reduced, so every rank computes the same flag with no
-  collective, and nothing waits for the GPU until `Update.read`, the step's one host sync.
+- **On the device** (a global norm computed before the update, `_global_norm`: ZeRO 0-2 with `fused.py`'s
+  kernels and ZeRO 3's own; and torch's fused optimizer, i.e. a GPU without offload): the verdict is a 0/1
+  tensor the fused kernel reads as its `found_inf` (torch's AMP protocol: the kernel leaves weights, moments
+  and step counts as they were where it is 1). The global norm is already summed over ranks and the loss
+  already all-reduced, so every rank computes the same flag with no collective, and nothing waits for the
+  GPU until `Update.read`, the step's one host sync (ZeRO 3 adds DeepSpeed's own check of its norm).
 - **On the host** everywhere else: the loss is read, the gradients the inner optimizer is about to use are
   checked with one multi-tensor norm, the flag all-reduced (MAX) and read, and the inner step not called.
 """
@@ -110,17 +111,27 @@ def _finite(loss: float | torch.Tensor) -> bool:
     return math.isfinite(float(loss.item()) if isinstance(loss, torch.Tensor) else float(loss))
 
 
+def _global_norm(engine: Any) -> torch.Tensor | None:
+    """This step's gradient norm over every parameter group and rank, where the engine computes it before the
+    first inner step: ZeRO 0-2 with `fused.py`'s kernels, and ZeRO 3's own (which has already skipped a step
+    whose norm is not finite, so there only the loss can refuse). None elsewhere."""
+    optimizer = getattr(engine, "optimizer", None)
+    if fused_norm_installed(engine) or type(optimizer).__name__ == "DeepSpeedZeroOptimizer_Stage3":
+        norm = getattr(optimizer, "_global_grad_norm", None)
+        return norm if torch.is_tensor(norm) else None
+    return None
+
+
 def _decides_on_device(engine: Any, inner: Any) -> bool:
-    """ZeRO 1/2's global norm is a device tensor every rank shares, and the inner optimizer is torch's fused
-    one, which takes a `found_inf` flag (`_step_supports_amp_scaling`)."""
-    norm = getattr(engine.optimizer, "_global_grad_norm", None)
-    return (fused_norm_installed(engine) and torch.is_tensor(norm)
-            and bool(getattr(inner, "_step_supports_amp_scaling", False)) and bool(inner.defaults.get("fused")))
+    """The global norm is a device tensor every rank shares, and the inner optimizer is torch's fused one,
+    which takes a `found_inf` flag (`_step_supports_amp_scaling`)."""
+    return (_global_norm(engine) is not None and bool(getattr(inner, "_step_supports_amp_scaling", False))
+            and bool(inner.defaults.get("fused")))
 
 
 def _device_verdict(engine: Any, loss: float | torch.Tensor) -> torch.Tensor:
     """1.0 where the global norm (summed over ranks, so the same on every rank) or the loss is not finite."""
-    norm = engine.optimizer._global_grad_norm.reshape(()).float()
+    norm = engine.optimizer._global_grad_norm.detach().reshape(()).float()
     bad = ~torch.isfinite(norm)
     if isinstance(loss, torch.Tensor):
         bad = bad | ~torch.isfinite(loss.detach().reshape(()).to(norm.device))
@@ -133,8 +144,8 @@ def _refuse(engine: Any, inner: Any, skip: bool) -> tuple[bool, bool]:
     """Whether this step's update is refused on every rank (`skip`, or a gradient not finite on some rank),
     and whether that verdict covers every parameter group (it came from the global norm).
 
-    ZeRO 1/2 compute the global gradient norm over every parameter group before the first group's update
-    (`fused.py`): one finite check of that norm covers them all, so no group is updated when another's
+    ZeRO 0-3 compute the global gradient norm over every parameter group before the first group's update
+    (`_global_norm`): one finite check of that norm covers them all, so no group is updated when another's
     gradient is not finite. Elsewhere the gradients the inner optimizer is about to read are checked with
     one multi-tensor norm (a non-finite entry makes its tensor's norm non-finite). Either way: one
     all-reduce, one host sync.
@@ -142,7 +153,7 @@ def _refuse(engine: Any, inner: Any, skip: bool) -> tuple[bool, bool]:
     on_gpu = torch.distributed.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     flag = torch.full((1,), float(skip), device=device)
-    norm = getattr(engine.optimizer, "_global_grad_norm", None) if fused_norm_installed(engine) else None
+    norm = _global_norm(engine)
     norms: torch.Tensor | None = None
     if torch.is_tensor(norm):
         norms = norm.reshape(1).to(device)

@@ -1,0 +1,124 @@
+"""The host's share of a training step, measured on a CPU: vitscale's step at ZeRO 0-3 beside the hand-written loop.
+
+    python benchmarks/host_cost.py [--zero-stages 0 1 2 3] [--width 48] [--steps 20] [--per-layer-hooks]
+
+A GPU step runs at the GPU's speed only when the host queues its kernels faster than the GPU runs them and
+never waits for the GPU in between. Both are properties of the host's side, so both can be measured without
+a GPU. The model has ViT-B/16's layout (12 blocks, 152 parameter tensors, 12 heads, 16-px patches) at a
+width of 48 on 32-px images, so that a phase's time is the Python, hook and dispatch work of the step rather
+than its arithmetic; and every read of a tensor on the host (`item`, `tolist`, a tensor's truth value or
+float: on a GPU each one waits for every kernel queued before it) is counted, per phase and per step.
+
+vitscale's side runs the path a GPU trains on (`benchmarks/mfu.py`'s `VitscaleStep`): bf16, torch's fused
+optimizer (its CPU kernel here), DeepSpeed's engine at each ZeRO stage, the worker's own `Stepper`; eager,
+as compiling changes the kernels, not the host's bookkeeping around them. The peer (`PeerStep`): the same
+model, bf16 autocast, fused AdamW, no clipping, one process, no DeepSpeed. `--per-layer-hooks` adds ZeRO 3
+with its hooks on every layer, as DeepSpeed ships it (vitscale gathers a block at a time: `train/engine.py`).
+
+One thread, so that the figures do not depend on how many cores the machine lends. Targets (the GPU's,
+`benchmarks/mfu.py`): ZeRO 1 and 2 within the peer's reads (one per step); ZeRO 3's host time within 15% of
+ZeRO 1's where it is hidden under the GPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mfu import PeerStep, VitscaleStep, _init_process_group, _phases, _time_steps
+
+LAYOUT = "ViT-B/16"
+READS = frozenset({"item", "tolist", "__bool__", "__float__", "__int__", "__index__"})
+"""Tensor methods that bring a value to the host: a device sync each on a GPU."""
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the tensor-to-host reads made inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") in READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def count_reads(call: Callable[[], Any]) -> int:
+    """How many host reads one `call()` makes."""
+    with HostReads() as counted:
+        call()
+    return len(counted.reads)
+
+
+def measure(label: str, run: Any, *, steps: int, zero_stage: int | None) -> dict[str, Any]:
+    """Median step and phase times (ms) of `run` (a `VitscaleStep` or `PeerStep`) and its reads per phase."""
+    step_ms = 1e3 * _time_steps(run.step, steps, torch.device("cpu"))
+    phases = _phases(run.phases(), torch.device("cpu"), repeats=max(5, steps // 2))
+    reads = [count_reads(phase) for phase in run.phases()]
+    return {"loop": label, "zero_stage": zero_stage, "step_ms": step_ms, **phases,
+            "reads_per_step": count_reads(run.step), "reads_forward": reads[0], "reads_backward": reads[1],
+            "reads_update": reads[2]}
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    peer = next((r["step_ms"] for r in rows if r["zero_stage"] is None), None)
+    lines = ["| loop | ZeRO | step ms | vs peer | forward ms | backward ms | update ms | host reads per step "
+             "(forward / backward / update) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ratio = f"{r['step_ms'] / peer:.2f}x" if peer else "-"
+        stage = "" if r["zero_stage"] is None else str(r["zero_stage"])
+        lines.append(f"| {r['loop']} | {stage} | {r['step_ms']:.2f} | {ratio} | {r['forward_ms']:.2f} | "
+                     f"{r['backward_ms']:.2f} | {r['optimizer_ms']:.2f} | {r['reads_per_step']} "
+                     f"({r['reads_forward']} / {r['reads_backward']} / {r['reads_update']}) |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--zero-stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3],
+                        help="ZeRO stages of vitscale's step to measure")
+    parser.add_argument("--width", type=int, default=48, help="the model's width (a multiple of its 12 heads)")
+    parser.add_argument("--batch", type=int, default=2, help="images per step")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per measurement (after 3 warm-up)")
+    parser.add_argument("--per-layer-hooks", action="store_true",
+                        help="also ZeRO 3 with DeepSpeed's hooks on every layer (its default)")
+    parser.add_argument("--json", action="store_true", help="print the rows as one JSON document at the end")
+    args = parser.parse_args(argv)
+    if args.width % 12:
+        parser.error(f"--width {args.width}: must be a multiple of the layout's 12 heads")
+
+    torch.set_num_threads(1)
+    _init_process_group()
+    options = {"width": args.width, "mlp_dim": 2 * args.width}
+    shape = {"batch": args.batch, "img_size": 32, "options": options}
+    rows = [measure("peer: hand-written", PeerStep(LAYOUT, device=torch.device("cpu"), timm_model=False,
+                                                   compile_model=False, bf16=True, fused=True, **shape),
+                    steps=args.steps, zero_stage=None)]
+    plans: list[tuple[str, int, dict[str, Any]]] = [("vitscale", stage, {}) for stage in args.zero_stages]
+    if args.per_layer_hooks:
+        plans.append(("vitscale, hooks per layer", 3, {"zero_optimization": {"leaf_module": {"classes": []}}}))
+    for label, stage, deepspeed in plans:
+        run = VitscaleStep(LAYOUT, zero_stage=stage, device=torch.device("cpu"), compile_model=False,
+                           precision="bf16", fused=True, deepspeed=deepspeed, **shape)
+        rows.append(measure(label, run, steps=args.steps, zero_stage=stage))
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{LAYOUT}'s layout at width {args.width}, {args.batch} images of 32 px, one CPU thread, "
+          f"median of {args.steps} steps:")
+    print("\n".join(table(rows)))
+    if args.json:
+        print(json.dumps(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
