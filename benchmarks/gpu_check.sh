@@ -7,7 +7,7 @@
 # pydantic and its core, hjson, simplejpeg, boto3 and its parts): `make gpu-wheels` fetches them. Then,
 # in order of what matters most, each with its own time limit so one slow part cannot eat the others:
 #   1. benchmarks/mfu.py: vitscale's training step against the hand-written peer (timm + compile + fused
-#      AdamW + bf16 autocast) for ViT-B/16 at ZeRO 1, 2 and 3 (with a torch.profiler summary) and ViT-L/16
+#      AdamW + bf16 autocast) for ViT-B/16 at ZeRO 1, 2, 3 and 0 (with a torch.profiler summary) and ViT-L/16
 #      at ZeRO 1, with the forward / backward / optimizer phases;
 #   2. benchmarks/train_data.py: the real worker loop on >= 20,000 JPEGs written here, against the fixed batch;
 #   3. the GPU tests (bf16 over NCCL at ZeRO 0-3, compiled, exact resume).
@@ -30,7 +30,7 @@ stamp "machine"; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.
 $python -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)" 2>&1 | tail -1
 
 stamp "mfu ViT-B/16"
-timeout 220 $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 2 3 --peer --steps 20 \
+timeout 250 $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 2 3 0 --peer --steps 20 \
   --profile "$out" --out "$out/mfu_b16.json" 2>&1 | tee "$out/mfu_b16.log" | grep -v '^{'
 stamp "mfu ViT-L/16"
 timeout 110 $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 1 --peer --steps 12 \
