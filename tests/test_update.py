@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 import vitscale.train.engine as engine_module
 import vitscale.train.update as update_module
+from helpers.gloo_ranks import launch_ranks
 from vitscale.models import create_model
 from vitscale.train.batch import derive_batch
 from vitscale.train.config import TrainConfig
@@ -25,9 +26,6 @@ from vitscale.train.engine import build_engine, deepspeed_config, whole_weights
 from vitscale.train.optim import optimizer_for
 from vitscale.train.step import Stepper
 from vitscale.train.update import apply_update
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers.gloo_ranks import launch_ranks  # noqa: E402
 
 pytest.importorskip("deepspeed")
 
