@@ -10,7 +10,9 @@
 #      AdamW + bf16 autocast) for ViT-B/16 at ZeRO 1, 2, 3 and 0 (with a torch.profiler summary) and ViT-L/16
 #      at ZeRO 1, with the forward / backward / optimizer phases;
 #   2. benchmarks/train_data.py: the real worker loop on >= 20,000 JPEGs written here, against the fixed batch;
-#   3. the GPU tests (bf16 over NCCL at ZeRO 0-3, compiled, exact resume).
+#   3. the GPU tests (bf16 over NCCL at ZeRO 0-3, compiled, exact resume);
+#   4. last, with what time is left: ViT-B/16 at ZeRO 1 compiled with CUDA graphs (`train.compile_mode:
+#      reduce-overhead`), to see whether they fit around DeepSpeed's hooks.
 # Tables and logs land in OUT_DIR; the last lines printed are the tables.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,4 +42,7 @@ timeout 150 $python benchmarks/train_data.py --steps 50 --fixed-steps 10 --decod
 stamp "gpu tests"
 timeout 75 $python -m pytest -m gpu tests/test_gpu_training.py tests/test_flops.py -q -x -p no:cacheprovider 2>&1 \
   | tee "$out/gpu_tests.log" | tail -8
+stamp "mfu ViT-B/16, CUDA graphs"
+timeout 80 $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 --compile-mode reduce-overhead --steps 12 \
+  --out "$out/mfu_b16_graphs.json" 2>&1 | tee "$out/mfu_b16_graphs.log" | grep -v '^{' | tail -6
 stamp "done"
