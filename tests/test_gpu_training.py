@@ -107,3 +107,34 @@ def test_bf16_training_on_cuda_checkpoints_and_resumes(tmp_path: Path, dataset: 
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     print(f"ZeRO {stage}: largest weight difference resumed vs uninterrupted {worst:.3g}")
     assert worst <= 1e-4, worst
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_the_update_is_queued_without_waiting_for_the_gpu(nccl_group: None, stage: int) -> None:
+    """At ZeRO 0-2 the update (norm, clip, verdict, fused AdamW, copies back) makes no host sync: CUDA's sync
+    debug mode raises on any. The verdict is read afterwards, once, with the norm."""
+    from vitscale.models import create_model
+    from vitscale.train.batch import derive_batch
+    from vitscale.train.config import TrainConfig
+    from vitscale.train.engine import build_engine, deepspeed_config
+    from vitscale.train.update import apply_update
+
+    train = TrainConfig(global_batch=8, micro_batch=8, zero_stage=stage, precision="bf16", grad_clip=1.0)
+    torch.manual_seed(0)
+    model = create_model("ViT-Ti/8", num_classes=5, img_size=32, depth=2, width=64, mlp_dim=128, heads=2)
+    engine = build_engine(model, train, deepspeed_config(train, derive_batch(8, 8, 1), on_gpu=True), on_gpu=True)
+    device = torch.device("cuda", torch.cuda.current_device())
+    for poison in ("", "", "gradient", ""):
+        images = torch.randn(8, 3, 32, 32, device=device, dtype=torch.bfloat16)
+        loss = torch.nn.functional.cross_entropy(engine(images).float(), torch.randint(0, 5, (8,), device=device))
+        if poison:
+            loss = loss * float("inf")
+        engine.backward(loss)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            update = apply_update(engine, loss=loss.detach())
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        applied, norm, _ = update.read()
+        assert applied == (not poison) and (norm > 0 if applied else True), (poison, applied, norm)
