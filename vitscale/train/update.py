@@ -148,7 +148,8 @@ def _refuse(engine: Any, inner: Any, skip: bool) -> tuple[bool, bool]:
     (`_global_norm`): one finite check of that norm covers them all, so no group is updated when another's
     gradient is not finite. Elsewhere the gradients the inner optimizer is about to read are checked with
     one multi-tensor norm (a non-finite entry makes its tensor's norm non-finite). Either way: one
-    all-reduce, one host sync.
+    all-reduce, one host sync. The all-reduce is safe inside the inner step because every rank calls that
+    step or none does (DeepSpeed decides its own overflow skip collectively).
     """
     on_gpu = torch.distributed.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
