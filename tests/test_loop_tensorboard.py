@@ -65,6 +65,35 @@ def test_export_shows_progress(tmp_path: Path, tiny_dataset: str, process_group:
     assert info["step"] == 3 and (tmp_path / "model.pt").stat().st_size > 0
     assert "export" in terminal.getvalue() and "2/2" in terminal.getvalue()
 
+    # The format follows the file's name: `--out model.npz` is big_vision's layout, not a torch file so named.
+    import numpy as np
+
+    from vitscale.config.errors import UserError
+
+    assert export_run(tmp_path / "checkpoint_000000003", tmp_path / "model.npz")["format"] == "npz"
+    assert "embedding/kernel" in np.load(tmp_path / "model.npz").files
+    with pytest.raises(UserError, match=r"--out .*other\.npz.*names the npz format.*--format is pt"):
+        export_run(tmp_path / "checkpoint_000000003", tmp_path / "other.npz", fmt="pt")
+    assert not (tmp_path / "other.npz").exists()
+
+
+@pytest.mark.parametrize(("out", "fmt", "chosen"), [
+    ("m.npz", None, "npz"), ("m.NPZ", None, "npz"), ("m.pt", None, "pt"), ("m.pth", None, "pt"),
+    ("m.bin", None, "pt"), ("m", None, "pt"), ("m.bin", "npz", "npz"), ("m.npz", "npz", "npz")])
+def test_the_export_format_is_the_one_the_file_name_says(out: str, fmt: str | None, chosen: str) -> None:
+    from vitscale.train.export import export_format
+
+    assert export_format(out, fmt) == chosen
+
+
+@pytest.mark.parametrize(("out", "fmt"), [("m.npz", "pt"), ("m.pt", "npz"), ("m.pt", "npy")])
+def test_an_export_format_its_file_name_contradicts_is_refused(out: str, fmt: str) -> None:
+    from vitscale.config.errors import UserError
+    from vitscale.train.export import export_format
+
+    with pytest.raises(UserError, match="--format"):
+        export_format(out, fmt)
+
 
 def test_export_of_the_run_directory_a_finetune_prints(tmp_path: Path, tiny_dataset: str,  # noqa: F811
                                                        process_group: None) -> None:

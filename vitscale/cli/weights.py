@@ -26,9 +26,11 @@ def add_verbs(verbs: Any, verb: VerbFn) -> None:
 
 def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="run directory (or a checkpoint directory inside it)")
-    p.add_argument("--out", required=True, help="the model file to write (.pt, or .npz with --format npz)")
-    p.add_argument("--format", choices=("pt", "npz"), default="pt",
-                   help="pt: a vitscale state dict with its header; npz: big_vision's layout")
+    p.add_argument("--out", required=True, help="the model file to write: .pt (a vitscale state dict with its "
+                                                "header) or .npz (big_vision's layout)")
+    p.add_argument("--format", choices=("pt", "npz"), default=None,
+                   help="pt: a vitscale state dict with its header; npz: big_vision's layout (default: the one "
+                        "--out's suffix names, pt for any other)")
 
 
 def cmd_export(args: argparse.Namespace) -> int:

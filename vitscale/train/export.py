@@ -172,8 +172,26 @@ def _masked_patch_encoder(state: dict[str, Any], model_config: ModelConfig) -> t
     return model, model_config
 
 
-def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "pt", progress: bool = False) -> dict[str, Any]:
-    """Write the run's latest complete checkpoint as one fp32 file that `load_pretrained` reads.
+def export_format(out: str | Path, fmt: str | None) -> str:
+    """The file format of an export to `out`: `fmt`, else the one its suffix names (.npz: big_vision's
+    layout; anything else: a vitscale state dict). A suffix that names the other format is refused: a
+    `.npz` holding a torch file (or the reverse) would fail in whatever reads it next."""
+    suffix = Path(out).suffix.lower()
+    named = "npz" if suffix == ".npz" else "pt" if suffix in (".pt", ".pth") else None
+    if fmt is None:
+        return named or "pt"
+    if fmt not in ("pt", "npz"):
+        raise UserError(f"--format: must be pt or npz, got {fmt!r}")
+    if named is not None and named != fmt:
+        raise UserError(f"--out {out}: its suffix {suffix} names the {named} format, but --format is {fmt}: "
+                        f"name the file .{fmt}, or drop --format")
+    return fmt
+
+
+def export_run(run_dir: str | Path, out: str | Path, *, fmt: str | None = None,
+               progress: bool = False) -> dict[str, Any]:
+    """Write the run's latest complete checkpoint as one fp32 file that `load_pretrained` reads, in `fmt`
+    (`export_format`: by default the one `out`'s suffix names).
 
     `progress` shows the two steps (consolidating the ZeRO shards, writing the file) on stderr.
     """
@@ -181,6 +199,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "pt", progres
     from vitscale.models.factory import model_meta
     from vitscale.models.weights_files import export_npz, export_state_dict
 
+    fmt = export_format(out, fmt)
     bar = Progress(2, f"export {run_dir}", unit="step", enabled=progress)
     checkpoint = find_checkpoint(run_dir)
     model, _, facts = model_from_checkpoint(checkpoint)
@@ -189,10 +208,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "pt", progres
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "npz":
         export_npz(model, out)
-    elif fmt == "pt":
-        export_state_dict(model, out, meta=model_meta(model))  # `create_from_weights` rebuilds from it
     else:
-        raise UserError(f"--format: must be pt or npz, got {fmt!r}")
+        export_state_dict(model, out, meta=model_meta(model))  # `create_from_weights` rebuilds from it
     bar.update()
     bar.close()
     return {**facts, "out": str(out), "format": fmt}
