@@ -19,7 +19,8 @@ then launches the update). The replacement computes the same clip coefficient, t
 ViT-B/16, although `bf16.check_grad_overflow` is off) and sums the norm on the host. The replacement: the
 same fp32 master gradients, one multi-tensor norm, the same clip, the inner step, one multi-tensor copy
 back to the bf16 weights, no host read; a non-finite gradient is refused by `train/update.py`'s one check
-instead of DeepSpeed's overflow skip.
+instead of DeepSpeed's overflow skip. It also undoes the step with zero gradients that wrapper takes when
+it is built, so a run's first update at ZeRO 0 is the same as at ZeRO 1-3.
 
 Each installer marks the optimizer (`GLOBAL_NORM`): its `_global_grad_norm` is then this step's norm over
 every group and rank, on the device, before the inner optimizer steps (what `train/update.py` decides
@@ -144,6 +145,15 @@ def fuse_bf16_step(engine: Any) -> bool:
         torch._foreach_copy_([p.data for p in low], [p.data for p in master])
         return False
 
+    # DeepSpeed's wrapper stepped the inner optimizer once with zero gradients when it was built
+    # (`initialize_optimizer_states`, to create its state): Adam's count started at 1, which made the first
+    # real update 0.74x the size it is at ZeRO 1-3, and AdamW's decay shrank the fp32 masters once. Undone:
+    # the state is created by the first real step, the masters are again the copies of the model's weights
+    # they were made as. A resumed run loads both from its checkpoint afterwards.
+    optimizer.optimizer.state.clear()
+    for group16, group32 in zip(optimizer.fp16_groups, optimizer.fp32_groups):
+        for p16, p32 in zip(group16, group32):
+            p32.data.copy_(p16.data)
     optimizer.step = step
     setattr(optimizer, GLOBAL_NORM, True)
     return True
