@@ -231,3 +231,23 @@ def test_one_ranks_bad_gradient_refuses_the_update_on_every_rank(tmp_path: Path,
 if __name__ == "__main__":
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     ranks(Path(sys.argv[1]), int(sys.argv[2]))
+
+
+def test_zero_0_in_bf16_resumes_to_the_uninterrupted_weights(process_group: None, monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path) -> None:
+    """`fuse_bf16_step` clears the state DeepSpeed's wrapper made at build; a checkpoint's state loaded into a
+    fresh engine afterwards is the state training continues from."""
+    from vitscale.train.engine import load_checkpoint
+
+    whole = _engine(monkeypatch, 0)
+    for seed in range(4):
+        if seed == 2:
+            whole.save_checkpoint(str(tmp_path), tag="two")
+        assert apply_update(whole, loss=_backward(whole, seed)).read()[0]
+    resumed = _engine(monkeypatch, 0)
+    load_checkpoint(resumed, tmp_path, "two")
+    for seed in (2, 3):
+        assert apply_update(resumed, loss=_backward(resumed, seed)).read()[0]
+    for a, b in zip(whole.optimizer.fp32_groups, resumed.optimizer.fp32_groups):
+        for p, q in zip(a, b):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
