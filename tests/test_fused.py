@@ -12,7 +12,7 @@ from vitscale.train.batch import derive_batch
 from vitscale.train.config import TrainConfig
 from vitscale.train.engine import build_engine, deepspeed_config
 from vitscale.train.optim import optimizer_for, param_groups
-from vitscale.train.update import optimizer_step
+from vitscale.train.update import apply_update
 
 pytest.importorskip("deepspeed")
 
@@ -42,7 +42,7 @@ def _step(engine, poison: bool = False) -> bool:  # type: ignore[no-untyped-def]
     if poison:
         loss = loss * float("inf")
     engine.backward(loss)
-    return optimizer_step(engine, skip=False)
+    return apply_update(engine, loss=0.0).read()[0]
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -101,12 +101,6 @@ def apply_update(engine: Any, *, loss: float | torch.Tensor) -> Update:
                   grad_norm=engine.get_global_grad_norm())
 
 
-def optimizer_step(engine: Any, *, skip: bool) -> bool:
-    """`apply_update` with the loss's verdict known on the host (`skip`); whether the weights changed."""
-    applied, _, _ = apply_update(engine, loss=math.nan if skip else 0.0).read()
-    return applied
-
-
 def _finite(loss: float | torch.Tensor) -> bool:
     return math.isfinite(float(loss.item()) if isinstance(loss, torch.Tensor) else float(loss))
 
