@@ -6,8 +6,9 @@ A GPU step runs at the GPU's speed only when the host queues its kernels faster 
 never waits for the GPU in between. Both are properties of the host's side, so both can be measured without
 a GPU. The model has ViT-B/16's layout (12 blocks, 152 parameter tensors, 12 heads, 16-px patches) at a
 width of 48 on 32-px images, so that a phase's time is the Python, hook and dispatch work of the step rather
-than its arithmetic; and every read of a tensor on the host (`item`, `tolist`, a tensor's truth value or
-float: on a GPU each one waits for every kernel queued before it) is counted, per phase and per step.
+than its arithmetic; and every time the host would wait for a GPU is counted, per phase and per step: a read of
+a tensor on the host (`item`, `tolist`, a tensor's truth value or float) and a device sync DeepSpeed asks of
+its accelerator (`get_accelerator().synchronize()`, a no-op here, the whole queue drained on a GPU).
 
 vitscale's side runs the path a GPU trains on (`benchmarks/mfu.py`'s `VitscaleStep`): bf16, torch's fused
 optimizer (its CPU kernel here), DeepSpeed's engine at each ZeRO stage, the worker's own `Stepper`; eager,
@@ -16,7 +17,7 @@ model, bf16 autocast, fused AdamW, no clipping, one process, no DeepSpeed. `--pe
 with its hooks on every layer, as DeepSpeed ships it (vitscale gathers a block at a time: `train/engine.py`).
 
 One thread, so that the figures do not depend on how many cores the machine lends. Targets (the GPU's,
-`benchmarks/mfu.py`): ZeRO 1 and 2 within the peer's reads (one per step); ZeRO 3's host time within 15% of
+`benchmarks/mfu.py`): ZeRO 0-2 waiting for the device once per step; ZeRO 3's host time within 15% of
 ZeRO 1's where it is hidden under the GPU's.
 """
 
@@ -40,46 +41,64 @@ READS = frozenset({"item", "tolist", "__bool__", "__float__", "__int__", "__inde
 """Tensor methods that bring a value to the host: a device sync each on a GPU."""
 
 
-class HostReads(TorchFunctionMode):
-    """Counts the tensor-to-host reads made inside it."""
+class HostWaits(TorchFunctionMode):
+    """Counts, inside it, the tensor-to-host reads and the device syncs asked of DeepSpeed's accelerator."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.reads: list[str] = []
+        self.waits: list[str] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if getattr(func, "__name__", "") in READS:
-            self.reads.append(func.__name__)
+            self.waits.append(func.__name__)
         return func(*args, **(kwargs or {}))
 
+    def __enter__(self) -> HostWaits:
+        from deepspeed.accelerator import get_accelerator
 
-def count_reads(call: Callable[[], Any]) -> int:
-    """How many host reads one `call()` makes."""
-    with HostReads() as counted:
+        self._accelerator = get_accelerator()
+        self._synchronize = self._accelerator.synchronize
+
+        def synchronize(*args: Any, **kwargs: Any) -> Any:
+            self.waits.append("synchronize")
+            return self._synchronize(*args, **kwargs)
+
+        self._accelerator.synchronize = synchronize
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._accelerator.synchronize = self._synchronize
+
+
+def count_waits(call: Callable[[], Any]) -> int:
+    """How many times one `call()` would make the host wait for a GPU."""
+    with HostWaits() as counted:
         call()
-    return len(counted.reads)
+    return len(counted.waits)
 
 
 def measure(label: str, run: Any, *, steps: int, zero_stage: int | None) -> dict[str, Any]:
-    """Median step and phase times (ms) of `run` (a `VitscaleStep` or `PeerStep`) and its reads per phase."""
+    """Median step and phase times (ms) of `run` (a `VitscaleStep` or `PeerStep`) and its waits per phase."""
     step_ms = 1e3 * _time_steps(run.step, steps, torch.device("cpu"))
     phases = _phases(run.phases(), torch.device("cpu"), repeats=max(5, steps // 2))
-    reads = [count_reads(phase) for phase in run.phases()]
+    waits = [count_waits(phase) for phase in run.phases()]
     return {"loop": label, "zero_stage": zero_stage, "step_ms": step_ms, **phases,
-            "reads_per_step": count_reads(run.step), "reads_forward": reads[0], "reads_backward": reads[1],
-            "reads_update": reads[2]}
+            "waits_per_step": count_waits(run.step), "waits_forward": waits[0], "waits_backward": waits[1],
+            "waits_update": waits[2]}
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
     peer = next((r["step_ms"] for r in rows if r["zero_stage"] is None), None)
-    lines = ["| loop | ZeRO | step ms | vs peer | forward ms | backward ms | update ms | host reads per step "
-             "(forward / backward / update) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| loop | ZeRO | step ms | vs peer | forward ms | backward ms | update ms | waits for the device per "
+             "step (forward / backward / update) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = f"{r['step_ms'] / peer:.2f}x" if peer else "-"
         stage = "" if r["zero_stage"] is None else str(r["zero_stage"])
         lines.append(f"| {r['loop']} | {stage} | {r['step_ms']:.2f} | {ratio} | {r['forward_ms']:.2f} | "
-                     f"{r['backward_ms']:.2f} | {r['optimizer_ms']:.2f} | {r['reads_per_step']} "
-                     f"({r['reads_forward']} / {r['reads_backward']} / {r['reads_update']}) |")
+                     f"{r['backward_ms']:.2f} | {r['optimizer_ms']:.2f} | {r['waits_per_step']} "
+                     f"({r['waits_forward']} / {r['waits_backward']} / {r['waits_update']}) |")
     return lines
 
 

@@ -29,12 +29,12 @@ def test_mfu_measures_the_training_step_beside_the_peer(tmp_path: Path, capsys: 
     assert (tmp_path / "rows.json").exists()
 
 
-def test_host_cost_counts_the_steps_reads_beside_the_peer(capsys: pytest.CaptureFixture) -> None:
+def test_host_cost_counts_the_steps_waits_beside_the_peer(capsys: pytest.CaptureFixture) -> None:
     import host_cost
 
     rows = host_cost.main(["--zero-stages", "1", "3", "--steps", "2", "--width", "24"])
     assert [(r["loop"], r["zero_stage"]) for r in rows] == [("peer: hand-written", None), ("vitscale", 1),
                                                             ("vitscale", 3)]
-    assert [r["reads_per_step"] for r in rows] == [0, 1, 2]  # ZeRO 3 adds DeepSpeed's own norm check
+    assert [r["waits_per_step"] for r in rows] == [0, 1, 2]  # ZeRO 3 adds DeepSpeed's own norm check
     assert all(r["step_ms"] > 0 and r["optimizer_ms"] > 0 for r in rows)
     assert "| vitscale | 1 |" in capsys.readouterr().out

@@ -251,3 +251,40 @@ def test_zero_0_in_bf16_resumes_to_the_uninterrupted_weights(process_group: None
     for a, b in zip(whole.optimizer.fp32_groups, resumed.optimizer.fp32_groups):
         for p, q in zip(a, b):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_deepspeed_syncs_the_device_only_where_it_overlaps_communication(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU's config: DeepSpeed's throughput timer (a device sync per forward and per step) off; the
+    reduction overlapped with the backward pass (a device sync per gradient bucket) only with ranks to
+    reduce with."""
+    for world, overlapped in ((1, False), (2, True)):
+        train = TrainConfig(global_batch=8, micro_batch=4, zero_stage=1)
+        config = deepspeed_config(train, derive_batch(8, 4, world), on_gpu=True)
+        assert config["zero_optimization"]["overlap_comm"] is overlapped
+        assert config["timers"] == {"throughput": {"enabled": False}}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_step_never_asks_deepspeed_to_sync_the_device(process_group: None, monkeypatch: pytest.MonkeyPatch,
+                                                        stage: int) -> None:
+    """The engine's `get_accelerator().synchronize()` calls (a no-op on CPU, a full device sync on a GPU),
+    counted over steps past DeepSpeed's timer warm-up, with the config a GPU gets at world size 1."""
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(engine_module, "optimizer_for",
+                        lambda train, groups, fused=False: optimizer_for(train, groups, fused=True))
+    train = TrainConfig(global_batch=4, micro_batch=2, zero_stage=stage, precision="bf16", grad_clip=1.0)
+    torch.manual_seed(0)
+    model = create_model("ViT-Ti/8", num_classes=5, **TINY)
+    plan = derive_batch(4, 2, 1)  # two micro-batches: DeepSpeed's timer starts at every forward
+    config = deepspeed_config(train, plan, on_gpu=True)
+    engine = build_engine(model, train, config, on_gpu=False)
+    stepper = Stepper(engine, train, plan, torch.device("cpu"), world_size=1)
+    syncs: list[str] = []
+    accelerator = get_accelerator()
+    real = accelerator.synchronize
+    monkeypatch.setattr(accelerator, "synchronize", lambda *a, **k: (syncs.append("sync"), real(*a, **k))[1])
+    batches = _fixed(2)
+    for _ in range(5):
+        assert stepper.step(batches, 1e-3).applied
+    assert syncs == []

@@ -35,8 +35,12 @@ def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool) -> d
     """The DeepSpeed JSON config for one run (pure; written into the run directory), `train.deepspeed` merged in."""
     zero: dict[str, Any] = {"stage": train.zero_stage}
     if train.zero_stage >= 1:
-        # Bucketed, overlapped reduce-scatter: the defaults DeepSpeed recommends for data parallelism.
-        zero.update({"overlap_comm": on_gpu, "contiguous_gradients": True, "reduce_scatter": True})
+        # Bucketed reduce-scatter, the defaults DeepSpeed recommends for data parallelism; overlapped with the
+        # backward pass on a side stream only where there is communication to hide: DeepSpeed pays for the
+        # overlap with a full device sync per gradient bucket (ZeRO 1/2's `average_tensor`), which on one GPU
+        # stalls the host with nothing to gain.
+        zero.update({"overlap_comm": on_gpu and batch.world_size > 1, "contiguous_gradients": True,
+                     "reduce_scatter": True})
     if train.zero_stage == 3:
         # ZeRO-3 gathers parameters in hooks DeepSpeed puts around every module, each a few hundred
         # microseconds of host work that a GPU waits on (ViT-B/16 has about 130 modules, so its forward
@@ -70,6 +74,9 @@ def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool) -> d
         "bf16": {"enabled": train.precision == "bf16", "check_grad_overflow": False},
         "steps_per_print": 10**9,  # vitscale prints its own progress lines
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer syncs the device at every forward and every step to time them (on by
+        # default); vitscale measures images/s itself, from the host, without a sync.
+        "timers": {"throughput": {"enabled": False}},
     }
     if train.grad_clip is not None:
         config["gradient_clipping"] = train.grad_clip
