@@ -112,7 +112,8 @@ def test_bf16_training_on_cuda_checkpoints_and_resumes(tmp_path: Path, dataset: 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_the_update_is_queued_without_waiting_for_the_gpu(nccl_group: None, stage: int) -> None:
     """At ZeRO 0-2 the update (norm, clip, verdict, fused AdamW, copies back) makes no host sync: CUDA's sync
-    debug mode raises on any. The verdict is read afterwards, once, with the norm."""
+    debug mode raises on any. The verdict is read afterwards, once, with the norm. Nor does DeepSpeed call
+    its accelerator's `synchronize` anywhere in the step (its throughput timer, overlapped reduction)."""
     from vitscale.models import create_model
     from vitscale.train.batch import derive_batch
     from vitscale.train.config import TrainConfig
@@ -126,6 +127,16 @@ def test_the_update_is_queued_without_waiting_for_the_gpu(nccl_group: None, stag
     model = create_model("ViT-Ti/8", num_classes=5, img_size=32, depth=2, width=64, mlp_dim=128, heads=2)
     engine = build_engine(model, train, deepspeed_config(train, derive_batch(8, 8, 1), on_gpu=True), on_gpu=True)
     device = torch.device("cuda", torch.cuda.current_device())
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator, syncs = get_accelerator(), []
+    real = accelerator.synchronize
+
+    def counted(*args: object, **kwargs: object) -> object:  # DeepSpeed's explicit device syncs
+        syncs.append(1)
+        return real(*args, **kwargs)
+
+    accelerator.synchronize = counted
     for poison in ("", "", "gradient", ""):
         images = torch.randn(8, 3, 32, 32, device=device, dtype=torch.bfloat16)
         loss = torch.nn.functional.cross_entropy(engine(images).float(), torch.randint(0, 5, (8,), device=device))
@@ -140,3 +151,5 @@ def test_the_update_is_queued_without_waiting_for_the_gpu(nccl_group: None, stag
             torch.cuda.set_sync_debug_mode(0)
         applied, norm, _ = update.read()
         assert applied == (not poison) and (norm > 0 if applied else True), (poison, applied, norm)
+    del accelerator.synchronize
+    assert syncs == []  # nor did the engine drain the device through its accelerator (forward to update)

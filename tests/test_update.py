@@ -283,7 +283,12 @@ def test_a_step_never_asks_deepspeed_to_sync_the_device(process_group: None, mon
     syncs: list[str] = []
     accelerator = get_accelerator()
     real = accelerator.synchronize
-    monkeypatch.setattr(accelerator, "synchronize", lambda *a, **k: (syncs.append("sync"), real(*a, **k))[1])
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        syncs.append("sync")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(accelerator, "synchronize", counted)
     batches = _fixed(2)
     for _ in range(5):
         assert stepper.step(batches, 1e-3).applied
