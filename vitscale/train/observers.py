@@ -16,7 +16,7 @@ from vitscale.say import say
 from vitscale.train.metrics import MetricsSink, StepMetrics, TensorBoardLog, progress_line
 
 if TYPE_CHECKING:
-    from vitscale.train.loop import WorkerContext
+    from vitscale.train.context import WorkerContext
     from vitscale.train.worker import Worker
 
 

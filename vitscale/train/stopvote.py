@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from vitscale.say import say
 
 if TYPE_CHECKING:
-    from vitscale.train.loop import WorkerContext
+    from vitscale.train.context import WorkerContext
 
 
 @dataclass(frozen=True)
