@@ -47,7 +47,7 @@ class HostReads(TorchFunctionMode):
 
 
 def _engine(monkeypatch: pytest.MonkeyPatch, stage: int, *, fused: bool = True, grad_clip: float | None = 1e-2,
-            world: int = 1) -> Any:
+            world: int = 1, optimizer: str = "adamw") -> Any:
     """A ZeRO engine whose inner optimizer is torch's fused AdamW, as on a GPU (`fused`), on CPU."""
     monkeypatch.setattr(engine_module, "optimizer_for",
                         lambda train, groups, fused=False, _f=fused: optimizer_for(train, groups, fused=_f))
@@ -57,7 +57,7 @@ def _engine(monkeypatch: pytest.MonkeyPatch, stage: int, *, fused: bool = True, 
         torch.nn.init.normal_(p, std=0.05)
     # bf16 as on a GPU: DeepSpeed's own overflow check (with its host read) is off, vitscale's is the only one.
     train = TrainConfig(global_batch=4 * world, micro_batch=4, zero_stage=stage, precision="bf16",
-                        grad_clip=grad_clip, weight_decay=0.1, base_lr=1e-2)
+                        grad_clip=grad_clip, weight_decay=0.1, base_lr=1e-2, optimizer=optimizer)
     plan = derive_batch(4 * world, 4, world)
     return build_engine(model, train, deepspeed_config(train, plan, on_gpu=False), on_gpu=False)
 
@@ -120,12 +120,14 @@ def test_sync_free_clipping_is_deepspeeds_bit_for_bit(process_group: None, monke
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])  # pre-training's and fine-tuning's (ZeRO 0 by default)
 def test_zero_0_in_bf16_steps_as_deepspeeds_own_without_its_reads(process_group: None,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   optimizer: str) -> None:
     """DeepSpeed's bf16 wrapper at ZeRO 0 reads every gradient on the host for overflow; vitscale's step
     (`fused.fuse_bf16_step`) makes the same update (its norm in fp32 on the device, DeepSpeed's summed on
     the host in double: the clip coefficients agree to rounding) with none, and refuses a non-finite one."""
-    ours, theirs = _engine(monkeypatch, 0), _engine(monkeypatch, 0)
+    ours, theirs = _engine(monkeypatch, 0, optimizer=optimizer), _engine(monkeypatch, 0, optimizer=optimizer)
     assert type(theirs.optimizer).__name__ == "FP16_UnfusedOptimizer" and "step" in ours.optimizer.__dict__
     del theirs.optimizer.step
     theirs.optimizer.optimizer.state.clear()  # from the same start: without the step DeepSpeed takes at build
