@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import socket
@@ -71,6 +72,10 @@ def process_group() -> None:
         os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
                            "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    if importlib.util.find_spec("deepspeed") is not None:
+        from vitscale.train.engine import init_distributed
+
+        init_distributed(on_gpu=False)  # as a worker joins: DeepSpeed adopts the group, builds no CPU op
 
 
 @pytest.fixture(scope="session")
