@@ -1,7 +1,7 @@
 """The accumulation boundary's update (`train/update.py`): decided on the device where the engine allows
-(ZeRO 1/2, torch's fused optimizer: a GPU's path, run here with the fused CPU kernel), on the host
-elsewhere, the same verdict and the same weights either way; and a step whose only host read is the last.
-Real DeepSpeed engines on a one-rank gloo group."""
+(ZeRO 0-3 with torch's fused optimizer: a GPU's path, run here with the fused CPU kernel), on the host
+elsewhere, the same verdict and the same weights either way; and a step whose only wait for the device is
+its last read (counted with `benchmarks/host_cost.py`'s `HostWaits`). Real DeepSpeed engines on gloo."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 import vitscale.train.engine as engine_module
 import vitscale.train.update as update_module
@@ -28,24 +27,10 @@ from vitscale.train.step import Stepper
 from vitscale.train.update import apply_update
 
 pytest.importorskip("deepspeed")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from host_cost import HostWaits  # the benchmark's counter of where a GPU would be waited on
 
 TINY = {"img_size": 16, "depth": 2, "width": 32, "mlp_dim": 64, "heads": 2}
-READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__"}
-
-
-class HostReads(TorchFunctionMode):
-    """Counts the tensor-to-host reads made inside it (each one a device sync on a GPU)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: list[str] = []
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if getattr(func, "__name__", "") in READS:
-            self.reads.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def _engine(monkeypatch: pytest.MonkeyPatch, stage: int, *, fused: bool = True, grad_clip: float | None = 1e-2,
             world: int = 1, optimizer: str = "adamw") -> Any:
     """A ZeRO engine whose inner optimizer is torch's fused AdamW, as on a GPU (`fused`), on CPU."""
@@ -136,12 +121,12 @@ def test_zero_0_in_bf16_steps_as_deepspeeds_own_without_its_reads(process_group:
             p32.data.copy_(p16.data)
     for engine in (ours, theirs):
         for seed, poison in enumerate(["", "", "gradient", ""]):
-            with HostReads() as counted:
+            with HostWaits() as counted:
                 applied, norm, _ = apply_update(engine, loss=_backward(engine, seed, poison)).read()
             assert applied == (poison == ""), (seed, poison)
             assert (norm > 1e-2) if applied else norm == float("inf")
             if engine is ours:
-                assert counted.reads == ["tolist"]
+                assert counted.waits == ["tolist"]
     for (name, p), q in zip(ours.module.named_parameters(), theirs.module.parameters()):
         torch.testing.assert_close(p.float(), q.float(), rtol=0, atol=1e-6, msg=name)
     for a, b in zip(ours.optimizer.fp32_groups, theirs.optimizer.fp32_groups):
@@ -189,10 +174,10 @@ def test_a_step_reads_the_device_once_where_the_update_is_decided_there(
     batches = _fixed(4)
     for _ in range(2):  # the first step creates optimizer state, the second checks ZeRO 3's trace on all ranks
         stepper.step(batches, 1e-3)
-    with HostReads() as counted:
+    with HostWaits() as counted:
         outcome = stepper.step(batches, 1e-3, votes=lambda: [1.0, 2.0])
     assert outcome.applied and outcome.votes == (1.0, 2.0) and outcome.grad_norm > 0
-    assert len(counted.reads) == reads, counted.reads
+    assert len(counted.waits) == reads, counted.waits
 
 
 def ranks(out: Path, stage: int) -> None:
@@ -271,8 +256,6 @@ def test_a_step_never_asks_deepspeed_to_sync_the_device(process_group: None, mon
                                                         stage: int) -> None:
     """The engine's `get_accelerator().synchronize()` calls (a no-op on CPU, a full device sync on a GPU),
     counted over steps past DeepSpeed's timer warm-up, with the config a GPU gets at world size 1."""
-    from deepspeed.accelerator import get_accelerator
-
     monkeypatch.setattr(engine_module, "optimizer_for",
                         lambda train, groups, fused=False: optimizer_for(train, groups, fused=True))
     train = TrainConfig(global_batch=4, micro_batch=2, zero_stage=stage, precision="bf16", grad_clip=1.0)
@@ -282,16 +265,9 @@ def test_a_step_never_asks_deepspeed_to_sync_the_device(process_group: None, mon
     config = deepspeed_config(train, plan, on_gpu=True)
     engine = build_engine(model, train, config, on_gpu=False)
     stepper = Stepper(engine, train, plan, torch.device("cpu"), world_size=1)
-    syncs: list[str] = []
-    accelerator = get_accelerator()
-    real = accelerator.synchronize
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        syncs.append("sync")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(accelerator, "synchronize", counted)
     batches = _fixed(2)
-    for _ in range(5):
-        assert stepper.step(batches, 1e-3).applied
+    with HostWaits() as counted:
+        for _ in range(5):
+            assert stepper.step(batches, 1e-3).applied
+    syncs = [wait for wait in counted.waits if wait == "synchronize"]
     assert syncs == []
