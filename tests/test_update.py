@@ -112,8 +112,11 @@ def test_zero_0_in_bf16_steps_as_deepspeeds_own_without_its_reads(process_group:
     """DeepSpeed's bf16 wrapper at ZeRO 0 reads every gradient on the host for overflow; vitscale's step
     (`fused.fuse_bf16_step`) makes the same update (its norm in fp32 on the device, DeepSpeed's summed on
     the host in double: the clip coefficients agree to rounding) with none, and refuses a non-finite one."""
+    from vitscale.train.fused import fuse_clipping
+
     ours, theirs = _engine(monkeypatch, 0, optimizer=optimizer), _engine(monkeypatch, 0, optimizer=optimizer)
     assert type(theirs.optimizer).__name__ == "FP16_UnfusedOptimizer" and "step" in ours.optimizer.__dict__
+    assert not fuse_clipping(ours) and "unscale_and_clip_grads" not in ours.optimizer.__dict__  # ZeRO 1/2's only
     del theirs.optimizer.step
     theirs.optimizer.optimizer.state.clear()  # from the same start: without the step DeepSpeed takes at build
     for group16, group32 in zip(theirs.optimizer.fp16_groups, theirs.optimizer.fp32_groups):

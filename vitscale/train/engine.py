@@ -147,8 +147,9 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str
         model_parameters=groups if optimizer is None else None,
         config=dict(ds_config),
     )
-    if fuse_gradient_norm(engine):
-        fuse_clipping(engine)
+    # Each installs itself where it recognises the optimizer DeepSpeed built (`fused.py`), and nowhere else.
+    fuse_gradient_norm(engine)
+    fuse_clipping(engine)
     fuse_bf16_step(engine)
     if train.compiles(on_gpu):
         # The module inside the engine, compiled in place: parameter names, hooks and checkpoints unchanged.

@@ -81,7 +81,9 @@ def fuse_clipping(engine: Any) -> bool:
     """Install DeepSpeed's clipping without its host read on `engine`'s ZeRO 1/2 optimizer (one with
     `fuse_gradient_norm`'s norm); whether it was installed."""
     optimizer: Any = getattr(engine, "optimizer", None)
-    if not fused_norm_installed(engine) or getattr(optimizer, "unscale_and_clip_grads", None) is None:
+    # `fuse_gradient_norm`'s own method, not the shared marker: ZeRO 0's wrapper has an `unscale_and_clip_grads`
+    # of another signature, which this must never replace.
+    if "get_grad_norm_direct" not in getattr(optimizer, "__dict__", {}):
         return False
 
     def unscale_and_clip(grad_groups_flat: list[Any], total_norm: Any) -> None:
