@@ -243,7 +243,7 @@ def test_zero_0_in_bf16_resumes_to_the_uninterrupted_weights(process_group: None
             torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
-def test_deepspeed_syncs_the_device_only_where_it_overlaps_communication(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_deepspeed_syncs_the_device_only_where_it_overlaps_communication() -> None:
     """A GPU's config: DeepSpeed's throughput timer (a device sync per forward and per step) off; the
     reduction overlapped with the backward pass (a device sync per gradient bucket) only with ranks to
     reduce with."""
