@@ -206,11 +206,13 @@ def test_tensorboard_serves_every_trials_accuracy_curve(assets: dict[str, str], 
 
 
 def test_a_killed_sweep_resumes_where_it_stopped(assets: dict[str, str], tmp_path: Path) -> None:
-    # Two trials at once: a short one that finishes first and a long one (checkpointed every 200
-    # steps) that is still training when the driver is killed.
-    name, long_steps = "resume", 1600
+    # Two trials at once: a short one that finishes first and a long one (checkpointed every 400
+    # steps) that is still training when the driver is killed. The long one runs about 100 steps/s
+    # here, and Tune records the short one's end 20-25 s after its last step (its Train run's teardown on
+    # two busy cores): 4,800 steps leave that wait twice the room (1,600 were sometimes all done before it).
+    name, long_steps = "resume", 4800
     pipeline = write_pipeline(tmp_path / "resume.yaml", assets, name, {"finetune.train.max_steps": [4, long_steps]},
-                              finetune={"train": {"checkpoint_every": 200, "log_every": 200}})
+                              finetune={"train": {"checkpoint_every": 400, "log_every": 400}})
     storage, run_dir = tmp_path / "runs", tmp_path / "runs" / name
     log = tmp_path / "first.log"
 
