@@ -13,8 +13,10 @@ its accelerator (`get_accelerator().synchronize()`, a no-op here, the whole queu
 vitscale's side runs the path a GPU trains on (`benchmarks/mfu.py`'s `VitscaleStep`): bf16, torch's fused
 optimizer (its CPU kernel here), DeepSpeed's engine at each ZeRO stage, the worker's own `Stepper`; eager,
 as compiling changes the kernels, not the host's bookkeeping around them. The peer (`PeerStep`): the same
-model, bf16 autocast, fused AdamW, no clipping, one process, no DeepSpeed. `--per-layer-hooks` adds ZeRO 3
-with its hooks on every layer, as DeepSpeed ships it (vitscale gathers a block at a time: `train/engine.py`).
+model, bf16 autocast, fused AdamW, no clipping, one process, no DeepSpeed. At one rank, vitscale's ZeRO 3
+keeps its parameters whole (`train/engine.py`'s `ONE_RANK_ZERO_3`); `--per-layer-hooks` adds ZeRO 3
+gathering them as it must on many ranks, a block at a time (vitscale's hooks) and a layer at a time
+(DeepSpeed's own), and every ZeRO 3 row counts the parameters gathered per step.
 
 One thread, so that the figures do not depend on how many cores the machine lends. Targets (the GPU's,
 `benchmarks/mfu.py`): ZeRO 0-2 waiting for the device once per step; ZeRO 3's host time within 15% of
@@ -64,12 +66,48 @@ class HostWaits(TorchFunctionMode):
             return self._synchronize(*args, **kwargs)
 
         self._accelerator.synchronize = synchronize
+        # On one rank ZeRO 3's gather hands back a view of the partition, and its handle's wait synchronises
+        # the device's stream where the accelerator does not resolve data dependencies (CUDA; a CPU does).
+        from deepspeed.runtime.zero import partition_parameters as zero
+
+        self._handles = {cls: cls.wait for cls in (zero.NoGatherHandle, zero.NoGatherCoalescedHandle)}
+        for cls, wait in self._handles.items():
+            done = f"_{cls.__name__}__complete"
+
+            def counted(handle: Any, *args: Any, _wait: Any = wait, _done: str = done, **kwargs: Any) -> Any:
+                if not getattr(handle, _done):
+                    self.waits.append("gather")
+                return _wait(handle, *args, **kwargs)
+
+            cls.wait = counted  # type: ignore[method-assign]
         super().__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
         self._accelerator.synchronize = self._synchronize
+        for cls, wait in self._handles.items():
+            cls.wait = wait  # type: ignore[method-assign]
+
+
+def count_gathers(call: Callable[[], Any]) -> int:
+    """How many parameters ZeRO 3's hooks gather during one `call()` (each a copy, and on a GPU an event the
+    host waits on once more than two are in flight: DeepSpeed's `PartitionedParameterCoordinator`)."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
+
+    name = "_PartitionedParameterCoordinator__all_gather_params_"
+    gather, gathered = getattr(Coordinator, name), []
+
+    def counted(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        gathered.append(len(params))
+        return gather(self, params, *args, **kwargs)
+
+    setattr(Coordinator, name, counted)
+    try:
+        call()
+    finally:
+        setattr(Coordinator, name, gather)
+    return sum(gathered)
 
 
 def count_waits(call: Callable[[], Any]) -> int:
@@ -86,19 +124,21 @@ def measure(label: str, run: Any, *, steps: int, zero_stage: int | None) -> dict
     waits = [count_waits(phase) for phase in run.phases()]
     return {"loop": label, "zero_stage": zero_stage, "step_ms": step_ms, **phases,
             "waits_per_step": count_waits(run.step), "waits_forward": waits[0], "waits_backward": waits[1],
-            "waits_update": waits[2]}
+            "waits_update": waits[2], "gathers_per_step": count_gathers(run.step)}
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
     peer = next((r["step_ms"] for r in rows if r["zero_stage"] is None), None)
     lines = ["| loop | ZeRO | step ms | vs peer | forward ms | backward ms | update ms | waits for the device per "
-             "step (forward / backward / update) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "step (forward / backward / update) | parameters gathered per step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = f"{r['step_ms'] / peer:.2f}x" if peer else "-"
         stage = "" if r["zero_stage"] is None else str(r["zero_stage"])
         lines.append(f"| {r['loop']} | {stage} | {r['step_ms']:.2f} | {ratio} | {r['forward_ms']:.2f} | "
                      f"{r['backward_ms']:.2f} | {r['optimizer_ms']:.2f} | {r['waits_per_step']} "
-                     f"({r['waits_forward']} / {r['waits_backward']} / {r['waits_update']}) |")
+                     f"({r['waits_forward']} / {r['waits_backward']} / {r['waits_update']}) | "
+                     f"{r['gathers_per_step'] if r['zero_stage'] == 3 else ''} |")
     return lines
 
 
@@ -110,7 +150,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--batch", type=int, default=2, help="images per step")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per measurement (after 3 warm-up)")
     parser.add_argument("--per-layer-hooks", action="store_true",
-                        help="also ZeRO 3 with DeepSpeed's hooks on every layer (its default)")
+                        help="also ZeRO 3 gathering its parameters block by block, and layer by layer (DeepSpeed's "
+                             "default), as it does on many ranks")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON document at the end")
     args = parser.parse_args(argv)
     if args.width % 12:
@@ -125,7 +166,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     steps=args.steps, zero_stage=None)]
     plans: list[tuple[str, int, dict[str, Any]]] = [("vitscale", stage, {}) for stage in args.zero_stages]
     if args.per_layer_hooks:
-        plans.append(("vitscale, hooks per layer", 3, {"zero_optimization": {"leaf_module": {"classes": []}}}))
+        # Every parameter gathered, as ViT-B/16's weight matrices are at its own width on many ranks: at this
+        # width all of them are under DeepSpeed's default threshold (100,000 elements) and would persist.
+        gathered = {"stage3_param_persistence_threshold": 0, "memory_efficient_linear": True}
+        plans.append(("vitscale, gathered block by block (as on many ranks)", 3, {"zero_optimization": gathered}))
+        plans.append(("vitscale, gathered layer by layer (DeepSpeed's default)", 3,
+                      {"zero_optimization": {**gathered, "leaf_module": {"classes": []}}}))
     for label, stage, deepspeed in plans:
         run = VitscaleStep(LAYOUT, zero_stage=stage, device=torch.device("cpu"), compile_model=False,
                            precision="bf16", fused=True, deepspeed=deepspeed, **shape)

@@ -4,6 +4,8 @@ optimizer on a GPU, and `train.compile`'s switch. Real DeepSpeed engines on a on
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -118,12 +120,17 @@ def test_compile_settings_are_checked(key: str, value: str) -> None:
         TrainConfig(**{key: value}).validate()
 
 
-def _zero3(leaves: bool, checkpointing: bool):  # type: ignore[no-untyped-def]
+GATHERED = {"stage3_param_persistence_threshold": 0, "memory_efficient_linear": True}
+"""One rank gathering every parameter block by block, as many ranks gather all but the smallest."""
+
+
+def _zero3(leaves: bool, checkpointing: bool, gathered: bool = True):  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     model = create_model("ViT-Ti/8", num_classes=5, activation_checkpointing=checkpointing, **TINY)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.05)
-    overrides = {} if leaves else {"zero_optimization": {"leaf_module": {"classes": []}}}
+    zero: dict = {} if leaves else {"leaf_module": {"classes": []}}
+    overrides = {"zero_optimization": {**zero, **(GATHERED if gathered else {})}}
     train = TrainConfig(global_batch=4, micro_batch=4, zero_stage=3, precision="fp32", grad_clip=1e-3,
                         weight_decay=0.1, base_lr=1e-2, deepspeed=overrides)
     return build_engine(model, train, deepspeed_config(train, derive_batch(4, 4, 1), on_gpu=False), on_gpu=False)
@@ -158,3 +165,54 @@ def test_zero_3_names_the_zoos_units_as_leaves() -> None:
     named = {f"{type(m).__module__}.{type(m).__qualname__}" for name in ("ViT-Ti/16", "R26x1", "R26x1+ViT-Ti/16")
              for m in make(name, num_classes=2, img_size=32).modules()}
     assert set(REPEATED_UNITS) <= named  # each unit exists in the zoo: no name DeepSpeed would fail to match
+
+
+def test_zero_3_keeps_one_ranks_parameters_whole() -> None:
+    """Only where the partition is the whole parameter (one rank) and the weights stay on the GPU (no offload)."""
+    from vitscale.train.one_rank import ONE_RANK_ZERO_3
+
+    def zero(world: int, **train: Any) -> dict:
+        plan = derive_batch(4 * world, 4, world)
+        return deepspeed_config(TrainConfig(zero_stage=3, global_batch=4 * world, micro_batch=4, **train), plan,
+                                on_gpu=True)["zero_optimization"]
+
+    assert ONE_RANK_ZERO_3.items() <= zero(1).items()
+    for kept in (zero(2), zero(1, offload=True), zero(1, deepspeed={"zero_optimization": GATHERED})):
+        assert not {k: v for k, v in ONE_RANK_ZERO_3.items() if kept.get(k) == v}
+
+
+def _count_regathers(engine: Any) -> list[int]:
+    """A list that counts the times `engine`'s step frees and re-gathers its weights (DeepSpeed's own path)."""
+    count: list[int] = [0]
+    partition_all = engine.optimizer._partition_all_parameters
+    original = engine.optimizer.parameter_offload.partition_all_parameters
+
+    def counted() -> None:
+        count[0] += 1
+        original()
+
+    engine.optimizer.parameter_offload.partition_all_parameters = counted
+    assert partition_all is not None
+    return count
+
+
+def test_one_rank_at_zero_3_never_gathers_and_trains_as_when_it_does(process_group: None) -> None:
+    """With every parameter persistent, each one is whole before and after every step, so DeepSpeed's hooks
+    find nothing to gather; the steps are those of the engine that gathers them block by block."""
+    from vitscale.train.engine import whole_weights
+
+    whole, gathered = _zero3(True, False, gathered=False), _zero3(True, False)
+    assert all(p.ds_persist for p in whole.module.parameters())
+    assert not any(p.ds_persist for p in gathered.module.parameters())
+    assert "_partition_all_parameters" in vars(whole.optimizer)  # `skip_regather` installed ...
+    assert "_partition_all_parameters" not in vars(gathered.optimizer)  # ... only where every parameter persists
+    regathered = _count_regathers(whole)
+    for _ in range(3):
+        assert _step(whole) and _step(gathered)
+        assert all(p.numel() == p.ds_numel and p.data.data_ptr() == p.ds_tensor.data_ptr()
+                   for p in whole.module.parameters())  # each weight a view of its partition, updated in place
+        assert all(p.numel() == 0 for p in gathered.module.parameters())
+    assert regathered == [1]  # the first step gathers the views; none after
+    with whole_weights(whole) as a, whole_weights(gathered) as b:
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)

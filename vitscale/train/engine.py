@@ -28,6 +28,7 @@ from vitscale.train.batch import BatchPlan
 from vitscale.train.config import TrainConfig
 from vitscale.train.deepspeed_keys import merge_overrides
 from vitscale.train.fused import fuse_bf16_step, fuse_clipping, fuse_gradient_norm
+from vitscale.train.one_rank import ONE_RANK_ZERO_3, skip_regather
 from vitscale.train.optim import ADAM_EPS, optimizer_for, param_groups
 
 
@@ -48,6 +49,8 @@ def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool) -> d
         # unit is gathered whole by one hook: the same parameters partitioned and gathered, a block's worth
         # alive at a time instead of a linear layer's. `benchmarks/host_cost.py` measures the hooks' cost.
         zero["leaf_module"] = {"classes": list(REPEATED_UNITS)}
+        if batch.world_size == 1 and not train.offload:  # the partition is the whole parameter (`one_rank.py`)
+            zero.update(ONE_RANK_ZERO_3)
     if train.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
         if train.zero_stage == 3:
@@ -147,10 +150,12 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str
         model_parameters=groups if optimizer is None else None,
         config=dict(ds_config),
     )
-    # Each installs itself where it recognises the optimizer DeepSpeed built (`fused.py`), and nowhere else.
+    # Each installs itself where it recognises the optimizer DeepSpeed built (`fused.py`, `one_rank.py`), and
+    # nowhere else.
     fuse_gradient_norm(engine)
     fuse_clipping(engine)
     fuse_bf16_step(engine)
+    skip_regather(engine)
     if train.compiles(on_gpu):
         # The module inside the engine, compiled in place: parameter names, hooks and checkpoints unchanged.
         engine.compile(backend="inductor", compile_kwargs={"mode": train.compile_mode})
