@@ -153,3 +153,51 @@ def test_the_update_is_queued_without_waiting_for_the_gpu(nccl_group: None, stag
         applied, norm, _ = update.read()
         assert applied == (not poison) and (norm > 0 if applied else True), (poison, applied, norm)
     assert syncs == []  # nor did the engine drain the device through its accelerator (forward to update)
+
+
+def test_one_ranks_zero_3_never_waits_for_a_gather(nccl_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ZeRO 3 on one GPU (`train/one_rank.py`): the forward pass, where the hooks gathered each block's weights
+    and synchronised a stream per gather, makes no host sync (CUDA's sync debug mode raises on any); the
+    backward pass synchronises at most once (DeepSpeed waits for its gradient reduction at the end); the
+    update synchronises no stream or event (its step gathered every weight back). The MLP's weights (256 x
+    1,024) are above DeepSpeed's default persistence threshold: without `ONE_RANK_ZERO_3` they are gathered."""
+    from vitscale.models import create_model
+    from vitscale.train.batch import derive_batch
+    from vitscale.train.config import TrainConfig
+    from vitscale.train.engine import build_engine, deepspeed_config
+    from vitscale.train.update import apply_update
+
+    train = TrainConfig(global_batch=8, micro_batch=8, zero_stage=3, precision="bf16", grad_clip=1.0, compile=False)
+    torch.manual_seed(0)
+    model = create_model("ViT-Ti/8", num_classes=5, img_size=32, depth=2, width=256, mlp_dim=1024, heads=4)
+    engine = build_engine(model, train, deepspeed_config(train, derive_batch(8, 8, 1), on_gpu=True), on_gpu=True)
+    device = torch.device("cuda", torch.cuda.current_device())
+    waits: list[str] = []
+    for cls in (torch.cuda.Stream, torch.cuda.Event):
+        real = cls.synchronize
+
+        def counted(self: object, *args: object, _real: object = real, _name: str = cls.__name__) -> object:
+            waits.append(_name)
+            return _real(self, *args)  # type: ignore[operator]
+
+        monkeypatch.setattr(cls, "synchronize", counted)
+    for step in range(4):
+        checked = step >= 2  # the first step records DeepSpeed's trace of the modules (and gathers once)
+        images = torch.randn(8, 3, 32, 32, device=device, dtype=torch.bfloat16)
+        labels = torch.randint(0, 5, (8,), device=device)
+        torch.cuda.synchronize()
+        waits.clear()
+        if checked:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss = torch.nn.functional.cross_entropy(engine(images).float(), labels)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        forward = list(waits)
+        engine.backward(loss)
+        backward = waits[len(forward):]
+        applied, norm, _ = apply_update(engine, loss=loss.detach()).read()
+        update = waits[len(forward) + len(backward):]
+        assert applied and norm > 0
+        if checked:
+            assert forward == [] and len(backward) <= 1 and update == [], (step, forward, backward, update)
