@@ -197,12 +197,15 @@ def _count_regathers(engine: Any) -> list[int]:
     return count
 
 
-def test_one_rank_at_zero_3_never_gathers_and_trains_as_when_it_does(process_group: None) -> None:
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_one_rank_at_zero_3_never_gathers_and_trains_as_when_it_does(process_group: None,
+                                                                     checkpointing: bool) -> None:
     """With every parameter persistent, each one is whole before and after every step, so DeepSpeed's hooks
-    find nothing to gather; the steps are those of the engine that gathers them block by block."""
+    find nothing to gather; the steps are those of the engine that gathers them block by block (with
+    activation checkpointing's recompute too)."""
     from vitscale.train.engine import whole_weights
 
-    whole, gathered = _zero3(True, False, gathered=False), _zero3(True, False)
+    whole, gathered = _zero3(True, checkpointing, gathered=False), _zero3(True, checkpointing)
     assert all(p.ds_persist for p in whole.module.parameters())
     assert not any(p.ds_persist for p in gathered.module.parameters())
     assert "_partition_all_parameters" in vars(whole.optimizer)  # `skip_regather` installed ...
