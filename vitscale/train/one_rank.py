@@ -47,7 +47,8 @@ def skip_regather(engine: Any) -> bool:
     module: Any = getattr(engine, "module", None)
     params = list(module.parameters()) if module is not None else []
     if (type(optimizer).__name__ != "DeepSpeedZeroOptimizer_Stage3" or partition_all is None
-            or getattr(optimizer, "offload_param", True) or not params
+            or getattr(optimizer, "partition_count", 0) != 1 or getattr(optimizer, "offload_param", True)
+            or not params
             or not all(getattr(p, "ds_persist", False) and getattr(p, "ds_tensor", None) is not None
                        and p.ds_tensor.numel() == p.ds_numel for p in params)):
         return False
