@@ -164,9 +164,10 @@ class TrainConfig:
     """torch.compile the model inside the DeepSpeed engine (`engine.compile`, inductor): true, false, or
     "auto" = on when the worker trains on a GPU at ZeRO 0-2. Same weights, checkpoints and resume either
     way; the first step of each worker process pays the compilation (under a minute for ViT-B/16). ZeRO 3
-    fetches every layer's parameters from hooks that torch.compile cannot trace through (it recompiles
-    them per layer type, then falls back): measured on an H200, a compiled ZeRO-3 ViT-B/16 step ran at a
-    third of the eager one's speed, so "auto" leaves it eager (benchmarks/RESULTS.md)."""
+    fetches parameters from hooks that torch.compile cannot trace through (it recompiles them per layer
+    type, then falls back): measured on an H200 with a hook per layer, a compiled ZeRO-3 ViT-B/16 step ran
+    at two thirds of the eager one's speed, so "auto" leaves it eager (benchmarks/RESULTS.md; not yet
+    measured with a hook per block, nor on one rank, where nothing is gathered: `train/one_rank.py`)."""
     compile_mode: str = field(default="default", metadata=RESUME_FREE)
     """torch.compile's mode when compiling: "default", "max-autotune-no-cudagraphs" (searches matmul
     and fusion configs: longer compilation), "max-autotune" or "reduce-overhead" (both add CUDA graphs)."""
