@@ -45,15 +45,17 @@ def tiny_config(url: str, **train: object) -> TrainJob:
     }))
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(("compiled", "stage"), [(False, 2), (True, 2), (True, 3), (False, 3)],
+                         ids=["eager", "compiled", "compiled-zero3", "eager-zero3"])
 def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path: Path, tiny_dataset: str,
-                                                          process_group: None, compiled: bool) -> None:
-    """Compiled (`train.compile`, inductor on the CPU too) or not, the same checkpoints and exact resume."""
+                                                          process_group: None, compiled: bool, stage: int) -> None:
+    """Compiled (`train.compile`, inductor on the CPU too; one rank's ZeRO 3 a block at a time) or not, the same
+    checkpoints and exact resume."""
     from torch._dynamo.utils import counters
 
     from vitscale.train.loop import WorkerContext, train
 
-    config = tiny_config(tiny_dataset, compile=compiled)
+    config = tiny_config(tiny_dataset, compile=compiled, zero_stage=stage)
     graphs = counters["stats"]["unique_graphs"]
     whole = Recorder(tmp_path / "whole")
     (tmp_path / "whole").mkdir()

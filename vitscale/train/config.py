@@ -161,13 +161,15 @@ class TrainConfig:
     record_samples: bool = field(default=False, metadata=RESUME_FREE)
     """Log the keys of every sample each rank consumes (run_dir/samples/rank{r}.jsonl), for audits."""
     compile: bool | str = field(default="auto", metadata=RESUME_FREE)
-    """torch.compile the model inside the DeepSpeed engine (`engine.compile`, inductor): true, false, or
-    "auto" = on when the worker trains on a GPU at ZeRO 0-2. Same weights, checkpoints and resume either
-    way; the first step of each worker process pays the compilation (under a minute for ViT-B/16). ZeRO 3
-    fetches parameters from hooks that torch.compile cannot trace through (it recompiles them per layer
-    type, then falls back): measured on an H200 with a hook per layer, a compiled ZeRO-3 ViT-B/16 step ran
-    at two thirds of the eager one's speed, so "auto" leaves it eager (benchmarks/RESULTS.md; not yet
-    measured with a hook per block, nor on one rank, where nothing is gathered: `train/one_rank.py`)."""
+    """torch.compile the model inside the DeepSpeed engine (inductor): true, false, or "auto" = on when the
+    worker trains on a GPU at ZeRO 0-2, or at ZeRO 3 on one rank without offload. Same weights, checkpoints
+    and resume either way; the first step of each worker process pays the compilation (under a minute for
+    ViT-B/16). ZeRO 0-2 compile the whole model (`engine.compile`). ZeRO 3 fetches parameters from hooks
+    that torch.compile cannot trace through (it recompiles them per layer type, then falls back): measured
+    on an H200 with a hook per layer, a compiled ZeRO-3 ViT-B/16 step ran at two thirds of the eager one's
+    speed (benchmarks/RESULTS.md). On one rank, where the weights stay put (`train/one_rank.py`), each
+    transformer block or ResNet unit is compiled inside DeepSpeed's hooks instead, which stay eager; on
+    several ranks "auto" leaves ZeRO 3 eager, and true compiles the whole model."""
     compile_mode: str = field(default="default", metadata=RESUME_FREE)
     """torch.compile's mode when compiling: "default", "max-autotune-no-cudagraphs" (searches matmul
     and fusion configs: longer compilation), "max-autotune" or "reduce-overhead" (both add CUDA graphs)."""
@@ -176,9 +178,12 @@ class TrainConfig:
     {reduce_bucket_size: 5.0e8}}); keys vitscale derives from this section are refused
     (`train/deepspeed_keys.py`). Tuning knobs, not the maths: a resumed run may change them."""
 
-    def compiles(self, on_gpu: bool) -> bool:
-        """Whether the worker compiles the model: `compile`, "auto" resolved by the device and ZeRO stage."""
-        return on_gpu and self.zero_stage < 3 if self.compile == "auto" else bool(self.compile)
+    def compiles(self, on_gpu: bool, world_size: int = 1) -> bool:
+        """Whether the worker compiles the model: `compile`, "auto" resolved by the device, the ZeRO stage and,
+        at ZeRO 3, the world size and offload."""
+        if self.compile != "auto":
+            return bool(self.compile)
+        return on_gpu and (self.zero_stage < 3 or (world_size == 1 and not self.offload))
 
     def check_batch_split(self, workers: int | range, section: str = "train",
                           workers_key: str = "cluster.num_workers") -> None:

@@ -28,7 +28,7 @@ from vitscale.train.batch import BatchPlan
 from vitscale.train.config import TrainConfig
 from vitscale.train.deepspeed_keys import merge_overrides
 from vitscale.train.fused import fuse_bf16_step, fuse_clipping, fuse_gradient_norm
-from vitscale.train.one_rank import ONE_RANK_ZERO_3, skip_regather
+from vitscale.train.one_rank import ONE_RANK_ZERO_3, compile_units, skip_regather
 from vitscale.train.optim import ADAM_EPS, optimizer_for, param_groups
 
 
@@ -132,7 +132,7 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str
     The optimizer is the torch one `optimizer_for` builds from the typed config (torch's fused kernel
     on a GPU, the same update as the plain one on CPU; nothing for DeepSpeed to build), except with CPU
     offload of AdamW, where DeepSpeed builds its DeepSpeedCPUAdam from `ds_config["optimizer"]`. With
-    `train.compiles(on_gpu)` the module is compiled inside the engine. `fused` forces the optimizer's
+    `train.compiles(on_gpu, world_size)` the module is compiled inside the engine. `fused` forces the optimizer's
     kernel either way (`benchmarks/host_cost.py` runs a GPU's update path on the CPU with it).
     """
     deepspeed = _deepspeed()
@@ -156,8 +156,10 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str
     fuse_clipping(engine)
     fuse_bf16_step(engine)
     skip_regather(engine)
-    if train.compiles(on_gpu):
-        # The module inside the engine, compiled in place: parameter names, hooks and checkpoints unchanged.
+    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    # The module inside the engine, compiled in place: parameter names, hooks and checkpoints unchanged. One
+    # rank's ZeRO 3 compiles its repeated units between DeepSpeed's hooks (`one_rank.py`).
+    if train.compiles(on_gpu, world_size) and not compile_units(engine, train.compile_mode):
         engine.compile(backend="inductor", compile_kwargs={"mode": train.compile_mode})
     return engine
 
