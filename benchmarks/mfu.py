@@ -175,7 +175,9 @@ class VitscaleStep:
         plan = derive_batch(batch, batch, 1)
         torch.manual_seed(0)
         model = create_model(name, num_classes=1000, img_size=img_size, **(options or {}))
-        self.engine = build_engine(model, self.train, deepspeed_config(self.train, plan, on_gpu=on_gpu),
+        parameters = sum(p.numel() for p in model.parameters())
+        self.engine = build_engine(model, self.train,
+                                   deepspeed_config(self.train, plan, on_gpu=on_gpu, parameters=parameters),
                                    on_gpu=on_gpu, fused=fused)
         self.stepper = Stepper(self.engine, self.train, plan, device, world_size=1)
         self.batches = _fixed_batch(batch, device, img_size)

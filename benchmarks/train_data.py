@@ -293,7 +293,9 @@ def _fixed_batch_here(job: Any, num_classes: int, device: Any, steps: int) -> di
     on_gpu = device.type == "cuda"
     torch.manual_seed(train.seed)
     plan = derive_batch(train.global_batch, train.micro_batch, 1)
-    engine = build_engine(model_cfg.build(num_classes), train, deepspeed_config(train, plan, on_gpu=on_gpu),
+    model = model_cfg.build(num_classes)
+    parameters = sum(p.numel() for p in model.parameters())
+    engine = build_engine(model, train, deepspeed_config(train, plan, on_gpu=on_gpu, parameters=parameters),
                           on_gpu=on_gpu)
     stepper = Stepper(engine, train, plan, device, world_size=1)
     r = model_cfg.img_size

@@ -138,7 +138,9 @@ def _zero3(leaves: bool, checkpointing: bool, gathered: bool = True):  # type: i
     overrides = {"zero_optimization": {**zero, **(GATHERED if gathered else {})}}
     train = TrainConfig(global_batch=4, micro_batch=4, zero_stage=3, precision="fp32", grad_clip=1e-3,
                         weight_decay=0.1, base_lr=1e-2, deepspeed=overrides)
-    return build_engine(model, train, deepspeed_config(train, derive_batch(4, 4, 1), on_gpu=False), on_gpu=False)
+    parameters = sum(p.numel() for p in model.parameters())  # as a worker passes it: a bucket the model's size
+    return build_engine(model, train, deepspeed_config(train, derive_batch(4, 4, 1), on_gpu=False,
+                                                       parameters=parameters), on_gpu=False)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -170,6 +172,20 @@ def test_zero_3_names_the_zoos_units_as_leaves() -> None:
     named = {f"{type(m).__module__}.{type(m).__qualname__}" for name in ("ViT-Ti/16", "R26x1", "R26x1+ViT-Ti/16")
              for m in make(name, num_classes=2, img_size=32).modules()}
     assert set(REPEATED_UNITS) <= named  # each unit exists in the zoo: no name DeepSpeed would fail to match
+
+
+def test_zero_3_sizes_its_gradient_bucket_to_the_model() -> None:
+    """ZeRO 3 allocates its bucket whole at start: no larger than the model's gradients, where the worker
+    knows their count; DeepSpeed's default where it does not, or where the model is larger; a user's kept."""
+    from vitscale.train.engine import REDUCE_BUCKET
+
+    def bucket(stage: int = 3, parameters: int | None = 5_000, **train: Any) -> int | None:
+        return deepspeed_config(TrainConfig(zero_stage=stage, **train), derive_batch(4, 4, 1), on_gpu=True,
+                                parameters=parameters)["zero_optimization"].get("reduce_bucket_size")
+
+    assert bucket() == 5_000 and bucket(parameters=10**9) == REDUCE_BUCKET
+    assert bucket(parameters=None) is None and bucket(stage=2) is None
+    assert bucket(deepspeed={"zero_optimization": {"reduce_bucket_size": 123}}) == 123
 
 
 def test_zero_3_keeps_one_ranks_parameters_whole() -> None:
@@ -276,8 +292,9 @@ def test_one_rank_at_zero_3_compiles_each_block_between_deepspeeds_hooks(process
         train = TrainConfig(global_batch=4, micro_batch=4, zero_stage=3, precision="fp32", grad_clip=1e-3,
                             weight_decay=0.1, base_lr=1e-2, compile=compiled,
                             deepspeed={"zero_optimization": zero} if zero else {})
-        return build_engine(model, train, deepspeed_config(train, derive_batch(4, 4, 1), on_gpu=False),
-                            on_gpu=False)
+        parameters = sum(p.numel() for p in model.parameters())
+        return build_engine(model, train, deepspeed_config(train, derive_batch(4, 4, 1), on_gpu=False,
+                                                           parameters=parameters), on_gpu=False)
 
     torch._dynamo.reset()  # a block compiled earlier in this process would be served from the cache, uncounted
     breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]

@@ -44,7 +44,8 @@ def _engine(monkeypatch: pytest.MonkeyPatch, stage: int, *, fused: bool = True, 
     train = TrainConfig(global_batch=4 * world, micro_batch=4, zero_stage=stage, precision="bf16",
                         grad_clip=grad_clip, weight_decay=0.1, base_lr=1e-2, optimizer=optimizer)
     plan = derive_batch(4 * world, 4, world)
-    return build_engine(model, train, deepspeed_config(train, plan, on_gpu=False), on_gpu=False)
+    parameters = sum(p.numel() for p in model.parameters())
+    return build_engine(model, train, deepspeed_config(train, plan, on_gpu=False, parameters=parameters), on_gpu=False)
 
 
 def _backward(engine: Any, seed: int, poison: str = "") -> torch.Tensor:

@@ -99,7 +99,9 @@ def set_up(job: TrainJob, ctx: WorkerContext) -> Worker:
     torch.manual_seed(train.seed)  # identical initial weights on every rank
     model = _build_model(job, ctx, objective, num_classes)
     polyak = Polyak(model, train.polyak) if train.polyak is not None else None
-    engine = build_engine(model, train, deepspeed_config(train, batch, on_gpu=on_gpu), on_gpu=on_gpu)
+    parameters = sum(p.numel() for p in model.parameters())
+    engine = build_engine(model, train, deepspeed_config(train, batch, on_gpu=on_gpu, parameters=parameters),
+                          on_gpu=on_gpu)
     worker = Worker(
         job=job, ctx=ctx, device=device, batch=batch, stream=stream, steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
