@@ -20,7 +20,9 @@ updated pieces). On one rank, with every weight already a view of its partition,
 the weights themselves and the round trip only costs the host 152 frees and gathers (ViT-B/16) and the GPU a
 stream synchronisation. The check is made at every step, on the host, pointer by pointer: where any weight
 is not a view of its partition (after a load that replaced the partitions' storage, say), DeepSpeed's own
-free-and-gather runs, and the step after finds the views again.
+free-and-gather runs, and the step after finds the views again. Only the step's round trip is skipped: a
+checkpoint's save still frees every weight first, so the module state it writes holds ZeRO 3's empty
+placeholders, which an engine that has not stepped yet can load.
 
 `compile_units` compiles where DeepSpeed's hooks would break the graph: each transformer block or ResNet
 unit (the units ZeRO 3 gathers whole, `models.REPEATED_UNITS`) is compiled on its own, the hooks around it
@@ -30,7 +32,7 @@ On one rank a compiled unit's graph may keep views of its weights for the backwa
 the weights being views of partitions that never move (a gather there frees no storage); on several ranks
 a gathered weight is freed after its unit, which such a view would not follow.
 
-Neither changes what is partitioned, updated or saved: the optimizer's flat fp32 groups, the bf16
+None of this changes what is partitioned, updated or saved: the optimizer's flat fp32 groups, the bf16
 partitions and the checkpoints are ZeRO 3's as at any world size (a run resized to more ranks resumes from
 them, `train/reshard.py`), and the weights after every eager step are the same bit for bit
 (`tests/test_fused.py`). Not with parameter offload, whose point is the weights off the GPU.
