@@ -168,8 +168,10 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str
     skip_regather(engine)
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     # The module inside the engine, compiled in place: parameter names, hooks and checkpoints unchanged. One
-    # rank's ZeRO 3 compiles its repeated units between DeepSpeed's hooks (`one_rank.py`).
-    if train.compiles(on_gpu, world_size) and not compile_units(engine, train.compile_mode):
+    # rank's ZeRO 3 compiles its repeated units between DeepSpeed's hooks (`one_rank.py`); elsewhere ZeRO 3
+    # compiles the whole model only when asked to in so many words (`compile: true`), "auto" staying eager.
+    if (train.compiles(on_gpu, world_size) and not compile_units(engine, train.compile_mode)
+            and (train.zero_stage < 3 or train.compile is True)):
         engine.compile(backend="inductor", compile_kwargs={"mode": train.compile_mode})
     return engine
 
