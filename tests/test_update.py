@@ -15,14 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-import vitscale.train.engine as engine_module
 import vitscale.train.update as update_module
 from helpers.gloo_ranks import launch_ranks
 from vitscale.models import create_model
 from vitscale.train.batch import derive_batch
 from vitscale.train.config import TrainConfig
 from vitscale.train.engine import build_engine, deepspeed_config, whole_weights
-from vitscale.train.optim import optimizer_for
 from vitscale.train.step import Stepper
 from vitscale.train.update import apply_update
 
@@ -31,11 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from host_cost import HostWaits  # the benchmark's counter of where a GPU would be waited on
 
 TINY = {"img_size": 16, "depth": 2, "width": 32, "mlp_dim": 64, "heads": 2}
-def _engine(monkeypatch: pytest.MonkeyPatch, stage: int, *, fused: bool = True, grad_clip: float | None = 1e-2,
-            world: int = 1, optimizer: str = "adamw") -> Any:
+def _engine(stage: int, *, fused: bool = True, grad_clip: float | None = 1e-2, world: int = 1,
+            optimizer: str = "adamw") -> Any:
     """A ZeRO engine whose inner optimizer is torch's fused AdamW, as on a GPU (`fused`), on CPU."""
-    monkeypatch.setattr(engine_module, "optimizer_for",
-                        lambda train, groups, fused=False, _f=fused: optimizer_for(train, groups, fused=_f))
     torch.manual_seed(0)
     model = create_model("ViT-Ti/8", num_classes=5, **TINY)
     for p in model.parameters():  # the zero-initialised head would leave most gradients zero
@@ -45,7 +41,8 @@ def _engine(monkeypatch: pytest.MonkeyPatch, stage: int, *, fused: bool = True, 
                         grad_clip=grad_clip, weight_decay=0.1, base_lr=1e-2, optimizer=optimizer)
     plan = derive_batch(4 * world, 4, world)
     parameters = sum(p.numel() for p in model.parameters())
-    return build_engine(model, train, deepspeed_config(train, plan, on_gpu=False, parameters=parameters), on_gpu=False)
+    return build_engine(model, train, deepspeed_config(train, plan, on_gpu=False, parameters=parameters), on_gpu=False,
+                        fused=fused)
 
 
 def _backward(engine: Any, seed: int, poison: str = "") -> torch.Tensor:
@@ -65,7 +62,7 @@ def _backward(engine: Any, seed: int, poison: str = "") -> torch.Tensor:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_device_and_host_verdicts_agree_step_for_step(process_group: None, monkeypatch: pytest.MonkeyPatch,
                                                       stage: int) -> None:
-    device, host = _engine(monkeypatch, stage), _engine(monkeypatch, stage)
+    device, host = _engine(stage), _engine(stage)
     seen: dict[str, list[bool]] = {"device": [], "host": []}
     for name, engine in (("device", device), ("host", host)):
         if name == "host":
@@ -85,17 +82,16 @@ def test_device_and_host_verdicts_agree_step_for_step(process_group: None, monke
         torch.testing.assert_close(pa["exp_avg_sq"], pb["exp_avg_sq"], rtol=0, atol=0)
 
 
-def test_a_plain_optimizer_is_decided_on_the_host(process_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_plain_optimizer_is_decided_on_the_host(process_group: None) -> None:
     for stage, fused in ((0, False), (1, False), (3, False)):
-        engine = _engine(monkeypatch, stage, fused=fused)
+        engine = _engine(stage, fused=fused)
         update = apply_update(engine, loss=_backward(engine, 0))
         assert update.refused is False and update.read()[0], (stage, fused)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_sync_free_clipping_is_deepspeeds_bit_for_bit(process_group: None, monkeypatch: pytest.MonkeyPatch,
-                                                      stage: int) -> None:
-    ours, theirs = _engine(monkeypatch, stage), _engine(monkeypatch, stage)
+def test_sync_free_clipping_is_deepspeeds_bit_for_bit(process_group: None, stage: int) -> None:
+    ours, theirs = _engine(stage), _engine(stage)
     assert "unscale_and_clip_grads" in ours.optimizer.__dict__
     del theirs.optimizer.unscale_and_clip_grads  # DeepSpeed's own, with its host read of the norm
     for engine in (ours, theirs):
@@ -108,14 +104,13 @@ def test_sync_free_clipping_is_deepspeeds_bit_for_bit(process_group: None, monke
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])  # pre-training's and fine-tuning's (ZeRO 0 by default)
 def test_zero_0_in_bf16_steps_as_deepspeeds_own_without_its_reads(process_group: None,
-                                                                   monkeypatch: pytest.MonkeyPatch,
                                                                    optimizer: str) -> None:
     """DeepSpeed's bf16 wrapper at ZeRO 0 reads every gradient on the host for overflow; vitscale's step
     (`fused.fuse_bf16_step`) makes the same update (its norm in fp32 on the device, DeepSpeed's summed on
     the host in double: the clip coefficients agree to rounding) with none, and refuses a non-finite one."""
     from vitscale.train.fused import fuse_clipping
 
-    ours, theirs = _engine(monkeypatch, 0, optimizer=optimizer), _engine(monkeypatch, 0, optimizer=optimizer)
+    ours, theirs = _engine(0, optimizer=optimizer), _engine(0, optimizer=optimizer)
     assert type(theirs.optimizer).__name__ == "FP16_UnfusedOptimizer" and "step" in ours.optimizer.__dict__
     assert not fuse_clipping(ours) and "unscale_and_clip_grads" not in ours.optimizer.__dict__  # ZeRO 1/2's only
     del theirs.optimizer.step
@@ -138,10 +133,10 @@ def test_zero_0_in_bf16_steps_as_deepspeeds_own_without_its_reads(process_group:
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
 
 
-def test_zero_0_makes_the_same_first_updates_as_zero_1(process_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_zero_0_makes_the_same_first_updates_as_zero_1(process_group: None) -> None:
     """DeepSpeed's bf16 wrapper at ZeRO 0 stepped Adam once with zero gradients when built: its first real
     update was 0.74x ZeRO 1's. With that step undone (`fuse_bf16_step`) the stages train alike."""
-    zero0, zero1 = _engine(monkeypatch, 0), _engine(monkeypatch, 1)
+    zero0, zero1 = _engine(0), _engine(1)
     start = [p.detach().float().clone() for p in zero0.module.parameters()]
     for seed in range(3):
         for engine in (zero0, zero1):
@@ -170,7 +165,7 @@ def test_a_step_reads_the_device_once_where_the_update_is_decided_there(
     """Each read is a host sync on a GPU: the GPU's ZeRO 0-2 step has one, at its end (the loss, votes,
     verdict and norm together), ZeRO 3 one more (DeepSpeed's own finite check of its norm); a host-decided
     update adds the loss before it and the verdict's."""
-    engine = _engine(monkeypatch, stage)
+    engine = _engine(stage)
     if not on_device:
         monkeypatch.setattr(update_module, "_decides_on_device", lambda engine, inner: False)
     train = TrainConfig(global_batch=4, micro_batch=4, zero_stage=stage, precision="bf16")
@@ -191,7 +186,7 @@ def ranks(out: Path, stage: int) -> None:
     torch.distributed.init_process_group("gloo")
     init_distributed(on_gpu=False)
     rank = torch.distributed.get_rank()
-    engine = _engine(pytest.MonkeyPatch(), stage, world=torch.distributed.get_world_size())
+    engine = _engine(stage, world=torch.distributed.get_world_size())
     applied, kinds = [], []
     for step, poison in enumerate(["", "gradient", ""]):
         # Each rank its own data (so the gradients differ before averaging); rank 1 alone poisoned.
@@ -219,23 +214,17 @@ def test_one_ranks_bad_gradient_refuses_the_update_on_every_rank(tmp_path: Path,
     assert seen[0]["weights"] == seen[1]["weights"]
 
 
-if __name__ == "__main__":
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    ranks(Path(sys.argv[1]), int(sys.argv[2]))
-
-
-def test_zero_0_in_bf16_resumes_to_the_uninterrupted_weights(process_group: None, monkeypatch: pytest.MonkeyPatch,
-                                                             tmp_path: Path) -> None:
+def test_zero_0_in_bf16_resumes_to_the_uninterrupted_weights(process_group: None, tmp_path: Path) -> None:
     """`fuse_bf16_step` clears the state DeepSpeed's wrapper made at build; a checkpoint's state loaded into a
     fresh engine afterwards is the state training continues from."""
     from vitscale.train.engine import load_checkpoint
 
-    whole = _engine(monkeypatch, 0)
+    whole = _engine(0)
     for seed in range(4):
         if seed == 2:
             whole.save_checkpoint(str(tmp_path), tag="two")
         assert apply_update(whole, loss=_backward(whole, seed)).read()[0]
-    resumed = _engine(monkeypatch, 0)
+    resumed = _engine(0)
     load_checkpoint(resumed, tmp_path, "two")
     for seed in (2, 3):
         assert apply_update(resumed, loss=_backward(resumed, seed)).read()[0]
@@ -256,18 +245,15 @@ def test_deepspeed_syncs_the_device_only_where_it_overlaps_communication() -> No
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_a_step_never_asks_deepspeed_to_sync_the_device(process_group: None, monkeypatch: pytest.MonkeyPatch,
-                                                        stage: int) -> None:
+def test_a_step_never_asks_deepspeed_to_sync_the_device(process_group: None, stage: int) -> None:
     """The engine's `get_accelerator().synchronize()` calls (a no-op on CPU, a full device sync on a GPU),
     counted over steps past DeepSpeed's timer warm-up, with the config a GPU gets at world size 1."""
-    monkeypatch.setattr(engine_module, "optimizer_for",
-                        lambda train, groups, fused=False: optimizer_for(train, groups, fused=True))
     train = TrainConfig(global_batch=4, micro_batch=2, zero_stage=stage, precision="bf16", grad_clip=1.0)
     torch.manual_seed(0)
     model = create_model("ViT-Ti/8", num_classes=5, **TINY)
     plan = derive_batch(4, 2, 1)  # two micro-batches: DeepSpeed's timer starts at every forward
     config = deepspeed_config(train, plan, on_gpu=True)
-    engine = build_engine(model, train, config, on_gpu=False)
+    engine = build_engine(model, train, config, on_gpu=False, fused=True)
     stepper = Stepper(engine, train, plan, torch.device("cpu"), world_size=1)
     batches = _fixed(2)
     with HostWaits() as counted:
@@ -275,3 +261,8 @@ def test_a_step_never_asks_deepspeed_to_sync_the_device(process_group: None, mon
             assert stepper.step(batches, 1e-3).applied
     syncs = [wait for wait in counted.waits if wait == "synchronize"]
     assert syncs == []
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    ranks(Path(sys.argv[1]), int(sys.argv[2]))
