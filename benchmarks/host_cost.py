@@ -14,7 +14,7 @@ vitscale's side runs the path a GPU trains on (`benchmarks/mfu.py`'s `VitscaleSt
 optimizer (its CPU kernel here), DeepSpeed's engine at each ZeRO stage, the worker's own `Stepper`; eager,
 as compiling changes the kernels, not the host's bookkeeping around them. The peer (`PeerStep`): the same
 model, bf16 autocast, fused AdamW, no clipping, one process, no DeepSpeed. At one rank, vitscale's ZeRO 3
-keeps its parameters whole (`train/engine.py`'s `ONE_RANK_ZERO_3`); `--per-layer-hooks` adds ZeRO 3
+keeps its parameters whole (`train/one_rank.py`); `--per-layer-hooks` adds ZeRO 3
 gathering them as it must on many ranks, a block at a time (vitscale's hooks) and a layer at a time
 (DeepSpeed's own), and every ZeRO 3 row counts the parameters gathered per step.
 
@@ -91,8 +91,8 @@ class HostWaits(TorchFunctionMode):
 
 
 def count_gathers(call: Callable[[], Any]) -> int:
-    """How many parameters ZeRO 3's hooks gather during one `call()` (each a copy, and on a GPU an event the
-    host waits on once more than two are in flight: DeepSpeed's `PartitionedParameterCoordinator`)."""
+    """How many parameters ZeRO 3's hooks gather during one `call()` (a copy each on many ranks, a view on
+    one; on a GPU each gather handle is waited on, `HostWaits`'s "gather")."""
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
 
     name = "_PartitionedParameterCoordinator__all_gather_params_"

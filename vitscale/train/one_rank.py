@@ -43,6 +43,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import torch
+
+from vitscale.models import REPEATED_UNITS
+
 ONE_RANK_ZERO_3: dict[str, Any] = {"stage3_param_persistence_threshold": sys.maxsize,
                                    "memory_efficient_linear": False}
 """`zero_optimization` keys for ZeRO 3 on one rank without parameter offload (`train.deepspeed` may set them
@@ -103,10 +107,6 @@ def _is_view_of_partition(param: Any) -> bool:
 def compile_units(engine: Any, mode: str) -> bool:
     """Compile each repeated unit of `engine`'s module on its own, where `skip_regather` is installed (one
     rank's ZeRO 3); whether it did. DeepSpeed's hooks run around each compiled unit, uncompiled."""
-    import torch
-
-    from vitscale.models import REPEATED_UNITS
-
     if not weights_kept_whole(engine):
         return False
     units = [m for m in engine.module.modules() if f"{type(m).__module__}.{type(m).__qualname__}" in REPEATED_UNITS]
