@@ -28,7 +28,7 @@ from vitscale.train.batch import BatchPlan
 from vitscale.train.config import TrainConfig
 from vitscale.train.deepspeed_keys import merge_overrides
 from vitscale.train.fused import fuse_bf16_step, fuse_clipping, fuse_gradient_norm
-from vitscale.train.one_rank import ONE_RANK_ZERO_3, compile_units, skip_regather
+from vitscale.train.one_rank import ONE_RANK_ZERO_3, compile_units, skip_regather, weights_kept_whole
 from vitscale.train.optim import ADAM_EPS, optimizer_for, param_groups
 
 REDUCE_BUCKET = 500_000_000
@@ -170,9 +170,11 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str
     # The module inside the engine, compiled in place: parameter names, hooks and checkpoints unchanged. One
     # rank's ZeRO 3 compiles its repeated units between DeepSpeed's hooks (`one_rank.py`); elsewhere ZeRO 3
     # compiles the whole model only when asked to in so many words (`compile: true`), "auto" staying eager.
-    if (train.compiles(on_gpu, world_size) and not compile_units(engine, train.compile_mode)
-            and (train.zero_stage < 3 or train.compile is True)):
-        engine.compile(backend="inductor", compile_kwargs={"mode": train.compile_mode})
+    if train.compiles(on_gpu, world_size):
+        if weights_kept_whole(engine):
+            compile_units(engine, train.compile_mode)
+        elif train.zero_stage < 3 or train.compile is True:
+            engine.compile(backend="inductor", compile_kwargs={"mode": train.compile_mode})
     return engine
 
 

@@ -104,13 +104,11 @@ def _is_view_of_partition(param: Any) -> bool:
             and param.dtype == part.dtype and param.device == part.device)
 
 
-def compile_units(engine: Any, mode: str) -> bool:
-    """Compile each repeated unit of `engine`'s module on its own, where `skip_regather` is installed (one
-    rank's ZeRO 3); whether it did. DeepSpeed's hooks run around each compiled unit, uncompiled."""
-    if not weights_kept_whole(engine):
-        return False
+def compile_units(engine: Any, mode: str) -> int:
+    """Compile each repeated unit of `engine`'s module on its own, for an engine whose weights are kept whole
+    (`weights_kept_whole`: one rank's ZeRO 3); how many. DeepSpeed's hooks run around each unit, uncompiled."""
     units = [m for m in engine.module.modules() if f"{type(m).__module__}.{type(m).__qualname__}" in REPEATED_UNITS]
     for unit in units:
         # The instance's `forward`, not its `__call__`: module hooks (DeepSpeed's gathers) stay outside the graph.
         unit.forward = torch.compile(unit.forward, backend="inductor", mode=mode)
-    return bool(units)
+    return len(units)
