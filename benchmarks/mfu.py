@@ -1,7 +1,7 @@
 """Images/s and MFU of vitscale's training step against a hand-written PyTorch loop, in one run.
 
     python benchmarks/mfu.py [--models ViT-B/16 ViT-L/16] [--zero-stages 1 2 3] [--peer] [--profile DIR]
-                             [--batch 256] [--batch-for ViT-H/14=128] [--steps 20] [--compile auto|on|off]
+                             [--batch 256|auto] [--batch-for ViT-H/14=128|auto] [--steps 20] [--compile auto|on|off]
 
 vitscale's side is the training path exactly as a Ray Train worker runs it: the model inside the
 DeepSpeed engine `train/engine.py` builds (bf16 on GPU, torch's fused AdamW, `train.compile`'s
@@ -23,6 +23,13 @@ backward and the optimizer step (which includes DeepSpeed's gradient flattening,
 clipping), reported as `*_ms` columns. `--profile DIR` traces three steps of the first vitscale
 measurement with `torch.profiler` and writes DIR/profile.md: the top GPU kernels by time, the host
 calls by count, and the host syncs (device-to-host copies, stream and device synchronisations).
+
+`--batch auto` (or `--batch-for MODEL=auto`) chooses each model's batch on a GPU by its memory: the
+peak memory of an eager bf16 forward and backward at two small batches gives a line (bytes at batch 0,
+bytes per image); the training state a step adds (fp32 master weights and Adam's two moments, 12 more
+bytes per parameter than the probe's fp32 weights and gradients) goes on top, and the batch is the
+largest multiple of 64, at most 1024, whose line stays under 80% of the device's memory (compiled
+steps use less than eager ones, so this errs on the side of fitting). Both loops then run at it.
 
 Targets on one H100/H200: vitscale >= 1.0x the timm peer for B/16 and L/16; >= 40% MFU for B/16 and
 >= 47% for L/16; the optimizer phase <= 5 ms (B/16) and <= 12 ms (L/16) at ZeRO 1 and 2; ZeRO 3
@@ -50,6 +57,15 @@ TIMM_NAMES = {"ViT-Ti/16": "vit_tiny_patch16_224", "ViT-S/16": "vit_small_patch1
 """timm's model of the same size (class token, 224 px) for the peer loop."""
 
 WARMUP_STEPS = 3  # compilation, the allocator and autotuning land here
+
+AUTO_BATCH_MULTIPLE = 64  # tensor-core friendly, and coarse enough that the choice is stable between runs
+AUTO_BATCH_CAP = 1024  # past this a ViT's step is matmul-bound and gains nothing but compile time
+AUTO_MEMORY_SHARE = 0.8  # the rest: the allocator's fragmentation, cuBLAS and compile workspaces
+EXTRA_STATE_BYTES = 12
+"""Bytes per parameter a training step holds beyond the probe's fp32 weights and gradients (8 bytes):
+fp32 master weights or a bf16 copy with its gradient partition (DeepSpeed's bf16, 4) and Adam's two
+fp32 moments (8)."""
+PROBE_BATCHES = (32, 64)
 
 
 def matmul_flops_per_s(device: torch.device, dtype: torch.dtype, n: int, seconds: float = 3.0) -> float:
@@ -134,6 +150,65 @@ def _result(name: str, batch: int, step_s: float, device: torch.device, resident
     if device.type == "cuda":
         out["max_memory_gib"] = (torch.cuda.max_memory_allocated(device) - resident) / 2**30
     return out
+
+
+def largest_batch(fixed: float, per_image: float, capacity: float, *, multiple: int = AUTO_BATCH_MULTIPLE,
+                  cap: int = AUTO_BATCH_CAP) -> int:
+    """The largest multiple of `multiple`, at most `cap`, whose memory `fixed + per_image * batch` fits `capacity`.
+
+    Raises:
+        ValueError: not even one `multiple` of images fits (the message gives the figures).
+    """
+    if multiple < 1 or cap < multiple or per_image <= 0:
+        raise ValueError(f"need 1 <= multiple <= cap and bytes per image > 0; got multiple={multiple}, cap={cap}, "
+                         f"per_image={per_image}")
+    fits = int((capacity - fixed) // per_image) if capacity > fixed else 0
+    batch = min(cap, fits) // multiple * multiple
+    while batch >= multiple and fixed + per_image * batch > capacity:  # the floor division's rounding
+        batch -= multiple
+    if batch < multiple:
+        raise ValueError(f"{multiple} images need {(fixed + per_image * multiple) / 2**30:.1f} GiB; "
+                         f"{capacity / 2**30:.1f} GiB are available")
+    return batch
+
+
+def memory_line(name: str, device: torch.device, *, img_size: int = 224,
+                probes: tuple[int, int] = PROBE_BATCHES) -> tuple[float, float, int]:
+    """(bytes at batch 0, bytes per image, parameters) of training `name` on a GPU: the peak memory of an
+    eager bf16-autocast forward and backward over fp32 weights at two batches, as a straight line."""
+    from vitscale.data.loader.transforms import normalize_on_device
+    from vitscale.models import create_model
+
+    resident = _release(device)
+    model = create_model(name, num_classes=1000, img_size=img_size).to(device).train()
+    peaks = []
+    for batch in probes:
+        image = torch.randint(0, 256, (batch, 3, img_size, img_size), dtype=torch.uint8, device=device)
+        label = torch.randint(0, 1000, (batch,), device=device)
+        torch.cuda.reset_peak_memory_stats(device)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(normalize_on_device(image))
+        torch.nn.functional.cross_entropy(logits.float(), label).backward()
+        peaks.append(torch.cuda.max_memory_allocated(device) - resident)
+        del image, label, logits
+        model.zero_grad(set_to_none=True)
+    parameters = sum(p.numel() for p in model.parameters())
+    del model
+    _release(device)
+    per_image = (peaks[1] - peaks[0]) / (probes[1] - probes[0])
+    return peaks[0] - per_image * probes[0], per_image, parameters
+
+
+def auto_batch(name: str, device: torch.device, *, img_size: int = 224) -> int:
+    """The batch `--batch auto` gives `name` on this GPU (the module docstring says how); prints why."""
+    at_zero, per_image, parameters = memory_line(name, device, img_size=img_size)
+    fixed = at_zero + EXTRA_STATE_BYTES * parameters
+    total = torch.cuda.get_device_properties(device).total_memory
+    capacity = AUTO_MEMORY_SHARE * total - torch.cuda.memory_allocated(device)
+    batch = largest_batch(fixed, per_image, capacity)
+    print(f"{name}: batch auto -> {batch} ({per_image / 2**20:.1f} MiB per image, {fixed / 2**30:.1f} GiB fixed, "
+          f"{capacity / 2**30:.1f} GiB to fill)", flush=True)
+    return batch
 
 
 def _release(device: torch.device) -> int:
@@ -320,12 +395,24 @@ def _profile(step: Callable[[], Any], out: Path, title: str) -> None:
     print(f"profile written to {out}", flush=True)
 
 
-def _model_batch(text: str) -> tuple[str, int]:
-    """`--batch-for` items: MODEL=BATCH with a positive batch (argparse shows the error, naming the item)."""
+def _batch(text: str) -> int | str:
+    """A batch argument: a positive number of images, or `auto` (chosen per model by GPU memory)."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number of images or auto")
+    return int(text)
+
+
+def _model_batch(text: str) -> tuple[str, int | str]:
+    """`--batch-for` items: MODEL=BATCH with a positive batch or auto (argparse shows the error, naming the item)."""
     name, _, batch = text.partition("=")
-    if not name or not batch.isdigit() or int(batch) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected MODEL=BATCH with a positive batch, e.g. ViT-H/14=128")
-    return name, int(batch)
+    try:
+        if name:
+            return name, _batch(batch)
+    except argparse.ArgumentTypeError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r}: expected MODEL=BATCH with a positive batch or auto, e.g. ViT-H/14=128")
 
 
 def _compile_choice(text: str) -> bool | str:
@@ -352,10 +439,10 @@ def _table(rows: list[dict], device_name: str) -> list[str]:
     return [f"device: {device_name}", *lines]
 
 
-def _plans(args: argparse.Namespace, *, batch: int, steps: int, device: torch.device,
+def _plans(args: argparse.Namespace, *, steps: int, device: torch.device,
            batch_for: dict[str, int]) -> list[tuple[str, Callable[[], dict]]]:
-    """The measurements to take, in order, each a label and a call: per model the peer(s), then vitscale's
-    step at each ZeRO stage (the first of them profiled when asked)."""
+    """The measurements to take, in order, each a label and a call: per model (at its batch in `batch_for`)
+    the peer(s), then vitscale's step at each ZeRO stage (the first of them profiled when asked)."""
     on_gpu = device.type == "cuda"
     try:
         import timm  # noqa: F401 -- only asks whether the peer can use timm's model
@@ -367,7 +454,7 @@ def _plans(args: argparse.Namespace, *, batch: int, steps: int, device: torch.de
     peer_compiles = on_gpu if args.compile == "auto" else bool(args.compile)
     profile = args.profile
     for name in args.models:
-        n = batch_for.get(name, batch)
+        n = batch_for[name]
         if args.peer:
             if has_timm and name in TIMM_NAMES:
                 plans.append((f"{name} peer timm", lambda name=name, n=n: bench_peer(
@@ -389,12 +476,13 @@ def _plans(args: argparse.Namespace, *, batch: int, steps: int, device: torch.de
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["ViT-B/16", "ViT-L/16"], help="vitscale model names")
-    parser.add_argument("--batch", type=int, default=None, help="per-step batch (default 256 on GPU, 8 on CPU)")
+    parser.add_argument("--batch", type=_batch, default=None,
+                        help="per-step batch (default 256 on GPU, 8 on CPU), or auto: each model's by GPU memory")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per measurement (after 3 warm-up)")
     parser.add_argument("--zero-stages", type=int, nargs="+", default=[1], choices=[0, 1, 2, 3],
                         help="ZeRO stages of vitscale's step to measure, each in turn")
     parser.add_argument("--batch-for", nargs="*", default=[], metavar="MODEL=BATCH", type=_model_batch,
-                        help="a per-step batch for one model (a large model that does not fit --batch)")
+                        help="a per-step batch for one model (a large model that does not fit --batch), or auto")
     parser.add_argument("--compile", type=_compile_choice, default="auto", choices=["auto", True, False],
                         metavar="{auto,on,off}", help="train.compile for vitscale's step (auto: on with a GPU)")
     parser.add_argument("--compile-mode", default="default", help="train.compile_mode for vitscale's step")
@@ -418,12 +506,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if on_gpu:
         torch.cuda.set_device(device)
     batch = args.batch or (256 if on_gpu else 8)
+    batch_for = dict(args.batch_for)
+    if not on_gpu and "auto" in {batch, *batch_for.values()}:
+        parser.error("a batch of auto is chosen by GPU memory: this machine has no GPU")
     steps = args.steps or (20 if on_gpu else 3)
     _init_process_group()
     matmul = matmul_flops_per_s(device, torch.bfloat16 if on_gpu else torch.float32, 8192 if on_gpu else 1024)
     peak = peak_flops("auto") if on_gpu else None
     device_name = torch.cuda.get_device_name(0) if on_gpu else "cpu"
-    plans = _plans(args, batch=batch, steps=steps, device=device, batch_for=dict(args.batch_for))
+    batch_for = {name: batch_for.get(name, batch) for name in args.models}
+    batch_for = {name: auto_batch(name, device) if n == "auto" else n for name, n in batch_for.items()}
+    plans = _plans(args, steps=steps, device=device, batch_for=batch_for)
     rows = []
     for label, run in plans:
         try:

@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 pytest.importorskip("deepspeed")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -27,6 +30,48 @@ def test_mfu_measures_the_training_step_beside_the_peer(tmp_path: Path, capsys: 
     profile = (tmp_path / "profile.md").read_text()
     assert "## Host syncs and copies" in profile and "aten::item" in profile
     assert (tmp_path / "rows.json").exists()
+
+
+@given(fixed=st.floats(0, 1e11), per_image=st.floats(1e3, 1e9), capacity=st.floats(0, 2e11),
+       multiple=st.sampled_from([1, 8, 64]), cap=st.sampled_from([64, 512, 1024]))
+def test_an_auto_batch_is_the_largest_multiple_that_fits(fixed: float, per_image: float, capacity: float,
+                                                          multiple: int, cap: int) -> None:
+    import mfu
+
+    try:
+        batch = mfu.largest_batch(fixed, per_image, capacity, multiple=multiple, cap=cap)
+    except ValueError as err:
+        assert fixed + per_image * multiple > capacity, err  # refused only when one multiple does not fit
+        return
+    assert batch % multiple == 0 and multiple <= batch <= cap
+    assert fixed + per_image * batch <= capacity
+    assert batch + multiple > cap or fixed + per_image * (batch + multiple) > capacity  # nothing larger fits
+
+
+def test_an_auto_batch_needs_a_gpu(capsys: pytest.CaptureFixture) -> None:
+    import mfu
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: auto is allowed")
+    for argv in (["--batch", "auto"], ["--batch-for", "ViT-B/16=auto"]):
+        with pytest.raises(SystemExit):
+            mfu.main(["--models", "ViT-Ti/16", *argv])
+        assert "chosen by GPU memory: this machine has no GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        mfu.main(["--batch-for", "ViT-B/16=0"])
+    assert "expected MODEL=BATCH with a positive batch or auto" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_auto_batch_fits_the_gpu_it_was_chosen_for() -> None:
+    import mfu
+
+    device = torch.device("cuda", 0)
+    at_zero, per_image, parameters = mfu.memory_line("ViT-Ti/16", device)
+    assert per_image > 0 and at_zero >= 8 * parameters * 0.9  # fp32 weights and gradients, at least
+    batch = mfu.auto_batch("ViT-Ti/16", device)
+    assert batch % mfu.AUTO_BATCH_MULTIPLE == 0 and batch <= mfu.AUTO_BATCH_CAP
 
 
 def test_host_cost_counts_the_steps_waits_beside_the_peer(capsys: pytest.CaptureFixture) -> None:
