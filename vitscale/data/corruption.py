@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Corruption", "corrupted_positions"]
+__all__ = ["Corruption", "CorruptionError", "corrupted_positions"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -38,6 +38,14 @@ _MIX2 = np.uint64(0x94D049BB133111EB)
 def _round(x: float) -> int:
     """Half up (Python's `round` rounds half to even: 0.5 * 5 = 2.5 would give 2)."""
     return int(x + 0.5)
+
+
+class CorruptionError(ValueError):
+    """A corruption that cannot be made; `setting` names the one at fault (rate, mask or swap)."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 @dataclass(frozen=True)
@@ -55,17 +63,17 @@ class Corruption:
 
     def __post_init__(self) -> None:
         if self.patches < 1:
-            raise ValueError(f"an image has at least one patch, got {self.patches}")
+            raise CorruptionError("rate", f"an image has at least one patch, got {self.patches}")
         for name in ("rate", "mask", "swap"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+                raise CorruptionError(name, f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.mask + self.swap > 1.0 + 1e-9:
-            raise ValueError(f"mask + swap must be at most 1, got {self.mask} + {self.swap}")
+            raise CorruptionError("swap", f"mask + swap must be at most 1, got {self.mask} + {self.swap}")
         corrupted, _, swapped = self.counts
         if corrupted < 1:
-            raise ValueError(f"a rate of {self.rate} corrupts no patch of {self.patches}")
+            raise CorruptionError("rate", f"a rate of {self.rate} corrupts no patch of {self.patches}")
         if swapped and self.patches < 2:
-            raise ValueError("swapping a patch needs an image of at least two patches")
+            raise CorruptionError("swap", "swapping a patch needs an image of at least two patches")
 
     @property
     def counts(self) -> tuple[int, int, int]:
