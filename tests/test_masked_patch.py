@@ -129,6 +129,7 @@ def pipeline(**train: object) -> dict[str, object]:
     ({"masked_patch": {"mask": 0.9, "swap": 0.2}}, "train.masked_patch.swap"),
     ({"masked_patch": {"corrupt": 0}}, "train.masked_patch.corrupt"),
     ({"masked_patch": {"bits": 9}}, "train.masked_patch.bits"),
+    ({"masked_patch": {"bits": 5}}, "train.masked_patch.bits"),  # a head of 32,768 classes per colour
     ({"masked_patch": {"corrupt": 0.01}}, "train.masked_patch.corrupt"),  # 0.16 of 16 patches: none
     ({"masked_patch": {"maks": 0.8}}, "train.masked_patch.maks"),
 ])
@@ -144,6 +145,16 @@ def test_a_resnet_or_a_grid_the_target_cannot_cut_is_refused() -> None:
     with pytest.raises(ConfigError, match="ResNet") as err:
         build_pipeline(raw)
     assert err.value.key == "train.objective"
+    raw["model"] = {"name": "R50x1+ViT-Ti/16", "img_size": 32}  # its stem shows a patch to its neighbours
+    with pytest.raises(ConfigError, match="hybrid") as err:
+        build_pipeline(raw)
+    assert err.value.key == "train.objective"
+    raw["model"] = {"name": "ViT-Ti/8", "img_size": 8, **TINY}  # one patch: nothing to swap it with
+    raw["train"] = {**raw["train"], "masked_patch": {"mask": 0.0, "swap": 1.0}}  # type: ignore[dict-item]
+    with pytest.raises(ConfigError) as err:
+        build_pipeline(raw)
+    assert err.value.key == "train.masked_patch.swap"
+    raw["train"] = {**raw["train"], "masked_patch": {}}  # type: ignore[dict-item]
     raw["model"] = {"name": "ViT-Ti/8", "img_size": 16, **TINY}
     raw["train"] = {**raw["train"], "masked_patch": {"target": "downsized_4x4"}}  # type: ignore[dict-item]
     build_pipeline(raw)  # 8-pixel patches cut into 4 x 4 cells of 2
@@ -159,6 +170,25 @@ def test_fine_tuning_refuses_the_pre_training_objective() -> None:
     with pytest.raises(ConfigError) as err:
         build_pipeline(raw)
     assert err.value.key == "finetune.train.objective"
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["R50x1", "--objective", "masked_patch"], "--objective"),
+    (["R50x1+ViT-B/16", "--objective", "masked_patch"], "--objective"),  # the stem leaks neighbours' pixels
+    (["ViT-H/14", "--objective", "masked_patch", "--target", "downsized_4x4"], "--target"),
+    (["ViT-B/16", "--resolution", "100"], "--resolution"),
+    (["ViT-X/16"], "MODEL"),
+    (["ViT-B/16", "--option", "depth=-1"], "--option depth"),
+    (["ViT-B/16", "--epochs", "-1"], "--epochs"),
+    (["ViT-B/16", "--classes", "-1"], "--classes"),
+])
+def test_vitscale_flops_refuses_bad_arguments_in_one_line(argv: list[str], flag: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from vitscale.cli import main
+
+    assert main(["flops", *argv]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"vitscale: error: {flag}: "), lines
 
 
 def test_vitscale_flops_prices_the_objective(capsys: pytest.CaptureFixture[str]) -> None:

@@ -81,6 +81,21 @@ def test_fault_drills_may_change_and_finetuning_has_its_own_scope() -> None:
     assert changed_keys(old, new, FINETUNE_SCOPE) == [("finetune.train.base_lr", 0.01, 0.03)]
 
 
+def test_keys_the_objective_never_reads_may_change_and_no_others() -> None:
+    mpp = {"train": {"objective": "masked_patch", "loss": "softmax", "label_smoothing": 0.0,
+                     "masked_patch": {"mask": 0.8}}}
+    assert changed_keys(mpp, {"train": {**mpp["train"], "loss": "sigmoid", "label_smoothing": 0.1}}) == []
+    assert changed_keys(mpp, {"train": {**mpp["train"], "masked_patch": {"mask": 0.7}}}) == [
+        ("train.masked_patch.mask", 0.8, 0.7)]
+    supervised = {"train": {"loss": "softmax", "masked_patch": {"mask": 0.8}}}  # the default objective
+    assert changed_keys(supervised, {"train": {**supervised["train"], "masked_patch": {"mask": 0.5}}}) == []
+    assert changed_keys(supervised, {"train": {**supervised["train"], "loss": "sigmoid"}}) == [
+        ("train.loss", "softmax", "sigmoid")]
+    # Another objective is refused, and with it every key that one of the two reads.
+    switched = {"train": {**mpp["train"], "objective": "supervised", "loss": "sigmoid"}}
+    assert [key for key, _, _ in changed_keys(mpp, switched)] == ["train.loss", "train.objective"]
+
+
 def test_the_allow_list_comes_from_the_fields_and_covers_finetuning_alike() -> None:
     # Marked where declared (config/fields.py RESUME_FREE), read the same under train: and finetune.train:.
     for key in ("train.log_every", "train.checkpoint_every", "train.fault", "data.num_workers", "data.error_budget"):

@@ -105,6 +105,22 @@ def test_the_probe_and_fine_tuning_refuse_images_without_labels(unlabelled: str,
     assert code == 2 and "finetune.data.url" in err and "without labels" in err
 
 
+def test_a_study_plan_refuses_a_supervised_cell_on_images_without_labels(
+        unlabelled: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    raw = pipeline(unlabelled, tmp_path)
+    raw["stages"] = ["study"]
+    raw["study"] = {"models": [{"name": "ViT-Ti/8", "depth": 1, "width": 32, "heads": 2, "mlp_dim": 32,
+                                "train": {"objective": "masked_patch"}},
+                               {"name": "ViT-Ti/8", "depth": 2, "width": 32, "heads": 2, "mlp_dim": 32}],
+                    "data_sizes": [None], "transfer": []}
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["study", "plan", str(path)]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "study.models[1]" in lines[0] and "needs labels" in lines[0], lines
+    assert lines[0].count("(in ") <= 1  # the file named once
+
+
 def test_masked_patch_pre_training_learns_from_images_alone(unlabelled: str, tmp_path: Path,
                                                             process_group: None) -> None:
     from vitscale.stages import build_pipeline

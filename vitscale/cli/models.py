@@ -49,22 +49,37 @@ def _flops_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a summary")
 
 
+FLAGS = {"model.name": "MODEL", "model.img_size": "--resolution", "train.objective": "--objective",
+         "train.masked_patch.target": "--target"}
+"""The pipeline keys whose checks `flops` reuses, by the argument that sets them here."""
+
+
 def cmd_flops(args: argparse.Namespace) -> int:
+    from vitscale.config.checks import ConfigError, check, positive, positive_int
     from vitscale.config.loader import apply_override
+    from vitscale.models.config import ModelConfig
     from vitscale.scaling.catalog import flops_summary, summary_markdown
 
     options: dict = {}
     for item in args.option:  # YAML values, as a pipeline's `model:` section reads them
         options = apply_override(options, item)
+    positive(args.epochs, "--epochs")
+    check(args.classes >= 0, "--classes", f"must be >= 0 (0: no classifier), got {args.classes}")
+    if args.examples is not None:
+        positive_int(args.examples, "--examples")
+    model = ModelConfig.from_mapping({"name": args.model, "img_size": args.resolution, **options})
     masked_patch = None
-    if args.objective == "masked_patch":
-        from vitscale.models.config import ModelConfig
-        from vitscale.train.config import MaskedPatchConfig
-        from vitscale.train.objective import masked_patch_plan
+    try:  # the checks a pipeline's model: and train: sections get, each error naming its argument here
+        model.validate()
+        if args.objective == "masked_patch":
+            from vitscale.train.config import MaskedPatchConfig
+            from vitscale.train.objective import checked_masked_patch_plan
 
-        model = ModelConfig.from_mapping({"name": args.model, "img_size": args.resolution, **options})
-        corruption, target = masked_patch_plan(model, MaskedPatchConfig(target=args.target))
-        masked_patch = (corruption.counts[0], target.outputs)
+            corruption, target = checked_masked_patch_plan(model, MaskedPatchConfig(target=args.target))
+            masked_patch = (corruption.counts[0], target.outputs)
+    except ConfigError as exc:
+        flag = FLAGS.get(exc.key, f"--option {exc.key.removeprefix('model.')}")
+        raise ConfigError(flag, exc.message) from None
     summary = flops_summary(args.model, resolution=args.resolution, examples=args.examples, epochs=args.epochs,
                             num_classes=args.classes, masked_patch=masked_patch, **options)
     if args.json:

@@ -50,8 +50,8 @@ class PatchTarget:
             raise ValueError(f"target must be one of {list(TARGETS)}, got {self.name!r}")
         if self.name == "downsized_4x4" and self.patch % 4:
             raise ValueError(f"downsized_4x4 needs a patch side divisible by 4, got {self.patch}")
-        if not 1 <= self.bits <= 8:
-            raise ValueError(f"bits must be in [1, 8], got {self.bits}")
+        if not 1 <= self.bits <= 4:  # train/config.py's MaskedPatchConfig says why
+            raise ValueError(f"bits must be in [1, 4], got {self.bits}")
 
     @property
     def colours(self) -> int:

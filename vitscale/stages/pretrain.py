@@ -5,7 +5,7 @@ Runs on Ray Train (`launch/ray_train.py`), every worker in `train/loop.py`; make
 
 from __future__ import annotations
 
-from vitscale.config.checks import ConfigError, check
+from vitscale.config.checks import check
 from vitscale.config.loader import to_yaml
 from vitscale.config.pipeline import PipelineConfig
 from vitscale.data.config import DataConfig
@@ -30,32 +30,12 @@ def check_pretrain(config: PipelineConfig) -> None:
     check_objective(config)
 
 
-SETTING_KEYS = {"rate": "corrupt", "mask": "mask", "swap": "swap"}
-"""`data/corruption.py`'s names for the settings of `train.masked_patch`."""
-
-
 def check_objective(config: PipelineConfig) -> None:
     """Masked patch prediction needs a ViT's patch embeddings to corrupt and a grid its plan fits."""
-    train, model = config.train, config.model
-    if train.objective != "masked_patch":
-        return
-    from vitscale.data.corruption import CorruptionError
-    from vitscale.models.variants import parse_model_name
-    from vitscale.train.objective import masked_patch_plan
+    if config.train.objective == "masked_patch":
+        from vitscale.train.objective import checked_masked_patch_plan
 
-    family = parse_model_name(model.name).family
-    # A hybrid's ResNet stem mixes each patch's pixels into its neighbours' embeddings (overlapping
-    # receptive fields): a corrupted patch's colour would reach the encoder through the patches beside it.
-    check(family == "vit", "train.objective",
-          f"masked_patch corrupts a ViT's patch embeddings; model.name {model.name!r} is a "
-          + ("ResNet" if family == "resnet" else "hybrid, whose ResNet stem shows each patch to its neighbours"))
-    where = f"(model {model.name} at model.img_size {model.img_size})"
-    try:
-        masked_patch_plan(model, train.masked_patch)
-    except CorruptionError as exc:
-        raise ConfigError(f"train.masked_patch.{SETTING_KEYS[exc.setting]}", f"{exc} {where}") from None
-    except ValueError as exc:  # the target cannot be cut from this patch size (the rest is checked by the config)
-        raise ConfigError("train.masked_patch.target", f"{exc} {where}") from None
+        checked_masked_patch_plan(config.model, config.train.masked_patch)
 
 
 def prepare_pretrain(config: PipelineConfig) -> None:

@@ -27,6 +27,9 @@ from vitscale.train.deepspeed_keys import check_overrides as check_deepspeed_ove
 
 PEAK_FLOPS_NAMES = ("auto", "H200", "H100", "A100")
 OBJECTIVES = ("supervised", "masked_patch")
+UNREAD_BY_OBJECTIVE = {"supervised": ("masked_patch",), "masked_patch": ("loss", "label_smoothing")}
+"""The `train:` keys each objective never reads: a recipe may carry them for the other objective (a study
+cell switches it), and a resumed run may change them (`train/resume.py`)."""
 PATCH_TARGETS = ("mean_colour", "downsized_4x4", "pixels")  # models/masked_patch.py's TARGETS
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
 
@@ -82,8 +85,10 @@ class MaskedPatchConfig:
                   f"must be in [0, 1], got {value!r}")
         check(self.mask + self.swap <= 1.0, f"{section}.swap",
               f"mask + swap ({self.mask} + {self.swap}) must be at most 1: the rest of the corrupted patches are kept")
-        check(isinstance(self.bits, int) and not isinstance(self.bits, bool) and 1 <= self.bits <= 8,
-              f"{section}.bits", f"must be an int in [1, 8], got {self.bits!r}")
+        # 2^(3 bits) classes per colour: 4,096 at 4 bits; at 5 a ViT-B/16 head would hold 25M weights per
+        # colour predicted (16 of them for downsized_4x4), more than the encoder it trains.
+        check(isinstance(self.bits, int) and not isinstance(self.bits, bool) and 1 <= self.bits <= 4,
+              f"{section}.bits", f"must be an int in [1, 4] (2^(3 x bits) colour classes), got {self.bits!r}")
 
 
 @dataclass(frozen=True)

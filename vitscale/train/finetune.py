@@ -129,8 +129,10 @@ class FinetuneConfig:
         positive(self.eval_batch, "finetune.eval_batch")
         for i, lr in enumerate(self.lr_grid):
             positive(lr, f"finetune.lr_grid[{i}]")
-        check(self.train.get("objective", "supervised") == "supervised", "finetune.train.objective",
-              "fine-tuning learns the downstream labels (supervised); masked_patch is a pre-training objective")
+        objective = self.train.get("objective", "supervised")
+        check(objective == "supervised", "finetune.train.objective",
+              f"fine-tuning learns the downstream labels: only 'supervised', got {objective!r}"
+              + (" (a pre-training objective)" if objective == "masked_patch" else ""))
         check("epochs" not in self.train, "finetune.train.epochs",
               "fine-tuning is counted in steps (Table 4): set finetune.train.max_steps")
         # The recipe at its own rate, or at every rate of the grid a sweep may give it (end_lr <= base_lr, ...).

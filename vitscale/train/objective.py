@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from vitscale.config.checks import ConfigError, check
 from vitscale.data.corruption import Corruption
 from vitscale.models.config import ModelConfig
 from vitscale.train.config import MaskedPatchConfig, TrainConfig
@@ -22,13 +23,38 @@ from vitscale.train.losses import LossKind, classification_loss
 if TYPE_CHECKING:
     from vitscale.models.masked_patch import PatchTarget
 
-__all__ = ["MaskedPatch", "Objective", "Supervised", "encoder_config", "masked_patch_plan", "objective_flops",
-           "objective_for"]
+__all__ = ["MaskedPatch", "Objective", "Supervised", "checked_masked_patch_plan", "encoder_config",
+           "masked_patch_plan", "objective_flops", "objective_for"]
 
 
 def encoder_config(model: ModelConfig) -> ModelConfig:
     """The model section of a masked patch run's encoder: no pre-logits (its head is per patch, not pooled)."""
     return replace(model, options={k: v for k, v in model.options.items() if k != "representation_size"})
+
+
+SETTING_KEYS = {"rate": "corrupt", "mask": "mask", "swap": "swap"}
+"""`data/corruption.py`'s names for the settings of `train.masked_patch`."""
+
+
+def checked_masked_patch_plan(model: ModelConfig, settings: MaskedPatchConfig) -> tuple[Corruption, PatchTarget]:
+    """`masked_patch_plan`, or a `ConfigError` naming the key at fault: the model must be a ViT (it needs patch
+    embeddings to corrupt) whose grid and patch size the corruption and the target fit."""
+    from vitscale.data.corruption import CorruptionError
+    from vitscale.models.variants import parse_model_name
+
+    family = parse_model_name(model.name).family
+    # A hybrid's ResNet stem mixes each patch's pixels into its neighbours' embeddings (overlapping
+    # receptive fields): a corrupted patch's colour would reach the encoder through the patches beside it.
+    check(family == "vit", "train.objective",
+          f"masked_patch corrupts a ViT's patch embeddings; model.name {model.name!r} is a "
+          + ("ResNet" if family == "resnet" else "hybrid, whose ResNet stem shows each patch to its neighbours"))
+    where = f"(model {model.name} at model.img_size {model.img_size})"
+    try:
+        return masked_patch_plan(model, settings)
+    except CorruptionError as exc:
+        raise ConfigError(f"train.masked_patch.{SETTING_KEYS[exc.setting]}", f"{exc} {where}") from None
+    except ValueError as exc:  # the target cannot be cut from this patch size (the rest is checked by the config)
+        raise ConfigError("train.masked_patch.target", f"{exc} {where}") from None
 
 
 def masked_patch_plan(model: ModelConfig, settings: MaskedPatchConfig) -> tuple[Corruption, PatchTarget]:

@@ -24,7 +24,7 @@ from vitscale.config.checks import ConfigError
 from vitscale.config.fields import is_resume_free, overridden
 from vitscale.config.location import is_url
 from vitscale.data.config import DataConfig
-from vitscale.train.config import TrainConfig
+from vitscale.train.config import UNREAD_BY_OBJECTIVE, TrainConfig
 from vitscale.train.finetune import FinetuneConfig
 
 PRETRAIN_SCOPE: tuple[str, ...] = ("model", "data", "train", "cluster.num_workers")
@@ -78,10 +78,12 @@ def changed_keys(old: Mapping[str, Any], new: Mapping[str, Any], scope: tuple[st
                  may_change: tuple[str, ...] = RESUME_MAY_CHANGE) -> list[tuple[str, Any, Any]]:
     """(dotted key, old value, new value) for every key in `scope` that differs, sorted by key.
 
-    Keys under `may_change` are ignored; a key present on one side only shows `ABSENT` on the other.
+    Keys under `may_change` are ignored, as are those the objective of both never reads (`unread_keys`); a
+    key present on one side only shows `ABSENT` on the other.
     Pure: both arguments are plain nested mappings (parsed YAML).
     """
     a, b = flatten(old), flatten(new)
+    may_change = may_change + tuple(set(unread_keys(old)) & set(unread_keys(new)))
     out = []
     for key in sorted(set(a) | set(b)):
         if not _under(key, scope) or _under(key, may_change):
@@ -90,6 +92,13 @@ def changed_keys(old: Mapping[str, Any], new: Mapping[str, Any], scope: tuple[st
         if va != vb:
             out.append((key, va, vb))
     return out
+
+
+def unread_keys(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The `train:` keys the config's pre-training objective never reads (`UNREAD_BY_OBJECTIVE`)."""
+    train = config.get("train")
+    objective = train.get("objective", "supervised") if isinstance(train, Mapping) else "supervised"
+    return tuple(f"train.{key}" for key in UNREAD_BY_OBJECTIVE.get(objective, ()))
 
 
 def describe(changes: list[tuple[str, Any, Any]]) -> str:

@@ -155,6 +155,11 @@ def plan(config: PipelineConfig, *, planning: bool = False, check_data: bool = T
 
     cells = resolve_cells(config)
     facts = data_facts(config, planning=planning)
+    if facts.num_classes == 0:  # images alone: a cell that learns from labels cannot run (planning or not)
+        for cell in cells:
+            check(build_cell(cell, config.source).train.objective != "supervised", cell.key,
+                  f"train.objective 'supervised' needs labels, and split {config.data.split!r} of "
+                  f"{config.data.url} has none (images alone are for train.objective: masked_patch)")
     planned = plan_study(cells, facts, config.section("study").max_exaflops, pricing(config))
     if check_data and not facts.planned:
         checked: set[str] = set()
@@ -166,7 +171,9 @@ def plan(config: PipelineConfig, *, planning: bool = False, check_data: bool = T
             checked.add(key)
             try:
                 preflight(built)
-            except (ConfigError, FileNotFoundError) as exc:
+            except ConfigError as exc:  # the cell's key first; the file named once
+                raise ConfigError(cell.key, f"{exc.key}: {exc.message}", exc.source) from None
+            except FileNotFoundError as exc:
                 raise ConfigError(cell.key, str(exc)) from None
     return facts, planned
 
