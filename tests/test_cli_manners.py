@@ -91,6 +91,15 @@ def test_a_bad_set_value_names_the_set(tmp_path: Path, capsys: pytest.CaptureFix
     assert str(path) in err and "--set" not in err
 
 
+def test_a_rule_over_two_keys_names_the_set_of_either(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _pipeline(tmp_path)
+    for item in ("train.masked_patch.mask=0.95", "train.masked_patch.swap=0.5"):  # mask + swap > 1
+        assert main(["config", str(path), "--set", "train.objective=masked_patch", "--set", item]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("vitscale: error: train.masked_patch.swap: mask + swap") and err.rstrip().endswith(
+            f"(from --set {item})"), err
+
+
 def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(args: argparse.Namespace) -> int:
         raise ValueError("an internal bug")

@@ -83,8 +83,9 @@ def from_set(exc: Exception, overrides: Sequence[str]) -> str:
     key = getattr(exc, "key", "")
     for item in reversed(list(overrides)):  # the last --set of a key is the one that counts
         given = item.partition("=")[0].strip()
-        if key == given or key.startswith((f"{given}.", f"{given}[")) or given.startswith(f"{key}."):
-            return f"{key}: {getattr(exc, 'message', exc)} (from --set {item})"
+        for blamed in (key, *getattr(exc, "also", ())):
+            if blamed == given or blamed.startswith((f"{given}.", f"{given}[")) or given.startswith(f"{blamed}."):
+                return f"{key}: {getattr(exc, 'message', exc)} (from --set {item})"
     return str(exc)
 
 

@@ -16,16 +16,19 @@ from typing import Any
 class ConfigError(ValueError):
     """A value a user must fix; the message names the dotted key (and the file when known)."""
 
-    def __init__(self, key: str, message: str, source: str | None = None):
+    def __init__(self, key: str, message: str, source: str | None = None, also: tuple[str, ...] = ()):
         self.key = key
         self.message = message
         self.source = source
+        self.also = also
+        """Other keys whose values together with `key`'s break the rule (a sum of two shares): a `--set` of
+        any of them is named as the source."""
         where = f" (in {source})" if source else ""
         super().__init__(f"{key}: {message}{where}")
 
     def in_file(self, source: str) -> ConfigError:
         """The same error, naming the file it came from (unless it already names one)."""
-        return self if self.source else ConfigError(self.key, self.message, source)
+        return self if self.source else ConfigError(self.key, self.message, source, self.also)
 
 
 def check(ok: bool, key: str, message: str) -> None:

@@ -83,8 +83,9 @@ class MaskedPatchConfig:
             value = getattr(self, key)
             check(isinstance(value, (int, float)) and 0.0 <= value <= 1.0, f"{section}.{key}",
                   f"must be in [0, 1], got {value!r}")
-        check(self.mask + self.swap <= 1.0, f"{section}.swap",
-              f"mask + swap ({self.mask} + {self.swap}) must be at most 1: the rest of the corrupted patches are kept")
+        if self.mask + self.swap > 1.0:
+            raise ConfigError(f"{section}.swap", f"mask + swap ({self.mask} + {self.swap}) must be at most 1: the "
+                                                 "rest of the corrupted patches are kept", also=(f"{section}.mask",))
         # 2^(3 bits) classes per colour: 4,096 at 4 bits; at 5 a ViT-B/16 head would hold 25M weights per
         # colour predicted (16 of them for downsized_4x4), more than the encoder it trains.
         check(isinstance(self.bits, int) and not isinstance(self.bits, bool) and 1 <= self.bits <= 4,
