@@ -12,7 +12,7 @@ import webdataset as wds
 from PIL import Image
 
 from vitscale.cli import main
-from vitscale.data.format import read_index
+from vitscale.data.format import SPLIT_NAME, open_dataset, read_index, read_meta, split_of_shard
 from vitscale.data.loader.stream import ShardStream
 from vitscale.data.storage import open_storage
 from vitscale.data.tools.adopt import expand_braces, index_shards, split_url
@@ -140,7 +140,7 @@ def test_tars_without_label_members_index_as_images_without_labels(tmp_path, cap
     root = _image_tars(tmp_path / "crawl")
     assert main(["shards", "index", str(root)]) == 0
     out = capsys.readouterr().out
-    assert "no sample has a label member" in out and "masked_patch" in out
+    assert "no sample has a .cls label member" in out and "masked_patch" in out
     meta = json.loads((root / "dataset.json").read_text())
     assert (meta["num_classes"], meta["classes"], meta["label_member"], meta["bad_samples"]) == (0, [], "none", [])
     assert meta["splits"]["train"]["samples"] == 10 and verify_dataset(str(root)) == []
@@ -188,3 +188,120 @@ def test_no_checksums_reads_headers_only(tmp_path):
     root = _tars(tmp_path / "wds", shards=1)
     assert main(["shards", "index", str(root), "--no-checksums"]) == 0
     assert (np.asarray(read_index(str(root))["crc32"]) == -1).all()
+
+
+# ------------------------------------------------------------------------ which split a tar's name says
+
+
+@pytest.mark.parametrize(("name", "split"), [
+    ("train-000000.tar", "train"), ("test-000000.tar", "test"), ("TEST-000001.tar", "TEST"),
+    ("imagenet1k-train-0000.tar", "train"), ("imagenet1k-validation-00.tar", "validation"),  # timm's HF layout
+    ("test_000000.tar", "test"), ("val.000000.tar", "val"), ("imagenet-test-000000.tar", "test"),
+    ("imagenet_train-000.tar", "train"), ("train-00000-of-01024.tar", "train"), ("dev-3.tar", "dev"),
+    ("val.tar", "val"), ("val/00000.tar", "val"), ("train/cc3m-000000.tar", "train"), ("x-val-test-0.tar", "test"),
+    ("cc3m-000000.tar", "cc3m"), ("my_split-000000.tar", "my_split"),  # WebDataset's {split}-NNNNNN.tar
+    ("00000.tar", None), ("laion-data-00000.tar", None), ("imagenet1k.tar", None), ("contest-00.tar", "contest"),
+    ("pretrained_00001.tar", None), ("trainer.00001.tar", None),
+])
+def test_the_split_a_tar_name_says(name: str, split: str | None) -> None:
+    assert split_of_shard(name) == split
+    assert split is None or SPLIT_NAME.fullmatch(split)  # a name the rest of vitscale takes as a split
+
+
+def _labelled_tar(path: Path, n: int, label: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with wds.TarWriter(str(path)) as tw:
+        for i in range(n):
+            tw.write({"__key__": f"{path.stem.replace('.', '_')}-{i:04d}", "jpg": _image(i, "JPEG"),
+                      "cls": str(label).encode()})
+
+
+@pytest.mark.parametrize(("tars", "samples"), [
+    ({"imagenet1k-train-0000.tar": 5, "imagenet1k-train-0001.tar": 4, "imagenet1k-validation-00.tar": 3},
+     {"train": 9, "validation": 3}),
+    ({"train_000000.tar": 4, "test_000000.tar": 2}, {"train": 4, "test": 2}),
+    ({"train.000000.tar": 4, "val.000000.tar": 2}, {"train": 4, "val": 2}),
+    ({"imagenet-train-000000.tar": 4, "imagenet-test-000000.tar": 2}, {"train": 4, "test": 2}),
+    ({"train-00000-of-00002.tar": 3, "train-00001-of-00002.tar": 3, "val-00000-of-00001.tar": 2},
+     {"train": 6, "val": 2}),
+    ({"train/00000.tar": 4, "val/00000.tar": 2}, {"train": 4, "val": 2}),
+    ({"train-000000.tar": 4, "TEST-000001.tar": 2}, {"TEST": 2, "train": 4}),
+])
+def test_index_keeps_each_split_the_names_say(tmp_path: Path, capsys: pytest.CaptureFixture, tars: dict[str, int],
+                                              samples: dict[str, int]) -> None:
+    root = tmp_path / "wds"
+    for name, n in tars.items():
+        _labelled_tar(root / name, n, 1)
+    assert main(["shards", "index", str(root), "--out", str(tmp_path / "idx")]) == 0
+    assert json.loads(capsys.readouterr().out)["samples"] == samples
+    meta = read_meta(str(tmp_path / "idx"))
+    for split in samples:  # each split opens as training and evaluation open it, its own shards only
+        assert {s.rpartition("/")[2] for s in open_dataset(str(tmp_path / "idx"), split).shard_names} == {
+            name.rpartition("/")[2] for name in tars if split_of_shard(name) == split}
+        assert meta.split(split).samples == samples[split]
+
+
+def test_tars_that_say_a_split_beside_tars_that_say_none_are_refused(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    root = tmp_path / "wds"
+    _labelled_tar(root / "00000.tar", 4, 0)
+    _labelled_tar(root / "00001.tar", 4, 1)
+    _labelled_tar(root / "test_000000.tar", 2, 1)
+    for extra in ([], ["--split", "train"]):  # never one merged split, asked for or not
+        assert main(["shards", "index", str(root), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert "test_000000.tar" in err and "00000.tar" in err and "--split NAME" in err
+        assert not (root / "dataset.json").exists()
+    # What the line says to do: each split's tars on their own, the split named.
+    assert main(["shards", "index", str(root / "0000{0,1}.tar"), "--split", "train", "--out", str(tmp_path / "tr")]) == 0
+    assert json.loads(capsys.readouterr().out)["samples"] == {"train": 8}
+    assert main(["shards", "index", str(root / "test_000000.tar"), "--out", str(tmp_path / "te")]) == 0
+    assert json.loads(capsys.readouterr().out)["samples"] == {"test": 2}
+    assert main(["shards", "index", str(root / "test_000000.tar"), "--split", "a-b", "--out", str(tmp_path / "x")]) == 2
+    assert "--split 'a-b': a split name is letters, digits and '_'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ crawled tars: captions are not labels
+
+
+def _crawl_tars(root: Path, shards: int = 2, per: int = 4) -> Path:
+    """img2dataset's output: N.jpg, N.json (the URL and its metadata), N.txt (the caption)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for s in range(shards):
+        with wds.TarWriter(str(root / f"{s:05d}.tar")) as tw:
+            for i in range(per):
+                n = s * per + i
+                meta = {"url": f"https://example.com/{n}.jpg", "key": f"{n:09d}", "status": "success",
+                        "caption": f"a photo of thing {n}", "width": 24, "height": 20}
+                tw.write({"__key__": f"{n:09d}", "jpg": _image(n, "JPEG"), "json": json.dumps(meta).encode(),
+                          "txt": f"a photo of thing {n} on a sunny day".encode()})
+    return root
+
+
+def test_crawled_tars_index_as_images_without_labels(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    root = _crawl_tars(tmp_path / "crawl")
+    assert main(["shards", "index", str(root), "--out", str(tmp_path / "idx")]) == 0
+    out = capsys.readouterr().out
+    assert "no sample has a .cls label member" in out and "--label-member txt" in out and "json:KEY" in out
+    meta = read_meta(str(tmp_path / "idx"))
+    assert (meta.num_classes, meta.split("train").samples, meta.extra["bad_samples"]) == (0, 8, [])
+    # Labels required where there are none: one line that says how to index the images alone.
+    assert main(["shards", "index", str(root), "--label-member", "cls", "--out", str(tmp_path / "cls")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no sample with an image and a .cls label" in err
+    assert "--label-member none" in err and "masked_patch" in err
+    assert main(["shards", "index", str(root), "--label-member", "cls", "--max-bad", "3",
+                 "--out", str(tmp_path / "cls")]) == 2
+    assert "more than 3 bad samples" in (err := capsys.readouterr().err) and "--label-member none" in err
+
+
+def test_vitscale_multi_label_json_members_are_labels_unasked(tmp_path: Path) -> None:
+    root = tmp_path / "multi"
+    root.mkdir()
+    with wds.TarWriter(str(root / "train-000000.tar")) as tw:
+        for i in range(4):  # the contract's multi-label member, beside img2dataset-style metadata that is not one
+            tw.write({"__key__": f"{i:04d}", "jpg": _image(i, "JPEG"), "txt": b"a caption",
+                      "json": json.dumps({"labels": [i % 3, 3], "url": "https://example.com"}).encode()})
+    meta = index_shards(str(root), progress=False)
+    assert (meta["label_member"], meta["num_classes"], meta["multi_label"]) == ("json:labels", 4, True)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from vitscale.cli import models, run, shards, study, weights
+from vitscale.cli.interrupt import Signalled, as_interruptions, is_writing
 from vitscale.cli.parser import Parser, chosen_parser
 from vitscale.config.suggest import did_you_mean
 
@@ -47,7 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Errors that are the user's to fix (a setting, the data, storage, a file: `launch/errors.py`) are one
     line and exit 2; a failed stage is one line after the workers' own output and exits 1; Ctrl-C is one
-    line and exits 130. Anything else is a bug and keeps its traceback.
+    line and exits 130; SIGTERM or SIGHUP to a verb that writes files (`interrupt.writes`) cleans up as
+    Ctrl-C does and exits 128 + the signal's number. Anything else is a bug and keeps its traceback.
     """
     from vitscale.config.checks import ConfigError
     from vitscale.launch.errors import PipelineFailed, known_errors
@@ -64,7 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         hints = "".join(did_you_mean(item.partition("=")[0], flags) for item in extra if item.startswith("-"))
         chosen.error(f"unrecognized arguments: {' '.join(extra)}{hints}")
     try:
-        return int(args.func(args))
+        with as_interruptions(is_writing(args.func)):  # SIGTERM/SIGHUP clean up as Ctrl-C does
+            return int(args.func(args))
+    except Signalled as exc:
+        print(f"vitscale: {exc}", file=sys.stderr)  # "interrupted by SIGTERM"
+        return exc.exit_code
     except KeyboardInterrupt as exc:  # `vitscale run` says where the run is kept and how to resume it
         print(f"vitscale: {str(exc) or 'interrupted'}", file=sys.stderr)
         return 130

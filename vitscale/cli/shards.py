@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from vitscale.cli.interrupt import writes
 from vitscale.cli.parser import VerbFn, print_json
 from vitscale.config.errors import UserError
 
@@ -75,6 +76,7 @@ def _shards_write_args(p: argparse.ArgumentParser) -> None:
     _endpoint(p)
 
 
+@writes
 def cmd_shards_write(args: argparse.Namespace) -> int:
     from vitscale.data.tools.write import parse_splits, write_dataset
 
@@ -101,11 +103,13 @@ def _shards_index_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", help="folder or s3:// prefix of .tar shards, one tar, or braces: train-{000000..000999}.tar")
     p.add_argument("--out", default=None, help="where the index and dataset.json go (default: beside the tars)")
     p.add_argument("--split", default=None,
-                   help="put every tar into this split (default: the split each tar's name says, "
-                        "{split}-NNNNNN.tar, else train)")
+                   help="put every tar into this split (default: the split each tar's name says: a split word "
+                        "such as train, val, validation, test in it, e.g. imagenet1k-validation-00.tar, "
+                        "test_000000.tar, or {split}-NNNNNN.tar; train when no name says one)")
     p.add_argument("--label-member", default=None,
                    help="cls (class id), txt (class name), json:KEY, or none (images alone, for masked patch "
-                        "pre-training); default: cls, or none when the first tar has no label member at all")
+                        "pre-training); default: cls, else json:labels when every .json holds {\"labels\": ...}, "
+                        "else none (other .txt and .json members are read only when asked: captions, metadata)")
     p.add_argument("--classes", default=None, help="file of class names, one per line, in index order")
     p.add_argument("--no-checksums", action="store_true",
                    help="read headers only: no crc32 per sample (saves one read of every shard; reads go unchecked)")
@@ -118,6 +122,7 @@ def _shards_index_args(p: argparse.ArgumentParser) -> None:
     _endpoint(p)
 
 
+@writes
 def cmd_shards_index(args: argparse.Namespace) -> int:
     from vitscale.data.tools.adopt import index_shards
 
@@ -172,6 +177,7 @@ def _shards_reindex_args(p: argparse.ArgumentParser) -> None:
     _endpoint(p)
 
 
+@writes
 def cmd_shards_reindex(args: argparse.Namespace) -> int:
     from vitscale.data.format.index import reindex
 
@@ -270,6 +276,7 @@ def _shards_dedup_args(p: argparse.ArgumentParser) -> None:
     _endpoint(p)
 
 
+@writes
 def cmd_shards_dedup(args: argparse.Namespace) -> int:
     from vitscale.data.tools.dedup import dedup_dataset
 

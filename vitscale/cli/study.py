@@ -7,6 +7,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from vitscale.cli.interrupt import writes
+
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Every cell with its parameters and planned compute; refused when over `study.max_exaflops`."""
@@ -29,6 +31,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+@writes
 def cmd_report(args: argparse.Namespace) -> int:
     """Tables, plots and fits from a study directory's stored state (while it runs, too)."""
     from vitscale.scaling.study.report import backtest_lines, fit_line, publish_report

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from vitscale.cli.interrupt import writes
 from vitscale.cli.parser import VerbFn, print_json
 
 
@@ -33,6 +34,7 @@ def _export_args(p: argparse.ArgumentParser) -> None:
                         "--out's suffix names, pt for any other)")
 
 
+@writes
 def cmd_export(args: argparse.Namespace) -> int:
     from vitscale.train.export import export_run
 
@@ -100,6 +102,7 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print inspect.json's content instead of a summary")
 
 
+@writes
 def cmd_inspect(args: argparse.Namespace) -> int:
     from vitscale.config.loader import apply_override
     from vitscale.inspect.run import inspect_checkpoint

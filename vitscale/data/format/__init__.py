@@ -33,6 +33,8 @@ from vitscale.data.format.meta import (
     LABEL_SOURCE,
     META_NAME,
     SHARD_ROOT,
+    SPLIT_NAME,
+    SPLIT_WORDS,
     DatasetError,
     DatasetMeta,
     ShardMeta,
@@ -47,6 +49,7 @@ from vitscale.data.format.split import OpenDataset, ShardIndex, open_dataset
 
 __all__ = [
     "CRC_COLUMN", "INDEX_COLUMNS", "INDEX_NAME", "INDEX_SCHEMA", "LABEL_SOURCE", "META_NAME", "SHARD_ROOT",
+    "SPLIT_NAME", "SPLIT_WORDS",
     "DatasetError", "DatasetMeta", "IndexFile", "IndexWriter",
     "OpenDataset", "ShardIndex", "ShardMeta", "SplitMeta", "has_dataset", "index_bytes", "open_dataset",
     "read_index", "read_meta", "shard_name", "split_of_shard", "write_index_and_meta",

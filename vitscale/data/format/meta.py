@@ -56,15 +56,44 @@ def shard_name(split: str, n: int) -> str:
     return f"{split}-{n:06d}.tar"
 
 
-_SHARD_NAME = re.compile(r"(?P<split>[A-Za-z0-9_]+)-\d+\.tar")
+SPLIT_WORDS = frozenset({"train", "training", "trainval", "val", "valid", "validation", "minival", "test",
+                         "testing", "dev", "eval", "evaluation", "holdout", "heldout"})
+"""Words that name a split wherever they stand in a shard's path, as a whole component between ``-``,
+``_``, ``.`` or ``/`` (any case): ``imagenet1k-validation-00.tar``, ``test_000000.tar``, ``val/00000.tar``."""
+
+_NUMBERED = re.compile(r"(?:(?P<head>.+?)(?P<sep>[-_.]))?\d+(?:[-_.]of[-_.]\d+)?")
+"""A tar's stem ending in its shard number (``-00003``, ``_3``, ``.3``, ``-00003-of-01024``)."""
+SPLIT_NAME = re.compile(r"[A-Za-z0-9_]+")
+"""What a split name is: letters, digits and ``_`` (it names shard files: ``{split}-NNNNNN.tar``)."""
+_COMPONENT = re.compile(r"[-_.]")
 
 
 def split_of_shard(name: str) -> str | None:
-    """The split a shard's file name says by WebDataset's ``{split}-NNNNNN.tar`` convention (the one
-    :func:`shard_name` follows; any number of digits), or None when it says none (``00000.tar``,
-    ``imagenet-train-000000.tar``: a split name is letters, digits and ``_``)."""
-    match = _SHARD_NAME.fullmatch(name.rpartition("/")[2])
-    return match.group("split") if match else None
+    """The split a tar's path says, or None when it says none (``00000.tar``, ``laion-data-00000.tar``).
+
+    In order: a :data:`SPLIT_WORDS` component of the file name (the one nearest the shard number wins,
+    spelled as in the name: ``imagenet1k-train-0000.tar``: ``train``, ``TEST-000001.tar``: ``TEST``);
+    else of the nearest folder that has one (``val/00000.tar``); else WebDataset's ``{split}-NNNNNN.tar``
+    convention, any word before ``-`` and the number (``cc3m-000000.tar``: ``cc3m``; a split name is
+    letters, digits and ``_``). Every name returned is a valid split name.
+    """
+    folders, _, base = name.rpartition("/")
+    stem = base[:-len(".tar")] if base.lower().endswith(".tar") else base
+    numbered = _NUMBERED.fullmatch(stem)
+    head = (numbered.group("head") or "") if numbered else stem
+    for text in [head, *reversed(folders.split("/") if folders else [])]:
+        said = _split_word(text)
+        if said is not None:
+            return said
+    if numbered and numbered.group("sep") == "-" and SPLIT_NAME.fullmatch(head):
+        return head
+    return None
+
+
+def _split_word(text: str) -> str | None:
+    """The last component of ``text`` (split at ``-``, ``_``, ``.``) that is a split word, as spelled."""
+    words = [part for part in _COMPONENT.split(text) if part.lower() in SPLIT_WORDS]
+    return words[-1] if words else None
 
 
 class DatasetError(ValueError):

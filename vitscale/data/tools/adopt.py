@@ -2,7 +2,11 @@
 
 Shards written by ``webdataset.TarWriter``, img2dataset and the like hold samples as consecutive
 members sharing a key (``{key}.jpg`` / ``.png`` / ``.webp`` plus ``.cls``, ``.txt`` or ``.json``;
-the key is the member name up to the first dot of its base name, WebDataset's rule). Indexing
+the key is the member name up to the first dot of its base name, WebDataset's rule). Each tar
+belongs to the split its path says (:func:`~vitscale.data.format.split_of_shard`:
+``imagenet1k-validation-00.tar``, ``test_000000.tar``, ``val/00000.tar``), or every tar to ``train``
+when no name says one; names that say a split for some tars and none for others are refused, never
+merged. Indexing
 walks each tar's headers and writes ``_index.parquet`` (one row per sample: its byte range and the
 ``crc32`` of those bytes, checked on every read as for written datasets) and ``dataset.json``:
 
@@ -12,8 +16,10 @@ walks each tar's headers and writes ``_index.parquet`` (one row per sample: its 
   map to indices by ``--classes FILE`` (one name per line) or, without it, in sorted order. Labels
   other than ``cls`` are read from the index when training (``label_source: index``); ``none``: images
   alone (``num_classes`` 0, for masked patch pre-training). Left unset, it is ``cls``, unless not one
-  sample of the first tar has a label member (``.cls``, ``.txt`` or ``.json``): then the tars are images
-  without labels, and the index says so in one line.
+  sample of the first tar has a ``.cls`` member: then ``json:labels`` when every ``.json`` member holds
+  ``{"labels": ...}`` (vitscale's own multi-label member), else the tars are images without labels,
+  and the index says so in one line. Other ``.txt`` and ``.json`` members are never taken for a label
+  unasked: in crawled tars (img2dataset) they are the caption and the URL metadata.
 
 Checksums cost one sequential read of every shard. ``--no-checksums`` skips it (headers only: the
 walk seeks over member data, so an ``s3://`` shard is not downloaded); such samples are then read
@@ -45,6 +51,7 @@ from vitscale.data.format import (
     LABEL_SOURCE,
     META_NAME,
     SHARD_ROOT,
+    SPLIT_NAME,
     DatasetError,
     DatasetMeta,
     ShardMeta,
@@ -56,7 +63,7 @@ from vitscale.data.loader.labels import MAX_LABEL_BYTES, LabelError, check_class
 from vitscale.data.loader.sample import IMAGE_MEMBERS
 from vitscale.data.storage import Storage, StorageError, open_storage
 from vitscale.data.storage.space import free_bytes, is_no_space, size_text
-from vitscale.data.tools.label_member import LABEL_EXTS, LabelMember, default_member
+from vitscale.data.tools.label_member import LABEL_EXTS, NO_LABELS_HINT, LabelMember, default_member
 from vitscale.data.tools.progress import Progress
 
 __all__ = ["expand_braces", "index_shards", "split_url"]
@@ -192,15 +199,26 @@ DEFAULT_SPLIT = "train"
 
 
 def shard_splits(names: list[str], split: str | None, where: str) -> dict[str, str]:
-    """``{tar: split}``: the split each name says (``{split}-NNNNNN.tar``), else :data:`DEFAULT_SPLIT`;
-    with ``split`` given, that one for all of them, unless their names say two splits or more (a test
-    tar put into train unseen is a leak): then a ``DatasetError`` naming them."""
+    """``{tar: split}``: the split each name says (:func:`~vitscale.data.format.split_of_shard`), or
+    :data:`DEFAULT_SPLIT` when no name says one; with ``split`` given, that one for all of them.
+
+    Never a silent merge (a test tar trained on is a leak): a ``DatasetError`` naming the tars when some
+    names say a split and others none (which split the unnamed ones are is a guess), or when ``split``
+    would put tars whose names say different splits (or a split and none) into one.
+    """
     said = {name: split_of_shard(name) for name in names}
+    unnamed = [name for name, s in said.items() if s is None]
+    named = sorted({s for s in said.values() if s is not None})
+    examples = ", ".join(next(n for n, s in said.items() if s == x) for x in named[:3])
+    if unnamed and named:
+        raise DatasetError(
+            f"{where} holds tars whose names say a split ({examples}) and {len(unnamed)} whose names say none "
+            f"({unnamed[0]}): which split those are is not known; index each split's tars on their own with "
+            "--split NAME and its own --out (one tar, or braces: 'DIR/{00000..00099}.tar'), or rename them "
+            "{split}-NNNNNN.tar")
     if split is None:
         return {name: s or DEFAULT_SPLIT for name, s in said.items()}
-    named = sorted({s for s in said.values() if s is not None})
     if len(named) > 1:
-        examples = ", ".join(next(n for n, s in said.items() if s == x) for x in named[:3])
         raise DatasetError(f"{where} holds tars of {len(named)} splits by their names ({examples}); --split {split} "
                            "would put them all into one: leave --split out to index each as its own split, or "
                            "name one split's tars (train-{000000..000099}.tar)")
@@ -213,9 +231,11 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
                  progress: bool = True) -> dict[str, Any]:
     """Index the WebDataset tars at ``url`` (see the module docstring); returns ``dataset.json``'s content.
 
-    Each tar belongs to the split its name says (``test-000000.tar``: ``test``), else to ``train``;
-    ``split`` puts them all into that one (refused when their names say several: :func:`shard_splits`).
-    ``label_member`` None: ``cls``, or ``none`` when the first tar has no label member at all.
+    Each tar belongs to the split its name says (``imagenet1k-validation-00.tar``: ``validation``), or
+    all to ``train`` when no name says one; ``split`` puts them all into that one (refused when their
+    names say several, or some a split and others none: :func:`shard_splits`).
+    ``label_member`` None: decided by the first tar (:func:`~vitscale.data.tools.label_member.default_member`:
+    ``cls``, ``json:labels`` or ``none``).
     ``num_classes`` bounds the class ids (else the ``--classes`` file's length, else
     ``labels.MAX_CLASSES``); more than ``max_bad`` bad samples (None: no limit) stop the index
     with one line naming the last one.
@@ -224,6 +244,8 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
         raise UserError(f"--num-classes must be a positive count, got {num_classes}")
     if max_bad is not None and max_bad < 0:
         raise UserError(f"--max-bad must be >= 0, got {max_bad}")
+    if split is not None and not SPLIT_NAME.fullmatch(split):
+        raise UserError(f"--split {split!r}: a split name is letters, digits and '_' (it names shard files)")
     root, names = split_url(url)
     shards = open_storage(root, endpoint_url=endpoint_url)
     dest = open_storage(out, endpoint_url=endpoint_url) if out else shards
@@ -264,8 +286,10 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
         bar.update()
     bar.close()
     if labels is None or not rows:
-        what = "an image" if labels is None or labels.kind == "none" else f"an image and a .{labels.ext} label"
-        raise DatasetError(f"no sample with {what} in {len(names)} shard(s) under {shards.url}")
+        if labels is None or labels.kind == "none":
+            raise DatasetError(f"no sample with an image in {len(names)} shard(s) under {shards.url}")
+        raise DatasetError(f"no sample with an image and a .{labels.ext} label in {len(names)} shard(s) under "
+                           f"{shards.url}; {NO_LABELS_HINT}")
     class_names = [] if labels.kind == "none" else _finish_labels(rows, classes, num_classes)
     splits = {name: _split_meta(name, entries, split_of, sizes) for name in dict.fromkeys(split_of.values())}
     meta = DatasetMeta(
@@ -304,7 +328,7 @@ def _shard_rows(shard: str, split: str, found: list[tuple[str, int, int, dict[st
                          "size": size, "crc32": crc})
             continue
         if label is None:
-            reject(shard, key, f"no readable .{labels.ext} label member")
+            reject(shard, key, f"{_NO_LABEL} .{labels.ext} label member")
             continue
         try:
             ids = labels.parse(label)
@@ -345,11 +369,17 @@ def _index_bytes(rows: list[dict[str, Any]], meta: DatasetMeta) -> int:
     return buf.tell() + len(json.dumps(meta.to_json(), indent=2)) + 1
 
 
+_NO_LABEL = "no readable"
+"""How a sample without its label member is listed (``no readable .cls label member``)."""
+
+
 def _check_bad(bad: list[dict[str, str]], max_bad: int | None, shards: Storage) -> None:
     if max_bad is not None and len(bad) > max_bad:
         last = bad[-1]
+        hint = f"; {NO_LABELS_HINT}" if last["error"].startswith(_NO_LABEL) else ""
         raise DatasetError(f"more than {max_bad} bad samples (--max-bad) under {shards.url}; the last: "
-                         f"{shards.url_of(last['shard'])} sample {last['key'][:100]!r}: {last['error'][:300]}")
+                           f"{shards.url_of(last['shard'])} sample {last['key'][:100]!r}: {last['error'][:300]}"
+                           f"{hint}")
 
 
 def _finish_labels(rows: list[dict[str, Any]], classes: list[str] | None, num_classes: int | None) -> list[str]:

@@ -10,7 +10,7 @@ from vitscale.config.errors import UserError
 from vitscale.data.loader.labels import LabelError, parse_class_id, parse_json_label, parse_text_label
 from vitscale.say import say
 
-__all__ = ["LABEL_EXTS", "LabelMember", "default_member"]
+__all__ = ["LABEL_EXTS", "NO_LABELS_HINT", "LabelMember", "default_member"]
 
 LABEL_EXTS = ("cls", "txt", "json")
 """Members that hold a label."""
@@ -53,11 +53,42 @@ class LabelMember:
         return [self._id(v) for v in parse_json_label(data, self.json_key)]
 
 
+CONTRACT_JSON = "json:labels"
+"""The label member of vitscale's own multi-label samples: ``{key}.json`` holding ``{"labels": [...]}``."""
+
+
 def default_member(found: list[tuple[str, int, int, dict[str, bytes | None]]], where: str, announce: bool) -> str:
-    """The default ``--label-member``: ``cls``, unless no sample of the first tar (`found`) has a label member."""
-    if found and not any(ext in members for _, _, _, members in found for ext in LABEL_EXTS):
-        if announce:
-            say(f"{where}: no sample has a label member (.cls, .txt or .json): indexing images without labels "
-                "(num_classes 0, for train.objective: masked_patch; --label-member cls to require labels)")
-        return "none"
-    return "cls"
+    """The default ``--label-member``, decided by the first tar's samples (`found`): ``cls`` when one has a
+    ``.cls`` member; ``json:labels`` when there is none but every ``.json`` member holds ``{"labels": ...}``
+    (vitscale's own multi-label member); else ``none`` (images alone), said in one line that names the
+    flags reading a label from the other members.
+
+    Any other ``.txt`` or ``.json`` member is not taken for a label unasked: in crawled tars (img2dataset)
+    they are the caption and the URL metadata, and a caption cannot be told from a class name by its bytes.
+    """
+    if not found or any("cls" in members for _, _, _, members in found):
+        return "cls"
+    jsons = [members.get("json") for _, _, _, members in found if "json" in members]
+    if jsons and all(data is not None and _holds_labels(data) for data in jsons):
+        return CONTRACT_JSON
+    if announce:
+        others = sorted({f".{ext}" for _, _, _, members in found for ext in members if ext in ("txt", "json")})
+        read_them = (f"; its {' and '.join(others)} members are not read as labels (captions, metadata): "
+                     "--label-member txt (a class name) or json:KEY reads one from them") if others else ""
+        say(f"{where}: no sample has a .cls label member: indexing images without labels (num_classes 0, for "
+            f"train.objective: masked_patch){read_them}; --label-member cls to require labels")
+    return "none"
+
+
+NO_LABELS_HINT = ("--label-member none indexes the images without labels (num_classes 0, for train.objective: "
+                  "masked_patch)")
+"""What the index says when it finds no label: how to index images alone."""
+
+
+def _holds_labels(data: bytes) -> bool:
+    """Whether a ``.json`` member is vitscale's label member (``{"labels": ...}`` of ids or names)."""
+    try:
+        parse_json_label(data, "labels")
+    except LabelError:
+        return False
+    return True
