@@ -112,3 +112,25 @@ def test_a_refused_checkpoint_upload_stops_at_once_and_the_next_run_starts_over(
     for step in (2, 4):
         assert _complete(s3, bucket, step, tmp_path / f"ckpt{step}") == [], step
     print(f"refused run ended after {took:.0f} s")
+
+
+def test_throttling_that_outlasts_the_retry_budget_stops_the_run_once(
+        tmp_path: Path, moto_s3: str, small_synthetic: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store that stays throttled: the upload gives up within the budget, and Ray does not restart the run
+    to wait it out again (max_failures 3 would have been 4 budgets); the line says the tries and the budget."""
+    from helpers.ray_runs import finished
+
+    monkeypatch.setenv("VITSCALE_RUNS_LOCAL", str(tmp_path / "node"))
+    monkeypatch.setenv("VITSCALE_S3_RETRY_S", "5")  # 3 tries per request
+    bucket = f"slow-{uuid.uuid4().hex[:10]}"
+    boto3.client("s3", endpoint_url=moto_s3).create_bucket(Bucket=bucket)
+    with FaultProxy(moto_s3, methods=("PUT", "POST")) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        proxy.schedule(*["503"] * 500, path="checkpoint_000000002/")
+        code, output = finished(_pipeline(tmp_path, small_synthetic, bucket, 4, max_failures=3), tmp_path / "slow.log")
+    assert code != 0, output[-4000:]
+    last = output.strip().splitlines()[-1]
+    assert "CheckpointNotWritten: the checkpoint of step 2 was not written to " in last and "SLOW_DOWN" in last, last
+    assert "(gave up after 3 tries per request (retry budget $VITSCALE_S3_RETRY_S: 5 s))" in last, last
+    assert "(not retried: a restart would fail the same way)" in last, last
+    assert output.count("rank 0 failed: ") == 1, output[-4000:]

@@ -324,8 +324,9 @@ def final_reason(exc: BaseException) -> str | None:
         return "" if exc.final else None
     if not (isinstance(exc, OSError) and _SDK_ERROR.search(str(exc))):
         return None
-    failure = _classify_sdk_text(str(exc))
-    if failure is not Failure.TRANSIENT:
+    text = str(exc)
+    # The SDK retries an endpoint it cannot reach too (`sdk_attempts`), though waiting seldom mends it.
+    if _classify_sdk_text(text) is not Failure.TRANSIENT and "NETWORK_CONNECTION" not in text:
         return "not retried: waiting does not mend it"
     budget = retry_budget_s()
     return f"gave up after {sdk_attempts(budget)} tries per request (retry budget ${RETRY_ENV}: {budget:g} s)"
