@@ -217,3 +217,35 @@ def test_a_download_that_fails_is_never_a_fresh_start(s3_run, moto_s3, monkeypat
             ray_train._resume_directory(2, 0, downloads)
     assert proxy.pending == 0
     assert str(err.value).startswith(f"cannot read checkpoint s3://{run}/checkpoint_000000003: "), err.value
+
+
+@pytest.mark.slow
+def test_ranks_that_disagree_on_the_newest_complete_checkpoint_fail_in_one_line(tmp_path: Path,
+                                                                               small_synthetic: str) -> None:
+    """Each rank hashes only the files it reads: rank 1's own part of the newest checkpoint damaged (same size)
+    makes rank 1 choose an older one while rank 0 takes the newest. They must not train from different steps."""
+    import yaml
+
+    from helpers.ray_runs import finished
+
+    raw = {"name": "agree", "stages": ["pretrain"], "data": {"url": small_synthetic},
+           "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "heads": 2, "mlp_dim": 32},
+           "train": {"global_batch": 8, "micro_batch": 4, "max_steps": 6, "warmup_steps": 0, "checkpoint_every": 2,
+                     "fault": {"kill_rank": 0, "kill_at_step": 5}},
+           "cluster": {"num_workers": 2, "use_gpu": False, "cpus_per_worker": 1, "max_failures": 0,
+                       "storage_path": str(tmp_path / "runs"), "run_name": "agree"}}
+    pipeline = tmp_path / "agree.yaml"
+    pipeline.write_text(yaml.safe_dump(raw))
+    code, output = finished(pipeline, tmp_path / "first.log")  # killed after step 4's checkpoint, not restarted
+    part = tmp_path / "runs" / "agree" / "checkpoint_000000004" / "rank1.pt"
+    assert code != 0 and part.is_file(), output[-4000:]
+    data = bytearray(part.read_bytes())
+    data[-1] ^= 0xFF
+    part.write_bytes(bytes(data))
+    del raw["train"]["fault"]
+    pipeline.write_text(yaml.safe_dump(raw))
+    code, output = finished(pipeline, tmp_path / "again.log")
+    assert code != 0, output[-4000:]
+    last = output.strip().splitlines()[-1]
+    assert "rank 1: RuntimeError: rank 1 found no complete checkpoint at step 4, from which rank 0 resumes" in last, last
+    assert "it would resume from step 2" in last, last

@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 import ray
 import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.collective import broadcast_from_rank_zero
 from ray.train.torch import TorchTrainer
 
 from vitscale.config.checks import ConfigError
@@ -80,6 +81,7 @@ def train_worker(payload: dict[str, Any]) -> None:
     try:
         with contextlib.ExitStack() as downloaded, labelled_lines(payload.get("label")), termination:
             resume_from = _resume_directory(world_size, rank, downloaded, storage)
+            _agree_on_resume(rank, resume_from)
             # `restored` releases a downloaded checkpoint as soon as the loop has loaded it.
             ctx = WorkerContext(rank=rank, world_size=world_size, run_dir=run_dir,
                                 report=functools.partial(_report, mirror=mirror, storage=storage),
@@ -224,6 +226,19 @@ def _resume_directory(world_size: int, rank: int, downloads: contextlib.ExitStac
         say(f"no complete checkpoint to resume from: starting from step 1, ignoring {len(ignored)} incomplete: "
             + ", ".join(ignored))
     return None
+
+
+def _agree_on_resume(rank: int, resume_from: Path | None) -> None:
+    """Every rank resumes from rank 0's step, or the attempt fails in one line. Each rank checks the hashes of
+    the files it reads (`_resume_directory`), so a rank whose own part of the newest checkpoint is damaged
+    chooses an older one, or none, and would train from another step than its peers. A barrier."""
+    info = ckpt.manifest_info(resume_from) if resume_from is not None else None
+    step = info[0] if info is not None else 0
+    chosen = broadcast_from_rank_zero(step)
+    if step != chosen:
+        raise RuntimeError(f"rank {rank} found no complete checkpoint at step {chosen}, from which rank 0 resumes "
+                           f"(its own files of it are missing or damaged: see its lines above); it would resume "
+                           f"from step {step}")
 
 
 def _url(checkpoint: Any) -> str:
