@@ -6,8 +6,10 @@ error; a checkpoint whose upload failed is never complete."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pickle
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -20,8 +22,9 @@ from vitscale.cli import main
 from vitscale.data.format import read_index
 from vitscale.data.loader.stream import ShardStream
 from vitscale.data.storage import RetryPolicy, StorageError, open_storage
-from vitscale.data.storage.filesystem import ensure_uploaded, run_filesystem
+from vitscale.data.storage.filesystem import clear_stale, ensure_uploaded, run_filesystem
 from vitscale.data.tools.write import write_dataset
+from vitscale.launch.failures import DeterministicFailure, StopOnDeterministicFailure, deterministic_cause
 from vitscale.train import checkpoint as ckpt
 
 FAST = RetryPolicy(max_attempts=8, base_delay_s=0.001, max_delay_s=0.01)
@@ -181,6 +184,7 @@ def test_a_file_that_cannot_be_stored_is_an_error_naming_it(tmp_path: Path, moto
     assert proxy.pending == 0 and proxy.counts["503"] == 4  # bounded: the policy's tries, no SDK retries inside
     assert f"store s3://{target}/payload.bin failed after 4 attempts: " in str(err.value), err.value
     assert "SLOW_DOWN" in str(err.value)
+    assert err.value.final  # the budget is spent: a restart would only wait it out again
 
 
 def test_a_bucket_without_write_permission_stops_the_run_in_one_line(moto_s3: str, dataset: str, bucket: str,
@@ -207,3 +211,100 @@ def test_a_bucket_without_write_permission_stops_the_run_in_one_line(moto_s3: st
     assert len(lines) == 1 and "Traceback" not in out + err, err
     assert f"s3://{bucket}/runs/readonly" in lines[0] and "AccessDenied" in lines[0], lines[0]
     assert "started a local Ray" not in out
+
+
+def test_a_step_saved_again_replaces_every_file_its_torn_save_left(tmp_path: Path, moto_s3: str, bucket: str) -> None:
+    """The first save of step 2 failed part-way (its rank0.pt never arrived); the run restarted and saves step 2
+    again. A file the new copy loses without a word must not be taken for stored because the torn save left
+    one of that name and size: each rank first clears its own names (launch/ray_train.py, `_report`)."""
+    target = f"s3://{bucket}/runs/r5/checkpoint_000000002"
+    fs, path = run_filesystem(target, endpoint_url=moto_s3)
+    torn = _local_checkpoint(tmp_path / "torn", 2)
+    (torn / "MANIFEST-rank1.json").write_text("another rank's: not this rank's to remove")
+    _upload(torn, fs, path)
+    fs.delete_file(f"{path}/rank0.pt")
+    fresh = _local_checkpoint(tmp_path / "fresh", 2)  # payload.bin: the same size, other bytes
+    assert clear_stale(fresh, target, endpoint_url=moto_s3) == ["MANIFEST-rank0.json", "config.yaml", "payload.bin",
+                                                                 "train_state.json"]
+    lossy = tmp_path / "lossy"  # Ray's copy, losing payload.bin without a word
+    shutil.copytree(fresh, lossy)
+    (lossy / "payload.bin").unlink()
+    _upload(lossy, fs, path)
+    assert ensure_uploaded(fresh, target, endpoint_url=moto_s3) == ["payload.bin"]
+    fetched = _fetch(path, moto_s3, tmp_path / "fetched")
+    assert ckpt.check_complete(fetched, 1) == []
+    assert (fetched / "MANIFEST-rank1.json").exists()  # another rank's name: left to that rank
+    assert clear_stale(fresh, f"s3://{bucket}/runs/r5/checkpoint_000000004", endpoint_url=moto_s3) == []
+
+
+# ------------------------------------------------------------- errors a restart would repeat stop the run
+
+
+def _stops_the_run(error: BaseException) -> str:
+    """The line the run stops with when a worker raised `error` (launch/failures.py), or fail."""
+    found = deterministic_cause(error)
+    assert found is not None, f"would be restarted: {error!r}"
+    with pytest.raises(DeterministicFailure) as stopped:
+        StopOnDeterministicFailure().after_exception(None, {0: error})
+    line = str(stopped.value)
+    assert "\n" not in line and "Traceback" not in line, line
+    return line
+
+
+def test_a_refused_checkpoint_upload_stops_the_run_at_once(tmp_path: Path, moto_s3: str, bucket: str) -> None:
+    local = _local_checkpoint(tmp_path / "local", 4)
+    with FaultProxy(moto_s3, fault_rate=1.0, methods=("PUT", "POST"), random_faults=("403",)) as proxy:
+        fs, run = run_filesystem(f"s3://{bucket}/runs/r6", endpoint_url=proxy.url)
+        started = time.monotonic()
+        with pytest.raises(ckpt.CheckpointNotWritten) as err, ckpt.space_for(f"s3://{run}", step=4, copying=local):
+            _upload(local, fs, f"{run}/checkpoint_000000004")
+        assert time.monotonic() - started < 10 and proxy.counts["403"] >= 1  # a refusal is not retried
+    line = _stops_the_run(err.value)
+    assert line.startswith(f"rank 0: CheckpointNotWritten: the checkpoint of step 4 was not written to s3://{run}: ")
+    assert "ACCESS_DENIED" in line and "(not retried: waiting does not mend it)" in line, line
+
+
+def test_a_checkpoint_upload_that_outlasts_the_retry_budget_stops_the_run(tmp_path: Path, moto_s3: str, bucket: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Persistent throttling: the upload gives up within the budget, and the run does not wait it out again
+    on each of Ray's restarts: the line says the tries and the budget."""
+    monkeypatch.setenv("VITSCALE_S3_RETRY_S", "2")  # sdk_attempts(2): 2 tries per request
+    local = _local_checkpoint(tmp_path / "local", 4)
+    with FaultProxy(moto_s3, fault_rate=1.0, methods=("PUT", "POST"), random_faults=("503",)) as proxy:
+        fs, run = run_filesystem(f"s3://{bucket}/runs/r7", endpoint_url=proxy.url)
+        started = time.monotonic()
+        with pytest.raises(ckpt.CheckpointNotWritten) as err, ckpt.space_for(f"s3://{run}", step=4, copying=local):
+            _upload(local, fs, f"{run}/checkpoint_000000004")
+        assert time.monotonic() - started < 15 and 2 <= proxy.counts["503"] <= 8, proxy.counts
+    line = _stops_the_run(err.value)
+    assert "SLOW_DOWN" in line and "(gave up after 2 tries per request (retry budget $VITSCALE_S3_RETRY_S: 2 s))" \
+        in line, line
+
+
+def test_a_refused_push_of_the_runs_metrics_stops_the_run_named_as_such(tmp_path: Path, moto_s3: str,
+                                                                        bucket: str) -> None:
+    """The metrics pushed before a checkpoint (inside its guard) fail as the metrics object, not the checkpoint."""
+    from vitscale.data.storage.mirror import RunFileNotStored, RunMirror
+
+    cache = tmp_path / "node"
+    (cache / "metrics").mkdir(parents=True)
+    (cache / "metrics" / "rank0.jsonl").write_text('{"step": 4}\n')
+    local = _local_checkpoint(tmp_path / "local", 4)
+    with FaultProxy(moto_s3, fault_rate=1.0, methods=("PUT", "POST"), random_faults=("403",)) as proxy:
+        mirror = RunMirror(cache, open_storage(f"s3://{bucket}/runs/r8", endpoint_url=proxy.url))
+        with pytest.raises(RunFileNotStored) as err, ckpt.space_for(f"s3://{bucket}/runs/r8", step=4, copying=local):
+            mirror.push()
+    assert proxy.counts["403"] == 1
+    line = _stops_the_run(err.value)
+    assert line.startswith(f"rank 0: RunFileNotStored: write s3://{bucket}/runs/r8/metrics/rank0.jsonl failed: "
+                           "AccessDenied (HTTP 403)"), line
+    assert "checkpoint" not in line
+
+
+def test_storage_errors_that_may_heal_on_a_restart_are_left_to_ray(tmp_path: Path) -> None:
+    """A local disk's I/O error (no object store's retries spent) is still a checkpoint not written that Ray may retry."""
+    with pytest.raises(ckpt.CheckpointNotWritten) as err, ckpt.space_for(tmp_path, step=4):
+        raise OSError(errno.EIO, "Input/output error", str(tmp_path / "checkpoint_000000004" / "rank0.pt"))
+    assert not err.value.final and deterministic_cause(err.value) is None
+    unfinished = StorageError("read s3://b/k failed: an error the retry loop did not end")
+    assert deterministic_cause(unfinished) is None

@@ -58,13 +58,18 @@ class DeterministicFailure(RuntimeError):
 def deterministic_cause(error: BaseException | None) -> BaseException | None:
     """The deterministic error behind ``error``, or None: the first in its cause chain that is of a
     `DETERMINISTIC` type or marked ``deterministic = True`` (the worker marks the `WorkerFailed`
-    it raises, because pickling to the controller drops the cause chain). Ray's wrapper of a
+    it raises, because pickling to the controller drops the cause chain), a full disk, or a storage error
+    marked ``final`` (a refusal, or one that outlasted the retry budget). Ray's wrapper of a
     worker's exception is looked through."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, DETERMINISTIC) or getattr(error, "deterministic", False) is True:
             return error
         if isinstance(error, OSError) and error.errno in NO_SPACE_ERRNOS:  # any write into a full disk
+            return error
+        # Storage that refused, or whose retry budget was spent (data/storage/retry.py): a checkpoint upload
+        # (CheckpointNotWritten), a push of the run's files, a read. A restart would wait as long again.
+        if isinstance(error, OSError) and getattr(error, "final", False) is True:
             return error
         seen.add(id(error))
         error = getattr(error, "_base_exc", None) or error.__cause__ or error.__context__

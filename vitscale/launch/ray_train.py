@@ -23,16 +23,18 @@ from typing import Any, NoReturn
 import ray
 import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.collective import broadcast_from_rank_zero
 from ray.train.torch import TorchTrainer
 
 from vitscale.config.checks import ConfigError
 from vitscale.config.location import is_url, part_location
 from vitscale.config.pipeline import ClusterConfig, ray_address
 from vitscale.data.storage import open_storage
+from vitscale.data.storage.base import StorageError
 from vitscale.data.storage.endpoint import endpoint_env
-from vitscale.data.storage.filesystem import ensure_uploaded, run_filesystem
+from vitscale.data.storage.filesystem import clear_stale, ensure_uploaded, run_filesystem
 from vitscale.data.storage.mirror import RunMirror
-from vitscale.data.storage.retry import RETRY_ENV
+from vitscale.data.storage.retry import RETRY_ENV, final_reason
 from vitscale.data.storage.run_cache import run_cache_dir, run_cache_key
 from vitscale.data.storage.space import is_no_space, no_space_line
 from vitscale.launch.console import labelled_lines
@@ -79,6 +81,7 @@ def train_worker(payload: dict[str, Any]) -> None:
     try:
         with contextlib.ExitStack() as downloaded, labelled_lines(payload.get("label")), termination:
             resume_from = _resume_directory(world_size, rank, downloaded, storage)
+            _agree_on_resume(rank, resume_from)
             # `restored` releases a downloaded checkpoint as soon as the loop has loaded it.
             ctx = WorkerContext(rank=rank, world_size=world_size, run_dir=run_dir,
                                 report=functools.partial(_report, mirror=mirror, storage=storage),
@@ -143,7 +146,8 @@ def _rank_mirror(run_dir: Path, storage: str | None, rank: int) -> RunMirror | N
 
     mirror = RunMirror(run_dir, open_storage(storage), include=include)
     # A rank that starts on a node that is not its predecessor's (a lost node replaced) continues the
-    # records its predecessor pushed instead of overwriting them with a file that starts at the resume.
+    # records its predecessor pushed instead of overwriting them with a file that starts at the resume; and
+    # its files the storage lacks (a deleted run's, on a node that ran it) are removed before it writes.
     mirror.pull()
     mirror.push_every(30.0)
     return mirror
@@ -157,6 +161,10 @@ def _report(metrics: dict[str, Any], checkpoint_dir: Path | None, mirror: RunMir
     if mirror is not None:  # the records up to this checkpoint reach storage before the checkpoint does
         mirror.push()
     name = f"checkpoint_{int(metrics['step']):09d}"
+    if storage is not None:  # a step saved again: its torn save's files must not pass for this one's
+        cleared = clear_stale(checkpoint_dir, posixpath.join(storage, name))
+        if cleared:
+            say(f"{name}: removed {len(cleared)} file(s) an earlier, failed save of this step left")
     ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(checkpoint_dir)),
                      checkpoint_dir_name=name)
     if storage is not None:  # Ray's copy can lose a file without a word (filesystem.py): check, copy again
@@ -178,15 +186,29 @@ def _resume_directory(world_size: int, rank: int, downloads: contextlib.ExitStac
     from object storage stays until `downloads` is closed; incomplete ones are released at once.
     A checkpoint written by another world size is handed on as it is: the loop reshards it (an
     elastic run) or refuses it naming the change (`train/resume.py`), never falls back past it.
+
+    When the storage shows every checkpoint incomplete (the first upload failed part-way), the run starts
+    from step 1, saying which it ignores: its saves of those steps write them again. Storage that cannot be
+    read (listed or downloaded) is never taken for a run without checkpoints: that raises a
+    :class:`StorageError` naming the place, and the run does not start over.
     """
     known = [c for c in (ray.train.get_checkpoint(), newest_in_storage(storage)) if c is not None]
     if not known:
         return None
     latest = max(known, key=lambda c: posixpath.basename(c.path.rstrip("/")))  # checkpoint_{step:09d}
-    problems: list[str] = []
+    ignored: list[str] = []
     for candidate in _newest_first(latest):
+        name = posixpath.basename(candidate.path.rstrip("/"))
         fetched = contextlib.ExitStack()
-        directory = Path(fetched.enter_context(candidate.as_directory()))
+        try:
+            directory = Path(fetched.enter_context(candidate.as_directory()))
+        except FileNotFoundError:  # the storage says it is gone (deleted since Ray recorded it)
+            fetched.close()
+            ignored.append(f"{name} (not in storage)")
+            continue
+        except (OSError, ValueError) as exc:
+            fetched.close()
+            raise _unreadable(f"cannot read checkpoint {_url(candidate)}", exc) from exc
         info = ckpt.manifest_info(directory)
         # Complete as its writers left it (the loop reshards one of another world size, or refuses it).
         saved_world = info[1] if info is not None else world_size
@@ -195,15 +217,51 @@ def _resume_directory(world_size: int, rank: int, downloads: contextlib.ExitStac
             downloads.callback(fetched.close)
             if candidate is not latest:
                 say(f"latest checkpoint {posixpath.basename(latest.path)} is incomplete; "
-                      f"resuming from {posixpath.basename(candidate.path)}")
+                      f"resuming from {name}")
             return directory
         fetched.close()
-        problems.extend(found)
-    raise RuntimeError("no complete checkpoint to resume from:\n  " + "\n  ".join(problems))
+        more = f"; {len(found) - 1} more problem(s)" if len(found) > 1 else ""
+        ignored.append(f"{name} ({found[0].replace(f'{directory}/', '').replace(str(directory), name)}{more})")
+    if rank == 0:
+        say(f"no complete checkpoint to resume from: starting from step 1, ignoring {len(ignored)} incomplete: "
+            + ", ".join(ignored))
+    return None
+
+
+def _agree_on_resume(rank: int, resume_from: Path | None) -> None:
+    """Every rank resumes from rank 0's step, or the attempt fails in one line. Each rank checks the hashes of
+    the files it reads (`_resume_directory`), so a rank whose own part of the newest checkpoint is damaged
+    chooses an older one, or none, and would train from another step than its peers. A barrier."""
+    info = ckpt.manifest_info(resume_from) if resume_from is not None else None
+    step = info[0] if info is not None else 0
+    chosen = broadcast_from_rank_zero(step)
+    if step != chosen:
+        raise RuntimeError(f"rank {rank} found no complete checkpoint at step {chosen}, from which rank 0 resumes "
+                           f"(its own files of it are missing or damaged: see its lines above); it would resume "
+                           f"from step {step}")
+
+
+def _url(checkpoint: Any) -> str:
+    """A checkpoint's address for messages: `s3://bucket/...` on object storage, else its path."""
+    import pyarrow.fs
+
+    s3 = isinstance(checkpoint.filesystem, pyarrow.fs.S3FileSystem)
+    return ("s3://" if s3 else "") + checkpoint.path
+
+
+def _unreadable(what: str, exc: BaseException) -> StorageError:
+    """`what` failed reading the run's storage: one line with the storage's error; final as that error is
+    (data/storage/retry.py: a refusal, or one that outlasted the retry budget)."""
+    why = final_reason(exc)
+    error = StorageError(f"{what}: {' '.join(str(exc).split())[:300] or type(exc).__name__}"
+                         + (f" ({why})" if why else ""))
+    error.final = why is not None
+    return error
 
 
 def newest_in_storage(storage: str | None) -> Any:
-    """The newest `checkpoint_*` folder in the run's storage as a `ray.train.Checkpoint`, or None."""
+    """The newest `checkpoint_*` folder in the run's storage as a `ray.train.Checkpoint`, or None (none there).
+    A storage that cannot be listed raises a `StorageError`: it is not a run without checkpoints."""
     import pyarrow.fs
 
     if storage is None:
@@ -213,8 +271,8 @@ def newest_in_storage(storage: str | None) -> Any:
         filesystem, path = pyarrow.fs.LocalFileSystem(), storage
     try:
         infos = filesystem.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True))
-    except (OSError, ValueError):
-        return None
+    except (OSError, ValueError) as exc:
+        raise _unreadable(f"cannot list the checkpoints of {storage}", exc) from exc
     names = [posixpath.basename(i.path) for i in infos
              if i.type == pyarrow.fs.FileType.Directory and posixpath.basename(i.path).startswith("checkpoint_")]
     if not names:
@@ -230,8 +288,8 @@ def _newest_first(latest: Any) -> Iterator[Any]:
     parent = posixpath.dirname(latest.path.rstrip("/"))
     try:
         infos = latest.filesystem.get_file_info(pyarrow.fs.FileSelector(parent))
-    except (OSError, ValueError):
-        return
+    except (OSError, ValueError) as exc:
+        raise _unreadable(f"cannot list the checkpoints beside {_url(latest)}", exc) from exc
     folders = (posixpath.basename(i.path) for i in infos if i.type == pyarrow.fs.FileType.Directory)
     names = sorted((name for name in folders if name.startswith("checkpoint_")),
                    reverse=True)  # checkpoint_{step:09d}: the name orders by step

@@ -127,7 +127,8 @@ def _run_stages(config: PipelineConfig, verbose: bool, t0: float) -> dict[str, A
     # The run's storage is the truth and this node's folder a cache of it (data/storage/mirror.py): on a
     # cluster whose nodes share only object storage, the driver's files must outlive its node, and a
     # re-run from a machine that never saw the run starts from what the storage holds (a study's state,
-    # a sweep's finished trials).
+    # a sweep's finished trials). The pull, before this run writes anything, also removes what the storage
+    # lacks: a run deleted from its storage leaves nothing in this node's cache for a new run to push.
     mirror = RunMirror(run_dir, open_storage(config.cluster.run_storage(config.run_name)))
     mirror.pull()
     write_atomic(run_dir / "config.yaml", to_yaml(config))  # whole or not at all (data/storage/atomic.py)

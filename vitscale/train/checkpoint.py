@@ -33,6 +33,8 @@ import torch
 
 from vitscale.config.location import is_url
 from vitscale.data.storage.atomic import PART_SUFFIX, atomic_path, write_atomic
+from vitscale.data.storage.mirror import RunFileNotStored
+from vitscale.data.storage.retry import final_reason
 from vitscale.data.storage.space import free_bytes, is_no_space, no_space_line, size_text
 
 DEEPSPEED_DIR = "deepspeed"
@@ -253,10 +255,15 @@ class DiskFull(OSError):
 
 
 class CheckpointNotWritten(OSError):
-    """A checkpoint's copy into the run's storage failed for good (after the filesystem's own bounded
-    retries): one line naming the storage and the last error. Ray Train restarts the workers (within
-    ``cluster.max_failures``) from the last complete checkpoint; the one that failed is never
-    complete, its manifests and files do not all arrive."""
+    """A checkpoint's copy into the run's storage failed: one line naming the storage and the last error.
+    The one that failed is never complete, its manifests and files do not all arrive.
+
+    ``final`` when the storage's error will not heal (a refusal such as 403) or the retry budget was spent
+    on it (``data/storage/retry.py``, ``final_reason``): the run stops at once (``launch/failures.py``), a
+    restart would wait as long and fail the same way. Otherwise Ray Train restarts the workers (within
+    ``cluster.max_failures``) from the last complete checkpoint."""
+
+    final: bool = False
 
 
 def tree_bytes(directory: Path) -> int:
@@ -283,7 +290,8 @@ def space_for(where: str | os.PathLike[str], *, step: int, parts: int = 1,
     try:
         yield
     except Exception as exc:
-        if isinstance(exc, (DiskFull, CheckpointNotWritten)):
+        # The run's own files pushed before the checkpoint (launch/ray_train.py, `_report`) fail as what they are.
+        if isinstance(exc, (DiskFull, CheckpointNotWritten, RunFileNotStored)):
             raise
         # torch.save reports a full disk as "file write failed" with no errno: a disk left with
         # (almost) nothing free after a failed write was full too.
@@ -292,8 +300,11 @@ def space_for(where: str | os.PathLike[str], *, step: int, parts: int = 1,
             raise _disk_full(where, step, needed, free, parts) from exc
         if isinstance(exc, OSError):  # storage that failed for good (object storage after its retries)
             text = " ".join(str(exc).split())[:400] or type(exc).__name__
-            raise CheckpointNotWritten(f"the checkpoint of step {step} was not written to {os.fspath(where)}: "
-                                       f"{text}") from exc
+            why = final_reason(exc)
+            error = CheckpointNotWritten(f"the checkpoint of step {step} was not written to {os.fspath(where)}: "
+                                         f"{text}" + (f" ({why})" if why else ""))
+            error.final = why is not None
+            raise error from exc
         raise
 
 

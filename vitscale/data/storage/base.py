@@ -9,11 +9,16 @@ import io
 import os
 from typing import BinaryIO
 
-__all__ = ["ObjectReader", "Storage", "StorageError", "check_name"]
+__all__ = ["ObjectReader", "Storage", "StorageError", "check_name", "is_name"]
 
 
 class StorageError(OSError):
     """A storage operation failed for good (after retries, or with a non-transient error)."""
+
+    final: bool = False
+    """Trying again at once repeats it: the error will not heal by waiting (a refusal such as 403), or the
+    retry budget was already spent waiting for it to heal (``data/storage/retry.py``). A run whose worker
+    meets a final error stops instead of being restarted (``launch/failures.py``)."""
 
 
 class ObjectReader(io.RawIOBase):
@@ -85,8 +90,9 @@ class Storage:
         raise NotImplementedError
 
     def list_sizes(self, prefix: str = "") -> dict[str, int]:
-        """``{name: size in bytes}`` of the objects whose names start with ``prefix``, sorted by name
-        (one listing, no request per object)."""
+        """``{name: size in bytes}`` of the files whose names start with ``prefix``, sorted by name
+        (one listing, no request per object). Only names :func:`is_name` accepts: never the root, never
+        a folder (nor an object store's folder marker)."""
         raise NotImplementedError
 
     def delete(self, name: str) -> None:
@@ -104,6 +110,13 @@ class Storage:
     def _check_range(self, start: int, length: int) -> None:
         if start < 0 or length < 0:
             raise ValueError(f"read_range needs start >= 0 and length >= 0, got {start}, {length}")
+
+
+def is_name(name: str) -> bool:
+    """Whether ``name`` names a file inside the root: relative, no ``.``/``..`` segment, and not a folder
+    (an object store's zero-byte "folder marker" ``runs/exp/`` and the root itself, ``""``, are no files)."""
+    return bool(name) and not name.startswith("/") and not name.endswith("/") and not any(
+        p in ("..", ".") for p in name.split("/"))
 
 
 def check_name(name: str) -> str:

@@ -32,7 +32,7 @@ from vitscale.config.location import is_url
 from vitscale.data.storage.retry import RetryPolicy, call, retry_budget_s, sdk_attempts
 from vitscale.data.storage.s3 import resolve_endpoint_url
 
-__all__ = ["RetryingS3FileSystem", "ensure_uploaded", "run_filesystem"]
+__all__ = ["RetryingS3FileSystem", "clear_stale", "ensure_uploaded", "run_filesystem"]
 
 
 def run_filesystem(storage_path: str, *, endpoint_url: str | None = None,
@@ -99,10 +99,7 @@ def ensure_uploaded(local: str | os.PathLike[str], storage: str, *, endpoint_url
     :class:`~vitscale.data.storage.StorageError` naming the file's URL, the last error and the tries.
     """
     policy = retry or RetryPolicy.from_setting()
-    filesystem, root = run_filesystem(storage, endpoint_url=endpoint_url, max_attempts=1)
-    if filesystem is None:
-        filesystem, root = (pyarrow.fs.FileSystem.from_uri(storage) if is_url(storage)
-                            else (pyarrow.fs.LocalFileSystem(), os.fspath(storage)))
+    filesystem, root = _filesystem(storage, endpoint_url)
     scheme = "s3://" if storage.startswith("s3://") else ""
     base = Path(local)
     files = sorted(p for p in base.rglob("*") if p.is_file())
@@ -115,6 +112,41 @@ def ensure_uploaded(local: str | os.PathLike[str], storage: str, *, endpoint_url
         call(functools.partial(_copy, path, filesystem, target), policy, "store", scheme + target)
         copied.append(path.relative_to(base).as_posix())
     return copied
+
+
+def _filesystem(storage: str, endpoint_url: str | None) -> tuple[Any, str]:
+    """A filesystem that tries each request once (the caller retries through `call`), and the bare path."""
+    filesystem, root = run_filesystem(storage, endpoint_url=endpoint_url, max_attempts=1)
+    if filesystem is None:
+        filesystem, root = (pyarrow.fs.FileSystem.from_uri(storage) if is_url(storage)
+                            else (pyarrow.fs.LocalFileSystem(), os.fspath(storage)))
+    return filesystem, root
+
+
+def clear_stale(local: str | os.PathLike[str], storage: str, *, endpoint_url: str | None = None,
+                retry: RetryPolicy | None = None) -> list[str]:
+    """Remove from the folder ``storage`` the files the local folder ``local`` is about to be copied over; returns
+    their names. Only a save of a step whose earlier save failed part-way finds any.
+
+    A copy replaces what it writes, but a file it loses without a word (``ensure_uploaded``) would leave the
+    torn save's file of the same name, and at the same size it passes for this save's. Only ``local``'s own
+    names are removed: every rank clears, then writes, its own files of a checkpoint, never another's. One
+    listing per call; each request through the retry loop, as ``ensure_uploaded``'s.
+    """
+    policy = retry or RetryPolicy.from_setting()
+    filesystem, root = _filesystem(storage, endpoint_url)
+    selector = pyarrow.fs.FileSelector(root, allow_not_found=True, recursive=True)
+    stored = call(lambda: filesystem.get_file_info(selector), policy, "list", storage)
+    base = Path(local)
+    mine = {p.relative_to(base).as_posix() for p in base.rglob("*") if p.is_file()}
+    scheme = "s3://" if storage.startswith("s3://") else ""
+    removed = []
+    for info in stored:
+        name = info.path[len(root):].lstrip("/")
+        if info.type == pyarrow.fs.FileType.File and name in mine:
+            call(functools.partial(filesystem.delete_file, info.path), policy, "delete", scheme + info.path)
+            removed.append(name)
+    return sorted(removed)
 
 
 def _copy(path: Path, filesystem: Any, target: str) -> None:

@@ -6,6 +6,11 @@ writes on a node (the driver's config, summary, logs, tables and plots; a rank's
 TensorBoard events) is written into a local folder first, as every tool does, and then *pushed* to
 the run's storage; a machine that has never seen the run *pulls* what it needs from the storage.
 
+A pull makes the cache what the storage holds: files the storage lacks are removed from the cache, and
+files it holds at another size are downloaded again. So a writer pulls when it starts, before it writes
+(the driver at the start of a run, each rank when its worker starts): nothing of a run deleted from the
+storage, and nothing the storage never took, reaches a new run at the same place through a node's disk.
+
 :class:`RunMirror` pairs the two places. Pushing uploads the files that changed since the last push
 (by size and modification time), so calling it after every stage, every checkpoint and every few
 seconds for logs costs one stat per file. Where the storage *is* the local folder (a local or NFS
@@ -25,15 +30,20 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from vitscale.data.storage.atomic import PART_SUFFIX, write_atomic
-from vitscale.data.storage.base import Storage
+from vitscale.data.storage.base import Storage, StorageError, is_name
 from vitscale.data.storage.local import LocalStorage
 
-__all__ = ["RunMirror"]
+__all__ = ["RunFileNotStored", "RunMirror"]
 
 SKIPPED_PREFIXES = ("checkpoint_",)
 """Folder names a mirror never copies, at any depth: Ray Train's own checkpoint folders (and its bookkeeping)."""
 SKIPPED_NAMES = ("checkpoint_manager_snapshot.json", ".validate_storage_marker", ".vitscale-lease")
 """Ray Train's bookkeeping and the run's lease (data/storage/lease.py): owned by their writers, never copied."""
+
+
+class RunFileNotStored(StorageError):
+    """A push failed: one of the run's own files (config, logs, metrics, TensorBoard) was not stored; the
+    message names its URL and the storage's error. Final as the storage's error was."""
 
 
 def _skipped(name: str) -> bool:
@@ -83,19 +93,33 @@ class RunMirror:
                 mark = (stat.st_size, stat.st_mtime_ns)
                 if _skipped(name) or self._pushed.get(name) == mark or (self.include and not self.include(name)):
                     continue
-                self.storage.write_file(name, path)
+                try:
+                    self.storage.write_file(name, path)
+                except StorageError as exc:
+                    failed = RunFileNotStored(str(exc))
+                    failed.final = exc.final
+                    raise failed from exc
                 self._pushed[name] = mark
                 pushed.append(name)
             return pushed
 
     def pull(self, prefix: str = "") -> list[str]:
-        """Download the storage's files under `prefix` that the cache lacks or holds at another size."""
+        """Make the cache under `prefix` hold what the storage holds there (of this mirror's names); returns
+        the names downloaded.
+
+        Files the cache lacks or holds at another size are downloaded; files the storage lacks are removed
+        from the cache (a run deleted from the storage, records the storage never took). Call it before this
+        writer writes anything (at its start): what it wrote and had not pushed would be removed too.
+        """
         if self.same_place:
             return []
+        stored = {name: size for name, size in self.storage.list_sizes(prefix).items() if self._mine(name)}
+        if self.local.is_dir():
+            for name in self._local_names():
+                if name.startswith(prefix) and name not in stored and self._mine(name):
+                    self._remove(name)
         pulled = []
-        for name, size in self.storage.list_sizes(prefix).items():
-            if _skipped(name) or name.endswith("/") or (self.include and not self.include(name)):
-                continue
+        for name, size in stored.items():
             path = self.local / name
             if path.is_file() and path.stat().st_size == size:
                 continue
@@ -104,6 +128,23 @@ class RunMirror:
             self._pushed[name] = (stat.st_size, stat.st_mtime_ns)  # what is there already need not go back
             pulled.append(name)
         return pulled
+
+    def _mine(self, name: str) -> bool:
+        """A name this mirror copies: a file (never a folder marker), not Ray Train's, of this writer's."""
+        return is_name(name) and not _skipped(name) and (self.include is None or self.include(name))
+
+    def _remove(self, name: str) -> None:
+        """Remove the cache's `name`, then the folders it leaves empty (up to the cache itself)."""
+        path = self.local / name
+        path.unlink(missing_ok=True)
+        self._pushed.pop(name, None)
+        folder = path.parent
+        while folder != self.local and self.local in folder.parents:
+            try:
+                folder.rmdir()  # only when empty
+            except OSError:
+                break
+            folder = folder.parent
 
     def push_every(self, seconds: float) -> None:
         """Push in a daemon thread every `seconds` until :meth:`close` (logs reach storage while running)."""

@@ -15,6 +15,10 @@ The retry budget is the one setting of this module: ``$VITSCALE_S3_RETRY_S`` sec
 :data:`DEFAULT_RETRY_S`), read and checked by :func:`retry_budget_s`. No new try starts after it
 has passed since a call's first try; the last error then ends the call in one line naming the
 object, the error and the tries (:func:`call`).
+
+Either way the error that ends a call is *final* (``StorageError.final``, :func:`final_reason`): a
+refusal does not heal, and the budget has already waited for the rest, so trying again at once (a
+restart of the run's workers) would only repeat it: a run stops on it (``launch/failures.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ __all__ = [
     "call",
     "classify",
     "describe",
+    "final_reason",
     "is_missing",
     "is_transient",
     "retry_budget_s",
@@ -289,15 +294,42 @@ def call(fn: Callable[[], T], policy: RetryPolicy, what: str, where: str) -> T:
             if failure is Failure.MISSING:
                 raise FileNotFoundError(f"{what}: no such object {where}") from exc
             if failure is Failure.PERMANENT:
-                raise StorageError(f"{what} {where} failed: {describe(exc)} (not retried: waiting does not "
-                                   "mend it)") from exc
+                raise _final(f"{what} {where} failed: {describe(exc)} (not retried: waiting does not "
+                             "mend it)") from exc
             elapsed = time.monotonic() - started
             delay = policy.next_delay(attempt, elapsed)
             if delay is None:
-                raise StorageError(f"{what} {where} failed after {attempt} attempts: {describe(exc)}; gave up "
-                                   f"after {elapsed:.1f} s (retry budget ${RETRY_ENV}: {policy.budget_s:g} s)") from exc
+                raise _final(f"{what} {where} failed after {attempt} attempts: {describe(exc)}; gave up "
+                             f"after {elapsed:.1f} s (retry budget ${RETRY_ENV}: {policy.budget_s:g} s)") from exc
             log.debug("%s %s: transient %r, retry %d in %.2fs", what, where, exc, attempt, delay)
             time.sleep(delay)
+
+
+def _final(message: str) -> StorageError:
+    error = StorageError(message)
+    error.final = True  # a refusal, or the budget spent: trying again at once repeats it
+    return error
+
+
+def final_reason(exc: BaseException) -> str | None:
+    """Why trying the storage call that raised ``exc`` again at once would repeat it, or None when it might not.
+
+    ``""`` for a final :class:`StorageError` (its message says why already). For an error of pyarrow's S3
+    filesystem built by ``data/storage/filesystem.py`` (the AWS SDK's text: Ray Train's checkpoint upload),
+    whose retry strategy retries what may heal for :func:`sdk_attempts` tries of the budget: a refusal
+    "not retried", anything else the tries and the budget it spent. Anything else (a local disk's error,
+    a worker's own bug): None.
+    """
+    if isinstance(exc, StorageError):
+        return "" if exc.final else None
+    if not (isinstance(exc, OSError) and _SDK_ERROR.search(str(exc))):
+        return None
+    text = str(exc)
+    # The SDK retries an endpoint it cannot reach too (`sdk_attempts`), though waiting seldom mends it.
+    if _classify_sdk_text(text) is not Failure.TRANSIENT and "NETWORK_CONNECTION" not in text:
+        return "not retried: waiting does not mend it"
+    budget = retry_budget_s()
+    return f"gave up after {sdk_attempts(budget)} tries per request (retry budget ${RETRY_ENV}: {budget:g} s)"
 
 
 def sdk_attempts(budget_s: float) -> int:

@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from vitscale.config.checks import check
 from vitscale.config.errors import UserError
-from vitscale.data.storage.base import ObjectReader, Storage, check_name
+from vitscale.data.storage.base import ObjectReader, Storage, check_name, is_name
 from vitscale.data.storage.cleanup import after_error
 from vitscale.data.storage.retry import RetryPolicy, ShortRead, call
 
@@ -241,7 +241,12 @@ class S3Storage(Storage):
             )
             for page in pages:
                 for obj in page.get("Contents", []):
-                    sizes[obj["Key"][len(root) :]] = int(obj["Size"])
+                    name = obj["Key"][len(root) :]
+                    # Not files: the zero-byte folder markers some writers put (Ray Train puts `runs/exp/` when
+                    # it starts a run; the S3 console's "create folder"), the root's own among them (""),
+                    # and keys no local path can hold (`a/../b`).
+                    if is_name(name):
+                        sizes[name] = int(obj["Size"])
             return dict(sorted(sizes.items()))
 
         return self._retrying("list", None, go)
