@@ -316,13 +316,10 @@ def test_a_part_of_a_run_inside_it_is_not_refused_by_that_runs_own_lease(tmp_pat
         hold_run_lease(str(cell), part_of=str(study)).release()
         with pytest.raises(LeaseHeld, match=f"lies inside {study},"):
             hold_run_lease(str(cell))  # without saying so: refused like any other
-    proc = _holder(str(study / "study"))  # another live writer below the study's run: still refused
-    try:
-        with hold_run_lease(str(study)), \
-                pytest.raises(LeaseHeld, match=f"lies inside {study / 'study'}, .* pid {proc.pid} "):
-            hold_run_lease(str(cell), part_of=str(study))
-    finally:
-        _kill(proc)
+    # Another live writer between the study's run and the cell: still refused.
+    with hold_run_lease(str(study)), hold_run_lease(str(study / "study"), part_of=str(study)), \
+            pytest.raises(LeaseHeld, match=f"lies inside {study / 'study'}, .* pid {os.getpid()} "):
+        hold_run_lease(str(cell), part_of=str(study))
 
 
 def test_probing_a_lease_never_refuses_its_own_writer(tmp_path: Path) -> None:
@@ -374,3 +371,28 @@ def test_vitscale_run_inside_a_live_run_is_one_line_before_ray(tmp_path: Path, s
     assert lines[0].startswith(f"vitscale: error: run {outer / 'finetune'} lies inside {outer}, which is being "
                                f"written by pid {proc.pid} "), lines[0]
     assert not ray.is_initialized() and not (outer / "finetune").exists()
+
+
+def test_a_run_around_a_live_run_is_refused_naming_it_and_leaves_no_lease(tmp_path: Path, s3_run: str,
+                                                                         moto_s3: str) -> None:
+    inner = tmp_path / "runs" / "tiny" / "finetune"
+    proc = _holder(str(inner))
+    try:
+        with pytest.raises(LeaseHeld) as err:
+            hold_run_lease(str(tmp_path / "runs" / "tiny"))
+        assert str(err.value).startswith(f"run {tmp_path / 'runs' / 'tiny'} holds {inner}, which is being written "
+                                         f"by pid {proc.pid} "), err.value
+        assert not (tmp_path / "runs" / "tiny" / LEASE_NAME).exists()  # its own lease given back
+    finally:
+        _kill(proc)
+    hold_run_lease(str(tmp_path / "runs" / "tiny")).release()  # the inner run ended: fine
+
+    proc = _holder(f"{s3_run}/finetune", ttl_s=600.0, endpoint=moto_s3)
+    try:
+        with pytest.raises(LeaseHeld, match=f"^run {s3_run} holds {s3_run}/finetune, .* pid {proc.pid} "):
+            hold_run_lease(s3_run, endpoint_url=moto_s3, retry=FAST)
+        bucket, _, prefix = s3_run[len("s3://"):].partition("/")
+        keys = [o["Key"] for o in boto3.client("s3", endpoint_url=moto_s3).list_objects_v2(Bucket=bucket)["Contents"]]
+        assert keys == [f"{prefix}/finetune/{LEASE_NAME}"]  # its own lease given back
+    finally:
+        _kill(proc)

@@ -390,6 +390,31 @@ def _refuse_inside_live(url: str, kind: str, part_of: str | None, endpoint_url: 
                             f"{posixpath.join(outer, LEASE_NAME)} is live); {_NESTED_ADVICE[kind]}")
 
 
+def _refuse_around_live(lease: RunLease, kind: str) -> None:
+    """Refuse a writer whose folder already holds another live writer's folder, in one
+    line naming it: this run's rotation and resume would take the inner one's files for its own. Its own
+    lease is held by then, so of two writers starting at once, one inside the other, one sees the other."""
+    if isinstance(lease, _S3Lease):
+        storage = lease.storage
+        inner = [(storage.url_of(n)[: -len(LEASE_NAME) - 1], _live_s3(storage, n)) for n in storage.list()
+                 if n.endswith("/" + LEASE_NAME)]
+    else:
+        folder = Path(lease.url)
+        inner = [(root, _live_local(Path(root))) for root, _, files in os.walk(folder)
+                 if LEASE_NAME in files and Path(root) != folder]
+    for where, who in inner:
+        if who is not None:
+            raise LeaseHeld(f"{kind} {lease.url} holds {where}, which is being written by {who} (its lease "
+                            f"{posixpath.join(where, LEASE_NAME)} is live); {_AROUND_ADVICE[kind]}")
+
+
+_AROUND_ADVICE = {
+    "run": "choose another cluster.run_name or cluster.storage_path, or wait for that run to finish",
+    "dataset": "write to another --out, or wait for that writer to finish",
+}
+"""What a writer refused for holding another live writer's folder can do."""
+
+
 def _interrupt(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
     _thread.interrupt_main()
@@ -403,7 +428,8 @@ def hold_run_lease(run_url: str, *, force: bool = False, endpoint_url: str | Non
 
     Raises :class:`LeaseHeld` naming the holder when another writer has it (see the module doc for
     expiry and ``force``), or when a folder above ``run_url`` is a live writer's (a run inside another
-    live run: refused before anything is created there; ``force`` does not apply to it). ``part_of``:
+    live run: refused before anything is created there; ``force`` does not apply to it), or when one
+    inside it is (a run around a live one: refused once its own lease is held, and that is released). ``part_of``:
     the run this one is a part of (a study's cell inside the study's run), whose lease its own driver
     holds: folders from it upwards are not looked at. Use as ``with hold_run_lease(url): ...`` or call
     ``release()``. ``kind`` ("run" or "dataset") is what the messages call the thing written.
@@ -420,5 +446,12 @@ def hold_run_lease(run_url: str, *, force: bool = False, endpoint_url: str | Non
     if run_url.startswith("s3://"):
         bucket, _, prefix = run_url[len("s3://"):].partition("/")
         storage = S3Storage(bucket, prefix, endpoint_url=endpoint_url, retry=retry)
-        return _S3Lease(storage, holder, force, on_lost, log, kind)
-    return _LocalLease(Path(run_url), holder, kind)
+        lease: RunLease = _S3Lease(storage, holder, force, on_lost, log, kind)
+    else:
+        lease = _LocalLease(Path(run_url), holder, kind)
+    try:
+        _refuse_around_live(lease, kind)
+    except BaseException:
+        lease.release()
+        raise
+    return lease
