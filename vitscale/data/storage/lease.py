@@ -23,6 +23,13 @@ therefore holds the run's lease first; a second writer is refused with one line 
   clones share) and the holder's process start time, so a pid reused by another process since is
   not mistaken for the holder (``Holder.dead_here``).
 
+No writer inside another live one's folder, nor around one: once its lease is held, a writer looks for
+a live lease in the folders above it (up to the filesystem root or the bucket; a local lease is live
+while its lock is held, probed with a shared lock for an instant; an S3 one while renewed within its
+ttl) and in those below it, and is refused in one line naming that run and its holder (its own lease
+given back, the folders it made removed). A study's cell, inside the study's run whose driver holds
+that lease, says so (``part_of``): folders from the study's run upwards are not looked at.
+
 A writer whose heartbeat finds the lease taken over (or cannot renew it for ``ttl_s``) has lost
 it: ``on_lost`` is called (the CLI's default interrupts the driver) so that it stops writing.
 Servers that ignore ``If-None-Match`` (old S3 look-alikes) are caught by reading the lease back
@@ -45,6 +52,7 @@ from typing import Any, Self
 
 from vitscale.config.location import canonical_location
 from vitscale.data.storage.base import StorageError
+from vitscale.data.storage.cleanup import missing_folders, remove_new_folders
 from vitscale.data.storage.holder import DEFAULT_TTL_S, Holder
 from vitscale.data.storage.retry import RetryPolicy
 from vitscale.data.storage.s3 import S3Storage
@@ -428,8 +436,9 @@ def hold_run_lease(run_url: str, *, force: bool = False, endpoint_url: str | Non
 
     Raises :class:`LeaseHeld` naming the holder when another writer has it (see the module doc for
     expiry and ``force``), or when a folder above ``run_url`` is a live writer's (a run inside another
-    live run: refused before anything is created there; ``force`` does not apply to it), or when one
-    inside it is (a run around a live one: refused once its own lease is held, and that is released). ``part_of``:
+    live run; ``force`` does not apply to it), or when one inside it is (a run around a live one). Both
+    are looked for once its own lease is held; when refused, that lease is given back and the folders
+    taking it created are removed: nothing is left. ``part_of``:
     the run this one is a part of (a study's cell inside the study's run), whose lease its own driver
     holds: folders from it upwards are not looked at. Use as ``with hold_run_lease(url): ...`` or call
     ``release()``. ``kind`` ("run" or "dataset") is what the messages call the thing written.
@@ -442,16 +451,20 @@ def hold_run_lease(run_url: str, *, force: bool = False, endpoint_url: str | Non
     run_url = canonical_location(run_url, "run storage")
     if part_of is not None:
         part_of = canonical_location(part_of, "run storage")
-    _refuse_inside_live(run_url, kind, part_of, endpoint_url, retry)
+    created = [] if run_url.startswith("s3://") else missing_folders(run_url)
     if run_url.startswith("s3://"):
         bucket, _, prefix = run_url[len("s3://"):].partition("/")
         storage = S3Storage(bucket, prefix, endpoint_url=endpoint_url, retry=retry)
         lease: RunLease = _S3Lease(storage, holder, force, on_lost, log, kind)
     else:
         lease = _LocalLease(Path(run_url), holder, kind)
+    # Both looks come once this lease is held: of two writers starting at once, one inside the other, the
+    # one that looks last sees the other's lease.
     try:
+        _refuse_inside_live(run_url, kind, part_of, endpoint_url, retry)
         _refuse_around_live(lease, kind)
     except BaseException:
         lease.release()
+        remove_new_folders(created)  # nothing left inside the live run: not even the folder the lease made
         raise
     return lease
