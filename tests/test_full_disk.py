@@ -213,6 +213,10 @@ def test_an_error_on_a_nearly_full_disk_keeps_its_own_cause(error: OSError, smal
     assert "no space" not in message and "\n" not in message
     with pytest.raises(ValueError, match="^a bug$"), ckpt.space_for(disk, step=4):
         raise ValueError("a bug")  # not storage at all: itself, unchanged
+    # pyarrow's copy (Ray's upload) puts the errno in its words only: read there too.
+    with pytest.raises(ckpt.CheckpointNotWritten, match=r"\[errno 5\] Input/output error"), \
+            ckpt.space_for(disk, step=4):
+        raise OSError("Error writing bytes to file. Detail: [errno 5] Input/output error")
 
 
 def _use_every_inode(disk: Path) -> None:

@@ -23,6 +23,7 @@ import json
 import os
 import pickle
 import random
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -307,16 +308,20 @@ def space_for(where: str | os.PathLike[str], *, step: int, parts: int = 1,
         raise
 
 
+_ERRNO_TEXT = re.compile(r"\[errno \d+\]", re.IGNORECASE)
+
+
 def _names_no_cause(exc: BaseException) -> bool:
     """Whether ``exc`` is a writer's failure that says nothing of its cause: torch's C++ writer (a
-    ``RuntimeError``) or an ``OSError`` without an errno, with no errno anywhere in its chain."""
+    ``RuntimeError``) or an ``OSError`` without an errno, with no errno anywhere in its chain, neither
+    as an attribute nor in its words (pyarrow writes ``[errno 5] Input/output error`` into the text)."""
     if not isinstance(exc, RuntimeError) and not (isinstance(exc, OSError) and exc.errno is None):
         return False
     seen: set[int] = set()
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
-        if isinstance(cause, OSError) and cause.errno is not None:
+        if (isinstance(cause, OSError) and cause.errno is not None) or _ERRNO_TEXT.search(str(cause)):
             return False
         cause = cause.__cause__ or cause.__context__
     return True
