@@ -6,6 +6,7 @@ taken for complete."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import io
 import json
 import os
@@ -28,19 +29,23 @@ from PIL import Image
 from helpers.checkpoints import complete_checkpoint
 from vitscale.cli import main
 from vitscale.data.storage.atomic import AppendOnly, atomic_path, write_atomic
-from vitscale.data.storage.space import free_bytes, is_no_space, size_text
+from vitscale.data.storage.base import StorageError
+from vitscale.data.storage.lease import LEASE_NAME, hold_run_lease
+from vitscale.data.storage.space import free_bytes, free_files, is_no_space, no_space_line, size_text
 from vitscale.train import checkpoint as ckpt
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
-    """A factory of tmpfs filesystems of a given size in bytes, unmounted at teardown."""
+def small_disk(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """A factory of tmpfs filesystems of a given size in bytes (and, with ``inodes``, that many files at
+    most), unmounted at teardown."""
     mounted: list[Path] = []
 
-    def make(size: int) -> Path:
+    def make(size: int, inodes: int | None = None) -> Path:
         where = tmp_path / f"disk{len(mounted)}"
         where.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], check=False,
+        options = f"size={size}" + (f",nr_inodes={inodes}" if inodes is not None else "")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], check=False,
                               capture_output=True, text=True)
         if done.returncode != 0:
             pytest.skip(f"cannot mount a small tmpfs here (needs root and mount permission): {done.stderr.strip()}")
@@ -187,9 +192,87 @@ def test_shards_index_out_into_a_full_disk_is_one_line(tmp_path: Path, small_dis
     # A few kilobytes of index say so, not "0.0 MB" (the one size format: space.size_text).
     assert re.search(r"they need about \d+\.\d kB, \d+(\.\d kB)?( bytes)? free", line), line
     assert not (disk / "idx" / "dataset.json").exists()
+    assert sorted(os.listdir(disk)) == ["filler"]  # nothing it created: not even the --out folder
     (disk / "filler").unlink()
     assert main(["shards", "index", str(tmp_path / "wds"), "--out", str(disk / "idx")]) == 0
 
+
+
+@pytest.mark.parametrize("error", [
+    OSError(errno.EIO, "Input/output error"), PermissionError(errno.EACCES, "Permission denied"),
+    OSError(errno.EFBIG, "File too large"),  # a file-size limit: freeing space would not help
+], ids=["EIO", "EACCES", "EFBIG"])
+def test_an_error_on_a_nearly_full_disk_keeps_its_own_cause(error: OSError, small_disk: Callable[..., Path]) -> None:
+    disk = small_disk(1_000_000)
+    _fill(disk, leave=500_000)  # under 1 MiB free: the test of a cause-less writer error, not of these
+    error.filename = str(disk / "ckpt" / "rank0.pt")
+    with pytest.raises(ckpt.CheckpointNotWritten) as err, ckpt.space_for(disk, step=4):
+        raise error
+    message = str(err.value)
+    assert f"the checkpoint of step 4 was not written to {disk}: " in message and error.strerror in message, message
+    assert "no space" not in message and "\n" not in message
+    with pytest.raises(ValueError, match="^a bug$"), ckpt.space_for(disk, step=4):
+        raise ValueError("a bug")  # not storage at all: itself, unchanged
+    # pyarrow's copy (Ray's upload) puts the errno in its words only: read there too.
+    with pytest.raises(ckpt.CheckpointNotWritten, match=r"\[errno 5\] Input/output error"), \
+            ckpt.space_for(disk, step=4):
+        raise OSError("Error writing bytes to file. Detail: [errno 5] Input/output error")
+
+
+def _use_every_inode(disk: Path) -> None:
+    (disk / "files").mkdir()
+    for i in range(10_000):
+        try:
+            (disk / "files" / str(i)).touch()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+            return
+    raise AssertionError("the filesystem never ran out of inodes")
+
+
+def test_a_disk_out_of_inodes_says_so_not_only_its_free_bytes(small_disk: Callable[..., Path]) -> None:
+    disk = small_disk(40_000_000, inodes=30)
+    run = disk / "run"
+    run.mkdir()
+    _use_every_inode(disk)
+    assert free_files(disk) == 0 and (free_bytes(disk) or 0) > 30_000_000  # bytes to spare, no file to put them in
+
+    # The disk's own ENOSPC mid-save (one inode left: the folder takes it, its first file finds none): the
+    # line says the inodes ran out, with the error's own words.
+    (disk / "files" / "0").unlink()
+    with pytest.raises(ckpt.DiskFull) as err, ckpt.space_for(run, step=4):
+        (run / "checkpoint_000000004").mkdir()
+        (run / "checkpoint_000000004" / "rank0.pt").write_bytes(b"weights")
+    message = str(err.value)
+    assert re.search(r"no free inodes \(files\) left, \d+\.\d MB free \(\[Errno 28\] No space left on device", message)
+    assert message.endswith("remove files there and run again: it resumes from the last complete checkpoint")
+    # With the size of the last part known, nothing is tried: the check sees no inode free.
+    ckpt._LAST_PART_BYTES["part"] = 254_900
+    with pytest.raises(ckpt.DiskFull, match=r"it needs about 254\.9 kB, no free inodes \(files\) left, "), \
+            ckpt.space_for(run, step=5):
+        raise AssertionError("not reached: the check comes first")
+    line = no_space_line(run, "No space left on device")
+    assert f"no space left on device of {run} (no free inodes (files) left, " in line.replace("the device", "device")
+    # The run's lease there: the same words.
+    with pytest.raises(StorageError) as lease_err:
+        hold_run_lease(str(disk / "other-run"))
+    assert "no free inodes (files) left" in str(lease_err.value) and "remove files there" in str(lease_err.value)
+    # Inodes freed: a checkpoint fits again.
+    shutil.rmtree(disk / "files")
+    with ckpt.space_for(run, step=5):
+        (run / "checkpoint_000000005").mkdir()
+
+
+def test_the_lease_on_a_full_disk_says_the_space_free_and_needed(small_disk: Callable[..., Path]) -> None:
+    disk = small_disk(64_000)
+    (disk / "run").mkdir()
+    _fill(disk)
+    with pytest.raises(StorageError) as err:
+        hold_run_lease(str(disk / "run"))
+    message = str(err.value)
+    assert re.fullmatch(rf"cannot write the run's lease {disk / 'run' / LEASE_NAME}: No space left on device "
+                        r"\(\d+ bytes free, it needs about \d+ bytes\); free space there and run again", message), message
+    assert not (disk / "run" / LEASE_NAME).exists() or (disk / "run" / LEASE_NAME).stat().st_size == 0
 
 
 # ------------------------------------------------------------------ files written whole or not at all

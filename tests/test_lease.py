@@ -281,3 +281,118 @@ def test_two_vitscale_runs_on_one_run_name_the_second_refuses_and_a_killed_first
     finally:
         assert kill_tree(first) == []
     hold_run_lease(str(tmp_path / "runs" / "shared")).release()  # the SIGKILLed driver's lock is gone
+
+
+# ------------------------------------------------------------------- a run inside another live run
+
+
+def test_a_run_inside_a_live_runs_folder_is_refused_naming_it_and_creates_nothing(tmp_path: Path) -> None:
+    outer = tmp_path / "runs" / "tiny"
+    proc = _holder(str(outer))
+    try:
+        for inner in (outer / "finetune", outer / "a" / "b"):
+            with pytest.raises(LeaseHeld) as err:
+                hold_run_lease(str(inner))
+            message = str(err.value)
+            assert "\n" not in message and message.startswith(f"run {inner} lies inside {outer}, which is being "
+                                                               f"written by pid {proc.pid} "), message
+            with pytest.raises(LeaseHeld, match="lies inside"):
+                hold_run_lease(str(inner), kind="dataset")  # a dataset written there too
+        assert sorted(os.listdir(outer)) == [LEASE_NAME]  # nothing created inside the live run
+        hold_run_lease(str(tmp_path / "runs" / "tiny-2")).release()  # beside it: fine
+    finally:
+        _kill(proc)
+    # The outer run ended (its lock went with its process; its lease file is left behind): a run inside
+    # a finished run's folder is allowed.
+    assert (outer / LEASE_NAME).exists()
+    hold_run_lease(str(outer / "finetune")).release()
+
+
+def test_a_part_of_a_run_inside_it_is_not_refused_by_that_runs_own_lease(tmp_path: Path) -> None:
+    """A study's cells run inside the study's run, whose driver holds its lease (scaling/study/runner.py)."""
+    study = tmp_path / "runs" / "study"
+    cell = study / "study" / "cells" / "c1"
+    with hold_run_lease(str(study)):
+        hold_run_lease(str(cell), part_of=str(study)).release()
+        with pytest.raises(LeaseHeld, match=f"lies inside {study},"):
+            hold_run_lease(str(cell))  # without saying so: refused like any other
+    # Another live writer between the study's run and the cell: still refused.
+    with hold_run_lease(str(study)), hold_run_lease(str(study / "study"), part_of=str(study)), \
+            pytest.raises(LeaseHeld, match=f"lies inside {study / 'study'}, .* pid {os.getpid()} "):
+        hold_run_lease(str(cell), part_of=str(study))
+
+
+def test_probing_a_lease_never_refuses_its_own_writer(tmp_path: Path) -> None:
+    """A nested writer's probe holds the outer lease's lock for an instant; the outer writer taking its
+    lease at that moment waits the instant out instead of being refused."""
+    import fcntl
+    import threading
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LEASE_NAME).write_text("")
+    fd = os.open(run / LEASE_NAME, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    threading.Timer(0.05, lambda: (fcntl.flock(fd, fcntl.LOCK_UN), os.close(fd))).start()
+    hold_run_lease(str(run)).release()
+
+
+def test_s3_a_run_inside_a_live_runs_prefix_is_refused_and_a_dead_ones_is_not(s3_run: str, moto_s3: str) -> None:
+    proc = _holder(s3_run, ttl_s=600.0, endpoint=moto_s3)
+    bucket = s3_run[len("s3://"):].partition("/")[0]
+    try:
+        with pytest.raises(LeaseHeld) as err:
+            hold_run_lease(f"{s3_run}/finetune", endpoint_url=moto_s3, retry=FAST)
+        assert str(err.value).startswith(f"run {s3_run}/finetune lies inside {s3_run}, which is being written by "
+                                         f"pid {proc.pid} "), err.value
+        keys = [o["Key"] for o in boto3.client("s3", endpoint_url=moto_s3).list_objects_v2(Bucket=bucket)["Contents"]]
+        assert keys == [f"runs/r1/{LEASE_NAME}"]  # no lease taken inside it
+    finally:
+        _kill(proc)
+    # Its holder died on this machine: its lease is no live run's, though not expired yet.
+    hold_run_lease(f"{s3_run}/finetune", endpoint_url=moto_s3, retry=FAST).release()
+
+
+def test_vitscale_run_inside_a_live_run_is_one_line_before_ray(tmp_path: Path, small_synthetic: str,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    import ray
+
+    pipeline = _pipeline(tmp_path, small_synthetic)
+    outer = tmp_path / "runs" / "tiny"
+    proc = _holder(str(outer))
+    try:
+        code = main(["run", str(pipeline), "--set", f"cluster.storage_path={outer}", "--set",
+                     "cluster.run_name=finetune"])
+    finally:
+        _kill(proc)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in out + err, err
+    assert lines[0].startswith(f"vitscale: error: run {outer / 'finetune'} lies inside {outer}, which is being "
+                               f"written by pid {proc.pid} "), lines[0]
+    assert not ray.is_initialized() and not (outer / "finetune").exists()
+
+
+def test_a_run_around_a_live_run_is_refused_naming_it_and_leaves_no_lease(tmp_path: Path, s3_run: str,
+                                                                         moto_s3: str) -> None:
+    inner = tmp_path / "runs" / "tiny" / "finetune"
+    proc = _holder(str(inner))
+    try:
+        with pytest.raises(LeaseHeld) as err:
+            hold_run_lease(str(tmp_path / "runs" / "tiny"))
+        assert str(err.value).startswith(f"run {tmp_path / 'runs' / 'tiny'} holds {inner}, which is being written "
+                                         f"by pid {proc.pid} "), err.value
+        assert not (tmp_path / "runs" / "tiny" / LEASE_NAME).exists()  # its own lease given back
+    finally:
+        _kill(proc)
+    hold_run_lease(str(tmp_path / "runs" / "tiny")).release()  # the inner run ended: fine
+
+    proc = _holder(f"{s3_run}/finetune", ttl_s=600.0, endpoint=moto_s3)
+    try:
+        with pytest.raises(LeaseHeld, match=f"^run {s3_run} holds {s3_run}/finetune, .* pid {proc.pid} "):
+            hold_run_lease(s3_run, endpoint_url=moto_s3, retry=FAST)
+        bucket, _, prefix = s3_run[len("s3://"):].partition("/")
+        keys = [o["Key"] for o in boto3.client("s3", endpoint_url=moto_s3).list_objects_v2(Bucket=bucket)["Contents"]]
+        assert keys == [f"{prefix}/finetune/{LEASE_NAME}"]  # its own lease given back
+    finally:
+        _kill(proc)

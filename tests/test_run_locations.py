@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import string
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vitscale.config import ConfigError
-from vitscale.config.location import canonical_location, run_cache_name
+from vitscale.config.location import bucket_problem, canonical_location, run_cache_name
 from vitscale.config.pipeline import ClusterConfig
 from vitscale.data.storage import open_storage
 from vitscale.data.storage.mirror import RunMirror
@@ -36,7 +37,21 @@ from vitscale.data.storage.run_cache import ROOT_ENV
 
 # -- one spelling of a storage location ----------------------------------------------------------
 
-BUCKETS = st.from_regex(r"[a-z0-9][a-z0-9-]{1,12}[a-z0-9]", fullmatch=True)
+RESERVED_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
+RESERVED_SUFFIXES = ("-s3alias", "--ol-s3", ".mrap", "--x-s3", "--table-s3")
+
+
+def aws_accepts(name: str) -> bool:
+    """AWS's general-purpose bucket naming rules, one rule a line, written from its documentation."""
+    return (3 <= len(name) <= 63
+            and all(c in string.ascii_lowercase + string.digits + ".-" for c in name)
+            and name[0].isalnum() and name[-1].isalnum()
+            and ".." not in name and ".-" not in name and "-." not in name
+            and not (name.count(".") == 3 and all(part.isdigit() for part in name.split(".")))
+            and not name.startswith(RESERVED_PREFIXES) and not name.endswith(RESERVED_SUFFIXES))
+
+
+BUCKETS = st.from_regex(r"[a-z0-9][a-z0-9-]{1,12}[a-z0-9]", fullmatch=True).filter(aws_accepts)
 SEGMENTS = st.lists(st.text(string.ascii_letters + string.digits + "-_ =+", min_size=1, max_size=6)
                     .filter(lambda s: s not in (".", "..")), max_size=4)
 
@@ -95,6 +110,74 @@ def test_a_location_with_no_one_spelling_is_refused_in_one_line(spelling: str, s
         build_pipeline({"name": "r", "cluster": {"storage_path": spelling}}, str(tmp_path / "p.yaml"))
     assert err.value.key == "cluster.storage_path" and says in err.value.message
     assert "\n" not in str(err.value) and str(tmp_path / "p.yaml") in str(err.value)
+
+
+NAME_PARTS = st.sampled_from(["a", "z", "0", "9", ".", "-", "..", ".-", "-.", "xn--", "sthree-", "amzn-s3-demo-",
+                               "-s3alias", "--ol-s3", ".mrap", "--x-s3", "--table-s3", "192", "168.0.1", "B", "_",
+                               "bucket", "x" * 30])
+
+
+@given(st.one_of(st.lists(NAME_PARTS, max_size=8).map("".join), st.text(max_size=70)))
+def test_a_bucket_name_is_accepted_exactly_when_aws_accepts_it(name: str) -> None:
+    assert (bucket_problem(name) is None) == aws_accepts(name), name
+
+
+@given(BUCKETS, st.sampled_from(RESERVED_PREFIXES), st.sampled_from(RESERVED_SUFFIXES))
+def test_reserved_bucket_prefixes_and_suffixes_are_refused(name: str, prefix: str, suffix: str) -> None:
+    assert bucket_problem(name) is None
+    assert "reserved by AWS" in (bucket_problem(prefix + name) or "")
+    assert "reserved by AWS" in (bucket_problem(name + suffix) or "")
+
+
+@pytest.mark.parametrize("spelling, says", [
+    ("s3:/bar/runs", "an S3 location is written s3://bucket/prefix"), ("s3:bar/runs", "s3://bucket/prefix"),
+    ("S3:/bar/runs", "s3://bucket/prefix"), ("file:runs", "a file URL names an absolute path"),
+    ("gs:bar/runs", "'gs:' reads as a URL scheme"), ("my+scheme.v1:x", "reads as a URL scheme"),
+    ("s3://192.168.0.1/runs", "IP address"), ("s3://xn--bar/runs", "'xn--' is reserved"),
+    ("s3://bar.-baz/r", "period beside a hyphen"), ("s3://bar-.baz/r", "period beside a hyphen"),
+    ("s3://sthree-bar/r", "reserved"), ("s3://amzn-s3-demo-bar/r", "reserved"), ("s3://bar-s3alias/r", "reserved"),
+    ("s3://bar--ol-s3/r", "reserved"), ("s3://bar.mrap/r", "reserved"), ("s3://bar--x-s3/r", "reserved"),
+    ("s3://bar--table-s3/r", "reserved"), ("s3://bar_baz/r", "lower-case letters"), ("s3://-bar/r", "beginning"),
+])
+def test_a_malformed_location_is_refused_naming_the_key_wherever_it_is_given(spelling: str, says: str,
+                                                                            tmp_path: Path) -> None:
+    from vitscale.stages import build_pipeline
+
+    for raw, key in (({"cluster": {"storage_path": spelling}}, "cluster.storage_path"),
+                     ({"data": {"url": spelling}}, "data.url"),
+                     ({"stages": ["finetune"], "finetune": {"checkpoint": spelling, "data": {"url": str(tmp_path)}}},
+                      "finetune.checkpoint")):
+        with pytest.raises(ConfigError) as err:
+            build_pipeline({"name": "r", **raw}, str(tmp_path / "p.yaml"))
+        assert err.value.key == key and says in err.value.message and spelling in err.value.message, str(err.value)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=f"^storage location: {re.escape(spelling)}.*{re.escape(says)}"):
+        open_storage(spelling)  # every dataset and shard destination is opened through the same spelling
+    assert not (Path.cwd() / spelling.partition(":")[0]).exists()
+
+
+def test_a_malformed_storage_path_from_the_command_line_is_one_line_and_writes_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vitscale.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(yaml.safe_dump({"name": "tiny", "stages": ["pretrain"]}))
+    for spelling in ("s3:/bar/runs", "s3:bar/runs"):
+        assert main(["run", str(pipeline), "--set", f"cluster.storage_path={spelling}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith("vitscale: error: cluster.storage_path: ") and spelling in err
+    assert main(["shards", "write", "--source", "synthetic", "--count", "4", "--out", "s3:/bar/ds"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--out: s3:/bar/ds is not a location" in err, err
+    assert os.listdir(tmp_path) == ["p.yaml"]  # no folder named s3: anywhere
+
+
+def test_a_file_url_in_its_short_form_is_the_local_path(tmp_path: Path) -> None:
+    """RFC 8089: `file:/path` is `file:///path`; both are the local path (docs/resume.md)."""
+    assert canonical_location(f"file:{tmp_path}/runs") == canonical_location(f"file://{tmp_path}/runs") \
+        == str(tmp_path / "runs")
+    assert ClusterConfig(storage_path=f"file:{tmp_path}/runs").run_storage("tiny") == str(tmp_path / "runs" / "tiny")
 
 
 def test_the_run_storage_is_canonical() -> None:

@@ -114,15 +114,15 @@ def test_throttling_that_passes_is_ridden_out(moto_s3: str, bucket: str) -> None
 
 def test_the_budget_is_one_checked_setting(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     monkeypatch.delenv("VITSCALE_S3_RETRY_S", raising=False)
-    assert retry_budget_s() == 60.0 and open_storage("s3://b/ds").retry.budget_s == 60.0  # type: ignore[attr-defined]
+    assert retry_budget_s() == 60.0 and open_storage("s3://bkt/ds").retry.budget_s == 60.0  # type: ignore[attr-defined]
     monkeypatch.setenv("VITSCALE_S3_RETRY_S", "7.5")
-    assert open_storage("s3://b/ds").retry.budget_s == 7.5  # type: ignore[attr-defined]
-    assert run_filesystem("s3://b/runs")[0].arguments[0] == sdk_attempts(7.5) == 4  # pyarrow: the same budget
+    assert open_storage("s3://bkt/ds").retry.budget_s == 7.5  # type: ignore[attr-defined]
+    assert run_filesystem("s3://bkt/runs")[0].arguments[0] == sdk_attempts(7.5) == 4  # pyarrow: the same budget
     for bad in ("soon", "-1", "inf"):
         monkeypatch.setenv("VITSCALE_S3_RETRY_S", bad)
         with pytest.raises(UserError, match=f"VITSCALE_S3_RETRY_S: must be a number of seconds >= 0.*got '{bad}'"):
-            open_storage("s3://b/ds")
-    line = _one_line(capsys, ["shards", "stats", "s3://b/ds"])
+            open_storage("s3://bkt/ds")
+    line = _one_line(capsys, ["shards", "stats", "s3://bkt/ds"])
     assert "VITSCALE_S3_RETRY_S" in line, line
     # The AWS SDK's backoff before retry r is up to 2**(r-1) s (20 s at most): worst cases within the budget.
     assert [sdk_attempts(b) for b in (0, 0.5, 1, 3, 60, 600)] == [1, 1, 2, 3, 7, 34]

@@ -78,8 +78,10 @@ def _shards_write_args(p: argparse.ArgumentParser) -> None:
 
 @writes
 def cmd_shards_write(args: argparse.Namespace) -> int:
+    from vitscale.config.location import canonical_location
     from vitscale.data.tools.write import parse_splits, write_dataset
 
+    args.out = canonical_location(args.out, "--out")  # a malformed destination is refused naming the flag
     options = {k: v for k, v in (("count", args.count), ("classes", args.classes),
                                  ("image_size", args.image_size)) if v is not None}
     if args.multi_label:
@@ -124,8 +126,11 @@ def _shards_index_args(p: argparse.ArgumentParser) -> None:
 
 @writes
 def cmd_shards_index(args: argparse.Namespace) -> int:
+    from vitscale.config.location import canonical_location
     from vitscale.data.tools.adopt import index_shards
 
+    if args.out is not None:
+        args.out = canonical_location(args.out, "--out")  # a malformed destination is refused naming the flag
     try:
         meta = index_shards(args.url, out=args.out, split=args.split, label_member=args.label_member,
                             classes_file=args.classes, endpoint_url=args.endpoint_url,

@@ -22,7 +22,7 @@ import yaml
 
 from vitscale.config.checks import ConfigError, one_of
 from vitscale.config.fields import is_path, overridden
-from vitscale.config.location import is_url
+from vitscale.config.location import canonical_location
 from vitscale.config.pipeline import PipelineConfig
 from vitscale.config.suggest import did_you_mean
 
@@ -115,34 +115,35 @@ def absolute_paths(config: PipelineConfig) -> PipelineConfig:
     """Local paths made absolute (fields marked `metadata={"path": True}`), on the driver.
 
     Ray workers run in a directory of their own, so a relative `data.url` must be resolved where
-    the user typed it. URLs (`s3://...`) and empty values are left alone.
+    the user typed it. Every location takes its one spelling (`canonical_location`: URLs too, and a
+    malformed one is refused); empty values are left alone.
     """
 
-    def absolute(url: str) -> str:
-        return url if is_url(url) or not url else str(Path(url).expanduser().resolve())
+    def absolute(url: str, key: str) -> str:
+        return canonical_location(url, key) if url else url
 
-    def fixed(value: Any) -> Any:
+    def fixed(value: Any, key: str) -> Any:
         if isinstance(value, str):
-            return absolute(value)
-        return tuple(absolute(v) for v in value) if isinstance(value, tuple) else value
+            return absolute(value, key)
+        return tuple(absolute(v, key) for v in value) if isinstance(value, tuple) else value
 
-    def fix_overrides(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    def fix_overrides(cls: type, values: dict[str, Any], key: str) -> dict[str, Any]:
         paths = {f.name for f in dataclasses.fields(cls) if is_path(f.metadata)}
-        return {k: fixed(v) if k in paths else v for k, v in values.items()}
+        return {k: fixed(v, f"{key}.{k}") if k in paths else v for k, v in values.items()}
 
-    def fix(section: Any) -> Any:
+    def fix(section: Any, name: str) -> Any:
         changes: dict[str, Any] = {}
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)
             target = overridden(f.metadata)
             if is_path(f.metadata):
-                changes[f.name] = fixed(value)
+                changes[f.name] = fixed(value, f"{name}.{f.name}")
             elif target is not None and isinstance(value, dict):
-                changes[f.name] = fix_overrides(target, value)
+                changes[f.name] = fix_overrides(target, value, f"{name}.{f.name}")
         return replace(section, **changes) if changes else section
 
-    sections = {name: fix(s) if dataclasses.is_dataclass(s) else s for name, s in config.sections.items()}
-    return replace(config, cluster=fix(config.cluster), sections=sections)
+    sections = {name: fix(s, name) if dataclasses.is_dataclass(s) else s for name, s in config.sections.items()}
+    return replace(config, cluster=fix(config.cluster, "cluster"), sections=sections)
 
 
 def apply_override(raw: dict[str, Any], item: str) -> dict[str, Any]:

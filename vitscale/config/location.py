@@ -24,7 +24,18 @@ STORAGE_KEY = "cluster.storage_path"
 """The key named when a run's storage location is refused."""
 
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-"""S3's bucket naming rules (lower case: S3 itself refuses upper-case names for new buckets)."""
+"""S3's bucket name characters: 3-63 lower-case letters, digits, '.' and '-', a letter or digit at each end
+(lower case: S3 itself refuses upper-case names for new buckets). `bucket_problem` adds the other rules."""
+
+_IP_ADDRESS = re.compile(r"\d+\.\d+\.\d+\.\d+")
+_RESERVED_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
+_RESERVED_SUFFIXES = ("-s3alias", "--ol-s3", ".mrap", "--x-s3", "--table-s3")
+"""Names AWS reserves for access-point aliases, directory buckets, Multi-Region access points, table
+buckets and its own examples (docs.aws.amazon.com/AmazonS3/latest/userguide/bucketnamingrules.html)."""
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+"""What a URL's scheme looks like (RFC 3986): a location whose first segment starts so is a URL
+(`s3:/bar`, `s3:bar`, `file:/x`), never a relative local folder named `s3:`."""
 
 _AMBIGUOUS = {"%": "a %-encoding", "?": "a query (?)", "#": "a fragment (#)", "\\": "a backslash"}
 """Characters one tool reads literally and another decodes or splits on (pyarrow's URI parser decodes
@@ -36,6 +47,21 @@ def is_url(location: str) -> bool:
     return "://" in location
 
 
+def bucket_problem(bucket: str) -> str | None:
+    """Why S3 refuses ``bucket`` as a bucket name (AWS's general-purpose naming rules), or None."""
+    if not _BUCKET.fullmatch(bucket):
+        return "3-63 lower-case letters, digits, '.' and '-', beginning and ending with a letter or digit"
+    if ".." in bucket or ".-" in bucket or "-." in bucket:
+        return "no two adjacent periods, and no period beside a hyphen"
+    if _IP_ADDRESS.fullmatch(bucket):
+        return "not formatted as an IP address"
+    reserved = [p for p in _RESERVED_PREFIXES if bucket.startswith(p)] + \
+        [s for s in _RESERVED_SUFFIXES if bucket.endswith(s)]
+    if reserved:
+        return f"{reserved[0]!r} is reserved by AWS"
+    return None
+
+
 def canonical_location(location: str, key: str = STORAGE_KEY) -> str:
     """The one spelling of a storage location; `ConfigError(key, ...)` in one line for one that has none.
 
@@ -43,8 +69,11 @@ def canonical_location(location: str, key: str = STORAGE_KEY) -> str:
       `..` applied (refused if it climbs out of the bucket);
     - `file:///path` and local paths: `~` expanded and the path made absolute with symlinks and `..`
       resolved (`file://` dropped: a local path is what the lease, the mirror and Ray all take);
-    - refused: other schemes, a bucket that breaks S3's naming rules, `%`, `?`, `#`, `\\`, control
-      characters (see `_AMBIGUOUS`), `file://HOST/...`.
+    - `file:/path` (RFC 8089's short form of `file:///path`): the same local path;
+    - refused: other schemes, a bucket that breaks S3's naming rules (`bucket_problem`), `%`, `?`, `#`,
+      `\\`, control characters (see `_AMBIGUOUS`), `file://HOST/...`, and anything else whose first
+      segment looks like a scheme (`s3:/bar`, `s3:bar`, `file:x`): a URL spelled wrong, never taken for
+      a relative folder named `s3:`.
 
     Idempotent: a canonical location is its own canonical form.
     """
@@ -53,7 +82,9 @@ def canonical_location(location: str, key: str = STORAGE_KEY) -> str:
     if any(ord(c) < 32 or ord(c) == 127 for c in location):
         raise ConfigError(key, f"{location!r} contains a control character")
     if not is_url(location):
-        return _canonical_path(location)
+        if _SCHEME.match(location) is None:
+            return _canonical_path(location)
+        return _short_url(location, key)
     scheme, _, rest = location.partition("://")
     scheme = scheme.lower()
     _refuse_ambiguous(location, key)
@@ -64,6 +95,24 @@ def canonical_location(location: str, key: str = STORAGE_KEY) -> str:
     if scheme != "s3":
         raise ConfigError(key, f"{location}: use a local path, file:// or s3://")
     return _canonical_s3(rest, location, key)
+
+
+def _short_url(location: str, key: str) -> str:
+    """A location that starts with a scheme but has no `//`: RFC 8089's `file:/path`, or refused."""
+    scheme, _, rest = location.partition(":")
+    _refuse_ambiguous(location, key)
+    if scheme.lower() == "file" and rest.startswith("/"):
+        return _canonical_path(rest)
+    if scheme.lower() == "s3":
+        return _malformed(location, key, "an S3 location is written s3://bucket/prefix")
+    if scheme.lower() == "file":
+        return _malformed(location, key, "a file URL names an absolute path (file:///path or file:/path)")
+    return _malformed(location, key, f"{scheme + ':'!r} reads as a URL scheme; use a local path "
+                      "(./" + location + " for a folder of that name), file:// or s3://")
+
+
+def _malformed(location: str, key: str, why: str) -> str:
+    raise ConfigError(key, f"{location} is not a location vitscale reads: {why}")
 
 
 def _refuse_ambiguous(location: str, key: str) -> None:
@@ -79,9 +128,9 @@ def _canonical_path(path: str) -> str:
 
 def _canonical_s3(rest: str, location: str, key: str) -> str:
     bucket, _, prefix = rest.partition("/")
-    if not _BUCKET.fullmatch(bucket) or ".." in bucket:
-        raise ConfigError(key, f"{location}: {bucket!r} is not an S3 bucket name (3-63 lower-case letters, "
-                          "digits, '.' and '-')")
+    problem = bucket_problem(bucket)
+    if problem is not None:
+        raise ConfigError(key, f"{location}: {bucket!r} is not an S3 bucket name ({problem})")
     parts: list[str] = []
     for part in prefix.split("/"):
         if part in ("", "."):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from vitscale.config.checks import ConfigError, check, fraction, non_negative, plain_name, positive, seed
 from vitscale.config.fields import PATH, RESUME_FREE
+from vitscale.config.location import canonical_location
 from vitscale.data.order import DEFAULT_SHUFFLE_BUFFER
 from vitscale.data.tools.sources import source_kind_of
 
@@ -106,6 +107,7 @@ class DataConfig:
         """Check every value; errors name `section.key` (`finetune.data.url` in a fine-tuning job)."""
         s = section
         check(bool(self.url), f"{s}.url", "must name a folder or s3:// prefix")
+        canonical_location(self.url, f"{s}.url")  # a malformed location (`s3:/bar`, a bad bucket) is refused here
         non_negative(self.num_workers, f"{s}.num_workers")
         positive(self.shuffle_buffer, f"{s}.shuffle_buffer")
         seed(self.seed, f"{s}.seed")

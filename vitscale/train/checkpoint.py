@@ -23,6 +23,7 @@ import json
 import os
 import pickle
 import random
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,7 +36,15 @@ from vitscale.config.location import is_url
 from vitscale.data.storage.atomic import PART_SUFFIX, atomic_path, write_atomic
 from vitscale.data.storage.mirror import RunFileNotStored
 from vitscale.data.storage.retry import final_reason
-from vitscale.data.storage.space import free_bytes, is_no_space, no_space_line, size_text
+from vitscale.data.storage.space import (
+    free_bytes,
+    free_text,
+    is_no_space,
+    no_space_line,
+    out_of_files,
+    resumes,
+    size_text,
+)
 
 DEEPSPEED_DIR = "deepspeed"
 DEEPSPEED_TAG = "state"
@@ -285,7 +294,7 @@ def space_for(where: str | os.PathLike[str], *, step: int, parts: int = 1,
     part = tree_bytes(copying) if copying is not None else _LAST_PART_BYTES.get("part")
     needed = None if part is None else part * parts
     free = free_bytes(where)
-    if needed is not None and free is not None and free < needed:
+    if (needed is not None and free is not None and free < needed) or out_of_files(where):
         raise _disk_full(where, step, needed, free, parts)
     try:
         yield
@@ -293,11 +302,13 @@ def space_for(where: str | os.PathLike[str], *, step: int, parts: int = 1,
         # The run's own files pushed before the checkpoint (launch/ray_train.py, `_report`) fail as what they are.
         if isinstance(exc, (DiskFull, CheckpointNotWritten, RunFileNotStored)):
             raise
-        # torch.save reports a full disk as "file write failed" with no errno: a disk left with
-        # (almost) nothing free after a failed write was full too.
         free = free_bytes(where)
-        if is_no_space(exc) or (free is not None and free < max(needed or 0, 1 << 20)):
-            raise _disk_full(where, step, needed, free, parts) from exc
+        # Only a full disk (ENOSPC, EDQUOT: of bytes or of files) is DiskFull; an error with a cause of its
+        # own (EIO, a permission, EFBIG) keeps it. torch.save reports a full disk with no errno at all
+        # ("unexpected pos", "file write failed"): such a writer's error on a disk left with (almost)
+        # nothing free was the full disk.
+        if is_no_space(exc) or (_names_no_cause(exc) and free is not None and free < max(needed or 0, 1 << 20)):
+            raise _disk_full(where, step, needed, free, parts, exc) from exc
         if isinstance(exc, OSError):  # storage that failed for good (object storage after its retries)
             text = " ".join(str(exc).split())[:400] or type(exc).__name__
             why = final_reason(exc)
@@ -308,6 +319,25 @@ def space_for(where: str | os.PathLike[str], *, step: int, parts: int = 1,
         raise
 
 
+_ERRNO_TEXT = re.compile(r"\[errno \d+\]", re.IGNORECASE)
+
+
+def _names_no_cause(exc: BaseException) -> bool:
+    """Whether ``exc`` is a writer's failure that says nothing of its cause: torch's C++ writer (a
+    ``RuntimeError``) or an ``OSError`` without an errno, with no errno anywhere in its chain, neither
+    as an attribute nor in its words (pyarrow writes ``[errno 5] Input/output error`` into the text)."""
+    if not isinstance(exc, RuntimeError) and not (isinstance(exc, OSError) and exc.errno is None):
+        return False
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if (isinstance(cause, OSError) and cause.errno is not None) or _ERRNO_TEXT.search(str(cause)):
+            return False
+        cause = cause.__cause__ or cause.__context__
+    return True
+
+
 def record_part(directory: Path) -> int:
     """Remember this rank's part of the checkpoint just saved in ``directory`` (the next need); its bytes."""
     _LAST_PART_BYTES["part"] = size = tree_bytes(directory)
@@ -315,12 +345,12 @@ def record_part(directory: Path) -> int:
 
 
 def _disk_full(where: str | os.PathLike[str], step: int, needed: int | None, free: int | None,
-               parts: int) -> DiskFull:
+               parts: int, exc: BaseException | None = None) -> DiskFull:
     need = (f"it needs about {size_text(needed)}" + (f" ({parts} ranks' parts)" if parts > 1 else "")
             if needed is not None else "the first checkpoint's size is not known yet")
-    has = f"{size_text(free)} free" if free is not None else "free space unknown"
-    error = DiskFull(f"no space for the checkpoint of step {step} in {os.fspath(where)}: {need}, {has}; "
-                     "free space there and run again: it resumes from the last complete checkpoint")
+    said = " ".join(str(exc).split())[:300] if exc is not None else ""
+    error = DiskFull(f"no space for the checkpoint of step {step} in {os.fspath(where)}: {need}, "
+                     f"{free_text(where, free)}" + (f" ({said})" if said else "") + f"; {resumes(where)}")
     error.errno = errno.ENOSPC
     return error
 

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 from vitscale.config.checks import ConfigError, check, one_of, plain_name, positive, seed
 from vitscale.config.fields import PATH, RESUME_FREE, overrides
+from vitscale.config.location import canonical_location
 from vitscale.data.config import DataConfig
 from vitscale.models.config import ModelConfig
 from vitscale.train.config import TrainConfig
@@ -118,6 +119,8 @@ class FinetuneConfig:
     """Images per forward pass during evaluation."""
 
     def validate(self) -> None:
+        if self.checkpoint:
+            canonical_location(self.checkpoint, "finetune.checkpoint")  # a malformed location is refused here
         if self.preset is not None:
             one_of(self.preset, tuple(PRESETS), "finetune.preset")
         if self.dev_fraction is not None:

@@ -16,7 +16,7 @@ one retry layer for object stores). This module only picks the back end for a ur
 from __future__ import annotations
 
 from vitscale.config.errors import UserError
-from vitscale.config.location import is_url
+from vitscale.config.location import canonical_location
 from vitscale.data.storage.base import Storage, StorageError
 from vitscale.data.storage.local import LocalStorage
 from vitscale.data.storage.retry import RetryPolicy
@@ -35,19 +35,19 @@ __all__ = [
 
 
 def open_storage(
-    url: str, *, endpoint_url: str | None = None, retry: RetryPolicy | None = None
+    url: str, *, endpoint_url: str | None = None, retry: RetryPolicy | None = None, key: str = "storage location"
 ) -> Storage:
     """Open ``url``: ``s3://bucket/prefix`` (S3 via boto3) or a local folder (``file://`` optional).
 
+    ``url`` goes through the one spelling of a location (`config.location.canonical_location`): one it
+    refuses (`s3:/bar`, a bucket name S3 refuses, another scheme) is a ``ConfigError`` naming ``key``.
     ``endpoint_url`` points S3 at another S3-protocol server (MinIO, moto, Ceph); without it the
     environment variables ``VITSCALE_S3_ENDPOINT_URL`` then ``AWS_ENDPOINT_URL`` are consulted.
     """
     if not isinstance(url, str) or not url:
         raise UserError(f"a dataset url must be a non-empty string, got {url!r}")
+    url = canonical_location(url, key)
     if url.startswith("s3://"):
-        rest = url[len("s3://") :]
-        bucket, _, prefix = rest.partition("/")
+        bucket, _, prefix = url[len("s3://") :].partition("/")
         return S3Storage(bucket, prefix, endpoint_url=endpoint_url, retry=retry)
-    if is_url(url) and not url.startswith("file://"):
-        raise UserError(f"unsupported dataset url {url!r}: use a local path, file:// or s3://")
-    return LocalStorage(url.removeprefix("file://"))
+    return LocalStorage(url)

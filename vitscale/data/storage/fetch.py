@@ -16,7 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
-from vitscale.config.location import canonical_endpoint, is_url
+from vitscale.config.location import canonical_endpoint, canonical_location, is_url
 from vitscale.data.storage import open_storage, resolve_endpoint_url
 from vitscale.data.storage.base import Storage
 from vitscale.data.storage.cleanup import after_error, remove_file
@@ -49,11 +49,12 @@ def local_copy(location: str | Path) -> Path:
     """A local path holding what `location` holds: the path itself when it is local; for a URL, a copy
     in the cache of the object (a file) or of everything under the prefix (a folder).
 
-    FileNotFoundError when the URL names nothing.
+    FileNotFoundError when the URL names nothing; a misspelt one (`s3:/bar/w.npz`) is refused
+    (`canonical_location`), never read as a local path.
     """
-    location = str(location)
-    if not is_url(location) or location.startswith("file://"):
-        return Path(location.removeprefix("file://")).expanduser()
+    location = canonical_location(str(location), "location")
+    if not is_url(location):
+        return Path(location)
     storage, name = _split(location)
     target = _cached_path(location)
     if storage.exists(name):  # one object: a weights file
@@ -70,8 +71,8 @@ def local_copy(location: str | Path) -> Path:
 
 def is_folder(location: str | Path) -> bool:
     """Whether `location` (a path or URL) is a folder (a run, a checkpoint) rather than one file."""
-    location = str(location)
-    if not is_url(location) or location.startswith("file://"):
+    location = canonical_location(str(location), "location")
+    if not is_url(location):
         return local_copy(location).is_dir()
     storage, name = _split(location)
     return not storage.exists(name) and bool(storage.list_sizes(name + "/"))

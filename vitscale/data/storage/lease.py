@@ -23,6 +23,13 @@ therefore holds the run's lease first; a second writer is refused with one line 
   clones share) and the holder's process start time, so a pid reused by another process since is
   not mistaken for the holder (``Holder.dead_here``).
 
+No writer inside another live one's folder, nor around one: once its lease is held, a writer looks for
+a live lease in the folders above it (up to the filesystem root or the bucket; a local lease is live
+while its lock is held, probed with a shared lock for an instant; an S3 one while renewed within its
+ttl) and in those below it, and is refused in one line naming that run and its holder (its own lease
+given back, the folders it made removed). A study's cell, inside the study's run whose driver holds
+that lease, says so (``part_of``): folders from the study's run upwards are not looked at.
+
 A writer whose heartbeat finds the lease taken over (or cannot renew it for ``ttl_s``) has lost
 it: ``on_lost`` is called (the CLI's default interrupts the driver) so that it stops writing.
 Servers that ignore ``If-None-Match`` (old S3 look-alikes) are caught by reading the lease back
@@ -35,6 +42,7 @@ import _thread
 import contextlib
 import email.utils
 import os
+import posixpath
 import sys
 import threading
 import time
@@ -42,12 +50,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
-from vitscale.config.location import is_url
+from vitscale.config.location import canonical_location
 from vitscale.data.storage.base import StorageError
+from vitscale.data.storage.cleanup import missing_folders, remove_new_folders
 from vitscale.data.storage.holder import DEFAULT_TTL_S, Holder
 from vitscale.data.storage.retry import RetryPolicy
 from vitscale.data.storage.s3 import S3Storage
-from vitscale.data.storage.space import is_no_space
+from vitscale.data.storage.space import free_bytes, free_text, is_no_space, out_of_files, size_text
 from vitscale.say import line
 
 __all__ = ["DEFAULT_TTL_S", "LEASE_NAME", "Holder", "LeaseHeld", "RunLease", "hold_run_lease"]
@@ -72,9 +81,17 @@ def _refusal(url: str, holder: Holder | None, detail: str, kind: str = "run") ->
     return LeaseHeld(f"{kind} {url} is being written by {who} ({detail}); {_ADVICE[kind]}")
 
 
-def _unwritable(path: Path, exc: OSError) -> StorageError:
-    return StorageError(f"cannot write the run's lease {path}: {exc.strerror or exc}"
-                        + ("; free space there and run again" if is_no_space(exc) else ""))
+def _unwritable(path: Path, exc: OSError, holder: Holder) -> StorageError:
+    """One line for a lease that cannot be written; on a full disk, in the words of every full-disk line
+    (`space.py`): the space free there and the space the lease needs (its holder's record, a folder's
+    entry and the file's inode: under a kilobyte)."""
+    if not is_no_space(exc):
+        return StorageError(f"cannot write the run's lease {path}: {exc.strerror or exc}")
+    needed = len(holder.encode())
+    advice = "remove files there" if out_of_files(path) else "free space there"
+    return StorageError(f"cannot write the run's lease {path}: {exc.strerror or exc} "
+                        f"({free_text(path, free_bytes(path))}, it needs about {size_text(needed)}); "
+                        f"{advice} and run again")
 
 
 class RunLease:
@@ -106,7 +123,7 @@ class _LocalLease(RunLease):
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise _unwritable(self.path, exc) from exc
+            raise _unwritable(self.path, exc, self.holder) from exc
         for _ in range(100):
             fd = self._lock(kind)
             try:
@@ -123,7 +140,7 @@ class _LocalLease(RunLease):
             os.pwrite(fd, holder.encode(), 0)
         except OSError as exc:  # a full disk: the run could not write anything either
             os.close(fd)  # closing drops the lock
-            raise _unwritable(self.path, exc) from exc
+            raise _unwritable(self.path, exc, self.holder) from exc
         self._fd: int | None = fd
 
     def _lock(self, kind: str) -> int:
@@ -132,9 +149,9 @@ class _LocalLease(RunLease):
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as exc:
-            raise _unwritable(self.path, exc) from exc
+            raise _unwritable(self.path, exc, self.holder) from exc
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock_soon(fd, fcntl.LOCK_EX)
         except BlockingIOError:
             current = Holder.decode(os.pread(fd, 4096, 0))
             os.close(fd)
@@ -158,6 +175,49 @@ class _LocalLease(RunLease):
                 os.ftruncate(fd, 0)  # cannot remove it: at least name no holder
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def _flock_soon(fd: int, how: int) -> None:
+    """``flock(fd, how)`` without waiting on a holder: ``BlockingIOError`` when the lock stays taken for
+    a few tries over ~0.2 s (a writer inside this folder probing whether it is live holds the lock for
+    an instant: `_live_local`; a live run holds it for good)."""
+    import fcntl
+
+    for attempt in range(20):
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if attempt == 19:
+                raise
+            time.sleep(0.01)
+
+
+def _live_local(folder: Path) -> str | None:
+    """Who holds the lease of ``folder`` while alive (a description), or None when no live writer does.
+
+    A lease file whose lock nobody holds is a finished or crashed writer's (the kernel drops the lock with
+    its process); probing takes a shared lock for an instant, never creates the file.
+    """
+    import fcntl
+
+    try:
+        fd = os.open(folder / LEASE_NAME, os.O_RDONLY)
+    except OSError:  # no lease there (or one this user may not read: then no writer of this user's)
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _who(Holder.decode(os.pread(fd, 4096, 0)))
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _who(holder: Holder | None) -> str:
+    return holder.describe() if holder is not None else "an unknown writer"
 
 
 class _S3Lease(RunLease):
@@ -195,16 +255,7 @@ class _S3Lease(RunLease):
 
     def _read(self) -> tuple[Holder | None, str, float] | None:
         """(holder, etag, seconds since it was last renewed, by the server's clock), or None if gone."""
-        try:
-            resp = self.storage._retrying("lease", LEASE_NAME, lambda: self.storage.client.get_object(
-                Bucket=self.storage.bucket, Key=self.key))
-        except FileNotFoundError:
-            return None
-        body = resp["Body"].read(1 << 16)
-        resp["Body"].close()
-        date = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-        now = email.utils.parsedate_to_datetime(date).timestamp() if date else time.time()
-        return Holder.decode(body), str(resp["ETag"]), max(0.0, now - resp["LastModified"].timestamp())
+        return _read_s3(self.storage, LEASE_NAME)
 
     def _acquire(self, force: bool) -> str:
         for _ in range(5):  # each pass loses only to a writer that changed the lease meanwhile
@@ -279,6 +330,99 @@ class _S3Lease(RunLease):
             self.log(line(f"could not remove {self.where} ({exc}); it expires in {self.holder.ttl_s:.0f} s"))
 
 
+def _read_s3(storage: S3Storage, name: str) -> tuple[Holder | None, str, float] | None:
+    """The lease object ``name`` of ``storage``: (holder, etag, seconds since it was last renewed, by the
+    server's clock), or None if there is none."""
+    try:
+        resp = storage._retrying("lease", name, lambda: storage.client.get_object(
+            Bucket=storage.bucket, Key=storage.key_of(name)))
+    except FileNotFoundError:
+        return None
+    body = resp["Body"].read(1 << 16)
+    resp["Body"].close()
+    date = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    now = email.utils.parsedate_to_datetime(date).timestamp() if date else time.time()
+    return Holder.decode(body), str(resp["ETag"]), max(0.0, now - resp["LastModified"].timestamp())
+
+
+def _live_s3(storage: S3Storage, name: str) -> str | None:
+    """Who holds the lease object ``name`` while alive (a description), or None when no live writer does:
+    live as `_S3Lease` takes it, renewed within its ttl and not a holder that died on this machine."""
+    current = _read_s3(storage, name)
+    if current is None:
+        return None
+    holder, _, age = current
+    ttl = holder.ttl_s if holder is not None else DEFAULT_TTL_S
+    return _who(holder) if age <= ttl and not (holder is not None and holder.dead_here()) else None
+
+
+_NESTED_ADVICE = {
+    "run": "a run's files would mix with the other run's; choose a cluster.storage_path outside it, or wait "
+           "for that run to finish",
+    "dataset": "write to an --out outside it, or wait for that writer to finish",
+}
+"""What a writer refused for being inside another live writer's folder can do."""
+
+
+def _ancestors(url: str, part_of: str | None) -> list[str]:
+    """The folders (or prefixes) above the canonical ``url``, nearest first, up to the filesystem root or
+    the bucket; with ``part_of`` (the run this writer is a part of, which holds its own lease and looked
+    above itself when it took it), only those below ``part_of``."""
+    if url.startswith("s3://"):
+        bucket, *parts = url[len("s3://"):].split("/")
+        above = ["/".join([f"s3://{bucket}", *parts[:i]]) for i in range(len(parts) - 1, -1, -1)]
+    else:
+        above = [str(p) for p in Path(url).parents]
+    if part_of is not None:
+        outer = [i for i, a in enumerate(above) if part_of == a or part_of.startswith(a.rstrip("/") + "/")]
+        above = above[:outer[0]] if outer else above
+    return above
+
+
+def _refuse_inside_live(url: str, kind: str, part_of: str | None, endpoint_url: str | None,
+                        retry: RetryPolicy | None) -> None:
+    """Refuse a writer of ``url`` inside the folder of another live run (or dataset write), in one line
+    naming it: the outer run's rotation, mirror and resume would take the inner one's files for its own."""
+    ancestors = _ancestors(url, part_of)
+    if url.startswith("s3://") and ancestors:
+        bucket = url[len("s3://"):].partition("/")[0]
+        root = S3Storage(bucket, endpoint_url=endpoint_url, retry=retry)
+        lease_of: Callable[[str], str | None] = lambda outer: _live_s3(  # noqa: E731
+            root, posixpath.join(outer[len(f"s3://{bucket}"):].strip("/"), LEASE_NAME))
+    else:
+        lease_of = lambda outer: _live_local(Path(outer))  # noqa: E731
+    for outer in ancestors:
+        who = lease_of(outer)
+        if who is not None:
+            raise LeaseHeld(f"{kind} {url} lies inside {outer}, which is being written by {who} (its lease "
+                            f"{posixpath.join(outer, LEASE_NAME)} is live); {_NESTED_ADVICE[kind]}")
+
+
+def _refuse_around_live(lease: RunLease, kind: str) -> None:
+    """Refuse a writer whose folder already holds another live writer's folder, in one
+    line naming it: this run's rotation and resume would take the inner one's files for its own. Its own
+    lease is held by then, so of two writers starting at once, one inside the other, one sees the other."""
+    if isinstance(lease, _S3Lease):
+        storage = lease.storage
+        inner = [(storage.url_of(n)[: -len(LEASE_NAME) - 1], _live_s3(storage, n)) for n in storage.list()
+                 if n.endswith("/" + LEASE_NAME)]
+    else:
+        folder = Path(lease.url)
+        inner = [(root, _live_local(Path(root))) for root, _, files in os.walk(folder)
+                 if LEASE_NAME in files and Path(root) != folder]
+    for where, who in inner:
+        if who is not None:
+            raise LeaseHeld(f"{kind} {lease.url} holds {where}, which is being written by {who} (its lease "
+                            f"{posixpath.join(where, LEASE_NAME)} is live); {_AROUND_ADVICE[kind]}")
+
+
+_AROUND_ADVICE = {
+    "run": "choose another cluster.run_name or cluster.storage_path, or wait for that run to finish",
+    "dataset": "write to another --out, or wait for that writer to finish",
+}
+"""What a writer refused for holding another live writer's folder can do."""
+
+
 def _interrupt(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
     _thread.interrupt_main()
@@ -287,23 +431,40 @@ def _interrupt(message: str) -> None:
 def hold_run_lease(run_url: str, *, force: bool = False, endpoint_url: str | None = None,
                    ttl_s: float = DEFAULT_TTL_S, on_lost: Callable[[str], None] = _interrupt,
                    log: Callable[[str], None] = print, retry: RetryPolicy | None = None,
-                   kind: str = "run") -> RunLease:
+                   kind: str = "run", part_of: str | None = None) -> RunLease:
     """Take the lease of the run at ``run_url`` (a folder, or ``s3://bucket/prefix/run_name``).
 
     Raises :class:`LeaseHeld` naming the holder when another writer has it (see the module doc for
-    expiry and ``force``). Use as ``with hold_run_lease(url): ...`` or call ``release()``. ``kind``
-    ("run" or "dataset") is what the messages call the thing written.
+    expiry and ``force``), or when a folder above ``run_url`` is a live writer's (a run inside another
+    live run; ``force`` does not apply to it), or when one inside it is (a run around a live one). Both
+    are looked for once its own lease is held; when refused, that lease is given back and the folders
+    taking it created are removed: nothing is left. ``part_of``:
+    the run this one is a part of (a study's cell inside the study's run), whose lease its own driver
+    holds: folders from it upwards are not looked at. Use as ``with hold_run_lease(url): ...`` or call
+    ``release()``. ``kind`` ("run" or "dataset") is what the messages call the thing written.
     """
     if kind not in _ADVICE:
         raise ValueError(f"kind must be one of {sorted(_ADVICE)}, got {kind!r}")
     if ttl_s <= 0:
         raise ValueError(f"a lease's ttl_s must be positive, got {ttl_s}")
     holder = Holder.me(ttl_s)
+    run_url = canonical_location(run_url, "run storage")
+    if part_of is not None:
+        part_of = canonical_location(part_of, "run storage")
+    created = [] if run_url.startswith("s3://") else missing_folders(run_url)
     if run_url.startswith("s3://"):
         bucket, _, prefix = run_url[len("s3://"):].partition("/")
         storage = S3Storage(bucket, prefix, endpoint_url=endpoint_url, retry=retry)
-        return _S3Lease(storage, holder, force, on_lost, log, kind)
-    if is_url(run_url) and not run_url.startswith("file://"):
-        raise ValueError(f"run storage {run_url!r}: use a local path, file:// or s3://")
-    folder = Path(run_url.removeprefix("file://")).expanduser()
-    return _LocalLease(folder, holder, kind)
+        lease: RunLease = _S3Lease(storage, holder, force, on_lost, log, kind)
+    else:
+        lease = _LocalLease(Path(run_url), holder, kind)
+    # Both looks come once this lease is held: of two writers starting at once, one inside the other, the
+    # one that looks last sees the other's lease.
+    try:
+        _refuse_inside_live(run_url, kind, part_of, endpoint_url, retry)
+        _refuse_around_live(lease, kind)
+    except BaseException:
+        lease.release()
+        remove_new_folders(created)  # nothing left inside the live run: not even the folder the lease made
+        raise
+    return lease

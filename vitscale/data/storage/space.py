@@ -14,11 +14,16 @@ from pathlib import Path
 
 from vitscale.config.location import is_url
 
-__all__ = ["NO_SPACE_ERRNOS", "RESUMES", "free_bytes", "is_no_space", "no_space_line", "size_text"]
+__all__ = ["NO_SPACE_ERRNOS", "RESUMES", "free_bytes", "free_files", "free_text", "is_no_space", "no_space_line",
+           "out_of_files", "resumes", "size_text"]
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+"""A full disk or an exceeded quota (of bytes or of files). Not ``EFBIG``: a file over the filesystem's or
+the process's largest file size is not helped by freeing space, so it keeps its own words."""
 RESUMES = "free space there and run again: it resumes from the last complete checkpoint"
-"""How every full-disk line of a run ends: what to do, and what the run does then."""
+"""How every full-disk line of a run ends: what to do, and what the run does then (`resumes`)."""
+NO_FILES = "no free inodes (files) left"
+"""What a filesystem whose inodes ran out is short of: bytes may be free, but no file can be created."""
 _NO_SPACE_TEXT = ("no space left on device", "disk quota exceeded", "[errno 28]", "[errno 122]")
 
 
@@ -39,18 +44,52 @@ def is_no_space(exc: BaseException | None) -> bool:
     return False
 
 
-def free_bytes(path: str | os.PathLike[str]) -> int | None:
-    """Free bytes on the filesystem holding ``path`` (its nearest existing parent); None for a URL."""
+def _existing(path: str | os.PathLike[str]) -> Path | None:
+    """The nearest existing folder of ``path`` (itself or a parent); None for a URL."""
     text = os.fspath(path)
     if is_url(text) and not text.startswith("file://"):
         return None
     current = Path(text.removeprefix("file://")).expanduser()
     while not current.exists() and current != current.parent:
         current = current.parent
+    return current
+
+
+def free_bytes(path: str | os.PathLike[str]) -> int | None:
+    """Free bytes on the filesystem holding ``path`` (its nearest existing parent); None for a URL."""
+    current = _existing(path)
     try:
-        return shutil.disk_usage(current).free
+        return None if current is None else shutil.disk_usage(current).free
     except OSError:
         return None
+
+
+def free_files(path: str | os.PathLike[str]) -> int | None:
+    """Files (inodes) that can still be created on the filesystem holding ``path``; None for a URL, or
+    for a filesystem that has no fixed number of them (it reports 0 in all: btrfs, some network ones)."""
+    current = _existing(path)
+    try:
+        stats = None if current is None else os.statvfs(current)
+    except OSError:
+        return None
+    return None if stats is None or stats.f_files == 0 else stats.f_favail
+
+
+def out_of_files(path: str | os.PathLike[str]) -> bool:
+    """Whether the filesystem holding ``path`` can create no more files (its inodes ran out)."""
+    return free_files(path) == 0
+
+
+def free_text(where: str | os.PathLike[str], free: int | None) -> str:
+    """What is free at ``where`` for a message: ``41.6 MB free``, and when its inodes ran out
+    ``no free inodes (files) left, 41.6 MB free``: bytes free are no use when no file can be made."""
+    has = f"{size_text(free)} free" if free is not None else "free space unknown"
+    return f"{NO_FILES}, {has}" if out_of_files(where) else has
+
+
+def resumes(where: str | os.PathLike[str]) -> str:
+    """How a run's full-disk line ends (`RESUMES`), asking for files removed where inodes ran out."""
+    return RESUMES.replace("free space there", "remove files there", 1) if out_of_files(where) else RESUMES
 
 
 def size_text(n: int | None) -> str:
@@ -73,5 +112,5 @@ def no_space_line(where: str | os.PathLike[str], detail: str = "", *, needed: in
     need = (f"about {size_text(needed)} needed for the next checkpoint" if needed is not None
             else "the next checkpoint's size not known yet")
     tail = f": {detail}" if detail else ""
-    free = size_text(free_bytes(where))
-    return f"no space left on the device of {os.fspath(where)} ({free} free, {need}){tail}; {RESUMES}"
+    return (f"no space left on the device of {os.fspath(where)} ({free_text(where, free_bytes(where))}, {need})"
+            f"{tail}; {resumes(where)}")

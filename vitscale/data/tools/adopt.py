@@ -61,8 +61,9 @@ from vitscale.data.format import (
 )
 from vitscale.data.loader.labels import MAX_LABEL_BYTES, LabelError, check_class_ids
 from vitscale.data.loader.sample import IMAGE_MEMBERS
-from vitscale.data.storage import Storage, StorageError, open_storage
-from vitscale.data.storage.space import free_bytes, is_no_space, size_text
+from vitscale.data.storage import LocalStorage, Storage, StorageError, open_storage
+from vitscale.data.storage.cleanup import missing_folders, remove_new_folders
+from vitscale.data.storage.space import free_bytes, free_text, is_no_space, out_of_files, size_text
 from vitscale.data.tools.label_member import LABEL_EXTS, NO_LABELS_HINT, LabelMember, default_member
 from vitscale.data.tools.progress import Progress
 
@@ -342,17 +343,23 @@ def _shard_rows(shard: str, split: str, found: list[tuple[str, int, int, dict[st
 
 
 def _write(dest: Storage, rows: list[dict[str, Any]], meta: DatasetMeta) -> None:
-    """``_index.parquet`` and ``dataset.json`` into ``dest``; a full disk says how much room they need."""
+    """``_index.parquet`` and ``dataset.json`` into ``dest``; a full disk says how much room they need.
+
+    A failed write leaves nothing it created: each file is written whole (to a temporary name first,
+    `storage/atomic.py`), and the folders it made for ``dest`` are removed again while empty, as a
+    failed `shards write` does (`publish.py`, `storage/cleanup.py`).
+    """
+    created = missing_folders(dest.url) if isinstance(dest, LocalStorage) else []
     try:
         write_index_and_meta(dest, rows, meta)
-    except OSError as exc:
-        if not is_no_space(exc):
+    except BaseException as exc:
+        remove_new_folders(created)
+        if not isinstance(exc, OSError) or not is_no_space(exc):
             raise
-        # The index and dataset.json are written whole (each to a temporary name first): nothing is
-        # left half-written; say how much room they need.
         raise StorageError(f"no space left on the device of {dest.url} for {INDEX_NAME} and {META_NAME}: they need "
-                           f"about {size_text(_index_bytes(rows, meta))}, {size_text(free_bytes(dest.url))} free; free "
-                           "space or choose another --out, and index again") from exc
+                           f"about {size_text(_index_bytes(rows, meta))}, {free_text(dest.url, free_bytes(dest.url))}; "
+                           f"{'remove files' if out_of_files(dest.url) else 'free space'} or choose another --out, "
+                           "and index again") from exc
 
 
 def _split_meta(split: str, entries: list[tuple[str, int]], split_of: dict[str, str],

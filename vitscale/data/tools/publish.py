@@ -33,7 +33,7 @@ from vitscale.data.format import INDEX_NAME, META_NAME
 from vitscale.data.storage import LocalStorage, Storage, StorageError
 from vitscale.data.storage.cleanup import after_error, missing_folders, remove_new_folders
 from vitscale.data.storage.lease import RunLease, hold_run_lease
-from vitscale.data.storage.space import free_bytes, is_no_space, size_text
+from vitscale.data.storage.space import NO_FILES, free_bytes, is_no_space, out_of_files, size_text
 
 __all__ = ["WRITING", "abort", "claim", "no_space", "release"]
 
@@ -108,7 +108,7 @@ def abort(storage: Storage, error: BaseException, *, also: Sequence[str] = ()) -
     """Remove the shards and index a failed write left (and the names in ``also``: a tool's own files),
     and a folder the write created; never raise over ``error``, except to say in one line that the
     destination's disk is full (:func:`no_space`)."""
-    written, free = None, free_bytes(storage.url)
+    written, free, no_files = None, free_bytes(storage.url), out_of_files(storage.url)  # before the cleanup frees any
 
     def remove() -> None:
         nonlocal written
@@ -121,15 +121,18 @@ def abort(storage: Storage, error: BaseException, *, also: Sequence[str] = ()) -
     after_error(error, f"cleaning up {storage.url} (the next write to it clears what is left)", remove)
     after_error(error, f"releasing the lease on {storage.url}", lambda: _drop_lease(storage))
     if isinstance(error, Exception) and is_no_space(error) and not isinstance(error, StorageError):
-        raise no_space(storage, written, free) from error
+        raise no_space(storage, written, free, no_files=no_files) from error
 
 
-def no_space(storage: Storage, written: int | None, free: int | None) -> StorageError:
+def no_space(storage: Storage, written: int | None, free: int | None, *, no_files: bool = False) -> StorageError:
     """One line for a destination whose disk filled: its path, what fitted and the space needed.
 
     What was written plus what was still free when the write failed did not hold the dataset, so it
-    needs more than their sum.
+    needs more than their sum. ``no_files``: it was the filesystem's inodes that ran out, not its bytes.
     """
+    if no_files:
+        return StorageError(f"no space left on the device of {storage.url}: {NO_FILES} ({size_text(free)} free); "
+                            "remove files there (what was written is removed) or choose another --out, and write again")
     need = (f"it needs more than {size_text(written + free)} there ({size_text(written)} written before the disk "
             f"filled, {size_text(free)} free)") if written is not None and free is not None else \
         f"{size_text(free)} free there"

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vitscale.config.checks import ConfigError, check, non_negative, positive
+from vitscale.config.location import canonical_location
 
 TRANSFER_STAGES = ("fewshot", "finetune", "sweep")
 """Stages a cell may run after its pre-training, in this order."""
@@ -126,6 +127,8 @@ class StudyConfig:
     null = the first accuracy column of the table."""
 
     def validate(self) -> None:
+        if self.directory:
+            canonical_location(self.directory, "study.directory")  # a malformed location is refused here
         for i, raw in enumerate(self.models):
             ModelEntry.parse(raw, f"study.models[{i}]")
         for i, epochs in enumerate(self.epochs):

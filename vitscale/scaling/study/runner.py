@@ -66,8 +66,10 @@ def checkpoint_uri(checkpoint: Any) -> str | None:
     return None if path is None else (path if kind == "local" or is_url(path) else f"{kind}://{path}")
 
 
-def run_cell(config: PipelineConfig, cell_id: str, state_url: str, endpoint_url: str | None) -> dict[str, Any]:
-    """In the cell's Ray task: its stages in order, skipping those an earlier run finished."""
+def run_cell(config: PipelineConfig, cell_id: str, state_url: str, endpoint_url: str | None,
+             study_run: str | None = None) -> dict[str, Any]:
+    """In the cell's Ray task: its stages in order, skipping those an earlier run finished. ``study_run``:
+    the study's own run, whose lease its driver holds (the cells' runs lie inside it by default)."""
     from vitscale.data.storage.lease import hold_run_lease
     from vitscale.launch.ray_train import run_place
     from vitscale.stages import get_stage
@@ -79,7 +81,7 @@ def run_cell(config: PipelineConfig, cell_id: str, state_url: str, endpoint_url:
     run_dir.mkdir(parents=True, exist_ok=True)
     context = StageContext(run_dir=run_dir, run_name=config.run_name, verbose=False)
     # One writer per cell run, as for `vitscale run` (data/storage/lease.py).
-    with hold_run_lease(config.cluster.run_storage(config.run_name)):
+    with hold_run_lease(config.cluster.run_storage(config.run_name), part_of=study_run):
         for name in config.stages:
             if name in done:
                 context.results.append(_restored(name, done[name]))
@@ -149,6 +151,7 @@ def run_cells(config: PipelineConfig, cells: list[Cell], planned: list[PlannedCe
     last_line: dict[str, tuple[float, str]] = {}
     heartbeat = time.time()
     endpoint = config.data.endpoint_url
+    study_run = config.cluster.run_storage(config.run_name)  # held by this driver: its cells are part of it
     with workers_off_terminal():
         while queue or running:
             while queue and len(running) < at_once:
@@ -159,7 +162,7 @@ def run_cells(config: PipelineConfig, cells: list[Cell], planned: list[PlannedCe
                 record.open_attempt(devices(runs[cell.id]))  # a killed attempt's time counts too
                 state.write(record)
                 say(f"cell {cell.id}: started (run {record.runs})")
-                running[task.remote(runs[cell.id], cell.id, state.url, endpoint)] = (cell, time.time())
+                running[task.remote(runs[cell.id], cell.id, state.url, endpoint, study_run)] = (cell, time.time())
             ready, _ = ray.wait(list(running), num_returns=1, timeout=5.0)
             for ref in ready:
                 cell, started = running.pop(ref)
