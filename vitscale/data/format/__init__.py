@@ -27,6 +27,7 @@ in that order, and :class:`IndexWriter` streams an index one shard at a time.
 from vitscale.data.format.index import IndexFile, IndexWriter, index_bytes, write_index_and_meta
 from vitscale.data.format.meta import (
     CRC_COLUMN,
+    DEFAULT_SPLIT,
     INDEX_COLUMNS,
     INDEX_NAME,
     INDEX_SCHEMA,
@@ -43,14 +44,15 @@ from vitscale.data.format.meta import (
     read_index,
     read_meta,
     shard_name,
+    shard_splits,
     split_of_shard,
 )
 from vitscale.data.format.split import OpenDataset, ShardIndex, open_dataset
 
 __all__ = [
-    "CRC_COLUMN", "INDEX_COLUMNS", "INDEX_NAME", "INDEX_SCHEMA", "LABEL_SOURCE", "META_NAME", "SHARD_ROOT",
-    "SPLIT_NAME", "SPLIT_WORDS",
+    "CRC_COLUMN", "DEFAULT_SPLIT", "INDEX_COLUMNS", "INDEX_NAME", "INDEX_SCHEMA", "LABEL_SOURCE", "META_NAME",
+    "SHARD_ROOT", "SPLIT_NAME", "SPLIT_WORDS",
     "DatasetError", "DatasetMeta", "IndexFile", "IndexWriter",
     "OpenDataset", "ShardIndex", "ShardMeta", "SplitMeta", "has_dataset", "index_bytes", "open_dataset",
-    "read_index", "read_meta", "shard_name", "split_of_shard", "write_index_and_meta",
+    "read_index", "read_meta", "shard_name", "shard_splits", "split_of_shard", "write_index_and_meta",
 ]

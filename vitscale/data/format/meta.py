@@ -100,6 +100,37 @@ class DatasetError(ValueError):
     """The dataset cannot be used: missing shard, unreadable metadata/index, or they disagree."""
 
 
+DEFAULT_SPLIT = "train"
+"""The split of a tar whose name says none (``00000.tar``)."""
+
+
+def shard_splits(names: list[str], split: str | None, where: str) -> dict[str, str]:
+    """``{tar: split}``: the split each name says (:func:`split_of_shard`), or
+    :data:`DEFAULT_SPLIT` when no name says one; with ``split`` given, that one for all of them.
+
+    Never a silent merge (a test tar trained on is a leak): a ``DatasetError`` naming the tars when some
+    names say a split and others none (which split the unnamed ones are is a guess), or when ``split``
+    would put tars whose names say different splits (or a split and none) into one.
+    """
+    said = {name: split_of_shard(name) for name in names}
+    unnamed = [name for name, s in said.items() if s is None]
+    named = sorted({s for s in said.values() if s is not None})
+    examples = ", ".join(next(n for n, s in said.items() if s == x) for x in named[:3])
+    if unnamed and named:
+        raise DatasetError(
+            f"{where} holds tars whose names say a split ({examples}) and {len(unnamed)} whose names say none "
+            f"({unnamed[0]}): which split those are is not known; index each split's tars on their own with "
+            "--split NAME and its own --out (one tar, or braces: 'DIR/{00000..00099}.tar'), or rename them "
+            "{split}-NNNNNN.tar")
+    if split is None:
+        return {name: s or DEFAULT_SPLIT for name, s in said.items()}
+    if len(named) > 1:
+        raise DatasetError(f"{where} holds tars of {len(named)} splits by their names ({examples}); --split {split} "
+                           "would put them all into one: leave --split out to index each as its own split, or "
+                           "name one split's tars (train-{000000..000099}.tar)")
+    return dict.fromkeys(names, split)
+
+
 @dataclass(frozen=True)
 class ShardMeta:
     """One shard's entry in ``dataset.json``."""

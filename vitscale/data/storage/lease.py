@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import _thread
 import contextlib
-import email.utils
 import os
 import posixpath
 import sys
@@ -54,6 +53,7 @@ from vitscale.config.location import canonical_location
 from vitscale.data.storage.base import StorageError
 from vitscale.data.storage.cleanup import missing_folders, remove_new_folders
 from vitscale.data.storage.holder import DEFAULT_TTL_S, Holder
+from vitscale.data.storage.nesting import live_above, live_below, read_lease_object, who
 from vitscale.data.storage.retry import RetryPolicy
 from vitscale.data.storage.s3 import S3Storage
 from vitscale.data.storage.space import free_bytes, free_text, is_no_space, out_of_files, size_text
@@ -77,8 +77,7 @@ _ADVICE = {
 
 
 def _refusal(url: str, holder: Holder | None, detail: str, kind: str = "run") -> LeaseHeld:
-    who = holder.describe() if holder is not None else "an unknown writer"
-    return LeaseHeld(f"{kind} {url} is being written by {who} ({detail}); {_ADVICE[kind]}")
+    return LeaseHeld(f"{kind} {url} is being written by {who(holder)} ({detail}); {_ADVICE[kind]}")
 
 
 def _unwritable(path: Path, exc: OSError, holder: Holder) -> StorageError:
@@ -180,7 +179,7 @@ class _LocalLease(RunLease):
 def _flock_soon(fd: int, how: int) -> None:
     """``flock(fd, how)`` without waiting on a holder: ``BlockingIOError`` when the lock stays taken for
     a few tries over ~0.2 s (a writer inside this folder probing whether it is live holds the lock for
-    an instant: `_live_local`; a live run holds it for good)."""
+    an instant: `nesting.live_local`; a live run holds it for good)."""
     import fcntl
 
     for attempt in range(20):
@@ -191,33 +190,6 @@ def _flock_soon(fd: int, how: int) -> None:
             if attempt == 19:
                 raise
             time.sleep(0.01)
-
-
-def _live_local(folder: Path) -> str | None:
-    """Who holds the lease of ``folder`` while alive (a description), or None when no live writer does.
-
-    A lease file whose lock nobody holds is a finished or crashed writer's (the kernel drops the lock with
-    its process); probing takes a shared lock for an instant, never creates the file.
-    """
-    import fcntl
-
-    try:
-        fd = os.open(folder / LEASE_NAME, os.O_RDONLY)
-    except OSError:  # no lease there (or one this user may not read: then no writer of this user's)
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _who(Holder.decode(os.pread(fd, 4096, 0)))
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
-
-
-def _who(holder: Holder | None) -> str:
-    return holder.describe() if holder is not None else "an unknown writer"
 
 
 class _S3Lease(RunLease):
@@ -255,7 +227,7 @@ class _S3Lease(RunLease):
 
     def _read(self) -> tuple[Holder | None, str, float] | None:
         """(holder, etag, seconds since it was last renewed, by the server's clock), or None if gone."""
-        return _read_s3(self.storage, LEASE_NAME)
+        return read_lease_object(self.storage, LEASE_NAME)
 
     def _acquire(self, force: bool) -> str:
         for _ in range(5):  # each pass loses only to a writer that changed the lease meanwhile
@@ -330,32 +302,6 @@ class _S3Lease(RunLease):
             self.log(line(f"could not remove {self.where} ({exc}); it expires in {self.holder.ttl_s:.0f} s"))
 
 
-def _read_s3(storage: S3Storage, name: str) -> tuple[Holder | None, str, float] | None:
-    """The lease object ``name`` of ``storage``: (holder, etag, seconds since it was last renewed, by the
-    server's clock), or None if there is none."""
-    try:
-        resp = storage._retrying("lease", name, lambda: storage.client.get_object(
-            Bucket=storage.bucket, Key=storage.key_of(name)))
-    except FileNotFoundError:
-        return None
-    body = resp["Body"].read(1 << 16)
-    resp["Body"].close()
-    date = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-    now = email.utils.parsedate_to_datetime(date).timestamp() if date else time.time()
-    return Holder.decode(body), str(resp["ETag"]), max(0.0, now - resp["LastModified"].timestamp())
-
-
-def _live_s3(storage: S3Storage, name: str) -> str | None:
-    """Who holds the lease object ``name`` while alive (a description), or None when no live writer does:
-    live as `_S3Lease` takes it, renewed within its ttl and not a holder that died on this machine."""
-    current = _read_s3(storage, name)
-    if current is None:
-        return None
-    holder, _, age = current
-    ttl = holder.ttl_s if holder is not None else DEFAULT_TTL_S
-    return _who(holder) if age <= ttl and not (holder is not None and holder.dead_here()) else None
-
-
 _NESTED_ADVICE = {
     "run": "a run's files would mix with the other run's; choose a cluster.storage_path outside it, or wait "
            "for that run to finish",
@@ -364,56 +310,26 @@ _NESTED_ADVICE = {
 """What a writer refused for being inside another live writer's folder can do."""
 
 
-def _ancestors(url: str, part_of: str | None) -> list[str]:
-    """The folders (or prefixes) above the canonical ``url``, nearest first, up to the filesystem root or
-    the bucket; with ``part_of`` (the run this writer is a part of, which holds its own lease and looked
-    above itself when it took it), only those below ``part_of``."""
-    if url.startswith("s3://"):
-        bucket, *parts = url[len("s3://"):].split("/")
-        above = ["/".join([f"s3://{bucket}", *parts[:i]]) for i in range(len(parts) - 1, -1, -1)]
-    else:
-        above = [str(p) for p in Path(url).parents]
-    if part_of is not None:
-        outer = [i for i, a in enumerate(above) if part_of == a or part_of.startswith(a.rstrip("/") + "/")]
-        above = above[:outer[0]] if outer else above
-    return above
-
-
 def _refuse_inside_live(url: str, kind: str, part_of: str | None, endpoint_url: str | None,
                         retry: RetryPolicy | None) -> None:
     """Refuse a writer of ``url`` inside the folder of another live run (or dataset write), in one line
     naming it: the outer run's rotation, mirror and resume would take the inner one's files for its own."""
-    ancestors = _ancestors(url, part_of)
-    if url.startswith("s3://") and ancestors:
-        bucket = url[len("s3://"):].partition("/")[0]
-        root = S3Storage(bucket, endpoint_url=endpoint_url, retry=retry)
-        lease_of: Callable[[str], str | None] = lambda outer: _live_s3(  # noqa: E731
-            root, posixpath.join(outer[len(f"s3://{bucket}"):].strip("/"), LEASE_NAME))
-    else:
-        lease_of = lambda outer: _live_local(Path(outer))  # noqa: E731
-    for outer in ancestors:
-        who = lease_of(outer)
-        if who is not None:
-            raise LeaseHeld(f"{kind} {url} lies inside {outer}, which is being written by {who} (its lease "
-                            f"{posixpath.join(outer, LEASE_NAME)} is live); {_NESTED_ADVICE[kind]}")
+    found = live_above(url, LEASE_NAME, part_of=part_of, endpoint_url=endpoint_url, retry=retry)
+    if found is not None:
+        outer, who = found
+        raise LeaseHeld(f"{kind} {url} lies inside {outer}, which is being written by {who} (its lease "
+                        f"{posixpath.join(outer, LEASE_NAME)} is live); {_NESTED_ADVICE[kind]}")
 
 
 def _refuse_around_live(lease: RunLease, kind: str) -> None:
     """Refuse a writer whose folder already holds another live writer's folder, in one
     line naming it: this run's rotation and resume would take the inner one's files for its own. Its own
     lease is held by then, so of two writers starting at once, one inside the other, one sees the other."""
-    if isinstance(lease, _S3Lease):
-        storage = lease.storage
-        inner = [(storage.url_of(n)[: -len(LEASE_NAME) - 1], _live_s3(storage, n)) for n in storage.list()
-                 if n.endswith("/" + LEASE_NAME)]
-    else:
-        folder = Path(lease.url)
-        inner = [(root, _live_local(Path(root))) for root, _, files in os.walk(folder)
-                 if LEASE_NAME in files and Path(root) != folder]
-    for where, who in inner:
-        if who is not None:
-            raise LeaseHeld(f"{kind} {lease.url} holds {where}, which is being written by {who} (its lease "
-                            f"{posixpath.join(where, LEASE_NAME)} is live); {_AROUND_ADVICE[kind]}")
+    found = live_below(lease.url, LEASE_NAME, lease.storage if isinstance(lease, _S3Lease) else None)
+    if found is not None:
+        where, who = found
+        raise LeaseHeld(f"{kind} {lease.url} holds {where}, which is being written by {who} (its lease "
+                        f"{posixpath.join(where, LEASE_NAME)} is live); {_AROUND_ADVICE[kind]}")
 
 
 _AROUND_ADVICE = {

@@ -56,7 +56,7 @@ from vitscale.data.format import (
     DatasetMeta,
     ShardMeta,
     SplitMeta,
-    split_of_shard,
+    shard_splits,
     write_index_and_meta,
 )
 from vitscale.data.loader.labels import MAX_LABEL_BYTES, LabelError, check_class_ids
@@ -193,37 +193,6 @@ def _checksums(storage: Storage, shard: str, ranges: list[tuple[int, int]]) -> l
                     crc, need = zlib.crc32(chunk, crc), need - len(chunk)
             crcs.append(crc)
     return crcs
-
-
-DEFAULT_SPLIT = "train"
-"""The split of a tar whose name says none (``00000.tar``)."""
-
-
-def shard_splits(names: list[str], split: str | None, where: str) -> dict[str, str]:
-    """``{tar: split}``: the split each name says (:func:`~vitscale.data.format.split_of_shard`), or
-    :data:`DEFAULT_SPLIT` when no name says one; with ``split`` given, that one for all of them.
-
-    Never a silent merge (a test tar trained on is a leak): a ``DatasetError`` naming the tars when some
-    names say a split and others none (which split the unnamed ones are is a guess), or when ``split``
-    would put tars whose names say different splits (or a split and none) into one.
-    """
-    said = {name: split_of_shard(name) for name in names}
-    unnamed = [name for name, s in said.items() if s is None]
-    named = sorted({s for s in said.values() if s is not None})
-    examples = ", ".join(next(n for n, s in said.items() if s == x) for x in named[:3])
-    if unnamed and named:
-        raise DatasetError(
-            f"{where} holds tars whose names say a split ({examples}) and {len(unnamed)} whose names say none "
-            f"({unnamed[0]}): which split those are is not known; index each split's tars on their own with "
-            "--split NAME and its own --out (one tar, or braces: 'DIR/{00000..00099}.tar'), or rename them "
-            "{split}-NNNNNN.tar")
-    if split is None:
-        return {name: s or DEFAULT_SPLIT for name, s in said.items()}
-    if len(named) > 1:
-        raise DatasetError(f"{where} holds tars of {len(named)} splits by their names ({examples}); --split {split} "
-                           "would put them all into one: leave --split out to index each as its own split, or "
-                           "name one split's tars (train-{000000..000099}.tar)")
-    return dict.fromkeys(names, split)
 
 
 def index_shards(url: str, *, out: str | None = None, split: str | None = None, label_member: str | None = None,
