@@ -1,8 +1,8 @@
 """A run stored in object storage (moto on loopback), run again as a user does: after it ended, after its
 storage was emptied, after its first checkpoint's upload was refused part-way.
 
-- Ray Train puts the folder marker `runs/<name>/` when it starts a run: the second `vitscale run` of the
-  same pipeline must resume, not crash on a file named '' (data/storage/s3.py, mirror.py).
+- Ray Train puts the folder marker `runs/<name>/` when it starts a run: the next `vitscale run` at the
+  same place must not crash on a file named '' (data/storage/s3.py, mirror.py).
 - A run deleted from its storage leaves nothing on the node for the next run at the same place: its
   metrics lines and TensorBoard events are not pushed again (mirror.py, `pull`).
 - A refused checkpoint upload stops the run on its first attempt in one line (launch/failures.py); the
@@ -69,14 +69,12 @@ def test_run_again_then_after_the_storage_was_emptied(tmp_path: Path, moto_s3: s
     s3 = boto3.client("s3", endpoint_url=moto_s3)
     s3.create_bucket(Bucket=bucket)
     run(_pipeline(tmp_path, small_synthetic, bucket, 4), tmp_path / "first.log")
-    s3.put_object(Bucket=bucket, Key="runs/exp/", Body=b"")  # Ray Train's marker (put here too, whatever Ray does)
     assert _steps(s3, bucket) == [1, 2, 3, 4]
-    again = run(_pipeline(tmp_path, small_synthetic, bucket, 4), tmp_path / "again.log")
-    assert '"ok": true' in again and "Traceback" not in again
-
-    for key in _keys(s3, bucket):  # the run is deleted from its storage
+    for key in _keys(s3, bucket):  # the run is deleted from its storage, all but Ray Train's folder marker
         s3.delete_object(Bucket=bucket, Key=key)
-    run(_pipeline(tmp_path, small_synthetic, bucket, 2), tmp_path / "fresh.log")
+    s3.put_object(Bucket=bucket, Key="runs/exp/", Body=b"")  # (put here, whatever Ray does itself)
+    again = run(_pipeline(tmp_path, small_synthetic, bucket, 2), tmp_path / "again.log")
+    assert '"ok": true' in again and "Traceback" not in again  # the marker is not a file to pull
     assert _steps(s3, bucket) == [1, 2]  # not the deleted run's lines before them
     events = [k for k in _keys(s3, bucket) if k.startswith("runs/exp/tensorboard/")]
     assert len(events) == 1, events  # the new run's events only
