@@ -251,15 +251,23 @@ def _stops_the_run(error: BaseException) -> str:
     return line
 
 
-def test_a_refused_checkpoint_upload_stops_the_run_at_once(tmp_path: Path, moto_s3: str, bucket: str) -> None:
+def _upload_failing_always(tmp_path: Path, moto_s3: str, where: str, status: str
+                           ) -> tuple[str, float, dict[str, int], ckpt.CheckpointNotWritten]:
+    """Upload step 4's checkpoint to `s3://where` through a proxy answering every write with `status`:
+    (the run's path, seconds until it gave up, the proxy's counts, the error `space_for` raised)."""
     local = _local_checkpoint(tmp_path / "local", 4)
-    with FaultProxy(moto_s3, fault_rate=1.0, methods=("PUT", "POST"), random_faults=("403",)) as proxy:
-        fs, run = run_filesystem(f"s3://{bucket}/runs/r6", endpoint_url=proxy.url)
+    with FaultProxy(moto_s3, fault_rate=1.0, methods=("PUT", "POST"), random_faults=(status,)) as proxy:
+        fs, run = run_filesystem(f"s3://{where}", endpoint_url=proxy.url)
         started = time.monotonic()
         with pytest.raises(ckpt.CheckpointNotWritten) as err, ckpt.space_for(f"s3://{run}", step=4, copying=local):
             _upload(local, fs, f"{run}/checkpoint_000000004")
-        assert time.monotonic() - started < 10 and proxy.counts["403"] >= 1  # a refusal is not retried
-    line = _stops_the_run(err.value)
+        return run, time.monotonic() - started, dict(proxy.counts), err.value
+
+
+def test_a_refused_checkpoint_upload_stops_the_run_at_once(tmp_path: Path, moto_s3: str, bucket: str) -> None:
+    run, seconds, counts, error = _upload_failing_always(tmp_path, moto_s3, f"{bucket}/runs/r6", "403")
+    assert seconds < 10 and counts["403"] >= 1  # a refusal is not retried
+    line = _stops_the_run(error)
     assert line.startswith(f"rank 0: CheckpointNotWritten: the checkpoint of step 4 was not written to s3://{run}: ")
     assert "ACCESS_DENIED" in line and "(not retried: waiting does not mend it)" in line, line
 
@@ -269,14 +277,9 @@ def test_a_checkpoint_upload_that_outlasts_the_retry_budget_stops_the_run(tmp_pa
     """Persistent throttling: the upload gives up within the budget, and the run does not wait it out again
     on each of Ray's restarts: the line says the tries and the budget."""
     monkeypatch.setenv("VITSCALE_S3_RETRY_S", "2")  # sdk_attempts(2): 2 tries per request
-    local = _local_checkpoint(tmp_path / "local", 4)
-    with FaultProxy(moto_s3, fault_rate=1.0, methods=("PUT", "POST"), random_faults=("503",)) as proxy:
-        fs, run = run_filesystem(f"s3://{bucket}/runs/r7", endpoint_url=proxy.url)
-        started = time.monotonic()
-        with pytest.raises(ckpt.CheckpointNotWritten) as err, ckpt.space_for(f"s3://{run}", step=4, copying=local):
-            _upload(local, fs, f"{run}/checkpoint_000000004")
-        assert time.monotonic() - started < 15 and 2 <= proxy.counts["503"] <= 8, proxy.counts
-    line = _stops_the_run(err.value)
+    _, seconds, counts, error = _upload_failing_always(tmp_path, moto_s3, f"{bucket}/runs/r7", "503")
+    assert seconds < 15 and 2 <= counts["503"] <= 8, counts
+    line = _stops_the_run(error)
     assert "SLOW_DOWN" in line and "(gave up after 2 tries per request (retry budget $VITSCALE_S3_RETRY_S: 2 s))" \
         in line, line
 
