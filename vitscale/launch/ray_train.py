@@ -253,10 +253,8 @@ def _unreadable(what: str, exc: BaseException) -> StorageError:
     """`what` failed reading the run's storage: one line with the storage's error; final as that error is
     (data/storage/retry.py: a refusal, or one that outlasted the retry budget)."""
     why = final_reason(exc)
-    error = StorageError(f"{what}: {' '.join(str(exc).split())[:300] or type(exc).__name__}"
-                         + (f" ({why})" if why else ""))
-    error.final = why is not None
-    return error
+    return StorageError(f"{what}: {' '.join(str(exc).split())[:300] or type(exc).__name__}"
+                        + (f" ({why})" if why else ""), final=why is not None)
 
 
 def newest_in_storage(storage: str | None) -> Any:

@@ -274,6 +274,10 @@ class CheckpointNotWritten(OSError):
 
     final: bool = False
 
+    def __init__(self, *args: object, final: bool = False) -> None:
+        super().__init__(*args)
+        self.final = final
+
 
 def tree_bytes(directory: Path) -> int:
     """Bytes of the files under ``directory``."""
@@ -312,10 +316,8 @@ def space_for(where: str | os.PathLike[str], *, step: int, parts: int = 1,
         if isinstance(exc, OSError):  # storage that failed for good (object storage after its retries)
             text = " ".join(str(exc).split())[:400] or type(exc).__name__
             why = final_reason(exc)
-            error = CheckpointNotWritten(f"the checkpoint of step {step} was not written to {os.fspath(where)}: "
-                                         f"{text}" + (f" ({why})" if why else ""))
-            error.final = why is not None
-            raise error from exc
+            raise CheckpointNotWritten(f"the checkpoint of step {step} was not written to {os.fspath(where)}: "
+                                       f"{text}" + (f" ({why})" if why else ""), final=why is not None) from exc
         raise
 
 

@@ -20,6 +20,10 @@ class StorageError(OSError):
     retry budget was already spent waiting for it to heal (``data/storage/retry.py``). A run whose worker
     meets a final error stops instead of being restarted (``launch/failures.py``)."""
 
+    def __init__(self, *args: object, final: bool = False) -> None:
+        super().__init__(*args)
+        self.final = final
+
 
 class ObjectReader(io.RawIOBase):
     """A read-only raw stream over one object of known size: the position bookkeeping every reader

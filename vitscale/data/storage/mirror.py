@@ -96,9 +96,7 @@ class RunMirror:
                 try:
                     self.storage.write_file(name, path)
                 except StorageError as exc:
-                    failed = RunFileNotStored(str(exc))
-                    failed.final = exc.final
-                    raise failed from exc
+                    raise RunFileNotStored(str(exc), final=exc.final) from exc
                 self._pushed[name] = mark
                 pushed.append(name)
             return pushed

@@ -306,9 +306,7 @@ def call(fn: Callable[[], T], policy: RetryPolicy, what: str, where: str) -> T:
 
 
 def _final(message: str) -> StorageError:
-    error = StorageError(message)
-    error.final = True  # a refusal, or the budget spent: trying again at once repeats it
-    return error
+    return StorageError(message, final=True)  # a refusal, or the budget spent: trying again at once repeats it
 
 
 def final_reason(exc: BaseException) -> str | None:
