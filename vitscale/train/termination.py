@@ -21,6 +21,7 @@ from __future__ import annotations
 import faulthandler
 import fcntl
 import os
+import select
 import signal
 import threading
 import time
@@ -50,6 +51,7 @@ class TerminationNotice:
         self._received_at: float | None = None
         self._left = threading.Event()
         self._closed = threading.Event()  # left, or the context exited: the grace watch is over
+        self._marking = threading.Lock()
         self._read_fd = self._write_fd = -1
         self._sink: TextIO | None = None  # the pipe's write end, as the file object faulthandler keeps
 
@@ -68,6 +70,8 @@ class TerminationNotice:
 
     def notice(self) -> str | None:
         """One line if SIGTERM arrived, else None (cheap: the loop asks every step)."""
+        if self._received_at is None and not self._closed.is_set() and self._pending():
+            self._mark()
         if self._received_at is None:
             return None
         return f"{self.label} received SIGTERM {time.monotonic() - self._received_at:.0f} s ago"
@@ -85,7 +89,7 @@ class TerminationNotice:
         # Blocks until the first SIGTERM writes its dump, or returns b"" once _restore closed the write end.
         signalled = os.read(self._read_fd, 1)
         if signalled:
-            self._received_at = time.monotonic()
+            self._mark()
         else:
             os.close(self._read_fd)
             return
@@ -94,6 +98,18 @@ class TerminationNotice:
                   "(cluster.preemption_grace_s); leaving without one")
             self.leave()
         os.close(self._read_fd)
+
+    def _pending(self) -> bool:
+        # The handler's dump is in the pipe the moment the signal is handled, but the watcher thread may
+        # not have run yet (a busy host starves it of the GIL for steps on end): the loop looks itself. The
+        # dump is many bytes and the watcher reads one, so the pipe stays readable once it has arrived.
+        readable, _, _ = select.select([self._read_fd], [], [], 0)
+        return bool(readable)
+
+    def _mark(self) -> None:
+        with self._marking:
+            if self._received_at is None:
+                self._received_at = time.monotonic()
 
     def _restore(self) -> None:
         self._closed.set()
