@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from helpers.loop_runs import Recorder
+from helpers.loop_runs import Recorder, steps
 from test_pretrain_loop import tiny_config
 from vitscale.data.loader.stream import ErrorBudgetExceeded
 from vitscale.data.order import rank_keys
@@ -46,7 +46,8 @@ def test_restart_goes_on_counting(tmp_path: Path, damaged: str, process_group: N
     (tmp_path / "whole").mkdir()
     with pytest.raises(ErrorBudgetExceeded, match="4 samples skipped in epoch 0"):
         train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-a", report=whole))
-    assert [m["step"] for m in whole.metrics] == [1, 2, 3]
+    assert [m["step"] for m in steps(tmp_path / "run-a")] == [1, 2, 3]
+    assert [m["step"] for m in whole.metrics] == [3]  # its checkpoint
     checkpoint = tmp_path / "whole" / "checkpoint_000000003"
     # Resumed from step 3 (3 samples skipped so far), the 4th bad sample still stops the run.
     resumed = Recorder(tmp_path / "resumed")
@@ -54,5 +55,5 @@ def test_restart_goes_on_counting(tmp_path: Path, damaged: str, process_group: N
     with pytest.raises(ErrorBudgetExceeded, match="4 samples skipped in epoch 0"):
         train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-b", report=resumed,
                                  resume_from=checkpoint))
-    assert resumed.metrics == []
+    assert resumed.metrics == [] and steps(tmp_path / "run-b") == []
     shutil.rmtree(tmp_path / "whole")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.loop_runs import Recorder
+from helpers.loop_runs import Recorder, steps
 from test_pretrain_loop import tiny_config, tiny_dataset  # noqa: F401 -- the module's fixture
 
 pytest.importorskip("deepspeed")
@@ -31,7 +31,8 @@ def test_pretraining_writes_tensorboard_and_a_resume_continues_it(tmp_path: Path
     train(job, WorkerContext(rank=0, world_size=1, run_dir=run, report=first))
     scalars = _scalars(run / "tensorboard")
     assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4, 5, 6]
-    assert [v for _, v in scalars["train/loss"]] == pytest.approx([m["loss"] for m in first.metrics])
+    first_losses = [m["loss"] for m in steps(run)]  # the run's metrics file: every step of this attempt
+    assert [v for _, v in scalars["train/loss"]] == pytest.approx(first_losses) and len(first_losses) == 6
     assert {"train/lr", "train/images_per_s", "train/epoch", "train/exaflops"} <= set(scalars)
 
     # The same run restarted from its step-3 checkpoint (as Ray Train does after a failure): the
@@ -42,7 +43,7 @@ def test_pretraining_writes_tensorboard_and_a_resume_continues_it(tmp_path: Path
                              resume_from=tmp_path / "checkpoint_000000003"))
     loss = _scalars(run / "tensorboard")["train/loss"]
     assert [s for s, _ in loss] == [1, 2, 3, 4, 5, 6]
-    assert [v for _, v in loss[3:]] == pytest.approx([m["loss"] for m in second.metrics])
+    assert [v for _, v in loss[3:]] == pytest.approx([m["loss"] for m in steps(run)[6:]])  # the file goes on
 
 
 def test_export_shows_progress(tmp_path: Path, tiny_dataset: str, process_group: None,  # noqa: F811

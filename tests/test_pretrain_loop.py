@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.loop_runs import Recorder
+from helpers.loop_runs import Recorder, steps
 from helpers.loop_runs import weights as final_weights
 from vitscale.data.tools.write import write_dataset
 from vitscale.stages import build_pipeline
@@ -61,7 +61,8 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path: Path, tiny_d
     (tmp_path / "whole").mkdir()
     summary = train(config, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-a", report=whole))
     assert summary["steps"] == 6
-    assert [m["step"] for m in whole.metrics] == [1, 2, 3, 4, 5, 6]
+    assert [m["step"] for m in steps(tmp_path / "run-a")] == [1, 2, 3, 4, 5, 6]
+    assert [m["step"] for m in whole.metrics] == [3, 6]  # the launcher hears of checkpoints, not of each step
     assert check_complete(tmp_path / "whole" / "checkpoint_000000003", 1) == []
 
     # Resume the same run from its step-3 checkpoint: the last three steps must be bit-identical.
@@ -69,13 +70,13 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path: Path, tiny_d
     (tmp_path / "resumed").mkdir()
     train(config, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-b", report=resumed,
                                    resume_from=tmp_path / "whole" / "checkpoint_000000003"))
-    assert [m["step"] for m in resumed.metrics] == [4, 5, 6]
+    assert [m["step"] for m in steps(tmp_path / "run-b")] == [4, 5, 6]
     a = final_weights(tmp_path / "whole" / "checkpoint_000000006")
     b = final_weights(tmp_path / "resumed" / "checkpoint_000000006")
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    for m_whole, m_resumed in zip(whole.metrics[3:], resumed.metrics):
+    for m_whole, m_resumed in zip(steps(tmp_path / "run-a")[3:], steps(tmp_path / "run-b"), strict=True):
         assert m_whole["loss"] == pytest.approx(m_resumed["loss"], abs=0.0)
 
     # And the resumed run consumed exactly the samples the uninterrupted one did after step 3.
@@ -138,8 +139,9 @@ def test_sigterm_checkpoints_at_the_next_step_then_the_rank_leaves(tmp_path: Pat
     assert stopped.value.step == 5 and "received SIGTERM" in str(stopped.value)
     assert [p.name for p in (tmp_path / "told").iterdir()] == ["checkpoint_000000005"]
     assert check_complete(tmp_path / "told" / "checkpoint_000000005", 1) == []
-    # Each step's report, the checkpoint's, and one more that waits until the checkpoint's was taken.
-    assert [m["step"] for m in seen.metrics] == [1, 2, 3, 4, 5, 5]
+    # The checkpoint's report, and one more that waits until the checkpoint's was taken; no step after 5.
+    assert [m["step"] for m in seen.metrics] == [5, 5]
+    assert [m["step"] for m in steps(tmp_path / "run-a")] == [1, 2, 3, 4, 5]
 
     (tmp_path / "resumed").mkdir()
     train(told, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-b", report=Recorder(tmp_path / "resumed"),
@@ -158,10 +160,8 @@ def test_loss_goes_down(tmp_path: Path, tiny_dataset: str, process_group: None) 
     config = tiny_config(tiny_dataset, max_steps=30, base_lr=3e-3, checkpoint_every=30, warmup_steps=3)
     seen = Recorder(tmp_path)
     train(config, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run", report=seen))
-    losses = [m["loss"] for m in seen.metrics]
-    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
-    jsonl = (tmp_path / "run" / "metrics" / "rank0.jsonl").read_text().splitlines()
-    assert len(jsonl) == 30
+    losses = [m["loss"] for m in steps(tmp_path / "run")]
+    assert len(losses) == 30 and sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
 
 
 @pytest.mark.parametrize("stage, offload", [(0, False), (1, False), (3, False), (2, True)])
@@ -173,7 +173,7 @@ def test_every_zero_stage_trains_and_checkpoints(tmp_path: Path, tiny_dataset: s
     config = tiny_config(tiny_dataset, zero_stage=stage, offload=offload, max_steps=3, checkpoint_every=3)
     seen = Recorder(tmp_path)
     summary = train(config, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run", report=seen))
-    assert summary["steps"] == 3 and all(m["loss"] > 0 for m in seen.metrics)
+    assert summary["steps"] == 3 and all(m["loss"] > 0 for m in steps(tmp_path / "run"))
     weights = final_weights(tmp_path / "checkpoint_000000003")
     assert weights["head.weight"].dtype == torch.float32
     assert weights["head.weight"].abs().sum() > 0  # the zero-initialised head has been trained

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from helpers.gloo_ranks import launch_ranks
+from helpers.loop_runs import steps
 
 GLOBAL_BATCH = 16
 MICRO_BATCH = 4
@@ -56,14 +57,13 @@ def worker(out: Path, data: str) -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     run = out / f"w{world}"
-    losses: list[float] = []
 
     def report(metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
-        losses.append(metrics["loss"])
         if checkpoint_dir is not None:  # every rank's files into one folder: the whole ZeRO checkpoint
             shutil.copytree(checkpoint_dir, run / "checkpoint", dirs_exist_ok=True)
 
     summary = train(_job(data), WorkerContext(rank=rank, world_size=world, run_dir=run, report=report, elastic=True))
+    losses = [row["loss"] for row in steps(run, rank)]  # every step's, from the rank's metrics file
     (run / f"summary-r{rank}.json").write_text(json.dumps({"summary": summary, "losses": losses}, default=str))
 
 

@@ -9,9 +9,17 @@ from pathlib import Path
 import torch
 
 
+def steps(run_dir: Path, rank: int = 0) -> list[dict]:
+    """Every step a rank recorded in the run's metrics file (`metrics/rank{rank}.jsonl`), in order: the
+    per-step record (the launcher is handed only checkpoints' and evaluations' metrics)."""
+    from vitscale.train.restarts import read_rows
+
+    return read_rows(run_dir / "metrics" / f"rank{rank}.jsonl")
+
+
 class Recorder:
-    """Stands in for the launcher's report hook: every metric line, every checkpoint a rank hands over copied
-    into `keep` (as `checkpoint_{step:09d}`)."""
+    """Stands in for the launcher's report hook: every report (a checkpoint's or an evaluation's metrics),
+    every checkpoint a rank hands over copied into `keep` (as `checkpoint_{step:09d}`)."""
 
     def __init__(self, keep: Path):
         self.keep = keep
