@@ -17,8 +17,9 @@ What it does, in one process on one device:
    GPU, gloo on CPU, as Ray Train sets it up) on those shards for ``--steps`` steps with
    ``data.num_workers`` = each of ``--loader-workers``, no evaluation, and only the final checkpoint
    (written after the last step's time is taken, so it is not in the figures). Every step's metrics
-   come back through ``ctx.report``; the figure is the median images/s of the steps after the first
-   quarter (compilation and the loader workers' start land there).
+   are read back from the run's metrics file (``metrics/rank0.jsonl``, as a user reads them); the
+   figure is the median images/s of the steps after the first quarter (compilation and the loader
+   workers' start land there).
 3. Times the fixed-batch step of the same model, batch, ZeRO stage, precision and compile setting with
    no data loading, first and once: ``benchmarks/mfu.py``'s ``bench_vitscale`` (the loop's own ``Stepper``
    on a uint8 batch already on the device; its head has 1000 classes, the data's 100: a negligible
@@ -171,7 +172,7 @@ def build_job(data: str, model: dict[str, Any], *, batch: int, micro_batch: int,
              "precision": precision,
              # Past the last step: the only checkpoint is the final one, after the last step's time is taken.
              "checkpoint_every": steps + 1,
-             # Every step reported through ctx.report (the figures are per step).
+             # A progress line per step in the log (the figures come from the metrics file, every step).
              "log_every": 1}
     return pretraining_job(build_pipeline({
         "model": model,
@@ -197,23 +198,29 @@ def loader_processes() -> int:
     return count
 
 
-class Recorder:
-    """The launcher's side of ``ctx.report``: every step's metrics; the loader processes alive mid-run."""
+class LoaderCount:
+    """The loader processes alive mid-run, counted at step `sample_at` from inside the loop: the loop asks
+    its context once per step whether the rank was told to stop (`WorkerContext.terminated`, a SIGTERM
+    notice under Ray), and this stand-in counts there and never tells it to stop."""
 
     def __init__(self, sample_at: int) -> None:
-        self.metrics: list[dict[str, Any]] = []
-        self.sample_at = sample_at
+        self.sample_at, self.asked = sample_at, 0
         self.processes: int | None = None
 
-    def __call__(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
-        self.metrics.append(dict(metrics))
-        if metrics.get("step") == self.sample_at:
+    def __call__(self) -> None:
+        self.asked += 1  # the n-th ask is during step n, once its micro-batches have run
+        if self.asked == self.sample_at:
             self.processes = loader_processes()
+
+
+def step_rows(metrics_file: Path) -> list[dict[str, Any]]:
+    """Every step the loop recorded (``metrics/rank0.jsonl`` of the run)."""
+    return [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
 
 
 def steady(metrics: list[dict[str, Any]], batch: int) -> dict[str, Any]:
     """The loop's figures over the steps after the warm-up quarter."""
-    by_step = {int(m["step"]): m for m in metrics}  # a step reported twice: the last report wins
+    by_step = {int(m["step"]): m for m in metrics}  # a step recorded twice (a restart): the last wins
     steps = [by_step[s] for s in sorted(by_step)]
     kept = steps[math.ceil(len(steps) * WARMUP_FRACTION):] or steps
     times = [float(m["step_time_s"]) for m in kept]
@@ -238,8 +245,11 @@ def run_loop(job: Any, run_dir: Path, log: Path, verbose: bool, batch: int, step
     """``train(job, ctx)`` as rank 0 of 1; the step figures (`steady`) and the loop's summary."""
     from vitscale.train.loop import WorkerContext, train
 
-    recorder = Recorder(sample_at=max(1, min(steps, math.ceil(steps * WARMUP_FRACTION) + 1)))
-    ctx = WorkerContext(rank=0, world_size=1, run_dir=run_dir, report=recorder)
+    shutil.rmtree(run_dir, ignore_errors=True)  # a kept --workdir's earlier run: its metrics file would go on
+    metrics_file = run_dir / "metrics" / "rank0.jsonl"
+    counter = LoaderCount(sample_at=max(1, min(steps, math.ceil(steps * WARMUP_FRACTION) + 1)))
+    ctx = WorkerContext(rank=0, world_size=1, run_dir=run_dir, report=lambda metrics, checkpoint_dir: None,
+                        terminated=counter)
     t0 = time.perf_counter()
     with open(log, "w", buffering=1) as out, \
             contextlib.nullcontext() if verbose else contextlib.redirect_stdout(out):
@@ -251,7 +261,7 @@ def run_loop(job: Any, run_dir: Path, log: Path, verbose: bool, batch: int, step
                 print("".join(log.read_text().splitlines(keepends=True)[-20:]), file=sys.stderr)
             raise
     wall = time.perf_counter() - t0
-    return {**steady(recorder.metrics, batch), "loader_processes": recorder.processes,
+    return {**steady(step_rows(metrics_file), batch), "loader_processes": counter.processes,
             "summary_steps": int(summary["steps"]), "wall_s_with_startup_and_checkpoint": wall}
 
 

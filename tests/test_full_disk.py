@@ -6,6 +6,7 @@ taken for complete."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import io
 import json
@@ -484,25 +485,51 @@ def test_a_run_whose_disk_fills_stops_in_one_line_and_resumes_once_space_is_free
 
 # ------------------------------------------------------- a disk that fills at a random moment of a real run
 
-_FILL_SEEDS = ((34, "before"), (28, "before"), (5, "during"))
+_STEPS, _EVERY = 24, 8
+_FILL_SEEDS = ((5, "during"), (34, "before"), (28, "before"))
 # Six seeds ((34, 2, 7, 28) before, (5, 11) during) passed when this test was written (8 min on 2 cores); the
-# suite keeps three, about 4 minutes, so `make test` stays under its 20.
-"""Each seed draws the moment the disk runs out over the run's life. "before": the disk is left, before the
-run starts, with a random part of the bytes the whole run writes (start-up, the checkpoints: a checkpoint that
-cannot fit is refused before it is written). "during": at a random time of the run's training, the disk is
-filled to a random few KiB, so a metrics or log line (between checkpoints) or Ray's own write meets it."""
+# suite keeps three so `make test` stays under its 20 minutes.
+"""Each seed draws the moment the disk runs out over the run's life. "during": once the run has recorded a
+step drawn from the first two thirds, the run is frozen (SIGSTOP to its whole process tree: a step takes
+milliseconds, filling the disk longer), the disk filled to a random few KiB, and the run let go on, so a
+metrics or log line (between checkpoints) or Ray's own write meets it. "before": the disk is left, before the
+run starts, with a random part of the bytes the whole run writes (measured on the disk of the first seed once
+it has resumed and ended): start-up, a log line or a checkpoint (one that cannot fit is refused before it is
+written) meets the end of it."""
 
 
-def _fill_during(disk: Path, run: Path, seconds: float, rng: np.random.Generator) -> threading.Thread:
-    """Fill ``disk`` to a few KiB free at a time drawn from ``rng`` within ``seconds`` of training's start."""
-    at, leave = rng.uniform(0, 0.8 * seconds), int(rng.integers(0, 16_384))  # 0.8: before the run may end
+def _freeze(proc: subprocess.Popen, stop: bool) -> list[Any]:
+    """SIGSTOP (or SIGCONT) a `vitscale run` and every process it started (Ray's too)."""
+    import signal
+
+    import psutil
+
+    try:
+        root = psutil.Process(proc.pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signal.SIGSTOP if stop else signal.SIGCONT)
+    return tree
+
+
+def _fill_at_step(disk: Path, run: Path, proc: subprocess.Popen, step: int, leave: int) -> threading.Thread:
+    """Once `run` has recorded `step`, freeze the run, fill ``disk`` to ``leave`` free bytes, let it go on."""
 
     def fill() -> None:
+        rows = run / "metrics" / "rank0.jsonl"
         deadline = time.monotonic() + 600
-        while not (run / "metrics" / "rank0.jsonl").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(at)
-        _fill(disk, leave=leave)
+        while proc.poll() is None and time.monotonic() < deadline:
+            if rows.exists() and rows.read_bytes().count(b"\n") >= step:
+                break
+            time.sleep(0.005)
+        _freeze(proc, stop=True)
+        try:
+            _fill(disk, leave=leave)
+        finally:
+            _freeze(proc, stop=False)
 
     thread = threading.Thread(target=fill, daemon=True)
     thread.start()
@@ -514,8 +541,8 @@ def _tiny_run(tmp_path: Path, disk: Path, small_synthetic: str, name: str) -> Pa
 
     raw = {"name": name, "stages": ["pretrain"], "data": {"url": small_synthetic},
            "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "heads": 2, "mlp_dim": 32},
-           "train": {"global_batch": 8, "micro_batch": 8, "max_steps": 12, "warmup_steps": 0, "checkpoint_every": 4,
-                     "keep_checkpoints": 2, "log_every": 1},
+           "train": {"global_batch": 8, "micro_batch": 8, "max_steps": _STEPS, "warmup_steps": 0,
+                     "checkpoint_every": _EVERY, "keep_checkpoints": 2, "log_every": 1},
            "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "storage_path": str(disk),
                        "run_name": name}}
     pipeline = tmp_path / f"{name}.yaml"
@@ -553,33 +580,34 @@ def _nothing_torn(run: Path) -> None:
 @pytest.mark.slow
 def test_a_disk_that_fills_at_a_random_moment_ends_in_one_line_and_the_run_resumes(
         tmp_path: Path, small_disk: Callable[[int], Path], small_synthetic: str) -> None:
-    """The run's bytes are measured once uninterrupted; then, per seed, a disk left with a random part of them
-    free: the run stops in one line naming the path and the space (no traceback), nothing half-written is
-    taken for complete, and with space freed the same command resumes and ends at the uninterrupted step."""
-    size = 48 * 2**20
-    reference = small_disk(size)
-    before = free_bytes(reference) or 0
-    code, out = _vitscale_run(_tiny_run(tmp_path, reference, small_synthetic, "whole"), tmp_path / "whole.log")
-    assert code == 0 and "step 12/12" in out, out[-3000:]
-    needs = before - (free_bytes(reference) or 0)  # what the run leaves on its disk (pages, as tmpfs counts)
-    times = [float(json.loads(line)["time"]) for line in (reference / "whole" / "metrics" / "rank0.jsonl").open()]
-    training_s = times[-1] - times[0]
+    """Per seed, the disk runs out at a moment drawn over the run's life: the run stops in one line naming the
+    path and the space (no traceback), nothing half-written is taken for complete, and with space freed the
+    same command resumes and ends at the last step."""
+    from helpers.ray_runs import RUN_TIMEOUT_S, kill_tree, start
 
+    size = 48 * 2**20
+    needs = None  # the bytes a whole run leaves on its disk: known once the first seed has ended
     for seed, when in _FILL_SEEDS:
         rng = np.random.default_rng(seed)
         disk = small_disk(size)
         run = disk / f"fill{seed}"
-        if when == "before":
-            budget = int(rng.uniform(0.02, 0.9) * needs)
-            filler = _fill(disk, leave=budget)
-            moment = f"{budget:,} of {needs:,} bytes free"
-        else:
-            filling = _fill_during(disk, run, training_s, rng)
-            filler, moment = disk / "filler", f"filled during the run's {training_s:.0f} s of training"
         pipeline = _tiny_run(tmp_path, disk, small_synthetic, f"fill{seed}")
-        code, out = _vitscale_run(pipeline, tmp_path / f"fill{seed}.log")
-        if when == "during":
-            filling.join()
+        if when == "before":
+            assert needs is not None, "a 'during' seed comes first: it measures what a run needs"
+            budget = int(rng.uniform(0.02, 0.9) * needs)
+            _fill(disk, leave=budget)
+            moment = f"{budget:,} of {needs:,} bytes free"
+        proc = start(pipeline, tmp_path / f"fill{seed}.log")
+        try:
+            if when == "during":
+                step, leave = int(rng.integers(1, 2 * _STEPS // 3)), int(rng.integers(0, 16_384))
+                _fill_at_step(disk, run, proc, step, leave).join(timeout=RUN_TIMEOUT_S)
+                moment = f"filled to {leave:,} bytes free after step {step}"
+            proc.wait(timeout=RUN_TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                kill_tree(proc)
+        code, out = proc.returncode, (tmp_path / f"fill{seed}.log").read_text()
         what = f"seed {seed}: {moment}\n{out[-4000:]}"
         errors = [line for line in out.splitlines() if line.startswith("vitscale: error:")]
         assert code in (1, 2) and len(errors) == 1, what
@@ -592,10 +620,14 @@ def test_a_disk_that_fills_at_a_random_moment_ends_in_one_line_and_the_run_resum
         last = ckpt.latest_complete(sorted(p for p in run.glob("checkpoint_*") if p.is_dir()), 1)
         first_step = 1 if last is None else ckpt.read_train_state(last).step + 1  # (rotation may delete it later)
 
-        filler.unlink()
+        (disk / "filler").unlink()
         code, out = _vitscale_run(pipeline, tmp_path / f"fill{seed}-resumed.log")
-        assert code == 0 and "step 12/12" in out and "Traceback" not in out, f"seed {seed}, resumed\n{out[-4000:]}"
-        assert f"step {first_step}/12" in out and f"step {first_step - 1}/12" not in out, f"seed {seed}: from {last}"
+        assert code == 0 and f"step {_STEPS}/{_STEPS}" in out and "Traceback" not in out, \
+            f"seed {seed}, resumed\n{out[-4000:]}"
+        assert f"step {first_step}/{_STEPS}" in out and f"step {first_step - 1}/{_STEPS}" not in out, \
+            f"seed {seed}: from {last}"
         assert ckpt.latest_complete(sorted(p for p in run.glob("checkpoint_*") if p.is_dir()), 1) == \
-            run / "checkpoint_000000012"
+            run / f"checkpoint_{_STEPS:09d}"
+        if needs is None:  # a whole run's files (two attempts' logs: a little more than one run's)
+            needs = size - (free_bytes(disk) or 0)
         print(f"seed {seed}: {moment}; stopped with: {line}; resumed from {last}")

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from helpers.gloo_ranks import launch_ranks
+from helpers.loop_runs import steps
 
 STEPS = 4
 TOLERANCE = 2e-5
@@ -52,15 +53,14 @@ def worker(out: Path, data: str, resume: str | None) -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     run = out / (f"w{world}" + ("-resumed" if resume else ""))
-    seen: list[dict[str, Any]] = []
 
     def report(metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
-        seen.append({k: metrics[k] for k in ("step", "loss", "patch_accuracy")})
         if checkpoint_dir is not None:  # every rank's files into one folder: the whole ZeRO checkpoint
             shutil.copytree(checkpoint_dir, run / f"checkpoint_{metrics['step']}", dirs_exist_ok=True)
 
     train(_job(data), WorkerContext(rank=rank, world_size=world, run_dir=run, report=report, elastic=True,
                                     resume_from=Path(resume) if resume else None))
+    seen = [{k: row[k] for k in ("step", "loss", "patch_accuracy")} for row in steps(run, rank)]  # every step's
     (run / f"metrics-r{rank}.json").write_text(json.dumps(seen))
 
 
