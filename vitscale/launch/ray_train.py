@@ -47,6 +47,7 @@ from vitscale.launch.failures import (
     deterministic_cause,
 )
 from vitscale.launch.node_loss import RestartAtLiveSize
+from vitscale.launch.poll import set_controller_poll
 from vitscale.launch.snapshot import repair_snapshot
 from vitscale.say import say
 from vitscale.train import checkpoint as ckpt
@@ -378,6 +379,7 @@ def trainer_for(job: TrainJob, cluster: ClusterConfig, place: RunPlace,
     resources = {"CPU": cluster.cpus_per_worker}
     if cluster.use_gpu:
         resources["GPU"] = cluster.gpus_per_worker
+    set_controller_poll(cluster.max_workers)  # reports and failures seen sooner in a small run (launch/poll.py)
     return TorchTrainer(
         train_worker,
         train_loop_config={"job": job, "place": place,
