@@ -85,8 +85,8 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
                 checkpointer.leave(notice, step, metrics, state.skipped_steps, scores)
         elif scores:  # Tune's trial curves; a checkpoint's report carries its step's metrics
             # Not one per logged step: each report is a barrier, and Ray Train's controller takes one per
-            # poll (2 s), so reporting fast steps held training to a step per 2 s (the metrics sinks and
-            # the progress line have every step already).
+            # poll (Ray's 2 s; launch/poll.py), so reporting fast steps held training to a step per poll
+            # (the metrics sinks and the progress line have every step already).
             ctx.report({**report_metrics(metrics), "skipped_steps": state.skipped_steps, **scores}, None)
     observers.close()
     return {"steps": state.step, "total_steps": w.total_steps, "examples_seen": state.examples_seen,
