@@ -22,10 +22,9 @@ CHILD = textwrap.dedent("""
         with TerminationNotice(grace, label="rank 1") as notice:
             if mode == "starved":  # the watcher thread gets no GIL until this thread lets go of it
                 sys.setswitchinterval(100)
-                os.kill(os.getpid(), signal.SIGTERM)
-                begun = time.monotonic()
-                while time.monotonic() - begun < 0.3:  # a step's work that never lets go of the GIL
-                    pass
+                # To this thread: the handler has run when the call returns (a signal to the process may be
+                # handled by a thread the kernel schedules later), and this thread keeps the GIL meanwhile.
+                signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
                 print("first ask:", notice.notice(), flush=True)
                 sys.setswitchinterval(0.005)
             else:  # (a second signal here could be delivered only after the context has left, on a busy host)
