@@ -153,6 +153,9 @@ def test_a_run_directory_is_consolidated_and_probed(capsys: pytest.CaptureFixtur
         (["{garbage}", "--data", "{synth}", "--shots", "5"], "cannot read checkpoint"),
         (["{npz}", "--data", "{synth}", "--shots", "5"], "--model"),
         (["{pth}", "--data", "{synth}", "--shots", "5", "--model", "ViT-Nope/16"], "ViT-Nope/16"),
+        # A location spelled wrong is refused naming its argument, not taken for a missing local file.
+        (["s3:/bucket/run", "--data", "{synth}"], "checkpoint: s3:/bucket/run is not a location vitscale reads"),
+        (["{pt}", "--data", "s3:bucket/data"], "--data: s3:bucket/data is not a location vitscale reads"),
     ],
 )
 def test_errors_are_one_line(capsys: pytest.CaptureFixture[str], files: dict, data: dict, tmp_path: Path,
@@ -175,3 +178,18 @@ def test_model_options_describe_an_npz_files_architecture(data: dict, files: dic
     assert "small.npz" in _error(capsys, *argv)  # without them the weights do not fit: one line
     assert "--option is for npz and timm files" in _error(capsys, files["pt"], "--data", data["synth"], "--shots", "1",
                                                           "--option", "depth=1")
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["inspect", "s3:bucket/run", "--images", "{synth}", "--out", "{out}"], "checkpoint: s3:bucket/run is not"),
+    (["inspect", "{pt}", "--images", "s3://Bad_Bucket/x", "--out", "{out}"], "--images: s3://Bad_Bucket/x:"),
+    (["export", "s3:/bucket/run", "--out", "{out}/model.pt"], "run_dir: s3:/bucket/run is not"),
+])
+def test_the_other_weights_verbs_refuse_a_malformed_location_by_its_argument(
+        capsys: pytest.CaptureFixture[str], files: dict, data: dict, tmp_path: Path, argv: list[str],
+        match: str) -> None:
+    names = {**files, **data, "out": str(tmp_path / "out")}
+    assert main([a.format(**names) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vitscale: error: ") and err.count("\n") == 1 and match in err, err
+    assert not (tmp_path / "out").exists()  # refused before anything was written

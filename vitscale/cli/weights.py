@@ -34,9 +34,21 @@ def _export_args(p: argparse.ArgumentParser) -> None:
                         "--out's suffix names, pt for any other)")
 
 
+def _well_formed(*locations: tuple[str | None, str]) -> None:
+    """Refuse a location spelled wrong (`s3:/bucket/run`, `s3:bucket`, a bucket S3 would refuse) in one line
+    naming its argument, rather than a "no such file" later; each is then used as the user wrote it."""
+    from vitscale.config.location import canonical_location
+
+    for location, name in locations:
+        if location:
+            canonical_location(location, name)
+
+
 @writes
 def cmd_export(args: argparse.Namespace) -> int:
     from vitscale.train.export import export_run
+
+    _well_formed((args.run_dir, "run_dir"), (args.out, "--out"))
 
     info = export_run(args.run_dir, args.out, fmt=args.format, progress=True)
     print_json(info)
@@ -68,6 +80,8 @@ def _fewshot_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_fewshot(args: argparse.Namespace) -> int:
     from vitscale.eval.weights_probe import fewshot_table, fewshot_weights
+
+    _well_formed((args.checkpoint, "checkpoint"), *((data, "--data") for data in args.data))
 
     fewshot = {"datasets": tuple(args.data), "shots": tuple(args.shots) if args.shots else None,
                "seeds": args.seeds, "seed": args.seed, "l2": args.l2, "resolution": args.resolution,
@@ -106,6 +120,8 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from vitscale.config.loader import apply_override
     from vitscale.inspect.run import inspect_checkpoint
+
+    _well_formed((args.checkpoint, "checkpoint"), (args.images, "--images"), (args.out, "--out"))
 
     options: dict[str, Any] = {}
     for item in args.option:  # YAML values, as a pipeline's `model:` section reads them
