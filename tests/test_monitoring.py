@@ -111,9 +111,10 @@ def scraped_run(tmp_path_factory: pytest.TempPathFactory):
         "stages": ["pretrain"],
         "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "mlp_dim": 32, "heads": 2},
         "data": {"url": str(data), "num_workers": 0},
-        # Enough steps to outlive several 1-second scrapes; a stated peak makes MFU exist on CPU.
-        "train": {"global_batch": 16, "micro_batch": 8, "max_steps": 120, "warmup_steps": 2, "zero_stage": 2,
-                  "precision": "fp32", "checkpoint_every": 40, "log_every": 40, "metrics_port": port,
+        # Enough steps to outlive several 1-second scrapes after the first checkpoint (a step takes milliseconds,
+        # and Ray no longer holds the run at its poll); a stated peak makes MFU exist on CPU.
+        "train": {"global_batch": 16, "micro_batch": 8, "max_steps": 480, "warmup_steps": 2, "zero_stage": 2,
+                  "precision": "fp32", "checkpoint_every": 160, "log_every": 160, "metrics_port": port,
                   "peak_flops": 1e12},
         "cluster": {"num_workers": 2, "use_gpu": False, "cpus_per_worker": 1, "storage_path": str(tmp / "runs")},
     })
