@@ -182,12 +182,15 @@ def _spool_files() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob("vitscale-shard-*.tar")}
 
 
-def test_a_shard_upload_that_keeps_failing_is_one_line_naming_it(moto_s3: str, bucket: str,
+def test_a_shard_upload_that_keeps_failing_is_one_line_naming_it(moto_s3: str, bucket: str, tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """It ended in `FileNotFoundError: '/tmp/vitscale-shard-....tar'`: the cleanup deleted the spool file a
     second time and its error replaced the upload's."""
     monkeypatch.setenv("VITSCALE_S3_RETRY_S", "1")
+    # This test's own temporary folder: another test writing shards meanwhile (the other xdist worker) spools
+    # into the system's, and its file is not this writer's to remove.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     before = _spool_files()
     with FaultProxy(moto_s3, methods=("PUT", "POST")) as proxy:
         proxy.schedule(*["503"] * 1000, methods=("PUT", "POST"), path="train-000001.tar")
