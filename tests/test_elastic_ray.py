@@ -47,6 +47,19 @@ LOSS_TO_STEP_LIMIT_S = 45.0
 4 tried first from a stale view, waiting out Ray Train's 60 s start timeout."""
 
 
+@pytest.fixture(autouse=True)
+def _paced_by_rays_own_poll(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's own 2-s controller poll, as a user may set it (launch/poll.py keeps a user's value), and a
+    checkpoint every step (`_config`): each step's report waits up to a poll, which keeps the 2-worker phase
+    running (about 30 s) until the node added back has started and Ray's 5-s resize check has seen it. At
+    vitscale's 0.25 s for a run this small the 2-worker phase took 2 s, and with a checkpoint every 2 steps
+    13 s, and the run ended before it could grow."""
+    from vitscale.launch import poll
+
+    monkeypatch.setenv(poll.POLL_ENV, "2")
+    monkeypatch.setattr(poll, "_USERS", "2")
+
+
 @pytest.fixture(scope="module")
 def nodes():
     from ray.cluster_utils import Cluster
@@ -76,8 +89,8 @@ def _config(dataset: str, storage: Path, name: str, num_workers: object, zero: i
                   "dropout": 0.0},
         "data": {"url": dataset, "num_workers": 0, "shuffle_buffer": 16},
         "train": {"global_batch": GLOBAL_BATCH, "micro_batch": 3, "max_steps": STEPS, "warmup_steps": 2,
-                  "base_lr": LR, "zero_stage": zero, "precision": "fp32", "checkpoint_every": 2, "log_every": 1,
-                  "record_samples": True, "keep_checkpoints": 20},
+                  "base_lr": LR, "zero_stage": zero, "precision": "fp32", "checkpoint_every": 1, "log_every": 1,
+                  "record_samples": True, "keep_checkpoints": STEPS + 1},
         "cluster": {"num_workers": num_workers, "use_gpu": False, "cpus_per_worker": 1, "storage_path": str(storage),
                     "max_failures": 3, "elastic_resize_s": 5.0},
     })
@@ -217,7 +230,9 @@ def test_a_preemption_notice_is_answered_with_a_checkpoint_and_no_step_is_lost(n
     cluster, workers = nodes
     run_dir = tmp_path / "preempted"
     config = _config(dataset, tmp_path, "preempted", [2, 4], 2)
-    steps = 150  # long enough that the deadline passes mid-run
+    # Long enough that the deadline (10 s) and the next preemption ask (every 5 s) pass mid-run: a step takes
+    # about 0.1 s here, and no report holds it (checkpoints only on the notice and at the end).
+    steps = 600
     config = config.with_sections(train=dataclasses.replace(config.train, checkpoint_every=1000, max_steps=steps))
     outcome: dict = {}
 
