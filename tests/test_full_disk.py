@@ -6,7 +6,6 @@ taken for complete."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import io
 import json
@@ -498,25 +497,9 @@ it has resumed and ended): start-up, a log line or a checkpoint (one that cannot
 written) meets the end of it."""
 
 
-def _freeze(proc: subprocess.Popen, stop: bool) -> list[Any]:
-    """SIGSTOP (or SIGCONT) a `vitscale run` and every process it started (Ray's too)."""
-    import signal
-
-    import psutil
-
-    try:
-        root = psutil.Process(proc.pid)
-        tree = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-    for process in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.send_signal(signal.SIGSTOP if stop else signal.SIGCONT)
-    return tree
-
-
 def _fill_at_step(disk: Path, run: Path, proc: subprocess.Popen, step: int, leave: int) -> threading.Thread:
     """Once `run` has recorded `step`, freeze the run, fill ``disk`` to ``leave`` free bytes, let it go on."""
+    from helpers.ray_runs import pause
 
     def fill() -> None:
         rows = run / "metrics" / "rank0.jsonl"
@@ -525,11 +508,11 @@ def _fill_at_step(disk: Path, run: Path, proc: subprocess.Popen, step: int, leav
             if rows.exists() and rows.read_bytes().count(b"\n") >= step:
                 break
             time.sleep(0.005)
-        _freeze(proc, stop=True)
+        pause(proc, paused=True)
         try:
             _fill(disk, leave=leave)
         finally:
-            _freeze(proc, stop=False)
+            pause(proc, paused=False)
 
     thread = threading.Thread(target=fill, daemon=True)
     thread.start()

@@ -30,11 +30,7 @@ def kill_tree(proc: subprocess.Popen) -> list[Any]:
 
     Returns the processes still alive 30 s later (none, when the kill worked).
     """
-    try:
-        root = psutil.Process(proc.pid)
-        tree = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        tree = []
+    tree = _tree(proc)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     for process in tree:
@@ -43,6 +39,22 @@ def kill_tree(proc: subprocess.Popen) -> list[Any]:
     proc.wait()
     _, alive = psutil.wait_procs(tree, timeout=30)
     return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _tree(proc: subprocess.Popen) -> list[Any]:
+    """The driver and every process it started (Ray's GCS, raylet, workers), as psutil sees them now."""
+    try:
+        root = psutil.Process(proc.pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def pause(proc: subprocess.Popen, paused: bool) -> None:
+    """SIGSTOP (or SIGCONT) a `vitscale run` and every process it started: it holds still meanwhile."""
+    for process in _tree(proc):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
 
 
 def finished(pipeline: Path, log: Path) -> tuple[int, str]:
