@@ -17,6 +17,7 @@ import contextlib
 import glob
 import json
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -205,7 +206,10 @@ def test_tensorboard_serves_every_trials_accuracy_curve(assets: dict[str, str], 
             assert series[-1][2] == pytest.approx(rows[trial_id]["metric"], rel=1e-6)
 
 
-def test_a_killed_sweep_resumes_where_it_stopped(assets: dict[str, str], tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", ["SIGKILL", "Ctrl-C"])
+def test_a_stopped_sweep_resumes_where_it_stopped(stop: str, assets: dict[str, str], tmp_path: Path) -> None:
+    """Killed (the driver's whole process tree SIGKILLed) or interrupted (SIGINT to the driver, as Ctrl-C
+    sends it: the CLI's one line naming the command that resumes, exit 130): the same command resumes."""
     # Two trials at once: a short one that finishes first and a long one (checkpointed every 400
     # steps) that is still training when the driver is killed. The long one runs about 100 steps/s
     # here, and Tune records the short one's end 20-25 s after its last step (its Train run's teardown on
@@ -231,9 +235,21 @@ def test_a_killed_sweep_resumes_where_it_stopped(assets: dict[str, str], tmp_pat
             if finished and any(others.values()):
                 break
             time.sleep(0.2)
+        if stop == "Ctrl-C":
+            tree = psutil.Process(proc.pid).children(recursive=True)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=120) == 130, log.read_text()[-4000:]
+            last = log.read_text().rstrip("\n").splitlines()[-1]
+            assert last == (f"vitscale: interrupted; the run is kept at {run_dir}: resume it from its last "
+                            f"complete checkpoint with `vitscale run {pipeline}`"), log.read_text()[-4000:]
+            _, alive = psutil.wait_procs(tree, timeout=30)
+            survivors = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        else:
+            survivors = kill_tree(proc)
     finally:
-        survivors = kill_tree(proc)
-    assert not survivors, f"processes of the killed sweep still running: {survivors}"
+        if proc.poll() is None:
+            kill_tree(proc)
+    assert not survivors, f"processes of the stopped sweep still running: {survivors}"
     assert len(finished) == 1 and len(others) == 1, (finished, others, log.read_text()[-4000:])
     (first_id, first), (second_id, before_kill) = next(iter(finished.items())), next(iter(others.items()))
     assert first["step"] == 4 and before_kill[-1] < long_steps, (first, before_kill)

@@ -24,7 +24,6 @@ import ray
 import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.collective import broadcast_from_rank_zero
-from ray.train.torch import TorchTrainer
 
 from vitscale.config.checks import ConfigError
 from vitscale.config.location import is_url, part_location
@@ -38,6 +37,7 @@ from vitscale.data.storage.retry import RETRY_ENV, final_reason
 from vitscale.data.storage.run_cache import run_cache_dir, run_cache_key
 from vitscale.data.storage.space import is_no_space, no_space_line
 from vitscale.launch.console import labelled_lines
+from vitscale.launch.ctrl_c import Trainer
 from vitscale.launch.errors import PipelineFailed
 from vitscale.launch.failures import (
     DeterministicFailure,
@@ -361,7 +361,7 @@ def concurrent_runs(cluster: ClusterConfig, resources: dict[str, float]) -> int:
 
 def trainer_for(job: TrainJob, cluster: ClusterConfig, place: RunPlace,
                 callbacks: list[Any] | None = None, label: str | None = None,
-                workers_key: str = "cluster.num_workers") -> TorchTrainer:
+                workers_key: str = "cluster.num_workers") -> Trainer:
     """The TorchTrainer that runs `job` as the Train run at `place` (resumes it if it has checkpoints).
 
     `label` (a sweep trial and its hyper-parameters) goes into every "[vitscale]" line its workers print.
@@ -380,7 +380,8 @@ def trainer_for(job: TrainJob, cluster: ClusterConfig, place: RunPlace,
     if cluster.use_gpu:
         resources["GPU"] = cluster.gpus_per_worker
     set_controller_poll(cluster.max_workers)  # reports and failures seen sooner in a small run (launch/poll.py)
-    return TorchTrainer(
+    # Ctrl-C stops the workers, then ends in the CLI's line saying how to resume (launch/ctrl_c.py).
+    return Trainer(
         train_worker,
         train_loop_config={"job": job, "place": place,
                            "label": label, "elastic": cluster.elastic, "grace_s": cluster.preemption_grace_s},

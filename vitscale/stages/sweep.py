@@ -369,6 +369,10 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
     # reports between carry training metrics only. Tune's strict check would call those errors;
     # ASHA already ignores results without its metric.
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
+    # Ctrl-C is Python's KeyboardInterrupt, as in every other stage: Tune's own handler would end `fit` as
+    # if the sweep had finished (no trial scored, an error) with its advice to call `Tuner.restore`; the
+    # CLI says instead that the same command resumes the sweep (its trials' checkpoints and results kept).
+    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"
     if restoring:
         say(f"resuming the sweep in {experiment}")
         tuner = tune.Tuner.restore(experiment if filesystem is None else f"{tune_path}/sweep-trials{label}",

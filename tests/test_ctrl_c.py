@@ -1,0 +1,68 @@
+"""Ctrl-C of a real `vitscale run` while its workers train: the workers stop, the terminal's last line
+says where the run is kept and the command that resumes it, the exit status is 130, no Ray process of
+the run is left, and that command resumes from the last complete checkpoint (launch/ctrl_c.py).
+
+Ray Train's own SIGINT handler aborted the run and ended the driver with status 1 and nothing said."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from helpers.loop_runs import steps
+from helpers.ray_runs import kill_tree, run, start
+
+pytestmark = pytest.mark.slow
+
+
+def test_ctrl_c_stops_the_workers_says_how_to_resume_and_the_command_resumes(tmp_path: Path,
+                                                                            small_synthetic: str) -> None:
+    pipeline = tmp_path / "ctrlc.yaml"
+    pipeline.write_text(yaml.safe_dump({
+        "name": "ctrlc", "stages": ["pretrain"], "data": {"url": small_synthetic, "num_workers": 0},
+        "model": {"name": "ViT-Ti/16", "img_size": 32, "depth": 1, "width": 32, "mlp_dim": 64, "heads": 2},
+        "train": {"global_batch": 8, "micro_batch": 8, "max_steps": 30, "precision": "fp32",
+                  "zero_stage": 1, "checkpoint_every": 4, "log_every": 1},
+        "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "local_num_cpus": 2,
+                    "storage_path": str(tmp_path / "runs")}}))
+    run_dir = tmp_path / "runs" / "ctrlc"
+    log = tmp_path / "interrupted.log"
+    proc = start(pipeline, log)
+    try:
+        deadline = time.monotonic() + 600
+        while not (run_dir / "checkpoint_000000004").is_dir():  # Ray up, a worker training, a checkpoint kept
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGINT)  # what the terminal sends the driver on Ctrl-C
+        code = proc.wait(timeout=120)
+        _, alive = psutil.wait_procs(tree, timeout=30)
+        left = [f"{p.pid} {p.name()}" for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    output = log.read_text()
+    assert code == 130, output[-4000:]
+    assert output.rstrip("\n").splitlines()[-1] == (
+        f"vitscale: interrupted; the run is kept at {run_dir}: resume it from its last complete checkpoint "
+        f"with `vitscale run {pipeline}`"), output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    assert left == [], left
+    stopped_at = max(row["step"] for row in steps(run_dir, 0))
+    assert stopped_at < 30, "the run was not interrupted: make it longer"
+
+    output = run(pipeline, tmp_path / "resumed.log")  # the command the line gave
+    summary = json.loads(output.strip().splitlines()[-1])
+    assert summary["ok"] and summary["pretrain"]["step"] == 30 and summary["pretrain"]["restarts"] == 1
+    # It went on from a checkpoint at or before the interruption (every 4 steps), not from the start.
+    resumed = [line for line in output.splitlines() if "resumed from" in line]
+    assert len(resumed) == 1, output[-4000:]
+    at = int(resumed[0].split(" at step ")[1].split()[0])
+    assert 4 <= at <= stopped_at and at % 4 == 0, resumed
