@@ -2,12 +2,15 @@
 says where the run is kept and the command that resumes it, the exit status is 130, no Ray process of
 the run is left, and that command resumes from the last complete checkpoint (launch/ctrl_c.py).
 
-Ray Train's own SIGINT handler aborted the run and ended the driver with status 1 and nothing said."""
+Ray Train's own SIGINT handler aborted the run and ended the driver with status 1 and nothing said;
+runs driven from a thread pool (a sweep's final retrains) held a Ctrl-C up until they finished."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -17,10 +20,42 @@ import yaml
 
 from helpers.loop_runs import steps
 from helpers.ray_runs import kill_tree, run, start
+from vitscale.launch.ctrl_c import side_by_side
 
-pytestmark = pytest.mark.slow
+
+def test_side_by_side_keeps_order_and_width_and_raises_the_first_error_in_order() -> None:
+    running, most = 0, 0
+    lock = threading.Lock()
+
+    def call(i: int) -> int:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.05 * (5 - i))  # later calls end first
+        with lock:
+            running -= 1
+        if i in (3, 1):
+            raise ValueError(f"call {i}")
+        return i * i
+
+    assert side_by_side([lambda i=i: i * i for i in range(5)], 2) == [0, 1, 4, 9, 16]
+    with pytest.raises(ValueError, match="call 1"):
+        side_by_side([lambda i=i: call(i) for i in range(5)], 2)
+    assert most == 2
 
 
+def test_ctrl_c_is_not_held_up_by_calls_still_running() -> None:
+    release = threading.Event()
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        side_by_side([lambda: release.wait(60), lambda: release.wait(60)], 2)
+    assert time.monotonic() - started < 10
+    release.set()
+
+
+@pytest.mark.slow
 def test_ctrl_c_stops_the_workers_says_how_to_resume_and_the_command_resumes(tmp_path: Path,
                                                                             small_synthetic: str) -> None:
     pipeline = tmp_path / "ctrlc.yaml"

@@ -8,6 +8,11 @@ run is kept and how to resume it, and a Ctrl-C in a later stage met a handler ai
 :class:`Trainer` keeps Ray's abort (the workers stop, the complete checkpoints stay) and then raises
 ``KeyboardInterrupt``, the path every other Ctrl-C takes; a second Ctrl-C during the abort goes to the
 handler in place before the run. When ``fit`` returns or raises, that handler is back.
+
+Runs driven side by side from threads (a sweep's final retrains) get no such handler: Ray registers
+it from the main thread only. :func:`side_by_side` runs them in daemon threads, so a Ctrl-C in the
+main thread is not held up until they finish (a thread pool's workers are joined at exit): the driver
+ends, and the Train runs it drove end with it, as every actor a driver owns does.
 """
 
 from __future__ import annotations
@@ -15,13 +20,16 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 from ray.train.torch import TorchTrainer
 
-__all__ = ["ABORT_WAIT_S", "Trainer"]
+__all__ = ["ABORT_WAIT_S", "Trainer", "side_by_side"]
+
+T = TypeVar("T")
 
 ABORT_WAIT_S = 60.0
 """How long a Ctrl-C waits for Ray Train to stop the workers before the driver goes on ending."""
@@ -52,3 +60,32 @@ class Trainer(TorchTrainer):
             raise KeyboardInterrupt
 
         signal.signal(signal.SIGINT, interrupt)
+
+
+def side_by_side(calls: Sequence[Callable[[], T]], width: int) -> list[T]:
+    """Each call's result, in order, running at most ``width`` at once in daemon threads.
+
+    The first call (in order) that raised re-raises here once all have ended; a ``KeyboardInterrupt``
+    in the waiting main thread leaves at once.
+    """
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException | None] = [None] * len(calls)
+    gate = threading.Semaphore(max(1, width))
+
+    def one(i: int) -> None:
+        with gate:
+            try:
+                results[i] = calls[i]()
+            except BaseException as exc:  # noqa: BLE001 -- handed to the main thread, raised there
+                errors[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True, name=f"vitscale-run-{i}")
+               for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()  # interruptible: Ctrl-C raises here
+    for error in errors:
+        if error is not None:
+            raise error
+    return results

@@ -22,8 +22,8 @@ import itertools
 import json
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -417,6 +417,7 @@ def _retrain_winners(config: PipelineConfig, model: ModelConfig | None,
     one waiting for the other). Returns each one's test accuracies, in order."""
     import ray
 
+    from vitscale.launch.ctrl_c import side_by_side
     from vitscale.launch.ray_train import concurrent_runs
 
     if not sweep_section(config).retrain:
@@ -425,9 +426,8 @@ def _retrain_winners(config: PipelineConfig, model: ModelConfig | None,
     if at_once > 1:
         say(f"retraining {len(winners)} winners at once")
     # TorchTrainer.fit from a thread is what Tune itself does; each run has its own name and folder.
-    with ThreadPoolExecutor(max_workers=at_once) as pool:
-        runs = [pool.submit(_retrain, config, model, *winner) for winner in winners]
-        return [run.result() for run in runs]
+    # Daemon threads: a Ctrl-C does not wait for the retrains to finish (launch/ctrl_c.py).
+    return side_by_side([partial(_retrain, config, model, *winner) for winner in winners], at_once)
 
 
 def _retrain(config: PipelineConfig, model: ModelConfig | None, init: str | None, directory: Path, label: str,
