@@ -137,7 +137,25 @@ def test_ctrl_c_of_a_run_says_where_it_is_kept_and_how_to_resume(tmp_path: Path,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("vitscale: interrupted; the run is kept at ")
     assert str(tmp_path / "runs" / "exp1") in err
-    assert f"`vitscale run {pipeline} --set=train.base_lr=4e-4`" in err
+    assert f"`vitscale run {pipeline} --set train.base_lr=4e-4`" in err  # the command as typed
+
+
+def test_ctrl_c_of_a_finetune_says_where_it_is_kept_and_how_to_resume(tmp_path: Path, small_synthetic: str,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    import vitscale.stages.run as runner
+
+    def interrupted(*args: object, **kwargs: object) -> dict:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_pipeline", interrupted)
+    argv = ["finetune", str(tmp_path / "weights.pt"), "--data", small_synthetic, "--model", "ViT-Ti/16", "--lr", "0.01",
+            "--set", f"cluster.storage_path={tmp_path / 'runs'}"]
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("vitscale: interrupted; the run is kept at "), err
+    assert str(tmp_path / "runs" / f"finetune-{Path(small_synthetic).name}") in err
+    assert f"`vitscale finetune {tmp_path / 'weights.pt'} --data {small_synthetic} --model ViT-Ti/16 --lr 0.01 --set " in err
 
 
 def test_a_wrong_address_is_one_line_within_seconds(tmp_path: Path, small_synthetic: str,

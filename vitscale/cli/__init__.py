@@ -65,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         flags = [flag for action in chosen._actions for flag in action.option_strings]
         hints = "".join(did_you_mean(item.partition("=")[0], flags) for item in extra if item.startswith("-"))
         chosen.error(f"unrecognized arguments: {' '.join(extra)}{hints}")
+    args.command_line = ["vitscale", *(sys.argv[1:] if argv is None else argv)]  # what an interrupted run repeats
     try:
         with as_interruptions(is_writing(args.func)):  # SIGTERM/SIGHUP clean up as Ctrl-C does
             return int(args.func(args))

@@ -43,7 +43,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         summary = run_pipeline(config, address=args.address, verbose=args.verbose, force=args.force)
     except KeyboardInterrupt:
-        raise Interrupted(resume_line(args, config.cluster.run_storage(config.run_name))) from None
+        raise Interrupted(resume_line(args.command_line, config.cluster.run_storage(config.run_name))) from None
     print(json.dumps(summary, default=str))
     return 0 if summary.get("ok", True) else 1
 
@@ -52,13 +52,10 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C during a run: the CLI's one line says where the run is kept and how to go on with it."""
 
 
-def resume_line(args: argparse.Namespace, storage: str) -> str:
-    """`interrupted; ... resume with: vitscale run PIPELINE [--set ...]` (the same command resumes: Sec. resume)."""
+def resume_line(command: list[str], storage: str) -> str:
+    """`interrupted; ... resume with: COMMAND`: the command as typed resumes the run (docs/resume.md)."""
     import shlex
 
-    command = ["vitscale", "run", args.pipeline, *(f"--set={item}" for item in args.set)]
-    if args.address:
-        command += ["--address", args.address]
     return (f"interrupted; the run is kept at {storage}: resume it from its last complete checkpoint with "
             f"`{shlex.join(command)}`")
 
@@ -107,6 +104,10 @@ def cmd_finetune(args: argparse.Namespace) -> int:
                             local=ray_address(args.address) is None)
     for item in args.set:
         raw = apply_override(raw, item)
-    summary = run_pipeline(build_pipeline(raw, "vitscale finetune"), address=args.address, verbose=args.verbose)
+    config = build_pipeline(raw, "vitscale finetune")
+    try:
+        summary = run_pipeline(config, address=args.address, verbose=args.verbose)
+    except KeyboardInterrupt:
+        raise Interrupted(resume_line(args.command_line, config.cluster.run_storage(config.run_name))) from None
     print(json.dumps(summary, default=str))
     return 0
