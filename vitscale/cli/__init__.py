@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt as exc:  # `vitscale run` says where the run is kept and how to resume it
         print(f"vitscale: {str(exc) or 'interrupted'}", file=sys.stderr)
-        return 130
+        return int(getattr(exc, "exit_code", 130))
     except known_errors() as exc:
         text = from_set(exc, getattr(args, "set", ())) if isinstance(exc, ConfigError) else str(exc)
         print(f"vitscale: error: {text}", file=sys.stderr)

@@ -7,9 +7,10 @@ shards, marker and lease behind. A verb marked :func:`writes` turns both signals
 the write put there, and the folders it created), then one line and the shell's exit code for the
 signal, ``128 + signum`` (143 for SIGTERM, 129 for SIGHUP).
 
-Only the CLI process of such a verb, only while its command runs: ``vitscale run`` and ``finetune``
-are not marked (a run's driver and its workers keep their own meaning of SIGTERM, a preemption notice:
-``train/termination.py``), and the handlers in place before are restored afterwards.
+Only the CLI process of such a verb, only while its command runs, and the handlers in place before are
+restored afterwards. ``vitscale run`` and ``finetune`` are marked too: their driver stops the run's
+workers first (``launch/ctrl_c.py``) and its line says how to resume. A SIGTERM to a *worker* is another
+matter, a preemption notice (``train/termination.py``): workers are processes of their own.
 """
 
 from __future__ import annotations
@@ -20,12 +21,20 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-__all__ = ["SIGNALS", "Signalled", "as_interruptions", "is_writing", "writes"]
+__all__ = ["SIGNALS", "Signalled", "as_interruptions", "is_writing", "received", "writes"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 """Signals that ask a process to end (``kill``, a closed terminal, a job scheduler), besides Ctrl-C's SIGINT."""
 
 _MARK = "_vitscale_writes"
+_received: int | None = None
+
+
+def received() -> int:
+    """The signal that interrupted the command: SIGTERM or SIGHUP taken by :func:`as_interruptions`, else
+    SIGINT. Ray's ``get`` turns whatever a handler raised while it waited into a plain ``KeyboardInterrupt``,
+    so a :class:`Signalled` may arrive without its number."""
+    return signal.SIGINT if _received is None else _received
 
 
 class Signalled(KeyboardInterrupt):
@@ -59,11 +68,15 @@ def as_interruptions(enabled: bool = True) -> Iterator[None]:
     A second one while the first is being cleaned up is ignored, so the clean-up is not cut short
     (SIGKILL still ends the process); the handlers in place before are restored on the way out.
     """
+    global _received
+    _received = None
     if not enabled:
         yield
         return
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
+        global _received
+        _received = signum
         for other in SIGNALS:
             signal.signal(other, signal.SIG_IGN)
         raise Signalled(signum)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 from typing import Any
 
+from vitscale.cli.interrupt import received, writes
 from vitscale.cli.parser import VerbFn
 
 
@@ -35,6 +37,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                         "run's lock goes by itself when its holder dies)")
 
 
+@writes  # SIGTERM and SIGHUP stop the run as Ctrl-C does: the workers, then the driver, in one line
 def cmd_run(args: argparse.Namespace) -> int:
     from vitscale.stages import load_pipeline
     from vitscale.stages.run import resolve_pipeline_path, run_pipeline
@@ -42,22 +45,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = load_pipeline(resolve_pipeline_path(args.pipeline), args.set)
     try:
         summary = run_pipeline(config, address=args.address, verbose=args.verbose, force=args.force)
-    except KeyboardInterrupt:
-        raise Interrupted(resume_line(args.command_line, config.cluster.run_storage(config.run_name))) from None
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (cli/interrupt.Signalled)
+        raise Interrupted(resume_line(args.command_line, config.cluster.run_storage(config.run_name)), exc) from None
     print(json.dumps(summary, default=str))
     return 0 if summary.get("ok", True) else 1
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during a run: the CLI's one line says where the run is kept and how to go on with it."""
+    """A run stopped by Ctrl-C, SIGTERM or SIGHUP: the CLI's one line says where the run is kept and how
+    to go on with it; the exit code is the shell's for the signal (130, 143, 129)."""
+
+    def __init__(self, line: str, cause: KeyboardInterrupt) -> None:
+        self.signum = int(getattr(cause, "signum", received()))
+        by = "" if self.signum == signal.SIGINT else f" by {signal.Signals(self.signum).name}"
+        super().__init__(f"interrupted{by}; {line}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
 
 
 def resume_line(command: list[str], storage: str) -> str:
-    """`interrupted; ... resume with: COMMAND`: the command as typed resumes the run (docs/resume.md)."""
+    """Where the run is kept and the command, as typed, that resumes it (docs/resume.md)."""
     import shlex
 
-    return (f"interrupted; the run is kept at {storage}: resume it from its last complete checkpoint with "
-            f"`{shlex.join(command)}`")
+    return f"the run is kept at {storage}: resume it from its last complete checkpoint with `{shlex.join(command)}`"
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -92,6 +104,7 @@ def _finetune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true", help="show Ray's and DeepSpeed's own output here too")
 
 
+@writes
 def cmd_finetune(args: argparse.Namespace) -> int:
     from vitscale.config import apply_override
     from vitscale.config.pipeline import ray_address
@@ -107,7 +120,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     config = build_pipeline(raw, "vitscale finetune")
     try:
         summary = run_pipeline(config, address=args.address, verbose=args.verbose)
-    except KeyboardInterrupt:
-        raise Interrupted(resume_line(args.command_line, config.cluster.run_storage(config.run_name))) from None
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (cli/interrupt.Signalled)
+        raise Interrupted(resume_line(args.command_line, config.cluster.run_storage(config.run_name)), exc) from None
     print(json.dumps(summary, default=str))
     return 0

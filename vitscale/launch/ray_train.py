@@ -37,7 +37,7 @@ from vitscale.data.storage.retry import RETRY_ENV, final_reason
 from vitscale.data.storage.run_cache import run_cache_dir, run_cache_key
 from vitscale.data.storage.space import is_no_space, no_space_line
 from vitscale.launch.console import labelled_lines
-from vitscale.launch.ctrl_c import Trainer
+from vitscale.launch.ctrl_c import Trainer, keeping_handlers
 from vitscale.launch.errors import PipelineFailed
 from vitscale.launch.failures import (
     DeterministicFailure,
@@ -499,14 +499,16 @@ def ensure_ray(address: str | None, local_num_cpus: int | None) -> str:
         try:
             # The run's object-storage endpoint reaches every worker and trial this driver starts.
             env = endpoint_env()
-            context = ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": env} if env else None)
+            with keeping_handlers():  # not Ray's SIGTERM handler, a stack dump and an abort (launch/ctrl_c.py)
+                context = ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": env} if env else None)
         except ConnectionError as exc:  # "auto" with no cluster on this machine, a GCS that refuses us
             raise ConfigError("cluster.address", f"cannot join a Ray cluster at {address}: {exc}") from None
         return f"joined Ray cluster at {address}{_dashboard(context)}"
     from vitscale.launch.local_ray import start_local_ray
 
     # The dashboard also serves the state API that Ray Train's controller polls (and the Train view).
-    context = start_local_ray(local_num_cpus)
+    with keeping_handlers():
+        context = start_local_ray(local_num_cpus)
     return f"started a local Ray with {ray.cluster_resources().get('CPU', 0):.0f} CPUs{_dashboard(context)}"
 
 
