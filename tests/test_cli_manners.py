@@ -180,6 +180,57 @@ def test_a_wrong_address_is_one_line_within_seconds(tmp_path: Path, small_synthe
 
 
 
+@pytest.mark.slow
+def test_a_cluster_that_wants_a_token_says_so(tmp_path: Path, small_synthetic: str, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A head with token authentication (`ray start` with a token) refuses a driver without
+    RAY_AUTH_MODE=token, and Ray says only "Failed to connect": the line says what the cluster wants."""
+    import os
+    import secrets
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    short = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # Ray's socket paths must fit in 107 bytes
+    env.update(HOME=str(short), RAY_TMPDIR=str(short), RAY_USAGE_STATS_ENABLED="0",
+               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={port}", "--num-cpus=1",
+                             "--include-dashboard=false", "--node-ip-address=127.0.0.1"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(short.glob("ray/session_latest/logs/gcs_server.out")):  # the head is up
+            assert head.poll() is None and time.monotonic() < deadline, "ray start did not come up"
+            time.sleep(0.5)
+        monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        path = tmp_path / "p.yaml"
+        path.write_text(yaml.safe_dump({
+            "name": "t", "stages": ["pretrain"], "data": {"url": small_synthetic},
+            "model": {"name": "ViT-Ti/16", "img_size": 32, "depth": 1, "width": 32, "mlp_dim": 64, "heads": 2},
+            "train": {"global_batch": 8, "micro_batch": 8, "max_steps": 1, "precision": "fp32"},
+            "cluster": {"num_workers": 1, "storage_path": str(tmp_path / "runs")}}))
+        code = main(["run", str(path), "--address", f"127.0.0.1:{port}"])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert code == 2 and err.startswith(f"vitscale: error: cluster.address: cannot join a Ray cluster at "
+                                            f"127.0.0.1:{port}"), err
+        assert "needs RAY_AUTH_MODE=token and its token" in err, err
+        assert not ray.is_initialized()
+    finally:
+        os.killpg(head.pid, signal.SIGKILL)  # SIGTERM would drain the node for 30 s first
+        head.wait(timeout=60)
+        shutil.rmtree(short, ignore_errors=True)
+
+
 def test_every_argument_of_every_verb_says_what_it_is() -> None:
     """`--help` explains every argument: none is left bare (a bare --json or DEST says nothing)."""
     bare = [f"{path}: {action.dest}" for path, parser in _parsers(build_parser()) for action in parser._actions

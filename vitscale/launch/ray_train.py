@@ -502,7 +502,8 @@ def ensure_ray(address: str | None, local_num_cpus: int | None) -> str:
             with keeping_handlers():  # not Ray's SIGTERM handler, a stack dump and an abort (launch/ctrl_c.py)
                 context = ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": env} if env else None)
         except ConnectionError as exc:  # "auto" with no cluster on this machine, a GCS that refuses us
-            raise ConfigError("cluster.address", f"cannot join a Ray cluster at {address}: {exc}") from None
+            raise ConfigError("cluster.address",
+                              f"cannot join a Ray cluster at {address}: {exc}{_token_hint()}") from None
         return f"joined Ray cluster at {address}{_dashboard(context)}"
     from vitscale.launch.local_ray import start_local_ray
 
@@ -510,6 +511,16 @@ def ensure_ray(address: str | None, local_num_cpus: int | None) -> str:
     with keeping_handlers():
         context = start_local_ray(local_num_cpus)
     return f"started a local Ray with {ray.cluster_resources().get('CPU', 0):.0f} CPUs{_dashboard(context)}"
+
+
+def _token_hint() -> str:
+    """Why a cluster that answers may still refuse us: it has token authentication on (`ray start` turns
+    it on when it finds a token: RAY_AUTH_TOKEN, or ~/.ray/auth_token), and a client sends its token only
+    with RAY_AUTH_MODE=token, even from the head's own machine; Ray then says only "Failed to connect"."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        return "; check the cluster's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+    return ("; a cluster with token authentication needs RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN, "
+            "or ~/.ray/auth_token) in this environment")
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
