@@ -118,44 +118,34 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch: pytest.MonkeyPatch, capsys
     assert capsys.readouterr().err == "vitscale: interrupted\n"
 
 
-def test_ctrl_c_of_a_run_says_where_it_is_kept_and_how_to_resume(tmp_path: Path, small_synthetic: str,
+@pytest.mark.parametrize("verb", ["run", "finetune"])
+def test_ctrl_c_of_a_run_says_where_it_is_kept_and_how_to_resume(verb: str, tmp_path: Path, small_synthetic: str,
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import shlex
+
     import vitscale.stages.run as runner
 
     def interrupted(*args: object, **kwargs: object) -> dict:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(runner, "run_pipeline", interrupted)
-    pipeline = tmp_path / "p.yaml"
-    pipeline.write_text(yaml.safe_dump({
-        "name": "exp1", "stages": ["pretrain"], "data": {"url": small_synthetic},
-        "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "heads": 2, "mlp_dim": 32},
-        "train": {"global_batch": 8, "micro_batch": 8, "max_steps": 2},
-        "cluster": {"num_workers": 1, "use_gpu": False, "storage_path": str(tmp_path / "runs")}}))
-    assert main(["run", str(pipeline), "--set", "train.base_lr=4e-4"]) == 130
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("vitscale: interrupted; the run is kept at ")
-    assert str(tmp_path / "runs" / "exp1") in err
-    assert f"`vitscale run {pipeline} --set train.base_lr=4e-4`" in err  # the command as typed
-
-
-def test_ctrl_c_of_a_finetune_says_where_it_is_kept_and_how_to_resume(tmp_path: Path, small_synthetic: str,
-                                                                      monkeypatch: pytest.MonkeyPatch,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    import vitscale.stages.run as runner
-
-    def interrupted(*args: object, **kwargs: object) -> dict:
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(runner, "run_pipeline", interrupted)
-    argv = ["finetune", str(tmp_path / "weights.pt"), "--data", small_synthetic, "--model", "ViT-Ti/16", "--lr", "0.01",
-            "--set", f"cluster.storage_path={tmp_path / 'runs'}"]
+    if verb == "run":
+        pipeline = tmp_path / "p.yaml"
+        pipeline.write_text(yaml.safe_dump({
+            "name": "exp1", "stages": ["pretrain"], "data": {"url": small_synthetic},
+            "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "heads": 2, "mlp_dim": 32},
+            "train": {"global_batch": 8, "micro_batch": 8, "max_steps": 2},
+            "cluster": {"num_workers": 1, "use_gpu": False, "storage_path": str(tmp_path / "runs")}}))
+        argv, kept = ["run", str(pipeline), "--set", "train.base_lr=4e-4"], tmp_path / "runs" / "exp1"
+    else:
+        argv = ["finetune", str(tmp_path / "weights.pt"), "--data", small_synthetic, "--model", "ViT-Ti/16",
+                "--lr", "0.01", "--set", f"cluster.storage_path={tmp_path / 'runs'}"]
+        kept = tmp_path / "runs" / f"finetune-{Path(small_synthetic).name}"
     assert main(argv) == 130
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("vitscale: interrupted; the run is kept at "), err
-    assert str(tmp_path / "runs" / f"finetune-{Path(small_synthetic).name}") in err
-    assert f"`vitscale finetune {tmp_path / 'weights.pt'} --data {small_synthetic} --model ViT-Ti/16 --lr 0.01 --set " in err
+    # The command as typed resumes the run.
+    assert capsys.readouterr().err == (f"vitscale: interrupted; the run is kept at {kept}: resume it from its last "
+                                       f"complete checkpoint with `{shlex.join(['vitscale', *argv])}`\n")
 
 
 def test_a_wrong_address_is_one_line_within_seconds(tmp_path: Path, small_synthetic: str,
