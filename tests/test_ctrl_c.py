@@ -55,53 +55,64 @@ def test_ctrl_c_is_not_held_up_by_calls_still_running() -> None:
     release.set()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("signum", "code", "by"), [(signal.SIGINT, 130, ""), (signal.SIGTERM, 143, " by SIGTERM")])
-def test_ctrl_c_stops_the_workers_says_how_to_resume_and_the_command_resumes(signum: int, code: int, by: str,
-                                                                            tmp_path: Path,
-                                                                            small_synthetic: str) -> None:
-    """Ctrl-C, or SIGTERM (`kill`, `ray job stop`, a scheduler): without the CLI's handler put back after
-    `ray.init`, Ray's own printed a stack dump and aborted the driver (no line, the lease left held)."""
-    pipeline = tmp_path / "ctrlc.yaml"
-    pipeline.write_text(yaml.safe_dump({
-        "name": "ctrlc", "stages": ["pretrain"], "data": {"url": small_synthetic, "num_workers": 0},
-        "model": {"name": "ViT-Ti/16", "img_size": 32, "depth": 1, "width": 32, "mlp_dim": 64, "heads": 2},
-        "train": {"global_batch": 8, "micro_batch": 8, "max_steps": 30, "precision": "fp32",
-                  "zero_stage": 1, "checkpoint_every": 4, "log_every": 1},
-        "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "local_num_cpus": 2,
-                    "storage_path": str(tmp_path / "runs")}}))
-    run_dir = tmp_path / "runs" / "ctrlc"
-    log = tmp_path / "interrupted.log"
+def _stop(pipeline: Path, log: Path, signum: int, checkpoint: Path) -> tuple[int, str, list[str]]:
+    """Start `vitscale run PIPELINE`, send `signum` to the driver once `checkpoint` exists; (exit code,
+    terminal output, processes of its tree still running 30 s after it ended)."""
     proc = start(pipeline, log)
     try:
         deadline = time.monotonic() + 600
-        while not (run_dir / "checkpoint_000000004").is_dir():  # Ray up, a worker training, a checkpoint kept
+        while not checkpoint.is_dir():  # Ray up, a worker training, a checkpoint kept
             assert proc.poll() is None, log.read_text()[-4000:]
             assert time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.2)
         tree = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signum)  # SIGINT: what the terminal sends the driver on Ctrl-C
+        proc.send_signal(signum)
         ended = proc.wait(timeout=120)
         _, alive = psutil.wait_procs(tree, timeout=30)
         left = [f"{p.pid} {p.name()}" for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     finally:
         if proc.poll() is None:
             kill_tree(proc)
-    output = log.read_text()
-    assert ended == code, output[-4000:]
-    assert output.rstrip("\n").splitlines()[-1] == (
-        f"vitscale: interrupted{by}; the run is kept at {run_dir}: resume it from its last complete checkpoint "
-        f"with `vitscale run {pipeline}`"), output[-4000:]
-    assert "Traceback" not in output and "SIGTERM received" not in output, output[-4000:]
-    assert left == [], left
-    stopped_at = max(row["step"] for row in steps(run_dir, 0))
-    assert stopped_at < 30, "the run was not interrupted: make it longer"
+    return ended, log.read_text(), left
+
+
+@pytest.mark.slow
+def test_ctrl_c_or_sigterm_stops_the_workers_says_how_to_resume_and_the_command_resumes(tmp_path: Path,
+                                                                                       small_synthetic: str) -> None:
+    """Ctrl-C, then SIGTERM (`kill`, `ray job stop`, a scheduler) to the resumed run, then the run to its end.
+    Without the CLI's handler put back after `ray.init`, Ray's own printed a stack dump on SIGTERM and
+    aborted the driver (no line, the lease left held)."""
+    steps_total = 60
+    pipeline = tmp_path / "ctrlc.yaml"
+    pipeline.write_text(yaml.safe_dump({
+        "name": "ctrlc", "stages": ["pretrain"], "data": {"url": small_synthetic, "num_workers": 0},
+        "model": {"name": "ViT-Ti/16", "img_size": 32, "depth": 1, "width": 32, "mlp_dim": 64, "heads": 2},
+        "train": {"global_batch": 8, "micro_batch": 8, "max_steps": steps_total, "precision": "fp32",
+                  "zero_stage": 1, "checkpoint_every": 4, "log_every": 1},
+        "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "local_num_cpus": 2,
+                    "storage_path": str(tmp_path / "runs")}}))
+    run_dir = tmp_path / "runs" / "ctrlc"
+    stopped = [0]
+    for attempt, (signum, code, by) in enumerate([(signal.SIGINT, 130, ""), (signal.SIGTERM, 143, " by SIGTERM")]):
+        # The first run stops after its first checkpoint, the resumed one after a checkpoint it wrote itself.
+        newer = run_dir / f"checkpoint_{stopped[-1] // 4 * 4 + 4:09d}"
+        ended, output, left = _stop(pipeline, tmp_path / f"stopped{attempt}.log", signum, newer)
+        assert ended == code, output[-4000:]
+        assert output.rstrip("\n").splitlines()[-1] == (
+            f"vitscale: interrupted{by}; the run is kept at {run_dir}: resume it from its last complete checkpoint "
+            f"with `vitscale run {pipeline}`"), output[-4000:]
+        assert "Traceback" not in output and "SIGTERM received" not in output, output[-4000:]
+        assert left == [], left
+        stopped.append(max(row["step"] for row in steps(run_dir, 0)))
+        assert stopped[-1] < steps_total, "the run was not interrupted: make it longer"
+        if attempt:  # the resumed run went on from a checkpoint at or before the first stop
+            resumed = [line for line in output.splitlines() if "resumed from" in line]
+            at = int(resumed[0].split(" at step ")[1].split()[0])
+            assert len(resumed) == 1 and 4 <= at <= stopped[1] and at % 4 == 0, resumed
 
     output = run(pipeline, tmp_path / "resumed.log")  # the command the line gave
     summary = json.loads(output.strip().splitlines()[-1])
-    assert summary["ok"] and summary["pretrain"]["step"] == 30 and summary["pretrain"]["restarts"] == 1
-    # It went on from a checkpoint at or before the interruption (every 4 steps), not from the start.
+    assert summary["ok"] and summary["pretrain"]["step"] == steps_total and summary["pretrain"]["restarts"] == 2
     resumed = [line for line in output.splitlines() if "resumed from" in line]
-    assert len(resumed) == 1, output[-4000:]
     at = int(resumed[0].split(" at step ")[1].split()[0])
-    assert 4 <= at <= stopped_at and at % 4 == 0, resumed
+    assert len(resumed) == 1 and stopped[1] < at <= stopped[2] and at % 4 == 0, (resumed, stopped)
