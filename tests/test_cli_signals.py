@@ -60,5 +60,14 @@ def test_only_verbs_that_write_take_the_signals_and_only_while_they_run(tmp_path
     with as_interruptions():
         assert all(signal.getsignal(s) not in before for s in SIGNALS)
     assert [signal.getsignal(s) for s in SIGNALS] == before
+    # A signal the process was started ignoring stays ignored (`nohup vitscale run ... &` outlives its terminal).
+    ignored = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with as_interruptions():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in before
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, ignored)
     assert main(["shards", "index", str(tmp_path / "none")]) == 2  # an error, and the handlers are back
     assert [signal.getsignal(s) for s in SIGNALS] == before

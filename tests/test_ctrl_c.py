@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from helpers.loop_runs import steps
-from helpers.ray_runs import kill_tree, run, start
+from helpers.ray_runs import kill_tree, start
 from vitscale.launch.ctrl_c import side_by_side
 
 
@@ -79,7 +79,8 @@ def _stop(pipeline: Path, log: Path, signum: int, checkpoint: Path) -> tuple[int
 @pytest.mark.slow
 def test_ctrl_c_or_sigterm_stops_the_workers_says_how_to_resume_and_the_command_resumes(tmp_path: Path,
                                                                                        small_synthetic: str) -> None:
-    """Ctrl-C, then SIGTERM (`kill`, `ray job stop`, a scheduler) to the resumed run, then the run to its end.
+    """Ctrl-C, then SIGTERM (`kill`, `ray job stop`, a scheduler) to the resumed run, then the run to its end
+    through a SIGHUP it was started ignoring (`nohup`).
     Without the CLI's handler put back after `ray.init`, Ray's own printed a stack dump on SIGTERM and
     aborted the driver (no line, the lease left held)."""
     steps_total = 60
@@ -110,7 +111,20 @@ def test_ctrl_c_or_sigterm_stops_the_workers_says_how_to_resume_and_the_command_
             at = int(resumed[0].split(" at step ")[1].split()[0])
             assert len(resumed) == 1 and 4 <= at <= stopped[1] and at % 4 == 0, resumed
 
-    output = run(pipeline, tmp_path / "resumed.log")  # the command the line gave
+    # The command the line gave, started as `nohup` starts it: the SIGHUP of a closed terminal is ignored.
+    log = tmp_path / "resumed.log"
+    proc = start(pipeline, log, ignoring=(signal.SIGHUP,))
+    try:
+        deadline = time.monotonic() + 600
+        while not (run_dir / f"checkpoint_{stopped[-1] // 4 * 4 + 4:09d}").is_dir():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    output = log.read_text()
     summary = json.loads(output.strip().splitlines()[-1])
     assert summary["ok"] and summary["pretrain"]["step"] == steps_total and summary["pretrain"]["restarts"] == 2
     resumed = [line for line in output.splitlines() if "resumed from" in line]

@@ -16,13 +16,19 @@ VITSCALE = str(Path(sys.executable).parent / "vitscale")
 RUN_TIMEOUT_S = 1200  # one `vitscale run`; Ray Train's start-up dominates on a busy 2-core machine
 
 
-def start(pipeline: Path, log: Path) -> subprocess.Popen:
-    """`vitscale run PIPELINE` in its own session (process group), its output in `log`."""
+def start(pipeline: Path, log: Path, ignoring: tuple[int, ...] = ()) -> subprocess.Popen:
+    """`vitscale run PIPELINE` in its own session (process group), its output in `log`; started with the
+    signals in `ignoring` ignored, as `nohup` starts a command with SIGHUP ignored."""
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)  # a local Ray of its own, which dies with the driver
+
+    def ignore() -> None:
+        for signum in ignoring:
+            signal.signal(signum, signal.SIG_IGN)
+
     with log.open("w") as out:
         return subprocess.Popen([VITSCALE, "run", str(pipeline)], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=ignore if ignoring else None)
 
 
 def kill_tree(proc: subprocess.Popen) -> list[Any]:

@@ -66,7 +66,8 @@ def as_interruptions(enabled: bool = True) -> Iterator[None]:
     """While inside, SIGTERM and SIGHUP raise :class:`Signalled` in the main thread (when ``enabled``).
 
     A second one while the first is being cleaned up is ignored, so the clean-up is not cut short
-    (SIGKILL still ends the process); the handlers in place before are restored on the way out.
+    (SIGKILL still ends the process); the handlers in place before are restored on the way out. A signal
+    this process was started ignoring stays ignored: `nohup vitscale run ... &` outlives its terminal.
     """
     global _received
     _received = None
@@ -81,9 +82,13 @@ def as_interruptions(enabled: bool = True) -> Iterator[None]:
             signal.signal(other, signal.SIG_IGN)
         raise Signalled(signum)
 
-    before = {signum: signal.signal(signum, interrupt) for signum in SIGNALS}
+    before = {signum: signal.getsignal(signum) for signum in SIGNALS}
+    for signum, handler in before.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(signum, interrupt)
     try:
         yield
     finally:
         for signum, handler in before.items():
-            signal.signal(signum, handler)
+            if handler is not None:  # None: set outside Python, which cannot be put back
+                signal.signal(signum, handler)
