@@ -87,7 +87,8 @@ class Trainer(TorchTrainer):
             raise KeyboardInterrupt  # SIG_DFL, or a handler that returned: the run has stopped regardless
 
         for signum, handler in before.items():
-            if handler is not signal.SIG_IGN:
+            # An ignored signal stays ignored (`nohup`); one set outside Python could not be put back after.
+            if handler is not signal.SIG_IGN and handler is not None:
                 signal.signal(signum, stop)
 
 
