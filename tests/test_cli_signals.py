@@ -50,7 +50,7 @@ def test_only_verbs_that_write_take_the_signals_and_only_while_they_run(tmp_path
             if not nested:
                 choices[name] = sub
     writing = {verb for verb, p in choices.items() if is_writing(p.get_default("func"))}
-    # A run's driver stops its workers, then itself (launch/ctrl_c.py); a worker's SIGTERM keeps its own
+    # A run's driver stops its workers, then itself (launch/interruption.py); a worker's SIGTERM keeps its own
     # meaning, a preemption notice (train/termination.py), in processes of their own.
     assert writing == {"shards write", "shards index", "shards reindex", "shards dedup", "export", "inspect",
                        "study report", "run", "finetune"}

@@ -9,7 +9,7 @@ signal, ``128 + signum`` (143 for SIGTERM, 129 for SIGHUP).
 
 Only the CLI process of such a verb, only while its command runs, and the handlers in place before are
 restored afterwards. ``vitscale run`` and ``finetune`` are marked too: their driver stops the run's
-workers first (``launch/ctrl_c.py``) and its line says how to resume. A SIGTERM to a *worker* is another
+workers first (``launch/interruption.py``) and its line says how to resume. A SIGTERM to a *worker* is another
 matter, a preemption notice (``train/termination.py``): workers are processes of their own.
 """
 

@@ -37,7 +37,6 @@ from vitscale.data.storage.retry import RETRY_ENV, final_reason
 from vitscale.data.storage.run_cache import run_cache_dir, run_cache_key
 from vitscale.data.storage.space import is_no_space, no_space_line
 from vitscale.launch.console import labelled_lines
-from vitscale.launch.ctrl_c import Trainer, keeping_handlers
 from vitscale.launch.errors import PipelineFailed
 from vitscale.launch.failures import (
     DeterministicFailure,
@@ -46,6 +45,7 @@ from vitscale.launch.failures import (
     WorkersUnavailable,
     deterministic_cause,
 )
+from vitscale.launch.interruption import InterruptibleTrainer, keeping_handlers
 from vitscale.launch.node_loss import RestartAtLiveSize
 from vitscale.launch.poll import set_controller_poll
 from vitscale.launch.snapshot import repair_snapshot
@@ -361,7 +361,7 @@ def concurrent_runs(cluster: ClusterConfig, resources: dict[str, float]) -> int:
 
 def trainer_for(job: TrainJob, cluster: ClusterConfig, place: RunPlace,
                 callbacks: list[Any] | None = None, label: str | None = None,
-                workers_key: str = "cluster.num_workers") -> Trainer:
+                workers_key: str = "cluster.num_workers") -> InterruptibleTrainer:
     """The TorchTrainer that runs `job` as the Train run at `place` (resumes it if it has checkpoints).
 
     `label` (a sweep trial and its hyper-parameters) goes into every "[vitscale]" line its workers print.
@@ -380,8 +380,8 @@ def trainer_for(job: TrainJob, cluster: ClusterConfig, place: RunPlace,
     if cluster.use_gpu:
         resources["GPU"] = cluster.gpus_per_worker
     set_controller_poll(cluster.max_workers)  # reports and failures seen sooner in a small run (launch/poll.py)
-    # Ctrl-C stops the workers, then ends in the CLI's line saying how to resume (launch/ctrl_c.py).
-    return Trainer(
+    # Ctrl-C stops the workers, then ends in the CLI's line saying how to resume (launch/interruption.py).
+    return InterruptibleTrainer(
         train_worker,
         train_loop_config={"job": job, "place": place,
                            "label": label, "elastic": cluster.elastic, "grace_s": cluster.preemption_grace_s},
@@ -499,7 +499,7 @@ def ensure_ray(address: str | None, local_num_cpus: int | None) -> str:
         try:
             # The run's object-storage endpoint reaches every worker and trial this driver starts.
             env = endpoint_env()
-            with keeping_handlers():  # not Ray's SIGTERM handler, a stack dump and an abort (launch/ctrl_c.py)
+            with keeping_handlers():  # not Ray's SIGTERM handler, a stack dump and an abort (launch/interruption.py)
                 context = ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": env} if env else None)
         except ConnectionError as exc:  # "auto" with no cluster on this machine, a GCS that refuses us
             raise ConfigError("cluster.address",

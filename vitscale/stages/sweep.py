@@ -417,7 +417,7 @@ def _retrain_winners(config: PipelineConfig, model: ModelConfig | None,
     one waiting for the other). Returns each one's test accuracies, in order."""
     import ray
 
-    from vitscale.launch.ctrl_c import side_by_side
+    from vitscale.launch.interruption import side_by_side
     from vitscale.launch.ray_train import concurrent_runs
 
     if not sweep_section(config).retrain:
@@ -426,7 +426,7 @@ def _retrain_winners(config: PipelineConfig, model: ModelConfig | None,
     if at_once > 1:
         say(f"retraining {len(winners)} winners at once")
     # TorchTrainer.fit from a thread is what Tune itself does; each run has its own name and folder.
-    # Daemon threads: a Ctrl-C does not wait for the retrains to finish (launch/ctrl_c.py).
+    # Daemon threads: a Ctrl-C does not wait for the retrains to finish (launch/interruption.py).
     return side_by_side([partial(_retrain, config, model, *winner) for winner in winners], at_once)
 
 

@@ -1,6 +1,6 @@
-"""Ctrl-C of a real `vitscale run` while its workers train: the workers stop, the terminal's last line
+"""Ctrl-C (and SIGTERM, SIGHUP) of a real `vitscale run` while its workers train: the workers stop, the terminal's last line
 says where the run is kept and the command that resumes it, the exit status is 130, no Ray process of
-the run is left, and that command resumes from the last complete checkpoint (launch/ctrl_c.py).
+the run is left, and that command resumes from the last complete checkpoint (launch/interruption.py).
 
 Ray Train's own SIGINT handler aborted the run and ended the driver with status 1 and nothing said;
 runs driven from a thread pool (a sweep's final retrains) held a Ctrl-C up until they finished."""
@@ -20,7 +20,7 @@ import yaml
 
 from helpers.loop_runs import steps
 from helpers.ray_runs import kill_tree, start
-from vitscale.launch.ctrl_c import side_by_side
+from vitscale.launch.interruption import side_by_side
 
 
 def test_side_by_side_keeps_order_and_width_and_raises_the_first_error_in_order() -> None:

@@ -1,4 +1,4 @@
-"""Ctrl-C (or SIGTERM, SIGHUP) during a Ray Train run: the workers stopped, then the CLI's own ending.
+"""A run interrupted (Ctrl-C, SIGTERM, SIGHUP) while Ray Train runs it: the workers stopped, then the CLI's ending.
 
 Ray Train's ``fit`` replaces the driver's SIGINT handler with its own for the length of the run, and
 never puts the previous one back: on Ctrl-C it aborts the run's controller and calls ``sys.exit(0)``
@@ -8,7 +8,7 @@ And ``ray.init`` gives the driver Ray's own SIGTERM handler, which prints a stac
 scheduler's stop (``ray job stop``, ``timeout``, a deleted pod) left a crash on the terminal, the run's
 lease held and its files unpushed.
 
-:class:`Trainer` keeps Ray's abort (the workers stop, the complete checkpoints stay) and then hands
+:class:`InterruptibleTrainer` keeps Ray's abort (the workers stop, the complete checkpoints stay) and then hands
 the signal to the handler in place before the run: Python's ``KeyboardInterrupt`` for SIGINT, the
 CLI's for SIGTERM and SIGHUP (``cli/interrupt.py``), which unwind and end in one line. A second
 signal during the abort goes straight to that handler. When ``fit`` returns or raises, those handlers
@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import ray
 from ray.train.torch import TorchTrainer
 
-__all__ = ["ABORT_WAIT_S", "STOPS", "Trainer", "keeping_handlers", "side_by_side"]
+__all__ = ["ABORT_WAIT_S", "STOPS", "InterruptibleTrainer", "keeping_handlers", "side_by_side"]
 
 T = TypeVar("T")
 
@@ -65,7 +65,7 @@ def keeping_handlers() -> Iterator[None]:
         _restore(before)
 
 
-class Trainer(TorchTrainer):
+class InterruptibleTrainer(TorchTrainer):
     """A ``TorchTrainer`` whose Ctrl-C, SIGTERM or SIGHUP stops the run's workers, then the driver."""
 
     def fit(self) -> Any:
