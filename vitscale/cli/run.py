@@ -45,8 +45,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = load_pipeline(resolve_pipeline_path(args.pipeline), args.set)
     try:
         summary = run_pipeline(config, address=args.address, verbose=args.verbose, force=args.force)
-    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (cli/interrupt.Signalled)
-        raise Interrupted(resume_line(args.command_line, config.cluster.run_storage(config.run_name)), exc) from None
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM/SIGHUP (cli/interrupt.Signalled)
+        raise Interrupted(resume_line(args.command_line, config.cluster.run_storage(config.run_name))) from None
     print(json.dumps(summary, default=str))
     return 0 if summary.get("ok", True) else 1
 
@@ -55,8 +55,8 @@ class Interrupted(KeyboardInterrupt):
     """A run stopped by Ctrl-C, SIGTERM or SIGHUP: the CLI's one line says where the run is kept and how
     to go on with it; the exit code is the shell's for the signal (130, 143, 129)."""
 
-    def __init__(self, line: str, cause: KeyboardInterrupt) -> None:
-        self.signum = int(getattr(cause, "signum", received()))
+    def __init__(self, line: str) -> None:
+        self.signum = received()  # what arrives here may have lost its Signalled type inside Ray's `get`
         by = "" if self.signum == signal.SIGINT else f" by {signal.Signals(self.signum).name}"
         super().__init__(f"interrupted{by}; {line}")
 
@@ -120,7 +120,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     config = build_pipeline(raw, "vitscale finetune")
     try:
         summary = run_pipeline(config, address=args.address, verbose=args.verbose)
-    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (cli/interrupt.Signalled)
-        raise Interrupted(resume_line(args.command_line, config.cluster.run_storage(config.run_name)), exc) from None
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM/SIGHUP (cli/interrupt.Signalled)
+        raise Interrupted(resume_line(args.command_line, config.cluster.run_storage(config.run_name))) from None
     print(json.dumps(summary, default=str))
     return 0
