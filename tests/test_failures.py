@@ -66,3 +66,17 @@ def test_the_cli_line_is_the_workers_own():
 
     stopped = DeterministicFailure("rank 1: ErrorBudgetExceeded: over (not retried: a restart would fail the same way)")
     assert _root_cause(ControllerError(stopped)) == str(stopped)
+
+
+def test_ranks_that_fail_alike_are_said_once():
+    """Every rank of a run over its error budget raises the same error: one line names them all; a different
+    error on another rank keeps its own line, and many ranks are counted, not listed."""
+    same = ErrorBudgetExceeded("5 samples skipped in epoch 0 (all 8 rank(s)); bad shards: train-000003.tar (5 on rank 2)")
+    other = ConfigError("data.url", "must name a folder")
+    callback = StopOnDeterministicFailure()
+    with pytest.raises(DeterministicFailure) as stopped:
+        callback.after_exception(None, {r: _as_controller_sees_it(r, same if r != 6 else other) for r in range(8)})
+    assert str(stopped.value) == (f"rank 0, rank 1, rank 2, rank 3 and 3 more ranks: ErrorBudgetExceeded: {same}; "
+                                  f"rank 6: ConfigError: {other} (not retried: a restart would fail the same way)")
+    with pytest.raises(DeterministicFailure, match=r"^rank 0, rank 1: ErrorBudgetExceeded: 5 samples"):
+        callback.after_exception(None, {r: _as_controller_sees_it(r, same) for r in (1, 0)})

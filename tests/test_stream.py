@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -233,6 +233,14 @@ def test_error_budget_is_a_fraction_of_the_epoch(damaged):
             _stream(damaged, error_budget=bad)
 
 
+def _all_gather(counts: list[dict[str, int]], rank: int):
+    """What `StopVote.gather`'s all-gather returns to `rank`, whose own counts must be what it hands in."""
+    def gather(mine):
+        assert mine == counts[rank]
+        return counts
+    return gather
+
+
 def test_error_budget_counts_all_ranks_and_every_rank_stops_together(damaged):
     def run(budget: float) -> int | None:
         """Batches both ranks took before they stopped (None: the epoch finished)."""
@@ -242,14 +250,22 @@ def test_error_budget_counts_all_ranks_and_every_rank_stops_together(damaged):
             for it in its:
                 next(it)  # a rank alone never stops: it cannot know the others' count
             total = sum(s.epoch_skipped() for s in ranks)  # what the loop's all-reduce computes
-            stopped = []
+            counts = [dict(s._epoch_skipped) for s in ranks]  # what StopVote.gather's all-gather returns
+            stopped, errors = [], []
             for s in ranks:
-                with contextlib.suppress(ErrorBudgetExceeded):
-                    s.check_error_budget(total)
+                try:
+                    s.check_error_budget(total, gather=_all_gather(counts, s.spec.rank))
                     continue
+                except ErrorBudgetExceeded as exc:
+                    errors.append(str(exc))
                 stopped.append(s.spec.rank)
             assert stopped in ([], [0, 1])  # all ranks or none
             if stopped:
+                # Each rank's error names every rank's bad shards (whichever reaches the user says it all).
+                assert errors[0] == errors[1], errors
+                for rank, mine in enumerate(counts):
+                    for shard in mine:
+                        assert re.search(rf"{shard} \(\d+ on ranks? [0-9, ]*{rank}", errors[0]), (shard, errors[0])
                 return n + 1
         return None
 

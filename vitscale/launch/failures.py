@@ -81,15 +81,33 @@ class StopOnDeterministicFailure(UserCallback):
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         found = {rank: deterministic_cause(exc) for rank, exc in worker_exceptions.items()}
-        lines = [_line(rank, exc) for rank, exc in sorted(found.items()) if exc is not None]
+        lines = _lines({rank: exc for rank, exc in found.items() if exc is not None})
         if lines:
             raise DeterministicFailure("; ".join(lines) + " (not retried: a restart would fail the same way)")
 
 
-def _line(rank: int, exc: BaseException) -> str:
-    text = str(exc)
+SHOWN_RANKS = 4
+"""Ranks named before the rest of those that failed alike are counted."""
+
+
+def _lines(errors: dict[int, BaseException]) -> list[str]:
+    """One line per distinct error, naming the ranks that raised it: every rank of a run over its error budget
+    raises the same one (`data/loader/budget.py`), said once for all of them."""
+    ranks: dict[str, list[int]] = {}
+    for rank, exc in sorted(errors.items()):
+        ranks.setdefault(_text(rank, exc), []).append(rank)
+    return [f"{_ranks(alike)}: {text}" for text, alike in ranks.items()]
+
+
+def _text(rank: int, exc: BaseException) -> str:
+    text, prefix = str(exc), f"rank {rank}: "
     # The worker's own WorkerFailed already reads "rank R: Type: message".
-    return text if text.startswith(f"rank {rank}:") else f"rank {rank}: {type(exc).__name__}: {text}"
+    return text.removeprefix(prefix) if text.startswith(prefix) else f"{type(exc).__name__}: {text}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    named = ", ".join(f"rank {rank}" for rank in ranks[:SHOWN_RANKS])
+    return named if len(ranks) <= SHOWN_RANKS else f"{named} and {len(ranks) - SHOWN_RANKS} more ranks"
 
 
 class WorkersUnavailable(RuntimeError):

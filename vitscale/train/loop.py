@@ -68,9 +68,9 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         step = state.step + 1
         if step % w.steps_per_epoch == 0:
             batches = None  # epoch finished: the next step opens the next epoch's plan
-        # Every rank sees the same sum, so all raise `ErrorBudgetExceeded` at the same step (no rank is left
-        # waiting in a collective); the launcher then ends the run instead of restarting it.
-        stream.check_error_budget(vote.skipped_samples(outcome.votes))
+        # Every rank sees the same sum, so all gather the bad shards and raise `ErrorBudgetExceeded` at the same
+        # step (no rank is left waiting in a collective); the launcher then ends the run instead of restarting it.
+        stream.check_error_budget(vote.skipped_samples(outcome.votes), gather=vote.gather)
         state = replace(state, step=step, examples_seen=state.examples_seen + batch.global_batch,
                         flops=state.flops + w.flops_per_example * batch.global_batch)
         metrics = _step_metrics(w, state, outcome, lr, time.perf_counter() - t0, observers.attempt)

@@ -4,14 +4,18 @@ Two kinds of notice reach a worker: Ray Train's preemption info (a node is drain
 `preemption_every_s`, since asking is a barrier through an actor) and a SIGTERM to this process, held
 back by `train/termination.py`. Every rank must act at the same step, so each rank's vote (rank 0's
 "time to ask", "I was told to stop") rides in the step's one all-reduce (`Stepper.step`), and every
-rank reads the same sums back. `decide` turns them into this step's notice, or None.
+rank reads the same sums back. `decide` turns them into this step's notice, or None. The epoch's skipped
+samples ride in the same sums (the error budget's count); `gather` collects which shards they came from.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from vitscale.say import say
 
@@ -51,6 +55,15 @@ class StopVote:
     def skipped_samples(summed: tuple[float, ...]) -> int:
         """The epoch's skipped samples over all ranks (the error budget's count), from the summed votes."""
         return int(summed[2])
+
+    def gather(self, mine: Mapping[str, int]) -> list[Mapping[str, int]]:
+        """Every rank's ``mine`` (its skipped samples per shard), in rank order. A collective: only once the
+        summed votes put the epoch over its error budget, which every rank sees at the same step."""
+        if self.ctx.world_size == 1 or not torch.distributed.is_initialized():
+            return [mine]
+        everyone: list[Any] = [None] * self.ctx.world_size
+        torch.distributed.all_gather_object(everyone, dict(mine))
+        return everyone
 
     def decide(self, summed: tuple[float, ...], step: int) -> Notice | None:
         """This step's notice from the ranks' summed votes (the same on every rank), or None."""

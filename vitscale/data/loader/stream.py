@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -57,6 +57,7 @@ from vitscale.data.carve import Carve
 from vitscale.data.config import DEFAULT_ERROR_BUDGET
 from vitscale.data.corruption import Corruption, corrupted_positions
 from vitscale.data.format import OpenDataset, open_dataset
+from vitscale.data.loader.budget import ErrorBudgetExceeded, budget_error
 from vitscale.data.loader.index_cache import IndexCache
 from vitscale.data.loader.reader import BadSample, SampleReader
 from vitscale.data.loader.sample import decode_sample
@@ -75,11 +76,6 @@ from vitscale.data.order import (
 __all__ = ["ErrorBudgetExceeded", "ShardStream", "StreamSpec"]
 
 log = logging.getLogger(__name__)
-
-
-class ErrorBudgetExceeded(RuntimeError):
-    """More samples were skipped in an epoch than ``error_budget`` allows. Deterministic: the same
-    samples fail again on a retry, so the launcher stops the run instead of restarting it."""
 
 
 @dataclass(frozen=True)
@@ -336,20 +332,18 @@ class ShardStream:
         the caller to sum over ranks; see :meth:`check_error_budget`)."""
         return sum(self._epoch_skipped.values())
 
-    def check_error_budget(self, skipped_all_ranks: int) -> None:
+    def check_error_budget(self, skipped_all_ranks: int,
+                           gather: Callable[[Mapping[str, int]], list[Mapping[str, int]]] | None = None) -> None:
         """Raise :class:`ErrorBudgetExceeded` if the epoch's skipped samples (``skipped_all_ranks``:
-        :meth:`epoch_skipped` summed over all ranks; plus the count restored from a checkpoint)
-        exceed the budget; otherwise remember the total for :meth:`state_dict`."""
+        :meth:`epoch_skipped` summed over all ranks; plus the count restored from a checkpoint) exceed the
+        budget; otherwise remember the total for :meth:`state_dict`. ``gather`` (every rank calls it, at the
+        same step) collects the ranks' per-shard counts, so the error names every rank's bad shards."""
         total = self._skipped_before + int(skipped_all_ranks)
         self._skipped_total = total
         if total > self.budget_samples():
-            mine = ", ".join(f"{s} ({c})" for s, c in self._epoch_skipped.most_common(20)) or "none"
-            raise ErrorBudgetExceeded(
-                f"{total} samples skipped in epoch {self.epoch} (all {self.spec.world_size} rank(s)), over "
-                f"the error budget {self.spec.error_budget} of {sum(self.dataset.counts)} samples "
-                f"({self.budget_samples():.0f}); bad shards on rank {self.spec.rank}: {mine}. Repair or "
-                "rewrite them, or raise error_budget."
-            )
+            mine = dict(self._epoch_skipped)
+            raise budget_error(total, self.epoch, self.spec.error_budget, sum(self.dataset.counts),
+                               self.spec.world_size, gather(mine) if gather is not None else [mine])
 
     def _account(self, skipped: list[tuple[str, str, str]]) -> None:
         for shard, key, why in skipped:
