@@ -132,6 +132,11 @@ def test_ctrl_c_or_sigterm_stops_the_workers_says_how_to_resume_and_the_command_
     output = log.read_text()
     summary = json.loads(output.strip().splitlines()[-1])
     assert summary["ok"] and summary["pretrain"]["step"] == steps_total and summary["pretrain"]["restarts"] == 2
+    # Both were resumes by running the command again: each command's lines carry its own start, so the
+    # seconds lost count from it, not from the last step before the stop.
+    assert summary["pretrain"]["relaunches"] == 2, summary["pretrain"]
+    launches = [row["launch"] for row in steps(run_dir, 0)]
+    assert len(set(launches)) == 3 and launches == sorted(launches), sorted(set(launches))
     resumed = [line for line in output.splitlines() if "resumed from" in line]
     at = int(resumed[0].split(" at step ")[1].split()[0])
     assert len(resumed) == 1 and stopped[1] < at <= stopped[2] and at % 4 == 0, (resumed, stopped)

@@ -227,7 +227,7 @@ def test_a_worker_sent_sigterm_checkpoints_first_and_no_step_is_trained_twice(
     a, b = final_weights(Path(clean_run["run_dir"])), final_weights(run_dir)
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst <= 1e-5, worst
-    assert told_run["pretrain"]["restarts"] == 1, told_run["pretrain"]
+    assert told_run["pretrain"]["restarts"] == 1 and told_run["pretrain"]["relaunches"] == 0, told_run["pretrain"]
 
 
 def _free_port() -> int:

@@ -14,24 +14,31 @@ from vitscale.train.metrics import MetricsSink, StepMetrics
 from vitscale.train.restarts import read_rows, restarts
 
 # An attempt: (steps back from the last step it resumes behind, steps it makes, its world size, seconds
-# from the previous attempt's last step to its first step's start).
-attempt_st = st.tuples(st.integers(0, 5), st.integers(1, 6), st.integers(1, 8), st.floats(0, 500))
+# from the previous attempt's last step (or its command's start) to its first step's start, and None for a
+# restart by Ray Train in the same command, or the seconds the run waited before its command was run again).
+attempt_st = st.tuples(st.integers(0, 5), st.integers(1, 6), st.integers(1, 8), st.floats(0, 500),
+                       st.none() | st.floats(0, 1e6))
 
 
-def _rows(attempts: list[tuple[int, int, int, float]]) -> tuple[list[dict], list[tuple[int, int, float, int]]]:
-    """Lines as a rank writes them, and the expected (resumed step, steps redone, seconds lost, world)."""
+def _rows(attempts: list[tuple[int, int, int, float, float | None]]
+          ) -> tuple[list[dict], list[tuple[int, int, float, int, bool]]]:
+    """Lines as a rank writes them, and the expected (resumed step, steps redone, seconds lost, world, relaunched)."""
     rows: list[dict] = []
     expected = []
-    t, step, step_time = 1000.0, 0, 2.0
-    for number, (back, made, world, gap) in enumerate(attempts):
+    t, step, step_time, launch = 1000.0, 0, 2.0, 990.0
+    for number, (back, made, world, gap, waited) in enumerate(attempts):
         resumed = max(0, step - back)
         if number:
-            expected.append((resumed, step - resumed, gap, world))
+            if waited is not None:  # stopped, and the command run again later: its own launch time
+                t += waited
+                launch = t
+            expected.append((resumed, step - resumed, gap, world, waited is not None))
             t += gap
         began = t
         for s in range(resumed + 1, resumed + made + 1):
             t += step_time
-            rows.append({"step": s, "time": t, "step_time_s": step_time, "world_size": world, "attempt": began})
+            rows.append({"step": s, "time": t, "step_time_s": step_time, "world_size": world, "attempt": began,
+                         "launch": launch})
         step = resumed + made
     return rows, expected
 
@@ -39,9 +46,11 @@ def _rows(attempts: list[tuple[int, int, int, float]]) -> tuple[list[dict], list
 @settings(max_examples=200, deadline=None)
 @given(st.lists(attempt_st, min_size=1, max_size=6))
 def test_every_restart_is_found_with_its_cost(attempts) -> None:
+    """The seconds lost never include the wait before a command was run again: only its start-up."""
     rows, expected = _rows(attempts)
     found = restarts(rows)
-    assert [(r.step, r.steps_redone, r.world_after) for r in found] == [(e[0], e[1], e[3]) for e in expected]
+    assert [(r.step, r.steps_redone, r.world_after, r.relaunched) for r in found] == \
+        [(e[0], e[1], e[3], e[4]) for e in expected]
     for r, e in zip(found, expected):
         assert r.seconds_lost == pytest.approx(e[2], abs=1e-6)
     worlds = [a[2] for a in attempts]

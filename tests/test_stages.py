@@ -129,3 +129,14 @@ def test_fewshot_resolution_must_match_a_vits_input() -> None:
     assert err.value.key == "fewshot.resolution"
     build_pipeline({"stages": ["pretrain", "fewshot"], "model": {"name": "R50x1", "img_size": 224},
                     "fewshot": {"datasets": ["d"], "resolution": 160}})  # a ResNet takes any size
+
+
+def test_the_summary_says_how_many_restarts_were_resumes_by_the_user() -> None:
+    base = {"step": 60, "epoch": 2.0, "loss": 0.5, "examples_seen": 480, "cumulative_exaflops": 1e-9, "world_size": 2}
+    rows = dict(Pretrained(checkpoint=None, metrics={**base, "restarts": 3, "relaunches": 2,
+                                                      "restart_lost_s": 41.5}).rows())
+    assert rows["restarts"] == "3 (2 by running the command again; 41.5 s without a step; last at 2 workers)"
+    rows = dict(Pretrained(checkpoint=None, metrics={**base, "restarts": 1, "relaunches": 0,
+                                                      "restart_lost_s": 9.0}).rows())
+    assert rows["restarts"] == "1 (9 s without a step; last at 2 workers)"
+    assert "restarts" not in dict(Pretrained(checkpoint=None, metrics={**base, "restarts": 0}).rows())

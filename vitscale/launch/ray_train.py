@@ -14,6 +14,7 @@ import functools
 import os
 import posixpath
 import socket
+import time
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -89,6 +90,7 @@ def train_worker(payload: dict[str, Any]) -> None:
                                 resume_from=resume_from, local_rank=context.get_local_rank(),
                                 restored=downloaded.close, storage=storage, run_name=place.name,
                                 elastic=bool(payload.get("elastic")), preemption=_preemption_notice,
+                                launched=float(payload.get("launched", 0.0)),
                                 terminated=termination.notice)
             train(job, ctx)  # its last step reports the final checkpoint and metrics
     except Terminated as stopped:
@@ -347,7 +349,7 @@ def run_place(cluster: ClusterConfig, run_name: str, part: str = "") -> RunPlace
 
 
 FINAL_METRICS = ("step", "epoch", "loss", "examples_seen", "cumulative_exaflops", "images_per_s", "mfu",
-                 "skipped_samples", "world_size", "restarts", "restart_lost_s")
+                 "skipped_samples", "world_size", "restarts", "relaunches", "restart_lost_s")
 """The final step's metrics a stage keeps (plus every `*_accuracy*` the job's evaluations report)."""
 
 
@@ -383,7 +385,9 @@ def trainer_for(job: TrainJob, cluster: ClusterConfig, place: RunPlace,
     # Ctrl-C stops the workers, then ends in the CLI's line saying how to resume (launch/interruption.py).
     return InterruptibleTrainer(
         train_worker,
-        train_loop_config={"job": job, "place": place,
+        # "launched": this command's start, the same in every attempt Ray Train restarts; a command run again
+        # (a resume) has its own, so the wait before it is not counted as a restart's cost (train/restarts.py).
+        train_loop_config={"job": job, "place": place, "launched": time.time(),
                            "label": label, "elastic": cluster.elastic, "grace_s": cluster.preemption_grace_s},
         # An int, or (min, max): Train V2's elastic scaling (its type stubs are the V1 class's).
         scaling_config=ScalingConfig(num_workers=cluster.scaling(), use_gpu=cluster.use_gpu,  # type: ignore[arg-type,call-arg]

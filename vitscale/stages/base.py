@@ -101,7 +101,8 @@ class Pretrained:
         if m.get("skipped_samples"):
             rows.append(("skipped samples", str(m["skipped_samples"])))
         if m.get("restarts"):
-            rows.append(("restarts", f"{m['restarts']} ({_fmt(m.get('restart_lost_s'))} s without a step; "
+            again = f"{m['relaunches']} by running the command again; " if m.get("relaunches") else ""
+            rows.append(("restarts", f"{m['restarts']} ({again}{_fmt(m.get('restart_lost_s'))} s without a step; "
                                      f"last at {m.get('world_size')} workers)"))
         rows.append(("checkpoint", str(getattr(self.checkpoint, "path", None))))
         return rows

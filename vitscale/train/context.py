@@ -36,6 +36,9 @@ class WorkerContext:
     run_name: str | None = None
     """The run's name in its metrics (the `run` label); None = run_dir's name. A node's cache folder of an
     object-storage run carries a hash of its location (data/storage/run_cache.py), not a name to show."""
+    launched: float = 0.0
+    """Unix time the command running the run began (`vitscale run`, a sweep's trial), the same in every attempt
+    Ray Train restarts it in: a restart's cost does not include a user's wait before running it again."""
     elastic: bool = False
     """The run's world size may change between restarts (`cluster.num_workers: [MIN, MAX]`): a
     checkpoint of another world size is resharded, not refused."""

@@ -122,4 +122,4 @@ def _step_metrics(w: Worker, state: ckpt.TrainState, outcome: StepOutcome, lr: f
         examples_seen=state.examples_seen, cumulative_exaflops=state.flops / 1e18,
         mfu=None if w.peak is None else mfu(w.flops_per_example * images_per_s / world, w.peak),
         skipped_samples=sum(w.stream.skipped().values()), epoch=state.step / w.steps_per_epoch,
-        world_size=world, attempt=attempt, patch_accuracy=outcome.patch_accuracy)
+        world_size=world, attempt=attempt, launch=w.ctx.launched, patch_accuracy=outcome.patch_accuracy)

@@ -45,9 +45,10 @@ known), ``train/grad_norm``, ``train/epoch``, ``train/exaflops`` and every evalu
 ``eval/<set>_accuracy``. ``tensorboard --logdir RUN_DIR`` shows a pre-training run, a fine-tune and
 every sweep trial the same way; a resumed run continues its curves from the checkpoint's step.
 
-Every JSON line also holds ``world_size`` and ``attempt`` (when the worker group started):
-:func:`vitscale.train.restarts.restarts` reads a rank's lines back into each restart's step, steps
-redone, seconds lost and world sizes, and the run's summary keeps ``restarts`` and ``restart_lost_s``.
+Every JSON line also holds ``world_size``, ``attempt`` (when the worker group started) and ``launch`` (when
+the command running it began): :func:`vitscale.train.restarts.restarts` reads a rank's lines back into each
+restart's step, steps redone, seconds lost and world sizes, and the run's summary keeps ``restarts``,
+``relaunches`` (those by running the command again) and ``restart_lost_s``.
 
 The histograms' ``_sum`` series let a dashboard compute the input-bound fraction as
 ``rate(vitscale_data_wait_seconds_sum[5m]) / rate(vitscale_step_seconds_sum[5m])``.
@@ -142,6 +143,9 @@ class StepMetrics:
     attempt: float = 0.0
     """Unix time this attempt of the run (a start or a restart of the worker group) began: a new value in
     a rank's lines marks a restart (:func:`restarts`)."""
+    launch: float = 0.0
+    """Unix time the command running this attempt began (`vitscale run`): the same through the restarts Ray
+    Train makes, a new value when the run is resumed by running the command again (0: not known)."""
     patch_accuracy: float | None = None
     """Masked patch prediction (Sec. 4.6): the share of this step's corrupted patches (all ranks) whose
     target was predicted exactly; None for supervised training and the regression target."""

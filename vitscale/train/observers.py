@@ -67,7 +67,8 @@ class Observers:
         """Restarts of the run so far (failures, preemptions, resizes) and the seconds they cost, from this
         rank's metrics lines (every attempt's: the file is continued, on a new node pulled from storage)."""
         restarts = self.sink.restarts
-        return {"restarts": len(restarts), "restart_lost_s": round(sum(r.seconds_lost for r in restarts), 1)}
+        return {"restarts": len(restarts), "relaunches": sum(r.relaunched for r in restarts),
+                "restart_lost_s": round(sum(r.seconds_lost for r in restarts), 1)}
 
     def close(self) -> None:
         self.sink.close()

@@ -5,7 +5,10 @@ Each line carries ``attempt``, the Unix time its attempt began: a line whose ``a
 from the line before starts a new attempt. The seconds lost run from the previous attempt's last
 step to the start of the new attempt's first step (start-up, reloading, resharding: the time no step
 was made), and the steps redone are those the previous attempt had made past the checkpoint the new
-one resumed from. Pure; property-tested in ``tests/test_restarts.py``.
+one resumed from. A line also carries ``launch``, when the command running it began: an attempt of a
+new command (a run stopped, then resumed by running it again) is ``relaunched``, and its seconds lost
+count from that command's start, not from the previous attempt's last step: the hours a stopped run
+waited for its user are not a restart's cost. Pure; property-tested in ``tests/test_restarts.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ class Restart:
     """From the previous attempt's last step to the start of the new attempt's first step."""
     world_before: int
     world_after: int
+    relaunched: bool = False
+    """The new attempt is a new command's (the run resumed by running it again), not Ray Train's restart."""
 
 
 def restarts(rows: Iterable[Mapping[str, object]]) -> list[Restart]:
@@ -40,11 +45,16 @@ def restarts(rows: Iterable[Mapping[str, object]]) -> list[Restart]:
     for row in rows:
         if prev is not None and row.get("attempt", 0.0) != prev.get("attempt", 0.0):
             first_started = _number(row["time"]) - _number(row["step_time_s"])
+            launch = _number(row.get("launch", 0.0))
+            # Lost since the previous attempt's last step, or since a new command began if it came later (a
+            # restart by Ray Train keeps its command's launch, which came before any step).
+            since = max(_number(prev["time"]), launch)
             out.append(Restart(step=int(_number(row["step"])) - 1,
                                steps_redone=max(0, int(_number(prev["step"])) - int(_number(row["step"])) + 1),
-                               seconds_lost=max(0.0, first_started - _number(prev["time"])),
+                               seconds_lost=max(0.0, first_started - since),
                                world_before=int(_number(prev.get("world_size", 1))),
-                               world_after=int(_number(row.get("world_size", 1)))))
+                               world_after=int(_number(row.get("world_size", 1))),
+                               relaunched=launch != _number(prev.get("launch", 0.0))))
         prev = row
     return out
 
