@@ -1,6 +1,8 @@
-"""Ctrl-C (and SIGTERM, SIGHUP) of a real `vitscale run` while its workers train: the workers stop, the terminal's last line
-says where the run is kept and the command that resumes it, the exit status is 130, no Ray process of
-the run is left, and that command resumes from the last complete checkpoint (launch/interruption.py).
+"""Ctrl-C (and SIGTERM, SIGHUP) of a real `vitscale run` while its workers train: the workers checkpoint at their
+next step and stop (at once on a second signal), the terminal's last line says where the run is kept and
+the command that resumes it, the exit status is 130, no Ray process of the run is left, and that command
+resumes from the last complete checkpoint: the stop's own, so no step is done twice
+(launch/interruption.py, launch/stop_request.py).
 
 Ray Train's own SIGINT handler aborted the run and ended the driver with status 1 and nothing said;
 runs driven from a thread pool (a sweep's final retrains) held a Ctrl-C up until they finished."""
@@ -60,9 +62,10 @@ def test_ctrl_c_is_not_held_up_by_calls_still_running() -> None:
     release.set()
 
 
-def _stop(pipeline: Path, log: Path, signum: int, checkpoint: Path) -> tuple[int, str, list[str]]:
-    """Start `vitscale run PIPELINE`, send `signum` to the driver once `checkpoint` exists; (exit code,
-    terminal output, processes of its tree still running 30 s after it ended)."""
+def _stop(pipeline: Path, log: Path, signum: int, checkpoint: Path, again: bool = False) -> tuple[int, str, list[str]]:
+    """Start `vitscale run PIPELINE`, send `signum` to the driver once `checkpoint` exists (`again`: a second
+    time once the driver says it is stopping); (exit code, terminal output, processes of its tree still
+    running 30 s after it ended)."""
     proc = start(pipeline, log)
     try:
         deadline = time.monotonic() + 600
@@ -72,6 +75,11 @@ def _stop(pipeline: Path, log: Path, signum: int, checkpoint: Path) -> tuple[int
             time.sleep(0.2)
         tree = psutil.Process(proc.pid).children(recursive=True)
         proc.send_signal(signum)
+        while again and "stopping: the workers checkpoint" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.05)
+        if again:
+            proc.send_signal(signum)
         ended = proc.wait(timeout=120)
         _, alive = psutil.wait_procs(tree, timeout=30)
         left = [f"{p.pid} {p.name()}" for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -99,10 +107,11 @@ def test_ctrl_c_or_sigterm_stops_the_workers_says_how_to_resume_and_the_command_
                     "storage_path": str(tmp_path / "runs")}}))
     run_dir = tmp_path / "runs" / "ctrlc"
     stopped = [0]
-    for attempt, (signum, code, by) in enumerate([(signal.SIGINT, 130, ""), (signal.SIGTERM, 143, " by SIGTERM")]):
+    plan = [(signal.SIGINT, 130, "", False), (signal.SIGTERM, 143, " by SIGTERM", True)]
+    for attempt, (signum, code, by, again) in enumerate(plan):
         # The first run stops after its first checkpoint, the resumed one after a checkpoint it wrote itself.
         newer = run_dir / f"checkpoint_{stopped[-1] // 4 * 4 + 4:09d}"
-        ended, output, left = _stop(pipeline, tmp_path / f"stopped{attempt}.log", signum, newer)
+        ended, output, left = _stop(pipeline, tmp_path / f"stopped{attempt}.log", signum, newer, again)
         assert ended == code, output[-4000:]
         assert output.rstrip("\n").splitlines()[-1] == (
             f"vitscale: interrupted{by}; the run is kept at {run_dir}: resume it from its last complete checkpoint "
@@ -111,10 +120,14 @@ def test_ctrl_c_or_sigterm_stops_the_workers_says_how_to_resume_and_the_command_
         assert left == [], left
         stopped.append(max(row["step"] for row in steps(run_dir, 0)))
         assert stopped[-1] < steps_total, "the run was not interrupted: make it longer"
-        if attempt:  # the resumed run went on from a checkpoint at or before the first stop
+        if not again:  # the workers checkpointed the last step they made: nothing to do twice
+            assert f"step {stopped[-1]}: the run was asked to stop (SIGINT to the driver): checkpointing now" \
+                in output, output[-4000:]
+            assert (run_dir / f"checkpoint_{stopped[-1]:09d}").is_dir()
+        if attempt:  # the resumed run went on from the first stop's own checkpoint
             resumed = [line for line in output.splitlines() if "resumed from" in line]
             at = int(resumed[0].split(" at step ")[1].split()[0])
-            assert len(resumed) == 1 and 4 <= at <= stopped[1] and at % 4 == 0, resumed
+            assert len(resumed) == 1 and at == stopped[1], (resumed, stopped)
 
     # The command the line gave, started as `nohup` starts it: the SIGHUP of a closed terminal is ignored.
     log = tmp_path / "resumed.log"
@@ -139,4 +152,36 @@ def test_ctrl_c_or_sigterm_stops_the_workers_says_how_to_resume_and_the_command_
     assert len(set(launches)) == 3 and launches == sorted(launches), sorted(set(launches))
     resumed = [line for line in output.splitlines() if "resumed from" in line]
     at = int(resumed[0].split(" at step ")[1].split()[0])
-    assert len(resumed) == 1 and stopped[1] < at <= stopped[2] and at % 4 == 0, (resumed, stopped)
+    # SIGTERM twice: aborted at once, from a periodic checkpoint (or the stop's own, had the workers been quick).
+    assert len(resumed) == 1 and stopped[1] < at <= stopped[2] and (at % 4 == 0 or at == stopped[2]), (resumed, stopped)
+
+
+@pytest.mark.slow
+def test_ctrl_c_before_the_first_step_stops_at_once(tmp_path: Path, small_synthetic: str) -> None:
+    """No worker has made a step (Ray Train still starting them): nothing to checkpoint, so the driver does not
+    wait out the stop's grace for one (120 s), it aborts at once and says how to resume."""
+    pipeline = tmp_path / "early.yaml"
+    pipeline.write_text(yaml.safe_dump({
+        "name": "early", "stages": ["pretrain"], "data": {"url": small_synthetic, "num_workers": 0},
+        "model": {"name": "ViT-Ti/16", "img_size": 32, "depth": 1, "width": 32, "mlp_dim": 64, "heads": 2},
+        "train": {"global_batch": 8, "micro_batch": 8, "max_steps": 60, "precision": "fp32", "zero_stage": 1},
+        "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "local_num_cpus": 2,
+                    "storage_path": str(tmp_path / "runs"), "preemption_grace_s": 120}}))
+    log = tmp_path / "early.log"
+    proc = start(pipeline, log)
+    try:
+        deadline = time.monotonic() + 300
+        while "stage pretrain" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.05)
+        asked = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=100) == 130, log.read_text()[-4000:]
+        took = time.monotonic() - asked
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    output = log.read_text()
+    assert took < 60 and output.rstrip("\n").splitlines()[-1].startswith("vitscale: interrupted; the run is kept at"), \
+        (took, output[-4000:])
+    assert steps(tmp_path / "runs" / "early", 0) == [], "a step was made: the test no longer tests an early stop"

@@ -154,6 +154,37 @@ def test_sigterm_checkpoints_at_the_next_step_then_the_rank_leaves(tmp_path: Pat
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
+def test_the_drivers_stop_request_checkpoints_the_next_step_and_the_run_returns(
+        tmp_path: Path, tiny_dataset: str, process_group: None) -> None:
+    """The driver asks the run to stop (Ctrl-C to `vitscale run`) while step 3 runs: rank 0 reads it in its
+    votes, the loop checkpoints step 3 (not a periodic one), reports once more and returns; a run resumed from
+    that checkpoint ends with the uninterrupted run's weights."""
+    from vitscale.train.loop import WorkerContext, train
+
+    job = tiny_config(tiny_dataset, checkpoint_every=100)
+    reads = []
+
+    def stop_requested() -> str | None:
+        reads.append(len(reads) + 1)  # read once per step, at its votes
+        return "the run was asked to stop (SIGINT to the driver)" if len(reads) >= 3 else None
+
+    (tmp_path / "asked").mkdir()
+    seen = Recorder(tmp_path / "asked")
+    summary = train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-a", report=seen,
+                                       stop_requested=stop_requested))
+    assert summary["steps"] == 3 and reads == [1, 2, 3]  # read until it answered, then never again
+    assert [p.name for p in (tmp_path / "asked").iterdir()] == ["checkpoint_000000003"]
+    assert [m["step"] for m in seen.metrics] == [3, 3] and [m["step"] for m in steps(tmp_path / "run-a")] == [1, 2, 3]
+    (tmp_path / "resumed").mkdir()
+    train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-b", report=Recorder(tmp_path / "resumed"),
+                             resume_from=tmp_path / "asked" / "checkpoint_000000003"))
+    (tmp_path / "whole").mkdir()
+    train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-c", report=Recorder(tmp_path / "whole")))
+    a = final_weights(tmp_path / "whole" / "checkpoint_000000006")
+    b = final_weights(tmp_path / "resumed" / "checkpoint_000000006")
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
 def test_loss_goes_down(tmp_path: Path, tiny_dataset: str, process_group: None) -> None:
     from vitscale.train.loop import WorkerContext, train
 

@@ -45,7 +45,8 @@ class ClusterConfig:
     `terminationGracePeriodSeconds` must exceed it (k8s/components/spot). SIGTERM sent straight to a
     worker carries no deadline: this is then how long the worker may take to reach the checkpoint it
     writes on the signal before it leaves without one (0: it leaves at once, as Ray's own handler would;
-    train/termination.py)."""
+    train/termination.py). And how long a `vitscale run` told to stop (Ctrl-C, SIGTERM) waits for its workers
+    to checkpoint at their next step before it aborts them (launch/stop_request.py)."""
     worker_wait_s: float | None = 600.0
     """How long a run may go without room in the cluster for its fewest workers (`num_workers`, or MIN),
     at start or after nodes were lost, before it stops with one line saying so; null = wait forever

@@ -8,11 +8,12 @@ And ``ray.init`` gives the driver Ray's own SIGTERM handler, which prints a stac
 scheduler's stop (``ray job stop``, ``timeout``, a deleted pod) left a crash on the terminal, the run's
 lease held and its files unpushed.
 
-:class:`InterruptibleTrainer` keeps Ray's abort (the workers stop, the complete checkpoints stay) and then hands
-the signal to the handler in place before the run: Python's ``KeyboardInterrupt`` for SIGINT, the
-CLI's for SIGTERM and SIGHUP (``cli/interrupt.py``), which unwind and end in one line. A second
-signal during the abort goes straight to that handler. When ``fit`` returns or raises, those handlers
-are back. :func:`keeping_handlers` puts them back after ``ray.init``.
+:class:`InterruptibleTrainer` first asks the workers to checkpoint at their next step and end
+(`launch/stop_request.py`): a resume then redoes no step. A second signal, or workers that have not ended
+within the run's grace, abort the run as Ray does (the workers stop, the complete checkpoints stay). Then
+it hands the signal to the handler in place before the run: Python's ``KeyboardInterrupt`` for SIGINT, the
+CLI's for SIGTERM and SIGHUP (``cli/interrupt.py``), which unwind and end in one line. When ``fit``
+returns or raises, those handlers are back. :func:`keeping_handlers` puts them back after ``ray.init``.
 
 Runs driven side by side from threads (a sweep's final retrains) get no such handler: Ray registers
 it from the main thread only. :func:`side_by_side` runs them in daemon threads, so a Ctrl-C in the
@@ -31,6 +32,8 @@ from typing import Any, TypeVar
 
 import ray
 from ray.train.torch import TorchTrainer
+
+from vitscale.say import say
 
 __all__ = ["ABORT_WAIT_S", "STOPS", "InterruptibleTrainer", "keeping_handlers", "side_by_side"]
 
@@ -66,30 +69,83 @@ def keeping_handlers() -> Iterator[None]:
 
 
 class InterruptibleTrainer(TorchTrainer):
-    """A ``TorchTrainer`` whose Ctrl-C, SIGTERM or SIGHUP stops the run's workers, then the driver."""
+    """A ``TorchTrainer`` whose Ctrl-C, SIGTERM or SIGHUP stops the run, then the driver.
+
+    With ``stop`` (this driver's `StopRequests` actor, the run's key and its grace in seconds), the first
+    signal asks the workers to checkpoint at their next step and end (`launch/stop_request.py`), so a resume
+    redoes no step; the run is aborted if they have not ended within the grace, or at a second signal.
+    Without it, the first signal aborts at once.
+    """
+
+    def __init__(self, *args: Any, stop: tuple[Any, str, float] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._stop = stop
+        self._asked: tuple[int, FrameType | None] | None = None  # the signal that asked the run to stop
+        self._before: dict[int, Any] = {}
+        self._deadline: threading.Timer | None = None  # aborts a stop the workers have not honoured in time
 
     def fit(self) -> Any:
-        with keeping_handlers():  # Ray's handler goes with the run (Tune fits from its own threads: none)
-            return super().fit()
+        try:
+            with keeping_handlers():  # Ray's handler goes with the run (Tune fits from its own threads: none)
+                result = super().fit()
+        except Exception:
+            if self._asked is None:
+                raise
+            result = None  # aborted after the grace: the run stopped regardless
+        finally:
+            if self._deadline is not None:
+                self._deadline.cancel()
+        if self._asked is not None:  # the workers checkpointed and ended: now the driver ends, as it was told
+            _hand_on(self._before, *self._asked)
+        return result
 
     # Ray Train calls this hook (from the main thread only) once the run's controller exists.
     def _register_sigint_handler(self, controller: Any) -> None:
-        before = _handlers()
+        before = self._before = _handlers()
 
-        def stop(signum: int, frame: FrameType | None) -> None:
+        def abort(signum: int, frame: FrameType | None) -> None:
             _restore(before)  # a second signal is not held up by the abort
-            with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                # The controller stops the workers and exits: its own call ends with its death.
-                ray.get(controller.abort.remote(), timeout=ABORT_WAIT_S)
-            previous = before[signum]
-            if callable(previous):
-                previous(signum, frame)  # KeyboardInterrupt, or the CLI's Signalled
-            raise KeyboardInterrupt  # SIG_DFL, or a handler that returned: the run has stopped regardless
+            _abort(controller)
+            _hand_on(before, signum, frame)
+
+        def ask(signum: int, frame: FrameType | None) -> None:
+            assert self._stop is not None
+            requests, run, grace = self._stop
+            why = f"the run was asked to stop ({signal.Signals(signum).name} to the driver)"
+            try:
+                stepping = ray.get(requests.ask.remote(run, why), timeout=10)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                stepping = False
+            if not stepping:  # no worker has made a step yet: nothing to checkpoint, nothing to wait for
+                abort(signum, frame)
+            self._asked = (signum, frame)
+            for again in before:
+                if signal.getsignal(again) is ask:
+                    signal.signal(again, abort)
+            self._deadline = threading.Timer(grace, _abort, args=(controller,))
+            self._deadline.daemon = True
+            self._deadline.start()
+            say(f"stopping: the workers checkpoint at their next step, then end (aborted after {grace:.0f} s; "
+                "Ctrl-C again to stop at once)")
 
         for signum, handler in before.items():
             # An ignored signal stays ignored (`nohup`); one set outside Python could not be put back after.
             if handler is not signal.SIG_IGN and handler is not None:
-                signal.signal(signum, stop)
+                signal.signal(signum, ask if self._stop is not None else abort)
+
+
+def _abort(controller: Any) -> None:
+    with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        # The controller stops the workers and exits: its own call ends with its death.
+        ray.get(controller.abort.remote(), timeout=ABORT_WAIT_S)
+
+
+def _hand_on(before: dict[int, Any], signum: int, frame: FrameType | None) -> None:
+    """The signal to the handler in place before the run: KeyboardInterrupt, or the CLI's `Signalled`."""
+    previous = before.get(signum)
+    if callable(previous):
+        previous(signum, frame)
+    raise KeyboardInterrupt  # SIG_DFL, or a handler that returned: the run has stopped regardless
 
 
 def side_by_side(calls: Sequence[Callable[[], T]], width: int) -> list[T]:

@@ -14,6 +14,7 @@ import functools
 import os
 import posixpath
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -50,6 +51,7 @@ from vitscale.launch.interruption import InterruptibleTrainer, keeping_handlers
 from vitscale.launch.node_loss import RestartAtLiveSize
 from vitscale.launch.poll import set_controller_poll
 from vitscale.launch.snapshot import repair_snapshot
+from vitscale.launch.stop_request import StopPoll, stop_requests
 from vitscale.say import say
 from vitscale.train import checkpoint as ckpt
 from vitscale.train.job import TrainJob
@@ -91,6 +93,8 @@ def train_worker(payload: dict[str, Any]) -> None:
                                 restored=downloaded.close, storage=storage, run_name=place.name,
                                 elastic=bool(payload.get("elastic")), preemption=_preemption_notice,
                                 launched=float(payload.get("launched", 0.0)),
+                                stop_requested=StopPoll(payload["stop"], place.storage) if payload.get("stop") is not None
+                                else lambda: None,
                                 terminated=termination.notice)
             train(job, ctx)  # its last step reports the final checkpoint and metrics
     except Terminated as stopped:
@@ -382,12 +386,15 @@ def trainer_for(job: TrainJob, cluster: ClusterConfig, place: RunPlace,
     if cluster.use_gpu:
         resources["GPU"] = cluster.gpus_per_worker
     set_controller_poll(cluster.max_workers)  # reports and failures seen sooner in a small run (launch/poll.py)
-    # Ctrl-C stops the workers, then ends in the CLI's line saying how to resume (launch/interruption.py).
+    # Ctrl-C asks the workers to checkpoint and end, then ends in the CLI's line saying how to resume
+    # (launch/interruption.py, launch/stop_request.py). Only a run fitted from the main thread gets the
+    # signal (not a sweep's trials, nor its final retrains): only it needs the channel.
+    requests = stop_requests() if threading.current_thread() is threading.main_thread() else None
     return InterruptibleTrainer(
-        train_worker,
+        train_worker, stop=None if requests is None else (requests, place.storage, cluster.preemption_grace_s),
         # "launched": this command's start, the same in every attempt Ray Train restarts; a command run again
         # (a resume) has its own, so the wait before it is not counted as a restart's cost (train/restarts.py).
-        train_loop_config={"job": job, "place": place, "launched": time.time(),
+        train_loop_config={"job": job, "place": place, "launched": time.time(), "stop": requests,
                            "label": label, "elastic": cluster.elastic, "grace_s": cluster.preemption_grace_s},
         # An int, or (min, max): Train V2's elastic scaling (its type stubs are the V1 class's).
         scaling_config=ScalingConfig(num_workers=cluster.scaling(), use_gpu=cluster.use_gpu,  # type: ignore[arg-type,call-arg]

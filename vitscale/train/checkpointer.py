@@ -67,9 +67,10 @@ class Checkpointer:
     def leave(self, notice: Notice, step: int, metrics: StepMetrics, skipped: int, scores: dict[str, float]) -> None:
         """After a SIGTERM notice's checkpoint: one more report from every rank (each is a barrier: a rank's
         report waits until the launcher took its last one, so the checkpoint is registered before a told
-        rank leaves), then end the attempt (at the last step the run is done anyway)."""
+        rank leaves), then end the attempt (at the last step the run is done anyway). After the driver's stop
+        request's checkpoint: the same report, then the caller returns (the run ends)."""
         self.worker.ctx.report({**report_metrics(metrics), "skipped_steps": skipped, **scores}, None)
-        if step < self.total_steps:
+        if step < self.total_steps and notice.stopping:
             self.observers.close()
             raise Terminated(f"rank {self.worker.ctx.rank}: {notice.text}", step, signalled=notice.told)
 

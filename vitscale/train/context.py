@@ -36,6 +36,10 @@ class WorkerContext:
     run_name: str | None = None
     """The run's name in its metrics (the `run` label); None = run_dir's name. A node's cache folder of an
     object-storage run carries a hash of its location (data/storage/run_cache.py), not a name to show."""
+    stop_requested: Callable[[], str | None] = field(default=lambda: None)
+    """The driver's request that the run stop (Ctrl-C or SIGTERM to `vitscale run`: one line), or None; asked by
+    rank 0 every step, cheap (`launch/stop_request.py` reads its actor at most once a second). Every rank then
+    checkpoints at the same step and returns: the run ends, to be resumed at the next step."""
     launched: float = 0.0
     """Unix time the command running the run began (`vitscale run`, a sweep's trial), the same in every attempt
     Ray Train restarts it in: a restart's cost does not include a user's wait before running it again."""

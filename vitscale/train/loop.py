@@ -81,8 +81,9 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         notice = vote.decide(outcome.votes, step)
         if checkpointer.due(step, notice):
             checkpointer.save(state, metrics, scores)
-            if notice is not None and notice.stopping:
+            if notice is not None and (notice.stopping or notice.ending):
                 checkpointer.leave(notice, step, metrics, state.skipped_steps, scores)
+                break  # the driver's stop: every rank returns, and the run is resumed at the next step
         elif scores:  # Tune's trial curves; a checkpoint's report carries its step's metrics
             # Not one per logged step: each report is a barrier, and Ray Train's controller takes one per
             # poll (Ray's 2 s; launch/poll.py), so reporting fast steps held training to a step per poll

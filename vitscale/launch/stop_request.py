@@ -1,0 +1,73 @@
+"""A stop asked of a running Train run by its driver: the workers checkpoint at their next step, then end.
+
+Ctrl-C, SIGTERM (`ray job stop`, `kill`, a scheduler) or SIGHUP to `vitscale run` used to abort the run's
+controller at once: the workers died wherever they were, and a resume redid every step since the last
+periodic checkpoint (up to `train.checkpoint_every`). Now the driver's first signal asks instead
+(`launch/interruption.py`), through a small actor the driver owns: rank 0 reads it every
+:data:`POLL_S` (a local call, not a barrier), its vote rides in the step's all-reduce
+(`train/stopvote.py`), and every rank checkpoints at the same step and returns. The run ends as finished,
+the driver then ends in the CLI's line saying how to resume; the resume starts at the very next step.
+
+A run whose workers have not made a step yet (starting, waiting for room, restoring) is aborted at once:
+no step is lost. One that cannot honour the stop soon (a step that hangs, workers restarting) is aborted
+after the run's `cluster.preemption_grace_s`, or at once on a second signal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+__all__ = ["POLL_S", "StopPoll", "StopRequests", "stop_requests"]
+
+POLL_S = 1.0
+"""How often rank 0 reads the driver's stop request: a call to an actor, about a millisecond."""
+
+
+class StopRequests:
+    """The driver's stop requests, one per Train run (keyed by the run's storage location); served by an actor."""
+
+    def __init__(self) -> None:
+        self.asked: dict[str, str] = {}
+        self.read: set[str] = set()  # runs whose rank 0 has read its request: their workers are stepping
+
+    def ask(self, run: str, why: str) -> bool:
+        """Ask `run` to stop; whether its workers are stepping (else there is no step to wait for)."""
+        self.asked.setdefault(run, why)
+        return run in self.read
+
+    def why(self, run: str) -> str | None:
+        self.read.add(run)
+        return self.asked.get(run)
+
+
+_requests: Any = None
+
+
+def stop_requests() -> Any:
+    """This driver's `StopRequests` actor (one for all its runs), started on first use; it dies with the driver."""
+    global _requests
+    if _requests is None:
+        _requests = ray.remote(num_cpus=0)(StopRequests).remote()
+    return _requests
+
+
+class StopPoll:
+    """A worker's reading of the driver's stop request for its run, at most every :data:`POLL_S`."""
+
+    def __init__(self, requests: Any, run: str) -> None:
+        self.requests, self.run = requests, run
+        self.last = float("-inf")
+
+    def __call__(self) -> str | None:
+        import time
+
+        now = time.monotonic()
+        if now - self.last < POLL_S:
+            return None
+        self.last = now
+        try:
+            return ray.get(self.requests.why.remote(self.run), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return None  # the driver is gone or slow: its own ending stops the run
