@@ -41,8 +41,9 @@ def head_node():
     # driver and `ray job submit` all read the same token, here from a file of this test's own.
     token = Path(temp) / "auth_token"
     token.write_text(secrets.token_hex(32))
+    # RAY_JOB_STOP_WAIT_TIME_S as k8s/base/raycluster.yaml sets it: `ray job stop` lets the driver's stop finish.
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
-           "RAY_AUTH_TOKEN_PATH": str(token)}
+           "RAY_AUTH_TOKEN_PATH": str(token), "RAY_JOB_STOP_WAIT_TIME_S": "150"}
     env.pop("RAY_ADDRESS", None)
     # In a session of its own, so that stopping it stops this cluster only (`ray stop` would stop
     # every Ray on the machine, a parallel test's too).
@@ -139,3 +140,59 @@ def test_job_api_refuses_a_submission_without_the_token(head_node: tuple[str, di
             break
         time.sleep(5)
     assert done.returncode == 0 and "submitted-ok" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def _job(address: str, env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    for _ in range(12):
+        done = subprocess.run([RAY, "job", *args, "--address", address], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        # A head that has just started may not have its job agent up yet; nothing was submitted then.
+        if "No available agent to submit job" not in done.stdout + done.stderr:
+            return done
+        time.sleep(5)
+    return done
+
+
+def test_job_stop_checkpoints_the_next_step_and_the_job_submitted_again_resumes_there(
+        head_node: tuple[str, dict], tmp_path: Path) -> None:
+    """`ray job stop` (SIGTERM to the driver, then SIGKILL RAY_JOB_STOP_WAIT_TIME_S later: 150 s, as the
+    manifests set it on the head) has the workers checkpoint at their next step; the driver ends in its
+    line, and the same job submitted again resumes at that step (launch/stop_request.py)."""
+    address, env = head_node
+    pipeline = {
+        "name": "stopped",
+        "stages": ["pretrain"],
+        "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "mlp_dim": 32, "heads": 2},
+        "data": {"url": str(tmp_path / "data"), "num_workers": 0,
+                 "create_if_missing": {"kind": "synthetic", "count": 64, "classes": 4, "image_size": 32,
+                                       "shard_size": 20}},
+        "train": {"global_batch": 16, "micro_batch": 16, "max_steps": 400, "warmup_steps": 1, "zero_stage": 1,
+                  "precision": "fp32", "checkpoint_every": 1000, "log_every": 1},
+        "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "storage_path": str(tmp_path / "runs")},
+    }
+    path = tmp_path / "stopped.yaml"
+    path.write_text(yaml.safe_dump(pipeline))
+    vitscale = str(Path(sys.executable).parent / "vitscale")
+    submitted = _job(address, env, "submit", "--no-wait", "--", vitscale, "run", str(path))
+    assert submitted.returncode == 0, submitted.stdout[-2000:] + submitted.stderr[-2000:]
+    job = next(word for word in submitted.stdout.split() if word.startswith("raysubmit_")).strip("'\"")
+    deadline = time.monotonic() + 600
+    while " step 5/400" not in _job(address, env, "logs", job).stdout:
+        assert time.monotonic() < deadline, _job(address, env, "logs", job).stdout[-4000:]
+        time.sleep(1)
+    assert _job(address, env, "stop", job).returncode == 0
+    while "STOPPED" not in (status := _job(address, env, "status", job).stdout):
+        assert time.monotonic() < deadline, status
+        time.sleep(1)
+    logs = _job(address, env, "logs", job).stdout
+    run = tmp_path / "runs" / "stopped"
+    checkpoints = sorted(p.name for p in run.glob("checkpoint_*"))
+    assert len(checkpoints) == 1, (checkpoints, logs[-4000:])
+    at = int(checkpoints[0].split("_")[1])
+    assert 5 <= at < 400 and f"step {at}: the run was asked to stop (SIGTERM to the driver)" in logs, logs[-4000:]
+    assert "vitscale: interrupted by SIGTERM; the run is kept at" in logs, logs[-4000:]
+
+    done = _job(address, env, "submit", "--", vitscale, "run", str(path), timeout=900)
+    assert done.returncode == 0 and f"resumed from {run / checkpoints[0]} at step {at} " in done.stdout, \
+        done.stdout[-4000:]
+    assert f" step {at + 1}/400 " in done.stdout and f" step {at}/400 " not in done.stdout, done.stdout[-4000:]

@@ -50,3 +50,14 @@ def test_a_request_says_whether_the_runs_workers_are_stepping() -> None:
     assert requests.ask("s3://b/runs/a", "asked (SIGTERM)") is True
     assert requests.ask("s3://b/runs/a", "asked again") is True
     assert requests.why("s3://b/runs/a") == "asked (SIGTERM)" and requests.why("s3://b/runs/c") is None
+
+
+def test_a_ray_jobs_driver_waits_only_as_long_as_ray_job_stop_lets_it() -> None:
+    from vitscale.launch.stop_request import ENDING_S, stop_grace
+
+    job = {"RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"}
+    assert stop_grace(120, {}) == 120  # a terminal's Ctrl-C, `kill`: the run's own grace
+    assert stop_grace(120, job) == 0  # Ray's 3 s: abort at once, the driver's line still said
+    assert stop_grace(120, {**job, "RAY_JOB_STOP_WAIT_TIME_S": "150"}) == 120
+    assert stop_grace(120, {**job, "RAY_JOB_STOP_WAIT_TIME_S": "60"}) == 60 - ENDING_S
+    assert stop_grace(120, {**job, "RAY_JOB_STOP_WAIT_TIME_S": "soon"}) == 0

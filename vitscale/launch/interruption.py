@@ -24,6 +24,7 @@ ends, and the Train runs it drove end with it, as every actor a driver owns does
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +34,7 @@ from typing import Any, TypeVar
 import ray
 from ray.train.torch import TorchTrainer
 
+from vitscale.launch.stop_request import stop_grace
 from vitscale.say import say
 
 __all__ = ["ABORT_WAIT_S", "STOPS", "InterruptibleTrainer", "keeping_handlers", "side_by_side"]
@@ -110,13 +112,15 @@ class InterruptibleTrainer(TorchTrainer):
 
         def ask(signum: int, frame: FrameType | None) -> None:
             assert self._stop is not None
-            requests, run, grace = self._stop
+            requests, run, configured = self._stop
+            grace = stop_grace(configured, os.environ)
             why = f"the run was asked to stop ({signal.Signals(signum).name} to the driver)"
             try:
-                stepping = ray.get(requests.ask.remote(run, why), timeout=10)
+                stepping = grace > 0 and ray.get(requests.ask.remote(run, why), timeout=10)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 stepping = False
-            if not stepping:  # no worker has made a step yet: nothing to checkpoint, nothing to wait for
+            # No worker has made a step yet (nothing to checkpoint, nothing to wait for), or no time to wait.
+            if not stepping:
                 abort(signum, frame)
             self._asked = (signum, frame)
             for again in before:

@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -93,8 +93,7 @@ def train_worker(payload: dict[str, Any]) -> None:
                                 restored=downloaded.close, storage=storage, run_name=place.name,
                                 elastic=bool(payload.get("elastic")), preemption=_preemption_notice,
                                 launched=float(payload.get("launched", 0.0)),
-                                stop_requested=StopPoll(payload["stop"], place.storage) if payload.get("stop") is not None
-                                else lambda: None,
+                                stop_requested=_stop_poll(payload.get("stop"), place.storage),
                                 terminated=termination.notice)
             train(job, ctx)  # its last step reports the final checkpoint and metrics
     except Terminated as stopped:
@@ -126,6 +125,11 @@ def _leave(termination: TerminationNotice, told: Terminated) -> NoReturn:
     termination.leave()
     time.sleep(60)  # the main thread ends the process meanwhile; this thread must not return "finished"
     raise WorkerFailed(f"{told}, but the process did not end within 60 s of the signal's own handler")
+
+
+def _stop_poll(requests: Any, run: str) -> Callable[[], str | None]:
+    """Rank 0's reading of the driver's stop request; a run fitted from a thread (a sweep's) has none."""
+    return (lambda: None) if requests is None else StopPoll(requests, run)
 
 
 def _preemption_notice() -> str | None:

@@ -9,20 +9,42 @@ periodic checkpoint (up to `train.checkpoint_every`). Now the driver's first sig
 the driver then ends in the CLI's line saying how to resume; the resume starts at the very next step.
 
 A run whose workers have not made a step yet (starting, waiting for room, restoring) is aborted at once:
-no step is lost. One that cannot honour the stop soon (a step that hangs, workers restarting) is aborted
-after the run's `cluster.preemption_grace_s`, or at once on a second signal.
+no step is lost. So is one whose driver runs as a Ray job on a head that leaves it too little time
+(`stop_grace`: `ray job stop` SIGKILLs the driver `RAY_JOB_STOP_WAIT_TIME_S` after its SIGTERM, 3 s by
+default; vitscale's manifests set 150). One that cannot honour the stop soon (a step that hangs, workers
+restarting) is aborted after the run's `cluster.preemption_grace_s`, or at once on a second signal.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import ray
 
-__all__ = ["POLL_S", "StopPoll", "StopRequests", "stop_requests"]
+__all__ = ["POLL_S", "StopPoll", "StopRequests", "stop_grace", "stop_requests"]
 
 POLL_S = 1.0
 """How often rank 0 reads the driver's stop request: a call to an actor, about a millisecond."""
+
+RAY_JOB_STOP_WAIT_S = 3.0
+"""Ray's default `RAY_JOB_STOP_WAIT_TIME_S`: `ray job stop` SIGKILLs a job's driver this long after its SIGTERM."""
+
+ENDING_S = 10.0
+"""What a driver needs after its workers stopped: the abort's answer, the lease released, the run's files pushed."""
+
+
+def stop_grace(configured: float, environ: Mapping[str, str]) -> float:
+    """How long the driver may wait for its workers' stop: `cluster.preemption_grace_s`, or less where it runs
+    as a Ray job, whose driver `ray job stop` SIGKILLs `RAY_JOB_STOP_WAIT_TIME_S` after the signal (3 s unless
+    the head says otherwise): the driver must still end in its own line. 0: abort at once."""
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in environ:  # set by Ray's job supervisor for a job's driver
+        return configured
+    try:
+        wait = float(environ.get("RAY_JOB_STOP_WAIT_TIME_S", RAY_JOB_STOP_WAIT_S))
+    except ValueError:
+        wait = RAY_JOB_STOP_WAIT_S
+    return max(0.0, min(configured, wait - ENDING_S))
 
 
 class StopRequests:
