@@ -48,7 +48,7 @@ def stop_grace(configured: float, environ: Mapping[str, str]) -> float:
 
 
 class StopRequests:
-    """The driver's stop requests, one per Train run (keyed by the run's storage location); served by an actor."""
+    """The driver's stop requests to its Train runs (keyed by a run's storage location); served by an actor."""
 
     def __init__(self) -> None:
         self.asked: dict[str, str] = {}
@@ -64,15 +64,11 @@ class StopRequests:
         return self.asked.get(run)
 
 
-_requests: Any = None
-
-
 def stop_requests() -> Any:
-    """This driver's `StopRequests` actor (one for all its runs), started on first use; it dies with the driver."""
-    global _requests
-    if _requests is None:
-        _requests = ray.remote(num_cpus=0)(StopRequests).remote()
-    return _requests
+    """A new `StopRequests` actor for a run, owned by this driver: it dies with the driver, or once the run's
+    trainer and workers let go of it. Never kept across runs: a handle from an earlier `ray.init` is dead, and
+    putting it into a run's config aborted the whole process (Ray's own check)."""
+    return ray.remote(num_cpus=0)(StopRequests).remote()
 
 
 class StopPoll:
@@ -91,5 +87,5 @@ class StopPoll:
         self.last = now
         try:
             return ray.get(self.requests.why.remote(self.run), timeout=10)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            return None  # the driver is gone or slow: its own ending stops the run
+        except Exception:  # noqa: BLE001 -- the driver gone or slow (its own ending stops the run): never a failed step
+            return None
