@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -28,9 +29,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture()
+@pytest.fixture(scope="module")
 def head_node():
-    """A one-node Ray cluster started the way an operator would, stopped afterwards."""
+    """A one-node Ray cluster started the way an operator would, stopped afterwards; its tests share it (each
+    job its own folders)."""
     if RAY is None:
         pytest.skip("the ray CLI is not installed")
     temp = tempfile.mkdtemp(prefix="rayjob-")  # short: Ray's unix sockets live under it
@@ -144,13 +146,18 @@ def test_job_api_refuses_a_submission_without_the_token(head_node: tuple[str, di
 
 def _job(address: str, env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     for _ in range(12):
-        done = subprocess.run([RAY, "job", *args, "--address", address], env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        # The address before the rest: after `--` it would be the entrypoint's own argument.
+        done = subprocess.run([RAY, "job", args[0], "--address", address, *args[1:]], env=env, capture_output=True,
+                              text=True, timeout=timeout)
         # A head that has just started may not have its job agent up yet; nothing was submitted then.
         if "No available agent to submit job" not in done.stdout + done.stderr:
             return done
         time.sleep(5)
     return done
+
+
+def _said(done: subprocess.CompletedProcess) -> str:
+    return done.stdout + done.stderr
 
 
 def test_job_stop_checkpoints_the_next_step_and_the_job_submitted_again_resumes_there(
@@ -166,33 +173,41 @@ def test_job_stop_checkpoints_the_next_step_and_the_job_submitted_again_resumes_
         "data": {"url": str(tmp_path / "data"), "num_workers": 0,
                  "create_if_missing": {"kind": "synthetic", "count": 64, "classes": 4, "image_size": 32,
                                        "shard_size": 20}},
-        "train": {"global_batch": 16, "micro_batch": 16, "max_steps": 400, "warmup_steps": 1, "zero_stage": 1,
-                  "precision": "fp32", "checkpoint_every": 1000, "log_every": 1},
+        "train": {"global_batch": 16, "micro_batch": 16, "max_steps": 100_000, "warmup_steps": 1, "zero_stage": 1,
+                  "precision": "fp32", "checkpoint_every": 100_000, "log_every": 1},
         "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "storage_path": str(tmp_path / "runs")},
     }
     path = tmp_path / "stopped.yaml"
     path.write_text(yaml.safe_dump(pipeline))
     vitscale = str(Path(sys.executable).parent / "vitscale")
-    submitted = _job(address, env, "submit", "--no-wait", "--", vitscale, "run", str(path))
-    assert submitted.returncode == 0, submitted.stdout[-2000:] + submitted.stderr[-2000:]
-    job = next(word for word in submitted.stdout.split() if word.startswith("raysubmit_")).strip("'\"")
-    deadline = time.monotonic() + 600
-    while " step 5/400" not in _job(address, env, "logs", job).stdout:
-        assert time.monotonic() < deadline, _job(address, env, "logs", job).stdout[-4000:]
-        time.sleep(1)
-    assert _job(address, env, "stop", job).returncode == 0
-    while "STOPPED" not in (status := _job(address, env, "status", job).stdout):
-        assert time.monotonic() < deadline, status
-        time.sleep(1)
-    logs = _job(address, env, "logs", job).stdout
     run = tmp_path / "runs" / "stopped"
-    checkpoints = sorted(p.name for p in run.glob("checkpoint_*"))
+
+    def submit_then_stop(after: str) -> tuple[str, str]:
+        """Submit the pipeline, `ray job stop` it once its logs say `after`; (its final logs, its status)."""
+        submitted = _job(address, env, "submit", "--no-wait", "--", vitscale, "run", str(path))
+        assert submitted.returncode == 0, submitted.stdout[-2000:] + submitted.stderr[-2000:]
+        job = re.findall(r"raysubmit_[A-Za-z0-9]+", submitted.stdout)[0]  # coloured output: not split on spaces
+        deadline = time.monotonic() + 600
+        while after not in (logs := _job(address, env, "logs", job).stdout):
+            assert time.monotonic() < deadline and "vitscale: error" not in logs, logs[-4000:]
+            time.sleep(1)
+        assert _job(address, env, "stop", job).returncode == 0
+        # `ray job status` says it in a warning ("Job '...' was stopped"), or "... succeeded", "... failed".
+        while not any(end in (status := _said(_job(address, env, "status", job)).lower())
+                      for end in ("stopped", "succeeded", "failed")):
+            assert time.monotonic() < deadline, status
+            time.sleep(1)
+        return _job(address, env, "logs", job).stdout, status
+
+    logs, status = submit_then_stop(" step 5/100000 ")
+    assert "was stopped" in status, status
+    checkpoints = sorted(p.name for p in run.glob("checkpoint_*") if p.is_dir())
     assert len(checkpoints) == 1, (checkpoints, logs[-4000:])
     at = int(checkpoints[0].split("_")[1])
-    assert 5 <= at < 400 and f"step {at}: the run was asked to stop (SIGTERM to the driver)" in logs, logs[-4000:]
-    assert "vitscale: interrupted by SIGTERM; the run is kept at" in logs, logs[-4000:]
+    assert at >= 5 and f"step {at}: the run was asked to stop (SIGTERM to the driver)" in logs, logs[-4000:]
+    assert logs.rstrip().splitlines()[-1].startswith("vitscale: interrupted by SIGTERM; the run is kept at"), logs[-4000:]
 
-    done = _job(address, env, "submit", "--", vitscale, "run", str(path), timeout=900)
-    assert done.returncode == 0 and f"resumed from {run / checkpoints[0]} at step {at} " in done.stdout, \
-        done.stdout[-4000:]
-    assert f" step {at + 1}/400 " in done.stdout and f" step {at}/400 " not in done.stdout, done.stdout[-4000:]
+    # Submitted again: resumed at the stop's own step, the next one trained first.
+    logs, status = submit_then_stop(f" step {at + 1}/100000 ")
+    assert f"resumed from {run / checkpoints[0]} at step {at} " in logs and f" step {at}/100000 " not in logs, \
+        logs[-4000:]

@@ -62,23 +62,3 @@ def test_a_ray_jobs_driver_waits_only_as_long_as_ray_job_stop_lets_it() -> None:
     assert stop_grace(120, {**job, "RAY_JOB_STOP_WAIT_TIME_S": "60"}) == 60 - ENDING_S
     assert stop_grace(120, {**job, "RAY_JOB_STOP_WAIT_TIME_S": "soon"}) == 0
 
-
-def test_a_stop_channel_is_never_kept_from_an_earlier_connection_to_ray() -> None:
-    """A handle kept from an earlier `ray.init` is dead, and putting it into a run's config aborted the whole
-    process (a pytest worker that ran two Ray test files, or any program that connects twice)."""
-    import shutil
-    import tempfile
-
-    import ray
-
-    from vitscale.launch.stop_request import stop_requests
-
-    temp = tempfile.mkdtemp(prefix="rs-")  # short: Ray's unix sockets live under it
-    for _ in range(2):
-        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
-        try:
-            handle = stop_requests()
-            assert ray.get(ray.put({"stop": handle})) and ray.get(handle.why.remote("run")) is None
-        finally:
-            ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
