@@ -75,21 +75,26 @@ def _kill_session(session: int) -> None:
     psutil.wait_procs(members, timeout=30)
 
 
-def test_job_submit_runs_the_pipeline_on_the_cluster(head_node: tuple[str, dict], tmp_path: Path) -> None:
-    address, env = head_node
-    pipeline = {
-        "name": "submitted",
+def _pipeline(tmp_path: Path, name: str, workers: int, **train: int) -> Path:
+    """A one-stage pre-training pipeline of a one-block ViT on 64 synthetic images, written into `tmp_path`."""
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": name,
         "stages": ["pretrain"],
         "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "mlp_dim": 32, "heads": 2},
         "data": {"url": str(tmp_path / "data"), "num_workers": 0,
                  "create_if_missing": {"kind": "synthetic", "count": 64, "classes": 4, "image_size": 32,
                                        "shard_size": 20}},
-        "train": {"global_batch": 16, "micro_batch": 8, "max_steps": 3, "warmup_steps": 1, "zero_stage": 2,
-                  "precision": "fp32", "checkpoint_every": 3},
-        "cluster": {"num_workers": 2, "use_gpu": False, "cpus_per_worker": 1, "storage_path": str(tmp_path / "runs")},
-    }
-    path = tmp_path / "submitted.yaml"
-    path.write_text(yaml.safe_dump(pipeline))
+        "train": {"global_batch": 16, "warmup_steps": 1, "precision": "fp32", **train},
+        "cluster": {"num_workers": workers, "use_gpu": False, "cpus_per_worker": 1,
+                    "storage_path": str(tmp_path / "runs")},
+    }))
+    return path
+
+
+def test_job_submit_runs_the_pipeline_on_the_cluster(head_node: tuple[str, dict], tmp_path: Path) -> None:
+    address, env = head_node
+    path = _pipeline(tmp_path, "submitted", workers=2, micro_batch=8, max_steps=3, zero_stage=2, checkpoint_every=3)
     vitscale = str(Path(sys.executable).parent / "vitscale")
     for _ in range(12):
         done = subprocess.run([RAY, "job", "submit", "--address", address, "--", vitscale, "run", str(path)],
@@ -166,19 +171,8 @@ def test_job_stop_checkpoints_the_next_step_and_the_job_submitted_again_resumes_
     manifests set it on the head) has the workers checkpoint at their next step; the driver ends in its
     line, and the same job submitted again resumes at that step (launch/stop_request.py)."""
     address, env = head_node
-    pipeline = {
-        "name": "stopped",
-        "stages": ["pretrain"],
-        "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "mlp_dim": 32, "heads": 2},
-        "data": {"url": str(tmp_path / "data"), "num_workers": 0,
-                 "create_if_missing": {"kind": "synthetic", "count": 64, "classes": 4, "image_size": 32,
-                                       "shard_size": 20}},
-        "train": {"global_batch": 16, "micro_batch": 16, "max_steps": 100_000, "warmup_steps": 1, "zero_stage": 1,
-                  "precision": "fp32", "checkpoint_every": 100_000, "log_every": 1},
-        "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "storage_path": str(tmp_path / "runs")},
-    }
-    path = tmp_path / "stopped.yaml"
-    path.write_text(yaml.safe_dump(pipeline))
+    path = _pipeline(tmp_path, "stopped", workers=1, micro_batch=16, max_steps=100_000, zero_stage=1,
+                     checkpoint_every=100_000, log_every=1)
     vitscale = str(Path(sys.executable).parent / "vitscale")
     run = tmp_path / "runs" / "stopped"
 
