@@ -17,6 +17,7 @@ restarting) is aborted after the run's `cluster.preemption_grace_s`, or at once 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,8 +80,6 @@ class StopPoll:
         self.last = float("-inf")
 
     def __call__(self) -> str | None:
-        import time
-
         now = time.monotonic()
         if now - self.last < POLL_S:
             return None
