@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers.pipelines import tiny_pipeline
 from vitscale import cli
 from vitscale.cli import build_parser, main
 from vitscale.config.suggest import closest, did_you_mean
@@ -148,17 +149,6 @@ def test_ctrl_c_of_a_run_says_where_it_is_kept_and_how_to_resume(verb: str, tmp_
                                        f"complete checkpoint with `{shlex.join(['vitscale', *argv])}`\n")
 
 
-def _one_step(tmp_path: Path, data: str) -> Path:
-    """A pipeline of one tiny pre-training step on `data`, its run under `tmp_path/runs`."""
-    path = tmp_path / "p.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "t", "stages": ["pretrain"], "data": {"url": data},
-        "model": {"name": "ViT-Ti/16", "img_size": 32, "depth": 1, "width": 32, "mlp_dim": 64, "heads": 2},
-        "train": {"global_batch": 8, "micro_batch": 8, "max_steps": 1, "precision": "fp32"},
-        "cluster": {"num_workers": 1, "storage_path": str(tmp_path / "runs")}}))
-    return path
-
-
 def test_a_wrong_address_is_one_line_within_seconds(tmp_path: Path, small_synthetic: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     import ray
@@ -166,7 +156,7 @@ def test_a_wrong_address_is_one_line_within_seconds(tmp_path: Path, small_synthe
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    path = _one_step(tmp_path, small_synthetic)
+    path = tiny_pipeline(tmp_path, "t", small_synthetic, {"max_steps": 1})
     started = time.monotonic()
     code = main(["run", str(path), "--address", f"127.0.0.1:{port}"])
     out, err = capsys.readouterr()
@@ -209,7 +199,7 @@ def test_a_cluster_that_wants_a_token_says_so(tmp_path: Path, small_synthetic: s
             time.sleep(0.5)
         monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
-        path = _one_step(tmp_path, small_synthetic)
+        path = tiny_pipeline(tmp_path, "t", small_synthetic, {"max_steps": 1})
         code = main(["run", str(path), "--address", f"127.0.0.1:{port}"])
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert code == 2 and err.startswith(f"vitscale: error: cluster.address: cannot join a Ray cluster at "

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-import yaml
 
 from helpers.loop_runs import steps
+from helpers.pipelines import tiny_pipeline
 from helpers.ray_runs import kill_tree, start
 from vitscale.launch.interruption import side_by_side
 
@@ -97,14 +97,8 @@ def test_ctrl_c_or_sigterm_stops_the_workers_says_how_to_resume_and_the_command_
     Without the CLI's handler put back after `ray.init`, Ray's own printed a stack dump on SIGTERM and
     aborted the driver (no line, the lease left held)."""
     steps_total = 60
-    pipeline = tmp_path / "ctrlc.yaml"
-    pipeline.write_text(yaml.safe_dump({
-        "name": "ctrlc", "stages": ["pretrain"], "data": {"url": small_synthetic, "num_workers": 0},
-        "model": {"name": "ViT-Ti/16", "img_size": 32, "depth": 1, "width": 32, "mlp_dim": 64, "heads": 2},
-        "train": {"global_batch": 8, "micro_batch": 8, "max_steps": steps_total, "precision": "fp32",
-                  "zero_stage": 1, "checkpoint_every": 4, "log_every": 1},
-        "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "local_num_cpus": 2,
-                    "storage_path": str(tmp_path / "runs")}}))
+    pipeline = tiny_pipeline(tmp_path, "ctrlc", small_synthetic,
+                             {"max_steps": steps_total, "zero_stage": 1, "checkpoint_every": 4, "log_every": 1})
     run_dir = tmp_path / "runs" / "ctrlc"
     stopped = [0]
     plan = [(signal.SIGINT, 130, "", False), (signal.SIGTERM, 143, " by SIGTERM", True)]
@@ -160,13 +154,8 @@ def test_ctrl_c_or_sigterm_stops_the_workers_says_how_to_resume_and_the_command_
 def test_ctrl_c_before_the_first_step_stops_at_once(tmp_path: Path, small_synthetic: str) -> None:
     """No worker has made a step (Ray Train still starting them): nothing to checkpoint, so the driver does not
     wait out the stop's grace for one (120 s), it aborts at once and says how to resume."""
-    pipeline = tmp_path / "early.yaml"
-    pipeline.write_text(yaml.safe_dump({
-        "name": "early", "stages": ["pretrain"], "data": {"url": small_synthetic, "num_workers": 0},
-        "model": {"name": "ViT-Ti/16", "img_size": 32, "depth": 1, "width": 32, "mlp_dim": 64, "heads": 2},
-        "train": {"global_batch": 8, "micro_batch": 8, "max_steps": 60, "precision": "fp32", "zero_stage": 1},
-        "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "local_num_cpus": 2,
-                    "storage_path": str(tmp_path / "runs"), "preemption_grace_s": 120}}))
+    pipeline = tiny_pipeline(tmp_path, "early", small_synthetic, {"max_steps": 60, "zero_stage": 1},
+                             cluster={"preemption_grace_s": 120})
     log = tmp_path / "early.log"
     proc = start(pipeline, log)
     try:

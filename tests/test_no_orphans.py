@@ -12,22 +12,16 @@ from pathlib import Path
 
 import psutil
 import pytest
-import yaml
 
+from helpers.pipelines import tiny_pipeline
 from helpers.ray_runs import kill_tree, start
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_sigkilled_driver_leaves_no_ray_process(tmp_path: Path, small_synthetic: str) -> None:
-    pipeline = tmp_path / "orphans.yaml"
-    pipeline.write_text(yaml.safe_dump({
-        "name": "orphans", "stages": ["pretrain"], "data": {"url": small_synthetic, "num_workers": 0},
-        "model": {"name": "ViT-Ti/16", "img_size": 32, "depth": 1, "width": 32, "mlp_dim": 64, "heads": 2},
-        "train": {"global_batch": 8, "micro_batch": 8, "max_steps": 100000, "precision": "fp32",
-                  "zero_stage": 0, "checkpoint_every": 100000, "log_every": 1},
-        "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "local_num_cpus": 2,
-                    "storage_path": str(tmp_path / "runs")}}))
+    pipeline = tiny_pipeline(tmp_path, "orphans", small_synthetic,
+                             {"max_steps": 100000, "zero_stage": 0, "checkpoint_every": 100000, "log_every": 1})
     log = tmp_path / "run.log"
     proc = start(pipeline, log)
     metrics = tmp_path / "runs" / "orphans" / "metrics" / "rank0.jsonl"

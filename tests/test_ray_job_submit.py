@@ -17,7 +17,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-import yaml
+
+from helpers.pipelines import tiny_pipeline
 
 pytestmark = pytest.mark.slow
 RAY = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
@@ -76,20 +77,12 @@ def _kill_session(session: int) -> None:
 
 
 def _pipeline(tmp_path: Path, name: str, workers: int, **train: int) -> Path:
-    """A one-stage pre-training pipeline of a one-block ViT on 64 synthetic images, written into `tmp_path`."""
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": name,
-        "stages": ["pretrain"],
-        "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "mlp_dim": 32, "heads": 2},
-        "data": {"url": str(tmp_path / "data"), "num_workers": 0,
-                 "create_if_missing": {"kind": "synthetic", "count": 64, "classes": 4, "image_size": 32,
-                                       "shard_size": 20}},
-        "train": {"global_batch": 16, "warmup_steps": 1, "precision": "fp32", **train},
-        "cluster": {"num_workers": workers, "use_gpu": False, "cpus_per_worker": 1,
-                    "storage_path": str(tmp_path / "runs")},
-    }))
-    return path
+    """A one-block ViT on 64 synthetic images the run writes itself, as a job's driver on the head runs it."""
+    data = {"url": str(tmp_path / "data"), "num_workers": 0,
+            "create_if_missing": {"kind": "synthetic", "count": 64, "classes": 4, "image_size": 32, "shard_size": 20}}
+    model = {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "mlp_dim": 32, "heads": 2}
+    return tiny_pipeline(tmp_path, name, data, {"global_batch": 16, "warmup_steps": 1, **train},
+                         cluster={"num_workers": workers}, model=model)
 
 
 def test_job_submit_runs_the_pipeline_on_the_cluster(head_node: tuple[str, dict], tmp_path: Path) -> None:
