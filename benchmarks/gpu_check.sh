@@ -5,19 +5,20 @@
 #
 # What such a machine lacks comes from wheels carried in .whl/ (DeepSpeed built here with DS_BUILD_OPS=0,
 # pydantic and its core, hjson, simplejpeg, boto3 and its parts): `make gpu-wheels` fetches them. Then,
-# in order of what matters most, each with its own time limit so one slow part cannot eat the others:
+# in order of what matters most, under one deadline (GPU_CHECK_SECONDS, default 555: a 10-minute call with
+# the wheels' install and the tar of OUT_DIR around it), each part with its own cap besides:
 #   1. benchmarks/mfu.py: vitscale's training step against the hand-written peer (timm + compile + fused
-#      AdamW + bf16 autocast) for ViT-B/16 at ZeRO 1, 2, 3 and 0 (with a torch.profiler summary) and ViT-L/16
-#      at ZeRO 1 at the largest batch its memory holds (`--batch auto`, the peer at the same), with the forward /
-#      backward / optimizer phases;
+#      AdamW + bf16 autocast) for ViT-B/16 at ZeRO 1, 2 and 3 (with a torch.profiler summary) and ViT-L/16
+#      at ZeRO 1 at the largest batch its memory holds (`--batch auto`, the peer at the same), with the
+#      forward / backward / optimizer phases;
 #   2. benchmarks/train_data.py: the real worker loop on >= 20,000 JPEGs written here, against the fixed batch;
 #   3. the GPU tests (bf16 over NCCL at ZeRO 0-3, compiled, exact resume; the update's and ZeRO 3's syncs);
-#   4. last, while the whole stays under 8 minutes: ViT-B/16 at ZeRO 1 compiled with CUDA graphs
+#   4. the extras, each only where its whole cap still fits: ViT-B/16 at ZeRO 1 compiled with CUDA graphs
 #      (`train.compile_mode: reduce-overhead`), whether they fit around DeepSpeed's hooks; ViT-B/16 at the
-#      largest batch its memory holds; benchmarks/attention.py,
-#      every attention kernel at each ViT's shapes (seconds); and ViT-B/16 at ZeRO 3 eager, beside the
-#      main run's ZeRO 3 row, which `train.compile: auto` now compiles a block at a time on one GPU (a
-#      compiled ZeRO 3 step had run at two thirds of the eager one's speed with the whole model compiled).
+#      largest batch its memory holds; benchmarks/attention.py, every attention kernel at each ViT's shapes
+#      (seconds); and ViT-B/16 eager at ZeRO 0 and 3, beside the main run's ZeRO 3 row, which
+#      `train.compile: auto` compiles a block at a time on one GPU (a compiled ZeRO 3 step had run at two
+#      thirds of the eager one's speed with the whole model compiled).
 # Tables and logs land in OUT_DIR; the last lines printed are the tables.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,39 +34,43 @@ else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 stamp() { echo "== $(date +%H:%M:%S) $*"; }
+# One deadline for the whole script (bash's SECONDS counts from its start), so a slow part shortens the
+# ones after it instead of running the lease out: `part` gives a command at most WANT seconds and never
+# past the deadline; `extra` runs only where its whole WANT still fits.
+deadline=${GPU_CHECK_SECONDS:-555}
+part() {
+  local want=$1 title=$2 left=$(( deadline - SECONDS )); shift 2
+  if (( left < 30 )); then stamp "skipped, the deadline is near: $title"; return 0; fi
+  stamp "$title"
+  timeout $(( want < left ? want : left )) "$@"
+}
+extra() {
+  local want=$1 title=$2; shift 2
+  if (( deadline - SECONDS < want )); then stamp "skipped, no time left for it: $title"; return 0; fi
+  stamp "$title"
+  timeout "$want" "$@"
+}
 stamp "machine"; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 $python -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)" 2>&1 | tail -1
 
-stamp "mfu ViT-B/16"
-timeout 250 $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 2 3 0 --peer --steps 20 \
+part 200 "mfu ViT-B/16" $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 2 3 --peer --steps 16 \
   --profile "$out" --out "$out/mfu_b16.json" 2>&1 | tee "$out/mfu_b16.log" | grep -v '^{'
-stamp "mfu ViT-L/16, the batch chosen by memory (both loops)"
-timeout 120 $python benchmarks/mfu.py --models ViT-L/16 --batch auto --zero-stages 1 --peer --steps 10 \
+part 110 "mfu ViT-L/16, the batch chosen by memory (both loops)" \
+  $python benchmarks/mfu.py --models ViT-L/16 --batch auto --zero-stages 1 --peer --steps 10 \
   --out "$out/mfu_l16.json" 2>&1 | tee "$out/mfu_l16.log" | grep -v '^{'
-stamp "train_data ViT-B/16"
-timeout 150 $python benchmarks/train_data.py --steps 50 --fixed-steps 10 --decode-seconds 3 --out "$out/train_data.json" 2>&1 | tee "$out/train_data.log" | tail -25
-stamp "gpu tests"
-timeout 120 $python -m pytest -m gpu tests/test_gpu_training.py tests/test_flops.py tests/test_bench_mfu.py -q -x -p no:cacheprovider 2>&1 \
-  | tee "$out/gpu_tests.log" | tail -8
-# The extras, only while the whole stays under 8 minutes (bash's SECONDS counts from the start).
-if (( SECONDS < 330 )); then
-  stamp "mfu ViT-B/16, CUDA graphs"
-  timeout 75 $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 --compile-mode reduce-overhead --steps 8 \
-    --out "$out/mfu_b16_graphs.json" 2>&1 | tee "$out/mfu_b16_graphs.log" | grep -v '^{' | tail -6
-fi
-if (( SECONDS < 400 )); then
-  stamp "mfu ViT-B/16, the batch chosen by memory"
-  timeout 60 $python benchmarks/mfu.py --models ViT-B/16 --batch auto --zero-stages 1 --steps 8 \
-    --out "$out/mfu_b16_auto.json" 2>&1 | tee "$out/mfu_b16_auto.log" | grep -v '^{' | tail -6
-fi
-if (( SECONDS < 420 )); then
-  stamp "attention kernels"
-  timeout 40 $python benchmarks/attention.py --steps 10 --out "$out/attention.json" 2>&1 \
-    | tee "$out/attention.log" | grep -v '^{' | tail -7
-fi
-if (( SECONDS < 425 )); then
-  stamp "mfu ViT-B/16, ZeRO 3 eager (the main run's ZeRO 3 row is compiled a block at a time)"
-  timeout 70 $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 3 --compile off --steps 8 \
-    --out "$out/mfu_b16_zero3_eager.json" 2>&1 | tee "$out/mfu_b16_zero3_eager.log" | grep -v '^{' | tail -6
-fi
+part 130 "train_data ViT-B/16" $python benchmarks/train_data.py --steps 40 --fixed-steps 10 --decode-seconds 3 \
+  --out "$out/train_data.json" 2>&1 | tee "$out/train_data.log" | tail -25
+part 100 "gpu tests" $python -m pytest -m gpu tests/test_gpu_training.py tests/test_flops.py tests/test_bench_mfu.py \
+  -q -x -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -8
+# The extras, each only where its whole time still fits before the deadline.
+extra 75 "mfu ViT-B/16, CUDA graphs" $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 \
+  --compile-mode reduce-overhead --steps 8 --out "$out/mfu_b16_graphs.json" 2>&1 \
+  | tee "$out/mfu_b16_graphs.log" | grep -v '^{' | tail -6
+extra 60 "mfu ViT-B/16, the batch chosen by memory" $python benchmarks/mfu.py --models ViT-B/16 --batch auto \
+  --zero-stages 1 --steps 8 --out "$out/mfu_b16_auto.json" 2>&1 | tee "$out/mfu_b16_auto.log" | grep -v '^{' | tail -6
+extra 40 "attention kernels" $python benchmarks/attention.py --steps 10 --out "$out/attention.json" 2>&1 \
+  | tee "$out/attention.log" | grep -v '^{' | tail -7
+extra 60 "mfu ViT-B/16, ZeRO 0 and ZeRO 3 eager (the main run's ZeRO 3 row is compiled a block at a time)" \
+  $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 0 3 --compile off --steps 8 \
+  --out "$out/mfu_b16_eager.json" 2>&1 | tee "$out/mfu_b16_eager.log" | grep -v '^{' | tail -6
 stamp "done"

@@ -260,7 +260,8 @@ class VitscaleStep:
         self.loss: torch.Tensor | None = None
 
     def step(self) -> None:
-        self.stepper.step(self.batches, 1e-4)
+        # The loop's four per-step votes (`train/stopvote.py`), all "no": they ride in the step's all-reduce.
+        self.stepper.step(self.batches, 1e-4, votes=lambda: [0.0, 0.0, 0.0, 0.0])
 
     def forward(self) -> None:
         from vitscale.data.loader.transforms import normalize_on_device

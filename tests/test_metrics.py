@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from vitscale.train.metrics import PEAK_BF16_FLOPS, MetricsSink, StepMetrics, mfu, peak_flops
+from vitscale.train.metrics import PEAK_BF16_FLOPS, MetricsSink, StepClock, StepMetrics, mfu, peak_flops
 
 
 def _step(step: int, **over: object) -> StepMetrics:
@@ -309,3 +309,23 @@ def test_no_mfu_is_no_point(tmp_path: Path) -> None:
     board.record(_step(1, mfu=None))
     board.close()
     assert "train/mfu" not in _scalars(tmp_path / "tb") and "train/loss" in _scalars(tmp_path / "tb")
+
+
+def test_a_steps_time_holds_the_previous_steps_bookkeeping_not_its_checkpoint(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU idles while the loop writes a step's metrics as much as during the step's own host work, so
+    the next step's time holds that bookkeeping; an evaluation or a checkpoint between them does not count."""
+    import vitscale.train.metrics as metrics
+
+    now = [100.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+    clock = StepClock()
+    times = []
+    for step_s, bookkeeping_s, checkpoint_s in [(0.5, 0.01, 0.0), (0.25, 0.02, 7.0), (0.125, 0.04, 0.0)]:
+        clock.start()
+        now[0] += step_s
+        times.append(clock.lap())
+        now[0] += bookkeeping_s
+        clock.booked()
+        now[0] += checkpoint_s  # evaluation and checkpoint: after `booked`, before the next `start`
+    assert times == pytest.approx([0.5, 0.26, 0.145])

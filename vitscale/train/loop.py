@@ -18,7 +18,6 @@ the exact sample where training continues.
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -30,7 +29,7 @@ from vitscale.train.context import WorkerContext
 from vitscale.train.evaluate import evaluate, evaluation_due
 from vitscale.train.faults import maybe_die
 from vitscale.train.job import TrainJob
-from vitscale.train.metrics import StepMetrics, mfu
+from vitscale.train.metrics import StepClock, StepMetrics, mfu
 from vitscale.train.observers import Observers
 from vitscale.train.step import StepOutcome
 from vitscale.train.stopvote import StopVote
@@ -45,7 +44,7 @@ class NonFiniteSteps(RuntimeError):
 def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
     """Run (or resume) a training job to its configured number of steps; returns a summary."""
     w = set_up(job, ctx)  # stream, model, engine, schedule, restored state
-    observers, vote = Observers(w), StopVote(ctx)
+    observers, vote, clock = Observers(w), StopVote(ctx), StepClock()
     checkpointer = Checkpointer(w, observers)
     # The counts go on from the checkpoint's; a resized run's checkpoints record the new world size.
     state, stream, batch = replace(w.state, world_size=ctx.world_size), w.stream, w.batch
@@ -56,7 +55,7 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
             # On resume: the checkpoint's own stream state (checked in set_up against the step).
             stream.load_state_dict(w.resume_stream or w.stream_state(state.step))
             w.resume_stream, batches = None, iter(stream)
-        t0 = time.perf_counter()
+        clock.start()
         lr = w.lr(state.step)
         outcome = w.stepper.step(batches, lr, votes=partial(vote.votes, stream))
         loss = outcome.loss
@@ -73,9 +72,10 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         stream.check_error_budget(vote.skipped_samples(outcome.votes), gather=vote.gather)
         state = replace(state, step=step, examples_seen=state.examples_seen + batch.global_batch,
                         flops=state.flops + w.flops_per_example * batch.global_batch)
-        metrics = _step_metrics(w, state, outcome, lr, time.perf_counter() - t0, observers.attempt)
+        metrics = _step_metrics(w, state, outcome, lr, clock.lap(), observers.attempt)
         observers.record(metrics, outcome.keys, stream.skipped())
         maybe_die(job.train.fault, ctx.rank, step, ctx.storage or str(ctx.run_dir))
+        clock.booked()
         scores = evaluate(w) if evaluation_due(w, step) else {}
         observers.scores(step, scores)
         notice = vote.decide(outcome.votes, step)

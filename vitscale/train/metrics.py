@@ -85,6 +85,7 @@ from vitscale.train.restarts import Restart, read_rows, restarts
 __all__ = [
     "PEAK_BF16_FLOPS",
     "MetricsSink",
+    "StepClock",
     "StepMetrics",
     "TensorBoardLog",
     "hms",
@@ -123,11 +124,11 @@ class StepMetrics:
     images_per_s: float
     """Training throughput of this step: global batch / step wall time (all ranks together)."""
     step_time_s: float
-    """Wall time of the whole step, data wait included."""
+    """Wall time of the whole step, data wait and the previous step's bookkeeping included (`StepClock`)."""
     data_wait_s: float
     """Time blocked waiting for the next batch."""
     compute_s: float
-    """Time in forward, backward and the optimiser update."""
+    """The step's time less its data wait: forward, backward, the update and the loop's own work."""
     examples_seen: int
     """Examples consumed by the whole run (all ranks) so far."""
     cumulative_exaflops: float
@@ -149,6 +150,30 @@ class StepMetrics:
     patch_accuracy: float | None = None
     """Masked patch prediction (Sec. 4.6): the share of this step's corrupted patches (all ranks) whose
     target was predicted exactly; None for supervised training and the regression target."""
+
+
+class StepClock:
+    """A step's wall time, its own bookkeeping included: the loop's work after a step's last read of the
+    device (metrics lines, TensorBoard, the progress line) leaves the GPU idle as much as the step itself
+    does, so it counts in the next step's time; evaluations and checkpoints do not (their steps are rare,
+    and their cost is in the run's wall time and the timing lines they print)."""
+
+    def __init__(self) -> None:
+        self.taken = time.perf_counter()
+        self.carry = 0.0
+
+    def start(self) -> None:
+        """A step begins: its time runs from the end of the previous one, plus that one's bookkeeping."""
+        self.begun = time.perf_counter() - self.carry
+
+    def lap(self) -> float:
+        """The step's read is done: seconds since `start`, the previous step's bookkeeping included."""
+        self.taken = time.perf_counter()
+        return self.taken - self.begun
+
+    def booked(self) -> None:
+        """The step's bookkeeping is done: its seconds go into the next step's time."""
+        self.carry = time.perf_counter() - self.taken
 
 
 def mfu(model_flops_per_s: float, peak_flops_per_s: float) -> float:

@@ -100,11 +100,20 @@ class Stepper:
                 self.engine.step()  # inside the accumulation: DeepSpeed only counts the micro-step
         # Mean loss over all ranks (weighted: the global batch's mean at any world size): what the user
         # compares across runs. A NaN on any rank makes the sum NaN on every rank, so all skip the same steps.
-        host = torch.tensor(votes(), dtype=torch.float32)
-        reduced = torch.cat([step_loss.reshape(1).float(), tally, host.to(self.device)])
+        reduced = torch.cat([step_loss.reshape(1).float(), tally, self._on_device(votes())])
         torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.SUM)
         # The update reads the loss sum on the device where it can (`train/update.py`): then the step's one
         # host sync is this read, after every kernel of the step is queued.
         applied, grad_norm, (total, hits, predicted, *summed) = apply_update(self.engine, loss=reduced[0]).read(reduced)
         return StepOutcome(loss=total / self.world_size, applied=applied, grad_norm=grad_norm, votes=tuple(summed),
                            keys=keys, data_wait_s=data_wait, patch_accuracy=hits / predicted if predicted else None)
+
+    def _on_device(self, values: list[float]) -> torch.Tensor:
+        """The votes on the device without waiting for it. A copy from pageable memory makes torch synchronise
+        the stream: issued once the backward pass is queued, it held the host until that pass had run, and the
+        GPU then idled while the host queued the update (4-5 ms of a ViT-B/16 step on an H200: the loop ran at
+        0.94x the fixed-batch step, which passes no votes). From pinned memory the copy is queued like a kernel."""
+        host = torch.tensor(values, dtype=torch.float32)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
