@@ -23,6 +23,10 @@ backward and the optimizer step (which includes DeepSpeed's gradient flattening,
 clipping), reported as `*_ms` columns. `--profile DIR` traces three steps of the first vitscale
 measurement with `torch.profiler` and writes DIR/profile.md: the top GPU kernels by time, the host
 calls by count, and the host syncs (device-to-host copies, stream and device synchronisations).
+The optimizer phase so measured starts with an idle GPU, so where the host queues the update more slowly
+than the GPU runs it, it is the host's time; inside a real step the host queues the update while the GPU
+still runs the backward pass. `update_gpu_ms` (the "update in step" column, GPU only) is the update's own
+cost there: CUDA events recorded as the update is queued in unbroken steps, no sync between them.
 
 `--batch auto` (or `--batch-for MODEL=auto`) chooses each model's batch on a GPU by its memory: the
 peak memory of an eager bf16 forward and backward at two small batches gives a line (bytes at batch 0,
@@ -138,6 +142,34 @@ def _phases(run: list[Callable[[], Any]], device: torch.device, repeats: int = 5
             lap.append(time.perf_counter() - t0)
     names = ("forward_ms", "backward_ms", "optimizer_ms")
     return {name: 1e3 * sorted(lap)[len(lap) // 2] for name, lap in zip(names, laps)}
+
+
+def _update_gpu_ms(step: Callable[[], Any], owner: Any, attribute: str, device: torch.device,
+                   repeats: int = 5) -> dict[str, float]:
+    """Median GPU milliseconds of the update inside `repeats` unbroken steps: `owner.attribute` (the call that
+    queues the update) bracketed by CUDA events as it is queued, read once the steps are done. Empty off a GPU."""
+    if device.type != "cuda":
+        return {}
+    spans: list[tuple[Any, Any]] = []
+    real = getattr(owner, attribute)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            end.record()
+            spans.append((start, end))
+
+    setattr(owner, attribute, timed)
+    try:
+        for _ in range(repeats):
+            step()
+    finally:
+        setattr(owner, attribute, real)
+    torch.cuda.synchronize(device)
+    return {"update_gpu_ms": sorted(s.elapsed_time(e) for s, e in spans)[len(spans) // 2]}
 
 
 def _result(name: str, batch: int, step_s: float, device: torch.device, resident: int, *, img_size: int = 224,
@@ -295,6 +327,9 @@ def bench_vitscale(name: str, *, batch: int, steps: int, zero_stage: int, device
     if profile is not None:
         _profile(run.step, profile / "profile.md", f"{name}, ZeRO {zero_stage}")
     phases = _phases(run.phases(), device)
+    import vitscale.train.step as stepper  # the module whose `apply_update` the step calls
+
+    phases.update(_update_gpu_ms(run.step, stepper, "apply_update", device))
     return _result(name, batch, step_s, device, resident, img_size=img_size, options=options, loop="vitscale",
                    zero_stage=zero_stage, precision=run.precision, compiled=run.compiled, **phases)
 
@@ -361,6 +396,7 @@ def bench_peer(name: str, *, batch: int, steps: int, device: torch.device, timm_
     run = PeerStep(name, batch=batch, device=device, timm_model=timm_model, compile_model=compile_model)
     step_s = _time_steps(run.step, steps, device)
     phases = _phases(run.phases(), device)
+    phases.update(_update_gpu_ms(run.step, run, "update", device))
     return _result(name, batch, step_s, device, resident, loop="peer: timm" if timm_model else "peer: vitscale model",
                    zero_stage=None, precision=run.precision, compiled=compile_model, **phases)
 
@@ -420,6 +456,10 @@ def _compile_choice(text: str) -> bool | str:
     return {"auto": "auto", "on": True, "off": False}[text]
 
 
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
 def _table(rows: list[dict], device_name: str) -> list[str]:
     """The markdown table: each vitscale row against its model's peer (timm's, else vitscale's model)."""
     peers = {}
@@ -427,7 +467,8 @@ def _table(rows: list[dict], device_name: str) -> list[str]:
         if r["loop"].startswith("peer") and (r["model"] not in peers or r["loop"] == "peer: timm"):
             peers[r["model"]] = r
     lines = ["| model | loop | ZeRO | compiled | batch | images/s | vs peer | MFU | forward ms | backward ms | "
-             "optimizer ms | peak GiB |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "optimizer ms | update in step ms | peak GiB |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         peer = peers.get(r["model"])
         ratio = f"{r['images_per_s'] / peer['images_per_s']:.2f}x" if peer and not r["loop"].startswith("peer") else ""
@@ -436,7 +477,7 @@ def _table(rows: list[dict], device_name: str) -> list[str]:
         stage = "" if r["zero_stage"] is None else str(r["zero_stage"])
         lines.append(f"| {r['model']} | {r['loop']} | {stage} | {'yes' if r['compiled'] else 'no'} | {r['batch']} | "
                      f"{r['images_per_s']:.1f} | {ratio} | {mfu} | {r['forward_ms']:.1f} | {r['backward_ms']:.1f} | "
-                     f"{r['optimizer_ms']:.1f} | {memory} |")
+                     f"{r['optimizer_ms']:.1f} | {_ms(r.get('update_gpu_ms'))} | {memory} |")
     return [f"device: {device_name}", *lines]
 
 
