@@ -9,16 +9,15 @@
 # the wheels' install and the tar of OUT_DIR around it), each part with its own cap besides:
 #   1. benchmarks/mfu.py: vitscale's training step against the hand-written peer (timm + compile + fused
 #      AdamW + bf16 autocast) for ViT-B/16 at ZeRO 1, 2 and 3 (with a torch.profiler summary) and ViT-L/16
-#      at ZeRO 1 at the largest batch its memory holds (`--batch auto`, the peer at the same), with the
-#      forward / backward / optimizer phases;
+#      at ZeRO 1, batch 256, with the forward / backward / optimizer phases and the update's GPU time in a step;
 #   2. benchmarks/train_data.py: the real worker loop on >= 20,000 JPEGs written here, against the fixed batch;
-#   3. the GPU tests (bf16 over NCCL at ZeRO 0-3, compiled, exact resume; the update's and ZeRO 3's syncs);
-#   4. the extras, each only where its whole cap still fits: ViT-B/16 at ZeRO 1 compiled with CUDA graphs
-#      (`train.compile_mode: reduce-overhead`), whether they fit around DeepSpeed's hooks; ViT-B/16 at the
-#      largest batch its memory holds; benchmarks/attention.py, every attention kernel at each ViT's shapes
-#      (seconds); and ViT-B/16 eager at ZeRO 0 and 3, beside the main run's ZeRO 3 row, which
-#      `train.compile: auto` compiles a block at a time on one GPU (a compiled ZeRO 3 step had run at two
-#      thirds of the eager one's speed with the whole model compiled).
+#   3. the GPU tests (bf16 over NCCL at ZeRO 0-3, compiled, exact resume; the step's, the update's and ZeRO 3's
+#      host syncs);
+#   4. the extras, each only where its whole cap still fits: ViT-L/16 at the largest batch its memory holds
+#      (`--batch auto`, the peer at the same); ViT-B/16 at ZeRO 1 compiled with CUDA graphs
+#      (`train.compile_mode: reduce-overhead`); benchmarks/attention.py, every attention kernel at each ViT's
+#      shapes (seconds); ViT-B/16 at the largest batch its memory holds; and ViT-B/16 eager at ZeRO 0 and 3.
+# A machine that hands back a few files only: `bash benchmarks/gpu_check.sh /tmp/gc; tar czf $OUT/gc.tgz -C /tmp gc`.
 # Tables and logs land in OUT_DIR; the last lines printed are the tables.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,21 +54,25 @@ $python -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspee
 
 part 200 "mfu ViT-B/16" $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 2 3 --peer --steps 16 \
   --profile "$out" --out "$out/mfu_b16.json" 2>&1 | tee "$out/mfu_b16.log" | grep -v '^{'
-part 110 "mfu ViT-L/16, the batch chosen by memory (both loops)" \
-  $python benchmarks/mfu.py --models ViT-L/16 --batch auto --zero-stages 1 --peer --steps 10 \
+part 100 "mfu ViT-L/16" $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 1 --peer --steps 10 \
   --out "$out/mfu_l16.json" 2>&1 | tee "$out/mfu_l16.log" | grep -v '^{'
-part 130 "train_data ViT-B/16" $python benchmarks/train_data.py --steps 40 --fixed-steps 10 --decode-seconds 3 \
+# 20,000 JPEGs and their shards take ~45 s, the fixed batch's compile and steps ~35 s, the loop ~30 s.
+part 150 "train_data ViT-B/16" $python benchmarks/train_data.py --steps 40 --fixed-steps 10 --decode-seconds 3 \
   --out "$out/train_data.json" 2>&1 | tee "$out/train_data.log" | tail -25
 part 100 "gpu tests" $python -m pytest -m gpu tests/test_gpu_training.py tests/test_flops.py tests/test_bench_mfu.py \
-  -q -x -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -8
-# The extras, each only where its whole time still fits before the deadline.
+  -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | grep -v DEBUG | tail -8
+# The extras, each only where its whole time still fits before the deadline. ViT-L/16 at the batch its memory
+# holds (576 on an H200) did not finish in 110 s: two eager probes, then both loops compiled at that batch.
+extra 170 "mfu ViT-L/16, the batch chosen by memory (both loops)" \
+  $python benchmarks/mfu.py --models ViT-L/16 --batch auto --zero-stages 1 --peer --steps 6 \
+  --out "$out/mfu_l16_auto.json" 2>&1 | tee "$out/mfu_l16_auto.log" | grep -v '^{'
 extra 75 "mfu ViT-B/16, CUDA graphs" $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 \
   --compile-mode reduce-overhead --steps 8 --out "$out/mfu_b16_graphs.json" 2>&1 \
   | tee "$out/mfu_b16_graphs.log" | grep -v '^{' | tail -6
-extra 60 "mfu ViT-B/16, the batch chosen by memory" $python benchmarks/mfu.py --models ViT-B/16 --batch auto \
-  --zero-stages 1 --steps 8 --out "$out/mfu_b16_auto.json" 2>&1 | tee "$out/mfu_b16_auto.log" | grep -v '^{' | tail -6
 extra 40 "attention kernels" $python benchmarks/attention.py --steps 10 --out "$out/attention.json" 2>&1 \
   | tee "$out/attention.log" | grep -v '^{' | tail -7
+extra 60 "mfu ViT-B/16, the batch chosen by memory" $python benchmarks/mfu.py --models ViT-B/16 --batch auto \
+  --zero-stages 1 --steps 8 --out "$out/mfu_b16_auto.json" 2>&1 | tee "$out/mfu_b16_auto.log" | grep -v '^{' | tail -6
 extra 60 "mfu ViT-B/16, ZeRO 0 and ZeRO 3 eager (the main run's ZeRO 3 row is compiled a block at a time)" \
   $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 0 3 --compile off --steps 8 \
   --out "$out/mfu_b16_eager.json" 2>&1 | tee "$out/mfu_b16_eager.log" | grep -v '^{' | tail -6
