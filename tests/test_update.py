@@ -69,8 +69,9 @@ def test_device_and_host_verdicts_agree_step_for_step(process_group: None, monke
             monkeypatch.setattr(update_module, "_decides_on_device", lambda engine, inner: False)
         for seed, poison in enumerate(["", "gradient", "loss", "", ""]):
             update = apply_update(engine, loss=_backward(engine, seed, poison))
-            # On the device wherever the inner step ran (ZeRO 3 skips a non-finite norm before it, itself).
-            assert isinstance(update.refused, torch.Tensor) == (name == "device" and update.deepspeed_applied)
+            # The inner step ran at every stage (a fused inner optimizer: ZeRO 3's own skip of a non-finite norm
+            # is left to vitscale's verdict, `_no_norm_read`), and refused on the device or on the host.
+            assert isinstance(update.refused, torch.Tensor) == (name == "device") and update.deepspeed_applied
             seen[name].append(update.read()[0])
     assert seen["device"] == seen["host"] == [True, False, False, True, True]
     with whole_weights(device) as a, whole_weights(host) as b:
@@ -79,6 +80,29 @@ def test_device_and_host_verdicts_agree_step_for_step(process_group: None, monke
     a, b = device.basic_optimizer.state, host.basic_optimizer.state
     for pa, pb in zip(a.values(), b.values()):  # the refused steps counted in neither optimizer
         assert float(pa["step"]) == float(pb["step"]) == 3
+        torch.testing.assert_close(pa["exp_avg_sq"], pb["exp_avg_sq"], rtol=0, atol=0)
+
+
+def test_zero_3_refuses_a_non_finite_step_as_its_own_skip_did(process_group: None,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """ZeRO 3 without its host read of the norm (`_no_norm_read`): the non-finite step goes through DeepSpeed's
+    step, refused by the fused kernel, and the weights and moments after it are those of DeepSpeed's own skip."""
+    import contextlib
+
+    ours, theirs = _engine(3), _engine(3)
+    for name, engine in (("ours", ours), ("theirs", theirs)):
+        if name == "theirs":
+            monkeypatch.setattr(update_module, "_no_norm_read", lambda engine, inner: contextlib.nullcontext())
+        applied = [apply_update(engine, loss=_backward(engine, seed, poison)).read()[0]
+                   for seed, poison in enumerate(["", "gradient", "", ""])]
+        assert applied == [True, False, True, True], name
+    assert (ours.skipped_steps, theirs.skipped_steps) == (0, 1)  # DeepSpeed's own count: its skip, or none
+    with whole_weights(ours) as a, whole_weights(theirs) as b:
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    for pa, pb in zip(ours.basic_optimizer.state.values(), theirs.basic_optimizer.state.values()):
+        assert float(pa["step"]) == float(pb["step"]) == 3
+        torch.testing.assert_close(pa["exp_avg"], pb["exp_avg"], rtol=0, atol=0)
         torch.testing.assert_close(pa["exp_avg_sq"], pb["exp_avg_sq"], rtol=0, atol=0)
 
 
@@ -159,12 +183,12 @@ def _fixed(batch: int) -> Iterator[dict[str, Any]]:
 
 
 @pytest.mark.parametrize(("stage", "on_device", "reads"),
-                         [(0, True, 1), (1, True, 1), (2, True, 1), (3, True, 2), (1, False, 3)])
+                         [(0, True, 1), (1, True, 1), (2, True, 1), (3, True, 1), (3, False, 3), (1, False, 3)])
 def test_a_step_reads_the_device_once_where_the_update_is_decided_there(
         process_group: None, monkeypatch: pytest.MonkeyPatch, stage: int, on_device: bool, reads: int) -> None:
-    """Each read is a host sync on a GPU: the GPU's ZeRO 0-2 step has one, at its end (the loss, votes,
-    verdict and norm together), ZeRO 3 one more (DeepSpeed's own finite check of its norm); a host-decided
-    update adds the loss before it and the verdict's."""
+    """Each read is a host sync on a GPU: the GPU's ZeRO 0-3 step has one, at its end (the loss, votes,
+    verdict and norm together; ZeRO 3's own finite check of its norm, a second, is left to the verdict); a
+    host-decided update adds the loss before it and the verdict's."""
     engine = _engine(stage)
     if not on_device:
         monkeypatch.setattr(update_module, "_decides_on_device", lambda engine, inner: False)

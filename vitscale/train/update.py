@@ -14,14 +14,19 @@ Two ways to decide, the same verdict:
   tensor the fused kernel reads as its `found_inf` (torch's AMP protocol: the kernel leaves weights, moments
   and step counts as they were where it is 1). The global norm is already summed over ranks and the loss
   already all-reduced, so every rank computes the same flag with no collective, and nothing waits for the
-  GPU until `Update.read`, the step's one host sync (ZeRO 3 adds DeepSpeed's own check of its norm).
+  GPU until `Update.read`, the step's one host sync. ZeRO 3 reads its norm on the host to skip a non-finite
+  step itself (`is_invalid_grad_norm`), a wait for the GPU before its update is queued that only repeats
+  this verdict: for the step, that check answers without reading (`_no_norm_read`).
 - **On the host** everywhere else: the loss is read, the gradients the inner optimizer is about to use are
   checked with one multi-tensor norm, the flag all-reduced (MAX) and read, and the inner step not called.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +95,8 @@ def apply_update(engine: Any, *, loss: float | torch.Tensor) -> Update:
 
     inner.step = guarded
     try:
-        engine.step()
+        with _no_norm_read(engine, inner):
+            engine.step()
     finally:
         if own is None:
             del inner.step
@@ -108,7 +114,7 @@ def _finite(loss: float | torch.Tensor) -> bool:
 def _global_norm(engine: Any) -> torch.Tensor | None:
     """This step's gradient norm over every parameter group and rank, where the engine computes it before the
     first inner step: ZeRO 0-2 with `fused.py`'s kernels, and ZeRO 3's own (which has already skipped a step
-    whose norm is not finite, so there only the loss can refuse). None elsewhere."""
+    whose norm is not finite, unless `_no_norm_read` let the step through to this verdict). None elsewhere."""
     optimizer = getattr(engine, "optimizer", None)
     if fused_norm_installed(engine) or type(optimizer).__name__ == "DeepSpeedZeroOptimizer_Stage3":
         norm = getattr(optimizer, "_global_grad_norm", None)
@@ -116,11 +122,44 @@ def _global_norm(engine: Any) -> torch.Tensor | None:
     return None
 
 
+def _takes_found_inf(inner: Any) -> bool:
+    """The inner optimizer is torch's fused one, which takes a `found_inf` flag (`_step_supports_amp_scaling`)."""
+    return bool(getattr(inner, "_step_supports_amp_scaling", False)) and bool(inner.defaults.get("fused"))
+
+
 def _decides_on_device(engine: Any, inner: Any) -> bool:
-    """The global norm is a device tensor every rank shares, and the inner optimizer is torch's fused one,
-    which takes a `found_inf` flag (`_step_supports_amp_scaling`)."""
-    return (_global_norm(engine) is not None and bool(getattr(inner, "_step_supports_amp_scaling", False))
-            and bool(inner.defaults.get("fused")))
+    """The global norm is a device tensor every rank shares, and the inner optimizer takes a `found_inf` flag."""
+    return _global_norm(engine) is not None and _takes_found_inf(inner)
+
+
+@contextlib.contextmanager
+def _no_norm_read(engine: Any, inner: Any) -> Iterator[None]:
+    """ZeRO 3's step without its host read of the global norm, where the inner optimizer takes `found_inf`.
+
+    DeepSpeed's ZeRO 3 step asks `is_invalid_grad_norm` of its norm tensor, a `bool` of a device tensor: the
+    host waits there for the backward pass and the norm, and the GPU then idles while the host queues the
+    update. With a fused inner optimizer the verdict is made on the device from that same norm (a non-finite
+    one refuses the update: weights, moments and step counts untouched; `_device_verdict`), so for this step
+    the check answers no for a tensor without reading it (a host number is still checked). A non-finite step
+    then goes through DeepSpeed's step with its update refused by the kernel, as at ZeRO 0-2, instead of being
+    skipped by DeepSpeed (`engine.skipped_steps` does not count it; `Update.read` says not applied either way).
+    The check is a name in DeepSpeed's ZeRO 3 module, replaced for the length of the call: a worker steps one
+    engine at a time."""
+    optimizer = getattr(engine, "optimizer", None)
+    module = sys.modules.get(type(optimizer).__module__)
+    real = getattr(module, "is_invalid_grad_norm", None)
+    if type(optimizer).__name__ != "DeepSpeedZeroOptimizer_Stage3" or real is None or not _takes_found_inf(inner):
+        yield
+        return
+
+    def unread(norm: Any) -> bool:
+        return False if torch.is_tensor(norm) else bool(real(norm))
+
+    module.is_invalid_grad_norm = unread  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        module.is_invalid_grad_norm = real  # type: ignore[union-attr]
 
 
 def _device_verdict(engine: Any, loss: float | torch.Tensor) -> torch.Tensor:
