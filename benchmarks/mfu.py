@@ -292,8 +292,9 @@ class VitscaleStep:
         self.loss: torch.Tensor | None = None
 
     def step(self) -> None:
-        # The loop's four per-step votes (`train/stopvote.py`), all "no": they ride in the step's all-reduce.
-        self.stepper.step(self.batches, 1e-4, votes=lambda: [0.0, 0.0, 0.0, 0.0])
+        # As the loop steps inside an epoch: its four per-step votes (`train/stopvote.py`), all "no", riding in
+        # the step's all-reduce, and the next step's batch read ahead (`train/feed.py`).
+        self.stepper.step(self.batches, 1e-4, votes=lambda: [0.0, 0.0, 0.0, 0.0], ahead=True)
 
     def forward(self) -> None:
         from vitscale.data.loader.transforms import normalize_on_device

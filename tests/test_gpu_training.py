@@ -165,8 +165,8 @@ def test_the_update_is_queued_without_waiting_for_the_gpu(nccl_group: None, stag
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_a_loop_step_waits_for_the_gpu_once(nccl_group: None, stage: int) -> None:
-    """`Stepper.step` as the loop calls it (a pinned batch from the loader, the loop's four votes) makes one
-    host sync at ZeRO 0-2, its final read. The votes' copy to the device had made a second (torch synchronises
+    """`Stepper.step` as the loop calls it (a pinned batch from the loader read ahead, the loop's four votes)
+    makes one host sync at ZeRO 0-2, its final read. The votes' copy to the device had made a second (torch synchronises
     the stream after a copy from pageable memory), after the backward pass was queued: the GPU idled while the
     host queued the update, and the loop ran at 0.94x the benchmark's fixed batch, which passes no votes."""
     import warnings
@@ -192,13 +192,13 @@ def test_a_loop_step_waits_for_the_gpu_once(nccl_group: None, stage: int) -> Non
 
     batches = loader()
     for _ in range(2):  # warm-up: DeepSpeed's first step allocates and may synchronise
-        stepper.step(batches, 1e-4, votes=lambda: [0.0, 0.0, 3.0, 0.0])
+        stepper.step(batches, 1e-4, votes=lambda: [0.0, 0.0, 3.0, 0.0], ahead=True)
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
-        try:
-            outcome = stepper.step(batches, 1e-4, votes=lambda: [0.0, 0.0, 3.0, 0.0])
+        try:  # its images read ahead by the step before, on a side stream (`train/feed.py`), and the next's
+            outcome = stepper.step(batches, 1e-4, votes=lambda: [0.0, 0.0, 3.0, 0.0], ahead=True)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     # Each sync warns "called a synchronizing CUDA operation"; the mode's first use also warns that it is a

@@ -57,7 +57,7 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
             w.resume_stream, batches = None, iter(stream)
         clock.start()
         lr = w.lr(state.step)
-        outcome = w.stepper.step(batches, lr, votes=partial(vote.votes, stream))
+        outcome = w.stepper.step(batches, lr, votes=partial(vote.votes, stream), ahead=w.reads_on(state.step))
         loss = outcome.loss
         if outcome.applied:
             if w.polyak is not None:

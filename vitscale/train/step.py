@@ -15,7 +15,6 @@ verdict's all-reduce).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 from vitscale.data.loader.transforms import normalize_on_device
 from vitscale.train.batch import BatchPlan, loss_weight
 from vitscale.train.engine import set_lr
+from vitscale.train.feed import Feed
 from vitscale.train.objective import Objective, Supervised
 from vitscale.train.update import apply_update
 
@@ -68,15 +68,19 @@ class Stepper:
         self.world_size = world_size
         self.objective = objective if objective is not None else Supervised(train)
         self.dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
+        self.feed = Feed(device)
 
     def step(self, batches: Iterator[dict[str, Any]], lr: float,
-             votes: Callable[[], list[float]] = list) -> StepOutcome:
+             votes: Callable[[], list[float]] = list, ahead: bool = False) -> StepOutcome:
         """One optimizer step over the next `batch.grad_accum_steps` micro-batches of `batches`.
 
         `votes` is called once the step's micro-batches are read (so a count kept by the stream includes
         them) and returns small host numbers that every rank must agree on this step (rank 0's "ask Ray
         about preemption", "this rank was told to stop", the epoch's skipped samples): they ride in the
         loss's all-reduce, summed over ranks, instead of costing a collective and a host sync each.
+        `ahead`: the next step reads on from `batches` (the epoch goes on), so its first micro-batch is read
+        and sent to the device while this step's update runs (`train/feed.py`); each micro-batch after the
+        first of a step is, always, while the one before it runs.
         """
         set_lr(self.engine, lr)
         step_loss = torch.zeros((), device=self.device)
@@ -84,10 +88,8 @@ class Stepper:
         keys: list[str] = []
         data_wait = 0.0
         for micro_step in range(self.batch.grad_accum_steps):
-            t0 = time.perf_counter()
-            micro = next(batches)
-            data_wait += time.perf_counter() - t0
-            pixels = micro["image"].to(self.device, non_blocking=True)
+            micro, pixels, waited = self.feed.take(batches)
+            data_wait += waited
             loss, counts = self.objective.loss(self.engine, pixels, normalize_on_device(pixels, self.dtype), micro)
             if not self.batch.even:  # n examples of the global batch's G: L * n * W * accum / G
                 loss = loss * loss_weight(len(micro["key"]), self.batch)
@@ -98,13 +100,17 @@ class Stepper:
             keys.extend(micro["key"])
             if micro_step < self.batch.grad_accum_steps - 1:
                 self.engine.step()  # inside the accumulation: DeepSpeed only counts the micro-step
+                data_wait += self.feed.ahead(batches)  # the step's next micro-batch, while this one runs
         # Mean loss over all ranks (weighted: the global batch's mean at any world size): what the user
         # compares across runs. A NaN on any rank makes the sum NaN on every rank, so all skip the same steps.
         reduced = torch.cat([step_loss.reshape(1).float(), tally, self._on_device(votes())])
         torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.SUM)
         # The update reads the loss sum on the device where it can (`train/update.py`): then the step's one
-        # host sync is this read, after every kernel of the step is queued.
-        applied, grad_norm, (total, hits, predicted, *summed) = apply_update(self.engine, loss=reduced[0]).read(reduced)
+        # host sync is this read, after every kernel of the step is queued (and the next step's first images).
+        update = apply_update(self.engine, loss=reduced[0])
+        if ahead:
+            data_wait += self.feed.ahead(batches)
+        applied, grad_norm, (total, hits, predicted, *summed) = update.read(reduced)
         return StepOutcome(loss=total / self.world_size, applied=applied, grad_norm=grad_norm, votes=tuple(summed),
                            keys=keys, data_wait_s=data_wait, patch_accuracy=hits / predicted if predicted else None)
 

@@ -67,6 +67,11 @@ class Worker:
         """Where this rank's stream stands before optimizer step `step + 1` (the step fixes it)."""
         return stream_state(step, self.steps_per_epoch, self.per_rank_step, self.job.data.seed)
 
+    def reads_on(self, step: int) -> bool:
+        """Whether optimizer step `step + 2` reads on from the stream step `step + 1` reads (the same epoch, and
+        the run not over): then step `step + 1` may read the next one's first micro-batch ahead (`train/feed.py`)."""
+        return (step + 1) % self.steps_per_epoch != 0 and step + 1 < self.total_steps
+
     def lr(self, step: int) -> float:
         """The learning rate of optimizer step `step + 1` (`optim.lr_at`)."""
         t = self.job.train
