@@ -101,6 +101,8 @@ def skip_regather(engine: Any) -> bool:
 class _OrderedOnTheGpu(torch.cuda.ExternalStream):
     """ZeRO 3's reduction stream, whose `synchronize` makes the calling stream wait for it on the GPU."""
 
+    wrapped: torch.cuda.Stream
+
     def synchronize(self) -> None:
         torch.cuda.current_stream(self.device).wait_stream(self)
 
@@ -114,7 +116,9 @@ def order_on_the_gpu(engine: Any) -> bool:
     if (type(optimizer).__name__ != "DeepSpeedZeroOptimizer_Stage3" or getattr(optimizer, "partition_count", 0) != 1
             or not isinstance(stream, torch.cuda.Stream) or isinstance(stream, _OrderedOnTheGpu)):
         return False
-    optimizer.reduce_and_partition_stream = _OrderedOnTheGpu(stream.cuda_stream, device=stream.device)
+    ordered = _OrderedOnTheGpu(stream.cuda_stream, device=stream.device)
+    ordered.wrapped = stream  # an external stream's owner keeps it alive (torch's pool streams are never freed)
+    optimizer.reduce_and_partition_stream = ordered
     return True
 
 
