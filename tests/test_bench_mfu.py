@@ -80,7 +80,8 @@ def test_host_cost_counts_the_steps_waits_beside_the_peer(capsys: pytest.Capture
     rows = host_cost.main(["--zero-stages", "1", "3", "--steps", "2", "--width", "24", "--per-layer-hooks"])
     assert [(r["loop"], r["zero_stage"]) for r in rows[:3]] == [("peer: hand-written", None), ("vitscale", 1),
                                                                 ("vitscale", 3)]
-    assert [r["waits_per_step"] for r in rows[:3]] == [0, 1, 2]  # ZeRO 3 adds DeepSpeed's own norm check
+    # One each: ZeRO 3's own host check of its norm is left to vitscale's verdict on the device (`train/update.py`).
+    assert [r["waits_per_step"] for r in rows[:3]] == [0, 1, 1]
     # One rank's ZeRO 3 gathers nothing; gathering every parameter, as on many ranks, waits on each gather.
     assert [r["gathers_per_step"] for r in rows[2:]] == [0, 152, 152]
     assert all(r["waits_per_step"] > 2 for r in rows[3:])

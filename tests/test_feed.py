@@ -71,3 +71,19 @@ def test_a_micro_batch_read_ahead_from_a_left_epoch_is_dropped() -> None:
     assert feed.ahead(old) >= 0 and feed.next is not None
     micro, pixels, waited = feed.take(new)  # the loop opened another epoch: what was read ahead of `old` goes
     assert micro["n"] == 2 and float(pixels) == 2.0 and waited >= 0 and feed.next is None
+
+
+def test_what_reading_ahead_raises_is_raised_where_the_batch_is_wanted() -> None:
+    """A one-rank stream raises `ErrorBudgetExceeded` as it reads a bad sample: read ahead, the step before
+    must still end (and checkpoint) as it did, the error coming with the step that wanted the batch."""
+
+    def failing() -> Iterator[dict[str, Any]]:
+        yield {"image": torch.zeros(1)}
+        raise RuntimeError("the 4th bad sample")
+
+    feed, batches = Feed(torch.device("cpu")), failing()
+    feed.take(batches)
+    assert feed.ahead(batches) >= 0  # nothing raised yet: this step goes on to its read
+    with pytest.raises(RuntimeError, match="the 4th bad sample"):
+        feed.take(batches)
+    assert feed.failed is None and feed.next is None

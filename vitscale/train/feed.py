@@ -11,7 +11,10 @@ next `take` makes the compute stream wait for that copy on the GPU, not on the h
 side-stream copies: `wait_stream`, then `record_stream` so the allocator keeps the memory until the compute
 stream is done with it). Which samples a step consumes does not change, only when they are read: the
 stream's position and its checkpoint are functions of the step (`train/worker.py`), and the loop reads ahead
-only within an epoch. On a CPU there is no copy to hide; the read ahead is the same.
+only within an epoch. Nor where an error surfaces: whatever reading ahead raises (a one-rank stream raising
+`ErrorBudgetExceeded` as it reads a bad sample, a dead loader) is raised by the `take` that wanted the
+batch, as reading it then would have, so the step before ends, checkpoints and reports as it did. On a CPU
+there is no copy to hide; the read ahead is the same.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class Feed:
         self.copies = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.next: tuple[Iterator[dict[str, Any]], dict[str, Any], torch.Tensor] | None = None
         """The micro-batch read ahead: (the iterator it came from, the micro-batch, its images on the device)."""
+        self.failed: tuple[Iterator[dict[str, Any]], Exception] | None = None
+        """What reading ahead raised instead: (the iterator, the error), for the `take` that wanted the batch."""
 
     def take(self, batches: Iterator[dict[str, Any]]) -> tuple[dict[str, Any], torch.Tensor, float]:
         """(the next micro-batch of `batches`, its images on the device, seconds waited for the loader).
@@ -44,6 +49,9 @@ class Feed:
         The one read ahead from `batches`, if any; one read ahead from another iterator (an epoch the loop has
         since left) is dropped."""
         ahead, self.next = self.next, None
+        failed, self.failed = self.failed, None
+        if failed is not None and failed[0] is batches:
+            raise failed[1]
         if ahead is None or ahead[0] is not batches:
             started = time.perf_counter()
             micro = next(batches)
@@ -60,7 +68,11 @@ class Feed:
         """Read the next micro-batch of `batches` now and queue its images' copy to the device; the seconds
         waited for the loader. The caller's next `take(batches)` gets it."""
         started = time.perf_counter()
-        micro = next(batches)
+        try:
+            micro = next(batches)
+        except Exception as error:  # noqa: BLE001 -- kept, and raised where the batch is wanted (`take`)
+            self.failed = (batches, error)
+            return time.perf_counter() - started
         waited = time.perf_counter() - started
         if self.copies is None:
             pixels = micro["image"].to(self.device, non_blocking=True)
