@@ -166,9 +166,10 @@ def test_the_update_is_queued_without_waiting_for_the_gpu(nccl_group: None, stag
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_a_loop_step_waits_for_the_gpu_once(nccl_group: None, stage: int) -> None:
     """`Stepper.step` as the loop calls it (a pinned batch from the loader read ahead, the loop's four votes)
-    makes one host sync at ZeRO 0-2, its final read. The votes' copy to the device had made a second (torch synchronises
-    the stream after a copy from pageable memory), after the backward pass was queued: the GPU idled while the
-    host queued the update, and the loop ran at 0.94x the benchmark's fixed batch, which passes no votes."""
+    makes one host sync at ZeRO 0-2, its final read. The votes' copy to the device had made a second (torch
+    synchronises the stream after a copy from pageable memory), after the backward pass was queued: the GPU
+    idled while the host queued the update, and the loop ran at 0.94x the benchmark's fixed batch, which
+    passed no votes."""
     import warnings
 
     from vitscale.models import create_model
