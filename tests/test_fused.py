@@ -60,6 +60,41 @@ def test_fused_norm_is_deepspeeds_norm_and_clips_the_same(process_group: None, s
 
 
 @pytest.mark.parametrize("stage", [1, 2])
+def test_the_weights_are_pointed_at_their_slices_again_only_where_they_moved(process_group: None,
+                                                                            monkeypatch: pytest.MonkeyPatch,
+                                                                            stage: int) -> None:
+    """`keep_weight_views`: DeepSpeed's re-pointing of every weight after each step runs only where the flat
+    buffers moved, and the weights after each step are those of DeepSpeed's own step, bit for bit."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    repointed: list[int] = []
+    real = DeepSpeedZeroOptimizer._update_model_bit16_weights
+
+    def counted(self: Any, group_index: int) -> None:
+        repointed.append(group_index)
+        real(self, group_index)
+
+    monkeypatch.setattr(DeepSpeedZeroOptimizer, "_update_model_bit16_weights", counted)
+    ours, theirs = _engine(stage, precision="bf16"), _engine(stage, precision="bf16")
+    del theirs.optimizer._update_model_bit16_weights  # DeepSpeed's own: every weight, every step
+    repointed.clear()
+    for _ in range(3):
+        assert _step(ours) and _step(theirs)
+    assert len(repointed) == 3 * len(theirs.optimizer.bit16_groups)  # theirs alone
+    for (name, p), q in zip(ours.module.named_parameters(), theirs.module.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+    # A buffer that moved (as offloaded states come back): the next step points its weights at the new one.
+    flat = ours.optimizer.bit16_groups_flat[0]
+    flat.data = flat.data.clone()
+    repointed.clear()
+    assert _step(ours)
+    assert repointed == [0]
+    first = ours.optimizer.round_robin_bit16_groups[0][0]
+    assert first.data_ptr() == flat.data_ptr() + ours.optimizer.round_robin_bit16_offsets[0][0] * flat.element_size()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
 def test_a_non_finite_gradient_is_not_applied_with_the_fused_norm(process_group: None, stage: int) -> None:
     engine = _engine(stage)
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}

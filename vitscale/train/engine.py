@@ -27,7 +27,7 @@ from vitscale.models import REPEATED_UNITS
 from vitscale.train.batch import BatchPlan
 from vitscale.train.config import TrainConfig
 from vitscale.train.deepspeed_keys import merge_overrides
-from vitscale.train.fused import fuse_bf16_step, fuse_clipping, fuse_gradient_norm
+from vitscale.train.fused import fuse_bf16_step, fuse_clipping, fuse_gradient_norm, keep_weight_views
 from vitscale.train.one_rank import ONE_RANK_ZERO_3, compile_units, order_on_the_gpu, skip_regather, weights_kept_whole
 from vitscale.train.optim import ADAM_EPS, optimizer_for, param_groups
 
@@ -165,6 +165,7 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str
     fuse_gradient_norm(engine)
     fuse_clipping(engine)
     fuse_bf16_step(engine)
+    keep_weight_views(engine)
     skip_regather(engine)
     order_on_the_gpu(engine)
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
