@@ -1,4 +1,5 @@
-"""The optimizer step's norm, clipping and copies in multi-tensor kernels without host syncs, ZeRO 0-2.
+"""The optimizer step's norm, clipping and copies in multi-tensor kernels without host syncs, ZeRO 0-2; no
+redundant host work after it.
 
 DeepSpeed's `DeepSpeedZeroOptimizer.get_grad_norm_direct` (ZeRO 1 and 2, the norm that clipping and
 `engine.get_global_grad_norm()` use) casts every parameter's gradient to fp64 and takes its norm one
