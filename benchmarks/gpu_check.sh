@@ -14,7 +14,7 @@
 #   3. the GPU tests (bf16 over NCCL at ZeRO 0-3, compiled, exact resume; the step's, the update's and ZeRO 3's
 #      host syncs);
 #   4. the extras, each only where its whole cap still fits: ViT-L/16 at the largest batch its memory holds
-#      (`--batch auto`, the peer at the same); ViT-B/16 at ZeRO 1 compiled with CUDA graphs
+#      (`--batch auto`, the peer at the same; 150 s); ViT-B/16 at ZeRO 1 compiled with CUDA graphs
 #      (`train.compile_mode: reduce-overhead`); benchmarks/attention.py, every attention kernel at each ViT's
 #      shapes (seconds); ViT-B/16 at the largest batch its memory holds; and ViT-B/16 eager at ZeRO 0 and 3.
 # A machine that hands back a few files only: `bash benchmarks/gpu_check.sh /tmp/gc; tar czf $OUT/gc.tgz -C /tmp gc`.
@@ -59,12 +59,12 @@ part 100 "mfu ViT-L/16" $python benchmarks/mfu.py --models ViT-L/16 --zero-stage
 # 20,000 JPEGs and their shards take ~45 s, the fixed batch's compile and steps ~35 s, the loop ~30 s.
 part 150 "train_data ViT-B/16" $python benchmarks/train_data.py --steps 40 --fixed-steps 10 --decode-seconds 3 \
   --out "$out/train_data.json" 2>&1 | tee "$out/train_data.log" | tail -25
-part 100 "gpu tests" $python -m pytest -m gpu tests/test_gpu_training.py tests/test_flops.py tests/test_bench_mfu.py \
+part 130 "gpu tests" $python -m pytest -m gpu tests/test_gpu_training.py tests/test_flops.py tests/test_bench_mfu.py \
   -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | grep -v DEBUG | tail -8
 # The extras, each only where its whole time still fits before the deadline. ViT-L/16 at the batch its memory
 # holds (576 on an H200) did not finish in 110 s: two eager probes, then both loops compiled at that batch.
-extra 170 "mfu ViT-L/16, the batch chosen by memory (both loops)" \
-  $python benchmarks/mfu.py --models ViT-L/16 --batch auto --zero-stages 1 --peer --steps 6 \
+extra 150 "mfu ViT-L/16, the batch chosen by memory (both loops)" \
+  $python benchmarks/mfu.py --models ViT-L/16 --batch auto --zero-stages 1 --peer --steps 4 \
   --out "$out/mfu_l16_auto.json" 2>&1 | tee "$out/mfu_l16_auto.log" | grep -v '^{'
 extra 75 "mfu ViT-B/16, CUDA graphs" $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 \
   --compile-mode reduce-overhead --steps 8 --out "$out/mfu_b16_graphs.json" 2>&1 \
