@@ -61,4 +61,3 @@ def test_a_ray_jobs_driver_waits_only_as_long_as_ray_job_stop_lets_it() -> None:
     assert stop_grace(120, {**job, "RAY_JOB_STOP_WAIT_TIME_S": "150"}) == 120
     assert stop_grace(120, {**job, "RAY_JOB_STOP_WAIT_TIME_S": "60"}) == 60 - ENDING_S
     assert stop_grace(120, {**job, "RAY_JOB_STOP_WAIT_TIME_S": "soon"}) == 0
-

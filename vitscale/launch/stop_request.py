@@ -4,7 +4,7 @@ Ctrl-C, SIGTERM (`ray job stop`, `kill`, a scheduler) or SIGHUP to `vitscale run
 controller at once: the workers died wherever they were, and a resume redid every step since the last
 periodic checkpoint (up to `train.checkpoint_every`). Now the driver's first signal asks instead
 (`launch/interruption.py`), through a small actor the driver owns: rank 0 reads it every
-:data:`POLL_S` (a local call, not a barrier), its vote rides in the step's all-reduce
+:data:`POLL_S` (a call the step never waits for, not a barrier), its vote rides in the step's all-reduce
 (`train/stopvote.py`), and every rank checkpoints at the same step and returns. The run ends as finished,
 the driver then ends in the CLI's line saying how to resume; the resume starts at the very next step.
 
@@ -73,18 +73,31 @@ def stop_requests() -> Any:
 
 
 class StopPoll:
-    """A worker's reading of the driver's stop request for its run, at most every :data:`POLL_S`."""
+    """A worker's reading of the driver's stop request for its run, at most every :data:`POLL_S`, never waited
+    for: it is called inside the step (`train/stopvote.py`), where waiting on the driver's actor (a round trip,
+    up to seconds when the driver's node is busy) would hold the step. Each call asks, or takes the answer
+    to the last question if it has come; a request is therefore seen a call or two after it was made."""
 
     def __init__(self, requests: Any, run: str) -> None:
         self.requests, self.run = requests, run
         self.last = float("-inf")
+        self.pending: Any = None  # the question in flight (an object ref), if any
 
     def __call__(self) -> str | None:
+        if self.pending is not None:
+            ready, _ = ray.wait([self.pending], timeout=0)
+            if not ready:
+                return None
+            answer, self.pending = self.pending, None
+            try:
+                return ray.get(answer, timeout=0)
+            except Exception:  # noqa: BLE001 -- the driver gone (its own ending stops the run): never a failed step
+                return None
         now = time.monotonic()
-        if now - self.last < POLL_S:
-            return None
-        self.last = now
-        try:
-            return ray.get(self.requests.why.remote(self.run), timeout=10)
-        except Exception:  # noqa: BLE001 -- the driver gone or slow (its own ending stops the run): never a failed step
-            return None
+        if now - self.last >= POLL_S:
+            self.last = now
+            try:
+                self.pending = self.requests.why.remote(self.run)
+            except Exception:  # noqa: BLE001 -- as above: no question asked, the next poll tries again
+                self.pending = None
+        return None
