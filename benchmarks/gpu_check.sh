@@ -22,6 +22,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu-check}}"
+deadline=${GPU_CHECK_SECONDS:-555}  # see `part` and `extra` below
+if ! [[ $deadline =~ ^[0-9]+$ ]]; then
+  echo "gpu_check.sh: GPU_CHECK_SECONDS must be a whole number of seconds, got '$deadline'" >&2
+  exit 2
+fi
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore TOKENIZERS_PARALLELISM=false
 python=python3
@@ -36,7 +41,6 @@ stamp() { echo "== $(date +%H:%M:%S) $*"; }
 # One deadline for the whole script (bash's SECONDS counts from its start), so a slow part shortens the
 # ones after it instead of running the lease out: `part` gives a command at most WANT seconds and never
 # past the deadline; `extra` runs only where its whole WANT still fits.
-deadline=${GPU_CHECK_SECONDS:-555}
 part() {
   local want=$1 title=$2 left=$(( deadline - SECONDS )); shift 2
   if (( left < 30 )); then stamp "skipped, the deadline is near: $title"; return 0; fi
