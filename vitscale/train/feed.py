@@ -53,9 +53,7 @@ class Feed:
         if failed is not None and failed[0] is batches:
             raise failed[1]
         if ahead is None or ahead[0] is not batches:
-            started = time.perf_counter()
-            micro = next(batches)
-            waited = time.perf_counter() - started
+            micro, waited = _read(batches)
             return micro, micro["image"].to(self.device, non_blocking=True), waited
         _, micro, pixels = ahead
         if self.copies is not None:
@@ -69,11 +67,10 @@ class Feed:
         waited for the loader. The caller's next `take(batches)` gets it."""
         started = time.perf_counter()
         try:
-            micro = next(batches)
+            micro, waited = _read(batches)
         except Exception as error:  # noqa: BLE001 -- kept, and raised where the batch is wanted (`take`)
             self.failed = (batches, error)
             return time.perf_counter() - started
-        waited = time.perf_counter() - started
         if self.copies is None:
             pixels = micro["image"].to(self.device, non_blocking=True)
         else:
@@ -83,3 +80,10 @@ class Feed:
                 pixels = micro["image"].to(self.device, non_blocking=True)
         self.next = (batches, micro, pixels)
         return waited
+
+
+def _read(batches: Iterator[dict[str, Any]]) -> tuple[dict[str, Any], float]:
+    """The next micro-batch of `batches`, and the seconds waited for it."""
+    started = time.perf_counter()
+    micro = next(batches)
+    return micro, time.perf_counter() - started
