@@ -7,7 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vitscale.launch.console import TerminalFilter, library_output_to, summary_table, workers_off_terminal
+from vitscale.launch.console import (
+    TerminalFilter,
+    library_output_to,
+    route_ray_output,
+    run_ended,
+    summary_table,
+    workers_off_terminal,
+)
 
 
 def _filter(tmp_path: Path) -> tuple[TerminalFilter, io.StringIO]:
@@ -54,6 +61,24 @@ def test_the_drivers_own_lines_pass_and_libraries_go_to_their_log(tmp_path: Path
                                                "[vitscale] step 2/2"]
     assert "== Status ==" in (tmp_path / "tune.log").read_text()
     assert "step 1/2" in (tmp_path / "logs" / "ray.log").read_text()
+
+
+def test_once_the_run_has_ended_workers_lines_no_longer_reach_the_terminal(tmp_path: Path, monkeypatch) -> None:
+    # A sweep's trial still printing at Ctrl-C: its step line must not land after the CLI's resume line.
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    route_ray_output(tmp_path / "ray.log", verbose=False)
+    out = sys.stdout
+    assert isinstance(out, TerminalFilter)
+    out.write("(RayTrainWorker pid=7) [vitscale] step 1/9\n")
+    run_ended()
+    out.write("(RayTrainWorker pid=7) [vitscale] step 2/9\nvitscale: interrupted; resume it with `vitscale run x`\n")
+    assert out.terminal.getvalue().splitlines() == ["[vitscale] step 1/9",
+                                                    "vitscale: interrupted; resume it with `vitscale run x`"]
+    assert "step 2/9" in (tmp_path / "ray.log").read_text()  # kept in the log, in full
+    route_ray_output(tmp_path / "ray.log", verbose=False)  # the next run in this process shows them again
+    out.write("(RayTrainWorker pid=8) [vitscale] step 1/3\n")
+    assert out.terminal.getvalue().splitlines()[-1] == "[vitscale] step 1/3"
+    out.log.close()
 
 
 def test_the_console_uses_no_private_ray_module() -> None:

@@ -32,6 +32,8 @@ from vitscale.say import PREFIX
 
 _WORKERS_QUIET = threading.Event()
 """Set while workers' own lines go to the log only (`workers_off_terminal`)."""
+_RUN_ENDED = threading.Event()
+"""Set once the driver's run has ended (`run_ended`): lines still forwarded go to the log only."""
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _FORWARDED = re.compile(r"^\((?:[^()]*\bpid=[^()]*|raylet[^()]*|autoscaler[^()]*)\) ?")
 """The prefix Ray puts before a line it forwards from a worker, actor, raylet or autoscaler."""
@@ -184,7 +186,7 @@ class TerminalFilter(io.TextIOBase):
         if forwarded:
             self.log.write(plain + "\n")
             at = plain.find(PREFIX)
-            if at >= 0 and not _WORKERS_QUIET.is_set():
+            if at >= 0 and not (_WORKERS_QUIET.is_set() or _RUN_ENDED.is_set()):
                 self.terminal.write(plain[at:] + "\n")
         elif self.library_log is not None and not plain.lstrip().startswith(PREFIX):
             self.library_log.write(line + "\n")
@@ -278,6 +280,7 @@ def route_ray_output(log_path: Path, *, verbose: bool) -> str | None:
     """
     if verbose:
         return None
+    _RUN_ENDED.clear()
     for name in ("stdout", "stderr"):
         current = getattr(sys, name)
         log = run_log(log_path, current.terminal if isinstance(current, TerminalFilter) else current)
@@ -301,6 +304,16 @@ def restore_output() -> None:
             setattr(sys, name, current.terminal)
             with contextlib.suppress(ValueError):
                 current.log.close()
+
+
+def run_ended() -> None:
+    """From now on, workers' lines go to the log only: the run has ended (done, failed or interrupted).
+
+    Ray forwards a worker's output from a thread of its own, and workers still running when the driver
+    stops (a sweep's trial at Ctrl-C, a Train run's teardown) print on: one such line used to land after
+    the CLI's last line, the one that says how to resume, or after the summary's JSON line that scripts
+    read. The next `route_ray_output` shows them again."""
+    _RUN_ENDED.set()
 
 
 @contextlib.contextmanager

@@ -147,7 +147,7 @@ def _run_stages(config: PipelineConfig, verbose: bool, t0: float) -> dict[str, A
 
 def _stages(config: PipelineConfig, verbose: bool, t0: float, run_dir: Path, mirror: RunMirror) -> dict[str, Any]:
     """The stages in order on Ray; `mirror` pushes each stage's files to the run's storage."""
-    from vitscale.launch.console import quiet_driver_logs, route_ray_output, summary_table
+    from vitscale.launch.console import quiet_driver_logs, route_ray_output, run_ended, summary_table
     from vitscale.launch.ray_train import ensure_ray
 
     log_path = run_dir / "logs" / "ray.log"
@@ -156,8 +156,21 @@ def _stages(config: PipelineConfig, verbose: bool, t0: float, run_dir: Path, mir
     routed = route_ray_output(log_path, verbose=verbose)
     if routed:
         say(f"{routed}")
-
     context = StageContext(run_dir=run_dir, run_name=config.run_name, verbose=verbose, sync=mirror.push)
+    try:
+        summary, table = _each_stage(config, run_dir, mirror, context)
+    finally:
+        run_ended()  # whatever workers still print, the driver's last lines (summary, JSON, resume) stay last
+    summary["seconds"] = round(time.time() - t0, 1)
+    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2, default=str))
+    print(f"\n{config.name}: done in {summary['seconds']:.0f} s, run directory {run_dir}\n"
+          f"{summary_table(table)}\n", flush=True)
+    return summary
+
+
+def _each_stage(config: PipelineConfig, run_dir: Path, mirror: RunMirror,
+                context: StageContext) -> tuple[dict[str, Any], list[tuple[str, list[tuple[str, str]]]]]:
+    """Each stage in order: the run's summary and the rows of its closing table."""
     summary: dict[str, Any] = {"pipeline": config.name, "run": config.run_name, "run_dir": str(run_dir), "ok": True}
     table: list[tuple[str, list[tuple[str, str]]]] = []
     for name in config.stages:
@@ -169,8 +182,4 @@ def _stages(config: PipelineConfig, verbose: bool, t0: float, run_dir: Path, mir
         summary.update(getattr(result, "headline", dict)())  # a stage's result at a glance, at the top level
         table.append((name, [*result.rows(), ("time", f"{time.time() - started:.0f} s")]))
         mirror.push()  # a stage's tables and plots reach storage as soon as it ends
-    summary["seconds"] = round(time.time() - t0, 1)
-    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2, default=str))
-    print(f"\n{config.name}: done in {summary['seconds']:.0f} s, run directory {run_dir}\n"
-          f"{summary_table(table)}\n", flush=True)
-    return summary
+    return summary, table
