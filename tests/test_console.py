@@ -66,6 +66,7 @@ def test_the_drivers_own_lines_pass_and_libraries_go_to_their_log(tmp_path: Path
 def test_once_the_run_has_ended_workers_lines_no_longer_reach_the_terminal(tmp_path: Path, monkeypatch) -> None:
     # A sweep's trial still printing at Ctrl-C: its step line must not land after the CLI's resume line.
     monkeypatch.setattr(sys, "stdout", io.StringIO())
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # both are routed; both are put back after the test
     route_ray_output(tmp_path / "ray.log", verbose=False)
     out = sys.stdout
     assert isinstance(out, TerminalFilter)
@@ -79,6 +80,9 @@ def test_once_the_run_has_ended_workers_lines_no_longer_reach_the_terminal(tmp_p
     out.write("(RayTrainWorker pid=8) [vitscale] step 1/3\n")
     assert out.terminal.getvalue().splitlines()[-1] == "[vitscale] step 1/3"
     out.log.close()
+    fresh, _ = _filter(tmp_path)  # and the end of one run says nothing about another filter's
+    fresh.write("(RayTrainWorker pid=9) [vitscale] step 1/2\n")
+    assert fresh.terminal.getvalue() == "[vitscale] step 1/2\n"
 
 
 def test_the_console_uses_no_private_ray_module() -> None:

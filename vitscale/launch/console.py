@@ -32,8 +32,6 @@ from vitscale.say import PREFIX
 
 _WORKERS_QUIET = threading.Event()
 """Set while workers' own lines go to the log only (`workers_off_terminal`)."""
-_RUN_ENDED = threading.Event()
-"""Set once the driver's run has ended (`run_ended`): lines still forwarded go to the log only."""
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _FORWARDED = re.compile(r"^\((?:[^()]*\bpid=[^()]*|raylet[^()]*|autoscaler[^()]*)\) ?")
 """The prefix Ray puts before a line it forwards from a worker, actor, raylet or autoscaler."""
@@ -151,6 +149,8 @@ class TerminalFilter(io.TextIOBase):
         self.terminal = terminal
         self.log = log
         self.library_log: TextIO | io.TextIOBase | None = None
+        self.run_ended = False
+        """Set by `run_ended`: forwarded lines go to the log only."""
         self._partial = ""
         self._lock = threading.Lock()
 
@@ -186,7 +186,7 @@ class TerminalFilter(io.TextIOBase):
         if forwarded:
             self.log.write(plain + "\n")
             at = plain.find(PREFIX)
-            if at >= 0 and not (_WORKERS_QUIET.is_set() or _RUN_ENDED.is_set()):
+            if at >= 0 and not (_WORKERS_QUIET.is_set() or self.run_ended):
                 self.terminal.write(plain[at:] + "\n")
         elif self.library_log is not None and not plain.lstrip().startswith(PREFIX):
             self.library_log.write(line + "\n")
@@ -280,11 +280,11 @@ def route_ray_output(log_path: Path, *, verbose: bool) -> str | None:
     """
     if verbose:
         return None
-    _RUN_ENDED.clear()
     for name in ("stdout", "stderr"):
         current = getattr(sys, name)
         log = run_log(log_path, current.terminal if isinstance(current, TerminalFilter) else current)
         if isinstance(current, TerminalFilter):
+            current.run_ended = False
             previous, current.log = current.log, log
             if previous is not log and not isinstance(previous, RunLog):
                 previous.close()
@@ -313,7 +313,10 @@ def run_ended() -> None:
     stops (a sweep's trial at Ctrl-C, a Train run's teardown) print on: one such line used to land after
     the CLI's last line, the one that says how to resume, or after the summary's JSON line that scripts
     read. The next `route_ray_output` shows them again."""
-    _RUN_ENDED.set()
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, TerminalFilter):
+            with stream._lock:  # a line being routed now is routed whole, before the driver's next one
+                stream.run_ended = True
 
 
 @contextlib.contextmanager
