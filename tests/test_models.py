@@ -152,6 +152,25 @@ def test_every_listed_model_builds_on_meta() -> None:
         assert n_params(name) > 1e6, name
 
 
+def test_a_shape_only_model_skips_the_initialisation_that_would_import_the_compiler() -> None:
+    # Every `vitscale run` and `vitscale config` builds its model on meta to check the config. Initialising
+    # meta tensors imported torch._dynamo (about a second of the CLI's start, each time): not any more.
+    import subprocess
+
+    code = ("import sys, torch\n"
+            "from vitscale.models import create_model, model_names\n"
+            "from vitscale.models.masked_patch import MaskedPatchPredictor, PatchTarget\n"
+            "with torch.device('meta'):\n"
+            "    for name in model_names(): create_model(name, num_classes=1000)\n"
+            "    MaskedPatchPredictor(create_model('ViT-Ti/16', num_classes=0), PatchTarget('mean_colour', 16, 3), 5)\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+    torch.manual_seed(0)  # and a model with values is initialised as before: random, not the zeros it was made with
+    model = create_model("ViT-Ti/8", num_classes=5, img_size=32, **TINY)
+    assert model.pos_embed.std() > 0.01 and model.blocks[0].attn.qkv.weight.abs().max() > 0
+
+
 # --- ViT variants: shapes and gradients -------------------------------------------------------
 
 VIT_VARIANTS = [

@@ -16,6 +16,14 @@ from torch import Tensor, nn
 LN_EPS = 1e-6  # Flax LayerNorm default, also timm's ViT.
 
 
+def has_values(module: nn.Module) -> bool:
+    """Whether `module`'s parameters hold values: not so under `with torch.device("meta")`, where a model is
+    built only for its shapes and parameter count (a config's check, FLOPs). Initialising it there is moot and
+    costs a second: meta tensors have no random kernels, so `normal_` goes through torch's Python reference
+    implementations, whose first call imports torch.compile's tracer (`torch._dynamo`)."""
+    return not any(p.is_meta for p in module.parameters())
+
+
 def relative_index(seq_len: int, device: torch.device | None = None) -> Tensor:
     """(T, T) long indices into a (2T-1)-entry table: entry [i, j] = i - j + T - 1."""
     pos = torch.arange(seq_len, device=device)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vitscale.models.layers import has_values
 from vitscale.models.vit import VisionTransformer, lecun_normal_
 
 __all__ = ["TARGETS", "MaskedPatchPredictor", "PatchTarget", "colour_classes", "patch_targets"]
@@ -132,10 +133,11 @@ class MaskedPatchPredictor(nn.Module):
         width = encoder.cfg.dims.width
         # [mask] starts small and random, as BERT's embeddings do, and is learned from there.
         self.mask_token = nn.Parameter(torch.zeros(width))
-        nn.init.normal_(self.mask_token, std=0.02)
         self.head = nn.Linear(width, target.outputs)
-        lecun_normal_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
+        if has_values(self):
+            nn.init.normal_(self.mask_token, std=0.02)
+            lecun_normal_(self.head.weight)
+            nn.init.zeros_(self.head.bias)
 
     def corrupt(self, tokens: Tensor, positions: Tensor, sources: Tensor) -> Tensor:
         """Patch embeddings (B, N, D) with the plan applied: [mask] at the first `masked` positions, the

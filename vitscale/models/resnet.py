@@ -24,6 +24,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from vitscale.config.checks import positive_int
+from vitscale.models.layers import has_values
 from vitscale.models.options import ResNetConfig
 from vitscale.models.vit import zero_head
 
@@ -184,7 +185,8 @@ class ResNetV2(nn.Module):
         self.stride = dims.stride
         self.norm = GroupNormAct(in_ch, eps) if dims.preact else nn.Identity()
         self.head = zero_head(in_ch, cfg.num_classes, cfg.head_bias_init) if cfg.num_classes else None
-        self.init_weights()
+        if has_values(self):
+            self.init_weights()
 
     @property
     def num_classes(self) -> int:

@@ -21,7 +21,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from vitscale.config.checks import positive_int
-from vitscale.models.layers import LN_EPS, Block
+from vitscale.models.layers import LN_EPS, Block, has_values
 from vitscale.models.options import ViTConfig
 from vitscale.models.posemb import posemb_2d
 
@@ -114,7 +114,8 @@ class VisionTransformer(nn.Module):
         self.pre_logits = PreLogits(d, rep) if rep is not None else nn.Identity()
         self.num_features = rep if rep is not None else d
         self.head = zero_head(self.num_features, cfg.num_classes, cfg.head_bias_init)
-        self.init_weights()
+        if has_values(self):
+            self.init_weights()
 
     @property
     def num_prefix_tokens(self) -> int:
