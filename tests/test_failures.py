@@ -12,6 +12,7 @@ from vitscale.data.format import DatasetError
 from vitscale.data.loader.stream import ErrorBudgetExceeded
 from vitscale.launch.failures import DeterministicFailure, StopOnDeterministicFailure, deterministic_cause
 from vitscale.launch.ray_train import WorkerFailed, _root_cause
+from vitscale.train.checkpoint import DiskFull
 from vitscale.train.engine import UnsafeCheckpoint
 from vitscale.train.loop import NonFiniteSteps
 
@@ -33,6 +34,7 @@ def _as_controller_sees_it(rank: int, exc: BaseException) -> BaseException:
     ConfigError("train.base_lr", "changed since the checkpoint: 0.001 -> 0.002; resuming would mix two runs"),
     NonFiniteSteps("11 steps with a non-finite loss or gradients (first at step 40), over train.max_skipped_steps"),
     UnsafeCheckpoint("checkpoint_000010/rank0.pt: refusing to unpickle builtins.exec"),
+    DiskFull("no space for the checkpoint at /runs/r/checkpoint_000000008: 1.0 MiB free, 3.0 MiB needed"),
 ])  # fmt: skip
 def test_deterministic_failures_stop_the_run(exc):
     callback = StopOnDeterministicFailure()
