@@ -18,6 +18,8 @@
 #      (`train.compile_mode: reduce-overhead`); benchmarks/attention.py, every attention kernel at each ViT's
 #      shapes (seconds); ViT-B/16 at the largest batch its memory holds; and ViT-B/16 eager at ZeRO 0 and 3.
 # A machine that hands back a few files only: `bash benchmarks/gpu_check.sh /tmp/gc; tar czf $OUT/gc.tgz -C /tmp gc`.
+# GPU_CHECK_ONLY="l16 tests" runs only the parts so named (b16 l16 data tests l16-auto graphs attention
+# b16-auto eager), e.g. a second, shorter call for what the first one's deadline skipped.
 # Tables and logs land in OUT_DIR; the last lines printed are the tables.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +29,13 @@ if ! [[ $deadline =~ ^[0-9]+$ ]]; then
   echo "gpu_check.sh: GPU_CHECK_SECONDS must be a whole number of seconds, got '$deadline'" >&2
   exit 2
 fi
+parts="b16 l16 data tests l16-auto graphs attention b16-auto eager"
+for name in ${GPU_CHECK_ONLY:-}; do
+  if [[ " $parts " != *" $name "* ]]; then
+    echo "gpu_check.sh: GPU_CHECK_ONLY names no part '$name' (the parts: $parts)" >&2
+    exit 2
+  fi
+done
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore TOKENIZERS_PARALLELISM=false
 python=python3
@@ -41,14 +50,18 @@ stamp() { echo "== $(date +%H:%M:%S) $*"; }
 # One deadline for the whole script (bash's SECONDS counts from its start), so a slow part shortens the
 # ones after it instead of running the lease out: `part` gives a command at most WANT seconds and never
 # past the deadline; `extra` runs only where its whole WANT still fits.
+only=" ${GPU_CHECK_ONLY:-} "
+chosen() { [[ $only == "  " || $only == *" $1 "* ]]; }
 part() {
-  local want=$1 title=$2 left=$(( deadline - SECONDS )); shift 2
+  local name=$1 want=$2 title=$3 left=$(( deadline - SECONDS )); shift 3
+  chosen "$name" || return 0
   if (( left < 30 )); then stamp "skipped, the deadline is near: $title"; return 0; fi
   stamp "$title"
   timeout $(( want < left ? want : left )) "$@"
 }
 extra() {
-  local want=$1 title=$2; shift 2
+  local name=$1 want=$2 title=$3; shift 3
+  chosen "$name" || return 0
   if (( deadline - SECONDS < want )); then stamp "skipped, no time left for it: $title"; return 0; fi
   stamp "$title"
   timeout "$want" "$@"
@@ -56,28 +69,28 @@ extra() {
 stamp "machine"; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 $python -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)" 2>&1 | tail -1
 
-part 200 "mfu ViT-B/16" $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 2 3 --peer --steps 16 \
+part b16 200 "mfu ViT-B/16" $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 2 3 --peer --steps 16 \
   --profile "$out" --out "$out/mfu_b16.json" 2>&1 | tee "$out/mfu_b16.log" | grep -v '^{'
-part 120 "mfu ViT-L/16" $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 1 --peer --steps 10 \
+part l16 170 "mfu ViT-L/16" $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 1 --peer --steps 10 \
   --out "$out/mfu_l16.json" 2>&1 | tee "$out/mfu_l16.log" | grep -v '^{'
 # 20,000 JPEGs and their shards take ~45 s, the fixed batch's compile and steps ~35 s, the loop ~30 s.
-part 150 "train_data ViT-B/16" $python benchmarks/train_data.py --steps 40 --fixed-steps 10 --decode-seconds 3 \
+part data 150 "train_data ViT-B/16" $python benchmarks/train_data.py --steps 40 --fixed-steps 10 --decode-seconds 3 \
   --out "$out/train_data.json" 2>&1 | tee "$out/train_data.log" | tail -25
-part 130 "gpu tests" $python -m pytest -m gpu tests/test_gpu_training.py tests/test_flops.py tests/test_bench_mfu.py \
+part tests 130 "gpu tests" $python -m pytest -m gpu tests/test_gpu_training.py tests/test_flops.py tests/test_bench_mfu.py \
   -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | grep -v DEBUG | tail -8
 # The extras, each only where its whole time still fits before the deadline. ViT-L/16 at the batch its memory
 # holds (576 on an H200) did not finish in 110 s: two eager probes, then both loops compiled at that batch.
-extra 150 "mfu ViT-L/16, the batch chosen by memory (both loops)" \
+extra l16-auto 150 "mfu ViT-L/16, the batch chosen by memory (both loops)" \
   $python benchmarks/mfu.py --models ViT-L/16 --batch auto --zero-stages 1 --peer --steps 4 \
   --out "$out/mfu_l16_auto.json" 2>&1 | tee "$out/mfu_l16_auto.log" | grep -v '^{'
-extra 75 "mfu ViT-B/16, CUDA graphs" $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 \
+extra graphs 75 "mfu ViT-B/16, CUDA graphs" $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 \
   --compile-mode reduce-overhead --steps 8 --out "$out/mfu_b16_graphs.json" 2>&1 \
   | tee "$out/mfu_b16_graphs.log" | grep -v '^{' | tail -6
-extra 40 "attention kernels" $python benchmarks/attention.py --steps 10 --out "$out/attention.json" 2>&1 \
+extra attention 40 "attention kernels" $python benchmarks/attention.py --steps 10 --out "$out/attention.json" 2>&1 \
   | tee "$out/attention.log" | grep -v '^{' | tail -7
-extra 60 "mfu ViT-B/16, the batch chosen by memory" $python benchmarks/mfu.py --models ViT-B/16 --batch auto \
+extra b16-auto 60 "mfu ViT-B/16, the batch chosen by memory" $python benchmarks/mfu.py --models ViT-B/16 --batch auto \
   --zero-stages 1 --steps 8 --out "$out/mfu_b16_auto.json" 2>&1 | tee "$out/mfu_b16_auto.log" | grep -v '^{' | tail -6
-extra 60 "mfu ViT-B/16, ZeRO 0 and ZeRO 3 eager (the main run's ZeRO 3 row is compiled a block at a time)" \
+extra eager 60 "mfu ViT-B/16, ZeRO 0 and ZeRO 3 eager (the main run's ZeRO 3 row is compiled a block at a time)" \
   $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 0 3 --compile off --steps 8 \
   --out "$out/mfu_b16_eager.json" 2>&1 | tee "$out/mfu_b16_eager.log" | grep -v '^{' | tail -6
 stamp "done"
