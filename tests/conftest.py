@@ -17,6 +17,16 @@ from hypothesis import settings
 settings.register_profile("suite", deadline=None)
 settings.load_profile("suite")
 
+# One thread for torch's CPU kernels in each test process, and in the processes the tests start. `make test`
+# runs two of them on 2 cores beside the Ray runs they start; torch's default, a thread per core in each,
+# oversubscribes the cores, and its threads spin waiting for each other: an in-process benchmark test ran
+# in 49 s beside two busy processes with the default, in 13 s with one thread (11 s alone). Ray gives its
+# workers one thread per CPU they hold anyway.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402 -- after the variable: torch reads it as it loads
+
+torch.set_num_threads(1)  # where torch was loaded before this file (a plugin)
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Files with a slow end-to-end run first (stable, so the order is the same on every xdist worker).
