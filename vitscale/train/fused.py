@@ -59,6 +59,8 @@ def fuse_gradient_norm(engine: Any) -> bool:
     if original is None or getattr(optimizer, "has_moe_layers", False):
         return False
 
+    alone = torch.distributed.get_world_size(group) == 1  # nothing to sum over: no collective to queue
+
     def grad_norm(gradients: list[torch.Tensor], params: list[torch.Tensor], norm_type: float = 2) -> torch.Tensor:
         if float(norm_type) != 2.0:
             return original(gradients, params, norm_type)
@@ -67,11 +69,13 @@ def fuse_gradient_norm(engine: Any) -> bool:
         device = optimizer.device
         if grads:
             # (n,) per-tensor norms, fp32 accumulation; the sum of squares is the squared global norm.
+            # Every gradient is on the optimizer's device (no offload here): one stack, not a call per tensor.
             norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-            total = torch.stack([n.to(device) for n in norms]).square().sum()
+            total = torch.stack(norms).to(device).square().sum()
         else:
             total = torch.zeros((), dtype=torch.float32, device=device)
-        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=group)
+        if not alone:
+            torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=group)
         # DeepSpeed's sentinel for a non-finite norm (its `mask_nan_or_inf_with_val_inplace`), without the
         # host-to-device copy of its -1 that waits for the GPU.
         return total.sqrt().nan_to_num_(nan=-1.0, posinf=-1.0, neginf=-1.0)
