@@ -101,3 +101,20 @@ def test_attention_times_every_backend_that_takes_the_shapes(tmp_path: Path, cap
     assert "| ViT-Ti/16 | 2 x 3 x 197 x 64 |" in capsys.readouterr().out
     with pytest.raises(ValueError, match="not a ViT"):
         attention.shapes("R50x1", 2, 224)
+
+
+@pytest.mark.parametrize(("variable", "value", "says"), [
+    ("GPU_CHECK_SECONDS", "9m", "GPU_CHECK_SECONDS must be a whole number of seconds, got '9m'"),
+    ("GPU_CHECK_ONLY", "l16 tset", "GPU_CHECK_ONLY names no part 'tset' (the parts: b16 l16 data tests"),
+])
+def test_gpu_check_refuses_a_bad_setting_before_it_installs_anything(tmp_path: Path, variable: str, value: str,
+                                                                     says: str) -> None:
+    # GPU minutes are scarce: a typo must cost one line, not a machine's start and a wheel install.
+    import os
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
+    done = subprocess.run(["bash", str(script), str(tmp_path / "out")], capture_output=True, text=True,
+                          env={**os.environ, variable: value}, timeout=30)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1, done
+    assert says in done.stderr and not (tmp_path / "out").exists()
