@@ -180,6 +180,12 @@ class TerminalFilter(io.TextIOBase):
             self.log.flush()
             self.terminal.flush()
 
+    def end_run(self) -> None:
+        """Forwarded lines go to the log only from now on (`run_ended`); a line being routed now is routed
+        whole first, so it lands before the driver's next line."""
+        with self._lock:
+            self.run_ended = True
+
     def _route(self, line: str) -> None:
         plain = _ANSI.sub("", line)
         forwarded = _FORWARDED.match(plain)
@@ -315,8 +321,7 @@ def run_ended() -> None:
     read. The next `route_ray_output` shows them again."""
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, TerminalFilter):
-            with stream._lock:  # a line being routed now is routed whole, before the driver's next one
-                stream.run_ended = True
+            stream.end_run()
 
 
 @contextlib.contextmanager
