@@ -12,6 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+PORT_TAKEN = ("address already in use", "eaddrinuse")
+"""What rank 0's store says when the port picked for it was taken by another process before it bound it."""
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -19,9 +22,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch_ranks(script: str, out: Path, world: int, *args: str, timeout_s: float = 300) -> None:
+def launch_ranks(script: str, out: Path, world: int, *args: str, timeout_s: float = 300, tries: int = 3) -> None:
     """`python script *args` as ranks 0..world-1 (MASTER_ADDR/PORT, RANK, WORLD_SIZE set), each logging to a
-    file in `out`; an AssertionError with every rank's last lines if any exits non-zero."""
+    file in `out`; an AssertionError with every rank's last lines if any exits non-zero.
+
+    The port is free when picked and bound by rank 0 a moment later; a process of the other test worker (a
+    Ray node starting) may take it in between. Such a launch is run again on another port, up to `tries` in
+    all; any other failure is reported at once."""
+    for attempt in range(1, tries + 1):
+        codes, logs = _launch_once(script, out, world, args, timeout_s)
+        if not any(codes):
+            return
+        if attempt == tries or not _port_taken(logs):
+            raise AssertionError(f"world {world} {args}: exit codes {codes}\n{logs}")
+
+
+def _launch_once(script: str, out: Path, world: int, args: tuple[str, ...],
+                 timeout_s: float) -> tuple[list[int], str]:
+    """One launch on a newly picked port: every rank's exit code, and their logs' last lines."""
     port = str(_free_port())
     tag = "-".join((f"w{world}", *(a.rsplit("/", 1)[-1] for a in args)))
     procs = []
@@ -31,14 +49,19 @@ def launch_ranks(script: str, out: Path, world: int, *args: str, timeout_s: floa
         log = open(out / f"log-{tag}-r{rank}.txt", "w")  # noqa: SIM115 -- closed below
         procs.append((subprocess.Popen([sys.executable, script, *args], env=env, stdout=log,
                                        stderr=subprocess.STDOUT), log))
-    codes = []
-    for proc, log in procs:
+    codes: list[int] = []
+    for proc, log in procs:  # rank 0 first: the one that binds the port
         try:
             codes.append(proc.wait(timeout=timeout_s))
         except subprocess.TimeoutExpired:
             proc.kill()
             codes.append(proc.wait())
         log.close()
-    if any(codes):
-        logs = "\n".join(Path(log.name).read_text()[-3000:] for _, log in procs)
-        raise AssertionError(f"world {world} {args}: exit codes {codes}\n{logs}")
+        if codes == [codes[0]] and codes[0] and _port_taken(Path(log.name).read_text()):
+            for other, _ in procs[1:]:  # waiting for a store that will never be there
+                other.kill()
+    return codes, "\n".join(Path(log.name).read_text()[-3000:] for _, log in procs)
+
+
+def _port_taken(log: str) -> bool:
+    return any(taken in log.lower() for taken in PORT_TAKEN)
