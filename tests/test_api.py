@@ -156,3 +156,23 @@ def test_cli_version_is_the_package_version(capsys: pytest.CaptureFixture[str]) 
     from importlib.metadata import version
 
     assert version("vitscale") == vitscale.__version__
+
+
+def test_dataset_over_its_error_budget_names_the_damaged_shards(tmp_path: Path) -> None:
+    """Iterated here, past `error_budget` the dataset stops with the shared error: the count, the budget and
+    each shard that held a damaged sample with how many, not just that something was skipped."""
+    from helpers.datasets import write_test_dataset
+    from vitscale.data.loader.stream import ErrorBudgetExceeded
+
+    def damage(key: str, sample: dict[str, bytes]) -> dict[str, bytes]:
+        # Samples 5-7 (the second shard) and 13 (the fourth): JPEG headers with nothing after them.
+        return {**sample, "jpg": sample["jpg"][:20]} if key in {f"train{i:06d}" for i in (5, 6, 7, 13)} else sample
+
+    root = write_test_dataset(tmp_path / "d", {"train": [4, 4, 4, 4]}, num_classes=3, size=(20, 16), hook=damage)
+    kept = ShardDataset(str(root), "train", batch_size=4, resolution=8, error_budget=0.25, seed=1)
+    seen = {k for b in kept for k in b["key"]}  # 4 skipped, within a quarter of 16
+    assert len(seen) == 12 and not seen & {f"train{i:06d}" for i in (5, 6, 7, 13)}
+    over = ShardDataset(str(root), "train", batch_size=4, resolution=8, error_budget=0.1, seed=1)
+    with pytest.raises(ErrorBudgetExceeded, match=r"over the error budget 0\.1 of 16 samples") as error:
+        list(over)
+    assert "train-000001.tar (" in str(error.value) and "rank" not in str(error.value)

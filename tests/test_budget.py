@@ -39,6 +39,6 @@ def test_the_most_skipped_are_named_and_the_rest_counted():
 
 def test_the_error_says_the_count_the_budget_and_the_shards():
     error = budget_error(4, 2, 0.01, 300, 2, [{}, {"train-000003.tar": 4}])
-    assert str(error) == ("4 samples skipped in epoch 2 (all 2 rank(s)), over the error budget 0.01 of 300 samples "
+    assert str(error) == ("4 samples skipped in epoch 2 (all 2 ranks), over the error budget 0.01 of 300 samples "
                           "(3); bad shards: train-000003.tar (4 on rank 1). Repair or rewrite them, or raise "
                           "error_budget.")

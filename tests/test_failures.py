@@ -73,7 +73,7 @@ def test_the_cli_line_is_the_workers_own():
 def test_ranks_that_fail_alike_are_said_once():
     """Every rank of a run over its error budget raises the same error: one line names them all; a different
     error on another rank keeps its own line, and many ranks are counted, not listed."""
-    same = ErrorBudgetExceeded("5 samples skipped in epoch 0 (all 8 rank(s)); bad shards: train-000003.tar (5 on rank 2)")
+    same = ErrorBudgetExceeded("5 samples skipped in epoch 0 (all 8 ranks); bad shards: train-000003.tar (5 on rank 2)")
     other = ConfigError("data.url", "must name a folder")
     callback = StopOnDeterministicFailure()
     with pytest.raises(DeterministicFailure) as stopped:

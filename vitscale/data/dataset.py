@@ -32,12 +32,15 @@ flip seeded by (seed, epoch, sample); evaluation: the centre crop) as a contiguo
 DataLoader worker; randomness in it is the user's, outside vitscale's exact resume.
 
 Damaged samples are skipped and logged; the error budget (``error_budget``, a fraction of the
-epoch's samples) is checked by each process on the batches it builds.
+epoch's samples) is checked by each process on the batches it builds: past it, the iteration raises
+``ErrorBudgetExceeded`` naming the shards that process skipped samples of. DataLoader workers do not see
+each other's counts, so with W workers an epoch may skip up to W times the budget before one raises.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -45,7 +48,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from vitscale.data.loader.stream import ErrorBudgetExceeded, ShardStream, StreamSpec
+from vitscale.data.loader.budget import budget_error
+from vitscale.data.loader.stream import ShardStream, StreamSpec
 from vitscale.data.order import worker_batches
 
 __all__ = ["ShardDataset", "Transform"]
@@ -120,16 +124,15 @@ class ShardDataset(IterableDataset):
         epoch, start, bs = stream.epoch, stream.position, stream.spec.batch_size
         # The batch indices the source yields, in its order: the same pure function it runs.
         numbers = worker_batches(len(stream), worker, workers)
-        skipped = 0  # this process's skipped samples in this iteration
+        skipped: Counter[str] = Counter()  # this process's skipped samples in this iteration, by shard
         budget = stream.budget_samples()
         for b, batch in zip(numbers, stream.epoch_batches()):
             for shard, key, why in batch.pop("_skipped"):
-                skipped += 1
+                skipped[shard] += 1
                 log.warning("skipped sample %s in %s: %s", key, shard, why)
-            if skipped > budget:
-                raise ErrorBudgetExceeded(f"{skipped} samples skipped in epoch {epoch}, over the error budget "
-                                          f"{stream.spec.error_budget} of {sum(stream.dataset.counts)} samples; "
-                                          "repair or rewrite the shards, or raise error_budget")
+            if skipped.total() > budget:
+                raise budget_error(skipped.total(), epoch, stream.spec.error_budget, sum(stream.dataset.counts), 1,
+                                   [skipped])
             count = batch.pop("_count")
             state = self._state_after(epoch, start + b * bs + count)
             batch["image"] = self._apply(batch["image"])

@@ -50,7 +50,8 @@ def budget_error(skipped: int, epoch: int, budget: float, samples: int, ranks: i
     """The error for an epoch that skipped ``skipped`` samples over its budget (``budget`` as a fraction of
     ``samples``), naming the bad shards of ``per_rank`` (every rank's counts, or this rank's alone)."""
     samples_word = "sample" if skipped == 1 else "samples"
+    counted = "" if ranks == 1 else f" (all {ranks} ranks)"
     return ErrorBudgetExceeded(
-        f"{skipped} {samples_word} skipped in epoch {epoch} (all {ranks} rank(s)), over the error budget {budget} "
+        f"{skipped} {samples_word} skipped in epoch {epoch}{counted}, over the error budget {budget} "
         f"of {samples} samples ({budget * samples:.0f}); bad shards: {bad_shards(per_rank)}. Repair or rewrite "
         "them, or raise error_budget.")
