@@ -47,6 +47,8 @@ def test_restart_goes_on_counting(tmp_path: Path, damaged: str, process_group: N
     with pytest.raises(ErrorBudgetExceeded, match="4 samples skipped in epoch 0"):
         train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-a", report=whole))
     assert [m["step"] for m in steps(tmp_path / "run-a")] == [1, 2, 3]
+    # Each step's metrics count the samples it consumed, not those of the next step's batch, read ahead.
+    assert [m["skipped_samples"] for m in steps(tmp_path / "run-a")] == [1, 2, 3]
     assert [m["step"] for m in whole.metrics] == [3]  # its checkpoint
     checkpoint = tmp_path / "whole" / "checkpoint_000000003"
     # Resumed from step 3 (3 samples skipped so far), the 4th bad sample still stops the run.

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from vitscale.train.context import WorkerContext
 from vitscale.train.stopvote import StopVote
 
-STREAM = SimpleNamespace(epoch_skipped=lambda: 2)
+STREAM = SimpleNamespace(epoch_skipped=lambda: 2, skipped=lambda: {"train-000001.tar": 2})
 
 
 def _vote(rank: int, asked: str | None = None, told: str | None = None) -> StopVote:

@@ -72,8 +72,8 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         stream.check_error_budget(vote.skipped_samples(outcome.votes), gather=vote.gather)
         state = replace(state, step=step, examples_seen=state.examples_seen + batch.global_batch,
                         flops=state.flops + w.flops_per_example * batch.global_batch)
-        metrics = _step_metrics(w, state, outcome, lr, clock.lap(), observers.attempt)
-        observers.record(metrics, outcome.keys, stream.skipped())
+        metrics = _step_metrics(w, state, outcome, lr, clock.lap(), observers.attempt, vote.skipped)
+        observers.record(metrics, outcome.keys, vote.skipped)
         maybe_die(job.train.fault, ctx.rank, step, ctx.storage or str(ctx.run_dir))
         clock.booked()
         scores = evaluate(w) if evaluation_due(w, step) else {}
@@ -92,7 +92,7 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
     observers.close()
     return {"steps": state.step, "total_steps": w.total_steps, "examples_seen": state.examples_seen,
             "exaflops": state.flops / 1e18, "final_loss": loss, "num_classes": stream.dataset.num_classes,
-            "skipped_samples": stream.skipped(), "skipped_steps": state.skipped_steps,
+            "skipped_samples": vote.skipped, "skipped_steps": state.skipped_steps,
             **observers.restart_totals(), **scores}
 
 
@@ -113,7 +113,7 @@ def _skipped(state: ckpt.TrainState, loss: float, grad_norm: float, budget: int,
 
 
 def _step_metrics(w: Worker, state: ckpt.TrainState, outcome: StepOutcome, lr: float, step_time: float,
-                  attempt: float) -> StepMetrics:
+                  attempt: float, skipped: dict[str, int]) -> StepMetrics:
     """What one step measured: loss, LR, throughput, MFU, compute spent, samples skipped, epoch."""
     images_per_s = w.batch.global_batch / step_time
     world = w.ctx.world_size
@@ -122,5 +122,5 @@ def _step_metrics(w: Worker, state: ckpt.TrainState, outcome: StepOutcome, lr: f
         step_time_s=step_time, data_wait_s=outcome.data_wait_s, compute_s=step_time - outcome.data_wait_s,
         examples_seen=state.examples_seen, cumulative_exaflops=state.flops / 1e18,
         mfu=None if w.peak is None else mfu(w.flops_per_example * images_per_s / world, w.peak),
-        skipped_samples=sum(w.stream.skipped().values()), epoch=state.step / w.steps_per_epoch,
+        skipped_samples=sum(skipped.values()), epoch=state.step / w.steps_per_epoch,
         world_size=world, attempt=attempt, launch=w.ctx.launched, patch_accuracy=outcome.patch_accuracy)

@@ -48,6 +48,9 @@ class StopVote:
         self.last_asked = time.monotonic()
         self.told: str | None = None
         self.asked: str | None = None  # rank 0: the driver's stop request, once read
+        self.skipped: dict[str, int] = {}
+        """This rank's skipped samples per shard (the stream's cumulative counts) as of the last vote: the
+        step's own micro-batches, not the next step's first one, read ahead after the vote (`train/feed.py`)."""
 
     def votes(self, stream: Any) -> list[float]:
         """This rank's votes, taken once the step's micro-batches have run (so a notice that arrived meanwhile
@@ -57,6 +60,7 @@ class StopVote:
         self.told = self.ctx.terminated()
         if self.ctx.rank == 0 and self.asked is None:
             self.asked = self.ctx.stop_requested()
+        self.skipped = stream.skipped()
         return [float(ask), float(self.told is not None), float(stream.epoch_skipped()), float(self.asked is not None)]
 
     @staticmethod
