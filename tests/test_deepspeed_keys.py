@@ -10,6 +10,10 @@ from vitscale.config.checks import ConfigError
 from vitscale.stages import build_pipeline
 from vitscale.train.deepspeed_keys import OWNED, check_overrides, merge_overrides
 
+PIPELINE = {"stages": ["pretrain"], "data": {"url": "/nowhere/data"}, "train": {"global_batch": 8, "micro_batch": 8},
+            "cluster": {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1, "storage_path": "/nowhere/runs"}}
+"""A pipeline whose stage checks run (they hold the DeepSpeed settings' check), with nothing on disk."""
+
 _keys = st.sampled_from(["a", "b", "c", "zero_optimization", "reduce_bucket_size"])
 _trees = st.recursive(st.integers(), lambda inner: st.dictionaries(_keys, inner, max_size=3), max_leaves=8)
 
@@ -70,3 +74,41 @@ def test_every_owned_key_is_refused() -> None:
         with pytest.raises(ConfigError):
             check_overrides(tree)
     check_overrides({"zero_optimization": {"reduce_bucket_size": 1}, "flops_profiler": {"enabled": True}})
+
+
+@pytest.mark.parametrize(("overrides", "named", "says"), [
+    # A section DeepSpeed's own model refuses, when the pipeline loads instead of on every worker.
+    ({"zero_optimization": {"overlap_com": True}}, "train.deepspeed.zero_optimization.overlap_com",
+     "refuses it: Extra inputs are not permitted (did you mean 'overlap_comm'?)"),
+    ({"zero_optimization": {"reduce_bucket_size": "big"}}, "train.deepspeed.zero_optimization.reduce_bucket_size",
+     "valid integer"),
+    ({"tensorboard": {"enabeld": True}}, "train.deepspeed.tensorboard.enabeld", "(did you mean 'enabled'?)"),
+    # A value DeepSpeed's parser asserts on.
+    ({"communication_data_type": "fp7"}, "train.deepspeed", "Invalid communication_data_type"),
+    # A misspelt section, which DeepSpeed would have ignored.
+    ({"zero_optimisation": {"reduce_bucket_size": 1}}, "train.deepspeed.zero_optimisation",
+     "reads no such key (did you mean 'zero_optimization'?)"),
+])
+def test_settings_deepspeed_refuses_are_named_when_the_pipeline_loads(overrides: dict, named: str, says: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        build_pipeline({**PIPELINE, "train": {**PIPELINE["train"], "deepspeed": overrides}})
+    assert error.value.key == named and says in error.value.message and "DeepSpeed 0." in error.value.message
+
+
+def test_settings_deepspeed_reads_load() -> None:
+    """DeepSpeed's sections load as they are, and a key like none DeepSpeed reads is left to it (which ignores it)."""
+    settings = {"zero_optimization": {"reduce_bucket_size": 1000, "overlap_comm": True},
+                "flops_profiler": {"enabled": False}, "activation_checkpointing": {}, "aio": {},
+                "tensorboard": {"enabled": False}, "communication_data_type": "fp32", "my_own_notes": "kept"}
+    config = build_pipeline({**PIPELINE, "train": {**PIPELINE["train"], "deepspeed": settings}})
+    assert config.train.deepspeed == settings
+
+
+def test_a_fine_tuning_recipes_settings_are_checked_too() -> None:
+    raw = {**PIPELINE, "stages": ["pretrain", "finetune"],
+           "finetune": {"data": {"url": "/nowhere/downstream"}, "train": {
+               "base_lr": 0.01, "global_batch": 8, "micro_batch": 8,
+               "deepspeed": {"zero_optimization": {"overlap_com": True}}}}}
+    with pytest.raises(ConfigError) as error:
+        build_pipeline(raw)
+    assert error.value.key == "finetune.train.deepspeed.zero_optimization.overlap_com"

@@ -81,7 +81,11 @@ def check_finetune(config: PipelineConfig) -> None:
         except ConfigError as exc:
             raise ConfigError("finetune.resolution", f"({fc.resolution}) does not fit {config.model.name}: "
                                                      f"{exc.message}") from None
-    fc.train_config().check_batch_split(config.cluster.world_sizes, "finetune.train")
+    from vitscale.train.engine import check_settings
+
+    recipe = fc.train_config()
+    recipe.check_batch_split(config.cluster.world_sizes, "finetune.train")
+    check_settings(recipe, "finetune.train")
 
 
 def check_downstream(config: PipelineConfig) -> Any:

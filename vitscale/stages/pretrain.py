@@ -17,7 +17,10 @@ from vitscale.train.job import TrainJob
 
 
 def check_pretrain(config: PipelineConfig) -> None:
-    """The recipe against the cluster: the batch splits evenly over workers, the fault hits one."""
+    """The recipe against the cluster: the batch splits evenly over workers, the fault hits one; DeepSpeed takes
+    its `train.deepspeed` settings."""
+    from vitscale.train.engine import check_settings
+
     train, cluster = config.train, config.cluster
     fault = train.fault
     check(fault.kill_rank is None or fault.kill_rank < cluster.min_workers, "train.fault.kill_rank",
@@ -27,6 +30,7 @@ def check_pretrain(config: PipelineConfig) -> None:
     check(not train.metrics_port or last_port <= 65535, "train.metrics_port",
           f"({train.metrics_port}) + up to {cluster.max_workers - 1} local ranks = {last_port}, past 65535")
     train.check_batch_split(cluster.world_sizes)
+    check_settings(train, "train")
     check_objective(config)
 
 

@@ -179,6 +179,8 @@ def check_sweep(config: PipelineConfig) -> None:
     check(sweep.target != "pretrain" or config.section("train", TrainConfig).objective == "supervised",
           "sweep.target", "a pre-training sweep selects on the dev carve's top-1 accuracy, which train.objective "
           "masked_patch does not learn; sweep its fine-tuning (sweep.target: finetune) instead")
+    from vitscale.train.engine import check_settings
+
     workers = trial_cluster(config).world_sizes
     workers_key = "sweep.workers_per_trial" if sweep.workers_per_trial else "cluster.num_workers"
     for point in combinations(space):  # every trial's batch splits evenly over its workers
@@ -187,6 +189,7 @@ def check_sweep(config: PipelineConfig) -> None:
                            else (trial.section("train", TrainConfig), "train"))
         try:
             recipe.check_batch_split(workers, section, workers_key)
+            check_settings(recipe, section)
         except ConfigError as exc:
             raise ConfigError(exc.key, exc.message + (f" (trial {point})" if point else "")) from None
     if sweep.target == "finetune":

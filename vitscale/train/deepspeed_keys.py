@@ -36,7 +36,7 @@ OWNED: dict[str, str] = {
 
 def check_overrides(overrides: Mapping[str, Any], section: str = "train") -> None:
     """Refuse any key of `overrides` (the `deepspeed:` mapping) that vitscale owns, naming what to set."""
-    for dotted in _leaves(overrides):
+    for dotted in leaves(overrides):
         for owned, instead in OWNED.items():
             if dotted == owned or dotted.startswith(f"{owned}."):
                 raise ConfigError(f"{section}.deepspeed.{dotted}", f"is vitscale's own; set {instead} instead")
@@ -53,12 +53,13 @@ def merge_overrides(generated: Mapping[str, Any], overrides: Mapping[str, Any]) 
     return out
 
 
-def _leaves(mapping: Mapping[str, Any], prefix: str = "") -> list[str]:
+def leaves(mapping: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys of `mapping`'s leaves (an owned section counts as one)."""
     out: list[str] = []
     for key, value in mapping.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, Mapping) and value and not any(o == dotted for o in OWNED):
-            out.extend(_leaves(value, f"{dotted}."))
+            out.extend(leaves(value, f"{dotted}."))
         else:
             out.append(dotted)
     return out
