@@ -27,6 +27,20 @@ def _as_controller_sees_it(rank: int, exc: BaseException) -> BaseException:
     return UserExceptionWithTraceback(shipped, traceback_str="Traceback ...")
 
 
+def _refused_by_pydantic() -> Exception:
+    """What DeepSpeed raises building an engine from a section its config model refuses."""
+    import pydantic
+
+    class Section(pydantic.BaseModel, extra="forbid"):
+        overlap_comm: bool = False
+
+    try:
+        Section(overlap_com=True)
+    except pydantic.ValidationError as error:
+        return error
+    raise AssertionError("pydantic took an unknown field")
+
+
 @pytest.mark.parametrize("exc", [
     ErrorBudgetExceeded("12 samples skipped in epoch 0, over the error budget; bad shards: train-000003.tar (12)"),
     DatasetError("1 shard(s) of split 'train' missing"),
@@ -35,6 +49,7 @@ def _as_controller_sees_it(rank: int, exc: BaseException) -> BaseException:
     NonFiniteSteps("11 steps with a non-finite loss or gradients (first at step 40), over train.max_skipped_steps"),
     UnsafeCheckpoint("checkpoint_000010/rank0.pt: refusing to unpickle builtins.exec"),
     DiskFull("no space for the checkpoint at /runs/r/checkpoint_000000008: 1.0 MiB free, 3.0 MiB needed"),
+    _refused_by_pydantic(),
 ])  # fmt: skip
 def test_deterministic_failures_stop_the_run(exc):
     callback = StopOnDeterministicFailure()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from pydantic import ValidationError
 from ray.train.v2._internal.constants import (
     DEFAULT_WORKER_GROUP_START_TIMEOUT_S,
     WORKER_GROUP_START_TIMEOUT_S_ENV_VAR,
@@ -44,10 +45,11 @@ from vitscale.train.engine import UnsafeCheckpoint
 from vitscale.train.loop import NonFiniteSteps
 
 DETERMINISTIC: tuple[type[BaseException], ...] = (ErrorBudgetExceeded, DatasetError, ConfigError, NonFiniteSteps,
-                                                   UnsafeCheckpoint, DiskFull)
+                                                   UnsafeCheckpoint, DiskFull, ValidationError)
 """Errors a restart repeats exactly (bad data, an exceeded error budget, a bad setting or a changed
 run found on a worker, the non-finite-step budget spent, a checkpoint file that would run code, a
-checkpoint that does not fit its disk):
+checkpoint that does not fit its disk, a config DeepSpeed's pydantic models refuse as a worker builds its
+engine, which the pipeline's own check reads the same way first: `train/engine.py` `check_settings`):
 the run stops instead of being retried."""
 
 
