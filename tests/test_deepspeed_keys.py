@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -95,13 +97,16 @@ def test_settings_deepspeed_refuses_are_named_when_the_pipeline_loads(overrides:
     assert error.value.key == named and says in error.value.message and "DeepSpeed 0." in error.value.message
 
 
-def test_settings_deepspeed_reads_load() -> None:
-    """DeepSpeed's sections load as they are, and a key like none DeepSpeed reads is left to it (which ignores it)."""
+def test_settings_deepspeed_reads_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's sections load as they are, and a key like none DeepSpeed reads is left to it (which ignores it).
+    The driver's environment is as it was: its DS_ACCELERATOR would reach every worker, GPU ones too."""
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     settings = {"zero_optimization": {"reduce_bucket_size": 1000, "overlap_comm": True},
                 "flops_profiler": {"enabled": False}, "activation_checkpointing": {}, "aio": {},
                 "tensorboard": {"enabled": False}, "communication_data_type": "fp32", "my_own_notes": "kept"}
     config = build_pipeline({**PIPELINE, "train": {**PIPELINE["train"], "deepspeed": settings}})
     assert config.train.deepspeed == settings
+    assert "DS_ACCELERATOR" not in os.environ
 
 
 def test_a_fine_tuning_recipes_settings_are_checked_too() -> None:

@@ -132,7 +132,14 @@ def check_settings(train: TrainConfig, section: str = "train") -> None:
     from vitscale.train.batch import derive_batch
     from vitscale.train.deepspeed_keys import leaves
 
-    deepspeed = _deepspeed()
+    # The driver's environment is left as it was: its DS_ACCELERATOR reaches every worker (`launch/ray_train.py`),
+    # and a driver without a GPU (a cluster's head) must not tell GPU workers to train on the CPU.
+    before = os.environ.get("DS_ACCELERATOR")
+    try:
+        deepspeed = _deepspeed()
+    finally:
+        if before is None:
+            os.environ.pop("DS_ACCELERATOR", None)
     where, version = f"{section}.deepspeed", f"DeepSpeed {deepspeed.__version__}"
     config = _Read(deepspeed_config(train, derive_batch(train.global_batch, train.micro_batch, 1), on_gpu=False))
     try:
