@@ -7,14 +7,22 @@ disagree with the `train:` value the run directory records, so it is refused, na
 to set instead. Everything else (bucket sizes, `overlap_comm`, ZeRO-3 prefetch knobs, communication
 dtype, the flops profiler, ...) is passed to DeepSpeed as given. Pure: no torch, no DeepSpeed, so
 the loader checks it before Ray starts.
+
+DeepSpeed's own reading of the rest (`train/engine.py` `check_settings`, when the pipeline loads) is worded
+here: `ReadKeys` records which top-level keys its parser asks for, `check_spelling` refuses a key it never
+read that is spelt close to one it did, and `refused_section` names the key a section model of DeepSpeed's
+refused. A key resembling none DeepSpeed reads is left to it, which ignores it: some are read outside its
+config class (sequence parallelism's), and refusing a valid key would leave no way to pass it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import typing
+from collections.abc import KeysView, Mapping
 from typing import Any
 
 from vitscale.config.checks import ConfigError
+from vitscale.config.suggest import closest
 
 OWNED: dict[str, str] = {
     "train_batch_size": "train.global_batch",
@@ -63,3 +71,75 @@ def leaves(mapping: Mapping[str, Any], prefix: str = "") -> list[str]:
         else:
             out.append(dotted)
     return out
+
+
+class ReadKeys(dict[str, Any]):
+    """A config mapping that records which top-level keys a parser asked for, present or not (`read`); a
+    shallow copy shares the record, so the copy DeepSpeedConfig makes of it counts too."""
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        super().__init__(values)
+        self.read: set[str] = set()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: Any) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+    def keys(self) -> Any:  # DeepSpeed also asks `key in config.keys()`
+        return _ReadKeysView(self)
+
+
+class _ReadKeysView(KeysView[str]):
+    def __init__(self, config: ReadKeys) -> None:
+        super().__init__(config)
+        self.config = config
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.config
+
+
+def check_spelling(overrides: Mapping[str, Any], read: set[str], section: str, version: str) -> None:
+    """Refuse a top-level key of `overrides` that the parser never `read`, where one it did read is spelt close."""
+    for key in overrides:
+        near = None if key in read else closest(key, read - set(overrides))
+        if near is not None:
+            raise ConfigError(f"{section}.deepspeed.{key}", f"{version} reads no such key (did you mean {near!r}?)")
+
+
+def refused_section(title: str, error: Mapping[str, Any], overrides: Mapping[str, Any], section: str, version: str,
+                    root: type) -> ConfigError:
+    """The `ConfigError` for the first `error` (pydantic's dict: `loc`, `msg`, `type`) of DeepSpeed's section model
+    named `title`, whose models all subclass `root`: the user's key whose path ends with the error's (its `loc`
+    is relative to that model), and for an unknown setting the nearest the model takes."""
+    inside = ".".join(str(part) for part in error["loc"])
+    key = next((k for k in leaves(overrides) if k == inside or k.endswith(f".{inside}")), None)
+    near = closest(str(error["loc"][-1]), _fields_of(root, title, tuple(error["loc"][:-1]))) \
+        if error["type"] == "extra_forbidden" else None
+    return ConfigError(f"{section}.deepspeed.{key}" if key else f"{section}.deepspeed",
+                       f"{version} refuses it: {error['msg']}" + ("" if key else f" ({title}.{inside})")
+                       + (f" (did you mean {near!r}?)" if near else ""))
+
+
+def _fields_of(root: type, title: str, path: tuple[Any, ...]) -> set[str]:
+    """The settings (names and aliases) that the subclass of pydantic model `root` named `title` takes at `path`
+    (its nested sections followed field by field); empty where the path leaves its models."""
+    models, model = [root], None
+    while models and model is None:
+        candidate = models.pop()
+        models.extend(candidate.__subclasses__())
+        model = candidate if candidate.__name__ == title else None
+    for part in path:
+        fields = getattr(model, "model_fields", {})
+        info = fields.get(part) or next((f for f in fields.values() if f.alias == part), None)
+        # The section's model: the field's type, or the model inside an Optional[...] of it.
+        kinds = (info.annotation, *typing.get_args(info.annotation)) if info is not None else ()
+        model = next((k for k in kinds if isinstance(k, type) and hasattr(k, "model_fields")), None)
+    return {name for field, info in getattr(model, "model_fields", {}).items() for name in (field, info.alias) if name}

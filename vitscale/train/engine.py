@@ -16,18 +16,18 @@ import argparse
 import contextlib
 import os
 import pickle
-import typing
-from collections.abc import Iterator, KeysView
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from vitscale.config.checks import ConfigError
 from vitscale.config.errors import UserError
 from vitscale.models import REPEATED_UNITS
-from vitscale.train.batch import BatchPlan
+from vitscale.train.batch import BatchPlan, derive_batch
 from vitscale.train.config import TrainConfig
-from vitscale.train.deepspeed_keys import merge_overrides
+from vitscale.train.deepspeed_keys import ReadKeys, check_spelling, merge_overrides, refused_section
 from vitscale.train.fused import fuse_bf16_step, fuse_clipping, fuse_gradient_norm, keep_weight_views
 from vitscale.train.one_rank import ONE_RANK_ZERO_3, compile_units, order_on_the_gpu, skip_regather, weights_kept_whole
 from vitscale.train.optim import ADAM_EPS, optimizer_for, param_groups
@@ -113,24 +113,17 @@ def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool,
 
 def check_settings(train: TrainConfig, section: str = "train") -> None:
     """`train.deepspeed` as DeepSpeed itself reads it, before anything runs: the config a one-rank worker would
-    build, parsed by DeepSpeed's own config classes (no engine, no device, no process group).
+    build, parsed by DeepSpeed's own config classes (no engine, no device, no process group). A value DeepSpeed
+    refuses, or a top-level key it does not read spelt close to one it does, is a `ConfigError` naming
+    `<section>.deepspeed.<key>` (`train/deepspeed_keys.py` words it). Without settings, nothing to do (and
+    DeepSpeed is not imported).
 
     DeepSpeed checks its sections only when a worker builds its engine: a bad value there failed every worker
-    of every attempt (retried until `cluster.max_failures` was spent) with a pydantic message naming neither
-    the pipeline key nor the file; and it ignores a top-level key it does not read, so a misspelt section
-    (`zero_optimisation`) changed nothing, silently. Here a value DeepSpeed refuses, and a key it does not read
-    whose spelling is close to one it does, is a `ConfigError` naming `train.deepspeed.<key>`. A key it does not
-    read and that resembles none is left to DeepSpeed, which ignores it: some are read elsewhere (sequence
-    parallelism's), and refusing a valid setting would leave no way to pass it. Without settings, nothing to do
-    (and DeepSpeed is not imported)."""
+    of every attempt with a pydantic message naming neither the key nor the file; and it ignores a top-level
+    key it does not read, so a misspelt section changed nothing, silently."""
     if not train.deepspeed:
         return
     from pydantic import ValidationError
-
-    from vitscale.config.checks import ConfigError
-    from vitscale.config.suggest import closest
-    from vitscale.train.batch import derive_batch
-    from vitscale.train.deepspeed_keys import leaves
 
     # The driver's environment is left as it was: its DS_ACCELERATOR reaches every worker (`launch/ray_train.py`),
     # and a driver without a GPU (a cluster's head) must not tell GPU workers to train on the CPU.
@@ -140,76 +133,17 @@ def check_settings(train: TrainConfig, section: str = "train") -> None:
     finally:
         if before is None:
             os.environ.pop("DS_ACCELERATOR", None)
-    where, version = f"{section}.deepspeed", f"DeepSpeed {deepspeed.__version__}"
-    config = _Read(deepspeed_config(train, derive_batch(train.global_batch, train.micro_batch, 1), on_gpu=False))
+    version = f"DeepSpeed {deepspeed.__version__}"
+    config = ReadKeys(deepspeed_config(train, derive_batch(train.global_batch, train.micro_batch, 1), on_gpu=False))
     try:
         deepspeed.runtime.config.DeepSpeedConfig(config)
     except ValidationError as error:
-        first = error.errors()[0]
-        inside = ".".join(str(part) for part in first["loc"])
-        # The user's key whose path ends with the one DeepSpeed's section model names (its loc is relative to it).
-        key = next((k for k in leaves(train.deepspeed) if k == inside or k.endswith(f".{inside}")), None)
-        near = closest(str(first["loc"][-1]), _fields_of(deepspeed, error.title, first["loc"][:-1])) \
-            if first["type"] == "extra_forbidden" else None
-        raise ConfigError(f"{where}.{key}" if key else where,
-                          f"{version} refuses it: {first['msg']}" + ("" if key else f" ({error.title}.{inside})")
-                          + (f" (did you mean {near!r}?)" if near else "")) from None
+        raise refused_section(error.title, error.errors()[0], train.deepspeed, section, version,
+                              deepspeed.runtime.config_utils.DeepSpeedConfigModel) from None
     except (AssertionError, ValueError, TypeError, KeyError) as error:
-        raise ConfigError(where, f"{version} refuses the config these settings make: {error}") from None
-    for key in train.deepspeed:
-        near = closest(key, config.read - set(train.deepspeed)) if key not in config.read else None
-        if near is not None:
-            raise ConfigError(f"{where}.{key}", f"{version} reads no such key (did you mean {near!r}?)")
-
-
-def _fields_of(deepspeed: Any, title: str, path: tuple[Any, ...]) -> set[str]:
-    """The settings (names and aliases) that DeepSpeed's config model named `title` takes at `path` (its nested
-    sections followed field by field), for "did you mean"; empty where the path leaves its models."""
-    models, model = [deepspeed.runtime.config_utils.DeepSpeedConfigModel], None
-    while models and model is None:
-        candidate = models.pop()
-        models.extend(candidate.__subclasses__())
-        model = candidate if candidate.__name__ == title else None
-    for part in path:
-        fields = getattr(model, "model_fields", {})
-        info = fields.get(part) or next((f for f in fields.values() if f.alias == part), None)
-        # The section's model: the field's type, or the model inside an Optional[...] of it.
-        kinds = (info.annotation, *typing.get_args(info.annotation)) if info is not None else ()
-        model = next((k for k in kinds if isinstance(k, type) and hasattr(k, "model_fields")), None)
-    return {name for field, info in getattr(model, "model_fields", {}).items() for name in (field, info.alias) if name}
-
-
-class _Read(dict[str, Any]):
-    """A config mapping that records which top-level keys DeepSpeed's parser asked for (present or not); shared
-    with the shallow copy DeepSpeedConfig makes of it."""
-
-    def __init__(self, values: dict[str, Any]) -> None:
-        super().__init__(values)
-        self.read: set[str] = set()
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        self.read.add(key)
-        return super().get(key, default)
-
-    def __getitem__(self, key: Any) -> Any:
-        self.read.add(key)
-        return super().__getitem__(key)
-
-    def __contains__(self, key: Any) -> bool:
-        self.read.add(key)
-        return super().__contains__(key)
-
-    def keys(self) -> Any:  # DeepSpeed also asks `key in config.keys()`
-        return _ReadKeys(self)
-
-
-class _ReadKeys(KeysView[str]):
-    def __init__(self, config: _Read) -> None:
-        super().__init__(config)
-        self.config = config
-
-    def __contains__(self, key: Any) -> bool:
-        return key in self.config
+        raise ConfigError(f"{section}.deepspeed", f"{version} refuses the config these settings make: {error}") \
+            from None
+    check_spelling(train.deepspeed, config.read, section, version)
 
 
 def _deepspeed() -> Any:
