@@ -218,3 +218,63 @@ def test_every_argument_of_every_verb_says_what_it_is() -> None:
             if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction, argparse._VersionAction))
             and not (action.help or "").strip()]
     assert not bare, bare
+
+
+def _one_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vitscale: error: ") and err.count("\n") == 1, err  # one line, no traceback
+    return err
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--rank", "5", "--world-size", "2"], "--rank: must be in [0, 2)"),
+    (["--rank", "-1", "--world-size", "2"], "--rank: must be in [0, 2)"),
+    (["--rank", "0", "--world-size", "0"], "--world-size: must be a positive int"),
+    (["--rank", "0", "--world-size", "1", "--epoch", "-1"], "--epoch: must be an int >= 0"),
+    (["--rank", "0", "--world-size", "1", "--start", "-5"], "--start: must be an int >= 0"),
+    (["--rank", "0", "--world-size", "1", "--start", "100000"], "start: must be in [0, 40]"),
+    (["--rank", "0", "--world-size", "1", "--shuffle-buffer", "0"], "--shuffle-buffer: must be a positive int"),
+    (["--rank", "0", "--world-size", "4", "--global-batch", "2"], "--global-batch: must be >= --world-size 4"),
+    (["--rank", "0", "--world-size", "1", "--seed", "-1"], "--seed: must be an int in"),
+])
+def test_shards_order_names_the_flag_it_refuses(flags: list[str], named: str, small_synthetic: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["shards", "order", small_synthetic, *flags]
+    if "--epoch" not in flags:
+        argv += ["--epoch", "0"]
+    assert named in _one_line(capsys, argv)
+
+
+def test_a_benchmark_batch_larger_than_the_split_is_one_line(small_synthetic: str,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    err = _one_line(capsys, ["shards", "bench", small_synthetic, "--batch-size", "64", "--seconds", "1"])
+    assert "not one batch of 64" in err
+
+
+def test_planning_a_pipeline_without_a_study_names_its_stages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = _one_line(capsys, ["study", "plan", str(_pipeline(tmp_path))])
+    assert "stages: no study stage to plan: ['pretrain']" in err
+
+
+def test_finetune_names_the_flag_not_the_key_it_sets(tmp_path: Path, small_synthetic: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    weights = str(tmp_path / "weights.pt")
+    argv = ["finetune", weights, "--data", small_synthetic, "--model", "ViT-Ti/16"]
+    err = _one_line(capsys, argv)
+    assert err.startswith("vitscale: error: --lr: the finetune stage trains one learning rate and none is set"), err
+    assert "[]" not in err
+    assert "--lr: must be > 0" in _one_line(capsys, [*argv, "--lr", "-1"])
+    assert "--preset: must be one of" in _one_line(capsys, [*argv, "--lr", "0.1", "--preset", "nope"])
+    err = _one_line(capsys, [*argv, "--lr", "0.1", "--set", "finetune.train.base_lr=-1"])
+    assert err.startswith("vitscale: error: finetune.train.base_lr:") and "(from --set" in err  # the --set named
+
+
+def test_a_list_flag_that_swallowed_the_positional_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["fewshot", "--data", str(tmp_path), "--shots", "1", "5", str(tmp_path)])
+    assert capsys.readouterr().err.rstrip().endswith(
+        "(--shots takes every value up to the next flag: put CHECKPOINT before --shots, or end its values with --)")
+    with pytest.raises(SystemExit):
+        main(["fewshot", "--data", str(tmp_path), "--shots", "x", str(tmp_path)])  # a typo is said as it is
+    assert capsys.readouterr().err.rstrip().endswith("invalid int value: 'x'")

@@ -326,6 +326,9 @@ def test_bad_arguments_are_one_line_errors(images: str, tmp_path: Path, capsys: 
     assert "'val' is not a split" in _error(capsys, vit, "--images", images, "--out", out, "--split", "val")
     assert "--images: no dataset" in _error(capsys, vit, "--images", str(tmp_path / "nothing"), "--out", out)
     assert "no such checkpoint" in _error(capsys, str(tmp_path / "missing.pt"), "--images", images, "--out", out)
+    (tmp_path / "file").write_text("x")
+    assert "--out" in _error(capsys, vit, "--images", images, "--out", str(tmp_path / "file"))  # before the work
+    assert "is a file, not a folder" in _error(capsys, vit, "--images", images, "--out", str(tmp_path / "file" / "o"))
 
 
 def test_an_npz_file_of_a_changed_architecture_is_read_with_option(images: str, tmp_path: Path,
@@ -343,3 +346,17 @@ def test_an_npz_file_of_a_changed_architecture_is_read_with_option(images: str, 
     assert layers == 2
     capsys.readouterr()
     assert main(["inspect", *argv, "--out", str(tmp_path / "twelve")]) != 0  # 12 layers expected, 2 in the file
+
+
+def test_the_figures_go_into_a_bucket_as_into_a_folder(images: str, tmp_path: Path, moto_s3: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    import boto3
+
+    boto3.client("s3", endpoint_url=moto_s3).create_bucket(Bucket="figures")
+    vit = _export(create_model("ViT-Ti/8", num_classes=3, img_size=SIZE, **TINY), tmp_path / "vit.pt")
+    assert main(["inspect", vit, "--images", images, "--out", "s3://figures/runs/vit", "--count", "2",
+                 "--endpoint-url", moto_s3, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    listed = boto3.client("s3", endpoint_url=moto_s3).list_objects_v2(Bucket="figures", Prefix="runs/vit/")
+    assert {o["Key"] for o in listed["Contents"]} == {f"runs/vit/{name}" for name in [*report["files"], "inspect.json"]}
+    assert set(PNGS) <= set(report["files"])

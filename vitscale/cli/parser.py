@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -41,7 +42,22 @@ class Parser(argparse.ArgumentParser):
         found = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
         if found:
             message += did_you_mean(found.group(1), re.findall(r"'([^']*)'", found.group(2)))
+        message += self._list_swallowed(message)
         super().error(message)
+
+    def _list_swallowed(self, message: str) -> str:
+        """Why `--shots 1 5 RUN` fails: a list option takes every value up to the next flag, the positional too."""
+        found = re.match(r"argument (--[\w-]+): invalid \w+ value: '([^']*)'", message)
+        lists = {flag for action in self._actions if action.nargs in ("+", "*") for flag in action.option_strings}
+        positionals = [str(action.metavar or action.dest) for action in self._actions
+                       if not action.option_strings and action.nargs != argparse.PARSER]
+        # Only where the value is plainly the positional (a path or URL): `--shots x` is a typo, said as is.
+        if (not found or found.group(1) not in lists or not positionals
+                or not (os.path.exists(found.group(2)) or "://" in found.group(2))):
+            return ""
+        flag = found.group(1)
+        return (f" ({flag} takes every value up to the next flag: put {' '.join(positionals).upper()} before "
+                f"{flag}, or end its values with --)")
 
 
 def chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ from typing import Any
 
 from vitscale.cli.interrupt import received, writes
 from vitscale.cli.parser import VerbFn
+from vitscale.config.checks import ConfigError
 
 
 def add_verbs(verbs: Any, verb: VerbFn) -> None:
@@ -88,6 +89,21 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+FINETUNE_FLAGS = {"finetune.checkpoint": "checkpoint", "finetune.data.url": "--data", "finetune.preset": "--preset",
+                  "finetune.train.base_lr": "--lr", "model.name": "--model", "model.img_size": "--img-size",
+                  "finetune.resolution": "--resolution", "finetune.train.max_steps": "--steps"}
+"""The pipeline keys `vitscale finetune`'s own arguments set (`finetune_pipeline`)."""
+
+
+def _named_by_flag(exc: ConfigError, overrides: list[str]) -> ConfigError:
+    """`exc` naming the argument the user typed where one of `vitscale finetune`'s own flags sets its key (a
+    `--set` of that key is named by the CLI's `from_set` instead)."""
+    flag = FINETUNE_FLAGS.get(exc.key)
+    if flag is None or any(item.partition("=")[0].strip() == exc.key for item in overrides):
+        return exc
+    return ConfigError(flag, exc.message, exc.source)
+
+
 def _finetune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="run directory, vitscale export (.pt/.safetensors), official .npz or timm file")
     p.add_argument("--data", required=True, help="downstream dataset (vitscale shards) with train and test splits")
@@ -117,10 +133,15 @@ def cmd_finetune(args: argparse.Namespace) -> int:
                             local=ray_address(args.address) is None)
     for item in args.set:
         raw = apply_override(raw, item)
-    config = build_pipeline(raw, "vitscale finetune")
+    try:
+        config = build_pipeline(raw, "vitscale finetune")
+    except ConfigError as exc:
+        raise _named_by_flag(exc, args.set) from None
     try:
         summary = run_pipeline(config, address=args.address, verbose=args.verbose)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM/SIGHUP (cli/interrupt.Signalled)
         raise Interrupted(resume_line(args.command_line, config.cluster.run_storage(config.run_name))) from None
+    except ConfigError as exc:  # the data's checks, before any compute
+        raise _named_by_flag(exc, args.set) from None
     print(json.dumps(summary, default=str))
     return 0

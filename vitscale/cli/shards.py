@@ -227,19 +227,44 @@ def cmd_shards_order(args: argparse.Namespace) -> int:
         data, world_size = pipeline.section("data"), pipeline.cluster.max_workers
         global_batch = pipeline.section("train").global_batch if "pretrain" in pipeline.stages else None
     dest = args.dest or (data.url if args.pipeline else None)
-    world_size = args.world_size or world_size
+    world_size = given(args.world_size, world_size)
     if dest is None or world_size is None:
         raise UserError("shards order needs DEST and --world-size, or --pipeline FILE")
-    keys = rank_keys(dest, args.split or data.split, rank=args.rank, world_size=world_size, epoch=args.epoch,
-                     seed=data.seed if args.seed is None else args.seed, start=args.start,
-                     endpoint_url=args.endpoint_url or data.endpoint_url,
-                     shuffle_buffer=args.shuffle_buffer or data.shuffle_buffer,
-                     global_batch=args.global_batch or global_batch)
+    layout = _order_layout(args, world_size, given(args.global_batch, global_batch))
+    keys = rank_keys(dest, args.split or data.split, endpoint_url=args.endpoint_url or data.endpoint_url,
+                     seed=given(args.seed, data.seed), shuffle_buffer=given(args.shuffle_buffer, data.shuffle_buffer),
+                     **layout)
     if args.json:
         print(json.dumps(keys))
     else:
         print("\n".join(keys))
     return 0
+
+
+def given(flag: Any, default: Any) -> Any:
+    """A flag's value where one was given (0 included), else the default."""
+    return default if flag is None else flag
+
+
+def _order_layout(args: argparse.Namespace, world_size: int, global_batch: int | None) -> dict[str, Any]:
+    """`shards order`'s rank, world size, epoch, start and global batch, each checked naming its flag (the
+    order's own functions check them too, for their callers, in their own words)."""
+    from vitscale.config.checks import check, non_negative_int, positive_int, seed
+
+    positive_int(world_size, "--world-size")
+    check(isinstance(args.rank, int) and 0 <= args.rank < world_size, "--rank",
+          f"must be in [0, {world_size}) for --world-size {world_size}, got {args.rank}")
+    non_negative_int(args.epoch, "--epoch")
+    non_negative_int(args.start, "--start")
+    if args.seed is not None:
+        seed(args.seed, "--seed")
+    if args.shuffle_buffer is not None:
+        positive_int(args.shuffle_buffer, "--shuffle-buffer")
+    if global_batch is not None:
+        check(global_batch >= world_size, "--global-batch",
+              f"must be >= --world-size {world_size} (every rank takes a share of each batch), got {global_batch}")
+    return {"rank": args.rank, "world_size": world_size, "epoch": args.epoch, "start": args.start,
+            "global_batch": global_batch}
 
 
 def _shards_bench_args(p: argparse.ArgumentParser) -> None:

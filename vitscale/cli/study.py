@@ -20,7 +20,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     config = load_pipeline(resolve_pipeline_path(args.pipeline), args.set)
     if "study" not in config.stages:
-        raise ValueError(f"{args.pipeline} has no study stage (stages: {', '.join(config.stages)})")
+        from vitscale.config.checks import ConfigError
+
+        raise ConfigError("stages", f"no study stage to plan: {list(config.stages)}", source=args.pipeline)
     config = absolute_paths(config)
     # Planning writes no dataset and runs no data checks (`vitscale run` does both before any compute).
     facts, planned = plan(config, planning=True, check_data=False)

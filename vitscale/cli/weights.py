@@ -27,8 +27,8 @@ def add_verbs(verbs: Any, verb: VerbFn) -> None:
 
 def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="run directory (or a checkpoint directory inside it)")
-    p.add_argument("--out", required=True, help="the model file to write: .pt (a vitscale state dict with its "
-                                                "header) or .npz (big_vision's layout)")
+    p.add_argument("--out", required=True, help="the model file to write, a path or s3:// URL: .pt (a vitscale state "
+                                                "dict with its header) or .npz (big_vision's layout)")
     p.add_argument("--format", choices=("pt", "npz"), default=None,
                    help="pt: a vitscale state dict with its header; npz: big_vision's layout (default: the one "
                         "--out's suffix names, pt for any other)")
@@ -48,7 +48,7 @@ def _well_formed(*locations: tuple[str | None, str]) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     from vitscale.train.export import export_run
 
-    _well_formed((args.run_dir, "run_dir"), (args.out, "--out"))
+    _well_formed((args.run_dir, "run_dir"))  # --out is checked where it is written (`storage.outputs`)
 
     info = export_run(args.run_dir, args.out, fmt=args.format, progress=True)
     print_json(info)
@@ -104,7 +104,8 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
 def _inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="run directory, vitscale export (.pt/.safetensors), official .npz or timm file")
     p.add_argument("--images", required=True, metavar="SHARDS", help="dataset (vitscale shards) of sample images")
-    p.add_argument("--out", required=True, help="folder for the PNGs, parquet tables and inspect.json")
+    p.add_argument("--out", required=True,
+                   help="folder (or s3:// prefix) for the PNGs, parquet tables and inspect.json")
     p.add_argument("--count", type=int, default=8, help="sample images, the first readable ones (default: 8)")
     p.add_argument("--split", default="train", help="split the images are read from (default: train)")
     p.add_argument("--model", default=None, help='architecture of a .npz/timm file, e.g. "ViT-B/16"')
@@ -121,7 +122,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from vitscale.config.loader import apply_override
     from vitscale.inspect.run import inspect_checkpoint
 
-    _well_formed((args.checkpoint, "checkpoint"), (args.images, "--images"), (args.out, "--out"))
+    _well_formed((args.checkpoint, "checkpoint"), (args.images, "--images"))  # --out: `storage.outputs`
 
     options: dict[str, Any] = {}
     for item in args.option:  # YAML values, as a pipeline's `model:` section reads them

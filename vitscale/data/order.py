@@ -370,6 +370,12 @@ def rank_keys(
     from vitscale.data.format import open_dataset
 
     ds = open_dataset(dataset_url, split, endpoint_url=endpoint_url)
+    m = samples_per_rank(sum(ds.counts), world_size, global_batch, rank=rank) if 0 <= rank < world_size else 0
+    if not 0 <= start <= m:  # the one argument only the dataset bounds: the user's to fix, said so
+        from vitscale.config.errors import UserError
+
+        raise UserError(f"start: must be in [0, {m}] (rank {rank}'s samples of {split!r} in an epoch over "
+                        f"{world_size} ranks), got {start}")
     p = rank_order(ds.counts, seed, epoch, rank, world_size, start, shuffle_buffer, global_batch=global_batch)
     shard, local = p.locate(p.indices)
     index = ds.load_index(np.unique(shard).tolist())  # the shards its samples are in, no more

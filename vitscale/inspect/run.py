@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from vitscale.data.storage.atomic import atomic_path, write_atomic
+from vitscale.data.storage.outputs import check_output, output_folder
 from vitscale.inspect.analyses import (
     attention_rollout,
     filter_components,
@@ -148,6 +149,7 @@ def inspect_checkpoint(path: str | Path, images: str, out: str | Path, *, count:
     from vitscale.models.variants import parse_model_name
     from vitscale.train.weights import load_model
 
+    target = check_output(str(out), "--out", folder=True, endpoint_url=endpoint_url)  # before minutes of work
     bar = Progress(5, f"inspect {path}", unit="step", enabled=progress)
     if model_name is not None and parse_model_name(model_name).family == "resnet":
         raise resnet_refusal(parse_model_name(model_name).name)  # before a large file is read
@@ -157,20 +159,19 @@ def inspect_checkpoint(path: str | Path, images: str, out: str | Path, *, count:
     name, size = f"{facts['model']} ({facts['img_size']} px)", int(facts["img_size"])
     sample = sample_images(images, split, count, size, endpoint_url=endpoint_url)
     bar.update()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     notes = list(facts["notes"])
     files: list[Path] = []
-    for paths, note in (_filters(vit, out, name), _positions(vit, out, name)):
-        files += paths
-        notes += [note] if note else []
+    with output_folder(target, "--out", endpoint_url=endpoint_url) as folder:
+        for paths, note in (_filters(vit, folder, name), _positions(vit, folder, name)):
+            files += paths
+            notes += [note] if note else []
+            bar.update()
+        paths, attention = _attention(vit, sample, folder, name, size, device)
         bar.update()
-    paths, attention = _attention(vit, sample, out, name, size, device)
-    bar.update()
+        files += paths
+        report = {**facts, "images": images, "split": split, "image_keys": sample.keys, **attention,
+                  "files": sorted(p.name for p in files), "notes": notes}
+        write_atomic(folder / "inspect.json", json.dumps(report, indent=2, default=str) + "\n")
     bar.close()
-    files += paths
-    report = {**facts, "images": images, "split": split, "image_keys": sample.keys, **attention,
-              "files": sorted(p.name for p in files), "notes": notes}
-    write_atomic(out / "inspect.json", json.dumps(report, indent=2, default=str) + "\n")
     return report

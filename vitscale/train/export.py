@@ -17,6 +17,7 @@ from vitscale.config.errors import UserError
 from vitscale.config.loader import build_section
 from vitscale.config.location import FINETUNE_PART, SIBLING_FINETUNE_SUFFIX, is_url
 from vitscale.data.storage.fetch import is_folder, local_copy, subfolders
+from vitscale.data.storage.outputs import check_output, output_file
 from vitscale.models.config import ModelConfig
 from vitscale.train import checkpoint as ckpt
 
@@ -200,16 +201,16 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str | None = None,
     from vitscale.models.weights_files import export_npz, export_state_dict
 
     fmt = export_format(out, fmt)
+    target = check_output(str(out), "--out", folder=False)  # before the shards are read and consolidated
     bar = Progress(2, f"export {run_dir}", unit="step", enabled=progress)
     checkpoint = find_checkpoint(run_dir)
     model, _, facts = model_from_checkpoint(checkpoint)
     bar.update()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if fmt == "npz":
-        export_npz(model, out)
-    else:
-        export_state_dict(model, out, meta=model_meta(model))  # `create_from_weights` rebuilds from it
+    with output_file(target, "--out") as path:
+        if fmt == "npz":
+            export_npz(model, path)
+        else:
+            export_state_dict(model, path, meta=model_meta(model))  # `create_from_weights` rebuilds from it
     bar.update()
     bar.close()
-    return {**facts, "out": str(out), "format": fmt}
+    return {**facts, "out": target, "format": fmt}

@@ -209,6 +209,10 @@ def finetune_model(model: ModelConfig, resolution: int) -> ModelConfig:
 def refuse_unset_lr(config: FinetuneConfig, what: str) -> float:
     """The single learning rate of a run without selection, or `ConfigError` naming `finetune.train.base_lr`."""
     lr = config.single_lr()
+    if lr is None and not config.grid():
+        raise ConfigError("finetune.train.base_lr",
+                          f"{what} trains one learning rate and none is set: set it, or a preset with one "
+                          f"(vtab); a sweep stage selects one of a preset's grid on the dev split")
     if lr is None:
         raise ConfigError("finetune.train.base_lr",
                           f"{what} trains one learning rate; set it, or let the sweep stage select one of "

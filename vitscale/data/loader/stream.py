@@ -56,7 +56,7 @@ from vitscale.config.checks import check, fraction, non_negative, positive_int
 from vitscale.data.carve import Carve
 from vitscale.data.config import DEFAULT_ERROR_BUDGET
 from vitscale.data.corruption import Corruption, corrupted_positions
-from vitscale.data.format import OpenDataset, open_dataset
+from vitscale.data.format import DatasetError, OpenDataset, open_dataset
 from vitscale.data.loader.budget import ErrorBudgetExceeded, budget_error
 from vitscale.data.loader.index_cache import IndexCache
 from vitscale.data.loader.reader import BadSample, SampleReader
@@ -254,8 +254,8 @@ class ShardStream:
         self.dataset = open_dataset(url, split, endpoint_url=endpoint_url, carve=carve)
         self.samples_per_epoch = samples_per_rank(sum(self.dataset.counts), world_size, global_batch, rank=rank)
         self.batches_per_epoch = cycled_batches(self.samples_per_epoch, self.spec.batch_sizes, self.spec.drops_last)
-        if self.batches_per_epoch == 0:
-            raise ValueError(f"split {split!r} has {sum(self.dataset.counts)} samples: {self.samples_per_epoch} "
+        if self.batches_per_epoch == 0:  # the data, too small for the batch: a restart would meet it again
+            raise DatasetError(f"split {split!r} has {sum(self.dataset.counts)} samples: {self.samples_per_epoch} "
                              f"per rank over {world_size} ranks, not one batch of {batch_size}; use a smaller "
                              "batch_size or world_size")
         self.epoch, self.position, self.seed = 0, 0, seed

@@ -1,0 +1,131 @@
+"""A command's output place (`data/storage/outputs.py`): a wrong one refused in one line before the work, a
+bucket written to as a folder is (`vitscale export --out s3://...`), nothing left behind locally."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import boto3
+import pytest
+
+from helpers.loop_runs import Recorder
+from test_pretrain_loop import tiny_config, tiny_dataset  # noqa: F401 -- the module's fixture
+from vitscale.cli import main
+from vitscale.config.checks import ConfigError
+from vitscale.config.errors import UserError
+from vitscale.data.storage.outputs import check_output, output_file, output_folder
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, tiny_dataset: str,  # noqa: F811
+            process_group: None) -> Path:
+    """A run directory with a real 3-step checkpoint of the tiny pre-training (one rank, ZeRO 2)."""
+    from vitscale.train.loop import WorkerContext, train
+
+    root = tmp_path_factory.mktemp("trained")
+    train(tiny_config(tiny_dataset, max_steps=3), WorkerContext(rank=0, world_size=1, run_dir=root / "work",
+                                                                 report=Recorder(root / "run")))
+    return root / "run"
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vitscale: error: ") and err.count("\n") == 1, err  # one line, no traceback
+    return err
+
+
+def test_a_file_goes_where_a_file_fits(tmp_path: Path) -> None:
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("x")
+    assert check_output(str(tmp_path / "new" / "deeper" / "m.pt"), "--out", folder=False) == \
+        str(tmp_path / "new" / "deeper" / "m.pt")
+    assert check_output(str(tmp_path / "file"), "--out", folder=False) == str(tmp_path / "file")  # overwritten
+    with pytest.raises(UserError, match=r"^--out .*folder: is a folder; name the file"):
+        check_output(str(tmp_path / "folder"), "--out", folder=False)
+    with pytest.raises(UserError, match=r"^--out .*file/m\.pt: .*file is a file, not a folder"):
+        check_output(str(tmp_path / "file" / "m.pt"), "--out", folder=False)
+    with pytest.raises(UserError, match=r"^--out .*file/a/b/m\.pt: .*file is a file, not a folder"):
+        check_output(str(tmp_path / "file" / "a" / "b" / "m.pt"), "--out", folder=False)
+
+
+def test_a_folder_goes_where_a_folder_fits(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    assert check_output(str(tmp_path), "--out", folder=True) == str(tmp_path)
+    assert check_output(str(tmp_path / "a" / "b"), "--out", folder=True) == str(tmp_path / "a" / "b")
+    with pytest.raises(UserError, match=r"^--out .*file: is a file; name a folder"):
+        check_output(str(tmp_path / "file"), "--out", folder=True)
+    with pytest.raises(UserError, match=r"is a file, not a folder"):
+        check_output(str(tmp_path / "file" / "sub"), "--out", folder=True)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_a_folder_this_user_cannot_write_is_refused(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    with pytest.raises(UserError, match="not writable"):
+        check_output(str(locked / "m.pt"), "--out", folder=False)
+
+
+def test_a_misspelt_or_bucket_only_url_is_refused_naming_the_flag() -> None:
+    with pytest.raises(ConfigError, match=r"--out"):
+        check_output("s3:/bucket/m.pt", "--out", folder=False)
+    with pytest.raises(UserError, match=r"^--out s3://bucket: name a file or folder inside the bucket"):
+        check_output("s3://bucket", "--out", folder=False)
+
+
+def test_a_bucket_takes_a_file_and_a_folder_and_nothing_stays_behind(moto_s3: str) -> None:
+    boto3.client("s3", endpoint_url=moto_s3).create_bucket(Bucket="outputs")
+    spools_before = set(Path(tempfile.gettempdir()).glob("vitscale-out-*"))
+    target = check_output("s3://outputs/a/m.npz", "--out", folder=False, endpoint_url=moto_s3)
+    with output_file(target, "--out", endpoint_url=moto_s3) as path:
+        assert path.name == "m.npz"  # a writer that picks its format by suffix sees the same one
+        path.write_bytes(b"weights")
+    folder = check_output("s3://outputs/figures", "--out", folder=True, endpoint_url=moto_s3)
+    with output_folder(folder, "--out", endpoint_url=moto_s3) as path:
+        (path / "a.png").write_bytes(b"png")
+        (path / "tables").mkdir()
+        (path / "tables" / "t.parquet").write_bytes(b"pq")
+    with pytest.raises(RuntimeError, match="mid-write"), output_file(target.replace("m.npz", "never.pt"), "--out",
+                                                                     endpoint_url=moto_s3) as path:
+        path.write_bytes(b"half")
+        raise RuntimeError("mid-write")
+    s3 = boto3.client("s3", endpoint_url=moto_s3)
+    keys = {o["Key"]: s3.get_object(Bucket="outputs", Key=o["Key"])["Body"].read()
+            for o in s3.list_objects_v2(Bucket="outputs")["Contents"]}
+    assert keys == {"a/m.npz": b"weights", "figures/a.png": b"png", "figures/tables/t.parquet": b"pq"}
+    assert set(Path(tempfile.gettempdir()).glob("vitscale-out-*")) == spools_before
+
+
+def test_a_bucket_that_does_not_exist_is_refused_before_the_work(moto_s3: str) -> None:
+    from vitscale.data.storage import StorageError
+
+    with pytest.raises(StorageError, match="no-such-bucket"):
+        check_output("s3://no-such-bucket/m.pt", "--out", folder=False, endpoint_url=moto_s3)
+
+
+def test_export_writes_into_a_bucket_the_same_file_as_on_disk(trained: Path, tmp_path: Path, moto_s3: str,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("VITSCALE_S3_ENDPOINT_URL", moto_s3)
+    boto3.client("s3", endpoint_url=moto_s3).create_bucket(Bucket="exports")
+    assert main(["export", str(trained), "--out", str(tmp_path / "local.npz")]) == 0
+    assert main(["export", str(trained), "--out", "s3://exports/models/vit.npz"]) == 0
+    assert '"out": "s3://exports/models/vit.npz"' in capsys.readouterr().out
+    stored = boto3.client("s3", endpoint_url=moto_s3).get_object(Bucket="exports", Key="models/vit.npz")
+    assert stored["Body"].read() == (tmp_path / "local.npz").read_bytes()
+    assert not Path("s3:").exists() and not (Path.cwd() / "s3:").exists()  # never a local folder named "s3:"
+
+
+def test_export_to_a_wrong_place_is_one_line_naming_out(trained: Path, tmp_path: Path, moto_s3: str,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("VITSCALE_S3_ENDPOINT_URL", moto_s3)
+    (tmp_path / "file").write_text("x")
+    assert "is a folder" in _one_line_error(capsys, ["export", str(trained), "--out", str(tmp_path)])
+    assert "is a file, not a folder" in _one_line_error(
+        capsys, ["export", str(trained), "--out", str(tmp_path / "file" / "m.pt")])
+    assert "missing-bucket" in _one_line_error(capsys, ["export", str(trained), "--out", "s3://missing-bucket/m.pt"])
+    assert "--out" in _one_line_error(capsys, ["export", str(trained), "--out", "s3:/bucket/m.pt"])

@@ -1,0 +1,94 @@
+"""Where a command's output lands: a local file or folder, or one in object storage, checked before the work.
+
+`vitscale export --out` writes one file and `vitscale inspect --out` a folder; on a cluster whose only
+shared disk is a bucket, that place is an `s3://` URL as often as a path. Each is written locally first
+(the libraries that write them take paths) and, for a URL, uploaded when the writing ends without an
+error; the local copy is then removed. A location is checked before any work starts, so minutes of
+export or analysis never end in an error about the place they were meant for:
+
+- a file's place must not be an existing folder, and a folder's not an existing file;
+- no folder on a local path may be a file, and the first folder that exists must be writable;
+- a URL must be spelt right (`canonical_location`) and name something inside a bucket, and its bucket
+  must answer (a missing bucket or refused credentials are one line here, not after the work).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from vitscale.config.errors import UserError
+from vitscale.config.location import canonical_location, is_url
+
+__all__ = ["check_output", "output_file", "output_folder"]
+
+
+def check_output(location: str, flag: str, *, folder: bool, endpoint_url: str | None = None) -> str:
+    """`location` in its one spelling, once it can take a file (`folder=False`) or a folder of files;
+    `UserError` (or `ConfigError` for a misspelt URL) naming `flag` otherwise."""
+    location = canonical_location(str(location), flag)  # a local path made absolute, or an s3:// URL
+    if is_url(location):
+        _check_remote(location, flag, endpoint_url)
+        return location
+    path = Path(location)
+    if path.is_dir() and not folder:
+        raise UserError(f"{flag} {location}: is a folder; name the file to write inside it")
+    if path.exists() and not path.is_dir() and folder:
+        raise UserError(f"{flag} {location}: is a file; name a folder to write the files into")
+    existing = path if path.exists() else next((p for p in path.absolute().parents if p.exists()), Path("/"))
+    if existing != path and not existing.is_dir():
+        raise UserError(f"{flag} {location}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK):  # a folder: new entries; a file: itself
+        raise UserError(f"{flag} {location}: {existing} is not writable by this user")
+    return location
+
+
+def _check_remote(location: str, flag: str, endpoint_url: str | None) -> None:
+    from vitscale.data.storage import open_storage
+
+    parent, _, name = location.rstrip("/").rpartition("/")
+    if not name or parent.endswith(":/"):
+        raise UserError(f"{flag} {location}: name a file or folder inside the bucket, not the bucket itself")
+    # A listing of the place itself: a bucket that does not exist, or credentials it refuses, fail here (a
+    # HEAD of a missing object answers 404 whether or not its bucket exists).
+    open_storage(parent, endpoint_url=endpoint_url, key=flag).list_sizes(name)
+
+
+@contextlib.contextmanager
+def output_file(location: str, flag: str, *, endpoint_url: str | None = None) -> Iterator[Path]:
+    """A local path to write one file at; it ends at `location` (as `check_output` returned it, before the
+    work) when the block ends without an error: the path itself (its folders made), or a URL it is uploaded to."""
+    if not is_url(location):
+        path = Path(location)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    from vitscale.data.storage import open_storage
+
+    parent, _, name = location.rpartition("/")
+    with tempfile.TemporaryDirectory(prefix="vitscale-out-") as spool:
+        path = Path(spool) / name  # the same name: a writer that picks its format by suffix sees the same one
+        yield path
+        open_storage(parent, endpoint_url=endpoint_url, key=flag).write_file(name, path)
+
+
+@contextlib.contextmanager
+def output_folder(location: str, flag: str, *, endpoint_url: str | None = None) -> Iterator[Path]:
+    """A local folder to write files into; they end under `location` (as `check_output` returned it, before
+    the work) when the block ends without an error: the folder itself (made), or a URL prefix they are
+    uploaded under."""
+    if not is_url(location):
+        path = Path(location)
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    from vitscale.data.storage import open_storage
+
+    with tempfile.TemporaryDirectory(prefix="vitscale-out-") as spool:
+        yield Path(spool)
+        storage = open_storage(location, endpoint_url=endpoint_url, key=flag)
+        for path in sorted(p for p in Path(spool).rglob("*") if p.is_file()):
+            storage.write_file(path.relative_to(spool).as_posix(), path)
