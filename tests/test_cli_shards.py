@@ -109,3 +109,27 @@ def test_write_offers_full_chroma_for_small_images(tmp_path: Path, chroma: str, 
         member = next(m for m in tar.getmembers() if m.name.endswith(".jpg"))
         image = Image.open(io.BytesIO(tar.extractfile(member).read()))  # type: ignore[union-attr]
         assert JpegImagePlugin.get_sampling(image) == sampling  # PIL: 0 = 4:4:4, 2 = 4:2:0
+
+
+def test_a_damaged_index_is_one_line_naming_it(digits: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(digits, copy)
+    index = copy / "_index.parquet"
+    index.write_bytes(index.read_bytes()[:100])  # cut short: no parquet footer
+    capsys.readouterr()
+    assert main(["shards", "stats", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"vitscale: error: cannot read {index}: ") and err.count("\n") == 1, err
+
+
+def test_reading_a_whole_index_lets_the_interpreter_exit_cleanly(digits: str) -> None:
+    """pyarrow 26's thread pool, after a threaded read of an in-memory source, aborted a third of the processes
+    that read an index as they exited (exit 134, "terminate called without an active exception")."""
+    import subprocess
+    import sys
+
+    code = f"from vitscale.data.format import read_index; read_index({digits!r})"
+    results = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True) for _ in range(10)]
+    assert [(r.returncode, r.stderr) for r in results] == [(0, "")] * 10

@@ -38,6 +38,7 @@ from vitscale.data.format.meta import (
     INDEX_NAME,
     INDEX_SCHEMA,
     META_NAME,
+    PARQUET_THREADS,
     DatasetError,
     DatasetMeta,
     read_index,
@@ -308,7 +309,8 @@ class IndexFile:
                 for lo, hi in spans:
                     source.prefetched.append((lo, self._call(partial(self.storage.read_range, self.name, lo,
                                                                      hi - lo))))
-                return self._call(lambda: pf.read_row_groups(list(groups), columns=list(columns), use_threads=False))
+                return self._call(lambda: pf.read_row_groups(list(groups), columns=list(columns),
+                                                             use_threads=PARQUET_THREADS))
             finally:
                 source.prefetched = []
 

@@ -6,7 +6,6 @@ See the package docstring (`vitscale.data.format`) for the contract.
 
 from __future__ import annotations
 
-import io
 import json
 import re
 from collections.abc import Mapping
@@ -94,6 +93,13 @@ def _split_word(text: str) -> str | None:
     """The last component of ``text`` (split at ``-``, ``_``, ``.``) that is a split word, as spelled."""
     words = [part for part in _COMPONENT.split(text) if part.lower() in SPLIT_WORDS]
     return words[-1] if words else None
+
+
+PARQUET_THREADS = False
+"""Whether vitscale's parquet reads use pyarrow's thread pool: never. After a threaded read of an in-memory
+source, pyarrow 26's pool can abort the interpreter as it exits ("terminate called without an active
+exception", exit 134: a third of `vitscale shards stats` runs did on this project's machine), and an index
+is small enough for one thread."""
 
 
 class DatasetError(ValueError):
@@ -292,4 +298,8 @@ def read_meta(url: str | Storage, *, endpoint_url: str | None = None) -> Dataset
 def read_index(url: str | Storage, *, endpoint_url: str | None = None) -> pa.Table:
     """The whole ``_index.parquet`` of the dataset at ``url`` (tools; the stream reads per shard)."""
     storage = _storage(url, endpoint_url)
-    return pq.read_table(io.BytesIO(storage.read_bytes(INDEX_NAME)))
+    data = storage.read_bytes(INDEX_NAME)
+    try:
+        return pq.read_table(pa.BufferReader(data), use_threads=PARQUET_THREADS)
+    except (pa.ArrowInvalid, OSError) as exc:  # not a parquet file, or a damaged one
+        raise DatasetError(f"cannot read {storage.url_of(INDEX_NAME)}: {exc}") from exc

@@ -28,6 +28,7 @@ from vitscale.data.format.meta import (
     INDEX_NAME,
     LABEL_SOURCE,
     META_NAME,
+    PARQUET_THREADS,
     SHARD_ROOT,
     DatasetError,
     DatasetMeta,
@@ -193,6 +194,7 @@ class OpenDataset:
                 self.index_path,
                 columns=self._columns,
                 filters=[("split", "=", self.split), ("shard", "in", names)],
+                use_threads=PARQUET_THREADS,
             )
         except (OSError, pa.ArrowInvalid) as exc:
             raise DatasetError(f"cannot read {url}: {exc}") from exc
@@ -262,7 +264,8 @@ def _index_summary(path: str, split: str, url: str) -> _IndexSummary:
             raise DatasetError(f"{url} lacks columns {sorted(missing)}")
         counts: Counter[str] = Counter()
         ends: dict[str, int] = {}
-        for batch in pf.iter_batches(columns=["split", "shard", "offset", "size"], batch_size=1 << 20):
+        for batch in pf.iter_batches(columns=["split", "shard", "offset", "size"], batch_size=1 << 20,
+                                     use_threads=PARQUET_THREADS):
             mine = pc.equal(batch.column(0), split)
             shards = batch.column(1).filter(mine)
             vc = pc.value_counts(shards)
@@ -361,7 +364,8 @@ def open_dataset(url: str, split: str, *, endpoint_url: str | None = None, carve
             groups = [layout.row_groups[(split, n)] for n in names if (split, n) in layout.row_groups]
             keys = index.read_row_groups(groups, ["shard", "key"], whole=False)
         else:
-            keys = pq.read_table(index_path, columns=["shard", "key"], filters=[("split", "=", split)])
+            keys = pq.read_table(index_path, columns=["shard", "key"], filters=[("split", "=", split)],
+                                 use_threads=PARQUET_THREADS)
         carve, counts = _carved_counts(keys, names, carve)
     return OpenDataset(storage, split, meta, names, counts, index, index_path, carve, CRC_COLUMN in columns)
 

@@ -56,7 +56,9 @@ def _read_table(path: Path) -> list[dict[str, Any]]:
     if path.suffix.lower() == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        from vitscale.data.format.meta import PARQUET_THREADS
+
+        return pq.read_table(path, use_threads=PARQUET_THREADS).to_pylist()
     if path.suffix.lower() in (".csv", ".tsv"):
         with open(path, newline="") as f:
             return list(csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ","))
