@@ -280,6 +280,40 @@ def test_cli_study_plan_refusal_and_report(tmp_path: Path, capsys: pytest.Captur
     assert main(["study", "report", str(tmp_path / "nowhere")]) == 2
 
 
+@pytest.mark.parametrize(("name", "content", "words"), [
+    ("plan.json", b"{", "plan.json is unreadable (JSONDecodeError"),
+    ("plan.json", b'{"cells": 5}', "a plan is a JSON object with a list of cells"),
+    ("plan.json", b'{"cells": [{"id": "vit-0"}]}', "cell 0: label, family, epochs, examples, exaflops missing"),
+    ("state/vit-0.json", b"[]", "state/vit-0.json is unreadable (ValueError: a cell's record is a JSON object"),
+    ("state/vit-0.json", b'{"id": "vit-0", "status": "finished", "runs": "1"}', "status, runs not of the kind"),
+    ("state/vit-0.json", b'{"id": "vit-0", "accuracies": {"digits": "high"}}', "accuracies not of the kind"),
+    ("state/vit-0.json", b"\xff\xfe", "state/vit-0.json is unreadable"),
+])
+def test_a_damaged_state_file_is_one_line_naming_it_and_the_way_back(tmp_path: Path, name: str, content: bytes,
+                                                                      words: str,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from vitscale.cli import main
+
+    _fake_study(tmp_path / "study")
+    (tmp_path / "study" / name).write_bytes(content)
+    for verb in (["study", "report"], ["study", "recommend", "--budget", "1e-4"]):
+        assert main([*verb, str(tmp_path / "study")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"vitscale: error: {tmp_path / 'study' / name} is unreadable") and words in err, err
+        assert err.count("\n") == 1 and ("writes it again" in err or "delete it" in err), err
+
+
+def test_a_damaged_record_of_finished_stages_names_the_way_back(tmp_path: Path) -> None:
+    from vitscale.scaling.study.state import StudyStateError
+
+    state = _fake_study(tmp_path / "study")
+    state.stage_done("vit-0", "pretrain", {"checkpoint": "x"})
+    assert set(state.stages("vit-0")) == {"pretrain"}
+    (tmp_path / "study" / "state" / "vit-0.stages.json").write_bytes(b'{"pretrain": 3}')
+    with pytest.raises(StudyStateError, match=r"vit-0\.stages\.json is unreadable .*delete it and the cell's finished"):
+        state.stages("vit-0")
+
+
 def test_study_state_and_report_on_s3(moto_s3: str) -> None:
     import boto3
 

@@ -14,15 +14,22 @@ Status: "pending" (never started), "running" (started; after a killed driver thi
 interrupted: a re-run resumes it from its checkpoints), "done", "failed" (its last run failed;
 run again while `failures <= study.retries`, then it has failed for good). Records are written
 whole and atomically by the storage layer, so a reader (`vitscale study report` while the study
-runs) never sees half a record.
+runs) never sees half a record; a file damaged otherwise (a bad copy, an edit) is refused in one line
+naming it and the way back (`StudyStateError`): the plan is written again by the next run, a cell's
+record or stages can be deleted for the cell to run again from its checkpoints.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from vitscale.config.errors import UserError
+
+T = TypeVar("T")
 
 STATUSES = ("pending", "running", "done", "failed")
 HEARTBEAT_S = 5.0
@@ -87,9 +94,35 @@ class CellRecord:
 
     @classmethod
     def from_json(cls, data: bytes) -> CellRecord:
+        """The record `to_json` wrote; `ValueError` naming the field for anything else (fields it does not
+        know, from a later vitscale, are left out)."""
         raw = json.loads(data)
+        if not isinstance(raw, dict):
+            raise ValueError(f"a cell's record is a JSON object, got {type(raw).__name__}")
         known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
-        return cls(**known)
+        record = cls(**known)
+        record._check()
+        return record
+
+    def _check(self) -> None:
+        def number(value: Any, optional: bool = False) -> bool:
+            return (value is None and optional) or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+        wrong = [name for name, ok in (
+            ("id", isinstance(self.id, str)), ("status", self.status in STATUSES),
+            *((n, isinstance(getattr(self, n), int) and not isinstance(getattr(self, n), bool))
+              for n in ("runs", "failures")),
+            *((n, number(getattr(self, n))) for n in ("wall_s", "pretrain_wall_s", "device_hours", "devices",
+                                                      "open_attempt_s")),
+            *((n, number(getattr(self, n), optional=True)) for n in ("started_at", "finished_at", "examples_seen",
+                                                                     "exaflops")),
+            ("run_name", self.run_name is None or isinstance(self.run_name, str)),
+            ("error", self.error is None or isinstance(self.error, str)),
+            ("accuracies", isinstance(self.accuracies, dict)
+             and all(isinstance(k, str) and number(v) for k, v in self.accuracies.items())))
+            if not ok]
+        if wrong:
+            raise ValueError(f"{', '.join(wrong)} not of the kind a record holds")
 
 
 class StudyState:
@@ -105,11 +138,21 @@ class StudyState:
         """Where cells' runs live: `storage_path` of each cell's pipeline."""
         return f"{self.url.rstrip('/')}/cells"
 
+    def _read(self, name: str, parse: Callable[[bytes], T], remedy: str) -> T:
+        """`parse` of the file `name`; a `StudyStateError` naming it, and how to recover, when it cannot be."""
+        data = self.storage.read_bytes(name)
+        try:
+            return parse(data)
+        except (ValueError, TypeError, KeyError) as exc:  # json's errors are ValueErrors
+            raise StudyStateError(f"{self.storage.url_of(name)} is unreadable ({type(exc).__name__}: {exc}); "
+                                  f"{remedy}") from None
+
     def record(self, cell_id: str) -> CellRecord:
         name = f"state/{cell_id}.json"
         if not self.storage.exists(name):
             return CellRecord(cell_id)
-        return CellRecord.from_json(self.storage.read_bytes(name))
+        return self._read(name, CellRecord.from_json, "delete it and the cell runs again, resuming from its "
+                                                      "checkpoints (the times its attempts took are then lost)")
 
     def record_or_migrate(self, cell_id: str, legacy_id: str | None) -> CellRecord:
         """The cell's record; when it has none but its legacy id has (a study begun by a vitscale
@@ -132,7 +175,9 @@ class StudyState:
     def stages(self, cell_id: str) -> dict[str, Any]:
         """The cell's finished stages: name -> summary (the pretrain stage's names its checkpoint)."""
         name = f"state/{cell_id}.stages.json"
-        return json.loads(self.storage.read_bytes(name)) if self.storage.exists(name) else {}
+        if not self.storage.exists(name):
+            return {}
+        return self._read(name, _stages, "delete it and the cell's finished stages run again")
 
     def stage_done(self, cell_id: str, stage: str, summary: dict[str, Any]) -> None:
         done = self.stages(cell_id)
@@ -145,7 +190,36 @@ class StudyState:
     def plan(self) -> dict[str, Any]:
         if not self.storage.exists("plan.json"):
             raise FileNotFoundError(f"no plan.json in {self.url}: not a study directory (or the study never started)")
-        return json.loads(self.storage.read_bytes("plan.json"))
+        return self._read("plan.json", _plan, "`vitscale run` of the study's pipeline writes it again (the cells' "
+                                              "records and runs are kept)")
+
+
+PLAN_CELL: dict[str, type | tuple[type, ...]] = {"id": str, "label": str, "family": str, "epochs": (int, float),
+                                                 "examples": int, "exaflops": (int, float)}
+"""What a report reads of each planned cell (`plan.PlannedCell.row`), and of which kinds."""
+
+
+def _plan(data: bytes) -> dict[str, Any]:
+    plan = json.loads(data)
+    if not isinstance(plan, dict) or not isinstance(plan.get("cells"), list):
+        raise ValueError("a plan is a JSON object with a list of cells")
+    for i, cell in enumerate(plan["cells"]):
+        wrong = [k for k, kind in PLAN_CELL.items()
+                 if not isinstance(cell, dict) or not isinstance(cell.get(k), kind) or isinstance(cell.get(k), bool)]
+        if wrong:
+            raise ValueError(f"cell {i}: {', '.join(wrong)} missing or not of the kind a plan holds")
+    return plan
+
+
+def _stages(data: bytes) -> dict[str, Any]:
+    stages = json.loads(data)
+    if not isinstance(stages, dict) or not all(isinstance(v, dict) for v in stages.values()):
+        raise ValueError("a cell's finished stages are a JSON object of one summary per stage")
+    return stages
+
+
+class StudyStateError(UserError):
+    """A file of the study's state cannot be read; the message names it and how to recover."""
 
 
 def runnable(record: CellRecord, retries: int) -> bool:
