@@ -113,6 +113,10 @@ def test_export_of_the_run_directory_a_finetune_prints(tmp_path: Path, tiny_data
     train(tiny_config(tiny_dataset, max_steps=3), WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "w",
                                                                  report=Recorder(tuned)))
     assert export_run(run_dir, tmp_path / "a.pt")["step"] == 3  # died before its summary: the run inside it
+    for damaged in ("[1, 2]", "{", "\udcff"):  # a summary that is no record of stages: as if there were none
+        (run_dir / "summary.json").write_text(damaged, errors="surrogateescape")
+        assert export_run(run_dir, tmp_path / "a.pt")["step"] == 3
+    (run_dir / "summary.json").unlink()
     beside = storage / "ft-finetune"  # the older layout: the fine-tuning run beside the run
     shutil.move(tuned, beside)
     assert export_run(run_dir, tmp_path / "c.pt")["step"] == 3

@@ -79,8 +79,9 @@ def _trained_elsewhere(run_dir: Path) -> str | None:
     if summary.is_file():
         try:
             stages = json.loads(summary.read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError):  # unreadable, not UTF-8, not JSON: as if there were none
             stages = {}
+        stages = stages if isinstance(stages, dict) else {}
         for stage in ("finetune", "pretrain"):
             entry = stages.get(stage)
             if isinstance(entry, dict) and isinstance(entry.get("checkpoint"), str):

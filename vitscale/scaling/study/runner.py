@@ -123,6 +123,8 @@ def _progress(config: PipelineConfig, planned: PlannedCell) -> str | None:
             last = json.loads(f.read().splitlines()[-1])
     except (OSError, ValueError, IndexError):
         return None
+    if not isinstance(last, dict):  # a line that is JSON but not a record: no progress to show
+        return None
     share = last.get("examples_seen", 0) / max(1, planned.examples_seen)
     return (f"step {last.get('step')} ({share:.0%} of {planned.examples_seen:,} examples) "
             f"loss {last.get('loss', float('nan')):.4f}, {last.get('images_per_s', 0):.0f} img/s")
