@@ -48,8 +48,15 @@ def files(model: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory) -> d
     export_npz(model, root / "model.npz")
     torch.save(timm_state_dict(model), root / "model.pth")
     (root / "garbage.pt").write_bytes(b"not a checkpoint")
+    (root / "opcodes.pt").write_bytes(b"garbage")  # a pickle opcode torch's weights-only reader refuses
+    torch.save({"weight": torch.zeros(1), "extra": Opaque()}, root / "objects.pt")  # a pickled object: code to run
     return {"pt": str(root / "model.pt"), "npz": str(root / "model.npz"), "pth": str(root / "model.pth"),
-            "garbage": str(root / "garbage.pt")}
+            "garbage": str(root / "garbage.pt"), "opcodes": str(root / "opcodes.pt"),
+            "objects": str(root / "objects.pt")}
+
+
+class Opaque:
+    """An object a checkpoint may pickle besides tensors: loading it would run this module's code."""
 
 
 def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
@@ -151,6 +158,10 @@ def test_a_run_directory_is_consolidated_and_probed(capsys: pytest.CaptureFixtur
         (["{pt}", "--data", "{synth}", "--shots", "5", "--model", "ViT-S/16"], "not ViT-S/16"),
         (["{missing}.pt", "--data", "{synth}"], "no such checkpoint"),
         (["{garbage}", "--data", "{synth}", "--shots", "5"], "cannot read checkpoint"),
+        # torch's refusal is paragraphs advising `weights_only=False`: one line, its reason kept.
+        (["{opcodes}", "--data", "{synth}", "--shots", "5"], "not a file of tensors that loads without running "
+                                                             "code (Unsupported operand 103); vitscale reads weights"),
+        (["{objects}", "--data", "{synth}", "--shots", "5"], "(Unsupported global: GLOBAL test_cli_fewshot.Opaque"),
         (["{npz}", "--data", "{synth}", "--shots", "5"], "--model"),
         (["{pth}", "--data", "{synth}", "--shots", "5", "--model", "ViT-Nope/16"], "ViT-Nope/16"),
         # A location spelled wrong is refused naming its argument, not taken for a missing local file.

@@ -274,13 +274,29 @@ def read_weights(path: str | Path) -> tuple[str, dict[str, Any], dict[str, Any] 
     except ValueError:
         raise
     except Exception as exc:  # pickle/zip/safetensors errors: one user-facing error type
-        raise ValueError(f"cannot read checkpoint {p}: {type(exc).__name__}: {exc}") from exc
+        raise ValueError(f"cannot read checkpoint {p}: {_why_unreadable(exc)}") from exc
     if isinstance(obj, Mapping) and obj.get("format") == "vitscale":
         return "vitscale", _unwrap(obj.get("state_dict")), dict(obj.get("meta") or {})
     try:
         return "timm", _unwrap(obj), None
     except ValueError as exc:
         raise ValueError(f"cannot read checkpoint {p}: {exc}") from exc
+
+
+def _why_unreadable(exc: Exception) -> str:
+    """A reader's error as one line. torch's refusal of a pickle that is not plain tensors is paragraphs
+    (with terminal colour codes) advising to load it with `weights_only=False`, which would run whatever
+    code the file holds: kept to its reason, with what vitscale reads instead."""
+    import pickle
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    if isinstance(exc, pickle.UnpicklingError) and "Weights only load failed" in text:
+        found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\.\s|\s*Check the documentation|$)", text, re.S)
+        reason = " ".join(found.group(1).split()) if found else "not a torch file"
+        return (f"not a file of tensors that loads without running code ({reason}); vitscale reads weights "
+                f"only: save the model's state_dict (torch.save(model.state_dict(), path)), or `vitscale export` a run")
+    return f"{type(exc).__name__}: {' '.join(text.split())}"
 
 
 def _from_timm(sd: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
