@@ -278,3 +278,15 @@ def test_a_list_flag_that_swallowed_the_positional_says_so(tmp_path: Path, capsy
     with pytest.raises(SystemExit):
         main(["fewshot", "--data", str(tmp_path), "--shots", "x", str(tmp_path)])  # a typo is said as it is
     assert capsys.readouterr().err.rstrip().endswith("invalid int value: 'x'")
+
+
+def test_a_user_error_of_many_lines_is_printed_as_one(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from vitscale.config.errors import UserError
+
+    def verbose(args: argparse.Namespace) -> int:
+        raise UserError("a library's message\n\twith its advice\non lines of their own")
+
+    monkeypatch.setattr(cli.models, "cmd_models", verbose)
+    assert main(["models"]) == 2
+    assert capsys.readouterr().err == "vitscale: error: a library's message with its advice on lines of their own\n"

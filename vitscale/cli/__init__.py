@@ -77,12 +77,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(getattr(exc, "exit_code", 130))
     except known_errors() as exc:
         text = from_set(exc, getattr(args, "set", ())) if isinstance(exc, ConfigError) else str(exc)
-        print(f"vitscale: error: {text}", file=sys.stderr)
+        print(f"vitscale: error: {one_line(text)}", file=sys.stderr)
         return 2
     except PipelineFailed as exc:
         # The workers' tracebacks are already in the log above; end with who failed and why.
-        print(f"vitscale: error: {exc}", file=sys.stderr)
+        print(f"vitscale: error: {one_line(str(exc))}", file=sys.stderr)
         return 1
+
+
+def one_line(text: str) -> str:
+    """An error as the one line the CLI promises, whatever a library's message held (newlines, tabs)."""
+    return " ".join(text.split())
 
 
 def from_set(exc: Exception, overrides: Sequence[str]) -> str:
