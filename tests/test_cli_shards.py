@@ -133,3 +133,16 @@ def test_reading_a_whole_index_lets_the_interpreter_exit_cleanly(digits: str) ->
     code = f"from vitscale.data.format import read_index; read_index({digits!r})"
     results = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True) for _ in range(10)]
     assert [(r.returncode, r.stderr) for r in results] == [(0, "")] * 10
+
+
+def test_an_out_that_is_a_file_is_refused_before_the_work(digits: str, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "file").write_text("x")
+    for argv in (["shards", "write", "--source", "synthetic", "--out", str(tmp_path / "file")],
+                 ["shards", "dedup", "--train", digits, "--against", digits, "--out", str(tmp_path / "file")],
+                 ["shards", "write", "--source", "synthetic", "--out", str(tmp_path / "file" / "inside")]):
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"vitscale: error: --out {argv[-1]}: ") and "is a file" in err, err
+    assert (tmp_path / "file").read_text() == "x"

@@ -72,7 +72,7 @@ def test_a_folder_this_user_cannot_write_is_refused(tmp_path: Path) -> None:
 def test_a_misspelt_or_bucket_only_url_is_refused_naming_the_flag() -> None:
     with pytest.raises(ConfigError, match=r"--out"):
         check_output("s3:/bucket/m.pt", "--out", folder=False)
-    with pytest.raises(UserError, match=r"^--out s3://bucket: name a file or folder inside the bucket"):
+    with pytest.raises(UserError, match=r"^--out s3://bucket: name the file to write inside the bucket"):
         check_output("s3://bucket", "--out", folder=False)
 
 
@@ -83,6 +83,7 @@ def test_a_bucket_takes_a_file_and_a_folder_and_nothing_stays_behind(moto_s3: st
     with output_file(target, "--out", endpoint_url=moto_s3) as path:
         assert path.name == "m.npz"  # a writer that picks its format by suffix sees the same one
         path.write_bytes(b"weights")
+    assert check_output("s3://outputs", "--out", folder=True, endpoint_url=moto_s3) == "s3://outputs"  # its root
     folder = check_output("s3://outputs/figures", "--out", folder=True, endpoint_url=moto_s3)
     with output_folder(folder, "--out", endpoint_url=moto_s3) as path:
         (path / "a.png").write_bytes(b"png")
@@ -104,6 +105,8 @@ def test_a_bucket_that_does_not_exist_is_refused_before_the_work(moto_s3: str) -
 
     with pytest.raises(StorageError, match="no-such-bucket"):
         check_output("s3://no-such-bucket/m.pt", "--out", folder=False, endpoint_url=moto_s3)
+    with pytest.raises(StorageError, match="no-such-bucket"):
+        check_output("s3://no-such-bucket", "--out", folder=True, endpoint_url=moto_s3)
 
 
 def test_export_writes_into_a_bucket_the_same_file_as_on_disk(trained: Path, tmp_path: Path, moto_s3: str,

@@ -78,10 +78,11 @@ def _shards_write_args(p: argparse.ArgumentParser) -> None:
 
 @writes
 def cmd_shards_write(args: argparse.Namespace) -> int:
-    from vitscale.config.location import canonical_location
+    from vitscale.data.storage.outputs import check_output
     from vitscale.data.tools.write import parse_splits, write_dataset
 
-    args.out = canonical_location(args.out, "--out")  # a malformed destination is refused naming the flag
+    # A malformed destination, a file, a bucket that does not answer: refused naming the flag, before the work.
+    args.out = check_output(args.out, "--out", folder=True, endpoint_url=args.endpoint_url)
     options = {k: v for k, v in (("count", args.count), ("classes", args.classes),
                                  ("image_size", args.image_size)) if v is not None}
     if args.multi_label:
@@ -126,11 +127,11 @@ def _shards_index_args(p: argparse.ArgumentParser) -> None:
 
 @writes
 def cmd_shards_index(args: argparse.Namespace) -> int:
-    from vitscale.config.location import canonical_location
+    from vitscale.data.storage.outputs import check_output
     from vitscale.data.tools.adopt import index_shards
 
-    if args.out is not None:
-        args.out = canonical_location(args.out, "--out")  # a malformed destination is refused naming the flag
+    if args.out is not None:  # a malformed destination, a file: refused naming the flag, before the work
+        args.out = check_output(args.out, "--out", folder=True, endpoint_url=args.endpoint_url)
     try:
         meta = index_shards(args.url, out=args.out, split=args.split, label_member=args.label_member,
                             classes_file=args.classes, endpoint_url=args.endpoint_url,
@@ -308,8 +309,10 @@ def _shards_dedup_args(p: argparse.ArgumentParser) -> None:
 
 @writes
 def cmd_shards_dedup(args: argparse.Namespace) -> int:
+    from vitscale.data.storage.outputs import check_output
     from vitscale.data.tools.dedup import dedup_dataset
 
+    args.out = check_output(args.out, "--out", folder=True, endpoint_url=args.endpoint_url)  # before the hashing
     kwargs = {"endpoint_url": args.endpoint_url}
     if args.threshold is not None:
         kwargs["threshold"] = args.threshold

@@ -31,7 +31,7 @@ def check_output(location: str, flag: str, *, folder: bool, endpoint_url: str | 
     `UserError` (or `ConfigError` for a misspelt URL) naming `flag` otherwise."""
     location = canonical_location(str(location), flag)  # a local path made absolute, or an s3:// URL
     if is_url(location):
-        _check_remote(location, flag, endpoint_url)
+        _check_remote(location, flag, folder, endpoint_url)
         return location
     path = Path(location)
     if path.is_dir() and not folder:
@@ -46,15 +46,21 @@ def check_output(location: str, flag: str, *, folder: bool, endpoint_url: str | 
     return location
 
 
-def _check_remote(location: str, flag: str, endpoint_url: str | None) -> None:
+def _check_remote(location: str, flag: str, folder: bool, endpoint_url: str | None) -> None:
     from vitscale.data.storage import open_storage
 
-    parent, _, name = location.rstrip("/").rpartition("/")
-    if not name or parent.endswith(":/"):
-        raise UserError(f"{flag} {location}: name a file or folder inside the bucket, not the bucket itself")
+    parent, _, name = location.rpartition("/")
+    if parent.endswith(":/"):  # the bucket itself: a folder may be its root, a file needs a name
+        if not folder:
+            raise UserError(f"{flag} {location}: name the file to write inside the bucket, not the bucket itself")
+        parent, name = location, PROBE
     # A listing of the place itself: a bucket that does not exist, or credentials it refuses, fail here (a
     # HEAD of a missing object answers 404 whether or not its bucket exists).
     open_storage(parent, endpoint_url=endpoint_url, key=flag).list_sizes(name)
+
+
+PROBE = ".vitscale-probe"
+"""A name listed to learn whether a bucket answers, where the output is its root (no object bears it)."""
 
 
 @contextlib.contextmanager
