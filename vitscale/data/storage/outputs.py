@@ -22,6 +22,7 @@ from pathlib import Path
 
 from vitscale.config.errors import UserError
 from vitscale.config.location import canonical_location, is_url
+from vitscale.data.storage.atomic import atomic_path
 
 __all__ = ["check_output", "output_file", "output_folder"]
 
@@ -66,17 +67,18 @@ PROBE = ".vitscale-probe"
 @contextlib.contextmanager
 def output_file(location: str, flag: str, *, endpoint_url: str | None = None) -> Iterator[Path]:
     """A local path to write one file at; it ends at `location` (as `check_output` returned it, before the
-    work) when the block ends without an error: the path itself (its folders made), or a URL it is uploaded to."""
+    work) when the block ends without an error, whole or not at all: renamed over a local path (its folders
+    made; `atomic.py`), or uploaded to a URL. The path's name is not the destination's (a hidden part file
+    beside it), so the writer is told its format, never left to guess it from the name."""
     if not is_url(location):
-        path = Path(location)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        yield path
+        with atomic_path(location) as path:
+            yield path
         return
     from vitscale.data.storage import open_storage
 
     parent, _, name = location.rpartition("/")
     with tempfile.TemporaryDirectory(prefix="vitscale-out-") as spool:
-        path = Path(spool) / name  # the same name: a writer that picks its format by suffix sees the same one
+        path = Path(spool) / name
         yield path
         open_storage(parent, endpoint_url=endpoint_url, key=flag).write_file(name, path)
 
