@@ -290,3 +290,14 @@ def test_a_user_error_of_many_lines_is_printed_as_one(monkeypatch: pytest.Monkey
     monkeypatch.setattr(cli.models, "cmd_models", verbose)
     assert main(["models"]) == 2
     assert capsys.readouterr().err == "vitscale: error: a library's message with its advice on lines of their own\n"
+
+
+def test_a_storage_path_that_is_a_file_is_named_by_its_key(tmp_path: Path, small_synthetic: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "file").write_text("x")
+    path = tiny_pipeline(tmp_path, "t", small_synthetic, {"max_steps": 1})
+    for storage in (tmp_path / "file", tmp_path / "file" / "runs"):
+        err = _one_line(capsys, ["run", str(path), "--set", f"cluster.storage_path={storage}"])
+        assert err.startswith(f"vitscale: error: cluster.storage_path: {storage}") and "is a file" in err, err
+        assert err.rstrip().endswith(f"(from --set cluster.storage_path={storage})"), err
+    assert (tmp_path / "file").read_text() == "x"

@@ -144,5 +144,5 @@ def test_an_out_that_is_a_file_is_refused_before_the_work(digits: str, tmp_path:
         capsys.readouterr()
         assert main(argv) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"vitscale: error: --out {argv[-1]}: ") and "is a file" in err, err
+        assert err.startswith(f"vitscale: error: --out: {argv[-1]}") and "is a file" in err, err
     assert (tmp_path / "file").read_text() == "x"

@@ -14,7 +14,6 @@ from helpers.loop_runs import Recorder
 from test_pretrain_loop import tiny_config, tiny_dataset  # noqa: F401 -- the module's fixture
 from vitscale.cli import main
 from vitscale.config.checks import ConfigError
-from vitscale.config.errors import UserError
 from vitscale.data.storage.outputs import check_output, output_file, output_folder
 
 
@@ -43,11 +42,11 @@ def test_a_file_goes_where_a_file_fits(tmp_path: Path) -> None:
     assert check_output(str(tmp_path / "new" / "deeper" / "m.pt"), "--out", folder=False) == \
         str(tmp_path / "new" / "deeper" / "m.pt")
     assert check_output(str(tmp_path / "file"), "--out", folder=False) == str(tmp_path / "file")  # overwritten
-    with pytest.raises(UserError, match=r"^--out .*folder: is a folder; name the file"):
+    with pytest.raises(ConfigError, match=r"^--out: .*folder is a folder; name the file"):
         check_output(str(tmp_path / "folder"), "--out", folder=False)
-    with pytest.raises(UserError, match=r"^--out .*file/m\.pt: .*file is a file, not a folder"):
+    with pytest.raises(ConfigError, match=r"^--out: .*file/m\.pt: .*file is a file, not a folder"):
         check_output(str(tmp_path / "file" / "m.pt"), "--out", folder=False)
-    with pytest.raises(UserError, match=r"^--out .*file/a/b/m\.pt: .*file is a file, not a folder"):
+    with pytest.raises(ConfigError, match=r"^--out: .*file/a/b/m\.pt: .*file is a file, not a folder"):
         check_output(str(tmp_path / "file" / "a" / "b" / "m.pt"), "--out", folder=False)
 
 
@@ -55,9 +54,9 @@ def test_a_folder_goes_where_a_folder_fits(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     assert check_output(str(tmp_path), "--out", folder=True) == str(tmp_path)
     assert check_output(str(tmp_path / "a" / "b"), "--out", folder=True) == str(tmp_path / "a" / "b")
-    with pytest.raises(UserError, match=r"^--out .*file: is a file; name a folder"):
+    with pytest.raises(ConfigError, match=r"^--out: .*file is a file; name a folder"):
         check_output(str(tmp_path / "file"), "--out", folder=True)
-    with pytest.raises(UserError, match=r"is a file, not a folder"):
+    with pytest.raises(ConfigError, match=r"is a file, not a folder"):
         check_output(str(tmp_path / "file" / "sub"), "--out", folder=True)
 
 
@@ -65,7 +64,7 @@ def test_a_folder_goes_where_a_folder_fits(tmp_path: Path) -> None:
 def test_a_folder_this_user_cannot_write_is_refused(tmp_path: Path) -> None:
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o555)
-    with pytest.raises(UserError, match="not writable"):
+    with pytest.raises(ConfigError, match="not writable"):
         check_output(str(locked / "m.pt"), "--out", folder=False)
 
 
@@ -84,7 +83,7 @@ def test_a_local_file_is_written_whole_or_not_at_all(tmp_path: Path) -> None:
 def test_a_misspelt_or_bucket_only_url_is_refused_naming_the_flag() -> None:
     with pytest.raises(ConfigError, match=r"--out"):
         check_output("s3:/bucket/m.pt", "--out", folder=False)
-    with pytest.raises(UserError, match=r"^--out s3://bucket: name the file to write inside the bucket"):
+    with pytest.raises(ConfigError, match=r"^--out: s3://bucket: name the file to write inside the bucket"):
         check_output("s3://bucket", "--out", folder=False)
 
 

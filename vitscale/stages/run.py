@@ -98,6 +98,7 @@ def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose:
     from vitscale.data.storage.base import StorageError
     from vitscale.data.storage.endpoint import run_endpoint
     from vitscale.data.storage.lease import hold_run_lease
+    from vitscale.data.storage.outputs import check_output
     from vitscale.data.storage.space import is_no_space, no_space_line
 
     t0 = time.time()
@@ -106,7 +107,10 @@ def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose:
     config = preflight(config)
     # One endpoint for the run's datasets, checkpoints and files, in this driver and every worker it starts.
     storage = config.cluster.run_storage(config.run_name)
-    with run_endpoint(config.section("data", DataConfig).endpoint_url), hold_run_lease(storage, force=force):
+    endpoint = config.section("data", DataConfig).endpoint_url
+    # A storage path that is a file, or not writable, or a bucket that does not answer: named by its key.
+    check_output(config.cluster.storage_path, "cluster.storage_path", folder=True, endpoint_url=endpoint)
+    with run_endpoint(endpoint), hold_run_lease(storage, force=force):
         try:
             return _run_stages(config, verbose, t0)
         except OSError as exc:  # the driver's own files (config, logs, summary) on a full disk: one line

@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from vitscale.config.errors import UserError
+from vitscale.config.checks import ConfigError
 from vitscale.config.location import canonical_location, is_url
 from vitscale.data.storage.atomic import atomic_path
 
@@ -29,21 +29,21 @@ __all__ = ["check_output", "output_file", "output_folder"]
 
 def check_output(location: str, flag: str, *, folder: bool, endpoint_url: str | None = None) -> str:
     """`location` in its one spelling, once it can take a file (`folder=False`) or a folder of files;
-    `UserError` (or `ConfigError` for a misspelt URL) naming `flag` otherwise."""
+    a `ConfigError` naming `flag` (a command's argument, or the pipeline key it came from) otherwise."""
     location = canonical_location(str(location), flag)  # a local path made absolute, or an s3:// URL
     if is_url(location):
         _check_remote(location, flag, folder, endpoint_url)
         return location
     path = Path(location)
     if path.is_dir() and not folder:
-        raise UserError(f"{flag} {location}: is a folder; name the file to write inside it")
+        raise ConfigError(flag, f"{location} is a folder; name the file to write inside it")
     if path.exists() and not path.is_dir() and folder:
-        raise UserError(f"{flag} {location}: is a file; name a folder to write the files into")
+        raise ConfigError(flag, f"{location} is a file; name a folder to write the files into")
     existing = path if path.exists() else next((p for p in path.absolute().parents if p.exists()), Path("/"))
     if existing != path and not existing.is_dir():
-        raise UserError(f"{flag} {location}: {existing} is a file, not a folder")
+        raise ConfigError(flag, f"{location}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK):  # a folder: new entries; a file: itself
-        raise UserError(f"{flag} {location}: {existing} is not writable by this user")
+        raise ConfigError(flag, f"{location}: {existing} is not writable by this user")
     return location
 
 
@@ -53,7 +53,7 @@ def _check_remote(location: str, flag: str, folder: bool, endpoint_url: str | No
     parent, _, name = location.rpartition("/")
     if parent.endswith(":/"):  # the bucket itself: a folder may be its root, a file needs a name
         if not folder:
-            raise UserError(f"{flag} {location}: name the file to write inside the bucket, not the bucket itself")
+            raise ConfigError(flag, f"{location}: name the file to write inside the bucket, not the bucket itself")
         parent, name = location, PROBE
     # A listing of the place itself: a bucket that does not exist, or credentials it refuses, fail here (a
     # HEAD of a missing object answers 404 whether or not its bucket exists).
