@@ -3,8 +3,9 @@
 `vitscale export --out` writes one file and `vitscale inspect --out` a folder; on a cluster whose only
 shared disk is a bucket, that place is an `s3://` URL as often as a path. Each is written locally first
 (the libraries that write them take paths) and, for a URL, uploaded when the writing ends without an
-error; the local copy is then removed. A location is checked before any work starts, so minutes of
-export or analysis never end in an error about the place they were meant for:
+error; the local copy is then removed. A location is checked before any work starts (`check_output`:
+theirs, `shards write | index | dedup --out`'s, and a run's `cluster.storage_path`), so minutes of work
+never end in an error about the place they were meant for:
 
 - a file's place must not be an existing folder, and a folder's not an existing file;
 - no folder on a local path may be a file, and the first folder that exists must be writable;
