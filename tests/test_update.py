@@ -290,3 +290,8 @@ def test_a_step_never_asks_deepspeed_to_sync_the_device(process_group: None, sta
 if __name__ == "__main__":
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     ranks(Path(sys.argv[1]), int(sys.argv[2]))
+    # The rank's record is written and its group torn down. Past that, the interpreter's own teardown of
+    # the libraries' threads aborted a ZeRO 3 rank once on a loaded machine ("terminate called without an
+    # active exception", exit -6), failing a test whose every check had passed: leave without it.
+    sys.stdout.flush()
+    os._exit(0)

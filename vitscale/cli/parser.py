@@ -9,6 +9,7 @@ import re
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from vitscale.config.location import is_url
 from vitscale.config.suggest import did_you_mean
 
 
@@ -53,7 +54,7 @@ class Parser(argparse.ArgumentParser):
                        if not action.option_strings and action.nargs != argparse.PARSER]
         # Only where the value is plainly the positional (a path or URL): `--shots x` is a typo, said as is.
         if (not found or found.group(1) not in lists or not positionals
-                or not (os.path.exists(found.group(2)) or "://" in found.group(2))):
+                or not (os.path.exists(found.group(2)) or is_url(found.group(2)))):
             return ""
         flag = found.group(1)
         return (f" ({flag} takes every value up to the next flag: put {' '.join(positionals).upper()} before "
