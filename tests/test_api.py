@@ -70,6 +70,31 @@ def test_writer_refuses_bad_samples_and_leaves_nothing_on_error(tmp_path: Path) 
         DatasetWriter(str(out), name="again", classes=["a"])
 
 
+@pytest.mark.parametrize("label", [1.5, True, None, "cow", np.float32(1.0)])
+def test_a_label_of_another_kind_is_refused_not_rounded(tmp_path: Path, label: object) -> None:
+    """A float or a bool is a label of some other kind passed by mistake: 1.5 is not class 1, True not class 1."""
+    with (pytest.raises(ValueError, match=r"^label: (a class index \(an int\) or a class name, got|'cow' is not one)"),
+          DatasetWriter(str(tmp_path / "d"), name="d", classes=["cat", "dog"]) as w):
+        w.add(_image(0), label)  # type: ignore[arg-type]
+    assert not (tmp_path / "d" / "dataset.json").exists()
+
+
+def test_a_label_may_be_a_class_name_or_a_numpy_index(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    with DatasetWriter(str(tmp_path / "d"), name="d", classes=["cat", "dog"]) as w:
+        w.add(_image(0), "dog", key="named")
+        w.add(_image(1), np.int64(0), key="numpy")
+    with DatasetWriter(str(tmp_path / "m"), name="m", classes=["cat", "dog"], multi_label=True) as w:
+        w.add(_image(0), ["dog", "cat"], key="both")
+        w.add(_image(1), np.array([1]), key="one")
+    labels = {r["key"]: r["labels"] for d in ("d", "m")
+              for r in pq.read_table(tmp_path / d / "_index.parquet").to_pylist()}
+    assert labels == {"named": [1], "numpy": [0], "both": [0, 1], "one": [1]}
+    with pytest.raises(ValueError, match=r"^classes: must be distinct class names, at least one; got 'ab'"):
+        DatasetWriter(str(tmp_path / "s"), name="s", classes="ab")  # a string is no list of names
+
+
 def _keys(batches: list[dict]) -> list[str]:
     return [k for b in batches for k in b["key"]]
 

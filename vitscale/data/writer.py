@@ -73,8 +73,9 @@ class DatasetWriter:
         endpoint_url: str | None = None,
     ) -> None:
         check(bool(name), "name", "must name the dataset")
-        check(len(classes) >= 1 and len(set(classes)) == len(classes), "classes",
-              f"must be distinct class names, at least one; got {list(classes)[:5]}")
+        shown = classes if isinstance(classes, str) else list(classes)[:5]  # a string is no list of names
+        check(not isinstance(classes, str) and len(classes) >= 1 and len(set(classes)) == len(classes), "classes",
+              f"must be distinct class names, at least one; got {shown!r}")
         positive_int(shard_size, "shard_size")
         check(max_side >= 8, "max_side", f"must be >= 8 px, got {max_side}")
         check(1 <= quality <= 95, "quality", f"must be in [1, 95] (JPEG), got {quality}")
@@ -92,18 +93,16 @@ class DatasetWriter:
         """Add one sample to ``split``; returns its key (``{split}-{n:08d}`` unless given one).
 
         ``image``: an image file's bytes (any format Pillow reads), a PIL image, or a uint8 array
-        (H, W) / (H, W, 3) RGB / (H, W, 4). ``label``: a class index (a sequence of them when
-        ``multi_label``).
+        (H, W) / (H, W, 3) RGB / (H, W, 4). ``label``: a class index or a class name (a sequence of them
+        when ``multi_label``).
         """
         check(not self._closed, "add", "the writer is closed")
         check(bool(split) and all(c.isalnum() or c == "_" for c in split), "split",
               f"must be letters, digits or '_' (it names shard files {{split}}-NNNNNN.tar), got {split!r}")
-        labels = [int(x) for x in label] if isinstance(label, Sequence) and not isinstance(label, str) \
-            else [int(label)]
-        check(self.multi_label or len(labels) == 1, "label",
-              f"a single-label dataset takes one class index, got {labels}")
-        bad = [x for x in labels if not 0 <= x < len(self.classes)]
-        check(not bad, "label", f"class index {bad[:1]} outside [0, {len(self.classes)})")
+        given = list(label) if isinstance(label, (Sequence, np.ndarray)) and not isinstance(label, str) else [label]
+        check(self.multi_label or len(given) == 1, "label",
+              f"a single-label dataset takes one class index, got {given}")
+        labels = [self._class_index(x) for x in given]
         writer = self._writers.get(split)
         if writer is None:
             writer = self._writers[split] = ShardWriter(self.storage, split, self.shard_size, self.multi_label)
@@ -116,6 +115,18 @@ class DatasetWriter:
         writer.add(key, jpeg, sorted(set(labels)), width, height)
         self._keys.add(key)
         return key
+
+    def _class_index(self, label: Any) -> int:
+        """A class index in [0, classes), or the index of a class name; a float or a bool is refused, not
+        rounded or read as 0/1: it is a label of some other kind passed by mistake."""
+        if isinstance(label, str):
+            check(label in self.classes, "label", f"{label!r} is not one of the classes {list(self.classes)[:5]}")
+            return self.classes.index(label)
+        check(isinstance(label, (int, np.integer)) and not isinstance(label, (bool, np.bool_)), "label",
+              f"a class index (an int) or a class name, got {type(label).__name__} {label!r}")
+        index = int(label)
+        check(0 <= index < len(self.classes), "label", f"class index [{index}] outside [0, {len(self.classes)})")
+        return index
 
     def close(self) -> dict[str, Any]:
         """Finish the shards and publish ``_index.parquet`` and ``dataset.json``; returns the latter."""
