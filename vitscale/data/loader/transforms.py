@@ -60,12 +60,12 @@ class TransformSpec:
     """Evaluation only: side of the centre square as a fraction of the shorter image side."""
 
     def __post_init__(self) -> None:
-        positive_int(self.resolution, "TransformSpec.resolution")
+        positive_int(self.resolution, "resolution")
         lo, hi = self.scale
-        check(0.0 < lo <= hi <= 1.0, "TransformSpec.scale", f"must satisfy 0 < lo <= hi <= 1, got {self.scale}")
+        check(0.0 < lo <= hi <= 1.0, "scale", f"must satisfy 0 < lo <= hi <= 1, got {self.scale}")
         rlo, rhi = self.ratio
-        check(0.0 < rlo <= rhi, "TransformSpec.ratio", f"must satisfy 0 < lo <= hi, got {self.ratio}")
-        check(0.0 < self.eval_crop <= 1.0, "TransformSpec.eval_crop", f"must be in (0, 1], got {self.eval_crop}")
+        check(0.0 < rlo <= rhi, "ratio", f"must satisfy 0 < lo <= hi, got {self.ratio}")
+        check(0.0 < self.eval_crop <= 1.0, "eval_crop", f"must be in (0, 1], got {self.eval_crop}")
 
 
 @dataclass(frozen=True)
