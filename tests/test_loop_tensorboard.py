@@ -73,6 +73,10 @@ def test_export_shows_progress(tmp_path: Path, tiny_dataset: str, process_group:
 
     assert export_run(tmp_path / "checkpoint_000000003", tmp_path / "model.npz")["format"] == "npz"
     assert "embedding/kernel" in np.load(tmp_path / "model.npz").files
+    from vitscale.models.weights_files import read_weights  # a .safetensors name is that format, not a torch file
+
+    export_run(tmp_path / "checkpoint_000000003", tmp_path / "model.safetensors")
+    assert read_weights(tmp_path / "model.safetensors")[0] == "vitscale"
     with pytest.raises(UserError, match=r"--out .*other\.npz.*names the npz format.*--format is pt"):
         export_run(tmp_path / "checkpoint_000000003", tmp_path / "other.npz", fmt="pt")
     assert not (tmp_path / "other.npz").exists()

@@ -228,12 +228,12 @@ def cmd_shards_order(args: argparse.Namespace) -> int:
         data, world_size = pipeline.section("data"), pipeline.cluster.max_workers
         global_batch = pipeline.section("train").global_batch if "pretrain" in pipeline.stages else None
     dest = args.dest or (data.url if args.pipeline else None)
-    world_size = given(args.world_size, world_size)
+    world_size = _given(args.world_size, world_size)
     if dest is None or world_size is None:
         raise UserError("shards order needs DEST and --world-size, or --pipeline FILE")
-    layout = _order_layout(args, world_size, given(args.global_batch, global_batch))
+    layout = _order_layout(args, world_size, _given(args.global_batch, global_batch))
     keys = rank_keys(dest, args.split or data.split, endpoint_url=args.endpoint_url or data.endpoint_url,
-                     seed=given(args.seed, data.seed), shuffle_buffer=given(args.shuffle_buffer, data.shuffle_buffer),
+                     seed=_given(args.seed, data.seed), shuffle_buffer=_given(args.shuffle_buffer, data.shuffle_buffer),
                      **layout)
     if args.json:
         print(json.dumps(keys))
@@ -242,7 +242,7 @@ def cmd_shards_order(args: argparse.Namespace) -> int:
     return 0
 
 
-def given(flag: Any, default: Any) -> Any:
+def _given(flag: Any, default: Any) -> Any:
     """A flag's value where one was given (0 included), else the default."""
     return default if flag is None else flag
 

@@ -469,12 +469,14 @@ def timm_state_dict(model: nn.Module) -> dict[str, Tensor]:
     return sd
 
 
-def export_state_dict(model: nn.Module, path: str | Path, meta: Mapping[str, Any] | None = None) -> None:
+def export_state_dict(model: nn.Module, path: str | Path, meta: Mapping[str, Any] | None = None, *,
+                      safetensors: bool | None = None) -> None:
     """Write a vitscale export: state dict + header (name, num_classes, img_size, overrides).
 
     ``.safetensors`` paths get the header as JSON metadata; anything else is a `torch.save`
     of ``{"format": "vitscale", "version": 1, "meta": ..., "state_dict": ...}`` that loads with
-    ``weights_only=True``. meta=None uses `model_meta(model)`.
+    ``weights_only=True``. meta=None uses `model_meta(model)`. `safetensors` decides instead of the
+    suffix where `path` is a temporary name of the file (`data/storage/outputs.py`).
     """
     header = dict(meta) if meta is not None else model_meta(model)
     for key in ("name", "num_classes", "img_size"):
@@ -483,7 +485,7 @@ def export_state_dict(model: nn.Module, path: str | Path, meta: Mapping[str, Any
     sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    if p.suffix == ".safetensors":
+    if p.suffix == ".safetensors" if safetensors is None else safetensors:
         from safetensors.torch import save_file
 
         save_file(sd, str(p), metadata={"format": "vitscale", "meta": json.dumps(header)})

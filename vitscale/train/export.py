@@ -211,7 +211,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str | None = None,
         if fmt == "npz":
             export_npz(model, path)
         else:
-            export_state_dict(model, path, meta=model_meta(model))  # `create_from_weights` rebuilds from it
+            # `create_from_weights` rebuilds from it; `path` is a temporary name: the destination's suffix decides.
+            export_state_dict(model, path, meta=model_meta(model), safetensors=target.endswith(".safetensors"))
     bar.update()
     bar.close()
     return {**facts, "out": target, "format": fmt}

@@ -256,8 +256,8 @@ class ShardStream:
         self.batches_per_epoch = cycled_batches(self.samples_per_epoch, self.spec.batch_sizes, self.spec.drops_last)
         if self.batches_per_epoch == 0:  # the data, too small for the batch: a restart would meet it again
             raise DatasetError(f"split {split!r} has {sum(self.dataset.counts)} samples: {self.samples_per_epoch} "
-                             f"per rank over {world_size} ranks, not one batch of {batch_size}; use a smaller "
-                             "batch_size or world_size")
+                               f"per rank over {world_size} ranks, not one batch of {batch_size}; use a smaller "
+                               "batch_size or world_size")
         self.epoch, self.position, self.seed = 0, 0, seed
         self._skipped: Counter[str] = Counter()
         self._epoch_skipped: Counter[str] = Counter()  # this rank's, since the epoch or a resume began
