@@ -136,6 +136,21 @@ def test_two_sinks_in_one_process_do_not_collide(tmp_path: Path) -> None:
         assert _value(_scrape(b.port), "vitscale_step", rank="1") == 2
 
 
+def test_a_port_another_process_holds_is_served_elsewhere_not_a_failed_run(tmp_path: Path) -> None:
+    """A peer's run or an exporter on the node holds `train.metrics_port`: the run goes on, its metrics on a
+    free port, and says why (a run of days is not stopped, nor restarted to its failure limit, for it)."""
+    with socket.socket() as peer:
+        peer.bind(("127.0.0.1", 0))
+        peer.listen()
+        taken = peer.getsockname()[1]
+        with MetricsSink(tmp_path, run="r", rank=0, port=taken, addr="127.0.0.1") as sink:
+            sink.record(_step(3))
+            assert sink.port not in (None, taken) and _value(_scrape(sink.port), "vitscale_step", rank="0") == 3
+            assert sink.refused is not None and sink.refused.startswith(f"port {taken} could not be served (")
+    with MetricsSink(tmp_path, run="r", rank=1, port=0, addr="127.0.0.1") as free:
+        assert free.refused is None
+
+
 def test_mfu_absent_and_counters_never_go_down(tmp_path: Path) -> None:
     with MetricsSink(tmp_path, run="r", rank=0, port=0, addr="127.0.0.1") as sink:
         sink.record(_step(5, mfu=None))

@@ -149,7 +149,8 @@ class TrainConfig:
     """Peak bf16 FLOP/s per device for MFU: "auto", "H200", "H100", "A100" or a number."""
     metrics_port: int | None = field(default=None, metadata=RESUME_FREE)
     """Base port of the per-worker Prometheus endpoint (the worker with local rank r on a node serves on
-    port + r, so a one-GPU pod always answers on this port); 0 = any free port; null = off."""
+    port + r, so a one-GPU pod always answers on this port); 0 = any free port; null = off. A port another
+    process holds is served on a free one instead, named in the worker's line (`train/metrics.py`)."""
     metrics_addr: str = field(default="127.0.0.1", metadata=RESUME_FREE)
     """Interface the Prometheus endpoint binds: loopback by default (the metrics are not for the
     network at large); "0.0.0.0" lets a Prometheus in the cluster scrape the pod (k8s/ sets it)."""

@@ -313,8 +313,19 @@ class MetricsSink:
         self._server = None
         self._thread: threading.Thread | None = None
         self.port: int | None = None
+        self.refused: str | None = None
+        """Why the port asked for could not be served (another process holds it), when another one is."""
         if port is not None:
-            started = start_http_server(port, addr=addr, registry=self.registry)
+            try:
+                started = start_http_server(port, addr=addr, registry=self.registry)
+            except OSError as exc:
+                if port == 0:
+                    raise
+                # Another process on this node holds the port (a peer's run, an exporter): a run of days is not
+                # stopped, nor restarted until its failures are spent, for its metrics' port. A free one serves
+                # them instead, and the worker says which (`Observers`).
+                self.refused = f"port {port} could not be served ({exc.strerror or exc})"
+                started = start_http_server(0, addr=addr, registry=self.registry)
             if started is None:  # prometheus-client < 0.20 returns nothing: the server could never stop
                 raise RuntimeError("MetricsSink needs prometheus-client >= 0.20 "
                                    "(start_http_server must return the server)")

@@ -31,7 +31,8 @@ class Observers:
                                 addr=train.metrics_addr, port=None if train.metrics_port is None else
                                 (0 if train.metrics_port == 0 else train.metrics_port + ctx.local_rank))
         if self.sink.port is not None:
-            say(f"rank {ctx.rank}: Prometheus metrics on :{self.sink.port}/metrics")
+            instead = f" instead: {self.sink.refused}" if self.sink.refused else ""
+            say(f"rank {ctx.rank}: Prometheus metrics on :{self.sink.port}/metrics{instead}")
         self.samples = SamplesLog(ctx) if train.record_samples else None
         # Rank 0's curves, keyed by optimiser step, in the run directory (pushed to the run's storage with
         # the metrics); a resumed run continues them from its checkpoint's step.
