@@ -130,3 +130,10 @@ def test_cli_reports_config_errors_without_traceback(tmp_path: Path, capsys: pyt
 def test_cli_finds_pipelines_by_name(capsys: pytest.CaptureFixture) -> None:
     assert main(["config", "jft-vit-h14"]) == 0
     assert "ViT-H/14" in capsys.readouterr().out
+
+
+def test_a_stage_listed_twice_is_refused() -> None:
+    """A stage's outputs live at fixed places in the run: a second run of it would resume the first."""
+    with pytest.raises(ConfigError, match=r"^stages: each stage runs once in a pipeline; \['pretrain', 'fewshot', "
+                                          r"'pretrain'\] lists pretrain more than once"):
+        build_pipeline({"name": "p", "stages": ["pretrain", "fewshot", "pretrain"], "data": {"url": "/d"}})

@@ -168,6 +168,11 @@ class PipelineConfig:
     def validate(self) -> None:
         plain_name(self.name, "name")
         check(len(self.stages) > 0, "stages", "needs at least one stage")
+        twice = sorted({s for s in self.stages if self.stages.count(s) > 1})
+        # A stage's outputs live at fixed places in the run (the pre-training's checkpoints, `sweep/`): a second
+        # run of it would resume or overwrite the first, not run again.
+        check(not twice, "stages", f"each stage runs once in a pipeline; {list(self.stages)} lists "
+                                   f"{' and '.join(twice)} more than once")
         self.cluster.validate()
 
     @property
