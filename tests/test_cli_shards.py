@@ -146,3 +146,9 @@ def test_an_out_that_is_a_file_is_refused_before_the_work(digits: str, tmp_path:
         err = capsys.readouterr().err
         assert err.startswith(f"vitscale: error: --out: {argv[-1]}") and "is a file" in err, err
     assert (tmp_path / "file").read_text() == "x"
+
+
+def test_a_bad_resolution_is_named_as_the_user_passed_it(digits: str, capsys: pytest.CaptureFixture) -> None:
+    capsys.readouterr()
+    assert main(["shards", "bench", digits, "--resolution", "0", "--seconds", "1"]) == 2
+    assert capsys.readouterr().err.startswith("vitscale: error: resolution: must be a positive int, got 0")
