@@ -268,6 +268,9 @@ def test_finetune_names_the_flag_not_the_key_it_sets(tmp_path: Path, small_synth
     assert "--preset: must be one of" in _one_line(capsys, [*argv, "--lr", "0.1", "--preset", "nope"])
     err = _one_line(capsys, [*argv, "--lr", "0.1", "--set", "finetune.train.base_lr=-1"])
     assert err.startswith("vitscale: error: finetune.train.base_lr:") and "(from --set" in err  # the --set named
+    missing = str(tmp_path / "missing")
+    err = _one_line(capsys, ["finetune", weights, "--data", missing, "--model", "ViT-Ti/16", "--lr", "0.1"])
+    assert err.startswith(f"vitscale: error: --data: no dataset at {missing}"), err  # found by the data's check
 
 
 def test_a_list_flag_that_swallowed_the_positional_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
