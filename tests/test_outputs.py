@@ -142,3 +142,27 @@ def test_export_to_a_wrong_place_is_one_line_naming_out(trained: Path, tmp_path:
         capsys, ["export", str(trained), "--out", str(tmp_path / "file" / "m.pt")])
     assert "missing-bucket" in _one_line_error(capsys, ["export", str(trained), "--out", "s3://missing-bucket/m.pt"])
     assert "--out" in _one_line_error(capsys, ["export", str(trained), "--out", "s3:/bucket/m.pt"])
+
+
+def test_a_bucket_is_asked_for_one_empty_page_not_for_what_the_place_holds(moto_s3: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's storage path may hold every run's checkpoints: the check must not list them."""
+    from vitscale.data.storage.outputs import PROBE
+    from vitscale.data.storage.s3 import S3Storage
+
+    s3 = boto3.client("s3", endpoint_url=moto_s3)
+    s3.create_bucket(Bucket="runs")
+    for i in range(5):
+        s3.put_object(Bucket="runs", Key=f"team/run{i}/checkpoint_000000001/rank0.pt", Body=b"x")
+    asked: list[tuple[str, str]] = []
+    real = S3Storage.list_sizes
+
+    def recorded(self: S3Storage, prefix: str = "") -> dict[str, int]:
+        found = real(self, prefix)
+        asked.append((self.url_of(prefix), str(len(found))))
+        return found
+
+    monkeypatch.setattr(S3Storage, "list_sizes", recorded)
+    check_output("s3://runs/team", "cluster.storage_path", folder=True, endpoint_url=moto_s3)
+    check_output("s3://runs", "--out", folder=True, endpoint_url=moto_s3)
+    assert asked == [(f"s3://runs/team/{PROBE}", "0"), (f"s3://runs/{PROBE}", "0")]

@@ -51,18 +51,16 @@ def check_output(location: str, flag: str, *, folder: bool, endpoint_url: str | 
 def _check_remote(location: str, flag: str, folder: bool, endpoint_url: str | None) -> None:
     from vitscale.data.storage import open_storage
 
-    parent, _, name = location.rpartition("/")
-    if parent.endswith(":/"):  # the bucket itself: a folder may be its root, a file needs a name
-        if not folder:
-            raise ConfigError(flag, f"{location}: name the file to write inside the bucket, not the bucket itself")
-        parent, name = location, PROBE
-    # A listing of the place itself: a bucket that does not exist, or credentials it refuses, fail here (a
-    # HEAD of a missing object answers 404 whether or not its bucket exists).
-    open_storage(parent, endpoint_url=endpoint_url, key=flag).list_sizes(name)
+    if location.rpartition("/")[0].endswith(":/") and not folder:  # the bucket itself: a file needs a name
+        raise ConfigError(flag, f"{location}: name the file to write inside the bucket, not the bucket itself")
+    # A listing of a name no object bears, under the place itself: a bucket that does not exist, or credentials
+    # it refuses, fail here (a HEAD of a missing object answers 404 whether or not its bucket exists), and it
+    # costs one request however many objects the place already holds (a storage path's every run).
+    open_storage(location, endpoint_url=endpoint_url, key=flag).list_sizes(PROBE)
 
 
 PROBE = ".vitscale-probe"
-"""A name listed to learn whether a bucket answers, where the output is its root (no object bears it)."""
+"""The name listed to learn whether a bucket answers: no object bears it, so the answer is one empty page."""
 
 
 @contextlib.contextmanager
