@@ -89,15 +89,11 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-FINETUNE_FLAGS = {"finetune.checkpoint": "checkpoint", "finetune.data.url": "--data", "finetune.preset": "--preset",
-                  "finetune.train.base_lr": "--lr", "model.name": "--model", "model.img_size": "--img-size",
-                  "finetune.resolution": "--resolution", "finetune.train.max_steps": "--steps"}
-"""The pipeline keys `vitscale finetune`'s own arguments set (`finetune_pipeline`)."""
-
-
 def _named_by_flag(exc: ConfigError, overrides: list[str]) -> ConfigError:
     """`exc` naming the argument the user typed where one of `vitscale finetune`'s own flags sets its key (a
     `--set` of that key is named by the CLI's `from_set` instead)."""
+    from vitscale.stages.finetune import FINETUNE_FLAGS
+
     flag = FINETUNE_FLAGS.get(exc.key)
     if flag is None or any(item.partition("=")[0].strip() == exc.key for item in overrides):
         return exc

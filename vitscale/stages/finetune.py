@@ -238,6 +238,12 @@ def run_finetune(config: PipelineConfig, context: StageContext) -> Finetuned:
     return Finetuned(checkpoint=checkpoint, base_lr=lr, metrics=metrics)
 
 
+FINETUNE_FLAGS = {"finetune.checkpoint": "checkpoint", "finetune.data.url": "--data", "finetune.preset": "--preset",
+                  "finetune.train.base_lr": "--lr", "model.name": "--model", "model.img_size": "--img-size",
+                  "finetune.resolution": "--resolution", "finetune.train.max_steps": "--steps"}
+"""The pipeline key each of `vitscale finetune`'s own arguments sets in `finetune_pipeline` (errors name the flag)."""
+
+
 def finetune_pipeline(checkpoint: str, dataset: str, *, preset: str | None = None, base_lr: float | None = None,
                       model: str | None = None, img_size: int | None = None, resolution: int | None = None,
                       steps: int | None = None, local: bool = False) -> dict[str, Any]:
