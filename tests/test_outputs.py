@@ -4,6 +4,7 @@ bucket written to as a folder is (`vitscale export --out s3://...`), nothing lef
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -166,3 +167,20 @@ def test_a_bucket_is_asked_for_one_empty_page_not_for_what_the_place_holds(moto_
     check_output("s3://runs/team", "cluster.storage_path", folder=True, endpoint_url=moto_s3)
     check_output("s3://runs", "--out", folder=True, endpoint_url=moto_s3)
     assert asked == [(f"s3://runs/team/{PROBE}", "0"), (f"s3://runs/{PROBE}", "0")]
+
+
+def test_an_upload_that_fails_keeps_the_work_and_says_where(moto_s3: str) -> None:
+    import re
+
+    from vitscale.data.storage import StorageError
+
+    s3 = boto3.client("s3", endpoint_url=moto_s3)
+    s3.create_bucket(Bucket="gone-soon")
+    target = check_output("s3://gone-soon/m.pt", "--out", folder=False, endpoint_url=moto_s3)
+    with pytest.raises(StorageError, match=r"kept at .*: copy it to s3://gone-soon/m\.pt") as failed, \
+            output_file(target, "--out", endpoint_url=moto_s3) as path:
+        path.write_bytes(b"minutes of work")
+        s3.delete_bucket(Bucket="gone-soon")  # the storage goes away while the work runs
+    kept = Path(re.search(r"kept at (\S+):", str(failed.value)).group(1))  # type: ignore[union-attr]
+    assert (kept / "m.pt").read_bytes() == b"minutes of work"
+    shutil.rmtree(kept)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from vitscale.config.checks import ConfigError
@@ -76,10 +77,12 @@ def output_file(location: str, flag: str, *, endpoint_url: str | None = None) ->
     from vitscale.data.storage import open_storage
 
     parent, _, name = location.rpartition("/")
-    with tempfile.TemporaryDirectory(prefix="vitscale-out-") as spool:
-        path = Path(spool) / name
-        yield path
-        open_storage(parent, endpoint_url=endpoint_url, key=flag).write_file(name, path)
+
+    def upload(spool: Path) -> None:
+        open_storage(parent, endpoint_url=endpoint_url, key=flag).write_file(name, spool / name)
+
+    with _spooled(location, upload) as spool:
+        yield spool / name
 
 
 @contextlib.contextmanager
@@ -94,8 +97,31 @@ def output_folder(location: str, flag: str, *, endpoint_url: str | None = None) 
         return
     from vitscale.data.storage import open_storage
 
-    with tempfile.TemporaryDirectory(prefix="vitscale-out-") as spool:
-        yield Path(spool)
+    def upload(spool: Path) -> None:
         storage = open_storage(location, endpoint_url=endpoint_url, key=flag)
-        for path in sorted(p for p in Path(spool).rglob("*") if p.is_file()):
+        for path in sorted(p for p in spool.rglob("*") if p.is_file()):
             storage.write_file(path.relative_to(spool).as_posix(), path)
+
+    with _spooled(location, upload) as spool:
+        yield spool
+
+
+@contextlib.contextmanager
+def _spooled(location: str, upload: Callable[[Path], None]) -> Iterator[Path]:
+    """A local folder for what goes to `location`, `upload`ed once the work in it ends, then removed. The work
+    failing removes it; the upload failing (after the storage's retries) keeps it and says where, in the one
+    line the error is: the work is not lost."""
+    from vitscale.data.storage.base import StorageError
+
+    spool = Path(tempfile.mkdtemp(prefix="vitscale-out-"))
+    try:
+        yield spool
+    except BaseException:
+        shutil.rmtree(spool, ignore_errors=True)
+        raise
+    try:
+        upload(spool)
+    except StorageError as exc:
+        raise StorageError(f"{exc}; what was written is kept at {spool}: copy it to {location} once the storage "
+                           f"answers") from exc
+    shutil.rmtree(spool, ignore_errors=True)
