@@ -10,7 +10,7 @@ TORCH_CONSTRAINTS ?= constraints/cpu.txt
 PIP = $(VENV)/bin/python -m pip
 CONSTRAIN = $(if $(TORCH_CONSTRAINTS),-c $(TORCH_CONSTRAINTS))
 
-.PHONY: install install-test-tools quickstart lint test test-fast test-cluster bench gpu-wheels private-cluster
+.PHONY: install install-test-tools cpu-adam quickstart lint test test-fast test-cluster bench gpu-wheels private-cluster
 
 # PYTHONWARNINGS=ignore: setuptools' notices about editable installs are for package authors, not for
 # whoever runs this.
@@ -36,6 +36,12 @@ install-test-tools:
 	command -v promtool >/dev/null || $$SUDO apt-get install -y prometheus; \
 	command -v kubectl >/dev/null || $$SUDO apt-get install -y kubectl || echo "kubectl not found: install it to run the k8s/ tests"
 
+# DeepSpeed's CPU Adam (what `train.offload: true` steps the host's master weights with), built once into
+# torch's extension cache (~/.cache/torch_extensions). Without it the first offloaded run's workers each
+# JIT-build it inside their start-up: a minute or more on 2 cores, counted against a test's timeout.
+cpu-adam: install
+	PYTHONWARNINGS=ignore $(VENV)/bin/python -c "from vitscale.train.engine import build_cpu_adam; build_cpu_adam()"
+
 quickstart: install
 	$(VENV)/bin/vitscale run pipelines/quickstart.yaml
 
@@ -47,7 +53,7 @@ lint: install
 	$(VENV)/bin/ruff check vitscale tests benchmarks docs
 	$(VENV)/bin/mypy
 
-test: lint install-test-tools
+test: lint install-test-tools cpu-adam
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # vitscale on a cluster of nodes with private disks (a whole node SIGKILLed mid-pre-training, the whole
@@ -56,7 +62,7 @@ test: lint install-test-tools
 test-cluster: install
 	VITSCALE_CLUSTER_E2E=1 $(VENV)/bin/python -m pytest -q tests/test_private_cluster.py tests/test_elastic_ray.py
 
-test-fast: install
+test-fast: install cpu-adam
 	$(VENV)/bin/python -m pytest -q -m "not slow"
 
 bench: install

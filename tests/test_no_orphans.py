@@ -34,6 +34,9 @@ def test_a_sigkilled_driver_leaves_no_ray_process(tmp_path: Path, small_syntheti
         tree = psutil.Process(proc.pid).children(recursive=True)
         names = {p.name() for p in tree if p.is_running()}
         assert any("raylet" in n for n in names) and any("RayTrainWorker" in n for n in names), names
+        # Nothing drains a local Ray's one node: Ray Train's per-run preemption watcher is left out
+        # (local_ray.LOCAL_ENV); it is up before the first step when it runs.
+        assert not any("PreemptionWatcher" in n for n in names), names
         os.kill(proc.pid, signal.SIGKILL)  # the driver only: what it started must follow on its own
         proc.wait()
         _, alive = psutil.wait_procs(tree, timeout=30)

@@ -28,6 +28,11 @@ SCAN_S = 0.5
 """How often the watchdog re-reads the driver's process tree."""
 GRACE_S = 3.0
 """Between SIGTERM and SIGKILL for what the driver left behind."""
+LOCAL_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+"""Settings every process of a local Ray inherits (the raylet starts as this driver's child, with its
+environment), unless the user set them. Ray Train's preemption watcher is an actor per Train run (per
+sweep trial) that polls for nodes an autoscaler drains: a local Ray's one node is this machine, which
+nothing drains, so it would only cost a process and two CPU-seconds at every start."""
 
 
 def start_local_ray(num_cpus: int | None) -> Any:
@@ -35,6 +40,8 @@ def start_local_ray(num_cpus: int | None) -> Any:
     import ray
 
     start_watchdog()
+    for key, value in LOCAL_ENV.items():
+        os.environ.setdefault(key, value)
     return ray.init(num_cpus=num_cpus, log_to_driver=True)
 
 

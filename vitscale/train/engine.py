@@ -155,6 +155,16 @@ def _deepspeed() -> Any:
     return deepspeed
 
 
+def build_cpu_adam() -> None:
+    """Build DeepSpeed's CPU Adam (`train.offload`'s optimizer) into torch's extension cache now, so the
+    first offloaded run's workers load it instead of each JIT-compiling it in their start-up (`make
+    cpu-adam`; a minute or more on 2 cores). A no-op once built for this torch and Python."""
+    _deepspeed()  # first: it tells DeepSpeed the accelerator before the op builders look for one
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    CPUAdamBuilder().load(verbose=False)
+
+
 def init_distributed(on_gpu: bool) -> None:
     """Join the process group Ray Train (or torchrun) set up, with NCCL on GPU and gloo on CPU."""
     deepspeed = _deepspeed()
