@@ -7,9 +7,11 @@ See the package docstring (`vitscale.data.format`) for the contract.
 from __future__ import annotations
 
 import json
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -100,6 +102,20 @@ PARQUET_THREADS = False
 source, pyarrow 26's pool can abort the interpreter as it exits ("terminate called without an active
 exception", exit 134: a third of `vitscale shards stats` runs did on this project's machine), and an index
 is small enough for one thread."""
+
+
+def read_parquet(source: bytes | str | os.PathLike[str], columns: Sequence[str] | None = None) -> pa.Table:
+    """A whole parquet file (its bytes, or a local path read whole first), decoded on this thread alone.
+
+    No Arrow thread is started, so none can be alive when the interpreter exits. `pq.read_table` goes
+    through the dataset scanner, which starts two pool threads even with `use_threads` off (one process in
+    ten that had read an index that way aborted at exit under load), and a parquet reader over a file
+    starts an I/O thread; over bytes in memory it starts none (`tests/test_cli_shards.py` counts them).
+    For files read whole anyway: an index, an image list. Filters are the caller's (`Table.filter`).
+    """
+    data = source if isinstance(source, bytes) else Path(source).read_bytes()
+    return pq.ParquetFile(pa.BufferReader(data)).read(columns=list(columns) if columns is not None else None,
+                                                      use_threads=PARQUET_THREADS)
 
 
 class DatasetError(ValueError):
@@ -300,6 +316,6 @@ def read_index(url: str | Storage, *, endpoint_url: str | None = None) -> pa.Tab
     storage = _storage(url, endpoint_url)
     data = storage.read_bytes(INDEX_NAME)
     try:
-        return pq.read_table(pa.BufferReader(data), use_threads=PARQUET_THREADS)
+        return read_parquet(data)
     except (pa.ArrowInvalid, OSError) as exc:  # not a parquet file, or a damaged one
         raise DatasetError(f"cannot read {storage.url_of(INDEX_NAME)}: {exc}") from exc

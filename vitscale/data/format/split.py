@@ -33,6 +33,7 @@ from vitscale.data.format.meta import (
     DatasetError,
     DatasetMeta,
     read_meta,
+    read_parquet,
 )
 from vitscale.data.storage import LocalStorage, Storage, open_storage
 
@@ -127,8 +128,8 @@ class OpenDataset:
         """Index rows of the given shard numbers only.
 
         Per-shard layout: just those shards' row groups, with ranged reads (the cost follows the
-        shards asked for, not the dataset). Legacy layout: parquet filter pushdown over the local
-        copy of the whole index."""
+        shards asked for, not the dataset). Legacy layout: the local copy of the whole index, read and
+        filtered."""
         wanted = sorted({int(s) for s in shards})
         if not wanted:
             return {}
@@ -188,14 +189,13 @@ class OpenDataset:
         if not wanted:
             return {}
         names = [self.shard_names[s] for s in wanted]
-        url = self.index.url
+        url, path = self.index.url, self.index_path
+        assert path is not None, "load_index reads the legacy layout only through its local copy"
         try:
-            table = pq.read_table(
-                self.index_path,
-                columns=self._columns,
-                filters=[("split", "=", self.split), ("shard", "in", names)],
-                use_threads=PARQUET_THREADS,
-            )
+            table = read_parquet(path, ["split", *self._columns])
+            table = table.filter(pc.and_(pc.equal(table.column("split"), self.split),
+                                         pc.is_in(table.column("shard"), value_set=pa.array(names))))
+            table = table.select(self._columns)
         except (OSError, pa.ArrowInvalid) as exc:
             raise DatasetError(f"cannot read {url}: {exc}") from exc
         table = table.sort_by([("shard", "ascending"), ("offset", "ascending")])
@@ -271,7 +271,8 @@ def _index_summary(path: str, split: str, url: str) -> _IndexSummary:
             vc = pc.value_counts(shards)
             counts.update(dict(zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist())))
             end = pc.add(batch.column(2).filter(mine), batch.column(3).filter(mine))
-            grouped = pa.table({"shard": shards, "end": end}).group_by("shard").aggregate([("end", "max")])
+            grouped = (pa.table({"shard": shards, "end": end}).group_by("shard", use_threads=PARQUET_THREADS)
+                       .aggregate([("end", "max")]))
             for name, e in zip(grouped.column("shard").to_pylist(), grouped.column("end_max").to_pylist()):
                 ends[name] = max(ends.get(name, 0), int(e))
         return _IndexSummary(counts, ends, CRC_COLUMN in names)
@@ -364,8 +365,9 @@ def open_dataset(url: str, split: str, *, endpoint_url: str | None = None, carve
             groups = [layout.row_groups[(split, n)] for n in names if (split, n) in layout.row_groups]
             keys = index.read_row_groups(groups, ["shard", "key"], whole=False)
         else:
-            keys = pq.read_table(index_path, columns=["shard", "key"], filters=[("split", "=", split)],
-                                 use_threads=PARQUET_THREADS)
+            assert index_path is not None  # no per-shard layout: the legacy one, copied here above
+            keys = read_parquet(index_path, ["split", "shard", "key"])
+            keys = keys.filter(pc.equal(keys.column("split"), split)).select(["shard", "key"])
         carve, counts = _carved_counts(keys, names, carve)
     return OpenDataset(storage, split, meta, names, counts, index, index_path, carve, CRC_COLUMN in columns)
 

@@ -54,11 +54,9 @@ def parse_labels(cell: Any) -> list[str]:
 
 def _read_table(path: Path) -> list[dict[str, Any]]:
     if path.suffix.lower() == ".parquet":
-        import pyarrow.parquet as pq
+        from vitscale.data.format.meta import read_parquet
 
-        from vitscale.data.format.meta import PARQUET_THREADS
-
-        return pq.read_table(path, use_threads=PARQUET_THREADS).to_pylist()
+        return read_parquet(str(path)).to_pylist()
     if path.suffix.lower() in (".csv", ".tsv"):
         with open(path, newline="") as f:
             return list(csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ","))
