@@ -31,8 +31,10 @@ GRACE_S = 3.0
 LOCAL_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 """Settings every process of a local Ray inherits (the raylet starts as this driver's child, with its
 environment), unless the user set them. Ray Train's preemption watcher is an actor per Train run (per
-sweep trial) that polls for nodes an autoscaler drains: a local Ray's one node is this machine, which
-nothing drains, so it would only cost a process and two CPU-seconds at every start."""
+sweep trial) that polls for nodes an autoscaler drains; on a cluster it is what turns a spot node's drain
+into the workers' checkpoint-now notice (`ray_train._preemption_notice`, docs/elastic.md), and it stays
+on there. A local Ray's one node is this machine, which nothing drains: there the watcher would only cost
+a process and two CPU-seconds at every start."""
 
 
 def start_local_ray(num_cpus: int | None) -> Any:
