@@ -128,8 +128,8 @@ class OpenDataset:
         """Index rows of the given shard numbers only.
 
         Per-shard layout: just those shards' row groups, with ranged reads (the cost follows the
-        shards asked for, not the dataset). Legacy layout: the local copy of the whole index, read and
-        filtered."""
+        shards asked for, not the dataset). Legacy layout: parquet filter pushdown over the local
+        copy of the whole index."""
         wanted = sorted({int(s) for s in shards})
         if not wanted:
             return {}
@@ -189,13 +189,17 @@ class OpenDataset:
         if not wanted:
             return {}
         names = [self.shard_names[s] for s in wanted]
-        url, path = self.index.url, self.index_path
-        assert path is not None, "load_index reads the legacy layout only through its local copy"
+        url = self.index.url
         try:
-            table = read_parquet(path, ["split", *self._columns])
-            table = table.filter(pc.and_(pc.equal(table.column("split"), self.split),
-                                         pc.is_in(table.column("shard"), value_set=pa.array(names))))
-            table = table.select(self._columns)
+            # The dataset scanner, not `read_parquet`: the training stream asks again at every new shard set,
+            # and the filter can skip other shards' row groups by their statistics instead of decoding the
+            # whole index each time (the scanner's pool threads are the cost of that).
+            table = pq.read_table(
+                self.index_path,
+                columns=self._columns,
+                filters=[("split", "=", self.split), ("shard", "in", names)],
+                use_threads=PARQUET_THREADS,
+            )
         except (OSError, pa.ArrowInvalid) as exc:
             raise DatasetError(f"cannot read {url}: {exc}") from exc
         table = table.sort_by([("shard", "ascending"), ("offset", "ascending")])
