@@ -33,7 +33,6 @@ from vitscale.data.format.meta import (
     DatasetError,
     DatasetMeta,
     read_meta,
-    read_parquet,
 )
 from vitscale.data.storage import LocalStorage, Storage, open_storage
 
@@ -369,9 +368,9 @@ def open_dataset(url: str, split: str, *, endpoint_url: str | None = None, carve
             groups = [layout.row_groups[(split, n)] for n in names if (split, n) in layout.row_groups]
             keys = index.read_row_groups(groups, ["shard", "key"], whole=False)
         else:
-            assert index_path is not None  # no per-shard layout: the legacy one, copied here above
-            keys = read_parquet(index_path, ["split", "shard", "key"])
-            keys = keys.filter(pc.equal(keys.column("split"), split)).select(["shard", "key"])
+            # The legacy layout: the scanner's filter, as `_read_legacy` reads it (not the whole index decoded).
+            keys = pq.read_table(index_path, columns=["shard", "key"], filters=[("split", "=", split)],
+                                 use_threads=PARQUET_THREADS)
         carve, counts = _carved_counts(keys, names, carve)
     return OpenDataset(storage, split, meta, names, counts, index, index_path, carve, CRC_COLUMN in columns)
 
