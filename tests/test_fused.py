@@ -1,6 +1,7 @@
 """The training path's fused pieces against DeepSpeed's own: the ZeRO 1/2 gradient norm in one
 multi-tensor kernel (`train/fused.py`), the one non-finite check (`train/update.py`), torch's fused
-optimizer on a GPU, and `train.compile`'s switch. Real DeepSpeed engines on a one-rank gloo group."""
+optimizer on a GPU, `train.compile`'s switch, and the CPU Adam of `train.offload` built ahead. Real
+DeepSpeed engines on a one-rank gloo group."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from vitscale.models import create_model
 from vitscale.train.batch import derive_batch
 from vitscale.train.config import TrainConfig
-from vitscale.train.engine import build_engine, deepspeed_config
+from vitscale.train.engine import build_cpu_adam, build_engine, deepspeed_config
 from vitscale.train.optim import optimizer_for, param_groups
 from vitscale.train.update import apply_update
 
@@ -344,3 +345,23 @@ def test_one_rank_at_zero_3_compiles_each_block_between_deepspeeds_hooks(process
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
     gathered = engine(True, stage3_param_persistence_threshold=0)
     assert gathered.is_compiled and "forward" not in vars(gathered.module.blocks[0])
+
+
+def test_the_cpu_adam_built_ahead_steps_as_torchs_adamw() -> None:
+    """`make cpu-adam` builds DeepSpeed's CPU Adam once (`build_cpu_adam`), so offloaded workers load it
+    instead of compiling it; what it loads must take AdamW's steps (decoupled decay) as torch's does."""
+    build_cpu_adam()
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    start = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    adamw_settings = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+    cpu_adam = DeepSpeedCPUAdam([ours], adamw_mode=True, **adamw_settings)
+    adamw = torch.optim.AdamW([theirs], **adamw_settings)
+    for step in range(5):
+        grad = torch.randn(64, generator=torch.Generator().manual_seed(step + 1))
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        cpu_adam.step()
+        adamw.step()
+    assert not torch.equal(ours.data, start)
+    torch.testing.assert_close(ours.data, theirs.data, rtol=1e-5, atol=1e-6)

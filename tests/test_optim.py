@@ -306,27 +306,3 @@ def test_schedule_length_fills_whole_global_batches(samples: int, world: int, pe
         assert per_epoch == (samples // world) // per_rank
     assert total == steps_for(epochs, per_epoch * global_batch, global_batch)
     assert schedule_length(samples, global_batch, epochs, 7) == (per_epoch, 7)
-
-
-# ------------------------------------------------------------------------------------ CPU Adam (offload)
-
-def test_the_cpu_adam_built_ahead_steps_as_torchs_adamw() -> None:
-    """`make cpu-adam` builds DeepSpeed's CPU Adam once (`build_cpu_adam`), so offloaded workers load it
-    instead of compiling it; what it loads must take AdamW's steps (decoupled decay) as torch's does."""
-    from vitscale.train.engine import build_cpu_adam
-
-    build_cpu_adam()
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    start = torch.randn(64, generator=torch.Generator().manual_seed(0))
-    ours, theirs = nn.Parameter(start.clone()), nn.Parameter(start.clone())
-    settings_ = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
-    cpu_adam = DeepSpeedCPUAdam([ours], adamw_mode=True, **settings_)
-    adamw = torch.optim.AdamW([theirs], **settings_)
-    for step in range(5):
-        grad = torch.randn(64, generator=torch.Generator().manual_seed(step + 1))
-        ours.grad, theirs.grad = grad.clone(), grad.clone()
-        cpu_adam.step()
-        adamw.step()
-    assert not torch.equal(ours.data, start)
-    torch.testing.assert_close(ours.data, theirs.data, rtol=1e-5, atol=1e-6)

@@ -98,6 +98,17 @@ def test_image_list_parquet_names_and_lists(tmp_path: Path) -> None:
     assert [s.labels for s in src2] == [(0,), (1,), (0,)]
 
 
+def test_a_damaged_parquet_image_list_is_one_error_naming_it(tmp_path: Path) -> None:
+    from vitscale.config.errors import UserError
+
+    whole = tmp_path / "whole.parquet"
+    pq.write_table(pa.table({"path": ["a.png"] * 50, "label": ["dog"] * 50}), whole)
+    for name, data in (("text.parquet", b"path,label\na.png,dog\n"), ("cut.parquet", whole.read_bytes()[:-20])):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(UserError, match=rf"^image list {re.escape(str(tmp_path / name))}: cannot read it as parquet"):
+            open_source(f"list:{tmp_path / name}")
+
+
 def test_image_list_errors_name_the_problem(tmp_path: Path) -> None:
     (tmp_path / "m.csv").write_text("picture,label\na.png,1\n")
     with pytest.raises(ValueError, match=r"missing image path column; name one of \['path'"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,18 +104,17 @@ exception", exit 134: a third of `vitscale shards stats` runs did on this projec
 is small enough for one thread."""
 
 
-def read_parquet(source: bytes | str | os.PathLike[str], columns: Sequence[str] | None = None) -> pa.Table:
+def read_parquet(source: bytes | str | os.PathLike[str]) -> pa.Table:
     """A whole parquet file (its bytes, or a local path read whole first), decoded on this thread alone.
 
     No Arrow thread is started, so none can be alive when the interpreter exits. `pq.read_table` goes
     through the dataset scanner, which starts two pool threads even with `use_threads` off (one process in
     ten that had read an index that way aborted at exit under load), and a parquet reader over a file
     starts an I/O thread; over bytes in memory it starts none (`tests/test_cli_shards.py` counts them).
-    For files read whole anyway: an index, an image list. Filters are the caller's (`Table.filter`).
+    For files read whole anyway: an index, an image list.
     """
     data = source if isinstance(source, bytes) else Path(source).read_bytes()
-    return pq.ParquetFile(pa.BufferReader(data)).read(columns=list(columns) if columns is not None else None,
-                                                      use_threads=PARQUET_THREADS)
+    return pq.ParquetFile(pa.BufferReader(data)).read(use_threads=PARQUET_THREADS)
 
 
 class DatasetError(ValueError):

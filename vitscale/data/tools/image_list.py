@@ -54,9 +54,14 @@ def parse_labels(cell: Any) -> list[str]:
 
 def _read_table(path: Path) -> list[dict[str, Any]]:
     if path.suffix.lower() == ".parquet":
+        import pyarrow as pa
+
         from vitscale.data.format.meta import read_parquet
 
-        return read_parquet(str(path)).to_pylist()
+        try:
+            return read_parquet(path).to_pylist()
+        except (pa.ArrowInvalid, OSError) as exc:  # not a parquet file, or a damaged one
+            raise UserError(f"image list {path}: cannot read it as parquet: {exc}") from None
     if path.suffix.lower() in (".csv", ".tsv"):
         with open(path, newline="") as f:
             return list(csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ","))
