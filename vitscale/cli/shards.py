@@ -63,11 +63,13 @@ def _shards_write_args(p: argparse.ArgumentParser) -> None:
                    help="JPEG chroma subsampling: 4:2:0 halves colour resolution (fine for photos); "
                         "4:4:4 keeps it, for small images such as CIFAR's 32x32")
     p.add_argument("--seed", type=int, default=0, help="seeds the shuffle, the split and generated sources")
-    p.add_argument("--split", default=None, help="named fractions, e.g. train=0.9,minival=0.05,test=0.05")
+    p.add_argument("--split", default=None, help="named fractions, e.g. train=0.9,minival=0.05,test=0.05 "
+                   "(default: train=1.0, or the source's own splits)")
     p.add_argument("--name", default=None, help="dataset name (default: from the source)")
-    p.add_argument("--count", type=int, default=None, help="synthetic/fractal: number of images")
-    p.add_argument("--classes", type=int, default=None, help="synthetic/fractal: number of classes")
-    p.add_argument("--image-size", type=int, default=None, help="synthetic/fractal/digits: image side in pixels")
+    p.add_argument("--count", type=int, default=None, help="synthetic/fractal: number of images (default: 1000)")
+    p.add_argument("--classes", type=int, default=None, help="synthetic/fractal: number of classes (default: 10)")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="synthetic/fractal/digits: image side in pixels (default: 64; synthetic: random, 256-512)")
     p.add_argument("--multi-label", action="store_true", help="synthetic: JFT-style multi-label samples")
     p.add_argument("--max-bad", type=int, default=100,
                    help="unreadable source files skipped and listed before the write stops (default 100)")
@@ -303,7 +305,7 @@ def _shards_dedup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--against", action="append", required=True,
                    help="a test dataset whose images must not reappear in training (repeatable)")
     p.add_argument("--out", required=True, help="where the cleaned training dataset is written")
-    p.add_argument("--threshold", type=int, default=None, help="max Hamming distance of 64-bit pHashes")
+    p.add_argument("--threshold", type=int, default=None, help="max Hamming distance of 64-bit pHashes (default: 10)")
     _endpoint(p)
 
 
