@@ -5,7 +5,10 @@ Ctrl-C as one line and exit 130, a wrong --address refused within seconds."""
 from __future__ import annotations
 
 import argparse
+import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -117,6 +120,20 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch: pytest.MonkeyPatch, capsys
     monkeypatch.setattr(cli.models, "cmd_models", interrupted)
     assert main(["models"]) == 130
     assert capsys.readouterr().err == "vitscale: interrupted\n"
+
+
+@pytest.mark.parametrize("argv", [["models"], ["flops", "ViT-B/16", "--json"]])
+def test_a_reader_that_went_away_is_no_traceback(argv: list[str]) -> None:
+    """`vitscale shards order ... | head`: the reader closes the pipe early. The verb stops quietly, exit
+    141 (128 + SIGPIPE, as a shell's own commands), not a BrokenPipeError traceback nor "Exception ignored"."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first write: any write (or the final flush) breaks
+    try:
+        done = subprocess.run([sys.executable, "-m", "vitscale", *argv], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[2])})
+    finally:
+        os.close(write)
+    assert done.stderr == "" and done.returncode == 141, (done.returncode, done.stderr)
 
 
 @pytest.mark.parametrize("verb", ["run", "finetune"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,8 +50,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     Errors that are the user's to fix (a setting, the data, storage, a file: `launch/errors.py`) are one
     line and exit 2; a failed stage is one line after the workers' own output and exits 1; Ctrl-C is one
     line and exits 130; SIGTERM or SIGHUP to a verb that writes files (`interrupt.writes`) cleans up as
-    Ctrl-C does and exits 128 + the signal's number. Anything else is a bug and keeps its traceback.
+    Ctrl-C does and exits 128 + the signal's number; a reader that closed the pipe early (`| head`) ends
+    the verb quietly, exit 141 (128 + SIGPIPE, as a shell's own commands). Anything else is a bug and
+    keeps its traceback.
     """
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here, where it is handled, not at the interpreter's exit
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # another pipe (a socket, a child process): a bug's traceback
+        # Nothing more can reach the reader: later writes and the exit's flush go nowhere, silently.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _stdout_closed() -> bool:
+    """Whether the broken pipe is our standard output: a pipe whose reader is gone polls as an error."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll here, or no file behind stdout: not ours to judge
+        return False
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from vitscale.config.checks import ConfigError
     from vitscale.launch.errors import PipelineFailed, known_errors
 
