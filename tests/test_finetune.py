@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.loop_runs import Recorder
 from vitscale.config import ConfigError
 from vitscale.data.carve import Carve
 from vitscale.data.tools.write import write_dataset
@@ -162,6 +163,39 @@ def test_finetuning_runs_through_the_pretraining_loop(downstream: str, tmp_path:
     for m in scored:
         assert 0.0 <= m["dev_accuracy"] <= 1.0 and 0.0 <= m["dev_accuracy_polyak"] <= 1.0
     assert not any("test_accuracy" in m for m in seen)
+
+
+@pytest.mark.parametrize("pretraining", ["supervised", "masked_patch"])
+def test_a_finetuned_run_exports_the_architecture_it_trained(downstream: str, tmp_path: Path, process_group: None,
+                                                             pretraining: str) -> None:
+    """`vitscale finetune EXPORT --data D` then `vitscale export RUN_DIR` (README): the fine-tuned checkpoint
+    is rebuilt as the model it holds (the export's architecture at the fine-tuning resolution, no pre-logits,
+    supervised), not as the pipeline's `model:` (ViT-B/16 at 224 when the command names none) and `train:`."""
+    from vitscale.config.loader import to_yaml
+    from vitscale.models.weights_files import load_pretrained
+    from vitscale.stages.finetune import finetune_pipeline
+    from vitscale.train.export import export_run
+    from vitscale.train.loop import WorkerContext, train
+
+    init = tmp_path / "pretrained.pt"
+    export_state_dict(create_model("ViT-Ti/8", num_classes=7, img_size=16, depth=2, width=32, mlp_dim=64, heads=2,
+                                   representation_size=32), init)
+    raw = finetune_pipeline(str(init), downstream, base_lr=0.05)
+    raw["train"] = {"objective": pretraining}  # a pipeline's pre-training objective: fine-tuning is supervised
+    config = build_pipeline(raw, "vitscale finetune")
+    assert config.model.name == "ViT-B/16"  # what the pipeline says; the weights are a ViT-Ti/8
+    cfg = FinetuneConfig(data={"url": downstream, "num_workers": 0}, resolution=32,
+                         train={"max_steps": 2, "global_batch": 8, "micro_batch": 8, "precision": "fp32",
+                                "checkpoint_every": 2, "log_every": 1})
+    job = final_job(cfg, finetune_model(TINY, 32), str(init), 0.05, use_gpu=False, endpoint_url=None,
+                    config_yaml=to_yaml(config))
+    runs = tmp_path / "runs"  # where Ray Train would keep the checkpoints
+    train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run", report=Recorder(runs)))
+    info = export_run(runs, tmp_path / "tuned.pt")
+    assert (info["model"], info["img_size"], info["num_classes"], info["objective"]) == ("ViT-Ti/8", 32, 4,
+                                                                                          "supervised")
+    model = create_model("ViT-Ti/8", num_classes=4, img_size=32, depth=2, width=32, mlp_dim=64, heads=2)
+    load_pretrained(model, tmp_path / "tuned.pt")
 
 
 @pytest.mark.parametrize("gpus, cpus, expected", [

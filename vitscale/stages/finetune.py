@@ -177,8 +177,10 @@ def _has_checkpoints(location: str, endpoint_url: str | None) -> bool:
 def _model_of_run(checkpoint_dir: Path) -> ModelConfig:
     import yaml
 
+    from vitscale.train.job import trained_sections
+
     raw = yaml.safe_load((Path(checkpoint_dir) / "config.yaml").read_text()) or {}
-    return build_section(ModelConfig, raw.get("model"), "model")
+    return build_section(ModelConfig, trained_sections(raw)[0], "model")
 
 
 def _model_of_file(path: Path, fallback: ModelConfig) -> ModelConfig:

@@ -6,7 +6,7 @@ merges the folders of all ranks into one directory of the run's storage):
     deepspeed/state/...          DeepSpeed's files: module states (rank 0) and one ZeRO shard per rank
     rank{r}.pt                   this rank's stream state and RNG states (and Polyak average, if on)
     train_state.json             step, epoch, examples seen, cumulative FLOPs (rank 0)
-    config.yaml                  the resolved pipeline config (rank 0)
+    config.yaml                  the resolved pipeline config, and what the weights are (`trained:`; rank 0)
     MANIFEST-rank{r}.json        SHA-256 of every file rank r wrote -- written LAST by that rank
 
 A checkpoint is complete when the manifests of all ranks are present, readable and agree on the

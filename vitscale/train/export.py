@@ -20,6 +20,7 @@ from vitscale.data.storage.fetch import is_folder, local_copy, subfolders
 from vitscale.data.storage.outputs import check_output, output_file
 from vitscale.models.config import ModelConfig
 from vitscale.train import checkpoint as ckpt
+from vitscale.train.job import trained_sections
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -128,7 +129,8 @@ def _trained_part(url: str) -> str | None:
 def model_from_checkpoint(checkpoint: str | Path) -> tuple[torch.nn.Module, ModelConfig, dict[str, Any]]:
     """(model with the trained fp32 weights, the run's model config, facts) from a training checkpoint.
 
-    Reads only the `model` section (and `train.seed`) of the checkpoint's resolved config: the
+    Reads only what the weights are (`trained:`, else the `model` section and `train.objective`:
+    `train/job.py` `trained_sections`) and `train.seed` of the checkpoint's resolved config: the
     weights fix everything else.
     """
     from vitscale.train.engine import consolidated_state_dict
@@ -136,9 +138,9 @@ def model_from_checkpoint(checkpoint: str | Path) -> tuple[torch.nn.Module, Mode
     checkpoint = Path(checkpoint)
     config_path = checkpoint / "config.yaml"
     raw = yaml.safe_load(config_path.read_text()) or {}
-    model_config = build_section(ModelConfig, raw.get("model"), "model")
+    model_raw, objective = trained_sections(raw)  # a fine-tuning checkpoint's own architecture, not the pipeline's
+    model_config = build_section(ModelConfig, model_raw, "model")
     state = consolidated_state_dict(checkpoint / ckpt.DEEPSPEED_DIR, ckpt.DEEPSPEED_TAG)
-    objective = (raw.get("train") or {}).get("objective", "supervised")
     if objective == "masked_patch":
         model, model_config = _masked_patch_encoder(state, model_config)
     else:

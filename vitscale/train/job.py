@@ -15,7 +15,11 @@ on a dev carve and evaluates anything else).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
+import yaml
+
+from vitscale.config.loader import to_dict
 from vitscale.data.carve import Carve
 from vitscale.data.config import DataConfig
 from vitscale.models.config import ModelConfig
@@ -64,7 +68,7 @@ class TrainJob:
     eval_steps: tuple[int, ...] = ()
     """Also evaluate after exactly these steps (a sweep's ASHA rungs, `stages/sweep_asha.py`)."""
     config_yaml: str = ""
-    """The resolved config, written into every checkpoint."""
+    """The resolved config, written into every checkpoint (with `trained:`, `checkpoint_yaml`)."""
     resume_scope: tuple[str, ...] = PRETRAIN_SCOPE
     """The config keys (dotted prefixes) this job's training reads: a resume that changes one of them
     is refused (`train/resume.py`); fine-tuning jobs read the `finetune` section instead of `train` and `data`."""
@@ -80,6 +84,27 @@ class TrainJob:
                     or self.carve.seed != dev[0].seed:
                 raise ValueError("a job selecting on a dev carve trains on the rest of that carve and evaluates "
                                  f"only its dev part; it cannot evaluate {[e.name for e in others] or 'this split'}")
+
+    def checkpoint_yaml(self) -> str:
+        """A checkpoint's `config.yaml`: the resolved config, then under `trained:` the architecture and
+        objective of the weights this job trains, which `train/export.py` rebuilds them as. A fine-tuning
+        job's are not the pipeline's `model:` and `train:` (its resolution, no pre-logits, the pre-trained
+        weights' own architecture, always supervised). Outside every resume scope: resuming ignores it."""
+        trained = {TRAINED_KEY: {"model": to_dict(self.model), "objective": self.train.objective}}
+        return self.config_yaml + yaml.safe_dump(trained, sort_keys=False)
+
+
+TRAINED_KEY = "trained"
+"""The key of a checkpoint's `config.yaml` naming what its weights are (`TrainJob.checkpoint_yaml`)."""
+
+
+def trained_sections(raw: dict[str, Any]) -> tuple[Any, str]:
+    """(the `model:` mapping, the objective) of a checkpoint's parsed `config.yaml`: its `trained:` record,
+    else (checkpoints written before it) the pipeline's own `model:` and `train.objective`."""
+    trained: dict[str, Any] = raw.get(TRAINED_KEY) or {}
+    train: dict[str, Any] = raw.get("train") or {}
+    return (trained.get("model", raw.get("model")),
+            str(trained.get("objective", train.get("objective", "supervised"))))
 
 
 def selection_job(cfg: FinetuneConfig, model: ModelConfig, init: str | None, base_lr: float, *,
