@@ -45,7 +45,9 @@ def add_verbs(verbs: Any, verb: VerbFn) -> None:
 
 
 def _endpoint(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint URL")
+    p.add_argument("--endpoint-url", default=None,
+                   help="S3-compatible endpoint URL (default: $VITSCALE_S3_ENDPOINT_URL, else $AWS_ENDPOINT_URL, "
+                        "else AWS)")
 
 
 def _shards_write_args(p: argparse.ArgumentParser) -> None:

@@ -92,7 +92,9 @@ def add_verbs(verbs: Any, verb: Callable[..., argparse.ArgumentParser]) -> None:
         p.add_argument("study_dir", help="the study directory (STORAGE_PATH/RUN_NAME/study, or study.directory; "
                                          "s3:// too)")
         p.add_argument("--metric", default=None, help="accuracy column to fit (default: the study's fit_metric)")
-        p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint URL")
+        p.add_argument("--endpoint-url", default=None,
+                       help="S3-compatible endpoint URL (default: $VITSCALE_S3_ENDPOINT_URL, else $AWS_ENDPOINT_URL, "
+                            "else AWS)")
         if name == "recommend":
             p.add_argument("--budget", type=float, required=True, help="pre-training compute in exaFLOPs")
         else:

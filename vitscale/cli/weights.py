@@ -74,7 +74,9 @@ def _fewshot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="images per forward pass (default: 128)")
     p.add_argument("--error-budget", type=float, default=None,
                    help="fraction of unreadable samples tolerated per split (default: 0.001)")
-    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint URL")
+    p.add_argument("--endpoint-url", default=None,
+                   help="S3-compatible endpoint URL (default: $VITSCALE_S3_ENDPOINT_URL, else $AWS_ENDPOINT_URL, "
+                        "else AWS)")
     p.add_argument("--json", action="store_true", help="print the accuracies as JSON instead of a table")
 
 
@@ -113,7 +115,9 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a model option of the .npz/timm file's architecture, as in a pipeline's model: section "
                         "(e.g. depth=6, classifier=gap; repeatable)")
-    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint URL")
+    p.add_argument("--endpoint-url", default=None,
+                   help="S3-compatible endpoint URL (default: $VITSCALE_S3_ENDPOINT_URL, else $AWS_ENDPOINT_URL, "
+                        "else AWS)")
     p.add_argument("--json", action="store_true", help="print inspect.json's content instead of a summary")
 
 
