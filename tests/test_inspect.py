@@ -238,9 +238,10 @@ def test_inspect_writes_every_figure_and_its_numbers(images: str, tmp_path: Path
     torch.manual_seed(0)
     model = create_model("ViT-Ti/8", num_classes=3, img_size=SIZE, **TINY)  # 4x4 grid, 2 layers, 2 heads
     out = tmp_path / "out"
-    assert main(["inspect", _export(model, tmp_path / "vit.pt"), "--images", images, "--out", str(out),
-                 "--count", "3", "--split", "test"]) == 0
-    assert "wrote" in capsys.readouterr().out
+    assert main(["inspect", _export(model, tmp_path / "vit.pt"), "--images", images, "--out", f"{out}/",
+                 "--count", "3", "--split", "test"]) == 0  # `--out inspect/`, as docs/inspect.md writes it
+    printed = capsys.readouterr().out
+    assert f"  wrote {out}/{PNGS[0]}" in printed.splitlines() and "//" not in printed
     for name in PNGS:
         with Image.open(out / name) as png:
             assert png.format == "PNG" and min(png.size) > 200, name

@@ -140,5 +140,5 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"{report['checkpoint']} ({report['format']}, {report['model']} at {report['img_size']}): "
               f"{len(report['image_keys'])} images of {args.images} ({args.split})")
         print("\n".join([*(f"  note: {note}" for note in report["notes"]),
-                         *(f"  wrote {args.out}/{name}" for name in report["files"])]))
+                         *(f"  wrote {args.out.rstrip('/')}/{name}" for name in report["files"])]))
     return 0
