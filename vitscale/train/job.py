@@ -91,7 +91,8 @@ class TrainJob:
         job's are not the pipeline's `model:` and `train:` (its resolution, no pre-logits, the pre-trained
         weights' own architecture, always supervised). Outside every resume scope: resuming ignores it."""
         trained = {TRAINED_KEY: {"model": to_dict(self.model), "objective": self.train.objective}}
-        return self.config_yaml + yaml.safe_dump(trained, sort_keys=False)
+        head = self.config_yaml if not self.config_yaml or self.config_yaml.endswith("\n") else f"{self.config_yaml}\n"
+        return head + yaml.safe_dump(trained, sort_keys=False)
 
 
 TRAINED_KEY = "trained"
