@@ -158,3 +158,79 @@ def test_a_bad_resolution_is_named_as_the_user_passed_it(digits: str, capsys: py
     capsys.readouterr()
     assert main(["shards", "bench", digits, "--resolution", "0", "--seconds", "1"]) == 2
     assert capsys.readouterr().err.startswith("vitscale: error: resolution: must be a positive int, got 0")
+
+
+def _rewrite_index(root: Path, change) -> None:
+    import pyarrow.parquet as pq
+
+    index = root / "_index.parquet"
+    pq.write_table(change(pq.read_table(index)), index)
+
+
+def _rewrite_meta(root: Path, change) -> None:
+    meta = json.loads((root / "dataset.json").read_text())
+    change(meta)
+    (root / "dataset.json").write_text(json.dumps(meta))
+
+
+def _set_column(name: str, values) -> object:
+    import pyarrow as pa
+
+    def change(t: pa.Table) -> pa.Table:
+        return t.set_column(t.column_names.index(name), name, pa.array(values(t.column(name).to_pylist())))
+
+    return lambda root: _rewrite_index(root, change)
+
+
+def _first(value: object):
+    return lambda v: [value, *v[1:]]
+
+
+@pytest.mark.parametrize(("damage", "names", "says"), [
+    # Another tool's rewrite of the index: a contract column gone, or of another kind.
+    (lambda r: _rewrite_index(r, lambda t: t.drop(["key"])), "_index.parquet", r"lacks columns \['key'\]"),
+    (_set_column("offset", lambda v: [str(x) for x in v]), "_index.parquet", "column 'offset' is string"),
+    (_set_column("labels", lambda v: [str(x) for x in v]), "_index.parquet", "column 'labels' is string"),
+    # A label outside dataset.json's classes was an IndexError (or -1, null counted against another class).
+    (_set_column("labels", _first([10])), "_index.parquet", r"has labels \[10\], outside \[0, 10\)"),
+    (_set_column("labels", _first([-1])), "_index.parquet", r"has labels \[-1\], outside"),
+    (_set_column("labels", _first(None)), "_index.parquet", "has labels None, outside"),
+    # dataset.json's shard names are files under the dataset, each once.
+    (lambda r: _rewrite_meta(r, lambda m: m["splits"]["train"]["shards"][0].update(name="../x.tar")),
+     "dataset.json", "shard '../x.tar' is not a file name inside the dataset"),
+    (lambda r: _rewrite_meta(r, lambda m: m["splits"]["test"]["shards"].append(m["splits"]["train"]["shards"][0])),
+     "dataset.json", "shard 'train-000000.tar' is listed twice"),
+])
+def test_a_damaged_index_or_metadata_is_one_line_naming_it(digits: str, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                           damage, names: str, says: str) -> None:
+    import re
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(digits, copy)
+    damage(copy)
+    capsys.readouterr()
+    assert main(["shards", "stats", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"vitscale: error: {copy / names}") and err.count("\n") == 1, err
+    assert re.search(says, err), err
+    if "outside" not in says:  # verify checks labels against the tars, sample by sample: its own test
+        assert main(["shards", "verify", str(copy)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"BAD {copy}: ") and err.count("\n") == 1 and re.search(says, err), err
+
+
+def test_stats_and_verify_read_an_index_without_labels(digits: str, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    """Third-party writers may leave the labels column out (INDEX_COLUMNS): per-class counts are unknown,
+    not a KeyError."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(digits, copy)
+    _rewrite_index(copy, lambda t: t.drop(["labels"]))
+    capsys.readouterr()
+    stats = cli_json(capsys, "shards", "stats", str(copy), "--json")
+    assert stats["samples"] == 1797 and stats["splits"]["train"]["classes_present"] is None
+    assert main(["shards", "stats", str(copy)]) == 0 and "-" in capsys.readouterr().out
+    assert main(["shards", "verify", str(copy)]) == 0

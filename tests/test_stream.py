@@ -311,6 +311,27 @@ def _truncate_without_bytes(root: Path) -> None:
     os.truncate(root / "train-000001.tar", 4096)
 
 
+def _index_column(root: Path, name: str, values) -> None:
+    import pyarrow as pa
+
+    t = pq.read_table(root / "_index.parquet")
+    t = t.set_column(t.column_names.index(name), name, pa.array(values(t.column(name).to_pylist())))
+    pq.write_table(t, root / "_index.parquet")
+
+
+def _labels_in_index_without_labels(root: Path) -> None:
+    meta = json.loads((root / "dataset.json").read_text())
+    meta["label_source"] = "index"
+    (root / "dataset.json").write_text(json.dumps(meta))
+    pq.write_table(pq.read_table(root / "_index.parquet").drop(["labels"]), root / "_index.parquet")
+
+
+def _meta_shard(root: Path, n: int, name: str) -> None:
+    meta = json.loads((root / "dataset.json").read_text())
+    meta["splits"]["train"]["shards"][n]["name"] = name
+    (root / "dataset.json").write_text(json.dumps(meta))
+
+
 def test_broken_datasets_fail_before_training(clean, tmp_path):
     def broken(name, change) -> Path:
         root = _copy(clean, tmp_path / name)
@@ -333,6 +354,11 @@ def test_broken_datasets_fail_before_training(clean, tmp_path):
         (lambda r: os.truncate(r / "train-000001.tar", 4096), "train-000001.tar is 4096 bytes, dataset.json says"),
         (lambda r: _grow(r / "train-000002.tar", 512), "train-000002.tar is .* bytes, dataset.json"),
         (_truncate_without_bytes, "train-000001.tar is 4096 bytes, its indexed samples end at byte"),
+        # An index another tool rewrote: a pyarrow error (or every sample skipped) mid-run, before.
+        (lambda r: _index_column(r, "offset", lambda v: [str(x) for x in v]), "column 'offset' is string"),
+        (_labels_in_index_without_labels, r"lacks columns \['labels'\]"),
+        (lambda r: _meta_shard(r, 1, "../train-000001.tar"), "'../train-000001.tar' is not a file name inside"),
+        (lambda r: _meta_shard(r, 1, "train-000000.tar"), "'train-000000.tar' is listed twice"),
     ]
     for i, (change, match) in enumerate(cases):
         with pytest.raises(DatasetError, match=match):
@@ -341,6 +367,16 @@ def test_broken_datasets_fail_before_training(clean, tmp_path):
         _stream(clean, split="test")
     with pytest.raises(ValueError, match="not one batch"):
         _stream(clean, batch_size=16, world_size=2)
+
+
+@pytest.mark.parametrize("column", ["offset", "size"])
+@pytest.mark.parametrize("value", [-512, None])
+def test_an_index_row_with_a_null_or_negative_byte_range_is_named(clean, tmp_path, column, value):
+    """Read as given, it was an OSError (EINVAL) from the reader in the middle of an epoch."""
+    root = _copy(clean, tmp_path / "copy")
+    _index_column(root, column, lambda v: [value, *v[1:]])
+    with pytest.raises(DatasetError, match=f"shard train-000000.tar has rows with a null or negative {column}"):
+        _epoch(_stream(root))
 
 
 def test_s3_stream_matches_local(clean, moto_s3):

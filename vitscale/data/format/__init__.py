@@ -40,6 +40,7 @@ from vitscale.data.format.meta import (
     DatasetMeta,
     ShardMeta,
     SplitMeta,
+    check_index_schema,
     has_dataset,
     read_index,
     read_meta,
@@ -53,6 +54,6 @@ __all__ = [
     "CRC_COLUMN", "DEFAULT_SPLIT", "INDEX_COLUMNS", "INDEX_NAME", "INDEX_SCHEMA", "LABEL_SOURCE", "META_NAME",
     "SHARD_ROOT", "SPLIT_NAME", "SPLIT_WORDS",
     "DatasetError", "DatasetMeta", "IndexFile", "IndexWriter",
-    "OpenDataset", "ShardIndex", "ShardMeta", "SplitMeta", "has_dataset", "index_bytes", "open_dataset",
-    "read_index", "read_meta", "shard_name", "shard_splits", "split_of_shard", "write_index_and_meta",
+    "OpenDataset", "ShardIndex", "ShardMeta", "SplitMeta", "check_index_schema", "has_dataset", "index_bytes",
+    "open_dataset", "read_index", "read_meta", "shard_name", "shard_splits", "split_of_shard", "write_index_and_meta",
 ]

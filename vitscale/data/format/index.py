@@ -279,7 +279,11 @@ class IndexFile:
 
     @property
     def columns(self) -> list[str]:
-        return list(self._parquet().schema_arrow.names)
+        return list(self.schema.names)
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self._parquet().schema_arrow
 
     @property
     def layout(self) -> IndexLayout | None:

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vitscale.data.storage import Storage, open_storage
+from vitscale.data.storage.base import is_name
 
 META_NAME = "dataset.json"
 INDEX_NAME = "_index.parquet"
@@ -42,6 +43,34 @@ microseconds next to a millisecond JPEG decode. Null or absent (datasets written
 existed): not checked."""
 INDEX_COLUMNS = ("split", "shard", "key", "offset", "size")
 """The index columns a reader needs (third-party writers and older datasets may leave out the others)."""
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or (
+        pa.types.is_dictionary(t) and _is_text(t.value_type))
+
+
+def _is_int_list(t: pa.DataType) -> bool:
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
+
+
+_COLUMN_KINDS = {"split": ("text", _is_text), "shard": ("text", _is_text), "key": ("text", _is_text),
+                 "offset": ("integers", pa.types.is_integer), "size": ("integers", pa.types.is_integer),
+                 "crc32": ("integers", pa.types.is_integer), "labels": ("lists of integers", _is_int_list)}
+
+
+def check_index_schema(schema: pa.Schema, where: str, *, labels: bool = False) -> None:
+    """:class:`DatasetError` naming ``where`` unless ``schema`` has :data:`INDEX_COLUMNS` (and ``labels`` when
+    the dataset's labels live in the index: :data:`LABEL_SOURCE`) and every contract column it has is of its
+    kind (text, integers, lists of integers; any width). An index another tool rewrote (offsets as strings,
+    labels as text) is refused up front, not met as a pyarrow error, or as every sample skipped, mid-run."""
+    lacking = sorted((set(INDEX_COLUMNS) | ({"labels"} if labels else set())) - set(schema.names))
+    if lacking:
+        raise DatasetError(f"{where} lacks columns {lacking}: not a vitscale index, or a damaged one")
+    for name, (kind, ok) in _COLUMN_KINDS.items():
+        if name in schema.names and not ok(schema.field(name).type):
+            raise DatasetError(f"{where}: column {name!r} is {schema.field(name).type}, the contract has {kind}: "
+                               "a damaged index, or one another tool rewrote")
 
 
 SHARD_ROOT = "shard_root"
@@ -274,6 +303,17 @@ class DatasetMeta:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise DatasetError(f"{where} is malformed: {exc!r}") from exc
+        # Shard names are read as files under the dataset: one that leaves it ('../x', '/etc/x') or one listed
+        # twice (its samples trained on twice an epoch) is a damaged or hostile file, refused here in one line.
+        seen: set[str] = set()
+        for s, sp in splits.items():
+            for sh in sp.shards:
+                if not is_name(sh.name) or sh.name in seen:
+                    why = "listed twice" if sh.name in seen else "not a file name inside the dataset"
+                    raise DatasetError(f"{where}: split {s!r} shard {sh.name!r} is {why}")
+                if sh.samples < 0:
+                    raise DatasetError(f"{where}: split {s!r} shard {sh.name!r} has {sh.samples} samples")
+                seen.add(sh.name)
         if meta.num_classes < 0:
             raise DatasetError(f"{where}: num_classes must be >= 0 (0: images without labels)")
         if meta.num_classes == 0 and meta.classes:
@@ -315,6 +355,8 @@ def read_index(url: str | Storage, *, endpoint_url: str | None = None) -> pa.Tab
     storage = _storage(url, endpoint_url)
     data = storage.read_bytes(INDEX_NAME)
     try:
-        return read_parquet(data)
+        table = read_parquet(data)
     except (pa.ArrowInvalid, OSError) as exc:  # not a parquet file, or a damaged one
         raise DatasetError(f"cannot read {storage.url_of(INDEX_NAME)}: {exc}") from exc
+    check_index_schema(table.schema, storage.url_of(INDEX_NAME))
+    return table

@@ -24,7 +24,6 @@ from vitscale.data.carve import Carve
 from vitscale.data.format.index import IndexFile
 from vitscale.data.format.meta import (
     CRC_COLUMN,
-    INDEX_COLUMNS,
     INDEX_NAME,
     LABEL_SOURCE,
     META_NAME,
@@ -32,6 +31,7 @@ from vitscale.data.format.meta import (
     SHARD_ROOT,
     DatasetError,
     DatasetMeta,
+    check_index_schema,
     read_meta,
 )
 from vitscale.data.storage import LocalStorage, Storage, open_storage
@@ -167,6 +167,11 @@ class OpenDataset:
 
     def _finish(self, s: int, name: str, table: pa.Table) -> ShardIndex:
         """One shard's :class:`ShardIndex` from its rows (tar order), its carve part applied."""
+        for col in ("offset", "size"):  # a byte range read as given: a null or negative one is a damaged index
+            values = table.column(col)
+            if values.null_count or (len(values) and pc.min(values).as_py() < 0):
+                raise DatasetError(f"{self.index.url}: shard {name} has rows with a null or negative {col}: "
+                                   "a damaged index, or one another tool rewrote")
         offsets = table.column("offset").to_numpy().astype(np.int64)
         if offsets.size > 1 and (np.diff(offsets) < 0).any():
             table = table.take(pa.array(np.argsort(offsets, kind="stable")))
@@ -261,10 +266,8 @@ def _index_summary(path: str, split: str, url: str) -> _IndexSummary:
     (memory stays flat)."""
     try:
         pf = pq.ParquetFile(path)
+        check_index_schema(pf.schema_arrow, url)
         names = set(pf.schema_arrow.names)
-        missing = set(INDEX_COLUMNS) - names
-        if missing:
-            raise DatasetError(f"{url} lacks columns {sorted(missing)}")
         counts: Counter[str] = Counter()
         ends: dict[str, int] = {}
         for batch in pf.iter_batches(columns=["split", "shard", "offset", "size"], batch_size=1 << 20,
@@ -337,10 +340,8 @@ def open_dataset(url: str, split: str, *, endpoint_url: str | None = None, carve
     if index_size is None:
         raise DatasetError(f"no index at {index_url}")
     index = IndexFile(index_storage, index_size)  # reads the footer only: O(row groups)
+    check_index_schema(index.schema, index_url, labels=meta.extra.get(LABEL_SOURCE) == "index")
     columns = index.columns
-    lacking = set(INDEX_COLUMNS) - set(columns)
-    if lacking:
-        raise DatasetError(f"{index_url} lacks columns {sorted(lacking)}")
     layout = index.layout
     index_path: str | None = None
     if layout is not None:  # per-shard row groups: counts and ends from the footer, rows read lazily

@@ -16,7 +16,17 @@ from typing import Any, BinaryIO
 import numpy as np
 import pyarrow as pa
 
-from vitscale.data.format import INDEX_NAME, LABEL_SOURCE, META_NAME, SHARD_ROOT, ShardMeta, read_index, read_meta
+from vitscale.data.format import (
+    INDEX_NAME,
+    LABEL_SOURCE,
+    META_NAME,
+    SHARD_ROOT,
+    DatasetError,
+    ShardMeta,
+    check_index_schema,
+    read_index,
+    read_meta,
+)
 from vitscale.data.loader.labels import LabelError
 from vitscale.data.loader.sample import IMAGE_MEMBERS
 from vitscale.data.storage import Storage, open_storage
@@ -60,6 +70,7 @@ def verify_dataset(url: str, *, endpoint_url: str | None = None, progress: bool 
     storage = open_storage(url, endpoint_url=endpoint_url)
     try:
         meta, index = read_meta(storage), read_index(storage)
+        check_index_schema(index.schema, storage.url_of(INDEX_NAME), labels=meta.extra.get(LABEL_SOURCE) == "index")
     except (OSError, ValueError, pa.ArrowException) as exc:
         return [f"{url}: cannot load {META_NAME}/{INDEX_NAME}: {exc}"]
     problems: list[str] = []
@@ -131,7 +142,9 @@ def _verify_shard(
                         f"{name}: sample {s.key!r} byte range in index {row['offset']}+{row['size']}"
                         f" != tar {s.offset}+{s.size}"
                     )
-                if labels is not None and labels != list(row["labels"]):
+                # An index without a labels column (third-party writers may leave it out) has nothing to compare.
+                indexed_labels = row.get("labels", labels)
+                if labels is not None and labels != (None if indexed_labels is None else list(indexed_labels)):
                     problems.append(f"{name}: sample {s.key!r} labels {labels} != index {row['labels']}")
                 if labels and num_classes and not all(0 <= x < num_classes for x in labels):
                     problems.append(f"{name}: sample {s.key!r} label outside [0, {num_classes})")
@@ -160,23 +173,32 @@ def dataset_stats(url: str, *, endpoint_url: str | None = None) -> dict[str, Any
     storage = open_storage(url, endpoint_url=endpoint_url)
     meta, index = read_meta(storage), read_index(storage)
     split_col = index.column("split").to_pylist()
-    label_col = index.column("labels").to_pylist()
+    # Third-party indexes may have no labels column: per-class counts are then unknown (None), not zeros.
+    has_labels = "labels" in index.column_names
+    label_col = index.column("labels").to_pylist() if has_labels else [[]] * index.num_rows
     splits: dict[str, Any] = {}
     for split, sp in meta.splits.items():
         per_class = np.zeros(meta.num_classes, dtype=np.int64)
         n_indexed = 0
-        for s, ls in zip(split_col, label_col):
+        for row, (s, ls) in enumerate(zip(split_col, label_col)):
             if s == split:
                 n_indexed += 1
+                # A label outside dataset.json's classes once was an IndexError, or (-1, null) counted silently
+                # against another class: the index and dataset.json disagree, said in one line.
+                if ls is None or not all(0 <= x < meta.num_classes for x in ls):
+                    raise DatasetError(
+                        f"{storage.url_of(INDEX_NAME)}: sample {index.column('key')[row].as_py()!r} of "
+                        f"{index.column('shard')[row].as_py()} has labels {ls}, outside [0, {meta.num_classes}) of "
+                        f"{META_NAME}: a damaged dataset (`vitscale shards verify` lists what else is wrong)")
                 per_class[ls] += 1
         splits[split] = {
             "shards": len(sp.shards),
             "samples": sp.samples,
             "indexed_samples": n_indexed,
             "bytes": sum(sh.nbytes or 0 for sh in sp.shards),
-            "classes_present": int((per_class > 0).sum()),
-            "min_per_class": int(per_class.min()) if len(per_class) else 0,
-            "max_per_class": int(per_class.max()) if len(per_class) else 0,
+            "classes_present": int((per_class > 0).sum()) if has_labels else None,
+            "min_per_class": (int(per_class.min()) if len(per_class) else 0) if has_labels else None,
+            "max_per_class": (int(per_class.max()) if len(per_class) else 0) if has_labels else None,
         }
     return {
         "url": storage.url,
@@ -204,7 +226,8 @@ def format_stats(stats: dict[str, Any]) -> str:
     for s, v in stats["splits"].items():
         lines.append(
             f"{s:<12}{v['shards']:>8}{v['samples']:>10}{v['bytes'] / 1e6:>10.1f}"
-            f"{v['classes_present']:>9}{v['min_per_class']:>9}{v['max_per_class']:>9}"
+            + "".join(f"{'-' if v[k] is None else v[k]:>9}" for k in ("classes_present", "min_per_class",
+                                                                           "max_per_class"))
         )
     return "\n".join(lines)
 
