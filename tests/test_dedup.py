@@ -161,3 +161,46 @@ def test_phash_separates_distinct_photos() -> None:
     hashes = np.array([phash(_photo(rng, 96, 128)) for _ in range(60)], dtype=np.uint64)
     d = hamming(hashes[:, None], hashes[None, :])[np.triu_indices(60, 1)]
     assert d.min() > DEFAULT_THRESHOLD and 26 < d.mean() < 38  # independent bits differ ~32
+
+
+def _damage_shard(root: Path, how: str) -> None:
+    """Damage train-000000.tar of a written dataset (its size kept, so only reading it tells)."""
+    tar = root / "train-000000.tar"
+    rows = [r for r in read_index(str(root)).to_pylist() if r["shard"] == tar.name]
+    raw = bytearray(tar.read_bytes())
+    second = rows[1]["offset"]
+    if how == "header":  # a garbled tar header: Python's streaming tar reader takes it for the archive's end
+        raw[second : second + 100] = b"\xff" * 100
+    elif how == "image":  # the second sample's JPEG bytes, its header intact
+        raw[second + 512 : second + 1024] = b"\xab" * 512
+    elif how == "label":
+        member = next(i for i in range(second, second + rows[1]["size"], 512) if raw[i : i + 100].rstrip(b"\0")
+                      .endswith(b".cls"))
+        raw[member + 512 : member + 513] = b"x"
+    tar.write_bytes(bytes(raw))
+
+
+_HEADER, _IMAGE = r"train-000000.tar: 1 samples read, dataset.json says 4", r"sample '.*': corrupt image"
+
+
+@pytest.mark.parametrize(("side", "how", "says"), [
+    ("train", "header", _HEADER), ("train", "image", _IMAGE), ("train", "label", r"sample '.*': malformed .cls label"),
+    # The datasets dedup against give images only: their labels are never read.
+    ("against", "header", _HEADER), ("against", "image", _IMAGE),
+])
+def test_a_damaged_dataset_is_named_not_copied_short(tmp_path: Path, how: str, says: str, side: str) -> None:
+    """A shard read short was copied short without a word (its samples neither kept nor counted as removed),
+    and a corrupt image or label was a traceback."""
+    from vitscale.data.format import DatasetError
+
+    rng = np.random.default_rng(0)
+    clean, damaged = tmp_path / "clean", tmp_path / "damaged"
+    for root in (clean, damaged):  # distinct photos: no sample is a duplicate, each is read
+        for i in range(8):
+            _save(_photo(rng, 64, 80), tmp_path / f"{root.name}_src" / f"c{i % 2}" / f"t{i}.jpg")
+        write_dataset(f"folder:{tmp_path / f'{root.name}_src'}", str(root), shard_size=4, progress=False)
+    _damage_shard(damaged, how)
+    train, against = (damaged, clean) if side == "train" else (clean, damaged)
+    with pytest.raises(DatasetError, match=f"{damaged}.*{says}.*shards verify"):
+        dedup_dataset(str(train), [str(against)], str(tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out").exists()

@@ -19,6 +19,7 @@ import io
 import itertools
 import json
 import math
+import tarfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -31,7 +32,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from vitscale.config.checks import check
-from vitscale.data.format import SplitMeta, read_index, read_meta, write_index_and_meta
+from vitscale.data.format import META_NAME, DatasetError, SplitMeta, read_index, read_meta, write_index_and_meta
 from vitscale.data.storage import Storage, open_storage
 from vitscale.data.tools import publish
 from vitscale.data.tools.progress import Progress
@@ -201,14 +202,39 @@ def near_duplicate_pairs(
 
 
 def _iter_samples(url: str, endpoint_url: str | None) -> Iterator[tuple[str, str, ShardSample]]:
-    """(split, shard, sample) for every sample of a dataset, in ``dataset.json`` order."""
+    """(split, shard, sample) for every sample of a dataset, in ``dataset.json`` order.
+
+    A damaged shard is a :class:`DatasetError` naming it: Python's streaming tar reader takes a garbled
+    header for the end of the archive, so a shard read short (fewer samples than ``dataset.json`` says) was
+    copied short, or hashed short, without a word."""
     storage = open_storage(url, endpoint_url=endpoint_url)
     meta = read_meta(storage)
     for split in meta.splits:
-        for name in meta.shard_names(split):
-            with storage.open_read(name) as f:
-                for s in iter_shard(f):
-                    yield split, name, s
+        for shard in meta.splits[split].shards:
+            n = 0
+            try:
+                with storage.open_read(shard.name) as f:
+                    for s in iter_shard(f):
+                        n += 1
+                        yield split, shard.name, s
+            except tarfile.TarError as exc:
+                raise _damaged(storage.url_of(shard.name), url, f"unreadable after {n} samples ({exc})") from exc
+            if n < shard.samples:
+                raise _damaged(storage.url_of(shard.name), url, f"{n} samples read, {META_NAME} says {shard.samples}")
+
+
+def _damaged(where: str, url: str, why: str) -> DatasetError:
+    return DatasetError(f"{where}: {why}: a damaged dataset (`vitscale shards verify {url}` lists every problem)")
+
+
+def _hash_sample(url: str, shard: str, s: ShardSample) -> int:
+    """The pHash of a sample's image; a missing or undecodable one is a :class:`DatasetError` naming it."""
+    if "jpg" not in s.files:
+        raise _damaged(f"{url}: {shard}", url, f"sample {s.key!r} has no .jpg ({sorted(s.files)})")
+    try:
+        return phash(s.files["jpg"])
+    except Exception as exc:  # any decoder error (PIL raises several kinds) is this image's damage
+        raise _damaged(f"{url}: {shard}", url, f"sample {s.key!r}: corrupt image: {type(exc).__name__}: {exc}") from exc
 
 
 def hash_dataset(url: str, *, endpoint_url: str | None = None, progress: bool = True) -> pa.Table:
@@ -216,22 +242,22 @@ def hash_dataset(url: str, *, endpoint_url: str | None = None, progress: bool = 
     storage = open_storage(url, endpoint_url=endpoint_url)
     total = sum(sp.samples for sp in read_meta(storage).splits.values())
     cols: dict[str, list[Any]] = {"split": [], "shard": [], "key": [], "phash": []}
-    batch: list[tuple[str, str, str, bytes]] = []
+    batch: list[tuple[str, str, ShardSample]] = []
     bar = Progress(total, f"hash {storage.url}", unit="img", enabled=progress)
     with ThreadPoolExecutor(max_workers=4) as pool, bar:
 
         def flush() -> None:
-            hashes = list(pool.map(lambda t: phash(t[3]), batch))  # PIL decodes outside the GIL
-            for (split, shard, key, _), h in zip(batch, hashes):
+            hashes = list(pool.map(lambda t: _hash_sample(url, t[1], t[2]), batch))  # PIL decodes outside the GIL
+            for (split, shard, sample), h in zip(batch, hashes):
                 cols["split"].append(split)
                 cols["shard"].append(shard)
-                cols["key"].append(key)
+                cols["key"].append(sample.key)
                 cols["phash"].append(h)
             bar.update(len(batch))
             batch.clear()
 
         for split, shard, s in _iter_samples(url, endpoint_url):
-            batch.append((split, shard, s.key, s.files["jpg"]))
+            batch.append((split, shard, s))
             if len(batch) >= 256:
                 flush()
         flush()
@@ -312,11 +338,15 @@ def _dedup_into(out_storage: Storage, train: str, against: list[str], threshold:
                 if s.key in drop:
                     removed[split] = removed.get(split, 0) + 1
                     continue
-                labels = labels_of(s)
+                try:
+                    labels = labels_of(s)
+                except ValueError as exc:  # a hostile label (LabelError)
+                    raise _damaged(train, train, f"sample {s.key!r}: {exc}") from exc
                 if labels is None or "jpg" not in s.files:
-                    raise ValueError(
-                        f"{train}: sample {s.key!r} lacks .jpg or labels; run `vitscale shards verify`"
-                    )
+                    raise _damaged(train, train, f"sample {s.key!r} lacks .jpg or labels ({sorted(s.files)})")
+                if meta.num_classes and not all(0 <= x < meta.num_classes for x in labels):
+                    raise _damaged(train, train, f"sample {s.key!r} has labels {labels} outside "
+                                                 f"[0, {meta.num_classes})")
                 w, h = sizes.get(s.key, (0, 0))
                 writers[split].add(s.key, s.files["jpg"], labels, w, h)
             for split, wr in writers.items():
