@@ -235,3 +235,53 @@ def test_unreadable_files_raise_value_error(tmp_path: Path) -> None:
     torch.save(timm_state_dict(model), tmp_path / "t.pth")
     with pytest.raises(ValueError, match="without a vitscale header"):
         create_from_weights(tmp_path / "t.pth")
+
+
+def test_an_npz_of_another_head_count_is_refused(tmp_path: Path) -> None:
+    """Its q/k/v kernels reshape to the very matrices the model holds, split into other heads: loaded, the
+    model's attention computed something else, without a word."""
+    export_npz(randomize(tiny_vit(heads=4)), tmp_path / "4heads.npz")
+    with pytest.raises(ValueError, match=rf"checkpoint {tmp_path / '4heads.npz'} \(npz\) does not fit .*"
+                                         r"encoderblock_0/MultiHeadDotProductAttention_1/query/kernel.* "
+                                         r"\(32, 4, 8\) is not 2 heads"):
+        load_pretrained(tiny_vit(), tmp_path / "4heads.npz")
+
+
+def _safetensors_with_header(path: Path, meta: str) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tiny_vit().state_dict().items()}, str(path),
+              metadata={"format": "vitscale", "meta": meta})
+
+
+def _pt_with_header(path: Path, meta: object) -> None:
+    torch.save({"format": "vitscale", "version": 1, "meta": meta, "state_dict": tiny_vit().state_dict()}, path)
+
+
+@pytest.mark.parametrize(("name", "write", "says"), [
+    ("objects.npz", lambda p: np.savez(p, x=np.array([{"a": 1}], dtype=object)), "Object arrays cannot be loaded"),
+    ("badjson.safetensors", lambda p: _safetensors_with_header(p, "{not json"), "its vitscale header is not JSON"),
+    ("list.safetensors", lambda p: _safetensors_with_header(p, "[1]"), "its vitscale header is a list, not a mapping"),
+    ("list.pth", lambda p: _pt_with_header(p, [1, 2]), "its vitscale header is a list, not a mapping"),
+    ("partial.pth", lambda p: _pt_with_header(p, {"name": "ViT-Ti/8"}), "its vitscale header needs name .* got {'name'"),
+    ("classes.pth", lambda p: _pt_with_header(p, {"name": "ViT-Ti/8", "num_classes": "five", "img_size": 32}),
+     "its vitscale header needs name .*'num_classes': 'five'"),
+    ("unknown.pth", lambda p: _pt_with_header(p, {"name": "ViT-Zz/3", "num_classes": 5, "img_size": 32}),
+     "its vitscale header names no model vitscale builds: unknown model name 'ViT-Zz/3'"),
+])
+def test_a_damaged_file_is_a_value_error_naming_it(tmp_path: Path, name: str, write, says: str) -> None:
+    """Once a TypeError (a header that is a list), or a ValueError that named no file (numpy's, json's)."""
+    path = tmp_path / name
+    write(path)
+    for read in (lambda: load_pretrained(tiny_vit(), path), lambda: create_from_weights(path)):
+        with pytest.raises(ValueError, match=f"cannot read checkpoint {path}: {says}"):
+            read()
+
+
+def test_a_position_table_that_cannot_be_resampled_names_the_file(tmp_path: Path) -> None:
+    sd = timm_state_dict(tiny_vit())
+    sd["pos_embed"] = torch.zeros(1, 1 + 10, 32)  # 10 patches: no square grid
+    torch.save(sd, tmp_path / "odd.pth")
+    with pytest.raises(ValueError, match=rf"checkpoint {tmp_path / 'odd.pth'}: pos_embed \(1, 11, 32\) does not fit "
+                                         r"the model's \(1, 17, 32\): cannot infer the source grid of 10"):
+        load_pretrained(tiny_vit(), tmp_path / "odd.pth")

@@ -38,6 +38,7 @@ from vitscale.models.factory import create_from_meta, model_meta
 from vitscale.models.hybrid import HybridEmbed
 from vitscale.models.posemb import resample_1d, resample_posemb, resample_relative_table
 from vitscale.models.resnet import ResNetStage, ResNetV2
+from vitscale.models.variants import parse_model_name
 from vitscale.models.vit import VisionTransformer
 
 __all__ = ["LoadReport", "create_from_weights", "export_npz", "export_state_dict", "load_pretrained",
@@ -116,14 +117,22 @@ def _attention_rules(name: str, prefix: str, heads: int) -> list[_Rule]:
         d = w.shape[1]
         return [p.reshape(heads, -1, d).transpose(2, 0, 1) for p in np.split(w, 3, axis=0)]
 
+    def fits(a: list[np.ndarray], axis: int) -> list[np.ndarray]:
+        # A file of another head count reshapes to the same matrix, but splits it into other heads: a model
+        # whose attention computes something else. Refused (the caller names the entries), never loaded.
+        for k in a:
+            if k.ndim <= axis or k.shape[axis] != heads:
+                raise ValueError(f"{tuple(k.shape)} is not {heads} heads (the model's)")
+        return a
+
     def out_to_torch(a: list[np.ndarray]) -> np.ndarray:
-        k = a[0]
+        k = fits(a, 0)[0]
         return k.reshape(-1, k.shape[-1]).T
 
     return [
-        _Rule(f"{name}.qkv.weight", qkv, lambda a: np.concatenate([k.reshape(k.shape[0], -1).T for k in a]),
+        _Rule(f"{name}.qkv.weight", qkv, lambda a: np.concatenate([k.reshape(k.shape[0], -1).T for k in fits(a, 1)]),
               qkv_to_npz),
-        _Rule(f"{name}.qkv.bias", qkv_b, lambda a: np.concatenate([b.reshape(-1) for b in a]),
+        _Rule(f"{name}.qkv.bias", qkv_b, lambda a: np.concatenate([b.reshape(-1) for b in fits(a, 0)]),
               lambda w: [p.reshape(heads, -1) for p in np.split(w, 3)]),
         _Rule(f"{name}.proj.weight", (f"{prefix}out/kernel",), out_to_torch,
               lambda w: [w.T.reshape(heads, -1, w.shape[0])]),
@@ -268,19 +277,37 @@ def read_weights(path: str | Path) -> tuple[str, dict[str, Any], dict[str, Any] 
                 header = f.metadata() or {}
             sd = load_file(str(p))
             if header.get("format") == "vitscale":
-                return "vitscale", dict(sd), json.loads(header.get("meta", "{}"))
+                try:
+                    meta = json.loads(header.get("meta", "{}"))
+                except ValueError as exc:
+                    raise ValueError(f"its vitscale header is not JSON ({exc})") from exc
+                return "vitscale", dict(sd), _vitscale_header(meta)
             return "timm", _unwrap(sd), None
         obj = torch.load(p, map_location="cpu", weights_only=True)
-    except ValueError:
-        raise
+        if isinstance(obj, Mapping) and obj.get("format") == "vitscale":
+            return "vitscale", _unwrap(obj.get("state_dict")), _vitscale_header(obj.get("meta"))
+        return "timm", _unwrap(obj), None
+    except ValueError as exc:  # numpy's refusal of pickled arrays, a damaged header: named with the file
+        raise ValueError(f"cannot read checkpoint {p}: {exc}") from exc
     except Exception as exc:  # pickle/zip/safetensors errors: one user-facing error type
         raise ValueError(f"cannot read checkpoint {p}: {_why_unreadable(exc)}") from exc
-    if isinstance(obj, Mapping) and obj.get("format") == "vitscale":
-        return "vitscale", _unwrap(obj.get("state_dict")), dict(obj.get("meta") or {})
+
+
+def _vitscale_header(meta: Any) -> dict[str, Any]:
+    """A vitscale export's header as `export_state_dict` writes it; anything else a ValueError (a list where
+    the mapping goes was a TypeError, a header without `name` a KeyError, in whoever read it next)."""
+    if not isinstance(meta, Mapping):
+        raise ValueError(f"its vitscale header is a {type(meta).__name__}, not a mapping")
+    kinds = {"name": str, "num_classes": int, "img_size": int}
+    wrong = [k for k, kind in kinds.items() if not isinstance(meta.get(k), kind) or isinstance(meta.get(k), bool)]
+    if wrong or not isinstance(meta.get("overrides") or {}, Mapping):
+        raise ValueError(f"its vitscale header needs name (text), num_classes and img_size (integers) and "
+                         f"overrides (a mapping, if any); got {dict(meta)}")
     try:
-        return "timm", _unwrap(obj), None
+        parse_model_name(meta["name"])
     except ValueError as exc:
-        raise ValueError(f"cannot read checkpoint {p}: {exc}") from exc
+        raise ValueError(f"its vitscale header names no model vitscale builds: {exc}") from exc
+    return dict(meta)
 
 
 def _why_unreadable(exc: Exception) -> str:
@@ -361,7 +388,10 @@ def load_pretrained(model: nn.Module, path: str | Path) -> LoadReport:
     """
     fmt, raw, meta = read_weights(path)
     if fmt == "npz":
-        sd, unexpected = _npz_to_state_dict(raw, model)
+        try:
+            sd, unexpected = _npz_to_state_dict(raw, model)
+        except ValueError as exc:  # entries that do not convert (other dims, other heads): name the file
+            raise ValueError(f"checkpoint {path} (npz) does not fit {type(model).__name__}: {exc}") from exc
     else:
         sd, unexpected = _from_timm(raw, model), []
     target = model.state_dict(keep_vars=True)
@@ -385,7 +415,11 @@ def load_pretrained(model: nn.Module, path: str | Path) -> LoadReport:
             if name.startswith(_HEAD_PREFIXES):
                 dropped.append(name)
                 continue
-            res = _resample(name, src, dst, model, file_prefix, meta)
+            try:
+                res = _resample(name, src, dst, model, file_prefix, meta)
+            except ValueError as exc:  # a table that cannot be resampled (say, not a square grid): name the file
+                raise ValueError(f"checkpoint {path}: {name} {tuple(src.shape)} does not fit the model's "
+                                 f"{tuple(dst.shape)}: {exc}") from exc
             if res is None:
                 mismatched.append(f"{name} file {tuple(src.shape)} vs model {tuple(dst.shape)}")
                 continue
