@@ -123,6 +123,29 @@ def test_image_list_errors_name_the_problem(tmp_path: Path) -> None:
         open_source(f"list:{tmp_path / 'n.csv'}", classes=["a", "b"])
 
 
+def test_a_spreadsheets_csv_reads_and_a_binary_one_is_one_error(tmp_path: Path) -> None:
+    """Excel's "CSV UTF-8" starts with a byte-order mark: it glued itself to the first column's name
+    ("missing image path column"). A file that is not UTF-8 was a UnicodeDecodeError traceback."""
+    from vitscale.config.errors import UserError
+
+    _png(tmp_path / "a.png", (1, 2, 3))
+    (tmp_path / "excel.csv").write_bytes(b"\xef\xbb\xbfpath,label\r\na.png,dog\r\n")
+    assert open_source(f"list:{tmp_path / 'excel.csv'}").classes == ("dog",)
+    (tmp_path / "utf16.csv").write_bytes("path,label\na.png,dog\n".encode("utf-16"))
+    with pytest.raises(UserError, match=rf"^image list {re.escape(str(tmp_path / 'utf16.csv'))}: cannot read it as "
+                                        "UTF-8 CSV"):
+        open_source(f"list:{tmp_path / 'utf16.csv'}")
+
+
+def test_a_mistyped_huge_class_id_is_an_error_not_every_class_below_it(tmp_path: Path) -> None:
+    """Without classes= the count is the largest id + 1: a 20-digit id built a name for every class below it
+    until the process was killed for memory."""
+    (tmp_path / "m.csv").write_text("path,label\na.png,1\nb.png,99999999999999999999\n")
+    with pytest.raises(ValueError, match=r"label 99999999999999999999 outside \[0, 1048576\); more than 1048576 "
+                                         "classes need classes= naming them"):
+        open_source(f"list:{tmp_path / 'm.csv'}")
+
+
 def test_open_source_validates() -> None:
     with pytest.raises(ValueError, match="unknown source"):
         open_source("jft300m")

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from vitscale.config.errors import UserError
+from vitscale.data.loader.labels import MAX_CLASSES
 from vitscale.data.tools.keys import unique_keys
 from vitscale.data.tools.source_base import Sample, Source, SourceKind
 
@@ -63,8 +64,13 @@ def _read_table(path: Path) -> list[dict[str, Any]]:
         except (pa.ArrowInvalid, OSError) as exc:  # not a parquet file, or a damaged one
             raise UserError(f"image list {path}: cannot read it as parquet: {exc}") from None
     if path.suffix.lower() in (".csv", ".tsv"):
-        with open(path, newline="") as f:
-            return list(csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ","))
+        # utf-8-sig: spreadsheets (Excel's "CSV UTF-8") start the file with a byte-order mark, which read as
+        # text glued itself to the first column's name ('\ufeffpath': "missing image path column").
+        try:
+            with open(path, newline="", encoding="utf-8-sig") as f:
+                return list(csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ","))
+        except (UnicodeDecodeError, csv.Error) as exc:  # another encoding, or a binary file named .csv
+            raise UserError(f"image list {path}: cannot read it as UTF-8 {path.suffix[1:].upper()}: {exc}") from None
     raise UserError(f"image list {path} must be .parquet, .csv or .tsv")
 
 
@@ -116,11 +122,15 @@ class ImageListSource(Source):
         flat = {t for ts in tokens for t in ts}
         if all(re.fullmatch(r"-?\d+", t) for t in flat):
             ids = [[int(t) for t in ts] for ts in tokens]
-            k = len(classes) if classes is not None else max(max(i) for i in ids) + 1
+            # Without classes= the count is the largest id + 1: bounded, since one mistyped id (a 20-digit
+            # number) once built a name for every class below it until the machine ran out of memory.
+            k = len(classes) if classes is not None else min(max(max(i) for i in ids) + 1, MAX_CLASSES)
             bad = [i for ts in ids for i in ts if not 0 <= i < k]
             if bad:
                 raise UserError(
-                   f"image list {self.path}: label {bad[0]} outside [0, {k}); pass classes= to name all {k}"
+                   f"image list {self.path}: label {bad[0]} outside [0, {k}); "
+                   + (f"more than {k} classes need classes= naming them" if classes is None and k == MAX_CLASSES
+                      else f"pass classes= to name all {k}")
                 )
             self.classes = tuple(classes) if classes is not None else tuple(str(i) for i in range(k))
         else:
