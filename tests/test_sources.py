@@ -52,6 +52,17 @@ def test_folder_source_errors(tmp_path: Path) -> None:
         open_source(f"folder:{tmp_path}")
 
 
+def test_a_broken_link_is_an_unreadable_file_not_left_out(tmp_path: Path) -> None:
+    """It was skipped without a word: the dataset one image short, nothing in bad_files."""
+    from vitscale.data.tools.write import write_dataset
+
+    _png(tmp_path / "src" / "cat" / "a.png", (1, 2, 3))
+    (tmp_path / "src" / "cat" / "moved.png").symlink_to(tmp_path / "elsewhere" / "moved.png")
+    assert len(open_source(f"folder:{tmp_path / 'src'}")) == 2
+    meta = write_dataset(f"folder:{tmp_path / 'src'}", str(tmp_path / "ds"), progress=False)
+    assert [b["file"] for b in meta["bad_files"]] == [str(tmp_path / "src" / "cat" / "moved.png")]
+
+
 @given(st.lists(st.text(min_size=0, max_size=12), max_size=30))
 def test_unique_keys_are_safe_and_unique(raw: list[str]) -> None:
     keys = _unique_keys(raw)

@@ -18,6 +18,12 @@ from vitscale.data.tools.source_base import IMAGE_EXTENSIONS, Sample, Source, So
 __all__ = ["SOURCE", "FolderSource"]
 
 
+def _image_file(p: Path) -> bool:
+    """An image by its name: a file, or a broken link (a mirror whose targets moved), listed so that the write
+    counts it among its unreadable files instead of leaving the image out without a word."""
+    return (p.is_file() or (p.is_symlink() and not p.exists())) and p.suffix.lower() in IMAGE_EXTENSIONS
+
+
 class FolderSource(Source):
     """ImageNet layout: ``root/<class name>/**/<image>``, classes sorted by name; or ``root/<image>`` unlabelled."""
 
@@ -26,7 +32,7 @@ class FolderSource(Source):
         if not self.root.is_dir():
             raise UserError(f"folder source: {self.root} is not a directory")
         class_dirs = sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
-        loose = sorted(p for p in self.root.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+        loose = sorted(p for p in self.root.iterdir() if _image_file(p))
         if class_dirs and loose:
             raise UserError(f"folder source: {self.root} holds both images ({loose[0].name}, ...) and sub-folders "
                             f"({class_dirs[0].name}, ...): one sub-folder per class, or images alone (unlabelled)")
@@ -37,7 +43,7 @@ class FolderSource(Source):
         files: list[tuple[Path, int | None]] = [(p, None) for p in loose]
         for ci, d in enumerate(class_dirs):
             for p in sorted(d.rglob("*")):
-                if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS:
+                if _image_file(p):
                     files.append((p, ci))
         if not files:
             raise UserError(f"folder source: no images ({sorted(IMAGE_EXTENSIONS)}) under {self.root}: expected one "
