@@ -228,6 +228,23 @@ def test_verify_names_bad_shards(digits_ds: str, tmp_path: Path) -> None:
     assert any(p.startswith("minival-000000.tar") and "missing from _index.parquet" in p for p in problems)
 
 
+def test_verify_says_a_repeated_key_once_not_as_phantom_mismatches(tmp_path: Path) -> None:
+    """A WebDataset tar may repeat a key (not consecutively: two samples, as `shards index` keeps them). Verify
+    matched every tar sample to the key's last row: a byte-range mismatch and a row count one short, both false."""
+    from vitscale.data.tools.adopt import index_shards
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, "JPEG")
+    with tarfile.open(tmp_path / "train-000000.tar", "w") as tf:
+        for key, cls in (("a", b"0"), ("b", b"1"), ("a", b"1")):
+            for ext, data in (("jpg", buf.getvalue()), ("cls", cls)):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    index_shards(str(tmp_path), progress=False)
+    assert verify_dataset(str(tmp_path)) == ["_index.parquet: key 'a' (train-000000.tar) appears more than once"]
+
+
 def test_stats_and_format(digits_ds: str) -> None:
     stats = dataset_stats(digits_ds)
     assert stats["shards"] == 5 and stats["samples"] == 1797 and stats["classes"] == 10

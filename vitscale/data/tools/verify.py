@@ -75,13 +75,15 @@ def verify_dataset(url: str, *, endpoint_url: str | None = None, progress: bool 
         return [f"{url}: cannot load {META_NAME}/{INDEX_NAME}: {exc}"]
     problems: list[str] = []
     num_classes = meta.num_classes
-    idx: dict[tuple[str, str], dict[str, Any]] = {}
+    # (shard, key) -> its rows: a key twice in a shard (WebDataset tars repeat keys; `shards index` keeps each
+    # as its sample) is matched by byte range, so the one problem said is the repeat, not a phantom mismatch.
+    idx: dict[tuple[str, str], list[dict[str, Any]]] = {}
     keys: set[str] = set()
     for r in index.to_pylist():
         if r["key"] in keys:
             problems.append(f"{INDEX_NAME}: key {r['key']!r} ({r['shard']}) appears more than once")
         keys.add(r["key"])
-        idx[(r["shard"], r["key"])] = r
+        idx.setdefault((r["shard"], r["key"]), []).append(r)
     listed = {sh.name: (split, sh) for split, sp in meta.splits.items() for sh in sp.shards}
     if SHARD_ROOT in meta.extra:  # adopted shards indexed elsewhere (`shards index --out`)
         storage = open_storage(str(meta.extra[SHARD_ROOT]), endpoint_url=endpoint_url)
@@ -91,8 +93,9 @@ def verify_dataset(url: str, *, endpoint_url: str | None = None, progress: bool 
     stray = sorted(n for n in storage.list() if n.endswith(".tar") and n not in listed)
     problems += [f"{n}: shard not listed in {META_NAME}" for n in stray]
     indexed: dict[str, int] = {}
-    for r in idx.values():
-        indexed[r["shard"]] = indexed.get(r["shard"], 0) + 1
+    for rows in idx.values():
+        for r in rows:
+            indexed[r["shard"]] = indexed.get(r["shard"], 0) + 1
     for name in sorted(set(indexed) - set(listed)):
         problems.append(f"{name}: in {INDEX_NAME} but not in {META_NAME}")
     for split, sp in meta.splits.items():
@@ -109,7 +112,7 @@ def verify_dataset(url: str, *, endpoint_url: str | None = None, progress: bool 
 
 
 def _verify_shard(
-    storage: Storage, name: str, split: str, sh: ShardMeta, idx: dict[tuple[str, str], dict[str, Any]],
+    storage: Storage, name: str, split: str, sh: ShardMeta, idx: dict[tuple[str, str], list[dict[str, Any]]],
     n_indexed: int, num_classes: int, left_out: AbstractSet[tuple[str, str]] = frozenset(), index_labels: bool = False,
 ) -> list[str]:
     problems: list[str] = []
@@ -125,7 +128,8 @@ def _verify_shard(
                 if (name, s.key) in left_out:
                     continue
                 count += 1
-                row = idx.get((name, s.key))
+                rows = idx.get((name, s.key), [])
+                row = next((r for r in rows if r["offset"] == s.offset), rows[0] if rows else None)
                 try:
                     # An unlabelled dataset (num_classes 0) reads no label member: images alone.
                     labels = None if index_labels else [] if num_classes == 0 else labels_of(s)
