@@ -224,6 +224,18 @@ def test_reindex_keeps_every_row_and_says_so_once(images, capsys) -> None:
     assert json.loads(capsys.readouterr().out)["rewritten"] is False
 
 
+def test_reindex_of_an_index_another_tool_rewrote_names_it_once(images, tmp_path, capsys) -> None:
+    """The check's own line, not wrapped again in 'cannot read <index>: <index>: ...'."""
+    legacy = shutil.copytree(images[0], tmp_path / "legacy")
+    table = pq.read_table(legacy / INDEX_NAME)
+    pq.write_table(table.set_column(table.column_names.index("offset"), "offset",
+                                    table.column("offset").cast(pa.string())), legacy / INDEX_NAME)
+    capsys.readouterr()
+    assert main(["shards", "reindex", str(legacy)]) == 2
+    assert capsys.readouterr().err == (f"vitscale: error: {legacy / INDEX_NAME}: column 'offset' is string, the "
+                                       "contract has integers: a damaged index, or one another tool rewrote\n")
+
+
 def test_a_legacy_index_is_read_and_names_the_command_that_rewrites_it(images, tmp_path, caplog) -> None:
     legacy = shutil.copytree(images[0], tmp_path / "legacy")  # said once per index and process: a new one
     caplog.set_level(logging.WARNING, logger="vitscale.data.format.split")

@@ -266,7 +266,7 @@ class IndexFile:
         """``fn()``, an unreadable file a :class:`DatasetError` naming it (storage failures stay what they are)."""
         try:
             return fn()
-        except StorageError:
+        except (StorageError, DatasetError):  # a DatasetError names the file already
             raise
         except FileNotFoundError as exc:
             raise DatasetError(f"no index at {self.url}") from exc
@@ -347,10 +347,7 @@ def reindex(url: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
     if before.layout is not None:
         return {"index": before.url, "rewritten": False, "row_groups": before.metadata.num_row_groups,
                 "rows": before.metadata.num_rows}
-    table = before._call(lambda: read_index(storage))
-    lacking = {"split", "shard", "key", "offset", "size"} - set(table.column_names)
-    if lacking:
-        raise DatasetError(f"{before.url} lacks columns {sorted(lacking)}")
+    table = before._call(lambda: read_index(storage))  # its columns checked (`check_index_schema`)
     storage.write_bytes(INDEX_NAME, index_bytes(table, meta))
     after = IndexFile(storage, storage.size(INDEX_NAME))
     if after.layout is None or after.metadata.num_rows != table.num_rows:
