@@ -178,6 +178,24 @@ def test_png_named_jpg_still_decodes():
     assert out[0, :, :4].mean() > 200
 
 
+def _png(array: np.ndarray, mode: str | None = None) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array, mode).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(("data", "mean"), [
+    # A 16-bit grey ramp over [0, 65535]: scaled to 8 bits (about 127 on average), as the writer does;
+    # PIL's convert("RGB") clipped it at 255, an image 99% white.
+    (_png(np.linspace(0, 65535, 64 * 64).reshape(64, 64).astype(np.uint16)), 127.5),
+    # Fully transparent: white, as the writer composites it; dropping alpha gave black.
+    (_png(np.zeros((64, 64, 4), np.uint8), "RGBA"), 255.0),
+])
+def test_a_png_in_an_adopted_tar_reads_as_the_writer_would_write_it(data, mean):
+    out = _decode(data, TransformSpec(resolution=32, train=False, eval_crop=1.0))
+    assert abs(out.mean() - mean) < 3, out.mean()
+
+
 def test_corrupt_and_truncated_images_are_bad_samples():
     data = _jpeg(_photo(300, 200))
     for bad in [b"not an image", data[: len(data) // 2], data[:200] + b"\0" * 4000]:

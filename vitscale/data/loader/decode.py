@@ -31,6 +31,7 @@ from PIL import Image
 
 from vitscale.data.loader.tar import BadSample
 from vitscale.data.loader.transforms import CropBox, TransformSpec, crop_box
+from vitscale.data.tools.images import to_rgb
 
 __all__ = ["MAX_PIXELS", "decode_image_into"]
 
@@ -61,7 +62,9 @@ def _decode_rgb(data: bytes, width: int, height: int, k: int) -> np.ndarray:
         with Image.open(io.BytesIO(data)) as img:
             # draft() picks a power-of-two DCT scale whose size is >= the requested one.
             img.draft("RGB", (-(-width // k), -(-height // k)))
-            return np.array(img.convert("RGB"))  # writable: torch.from_numpy wants that
+            # The writer's rules for every mode (tools/images.py), not PIL's convert("RGB"): a 16-bit PNG in an
+            # adopted tar came out 99% white (clipped at 255), a transparent one black where a written one is white.
+            return np.array(to_rgb(img))  # writable: torch.from_numpy wants that
     except Exception as exc:  # any decoder failure on untrusted bytes is a bad sample
         raise BadSample(f"corrupt image: {type(exc).__name__}: {exc}") from exc
 
