@@ -98,6 +98,35 @@ def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:
         load_pipeline(tmp_path / "absent.yaml")
 
 
+def test_a_file_that_is_not_utf8_is_one_line_naming_it(tmp_path: Path) -> None:
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="not UTF-8") as err:
+        load_pipeline(latin1)
+    assert err.value.key == "<file>" and err.value.source == str(latin1)
+
+
+@pytest.mark.parametrize("text", [
+    "train: {base_lr: 0.1}\ntrain: {micro_batch: 8}\n",  # a second section would drop the first's settings
+    "train:\n  base_lr: 0.1\n  base_lr: 0.2\n",
+    "cluster: {num_workers: 1, num_workers: 2}\n",
+])
+def test_a_key_given_twice_is_refused_not_overwritten(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="twice in one mapping"):
+        load_pipeline(path)
+    with pytest.raises(ConfigError, match="twice in one mapping"):
+        load_pipeline(write(tmp_path, {}), ["train.deepspeed={a: 1, a: 2}"])
+
+
+def test_yaml_merge_keys_are_not_repeats(tmp_path: Path) -> None:
+    path = tmp_path / "merge.yaml"
+    path.write_text("train: &t {base_lr: 0.1, micro_batch: 8, global_batch: 64}\n"
+                    "finetune: {train: {<<: *t, base_lr: 0.2}}\n")
+    assert load_pipeline(path).finetune.train["base_lr"] == 0.2
+
+
 def test_bad_override_names_the_key(tmp_path: Path) -> None:
     path = write(tmp_path, {})
     with pytest.raises(ConfigError, match="train.base_lr"):

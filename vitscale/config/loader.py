@@ -27,15 +27,43 @@ from vitscale.config.pipeline import PipelineConfig
 from vitscale.config.suggest import did_you_mean
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """`yaml.safe_load`, except that a key written twice in one mapping is an error. PyYAML keeps the last
+    one silently: a second `train:` section would drop every setting of the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` lays a mapping under this one's own keys: that is no repeat
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"found key {key!r} twice in one mapping (only the last would count): keep one",
+                    key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str) -> Any:
+    """YAML text as plain data, as `yaml.safe_load` reads it but refusing a key given twice in a mapping."""
+    return yaml.load(text, Loader=_UniqueKeys)  # a SafeLoader: plain data only
+
+
 def _read_mapping(path: Path, _seen: frozenset) -> dict[str, Any]:
     """The YAML mapping of one pipeline file, with any `extends:` base merged underneath it."""
     source = str(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError("<file>", f"cannot read pipeline file: {exc.strerror}", source) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError("<file>", f"is not UTF-8 text (byte {exc.start}): a pipeline file is YAML, save it as "
+                                    "UTF-8", source) from None
     try:
-        raw = yaml.safe_load(text)
+        raw = parse_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError("<file>", f"is not valid YAML: {exc}", source) from None
     if raw is None:
@@ -154,7 +182,7 @@ def apply_override(raw: dict[str, Any], item: str) -> dict[str, Any]:
     key, _, text = item.partition("=")
     key = key.strip()
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = parse_yaml(text) if text.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(key, f"cannot parse value {text!r}: {exc}", "--set") from None
     out = json.loads(json.dumps(raw))  # deep copy of plain YAML data
