@@ -47,6 +47,9 @@ def test_combinations_are_the_grid_in_order() -> None:
     ({"space": {"model.bogus_option": [1]}}, "sweep.space.model.bogus_option"),
     ({"space": {"finetune.train.base_lr": []}}, "sweep.space.finetune.train.base_lr"),
     ({"scheduler": "hyperband"}, "sweep.scheduler"),
+    ({"metric": "dev_acc"}, "sweep.metric"),  # no trial reports it: found out only after every trial ran
+    ({"metric": "loss"}, "sweep.metric"),  # maximised: a loss would select the worst trial
+    ({"metric": "dev_accuracy_polyak"}, "sweep.metric"),  # reported only with finetune.train.polyak
     ({"target": "pretrain", "space": {"finetune.train.base_lr": [0.1]}}, "sweep.space.finetune.train.base_lr"),
     ({"workers_per_trial": 2}, "finetune.train.global_batch"),  # 8 images cannot split as 8 per worker over 2
     ({"space": {"finetune.train.micro_batch": [4, 3]}}, "finetune.train.global_batch"),  # trial 2: 8 % 3
@@ -55,6 +58,12 @@ def test_bad_sweeps_are_refused_before_any_trial(sweep: dict, key: str) -> None:
     with pytest.raises(ConfigError) as err:
         build_pipeline(sweep_pipeline(sweep=sweep))
     assert err.value.key == key
+
+
+def test_a_sweep_may_select_on_the_polyak_averaged_weights() -> None:
+    config = build_pipeline(sweep_pipeline(sweep={"metric": "dev_accuracy_polyak"},
+                                           finetune={"train": {"polyak": 0.999}}))
+    assert config.sweep.metric == "dev_accuracy_polyak"
 
 
 def test_a_regularisation_sweep_tunes_pretraining() -> None:

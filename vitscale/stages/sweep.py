@@ -56,6 +56,10 @@ if TYPE_CHECKING:  # Ray is imported lazily, inside the stage
 
 TARGETS = {"finetune": ("finetune.", "model."), "pretrain": ("train.", "model.", "data.")}
 """What a sweep tunes, and the config sections its hyper-parameters may come from."""
+METRICS = ("dev_accuracy", "dev_accuracy_polyak")
+"""What a trial reports on its dev carve (`train/evaluate.py`: the raw weights, and the Polyak-averaged ones
+when `polyak` is set): Tune selects on one of these, and a name no trial reports would be found missing only
+after every trial had run."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,8 @@ class SweepConfig:
     num_samples: int = 8
     """Trials drawn by the random scheduler."""
     metric: str = "dev_accuracy"
-    """Selection metric (maximised), measured on the dev carve of the training split."""
+    """Selection metric (maximised), measured on the dev carve of the training split: "dev_accuracy", or
+    "dev_accuracy_polyak" (the Polyak-averaged weights: the trials' `polyak` must be set)."""
     max_concurrent: int | None = None
     """Trials at once; null = as many as the cluster's CPUs/GPUs fit with `workers_per_trial` each."""
     workers_per_trial: int | None = None
@@ -100,6 +105,7 @@ class SweepConfig:
     def validate(self) -> None:
         one_of(self.target, tuple(TARGETS), "sweep.target")
         one_of(self.scheduler, ("grid", "random", "asha"), "sweep.scheduler")
+        one_of(self.metric, METRICS, "sweep.metric")
         for key, values in self.space.items():
             check(bool(values), f"sweep.space.{key}", "needs at least one value")
         for key in ("num_samples", "max_concurrent", "workers_per_trial", "grace_period", "evaluations"):
@@ -188,6 +194,8 @@ def check_sweep(config: PipelineConfig) -> None:
         recipe, section = ((finetune_section(trial).train_config(), "finetune.train") if sweep.target == "finetune"
                            else (trial.section("train", TrainConfig), "train"))
         try:
+            check(not sweep.metric.endswith("_polyak") or recipe.polyak is not None, "sweep.metric",
+                  f"{sweep.metric} is measured with Polyak-averaged weights: set {section}.polyak (e.g. 0.9999)")
             recipe.check_batch_split(workers, section, workers_key)
             check_settings(recipe, section)
         except ConfigError as exc:
