@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from PIL import Image
 
+from vitscale.config.checks import ConfigError
 from vitscale.data.format import (
     INDEX_NAME,
     META_NAME,
@@ -172,6 +173,8 @@ def test_validation_messages(tmp_path: Path) -> None:
         write_dataset("digits", str(tmp_path), shard_size=0)
     with pytest.raises(ValueError, match="quality"):
         write_dataset("digits", str(tmp_path), quality=100)
+    with pytest.raises(ConfigError, match="seed"):  # `vitscale shards write --seed -1`: was NumPy's traceback
+        write_dataset("digits", str(tmp_path), seed=-1)
     with pytest.raises(FileNotFoundError, match="dataset.json"):
         read_meta(str(tmp_path / "nothing"))
 

@@ -29,6 +29,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from vitscale.config.checks import check, positive_int
+from vitscale.config.checks import seed as check_seed
 from vitscale.config.errors import UserError
 from vitscale.data.config import check_splits
 from vitscale.data.format import (
@@ -297,6 +298,7 @@ def write_dataset(
     """
     max_pixels = MAX_PIXELS if max_pixels is None else max_pixels
     _check_options(shard_size, max_bad, max_pixels, max_side, quality, chroma)
+    check_seed(seed, "seed")  # NumPy refuses a negative one deep in the split's shuffle
     opts = dict(source_options or {})
     if source.partition(":")[0] in ("synthetic", "fractal"):
         opts.setdefault("seed", seed)
