@@ -47,6 +47,9 @@ BAD: list[tuple[str, Any, str]] = [
     ("model.head_bias_init", NAN, "model.head_bias_init"), ("model.dropout", 1.0, "model.dropout"),
     ("model.img_size", 20, "model"),  # 20 px is not a whole number of 8 px patches
     ("cluster.cpus_per_worker", NAN, "cluster.cpus_per_worker"), ("cluster.cpus_per_worker", -1, "cluster.cpus_per_worker"),
+    # longer than a thread's timer can wait: the SIGTERM and Ctrl-C timers died of an OverflowError
+    ("cluster.preemption_grace_s", INF, "cluster.preemption_grace_s"),
+    ("cluster.preemption_grace_s", 1e20, "cluster.preemption_grace_s"),
     # a metrics port range that overflows, an address nothing can bind
     ("train.metrics_port", 65535, "train.metrics_port"), ("train.metrics_addr", "my host", "train.metrics_addr"),
     # names that become paths

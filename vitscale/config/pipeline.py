@@ -9,11 +9,12 @@ says the same thing explicitly.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar, overload
 
-from vitscale.config.checks import check, finite, plain_name, positive
+from vitscale.config.checks import check, finite, non_negative, plain_name, positive
 from vitscale.config.location import STORAGE_KEY, canonical_location, run_location
 
 
@@ -119,8 +120,11 @@ class ClusterConfig:
         positive(self.gpus_per_worker, "cluster.gpus_per_worker")
         check(self.max_failures >= -1, "cluster.max_failures", f"must be >= -1, got {self.max_failures}")
         positive(self.elastic_resize_s, "cluster.elastic_resize_s")
-        check(self.preemption_grace_s >= 0, "cluster.preemption_grace_s",
-              f"must be >= 0, got {self.preemption_grace_s}")
+        non_negative(self.preemption_grace_s, "cluster.preemption_grace_s")
+        # Each worker and the driver wait it out on a thread timer, which cannot take longer (an OverflowError
+        # in that thread: the run would never leave after a SIGTERM, nor abort after a Ctrl-C).
+        check(self.preemption_grace_s <= threading.TIMEOUT_MAX, "cluster.preemption_grace_s",
+              f"must be at most {threading.TIMEOUT_MAX:.0f} seconds, got {self.preemption_grace_s!r}")
         if self.worker_wait_s is not None:
             finite(self.worker_wait_s, "cluster.worker_wait_s")
             check(self.worker_wait_s > 0, "cluster.worker_wait_s",
