@@ -181,12 +181,19 @@ def test_grid_cells_ids_and_subsets(tmp_path: Path) -> None:
     ({"cells": [{"model": TINY, "size": 5}]}, "study.cells[0].size", "unknown key"),
     ({"models": [TINY, TINY]}, "study.models[1]", "the same cell as study.models[0]"),
     ({}, "study.models", "needs models"),
+    # a column no cell reports: every fit refused, found only after the whole study had run
+    ({"models": [TINY], "fit_metric": "down fewshot 5shot"}, "study.fit_metric", "they report: down fewshot 1shot"),
+    ({"models": [TINY], "transfer": [], "fit_metric": "down fewshot 1shot"}, "study.fit_metric", "report: none"),
 ])
 def test_bad_studies_fail_at_plan_time_naming_the_key(tmp_path: Path, study: dict, key: str, words: str) -> None:
     with pytest.raises(ConfigError) as info:
         _plan(_study(tmp_path, study))
     assert str(info.value).startswith(key) and words in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_a_fit_metric_the_cells_report_plans(tmp_path: Path) -> None:
+    _plan(_study(tmp_path, {"models": [TINY], "fit_metric": "down fewshot 1shot"}))
 
 
 def test_downstream_without_a_test_split_fails_at_plan_time(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from vitscale.models.config import ModelConfig
 from vitscale.scaling.study.cell_pipelines import build_cell, resolve_cells
 from vitscale.scaling.study.config import StudyConfig
 from vitscale.scaling.study.plan import DataFacts, PlannedCell, Pricing, plan_study
+from vitscale.scaling.study.state import planned_columns
 from vitscale.stages.base import Stage, StageContext
 from vitscale.stages.sweep import SweepConfig
 from vitscale.train.config import TrainConfig
@@ -76,6 +77,11 @@ def check_study(config: PipelineConfig) -> None:
     check(bool(study.models) or bool(study.cells), "study.models", "a study needs models (or cells)")
     for cell in resolve_cells(config):
         build_cell(cell, config.source)
+    if study.fit_metric is not None:  # a column no cell reports would leave every fit refused after the study
+        columns = planned_columns(study.transfer, config.fewshot.datasets, config.fewshot.shots,
+                                  config.finetune.data_config().url)
+        check(study.fit_metric in columns, "study.fit_metric",
+              f"{study.fit_metric!r} is no column the cells report; they report: {', '.join(columns) or 'none'}")
 
 
 def data_facts(config: PipelineConfig, *, planning: bool) -> DataFacts:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
@@ -243,6 +243,14 @@ def accuracies(stages: dict[str, Any], finetune_dataset: str | None) -> dict[str
         if isinstance(value, (int, float)) and finetune_dataset:
             out[f"{dataset_name(finetune_dataset)} {stage}"] = float(value)
     return out
+
+
+def planned_columns(transfer: Sequence[str], fewshot_datasets: Sequence[str], shots: Sequence[int],
+                    finetune_dataset: str | None) -> list[str]:
+    """The accuracy columns a study's cells will report (`accuracies`' keys), known before any runs (pure)."""
+    probes = {"fewshot": {url: {f"{k}shot": 0.0 for k in shots} for url in fewshot_datasets}}
+    tested = {stage: {"test_accuracy": 0.0} for stage in ("finetune", "sweep") if stage in transfer}
+    return list(accuracies({**(probes if "fewshot" in transfer else {}), **tested}, finetune_dataset))
 
 
 def dataset_name(url: str) -> str:
