@@ -285,6 +285,12 @@ def test_cli_study_plan_refusal_and_report(tmp_path: Path, capsys: pytest.Captur
     assert main(["study", "recommend", str(tmp_path / "study"), "--budget", "1e-4"]) == 0
     assert "-> ViT" in capsys.readouterr().out
     assert main(["study", "report", str(tmp_path / "nowhere")]) == 2
+    capsys.readouterr()
+    # A column no cell reports: every fit would be refused for want of cells; one line naming the columns.
+    for verb, extra in (("report", []), ("recommend", ["--budget", "1e-4"])):
+        assert main(["study", verb, str(tmp_path / "study"), "--metric", "digits fewshot 50shot", *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "they have: digits fewshot 5shot" in err, err
 
 
 @pytest.mark.parametrize(("name", "content", "words"), [

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vitscale.config.errors import UserError
 from vitscale.scaling.study.fit import (
     FitRefused,
     PowerLawFit,
@@ -140,6 +141,11 @@ def build_report(state: StudyState, out: Path, fit_metric: str | None = None, bo
     rows = cell_rows(plan, records)
     columns = accuracy_columns(rows)
     metric = fit_metric or plan.get("fit_metric") or (columns[0] if columns else None)
+    # Every finished cell reports every column: a metric none has, once some have finished, is a typo that
+    # would leave every fit refused ("0 finished cells") rather than an answer still to come.
+    if metric is not None and columns and metric not in columns:
+        raise UserError(f"no accuracy column {metric!r} in the study's results (--metric, or study.fit_metric); "
+                        f"they have: {', '.join(columns)}")
     fits: dict[str, PowerLawFit] = {}
     refused: dict[str, str] = {}
     backtests: dict[str, list[BacktestRow] | str] = {}

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vitscale.config.checks import ConfigError, check
+from vitscale.config.location import canonical_location
 from vitscale.config.pipeline import PipelineConfig
 from vitscale.data.config import DataConfig
 from vitscale.eval.config import FewshotConfig
@@ -78,8 +79,11 @@ def check_study(config: PipelineConfig) -> None:
     for cell in resolve_cells(config):
         build_cell(cell, config.source)
     if study.fit_metric is not None:  # a column no cell reports would leave every fit refused after the study
-        columns = planned_columns(study.transfer, config.fewshot.datasets, config.fewshot.shots,
-                                  config.finetune.data_config().url)
+        # Named as the run will name them: from the canonical locations (`.` is the folder's own name).
+        probes = [canonical_location(url, "fewshot.datasets") for url in config.fewshot.datasets]
+        downstream = config.finetune.data_config().url
+        columns = planned_columns(study.transfer, probes, config.fewshot.shots,
+                                  canonical_location(downstream, "finetune.data.url") if downstream else None)
         check(study.fit_metric in columns, "study.fit_metric",
               f"{study.fit_metric!r} is no column the cells report; they report: {', '.join(columns) or 'none'}")
 
