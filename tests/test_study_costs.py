@@ -129,6 +129,15 @@ def test_table6_plan_prices_each_model_from_its_flops(tmp_path: Path, capsys: py
     assert "cost" in text and "wall time" in text and "H100 device-hours" in text
 
 
+def test_a_measured_table_named_but_absent_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from vitscale.cli import main
+
+    absent = tmp_path / "RESLUTS.md"  # was passed over: every cell priced from the default MFU, exit 0
+    assert main(["study", "plan", str(PIPELINES / "scaling-study.yaml"), "--set", f"study.mfu_results={absent}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vitscale: error: study.mfu_results: no file") and err.count("\n") == 1, err
+
+
 def test_the_measured_table_prices_a_model_from_its_own_row(tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     import json

@@ -143,6 +143,10 @@ def pricing(config: PipelineConfig) -> Pricing:
         at_once = max(1, int(cpus // max(1, cluster.max_workers * cluster.cpus_per_worker)))
     else:
         at_once = 1  # a cluster's size is not known before it is reached: study.max_concurrent says it
+    # A table named but not there would be passed over in silence, and every cell priced from the estimate.
+    check(not study.mfu_results or Path(study.mfu_results).is_file(), "study.mfu_results",
+          f"no file {study.mfu_results}: name a markdown table with model and MFU columns (benchmarks/RESULTS.md), "
+          "or leave it out")
     candidates = [Path(study.mfu_results)] if study.mfu_results else \
         [Path.cwd() / "benchmarks" / "RESULTS.md", Path(__file__).resolve().parents[2] / "benchmarks" / "RESULTS.md"]
     table, source = [], "benchmarks/RESULTS.md"
