@@ -56,6 +56,9 @@ BAD: list[tuple[str, Any, str]] = [
     ("cluster.run_name", "../elsewhere", "cluster.run_name"), ("cluster.run_name", "a/b", "cluster.run_name"),
     ("data.split", "../train", "data.split"), ("cluster.storage_path", "", "cluster.storage_path"),
     ("data.endpoint_url", "minio:9000", "data.endpoint_url"),
+    # no host, a space, a port that is not a number: boto3 refused them at the first read, naming no key
+    ("data.endpoint_url", "http://", "data.endpoint_url"), ("data.endpoint_url", "http://minio 9000", "data.endpoint_url"),
+    ("data.endpoint_url", "http://minio:port", "data.endpoint_url"),
     # a batch the dataset cannot fill; a local Ray that cannot hold the workers (Ray Train would wait forever)
     ("train.global_batch", 64, "train.global_batch"), ("data.subset", 4, "train.global_batch"),
     ("cluster.cpus_per_worker", 64, "cluster.cpus_per_worker"), ("cluster.local_num_cpus", 1, "cluster.cpus_per_worker"),

@@ -28,6 +28,19 @@ def check_splits(splits: dict[str, float], key: str = "splits") -> None:
           f"fractions must sum to 1, got {sum(splits.values()):.6g} ({splits})")
 
 
+def endpoint_ok(url: str) -> bool:
+    """An S3 endpoint boto3 can take: http(s), a host, a numeric port if any, no white space (boto3 refuses
+    the rest only at the first read, in a line that names no setting)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port that is not a number)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and not any(c.isspace() for c in url)
+
+
 @dataclass(frozen=True)
 class SourceConfig:
     """What `vitscale shards write` would be given; used to create a dataset that is absent."""
@@ -112,8 +125,9 @@ class DataConfig:
         positive(self.shuffle_buffer, f"{s}.shuffle_buffer")
         seed(self.seed, f"{s}.seed")
         plain_name(self.split, f"{s}.split")  # it names shard files: {split}-NNNNNN.tar
-        check(self.endpoint_url is None or self.endpoint_url.startswith(("http://", "https://")), f"{s}.endpoint_url",
-              f"must be an http:// or https:// URL or null, got {self.endpoint_url!r}")
+        check(self.endpoint_url is None or endpoint_ok(self.endpoint_url), f"{s}.endpoint_url",
+              f"must be an http:// or https:// URL of a host (e.g. http://minio:9000) or null, "
+              f"got {self.endpoint_url!r}")
         fraction(self.error_budget, f"{s}.error_budget")
         positive(self.subset, f"{s}.subset")
         if self.create_if_missing is not None:
