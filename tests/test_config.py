@@ -74,6 +74,8 @@ def test_override_parses_yaml_values() -> None:
     ({"train": {"global_batch": 100, "micro_batch": 64}}, "train.global_batch"),
     ({"train": {"offload": True, "zero_stage": 0}}, "train.offload"),
     ({"data": {"create_if_missing": {"splits": {"train": 0.5}}}}, "data.create_if_missing.splits"),
+    ({"data": {"create_if_missing": {"kind": "fractal", "multi_label": True}}}, "data.create_if_missing.multi_label"),
+    ({"fewshot": {"create_if_missing": {"kind": "digits", "multi_label": True}}}, "fewshot.create_if_missing.multi_label"),
     ({"stages": ["pretrain", "dance"]}, "stages"),
 ])
 def test_bad_config_names_the_key_and_the_file(tmp_path: Path, data: dict, key: str) -> None:

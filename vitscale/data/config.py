@@ -76,6 +76,9 @@ class SourceConfig:
         for key in ("count", "classes", "image_size", "shard_size", "max_side"):
             positive(getattr(self, key), f"{prefix}.{key}")
         check(1 <= self.quality <= 95, f"{prefix}.quality", f"must be in [1, 95] (JPEG), got {self.quality}")
+        # Off by default, so `true` was asked for: a source without the option would write one label per image.
+        check(not self.multi_label or "multi_label" in kind.options, f"{prefix}.multi_label",
+              f"{kind.name} writes one label per image; multi-label samples come from kind synthetic")
         if self.splits is not None:
             check(not kind.predefined_splits, f"{prefix}.splits",
                   f"{kind.name} has its own splits; leave splits out")
