@@ -98,6 +98,7 @@ def test_a_selection_job_cannot_read_the_test_split() -> None:
 
 @pytest.mark.parametrize("raw, key", [
     ({"preset": "mnist"}, "finetune.preset"),
+    ({"checkpoint": ""}, "finetune.checkpoint"),  # was taken for weights given, then failed to read "" as a path
     ({"dev_fraction": 1.0}, "finetune.dev_fraction"),
     ({"train": {"momentum": 1.0}}, "finetune.train.momentum"),
     ({"train": {"base_lr": -1}}, "finetune.train.base_lr"),

@@ -119,7 +119,11 @@ class FinetuneConfig:
     """Images per forward pass during evaluation."""
 
     def validate(self) -> None:
-        if self.checkpoint:
+        if self.checkpoint is not None:
+            # "" is not "unset": the stage checks would take it for weights given and fail on reading them.
+            check(self.checkpoint != "", "finetune.checkpoint",
+                  "must name weights (a run directory, a vitscale export, an .npz or timm file), or be null for "
+                  "the pretrain stage's")
             canonical_location(self.checkpoint, "finetune.checkpoint")  # a malformed location is refused here
         if self.preset is not None:
             one_of(self.preset, tuple(PRESETS), "finetune.preset")
