@@ -103,6 +103,7 @@ def test_a_selection_job_cannot_read_the_test_split() -> None:
     ({"train": {"momentum": 1.0}}, "finetune.train.momentum"),
     ({"train": {"base_lr": -1}}, "finetune.train.base_lr"),
     ({"lr_grid": [0.01, float("nan")]}, "finetune.lr_grid[1]"),
+    ({"lr_grid": [0.01, 0.03, 0.01]}, "finetune.lr_grid"),  # the sweep would train 0.01 twice
     ({"test_split": "train"}, "finetune.test_split"),
     ({"train": {"polyak": 0.999, "zero_stage": 3}}, "finetune.train.polyak"),
     ({"train": {"bogus": 1}}, "finetune.train.bogus"),

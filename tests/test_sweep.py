@@ -47,6 +47,9 @@ def test_combinations_are_the_grid_in_order() -> None:
     ({"space": {"model.bogus_option": [1]}}, "sweep.space.model.bogus_option"),
     ({"space": {"finetune.train.base_lr": []}}, "sweep.space.finetune.train.base_lr"),
     ({"scheduler": "hyperband"}, "sweep.scheduler"),
+    ({"space": {"finetune.train.base_lr": [0.01, 0.01]}}, "sweep.space.finetune.train.base_lr"),  # a trial twice
+    ({"space": {"model.resnet_layers": [[1, 1], [1, 1]]}}, "sweep.space.model.resnet_layers"),
+    ({"scheduler": "asha", "space": {"finetune.train.base_lr": [0.01, 0.03, 0.01]}}, "sweep.space.finetune.train.base_lr"),
     ({"metric": "dev_acc"}, "sweep.metric"),  # no trial reports it: found out only after every trial ran
     ({"metric": "loss"}, "sweep.metric"),  # maximised: a loss would select the worst trial
     ({"metric": "dev_accuracy_polyak"}, "sweep.metric"),  # reported only with finetune.train.polyak

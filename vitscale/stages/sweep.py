@@ -108,6 +108,10 @@ class SweepConfig:
         one_of(self.metric, METRICS, "sweep.metric")
         for key, values in self.space.items():
             check(bool(values), f"sweep.space.{key}", "needs at least one value")
+            spelled = [json.dumps(v, sort_keys=True, default=str) for v in values]  # values may be lists or mappings
+            # Every point of a grid (ASHA's too) is a trial: a value twice is the same trial trained twice.
+            check(self.scheduler == "random" or len(set(spelled)) == len(spelled), f"sweep.space.{key}",
+                  f"lists a value twice: {list(values)} (the same trial would run twice)")
         for key in ("num_samples", "max_concurrent", "workers_per_trial", "grace_period", "evaluations"):
             positive(getattr(self, key), f"sweep.{key}")
         check(self.reduction_factor >= 2, "sweep.reduction_factor", f"must be >= 2, got {self.reduction_factor}")

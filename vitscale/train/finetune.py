@@ -136,6 +136,8 @@ class FinetuneConfig:
         positive(self.eval_batch, "finetune.eval_batch")
         for i, lr in enumerate(self.lr_grid):
             positive(lr, f"finetune.lr_grid[{i}]")
+        check(len(set(self.lr_grid)) == len(self.lr_grid), "finetune.lr_grid",
+              f"lists a learning rate twice: {list(self.lr_grid)} (the sweep would train it twice)")
         objective = self.train.get("objective", "supervised")
         check(objective == "supervised", "finetune.train.objective",
               f"fine-tuning learns the downstream labels: only 'supervised', got {objective!r}"
