@@ -156,6 +156,10 @@ def test_a_run_directory_is_consolidated_and_probed(capsys: pytest.CaptureFixtur
         (["{pt}", "--data", "{synth}", "--seeds", "0"], "fewshot.seeds"),
         (["{pt}", "--data", "{synth}", "--train-split", "nope"], "'nope' is not a split"),
         (["{pt}", "--data", "{synth}", "--shots", "5", "--model", "ViT-S/16"], "not ViT-S/16"),
+        # a size the patches cannot tile names the flag that asked for it (was create_model's own `img_size=`)
+        (["{pt}", "--data", "{synth}", "--shots", "5", "--resolution", "20"], "--resolution: img_size=20 must be"),
+        (["{npz}", "--data", "{synth}", "--shots", "5", "--model", "ViT-Ti/16", "--img-size", "20"],
+         "--img-size: img_size=20 must be"),
         (["{missing}.pt", "--data", "{synth}"], "no such checkpoint"),
         (["{garbage}", "--data", "{synth}", "--shots", "5"], "cannot read checkpoint"),
         # torch's refusal is paragraphs advising `weights_only=False`: one line, its reason kept.

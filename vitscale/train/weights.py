@@ -17,11 +17,13 @@ No Ray: the model is built in this process.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from torch import nn
+
+from vitscale.config.checks import ConfigError
 
 DEFAULT_IMG_SIZE = 224
 
@@ -80,6 +82,20 @@ def load_model(path: str | Path, *, model_name: str | None = None, img_size: int
         raise UserError("; ".join(line.strip() for line in str(exc).splitlines() if line.strip())) from exc
 
 
+def _sized(build: Callable[[], nn.Module], resolution: int | None, img_size: int | None) -> nn.Module:
+    """`build()`; a size the model's patches cannot tile is a ConfigError naming the argument that asked for it
+    (`create_model` names only its own `img_size`)."""
+    try:
+        return build()
+    except ConfigError:
+        raise  # a model option's own error, already naming it
+    except ValueError as exc:
+        flag = "--resolution" if resolution is not None else "--img-size" if img_size is not None else None
+        if flag is None or "img_size" not in str(exc):
+            raise
+        raise ConfigError(flag, str(exc)) from None
+
+
 def _load_model(path: str | Path, *, model_name: str | None, img_size: int | None,
                 resolution: int | None, model_options: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
     from vitscale.models.factory import create_from_meta, create_model
@@ -125,7 +141,8 @@ def _load_model(path: str | Path, *, model_name: str | None, img_size: int | Non
         agree("pixel model", img_size, meta.get("img_size"), str(p))
         del raw
         # Rebuilt at the probe's size: load_pretrained resamples the position embeddings.
-        model = create_from_meta({**meta, "img_size": resolution or meta.get("img_size")})
+        model = _sized(lambda: create_from_meta({**meta, "img_size": resolution or meta.get("img_size")}),
+                       resolution, None)
     else:
         if model_name is None:
             raise ValueError(f"{p} is an {fmt} checkpoint without a vitscale header: name its architecture "
@@ -136,8 +153,8 @@ def _load_model(path: str | Path, *, model_name: str | None, img_size: int | Non
         options: dict[str, Any] = {}
         if rep is not None and spec.family != "resnet":
             options["representation_size"] = rep  # probe the pre-logits the file was trained with
-        model = create_model(spec.name, num_classes=num_classes or 1,
-                             img_size=resolution or img_size or DEFAULT_IMG_SIZE, **{**options, **model_options})
+        model = _sized(lambda: create_model(spec.name, num_classes=num_classes or 1, img_size=resolution or img_size
+                                            or DEFAULT_IMG_SIZE, **{**options, **model_options}), resolution, img_size)
     report = load_pretrained(model, p)
     built: Any = model  # create_model's plain attributes (spec, img_size), which nn.Module's typing hides
     return model, {"checkpoint": str(p), "format": fmt, "model": built.spec.name, "img_size": int(built.img_size),
