@@ -286,6 +286,10 @@ def test_cli_study_plan_refusal_and_report(tmp_path: Path, capsys: pytest.Captur
     assert "-> ViT" in capsys.readouterr().out
     assert main(["study", "report", str(tmp_path / "nowhere")]) == 2
     capsys.readouterr()
+    for budget in ("-1", "0", "nan", "inf"):  # was a ValueError traceback, exit 1
+        assert main(["study", "recommend", str(tmp_path / "study"), "--budget", budget]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("vitscale: error: --budget: must be") and err.count("\n") == 1, err
     # A column no cell reports: every fit would be refused for want of cells; one line naming the columns.
     for verb, extra in (("report", []), ("recommend", ["--budget", "1e-4"])):
         assert main(["study", verb, str(tmp_path / "study"), "--metric", "digits fewshot 50shot", *extra]) == 2

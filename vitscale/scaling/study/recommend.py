@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vitscale.config.checks import positive
 from vitscale.scaling.study.fit import PowerLawFit
 from vitscale.scaling.study.uncertainty import predict
 
@@ -51,8 +52,7 @@ def recommend(budget: float, fits: dict[str, PowerLawFit], cells: Sequence[dict[
     `cells` are finished result rows with at least family, exaflops and accuracy (a float, or
     None when the cell has no value of the metric).
     """
-    if not math.isfinite(budget) or budget <= 0:
-        raise ValueError(f"the budget must be a positive number of exaFLOPs, got {budget}")
+    positive(budget, "--budget")  # a ConfigError: the CLI's one line (a bare ValueError was a traceback)
     refused = refused or {}
     families = list(dict.fromkeys([*(r["family"] for r in cells), *fits]))
     out = []
