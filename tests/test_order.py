@@ -65,6 +65,22 @@ def test_order_is_deterministic(counts, seed, epoch, world, buf):
         np.testing.assert_array_equal(x, y)
 
 
+@FAST
+@given(counts_st, seed_st, epoch_st, world_st, st.sampled_from([10**4, 2**62, 10**20]), st.booleans(), st.data())
+def test_a_buffer_past_the_epoch_is_one_window_whatever_its_size(counts, seed, epoch, world, huge, batches, data):
+    """Any buffer holding the whole epoch gives the same order, a huge one too (10**20 was an OverflowError in
+    NumPy's int64, in every training worker); resumes and shard ranges agree with it."""
+    gb = world * data.draw(st.integers(1, 4)) if batches else None
+    rank = data.draw(st.integers(0, world - 1))
+    whole = rank_order(counts, seed, epoch, rank, world, 0, 1000, global_batch=gb)
+    big = rank_order(counts, seed, epoch, rank, world, 0, huge, global_batch=gb)
+    np.testing.assert_array_equal(whole.indices, big.indices)
+    start = data.draw(st.integers(0, big.samples_per_rank))
+    tail = rank_order(counts, seed, epoch, rank, world, start, huge, global_batch=gb)
+    np.testing.assert_array_equal(tail.indices, big.indices[start:])
+    assert set(tail.indices.tolist()) <= set(_range_members(tail).tolist())
+
+
 def _range_members(p) -> np.ndarray:
     parts = [p.bases[r.shard] + np.arange(r.lo, r.hi) for r in p.ranges]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

@@ -120,10 +120,17 @@ class RankOrder:
         spans), or 0 (global batches: the windows are the whole epoch's, shared by all ranks)."""
         return 0 if self.global_batch is not None else self.rank * self.samples_per_rank
 
+    @property
+    def window(self) -> int:
+        """Positions per shuffle window: ``shuffle_buffer``, or the whole extent where the buffer holds more. Both
+        make one window and the same order; this one stays in the int64 NumPy computes positions in (a
+        `data.shuffle_buffer` of 10**20 was an OverflowError in every worker)."""
+        return min(self.shuffle_buffer, max(1, self.extent))
+
     def _window_perm(self, window: int) -> np.ndarray:
         """Permutation of window ``window`` (relative positions), from (seed, epoch, its start)."""
-        lo = window * self.shuffle_buffer
-        n = min(self.shuffle_buffer, self.extent - lo)
+        lo = window * self.window
+        n = min(self.window, self.extent - lo)
         if not self.shuffle:
             return np.arange(n, dtype=np.int64)
         ss = np.random.SeedSequence([_WINDOW_STREAM, self.seed, self.epoch, self.span_start + lo])
@@ -151,7 +158,7 @@ class RankOrder:
         hi = self.samples_per_rank if hi is None else hi
         if not 0 <= lo <= hi <= self.samples_per_rank:
             raise ValueError(f"positions [{lo}, {hi}) outside [0, {self.samples_per_rank}]")
-        b = self.shuffle_buffer
+        b = self.window
         rel = self._layout(np.arange(lo, hi, dtype=np.int64))  # increasing: windows come in order
         windows = rel // b
         seq = np.empty_like(rel)
@@ -175,7 +182,7 @@ class RankOrder:
         consumed ones included). A rank span touches at most two partial shards; with global
         batches every rank reads from every shard, one window at a time.
         """
-        b = self.shuffle_buffer
+        b = self.window
         left = self.start < self.samples_per_rank
         first = int(self._layout(np.array([self.start]))[0]) if left else 0
         lo = self.span_start + (first // b) * b if left else 0
