@@ -361,3 +361,23 @@ def test_the_figures_go_into_a_bucket_as_into_a_folder(images: str, tmp_path: Pa
     listed = boto3.client("s3", endpoint_url=moto_s3).list_objects_v2(Bucket="figures", Prefix="runs/vit/")
     assert {o["Key"] for o in listed["Contents"]} == {f"runs/vit/{name}" for name in [*report["files"], "inspect.json"]}
     assert set(PNGS) <= set(report["files"])
+
+
+def test_inspecting_again_into_a_folder_never_mixes_the_earlier_set_with_the_new(
+        images: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import vitscale.inspect.run as inspect_run
+
+    out, argv = tmp_path / "out", ["--images", images, "--out", str(tmp_path / "out"), "--count", "2", "--json"]
+    vit = create_model("ViT-Ti/8", num_classes=3, img_size=SIZE, **TINY)
+    assert main(["inspect", _export(vit, tmp_path / "vit.pt"), *argv]) == 0
+    assert set(json.loads(capsys.readouterr().out)["files"]) == set(inspect_run.FILES)  # FILES names them all
+    # A hybrid has no filter figure: the ViT's pcs.parquet and filter_components.png do not stay beside its set.
+    hybrid = create_model("R50x1+ViT-Ti/16", num_classes=3, img_size=SIZE, resnet_layers=(1, 1, 1), **TINY)
+    assert main(["inspect", _export(hybrid, tmp_path / "hybrid.pt"), *argv]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*report["files"], "inspect.json"])
+    # Interrupted halfway (after the tables, before the last figure): the hybrid's inspect.json does not stay
+    # to vouch for the ViT's new tables beside its own figures.
+    monkeypatch.setattr(inspect_run, "plot_rollout", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    assert main(["inspect", str(tmp_path / "vit.pt"), *argv]) == 130
+    assert "pcs.parquet" in {p.name for p in out.iterdir()} and not (out / "inspect.json").exists()

@@ -111,6 +111,36 @@ def test_a_bucket_takes_a_file_and_a_folder_and_nothing_stays_behind(moto_s3: st
     assert set(Path(tempfile.gettempdir()).glob("vitscale-out-*")) == spools_before
 
 
+def test_a_folder_with_a_marker_loses_the_earlier_set_first_and_gets_the_marker_last(tmp_path: Path, moto_s3: str,
+                                                                                      monkeypatch: pytest.MonkeyPatch
+                                                                                      ) -> None:
+    from vitscale.data.storage.s3 import S3Storage
+
+    local = tmp_path / "figures"
+    local.mkdir()
+    for name in ("done.json", "a.png", "b.png", "mine.txt"):
+        (local / name).write_text("earlier")
+    with pytest.raises(KeyboardInterrupt), output_folder(str(local), "--out", marker="done.json",
+                                                         replaces=("a.png", "b.png")) as path:
+        (path / "a.png").write_text("new")
+        raise KeyboardInterrupt  # before b.png and the marker: no marker vouches for the mix
+    assert {p.name: p.read_text() for p in local.iterdir()} == {"a.png": "new", "mine.txt": "earlier"}
+
+    s3 = boto3.client("s3", endpoint_url=moto_s3)
+    s3.create_bucket(Bucket="marked")
+    for name in ("done.json", "a.png", "b.png"):
+        s3.put_object(Bucket="marked", Key=f"f/{name}", Body=b"earlier")
+    uploaded: list[str] = []
+    real = S3Storage.write_file
+    monkeypatch.setattr(S3Storage, "write_file", lambda self, name, p: (uploaded.append(name), real(self, name, p)))
+    with output_folder("s3://marked/f", "--out", endpoint_url=moto_s3, marker="done.json",
+                       replaces=("a.png", "b.png")) as path:
+        assert {o["Key"] for o in s3.list_objects_v2(Bucket="marked").get("Contents", [])} == set()
+        (path / "done.json").write_text("new")
+        (path / "a.png").write_text("new")
+    assert uploaded == ["a.png", "done.json"]  # the marker last: an upload cut short leaves no marker
+
+
 def test_a_bucket_that_does_not_exist_is_refused_before_the_work(moto_s3: str) -> None:
     from vitscale.data.storage import StorageError
 

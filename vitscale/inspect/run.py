@@ -51,6 +51,12 @@ from vitscale.inspect.plots import (
 )
 
 COMPONENTS = 28  # Figure 7 (left) shows the top 28 principal components
+REPORT = "inspect.json"
+"""Written last: its presence says the folder holds one inspect's whole set, and which files are in it."""
+FILES = ("pcs.parquet", "filter_components.png", "posemb_similarity.parquet", "posemb_similarity.png",
+         "attention_distance.parquet", "attention_distance.png", "rollout.parquet", "attention_rollout.png")
+"""Every file an inspect may write besides its report: an earlier inspect's are removed before a new one
+writes (a hybrid's set lacks the filter figure; an interrupted one is never read as the earlier's)."""
 
 
 def _write_parquet(columns: dict[str, Any], path: Path) -> Path:
@@ -162,7 +168,7 @@ def inspect_checkpoint(path: str | Path, images: str, out: str | Path, *, count:
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     notes = list(facts["notes"])
     files: list[Path] = []
-    with output_folder(target, "--out", endpoint_url=endpoint_url) as folder:
+    with output_folder(target, "--out", endpoint_url=endpoint_url, marker=REPORT, replaces=FILES) as folder:
         for paths, note in (_filters(vit, folder, name), _positions(vit, folder, name)):
             files += paths
             notes += [note] if note else []
@@ -172,6 +178,6 @@ def inspect_checkpoint(path: str | Path, images: str, out: str | Path, *, count:
         files += paths
         report = {**facts, "images": images, "split": split, "image_keys": sample.keys, **attention,
                   "files": sorted(p.name for p in files), "notes": notes}
-        write_atomic(folder / "inspect.json", json.dumps(report, indent=2, default=str) + "\n")
+        write_atomic(folder / REPORT, json.dumps(report, indent=2, default=str) + "\n")
     bar.close()
     return report

@@ -19,12 +19,13 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from vitscale.config.checks import ConfigError
 from vitscale.config.location import canonical_location, is_url
 from vitscale.data.storage.atomic import atomic_path
+from vitscale.data.storage.cleanup import remove_file
 
 __all__ = ["check_output", "output_file", "output_folder"]
 
@@ -86,23 +87,37 @@ def output_file(location: str, flag: str, *, endpoint_url: str | None = None) ->
 
 
 @contextlib.contextmanager
-def output_folder(location: str, flag: str, *, endpoint_url: str | None = None) -> Iterator[Path]:
+def output_folder(location: str, flag: str, *, endpoint_url: str | None = None, marker: str | None = None,
+                  replaces: Sequence[str] = ()) -> Iterator[Path]:
     """A local folder to write files into; they end under `location` (as `check_output` returned it, before
     the work) when the block ends without an error: the folder itself (made), or a URL prefix they are
-    uploaded under."""
+    uploaded under.
+
+    `marker` names the file whose presence says the folder holds one whole set (`inspect.json`); the caller
+    writes it last. It and the names in `replaces` (every file such a set may hold) are removed from
+    `location` first, and uploaded last, so a write interrupted, failed or producing fewer files than the
+    one before never leaves an earlier marker beside new files, a marker beside files yet to come, or the
+    earlier set's files beside a marker that does not name them."""
+    stale = [name for name in (marker, *replaces) if name is not None]
     if not is_url(location):
         path = Path(location)
         path.mkdir(parents=True, exist_ok=True)
+        for name in stale:
+            remove_file(path / name)
         yield path
         return
     from vitscale.data.storage import open_storage
 
     def upload(spool: Path) -> None:
         storage = open_storage(location, endpoint_url=endpoint_url, key=flag)
-        for path in sorted(p for p in spool.rglob("*") if p.is_file()):
+        files = sorted(p for p in spool.rglob("*") if p.is_file())
+        for path in sorted(files, key=lambda p: p.relative_to(spool).as_posix() == marker):  # the marker last
             storage.write_file(path.relative_to(spool).as_posix(), path)
 
     with _spooled(location, upload) as spool:
+        storage = open_storage(location, endpoint_url=endpoint_url, key=flag)
+        for name in stale:  # deleting a key that is not there is no error on S3
+            storage.delete(name)
         yield spool
 
 
