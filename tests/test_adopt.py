@@ -305,3 +305,16 @@ def test_vitscale_multi_label_json_members_are_labels_unasked(tmp_path: Path) ->
                       "json": json.dumps({"labels": [i % 3, 3], "url": "https://example.com"}).encode()})
     meta = index_shards(str(root), progress=False)
     assert (meta["label_member"], meta["num_classes"], meta["multi_label"]) == ("json:labels", 4, True)
+
+
+def test_the_shards_of_a_write_that_never_finished_are_not_indexed(tmp_path: Path, capsys: pytest.CaptureFixture
+                                                                    ) -> None:
+    from vitscale.data.tools.publish import WRITING
+
+    half = _tars(tmp_path / "half", shards=2)
+    (half / WRITING).write_text("{}")  # what a `shards write` killed after its first shards leaves
+    for argv in ([str(half)], [str(_tars(tmp_path / "whole", shards=1)), "--out", str(half)]):
+        assert main(["shards", "index", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("vitscale: error: ") and err.count("\n") == 1 and WRITING in err, err
+        assert not (half / "dataset.json").exists() and not (half / "_index.parquet").exists()

@@ -66,6 +66,7 @@ from vitscale.data.storage.cleanup import missing_folders, remove_new_folders
 from vitscale.data.storage.space import free_bytes, free_text, is_no_space, out_of_files, size_text
 from vitscale.data.tools.label_member import LABEL_EXTS, NO_LABELS_HINT, LabelMember, default_member
 from vitscale.data.tools.progress import Progress
+from vitscale.data.tools.publish import WRITING
 
 __all__ = ["expand_braces", "index_shards", "split_url"]
 
@@ -222,6 +223,10 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
     if dest.exists(META_NAME):
         raise DatasetError(f"{dest.url_of(META_NAME)} exists: {dest.url} is already a dataset")
     sizes = shards.list_sizes()
+    for place in {shards.url: shards, dest.url: dest}.values():  # the tars' folder, and --out's
+        if place.exists(WRITING):  # its tars are a write's first shards: indexed, they would pass for all of it
+            raise DatasetError(f"{place.url_of(WRITING)}: a vitscale write into {place.url} is running or was "
+                               "interrupted; run that write again to finish it, or delete its files first")
     if names is None:
         names = [n for n in sizes if n.endswith(".tar")]
     missing = [n for n in names if n not in sizes]
