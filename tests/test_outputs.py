@@ -69,6 +69,15 @@ def test_a_folder_this_user_cannot_write_is_refused(tmp_path: Path) -> None:
         check_output(str(locked / "m.pt"), "--out", folder=False)
 
 
+def test_a_read_only_mount_is_named_as_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # what access(2) answers on a read-only mount,
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_flag=os.ST_RDONLY))  # to root as well
+    with pytest.raises(ConfigError, match=f"{tmp_path} is on a read-only file system"):
+        check_output(str(tmp_path / "figures"), "--out", folder=True)
+
+
 def test_a_local_file_is_written_whole_or_not_at_all(tmp_path: Path) -> None:
     target = check_output(str(tmp_path / "m.pt"), "--out", folder=False)
     (tmp_path / "m.pt").write_bytes(b"the previous export")

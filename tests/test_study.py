@@ -374,3 +374,26 @@ def test_a_cell_may_name_the_masked_patch_objective_and_its_head_is_priced(tmp_p
     per_example = sum(masked_patch_flops("ViT-Ti/16", img_size=32, corrupted=2, outputs=512, **dims).values())
     assert masked.exaflops == pytest.approx(training_flops(per_example, 120) / 1e18, rel=1e-12)
     assert masked.exaflops != supervised.exaflops
+
+
+def test_a_report_into_a_place_that_takes_no_files_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    import errno
+
+    import vitscale.scaling.study.plots as plots
+    from vitscale.cli import main
+
+    _fake_study(tmp_path / "study")
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "study" / "compute_vs_accuracy.png"))
+
+    monkeypatch.setattr(plots, "plot_compute", full)  # the disk fills on the first figure, after the tables
+    assert main(["study", "report", str(tmp_path / "study")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vitscale: error: study report into ") and err.count("\n") == 1, err  # no traceback
+    assert "No space left on device" in err and "compute_vs_accuracy.png" in err
+    monkeypatch.setattr("os.access", lambda path, mode: False)  # a read-only mount: refused before the fits
+    assert main(["study", "report", str(tmp_path / "study")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"vitscale: error: study_dir: {tmp_path / 'study'}") and err.count("\n") == 1, err

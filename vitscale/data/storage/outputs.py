@@ -46,8 +46,17 @@ def check_output(location: str, flag: str, *, folder: bool, endpoint_url: str | 
     if existing != path and not existing.is_dir():
         raise ConfigError(flag, f"{location}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK):  # a folder: new entries; a file: itself
-        raise ConfigError(flag, f"{location}: {existing} is not writable by this user")
+        # A read-only mount refuses root too: "by this user" would send them to chmod, which cannot help.
+        why = "is on a read-only file system" if _read_only(existing) else "is not writable by this user"
+        raise ConfigError(flag, f"{location}: {existing} {why}")
     return location
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # no statvfs here: not ours to tell
+        return False
 
 
 def _check_remote(location: str, flag: str, folder: bool, endpoint_url: str | None) -> None:
