@@ -377,7 +377,14 @@ def test_inspecting_again_into_a_folder_never_mixes_the_earlier_set_with_the_new
     report = json.loads(capsys.readouterr().out)
     assert sorted(p.name for p in out.iterdir()) == sorted([*report["files"], "inspect.json"])
     # Interrupted halfway (after the tables, before the last figure): the hybrid's inspect.json does not stay
-    # to vouch for the ViT's new tables beside its own figures.
+    # to vouch for the ViT's new tables beside its own figures, and the half set goes with it.
     monkeypatch.setattr(inspect_run, "plot_rollout", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     assert main(["inspect", str(tmp_path / "vit.pt"), *argv]) == 130
-    assert "pcs.parquet" in {p.name for p in out.iterdir()} and not (out / "inspect.json").exists()
+    assert capsys.readouterr().err == "vitscale: interrupted\n" and list(out.iterdir()) == []
+    # A disk that fills is one line naming what was being written (was an OSError traceback); nothing stays.
+    monkeypatch.setattr(inspect_run, "plot_rollout", lambda *a, **k: (_ for _ in ()).throw(
+        OSError(28, "No space left on device", "attention_rollout.png")))
+    assert main(["inspect", str(tmp_path / "vit.pt"), *argv[:-1], "--out", str(tmp_path / "new" / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"vitscale: error: inspect into {tmp_path / 'new' / 'out'}: OSError: [Errno 28]"), err
+    assert err.count("\n") == 1 and not (tmp_path / "new").exists()

@@ -6,12 +6,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import boto3
 import pytest
 
 from helpers.loop_runs import Recorder
+from test_full_disk import small_disk  # noqa: F401 -- the module's fixture
 from test_pretrain_loop import tiny_config, tiny_dataset  # noqa: F401 -- the module's fixture
 from vitscale.cli import main
 from vitscale.config.checks import ConfigError
@@ -132,8 +134,13 @@ def test_a_folder_with_a_marker_loses_the_earlier_set_first_and_gets_the_marker_
     with pytest.raises(KeyboardInterrupt), output_folder(str(local), "--out", marker="done.json",
                                                          replaces=("a.png", "b.png")) as path:
         (path / "a.png").write_text("new")
-        raise KeyboardInterrupt  # before b.png and the marker: no marker vouches for the mix
-    assert {p.name: p.read_text() for p in local.iterdir()} == {"a.png": "new", "mine.txt": "earlier"}
+        raise KeyboardInterrupt  # before b.png and the marker: the half set goes too, the user's file stays
+    assert {p.name: p.read_text() for p in local.iterdir()} == {"mine.txt": "earlier"}
+    with pytest.raises(OSError), output_folder(str(tmp_path / "new" / "figures"), "--out", marker="done.json",
+                                               replaces=("a.png",)) as path:
+        (path / "a.png").write_text("new")
+        raise OSError(28, "No space left on device")
+    assert not (tmp_path / "new").exists()  # nor the folders it made
 
     s3 = boto3.client("s3", endpoint_url=moto_s3)
     s3.create_bucket(Bucket="marked")
@@ -182,6 +189,25 @@ def test_export_to_a_wrong_place_is_one_line_naming_out(trained: Path, tmp_path:
         capsys, ["export", str(trained), "--out", str(tmp_path / "file" / "m.pt")])
     assert "missing-bucket" in _one_line_error(capsys, ["export", str(trained), "--out", "s3://missing-bucket/m.pt"])
     assert "--out" in _one_line_error(capsys, ["export", str(trained), "--out", "s3:/bucket/m.pt"])
+
+
+def test_export_into_a_full_disk_is_one_line_and_leaves_nothing(trained: Path, small_disk: Callable[..., Path],  # noqa: F811
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    import vitscale.data.storage.space as space
+
+    disk = small_disk(64 * 1024)  # less than the tiny model's weights
+    for fmt in ("pt", "npz"):
+        err = _one_line_error(capsys, ["export", str(trained), "--out", str(disk / f"m.{fmt}")])
+        assert f"no space left on the device of {disk / f'm.{fmt}'} for the model" in err, err
+        assert list(disk.iterdir()) == []
+    # Written into (free space misread at first): torch's C++ writer says "unexpected pos", no errno; the
+    # line is the same and no part file stays.
+    real, calls = space.free_bytes, []
+    monkeypatch.setattr(space, "free_bytes", lambda p: real(p) if calls.append(p) or len(calls) > 1 else 1 << 40)
+    err = _one_line_error(capsys, ["export", str(trained), "--out", str(disk / "m.pt")])
+    assert f"no space left on the device of {disk / 'm.pt'} for the model" in err, err
+    assert list(disk.iterdir()) == []
 
 
 def test_a_bucket_is_asked_for_one_empty_page_not_for_what_the_place_holds(moto_s3: str,

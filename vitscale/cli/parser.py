@@ -6,7 +6,8 @@ import argparse
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 from vitscale.config.location import is_url
@@ -73,3 +74,18 @@ def chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 def print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, default=str))
+
+
+@contextmanager
+def writing(doing: str) -> Iterator[None]:
+    """A file a verb could not write (a full disk, an I/O error, a read-only place) as one line saying what was
+    being written (`doing`), as `shards write` says it; the verb's own writes already removed what they began."""
+    from vitscale.config.errors import UserError
+    from vitscale.data.storage.base import StorageError
+
+    try:
+        yield
+    except OSError as exc:
+        if isinstance(exc, (StorageError, FileNotFoundError)):  # already one line (the CLI's known errors)
+            raise
+        raise UserError(f"{doing}: {type(exc).__name__}: {exc}") from exc

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vitscale.cli.interrupt import writes
+from vitscale.cli.parser import writing
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -36,8 +37,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 @writes
 def cmd_report(args: argparse.Namespace) -> int:
     """Tables, plots and fits from a study directory's stored state (while it runs, too)."""
-    from vitscale.config.errors import UserError
-    from vitscale.data.storage.base import StorageError
     from vitscale.data.storage.outputs import check_output
     from vitscale.scaling.study.report import backtest_lines, fit_line, publish_report
     from vitscale.scaling.study.state import StudyState
@@ -45,12 +44,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     # The report is written into the study directory: one that cannot take files (a read-only mount, a file)
     # is refused naming it before the fits, and a disk that fills while writing is one line, not a traceback.
     check_output(args.study_dir, "study_dir", folder=True, endpoint_url=args.endpoint_url)
-    try:
+    with writing(f"study report into {args.study_dir}"):
         report = publish_report(StudyState(args.study_dir, args.endpoint_url), args.metric)
-    except OSError as exc:
-        if isinstance(exc, (StorageError, FileNotFoundError)):  # already one line (the CLI's known errors)
-            raise
-        raise UserError(f"study report into {args.study_dir}: {type(exc).__name__}: {exc}") from exc
     if args.json:
         print(json.dumps({"metric": report.metric, "rows": report.rows, "files": report.files,
                           "fits": {f: fit.row() for f, fit in report.fits.items()}, "no_fit": report.refused,

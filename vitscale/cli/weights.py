@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from vitscale.cli.interrupt import writes
-from vitscale.cli.parser import VerbFn, print_json
+from vitscale.cli.parser import VerbFn, print_json, writing
 
 
 def add_verbs(verbs: Any, verb: VerbFn) -> None:
@@ -50,7 +50,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     _well_formed((args.run_dir, "run_dir"))  # --out is checked where it is written (`storage.outputs`)
 
-    info = export_run(args.run_dir, args.out, fmt=args.format, progress=True)
+    with writing(f"export to {args.out}"):
+        info = export_run(args.run_dir, args.out, fmt=args.format, progress=True)
     print_json(info)
     return 0
 
@@ -131,9 +132,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {}
     for item in args.option:  # YAML values, as a pipeline's `model:` section reads them
         options = apply_override(options, item)
-    report = inspect_checkpoint(args.checkpoint, args.images, args.out, count=args.count, split=args.split,
-                                model_name=args.model, img_size=args.img_size, endpoint_url=args.endpoint_url,
-                                progress=True, model_options=options)
+    with writing(f"inspect into {args.out}"):
+        report = inspect_checkpoint(args.checkpoint, args.images, args.out, count=args.count, split=args.split,
+                                    model_name=args.model, img_size=args.img_size, endpoint_url=args.endpoint_url,
+                                    progress=True, model_options=options)
     if args.json:
         print_json(report)
     else:

@@ -7,6 +7,8 @@ the config names, and loads the weights strictly, so an export is exactly what w
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +194,32 @@ def export_format(out: str | Path, fmt: str | None) -> str:
     return fmt
 
 
+@contextmanager
+def _full_disk_named(target: str, need: int) -> Iterator[None]:
+    """A disk without room for the model's `need` bytes at `target`: one line naming it and the space, before
+    the write when it is already too full, else instead of the writer's own error (torch's C++ writer says
+    "unexpected pos 704 vs 598", no errno); the part file written is removed (`atomic_path`)."""
+    from vitscale.data.storage.base import StorageError
+    from vitscale.data.storage.space import free_bytes, free_text, is_no_space, size_text
+
+    def full() -> StorageError:
+        return StorageError(f"no space left on the device of {target} for the model ({free_text(target, free)}, "
+                            f"it needs about {size_text(need)}); free space there or choose another --out, and "
+                            "export again")
+
+    free = free_bytes(target)  # None for a URL (written to a local spool first): its store says
+    if free is not None and free < need:
+        raise full()
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        free = free_bytes(target)  # after the part file's removal: what the disk had for it
+        if not isinstance(exc, StorageError) and (
+                is_no_space(exc) or (isinstance(exc, RuntimeError) and free is not None and free < need)):
+            raise full() from exc
+        raise
+
+
 def export_run(run_dir: str | Path, out: str | Path, *, fmt: str | None = None,
                progress: bool = False) -> dict[str, Any]:
     """Write the run's latest complete checkpoint as one fp32 file that `load_pretrained` reads, in `fmt`
@@ -209,7 +237,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str | None = None,
     checkpoint = find_checkpoint(run_dir)
     model, _, facts = model_from_checkpoint(checkpoint)
     bar.update()
-    with output_file(target, "--out") as path:
+    need = sum(t.numel() * 4 for t in model.state_dict().values())  # fp32: the format's own bytes are few
+    with _full_disk_named(target, need), output_file(target, "--out") as path:
         if fmt == "npz":
             export_npz(model, path)
         else:

@@ -20,12 +20,13 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 
 from vitscale.config.checks import ConfigError
 from vitscale.config.location import canonical_location, is_url
 from vitscale.data.storage.atomic import atomic_path
-from vitscale.data.storage.cleanup import remove_file
+from vitscale.data.storage.cleanup import after_error, missing_folders, remove_file, remove_new_folders
 
 __all__ = ["check_output", "output_file", "output_folder"]
 
@@ -106,14 +107,23 @@ def output_folder(location: str, flag: str, *, endpoint_url: str | None = None, 
     writes it last. It and the names in `replaces` (every file such a set may hold) are removed from
     `location` first, and uploaded last, so a write interrupted, failed or producing fewer files than the
     one before never leaves an earlier marker beside new files, a marker beside files yet to come, or the
-    earlier set's files beside a marker that does not name them."""
+    earlier set's files beside a marker that does not name them. A local write that fails or is interrupted
+    removes those names again (its half set) and the folders it made while they are empty, as a failed
+    `shards write` does (`data/tools/publish.py`)."""
     stale = [name for name in (marker, *replaces) if name is not None]
     if not is_url(location):
         path = Path(location)
+        created = missing_folders(path)
         path.mkdir(parents=True, exist_ok=True)
         for name in stale:
             remove_file(path / name)
-        yield path
+        try:
+            yield path
+        except BaseException as exc:
+            for name in stale:
+                after_error(exc, f"removing {path / name}", partial(remove_file, path / name))
+            remove_new_folders(created)
+            raise
         return
     from vitscale.data.storage import open_storage
 
