@@ -42,6 +42,22 @@ def test_folder_source_imagenet_layout(tmp_path: Path) -> None:
     assert image_of(samples[0].image).getpixel((0, 0)) == (2, 2, 2)
 
 
+def test_a_dataset_is_never_written_into_the_folder_its_source_reads(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from vitscale.cli import main
+
+    src = tmp_path / "photos"
+    for name in ("cat", "dog"):
+        _png(src / name / "a.png", (0, 0, 0))
+    for out in (src / "shards", src, src / "cat" / "x"):  # a class folder more, or shards among the images
+        assert main(["shards", "write", "--source", f"folder:{src}/", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"vitscale: error: {out}: the folder the source") and err.count("\n") == 1, err
+    assert sorted(p.name for p in src.rglob("*")) == ["a.png", "a.png", "cat", "dog"]  # nothing written there
+    assert open_source(f"folder:{src}").classes == ("cat", "dog")
+    assert main(["shards", "write", "--source", f"folder:{src}", "--out", str(tmp_path / "photos-shards")]) == 0
+
+
 def test_folder_source_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a directory"):
         open_source(f"folder:{tmp_path / 'missing'}")

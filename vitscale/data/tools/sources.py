@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import difflib
 import importlib
+from pathlib import Path
 from typing import Any
 
 from vitscale.config.errors import UserError
+from vitscale.config.location import is_url
 from vitscale.data.tools.source_base import (
     IMAGE_EXTENSIONS,
     Sample,
@@ -34,6 +36,7 @@ __all__ = [
     "Sample",
     "Source",
     "SourceKind",
+    "check_outside_source",
     "get_source_kind",
     "image_of",
     "open_source",
@@ -103,3 +106,16 @@ def open_source(spec: str, **options: Any) -> Source:
     if kind.arg:
         return kind.open(spec.partition(":")[2], **opts)
     return kind.open(**opts)
+
+
+def check_outside_source(spec: str, out: str) -> None:
+    """Refuse to write a dataset into the folder a ``NAME:DIR`` source reads, or below it: its shards and
+    index would join the source (a ``folder:`` source's next read takes their folder for a class of no
+    images, a class more in every model trained on it)."""
+    arg = spec.partition(":")[2]
+    if not arg or is_url(arg) or is_url(out) or not Path(arg).expanduser().is_dir():
+        return
+    root, target = Path(arg).expanduser().resolve(), Path(out).expanduser().resolve()
+    if target == root or root in target.parents:
+        raise UserError(f"{out}: the folder the source {spec} reads, or inside it: the dataset written there "
+                        "would join the source; write it to a folder outside it")

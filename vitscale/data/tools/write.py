@@ -44,7 +44,7 @@ from vitscale.data.storage.cleanup import after_error, remove_file
 from vitscale.data.tools import publish
 from vitscale.data.tools.images import MAX_PIXELS, UnreadableImage, encode_image
 from vitscale.data.tools.progress import Progress
-from vitscale.data.tools.sources import Sample, Source, open_source
+from vitscale.data.tools.sources import Sample, Source, check_outside_source, open_source
 
 __all__ = [
     "ShardWriter",
@@ -302,6 +302,7 @@ def write_dataset(
     opts = dict(source_options or {})
     if source.partition(":")[0] in ("synthetic", "fractal"):
         opts.setdefault("seed", seed)
+    check_outside_source(source, out)
     src = open_source(source, **opts)
     by_split = _predefined_splits(src, source, seed, splits)
     if by_split is None:
