@@ -162,3 +162,15 @@ def test_a_second_write_to_a_destination_being_written_is_refused(tmp_path, moto
     assert write_dataset(f"folder:{src}", url, shard_size=4, progress=False, workers=1,
                          endpoint_url=endpoint)["splits"]["train"]["samples"] == 9
     assert ".vitscale-lease" not in open_storage(url, endpoint_url=endpoint).list()
+
+
+def test_a_dataset_is_never_written_inside_another(tmp_path, capsys):
+    train = tmp_path / "train"
+    write_dataset("digits", str(train), progress=False)
+    for argv in (["shards", "write", "--source", "digits", "--out", str(train / "more")],
+                 ["shards", "dedup", "--train", str(train), "--against", str(train), "--out", str(train / "clean")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"vitscale: error: {argv[-1]} is inside the dataset {train}") and err.count("\n") == 1
+    assert sorted(p.name for p in train.iterdir() if p.is_dir()) == []  # nothing made there
+    assert main(["shards", "verify", str(train)]) == 0

@@ -64,6 +64,8 @@ def claim(storage: Storage) -> None:
     """
     # Before the lease: taking it creates a local destination folder.
     created = missing_folders(storage.url) if isinstance(storage, LocalStorage) else []
+    if isinstance(storage, LocalStorage):
+        _check_outside_datasets(storage.root)
     lease = hold_run_lease(storage.url, endpoint_url=getattr(storage, "endpoint_url", None), kind="dataset")
     _LEASES[storage.url], _CREATED[storage.url] = lease, created
     try:
@@ -71,6 +73,15 @@ def claim(storage: Storage) -> None:
     except BaseException as exc:
         after_error(exc, f"releasing the lease on {storage.url}", lambda: _drop_lease(storage))
         raise
+
+
+def _check_outside_datasets(root: Path) -> None:
+    """Refuse a destination inside another dataset's folder (`dedup --out TRAIN/clean`): a dataset's files
+    are the ones below its folder, so that dataset would then fail `shards verify` (shards it does not list)."""
+    for parent in root.parents:
+        if (parent / META_NAME).is_file():
+            raise UserError(f"{root} is inside the dataset {parent}, whose files are all those below it (`shards "
+                            f"verify {parent}` would fail on the shards written here); write to a folder outside it")
 
 
 def _drop_lease(storage: Storage) -> None:
