@@ -318,3 +318,12 @@ def test_the_shards_of_a_write_that_never_finished_are_not_indexed(tmp_path: Pat
         err = capsys.readouterr().err
         assert err.startswith("vitscale: error: ") and err.count("\n") == 1 and WRITING in err, err
         assert not (half / "dataset.json").exists() and not (half / "_index.parquet").exists()
+
+
+def test_indexing_again_says_what_to_do(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    tars = _tars(tmp_path / "tars", shards=1)
+    assert main(["shards", "index", str(tars)]) == 0
+    capsys.readouterr()
+    assert main(["shards", "index", str(tars)]) == 2
+    err = capsys.readouterr().err
+    assert "is already a dataset; index into another --out, or delete its dataset.json" in err and err.count("\n") == 1

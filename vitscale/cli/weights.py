@@ -108,7 +108,8 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="run directory, vitscale export (.pt/.safetensors), official .npz or timm file")
     p.add_argument("--images", required=True, metavar="SHARDS", help="dataset (vitscale shards) of sample images")
     p.add_argument("--out", required=True,
-                   help="folder (or s3:// prefix) for the PNGs, parquet tables and inspect.json")
+                   help="folder (or s3:// prefix) for the PNGs, parquet tables and inspect.json (an earlier "
+                        "inspect's files there are replaced; other files are left alone)")
     p.add_argument("--count", type=int, default=8, help="sample images, the first readable ones (default: 8)")
     p.add_argument("--split", default="train", help="split the images are read from (default: train)")
     p.add_argument("--model", default=None, help='architecture of a .npz/timm file, e.g. "ViT-B/16"')

@@ -221,7 +221,8 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
     shards = open_storage(root, endpoint_url=endpoint_url)
     dest = open_storage(out, endpoint_url=endpoint_url) if out else shards
     if dest.exists(META_NAME):
-        raise DatasetError(f"{dest.url_of(META_NAME)} exists: {dest.url} is already a dataset")
+        raise DatasetError(f"{dest.url_of(META_NAME)} exists: {dest.url} is already a dataset; index into another "
+                           f"--out, or delete its {META_NAME} and {INDEX_NAME} to index it again")
     sizes = shards.list_sizes()
     for place in {shards.url: shards, dest.url: dest}.values():  # the tars' folder, and --out's
         if place.exists(WRITING):  # its tars are a write's first shards: indexed, they would pass for all of it
