@@ -174,3 +174,40 @@ def test_a_dataset_is_never_written_inside_another(tmp_path, capsys):
         assert err.startswith(f"vitscale: error: {argv[-1]} is inside the dataset {train}") and err.count("\n") == 1
     assert sorted(p.name for p in train.iterdir() if p.is_dir()) == []  # nothing made there
     assert main(["shards", "verify", str(train)]) == 0
+
+
+def test_the_spool_of_a_killed_write_is_removed_by_the_next_and_a_live_ones_never(tmp_path, monkeypatch):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from vitscale.data.storage import cleanup
+
+    spools = tmp_path / "tmp"
+    spools.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "vitscale", "shards", "write", "--source", "synthetic", "--count",
+                             "40000", "--image-size", "32", "--max-side", "32", "--shard-size", "100000", "--out",
+                             str(tmp_path / "killed")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "TMPDIR": str(spools)})
+    try:
+        deadline = time.monotonic() + 120
+        while not list(spools.glob("vitscale-spool-shard-*.tar")):  # mid-shard: its spool there
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)  # no cleanup runs: the spool stays
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    monkeypatch.setattr(tempfile, "tempdir", str(spools))
+    monkeypatch.setattr(cleanup, "_SWEPT", set())
+    live = cleanup.spool_file("vitscale-spool-shard-", ".tar")  # another write's, still being filled
+    live.write(b"half a shard")
+    monkeypatch.setattr(cleanup, "_SWEPT", set())
+    write_dataset("digits", str(tmp_path / "next"), progress=False)
+    assert [p.name for p in spools.iterdir()] == [Path(live.name).name]  # the killed write's is gone
+    live.close()

@@ -6,15 +6,23 @@ and an error raised from an ``except`` or ``finally`` block replaces the one bei
 user would read about a missing temporary file instead of the upload that failed. So a cleanup
 after an error goes through :func:`after_error`: its own failure becomes a note on the original
 error, which is the one raised.
+
+A process killed outright (SIGKILL, the OOM killer) runs no cleanup at all: the spool files it wrote
+through stay in the temporary folder, a shard's worth each. :func:`spool_file` hands out spools locked
+(``flock``) while their writer lives, and removes the unlocked ones a killed writer left.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
-__all__ = ["after_error", "missing_folders", "remove_file", "remove_new_folders"]
+__all__ = ["after_error", "missing_folders", "remove_file", "remove_new_folders", "spool_file"]
 
 
 def after_error(error: BaseException, what: str, step: Callable[[], object]) -> None:
@@ -52,3 +60,37 @@ def remove_new_folders(folders: list[Path]) -> None:
             continue
         except OSError:  # not empty (or not ours to remove): leave it and what holds it
             return
+
+
+_SWEPT: set[tuple[str, str]] = set()
+"""The spool names this process has cleared the dead writers' spools of (once each)."""
+
+
+def spool_file(prefix: str, suffix: str) -> BinaryIO:
+    """A new temporary file ``PREFIX<random>SUFFIX``, open for writing; its ``name`` is its path. Its writer
+    closes it only once it has removed it: until then it holds the file's lock, which the kernel drops when
+    the process dies however it dies. The first spool of a name in a process removes the unlocked ones of
+    that name, a killed writer's; the lock, not a pid, tells (pids do not cross containers sharing a /tmp).
+    """
+    folder = tempfile.gettempdir()
+    if (folder, prefix + suffix) not in _SWEPT:
+        _SWEPT.add((folder, prefix + suffix))
+        for path in Path(folder).glob(f"{prefix}*{suffix}"):
+            with contextlib.suppress(OSError):  # held by a live writer, or gone meanwhile: left alone
+                _remove_unlocked(path)
+    fd, opening = tempfile.mkstemp(prefix=prefix, suffix=".opening", dir=folder)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    final = opening.removesuffix(".opening") + suffix
+    os.rename(opening, final)  # under its final name only once locked: a sweep never takes a live one
+    spool = os.fdopen(fd, "wb")
+    spool.raw.name = final  # type: ignore[attr-defined]  # its path, not the descriptor's number
+    return spool
+
+
+def _remove_unlocked(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError (an OSError) while its writer lives
+        path.unlink()
+    finally:
+        os.close(fd)

@@ -19,7 +19,6 @@ import io
 import json
 import os
 import tarfile
-import tempfile
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +39,7 @@ from vitscale.data.format import (
     write_index_and_meta,
 )
 from vitscale.data.storage import Storage, open_storage
-from vitscale.data.storage.cleanup import after_error, remove_file
+from vitscale.data.storage.cleanup import after_error, remove_file, spool_file
 from vitscale.data.tools import publish
 from vitscale.data.tools.images import MAX_PIXELS, UnreadableImage, encode_image
 from vitscale.data.tools.progress import Progress
@@ -167,7 +166,7 @@ class ShardWriter:
 
     def _open(self) -> None:
         # Open for the shard's whole life (samples arrive one call at a time); finish_shard closes both.
-        self._tmp = tempfile.NamedTemporaryFile(prefix="vitscale-shard-", suffix=".tar", delete=False)  # noqa: SIM115
+        self._tmp = spool_file("vitscale-spool-shard-", ".tar")  # a killed write's is removed by the next
         self._hf = _HashingFile(self._tmp)
         self._tar = tarfile.open(  # type: ignore[call-overload]  # noqa: SIM115 -- a file-like the stubs do not know
             fileobj=self._hf, mode="w", format=tarfile.PAX_FORMAT
@@ -181,18 +180,20 @@ class ShardWriter:
         if self._hf is None:
             raise RuntimeError("ShardWriter: shard state lost")
         self._tar.close()
-        self._tmp.close()
+        self._tmp.flush()  # open (and locked: cleanup.spool_file) until removed
         name = shard_name(self.split, len(self.shards))
         entry = ShardMeta(name, self._count, self._hf.sha.hexdigest(), self._hf.n)
-        spool = self._tmp.name
+        tmp, spool = self._tmp, self._tmp.name
         # The shard is closed: from here its spool file is this call's to remove, not abort()'s.
         self._tar = self._hf = self._tmp = None
         try:
             self.storage.write_file(name, spool)
+            remove_file(spool)
         except BaseException as exc:
             after_error(exc, f"removing the spool file {spool}", lambda: remove_file(spool))
             raise
-        remove_file(spool)
+        finally:
+            tmp.close()
         self.shards.append(entry)
 
     def abort(self, error: BaseException) -> None:
@@ -202,8 +203,10 @@ class ShardWriter:
         tmp, self._tar, self._hf, self._tmp = self._tmp, None, None, None
 
         def drop() -> None:
-            tmp.close()
-            remove_file(tmp.name)
+            try:
+                remove_file(tmp.name)
+            finally:
+                tmp.close()  # its lock last: a sweep never takes a spool still being removed
 
         after_error(error, f"removing the spool file {tmp.name}", drop)
 
