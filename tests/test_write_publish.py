@@ -98,8 +98,11 @@ def test_an_interrupted_write_is_never_a_dataset_and_a_rerun_works(tmp_path, mon
     leftovers = LocalStorage(out)
     leftovers.write_bytes(WRITING, b"{}")
     leftovers.write_bytes("train-000007.tar", b"half a shard")
+    (out / ".train-000008.tar.0123456789ab.part").write_bytes(b"a shard being copied in")  # atomic.py's
+    (out / ".notes.txt.0123456789ab.part").write_bytes(b"not a write's")
     assert _write(src, out)["splits"]["train"]["samples"] == 9
     assert "train-000007.tar" not in LocalStorage(out).list() and WRITING not in LocalStorage(out).list()
+    assert [p.name for p in out.glob(".*.part")] == [".notes.txt.0123456789ab.part"]
     # A finished dataset, or shards no vitscale write left, are never written over.
     with pytest.raises(ValueError, match="already holds a dataset"):
         _write(src, out)

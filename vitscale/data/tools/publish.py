@@ -31,7 +31,8 @@ from pathlib import Path
 from vitscale.config.errors import UserError
 from vitscale.data.format import INDEX_NAME, META_NAME
 from vitscale.data.storage import LocalStorage, Storage, StorageError
-from vitscale.data.storage.cleanup import after_error, missing_folders, remove_new_folders
+from vitscale.data.storage.atomic import PART_SUFFIX
+from vitscale.data.storage.cleanup import after_error, missing_folders, remove_file, remove_new_folders
 from vitscale.data.storage.lease import RunLease, hold_run_lease
 from vitscale.data.storage.space import NO_FILES, free_bytes, is_no_space, out_of_files, size_text
 
@@ -102,6 +103,10 @@ def _claim(storage: Storage) -> None:
                          "there; write to a new --out or delete those files first")
     for name in leftovers:  # an interrupted earlier write's shards and index
         storage.delete(name)
+    if isinstance(storage, LocalStorage):  # and the files it was copying in when killed (hidden: never listed)
+        for part in storage.root.glob(f".*{PART_SUFFIX}"):
+            if _ours([part.name[1:-len(PART_SUFFIX)].rpartition(".")[0]]):  # `.NAME.<random>.part`: atomic.py
+                remove_file(part)
     storage.write_bytes(WRITING, json.dumps({"pid": os.getpid(), "started": time.time()}).encode())
 
 
