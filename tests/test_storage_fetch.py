@@ -73,3 +73,16 @@ def test_one_bucket_name_on_two_endpoints_has_two_cached_copies(bucket: str, mot
     assert len({here, elsewhere, aws}) == 3 and aws == tmp_path / "cache" / "storage" / "s3" / bucket / "runs/r/model.pt"
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3.replace("http://", "HTTP://") + "/")
     assert _cached_path(url) == here  # one endpoint, however it is spelled
+
+
+def test_a_file_written_again_at_its_size_is_fetched_again(bucket: str, tmp_path: Path) -> None:
+    # `vitscale export RUN --out s3://.../vit.pt` again after more training: the same architecture, the same
+    # bytes count, other weights; fewshot, inspect and finetune must read the new ones, not the cached copy.
+    storage = open_storage(f"s3://{bucket}/models")
+    storage.write_bytes("vit.pt", b"step 1000")
+    assert local_copy(f"s3://{bucket}/models/vit.pt").read_bytes() == b"step 1000"
+    storage.write_bytes("vit.pt", b"step 2000")
+    assert local_copy(f"s3://{bucket}/models/vit.pt").read_bytes() == b"step 2000"
+    copy = local_copy(f"s3://{bucket}/models/vit.pt")
+    before = copy.stat().st_mtime_ns
+    assert local_copy(f"s3://{bucket}/models/vit.pt").stat().st_mtime_ns == before  # unchanged: not fetched again

@@ -77,6 +77,11 @@ class Storage:
         """Object size in bytes."""
         raise NotImplementedError
 
+    def version(self, name: str) -> str:
+        """What changes when the object ``name`` is written again: here its size; a store that can tell more
+        (S3's ETag) says it, so a copy of it (`fetch.py`) is never kept for a rewrite of the same size."""
+        return str(self.size(name))
+
     def write_bytes(self, name: str, data: bytes) -> None:
         """Create or replace ``name`` with ``data`` (atomically for readers)."""
         raise NotImplementedError

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from vitscale.config.location import canonical_endpoint, canonical_location, is_url
 from vitscale.data.storage import open_storage, resolve_endpoint_url
+from vitscale.data.storage.atomic import write_atomic
 from vitscale.data.storage.base import Storage
 from vitscale.data.storage.cleanup import after_error, remove_file
 
@@ -86,9 +87,16 @@ def subfolders(location: str) -> list[str]:
 
 
 def _fetch(storage: Storage, name: str, target: Path, size: int | None = None) -> None:
-    if target.is_file() and target.stat().st_size == (storage.size(name) if size is None else size):
+    """Copy ``name`` to ``target`` unless it is there already. A folder's files (``size`` from its listing: a
+    checkpoint's, never rewritten under their names) are judged by size; one file by its version, kept beside
+    it (``.NAME.version``): an export written again to its URL has the same size, not the same weights."""
+    stamp = target.with_name(f".{target.name}.version")
+    version = storage.version(name) if size is None else None
+    if target.is_file() and (target.stat().st_size == size if version is None else
+                             stamp.is_file() and stamp.read_text() == version):
         return
     target.parent.mkdir(parents=True, exist_ok=True)
+    remove_file(stamp)  # before the copy changes: a stamp never vouches for another copy
     part = target.with_name(f".{target.name}.{os.getpid()}.part")
     try:  # streamed: a checkpoint's optimizer states can be larger than memory
         with storage.open_read(name) as source, part.open("wb") as out:
@@ -97,3 +105,5 @@ def _fetch(storage: Storage, name: str, target: Path, size: int | None = None) -
     except BaseException as exc:
         after_error(exc, f"removing {part}", lambda: remove_file(part))
         raise
+    if version is not None:
+        write_atomic(stamp, version)

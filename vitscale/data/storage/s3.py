@@ -185,6 +185,14 @@ class S3Storage(Storage):
         )
         return int(resp["ContentLength"])
 
+    def version(self, name: str) -> str:
+        resp = self._retrying(
+            "head",
+            name,
+            lambda: self.client.head_object(Bucket=self.bucket, Key=self.key_of(name)),
+        )
+        return f"{resp['ContentLength']} {resp.get('ETag', '')}"
+
     def open_read(self, name: str) -> BinaryIO:
         raw = _S3RawStream(self, name, self.size(name))
         return io.BufferedReader(raw, buffer_size=1024 * 1024)
