@@ -249,3 +249,28 @@ def test_an_upload_that_fails_keeps_the_work_and_says_where(moto_s3: str) -> Non
     kept = Path(re.search(r"kept at (\S+):", str(failed.value)).group(1))  # type: ignore[union-attr]
     assert (kept / "m.pt").read_bytes() == b"minutes of work"
     shutil.rmtree(kept)
+
+
+def test_a_killed_uploads_spool_is_swept_and_a_kept_one_never(moto_s3: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    import sys
+
+    from vitscale.data.storage import cleanup
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(cleanup, "_SWEPT", set())
+    # A process killed outright (SIGKILL, the OOM killer) mid-export to a bucket: its spool, the model's size.
+    boto3.client("s3", endpoint_url=moto_s3).create_bucket(Bucket="swept")
+    code = ("import os, tempfile; from vitscale.data.storage.outputs import output_file; "
+            f"tempfile.tempdir = {str(tmp_path)!r}\n"
+            f"with output_file('s3://swept/m.pt', '--out', endpoint_url={moto_s3!r}) as path:\n"
+            "    path.write_bytes(b'weights'); os.kill(os.getpid(), 9)")
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == -9
+    kept = tmp_path / "vitscale-kept-x"  # what a failed upload keeps and names (not swept)
+    kept.mkdir()
+    assert len(list(tmp_path.glob("vitscale-out-*"))) == 1
+    with output_file("s3://swept/m.pt", "--out", endpoint_url=moto_s3) as path:
+        path.write_bytes(b"weights")
+        assert [p.parent for p in tmp_path.glob("vitscale-out-*/m.pt")] == [path.parent]  # the live one only
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vitscale-kept-x"]

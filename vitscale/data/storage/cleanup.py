@@ -17,12 +17,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["after_error", "missing_folders", "remove_file", "remove_new_folders", "spool_file"]
+__all__ = ["after_error", "missing_folders", "remove_file", "remove_new_folders", "spool_file", "spool_folder"]
 
 
 def after_error(error: BaseException, what: str, step: Callable[[], object]) -> None:
@@ -72,25 +73,50 @@ def spool_file(prefix: str, suffix: str) -> BinaryIO:
     the process dies however it dies. The first spool of a name in a process removes the unlocked ones of
     that name, a killed writer's; the lock, not a pid, tells (pids do not cross containers sharing a /tmp).
     """
+    folder = _sweep(prefix, suffix)
+    fd, opening = tempfile.mkstemp(prefix=prefix, suffix=".opening", dir=folder)
+    spool = os.fdopen(fd, "wb")
+    spool.raw.name = _locked(fd, opening, suffix)  # type: ignore[attr-defined]  # its path, not its number
+    return spool
+
+
+def spool_folder(prefix: str) -> tuple[Path, int]:
+    """A new temporary folder ``PREFIX<random>`` and the descriptor that holds its lock: close it once the
+    folder is removed, or renamed out of the prefix to be kept. Killed writers' folders go as in
+    :func:`spool_file`."""
+    folder = _sweep(prefix, "")
+    opening = tempfile.mkdtemp(prefix=prefix, suffix=".opening", dir=folder)
+    fd = os.open(opening, os.O_RDONLY)
+    return Path(_locked(fd, opening, "")), fd
+
+
+def _sweep(prefix: str, suffix: str) -> str:
+    """The temporary folder, once this process has removed the unlocked ``PREFIX*SUFFIX`` spools there."""
     folder = tempfile.gettempdir()
     if (folder, prefix + suffix) not in _SWEPT:
         _SWEPT.add((folder, prefix + suffix))
         for path in Path(folder).glob(f"{prefix}*{suffix}"):
             with contextlib.suppress(OSError):  # held by a live writer, or gone meanwhile: left alone
                 _remove_unlocked(path)
-    fd, opening = tempfile.mkstemp(prefix=prefix, suffix=".opening", dir=folder)
+    return folder
+
+
+def _locked(fd: int, opening: str, suffix: str) -> str:
     fcntl.flock(fd, fcntl.LOCK_EX)
     final = opening.removesuffix(".opening") + suffix
     os.rename(opening, final)  # under its final name only once locked: a sweep never takes a live one
-    spool = os.fdopen(fd, "wb")
-    spool.raw.name = final  # type: ignore[attr-defined]  # its path, not the descriptor's number
-    return spool
+    return final
 
 
 def _remove_unlocked(path: Path) -> None:
+    if path.name.endswith(".opening"):
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError (an OSError) while its writer lives
-        path.unlink()
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
     finally:
         os.close(fd)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 from vitscale.config.checks import ConfigError
 from vitscale.config.location import canonical_location, is_url
 from vitscale.data.storage.atomic import atomic_path
-from vitscale.data.storage.cleanup import after_error, missing_folders, remove_file, remove_new_folders
+from vitscale.data.storage.cleanup import after_error, missing_folders, remove_file, remove_new_folders, spool_folder
 
 __all__ = ["check_output", "output_file", "output_folder"]
 
@@ -147,15 +146,21 @@ def _spooled(location: str, upload: Callable[[Path], None]) -> Iterator[Path]:
     line the error is: the work is not lost."""
     from vitscale.data.storage.base import StorageError
 
-    spool = Path(tempfile.mkdtemp(prefix="vitscale-out-"))
+    spool, lock = spool_folder("vitscale-out-")  # locked while this process lives: a killed one's is swept
     try:
         yield spool
     except BaseException:
         shutil.rmtree(spool, ignore_errors=True)
+        os.close(lock)
         raise
     try:
         upload(spool)
     except StorageError as exc:
+        kept = spool.with_name(spool.name.replace("vitscale-out-", "vitscale-kept-", 1))  # out of the sweep's way
+        with contextlib.suppress(OSError):
+            spool = spool.rename(kept)
+        os.close(lock)
         raise StorageError(f"{exc}; what was written is kept at {spool}: copy it to {location} once the storage "
                            f"answers") from exc
     shutil.rmtree(spool, ignore_errors=True)
+    os.close(lock)
