@@ -5,7 +5,8 @@ work on local files. Given an `s3://` location they read a copy from the cache i
 (`$VITSCALE_CACHE`, default `~/.cache/vitscale`), laid out as `storage/s3/<bucket>/<key>` for AWS and
 `storage/s3@<hash of the endpoint>/<bucket>/<key>` for another endpoint (one bucket name on MinIO and on
 AWS are two places, and a copy of one must never be read as the other). An object
-already in the cache at its size is not fetched again; a download lands under a temporary name and is
+already in the cache is not fetched again (a folder's files judged by size, one file by its version:
+S3's ETag, for a file written again at its size); a download lands under a temporary name and is
 renamed, so an interrupted fetch never leaves a file that looks whole.
 """
 
