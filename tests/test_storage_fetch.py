@@ -86,3 +86,20 @@ def test_a_file_written_again_at_its_size_is_fetched_again(bucket: str, tmp_path
     copy = local_copy(f"s3://{bucket}/models/vit.pt")
     before = copy.stat().st_mtime_ns
     assert local_copy(f"s3://{bucket}/models/vit.pt").stat().st_mtime_ns == before  # unchanged: not fetched again
+
+
+def test_a_killed_fetchs_part_file_is_removed_by_the_next_and_a_live_ones_never(bucket: str) -> None:
+    import fcntl
+
+    storage = open_storage(f"s3://{bucket}/models")
+    storage.write_bytes("vit.pt", b"weights")
+    copy = local_copy(f"s3://{bucket}/models/vit.pt")
+    killed = copy.with_name(f".{copy.name}.999999.part")  # a fetch killed outright: a checkpoint file's size
+    killed.write_bytes(b"half")
+    live = copy.with_name(f".{copy.name}.999998.part")
+    live.write_bytes(b"another process's, fetching now")
+    with live.open("rb") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        storage.write_bytes("vit.pt", b"new weights")
+        assert local_copy(f"s3://{bucket}/models/vit.pt").read_bytes() == b"new weights"
+        assert not killed.exists() and live.exists()

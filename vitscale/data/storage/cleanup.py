@@ -23,7 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["after_error", "missing_folders", "remove_file", "remove_new_folders", "spool_file", "spool_folder"]
+__all__ = ["after_error", "missing_folders", "remove_file", "remove_new_folders", "remove_unlocked", "spool_file",
+           "spool_folder"]
 
 
 def after_error(error: BaseException, what: str, step: Callable[[], object]) -> None:
@@ -97,7 +98,7 @@ def _sweep(prefix: str, suffix: str) -> str:
         _SWEPT.add((folder, prefix + suffix))
         for path in Path(folder).glob(f"{prefix}*{suffix}"):
             with contextlib.suppress(OSError):  # held by a live writer, or gone meanwhile: left alone
-                _remove_unlocked(path)
+                remove_unlocked(path)
     return folder
 
 
@@ -108,7 +109,8 @@ def _locked(fd: int, opening: str, suffix: str) -> str:
     return final
 
 
-def _remove_unlocked(path: Path) -> None:
+def remove_unlocked(path: Path) -> None:
+    """Remove the spool ``path`` unless a live writer holds its lock (then ``BlockingIOError``)."""
     if path.name.endswith(".opening"):
         return
     fd = os.open(path, os.O_RDONLY)

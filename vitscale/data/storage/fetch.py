@@ -12,6 +12,9 @@ renamed, so an interrupted fetch never leaves a file that looks whole.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import glob
 import hashlib
 import os
 import shutil
@@ -21,7 +24,7 @@ from vitscale.config.location import canonical_endpoint, canonical_location, is_
 from vitscale.data.storage import open_storage, resolve_endpoint_url
 from vitscale.data.storage.atomic import write_atomic
 from vitscale.data.storage.base import Storage
-from vitscale.data.storage.cleanup import after_error, remove_file
+from vitscale.data.storage.cleanup import after_error, remove_file, remove_unlocked
 
 __all__ = ["cache_root", "is_folder", "local_copy", "subfolders"]
 
@@ -98,11 +101,16 @@ def _fetch(storage: Storage, name: str, target: Path, size: int | None = None) -
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_file(stamp)  # before the copy changes: a stamp never vouches for another copy
+    for stale in target.parent.glob(f".{glob.escape(target.name)}.*.part"):  # a killed fetch's, a file's size
+        with contextlib.suppress(OSError):  # locked: another process is fetching it now
+            remove_unlocked(stale)
     part = target.with_name(f".{target.name}.{os.getpid()}.part")
     try:  # streamed: a checkpoint's optimizer states can be larger than memory
         with storage.open_read(name) as source, part.open("wb") as out:
+            fcntl.flock(out.fileno(), fcntl.LOCK_EX)  # while this process lives (cleanup.spool_file)
             shutil.copyfileobj(source, out, 8 << 20)
-        part.replace(target)
+            out.flush()
+            part.replace(target)  # still locked: a sweep never takes a part being renamed
     except BaseException as exc:
         after_error(exc, f"removing {part}", lambda: remove_file(part))
         raise
