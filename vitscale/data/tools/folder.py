@@ -64,4 +64,4 @@ class FolderSource(Source):
 
 
 SOURCE = SourceKind("folder", FolderSource, "one sub-folder of images per class (ImageNet layout), or images alone "
-                    "(no labels: for masked patch pre-training)", arg="PATH")
+                    "(no labels: for masked patch pre-training)", arg="PATH", reads_tree=True)

@@ -84,6 +84,9 @@ class SourceKind:
     """Keyword options ``open`` accepts (``open_source`` refuses others)."""
     predefined_splits: bool = False
     """The dataset brings its own splits (``--split`` fractions are refused)."""
+    reads_tree: bool = False
+    """``ARG`` is a folder read whole, every sub-folder a class: a dataset written at or inside it would join
+    the source (``check_outside_source``). Kinds that read named files of a distribution leave it off."""
 
     @property
     def spec(self) -> str:

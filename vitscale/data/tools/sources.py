@@ -109,11 +109,13 @@ def open_source(spec: str, **options: Any) -> Source:
 
 
 def check_outside_source(spec: str, out: str) -> None:
-    """Refuse to write a dataset into the folder a ``NAME:DIR`` source reads, or below it: its shards and
-    index would join the source (a ``folder:`` source's next read takes their folder for a class of no
-    images, a class more in every model trained on it)."""
+    """Refuse to write a dataset into the folder a source that reads its folder whole (``reads_tree``:
+    ``folder:DIR``) reads, or below it: its shards and index would join the source (the next read takes
+    their folder for a class of no images, a class more in every model trained on it). A distribution's
+    reader (``imagenet:DIR``, ``pets:DIR``) reads its own named files: a folder beside them is not read."""
     arg = spec.partition(":")[2]
-    if not arg or is_url(arg) or is_url(out) or not Path(arg).expanduser().is_dir():
+    if not arg or not source_kind_of(spec).reads_tree or is_url(arg) or is_url(out) \
+            or not Path(arg).expanduser().is_dir():
         return
     root, target = Path(arg).expanduser().resolve(), Path(out).expanduser().resolve()
     if target == root or root in target.parents:
