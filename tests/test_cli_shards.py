@@ -200,6 +200,11 @@ def _first(value: object):
      "dataset.json", "shard '../x.tar' is not a file name inside the dataset"),
     (lambda r: _rewrite_meta(r, lambda m: m["splits"]["test"]["shards"].append(m["splits"]["train"]["shards"][0])),
      "dataset.json", "shard 'train-000000.tar' is listed twice"),
+    # A later layout is refused, not misread; names for classes are one per class.
+    (lambda r: _rewrite_meta(r, lambda m: m.update(format=99)), "dataset.json", "format 99 is not one this vitscale reads"),
+    (lambda r: _rewrite_meta(r, lambda m: m.update(format="1")), "dataset.json", "format '1' is not one"),
+    (lambda r: _rewrite_meta(r, lambda m: m.update(classes=m["classes"][:3])), "dataset.json",
+     "classes names 3 classes but num_classes is 10"),
 ])
 def test_a_damaged_index_or_metadata_is_one_line_naming_it(digits: str, tmp_path: Path, capsys: pytest.CaptureFixture,
                                                            damage, names: str, says: str) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 from PIL import Image
 
 from vitscale.config.checks import check, positive_int
-from vitscale.data.format import DatasetMeta, SplitMeta, write_index_and_meta
+from vitscale.data.format import FORMAT, DatasetMeta, SplitMeta, write_index_and_meta
 from vitscale.data.storage import open_storage
 from vitscale.data.tools import publish
 from vitscale.data.tools.images import MAX_PIXELS, encode_image
@@ -142,7 +142,7 @@ class DatasetWriter:
         meta = DatasetMeta(
             name=self.name, num_classes=len(self.classes), multi_label=self.multi_label, splits=splits,
             classes=self.classes, max_side=self.max_side, quality=self.quality,
-            extra={"source": "vitscale.data.DatasetWriter", "format": 1, "chroma": self.chroma},
+            extra={"source": "vitscale.data.DatasetWriter", "format": FORMAT, "chroma": self.chroma},
         )
         write_index_and_meta(self.storage, rows, meta)
         publish.release(self.storage)

@@ -28,6 +28,7 @@ from vitscale.data.format.index import IndexFile, IndexWriter, index_bytes, writ
 from vitscale.data.format.meta import (
     CRC_COLUMN,
     DEFAULT_SPLIT,
+    FORMAT,
     INDEX_COLUMNS,
     INDEX_NAME,
     INDEX_SCHEMA,
@@ -51,7 +52,7 @@ from vitscale.data.format.meta import (
 from vitscale.data.format.split import OpenDataset, ShardIndex, open_dataset
 
 __all__ = [
-    "CRC_COLUMN", "DEFAULT_SPLIT", "INDEX_COLUMNS", "INDEX_NAME", "INDEX_SCHEMA", "LABEL_SOURCE", "META_NAME",
+    "CRC_COLUMN", "DEFAULT_SPLIT", "FORMAT", "INDEX_COLUMNS", "INDEX_NAME", "INDEX_SCHEMA", "LABEL_SOURCE", "META_NAME",
     "SHARD_ROOT", "SPLIT_NAME", "SPLIT_WORDS",
     "DatasetError", "DatasetMeta", "IndexFile", "IndexWriter",
     "OpenDataset", "ShardIndex", "ShardMeta", "SplitMeta", "check_index_schema", "has_dataset", "index_bytes",

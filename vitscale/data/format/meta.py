@@ -22,6 +22,8 @@ from vitscale.data.storage.base import is_name
 
 META_NAME = "dataset.json"
 INDEX_NAME = "_index.parquet"
+FORMAT = 1
+"""The layout version `dataset.json` records (`format`): readers refuse a later one rather than misread it."""
 INDEX_SCHEMA = pa.schema(
     [
         ("split", pa.string()),
@@ -318,6 +320,14 @@ class DatasetMeta:
             raise DatasetError(f"{where}: num_classes must be >= 0 (0: images without labels)")
         if meta.num_classes == 0 and meta.classes:
             raise DatasetError(f"{where}: num_classes 0 (images without labels) but classes names {len(meta.classes)}")
+        if meta.classes and len(meta.classes) != meta.num_classes:  # a name per class, or none: labels index them
+            raise DatasetError(f"{where}: classes names {len(meta.classes)} classes but num_classes is "
+                               f"{meta.num_classes}")
+        version = meta.extra.get("format", FORMAT)
+        # Absent in third-party files (read as this format); a later one may lay out shards or index otherwise.
+        if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= FORMAT:
+            raise DatasetError(f"{where}: format {version!r} is not one this vitscale reads (format {FORMAT}): "
+                               "written by a newer vitscale, or damaged")
         return meta
 
 

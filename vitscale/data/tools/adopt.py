@@ -46,6 +46,7 @@ import pyarrow.parquet as pq
 
 from vitscale.config.errors import UserError
 from vitscale.data.format import (
+    FORMAT,
     INDEX_NAME,
     INDEX_SCHEMA,
     LABEL_SOURCE,
@@ -272,7 +273,7 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
         name=posixpath.basename(shards.url.rstrip("/")) or "dataset", classes=tuple(class_names),
         num_classes=len(class_names), multi_label=bool(class_names) and any(len(r["labels"]) != 1 for r in rows),
         splits=splits,
-        extra={"source": f"shards index {url}", "label_member": labels.member, "format": 1, "bad_samples": bad,
+        extra={"source": f"shards index {url}", "label_member": labels.member, "format": FORMAT, "bad_samples": bad,
                **({LABEL_SOURCE: "index"} if labels.kind in ("txt", "json") else {}),
                **({SHARD_ROOT: shards.url} if dest is not shards else {})},
     )

@@ -32,6 +32,7 @@ from vitscale.config.checks import seed as check_seed
 from vitscale.config.errors import UserError
 from vitscale.data.config import check_splits
 from vitscale.data.format import (
+    FORMAT,
     DatasetMeta,
     ShardMeta,
     SplitMeta,
@@ -391,7 +392,7 @@ def _meta(src: Source, name: str | None, splits: dict[str, SplitMeta], max_side:
             "seed": seed,
             "source": source,
             "source_options": {k: v for k, v in opts.items() if isinstance(v, (int, float, str, bool, list))},
-            "format": 1,
+            "format": FORMAT,
             "bad_files": bad,
         },
     )
