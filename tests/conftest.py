@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import signal
 import socket
 from collections.abc import Iterator
 
@@ -26,6 +27,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402 -- after the variable: torch reads it as it loads
 
 torch.set_num_threads(1)  # where torch was loaded before this file (a plugin)
+
+# The tests that stop runs with Ctrl-C or a closed terminal need those signals to arrive. A suite started under
+# `nohup` (SIGHUP ignored) or as a background job of a script (SIGINT ignored) passes the ignoring on to every
+# process it starts, as the kernel does: those tests then failed for the way the suite was launched. Each test
+# process starts from the defaults; a test that wants a signal ignored says so (`helpers/ray_runs.start`).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
