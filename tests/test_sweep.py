@@ -56,10 +56,17 @@ def test_combinations_are_the_grid_in_order() -> None:
     ({"target": "pretrain", "space": {"finetune.train.base_lr": [0.1]}}, "sweep.space.finetune.train.base_lr"),
     ({"workers_per_trial": 2}, "finetune.train.global_batch"),  # 8 images cannot split as 8 per worker over 2
     ({"space": {"finetune.train.micro_batch": [4, 3]}}, "finetune.train.global_batch"),  # trial 2: 8 % 3
+    # a trial's model or objective that its workers would refuse: checked per trial, not for the base alone
+    ({"space": {"finetune.resolution": [16, 20]}}, "finetune.resolution"),  # 20 px: no whole 8 px patches
+    ({"target": "pretrain", "space": {"train.objective": ["supervised", "masked_patch"]}}, "sweep.target"),
 ])
 def test_bad_sweeps_are_refused_before_any_trial(sweep: dict, key: str) -> None:
+    raw = sweep_pipeline(sweep=sweep)
+    if "finetune.resolution" in str(sweep):  # the pretrain stage's model (a checkpoint's is checked with the data)
+        raw["stages"], raw["finetune"]["checkpoint"] = ["pretrain", "sweep"], None
+        raw["train"] = {"global_batch": 8, "micro_batch": 8}
     with pytest.raises(ConfigError) as err:
-        build_pipeline(sweep_pipeline(sweep=sweep))
+        build_pipeline(raw)
     assert err.value.key == key
 
 
@@ -122,7 +129,9 @@ def datasets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
                   splits={"train": 0.7, "test": 0.3}, source_options={"count": 30, **opts})
     write_dataset("synthetic", str(root / "no-test"), shard_size=20, max_side=16, progress=False,
                   source_options={"count": 30, **opts})
-    return {name: str(root / name) for name in ("small", "no-test")}
+    write_dataset("synthetic", str(root / "multi"), shard_size=20, max_side=16, progress=False,
+                  splits={"train": 0.7, "test": 0.3}, source_options={"count": 30, "multi_label": True, **opts})
+    return {name: str(root / name) for name in ("small", "no-test", "multi")}
 
 
 def test_data_that_cannot_serve_the_protocol_is_refused_on_the_driver(datasets: dict, tmp_path: Path) -> None:
@@ -157,6 +166,70 @@ def test_data_that_cannot_serve_the_protocol_is_refused_on_the_driver(datasets: 
     with pytest.raises(ConfigError, match="does not fit") as err:
         preflight(config)
     assert err.value.key == "finetune.checkpoint"
+
+
+TRIAL_DATA = [
+    # (the sweep, the pipeline's other sections, the key named): each value of the space checked against the
+    # data, as the stage it trains checks it; the base pipeline alone passed, and the trial failed in its workers
+    ({"target": "pretrain", "dev_fraction": 0.3, "space": {"train.global_batch": [8, 32]}}, {},
+     "train.global_batch"),  # 21 samples
+    ({"target": "pretrain", "dev_fraction": 0.3, "space": {"data.split": ["train", "nope"]}}, {}, "data.split"),
+    # 21 samples hold the base's 16, but a trial trains on the rest of its dev carve (about 10)
+    ({"target": "pretrain", "dev_fraction": 0.5, "space": {"train.base_lr": [0.001]}},
+     {"train": {"global_batch": 16, "micro_batch": 8}}, "train.global_batch"),
+    # scored by top-1 accuracy on the dev carve: multi-hot labels broke it (a RuntimeError, or accuracy > 1)
+    ({"target": "pretrain", "dev_fraction": 0.3, "space": {"train.base_lr": [0.001]}}, {"data": {"url": "multi"}},
+     "data.url"),
+    ({"space": {"finetune.train.global_batch": [8, 32]}}, {}, "finetune.train.global_batch"),
+    ({"space": {"finetune.data.split": ["train", "nope"]}}, {}, "finetune.data.split"),
+]
+
+
+@pytest.mark.parametrize("sweep, sections, key", TRIAL_DATA, ids=[k for _, _, k in TRIAL_DATA])
+def test_every_trial_is_checked_against_its_data_on_the_driver(datasets: dict, tmp_path: Path, sweep: dict,
+                                                                sections: dict, key: str) -> None:
+    from vitscale.models import create_model, export_state_dict
+
+    weights = tmp_path / "w.pt"
+    export_state_dict(create_model("ViT-Ti/8", num_classes=5, img_size=16, depth=1, width=32, mlp_dim=32, heads=2),
+                      weights)
+    url = datasets["multi"] if sections.get("data", {}).get("url") == "multi" else datasets["small"]
+    raw = sweep_pipeline(sweep=sweep, finetune={"checkpoint": str(weights), "data": {"url": datasets["small"]}},
+                         data={"url": url}, train={"global_batch": 8, "micro_batch": 8, "max_steps": 1})
+    raw = merge(raw, {k: v for k, v in sections.items() if k != "data"})
+    raw["cluster"] = {**CLUSTER, "storage_path": str(tmp_path / "runs")}
+    config = build_pipeline(raw)  # nothing wrong without the data
+    with pytest.raises(ConfigError) as err:
+        preflight(config)
+    assert err.value.key == key and "trial" in err.value.message, err.value
+
+
+def test_a_finetune_checkpoint_run_is_checked_at_the_fine_tuning_resolution(datasets: dict, tmp_path: Path) -> None:
+    """A run directory names its own model: a `finetune.resolution` its patches cannot tile failed in every worker."""
+    import yaml
+
+    from vitscale.train import checkpoint as ckpt
+
+    run = tmp_path / "run"
+    directory = run / "checkpoint_000000001"
+    directory.mkdir(parents=True)
+    (directory / "weights.bin").write_bytes(b"x" * 10)
+    ckpt.write_rank_part(directory, rank=0, stream_state={"epoch": 0, "position": 1, "seed": 0},
+                         train_state=ckpt.TrainState(step=1, world_size=1),
+                         config_yaml=yaml.safe_dump({"stages": ["pretrain"], "model": MODEL}))
+    for resolution, refused in ((16, False), (20, True)):
+        raw = sweep_pipeline(finetune={"checkpoint": str(run), "resolution": resolution,
+                                       "data": {"url": datasets["small"]}})
+        raw["stages"] = ["finetune"]
+        raw["finetune"]["train"]["base_lr"] = 0.01
+        raw["cluster"] = {**CLUSTER, "storage_path": str(tmp_path / "runs")}
+        config = build_pipeline(raw)
+        if not refused:
+            preflight(config)
+            continue
+        with pytest.raises(ConfigError) as err:
+            preflight(config)
+        assert err.value.key == "finetune.resolution" and "ViT-Ti/8" in err.value.message, err.value
 
 
 @settings(max_examples=300, deadline=None)

@@ -74,18 +74,22 @@ def check_finetune(config: PipelineConfig) -> None:
     refuse_unset_lr(fc, "the finetune stage")
     if fc.checkpoint is None:
         # The pre-trained architecture at the fine-tuning resolution: a size its patches cannot tile
-        # would fail only after pre-training. (A checkpoint file names its own architecture:
-        # `check_checkpoint` builds that one.)
-        try:
-            finetune_model(config.model, fc.resolution).validate()
-        except ConfigError as exc:
-            raise ConfigError("finetune.resolution", f"({fc.resolution}) does not fit {config.model.name}: "
-                                                     f"{exc.message}") from None
+        # would fail only after pre-training. (A checkpoint names its own architecture: `check_checkpoint`
+        # checks that one.)
+        check_resolution(config.model, fc.resolution)
     from vitscale.train.engine import check_settings
 
     recipe = fc.train_config()
     recipe.check_batch_split(config.cluster.world_sizes, "finetune.train")
     check_settings(recipe, "finetune.train")
+
+
+def check_resolution(model: ModelConfig, resolution: int) -> None:
+    """The pre-trained architecture `model` takes `finetune.resolution`: else every worker fails building it."""
+    try:
+        finetune_model(model, resolution).validate()
+    except ConfigError as exc:
+        raise ConfigError("finetune.resolution", f"({resolution}) does not fit {model.name}: {exc.message}") from None
 
 
 def check_downstream(config: PipelineConfig) -> Any:
@@ -128,14 +132,20 @@ def check_checkpoint(config: PipelineConfig, num_classes: int) -> None:
         from vitscale.train.export import find_checkpoint
 
         try:
-            _model_of_run(find_checkpoint(path))
+            model = _model_of_run(find_checkpoint(path))
         except (ValueError, FileNotFoundError) as exc:
             raise ConfigError("finetune.checkpoint", str(exc)) from None
+        check_resolution(model, fc.resolution)  # the run's own architecture, at the fine-tuning resolution
         return
     from vitscale.models.weights_files import load_pretrained
 
     try:
-        model = finetune_model(_model_of_file(path, config.model), fc.resolution).build(num_classes)
+        architecture = _model_of_file(path, config.model)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError("finetune.checkpoint", str(exc)) from None
+    check_resolution(architecture, fc.resolution)
+    try:
+        model = finetune_model(architecture, fc.resolution).build(num_classes)
         load_pretrained(model, path)
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError("finetune.checkpoint", str(exc)) from None

@@ -5,9 +5,12 @@ Runs on Ray Train (`launch/ray_train.py`), every worker in `train/loop.py`; make
 
 from __future__ import annotations
 
+from typing import Any
+
 from vitscale.config.checks import check
 from vitscale.config.loader import to_yaml
 from vitscale.config.pipeline import PipelineConfig
+from vitscale.data.carve import Carve
 from vitscale.data.config import DataConfig
 from vitscale.models.config import ModelConfig
 from vitscale.stages.base import Pretrained, Stage, StageContext
@@ -44,6 +47,18 @@ def check_objective(config: PipelineConfig) -> None:
 
 def prepare_pretrain(config: PipelineConfig) -> None:
     """The dataset exists (or is written from `data.create_if_missing`), has the split, fills a step."""
+    check_pretrain_data(config)
+    # Re-submitting a run with the same name resumes it: refuse a changed one now, not on the workers.
+    from vitscale.train.resume import PRETRAIN_SCOPE, refuse_changed_run_in
+
+    refuse_changed_run_in(config.cluster.run_storage(config.run_name), to_yaml(config), PRETRAIN_SCOPE,
+                          config.cluster.fixed_world_size)
+
+
+def check_pretrain_data(config: PipelineConfig, rest: Carve | None = None) -> Any:
+    """What pre-training reads: the dataset (written from `data.create_if_missing` when absent), its split, labels
+    for the supervised objective, and a global batch from the samples trained on (`data.subset` of them, or a
+    sweep trial's `rest` of its dev carve). Returns the dataset's metadata."""
     from vitscale.data.format import open_dataset
 
     data, train = config.data, config.train
@@ -51,19 +66,20 @@ def prepare_pretrain(config: PipelineConfig) -> None:
     samples = require_split(meta, data.split, "data.split", data.url)
     if train.objective == "supervised":
         require_labels(meta, "data.url", data.url, "train.objective 'supervised'")
-    open_dataset(data.url, data.split, endpoint_url=data.endpoint_url)  # the index agrees with dataset.json
+    # The index agrees with dataset.json; a trial trains on the rest of its dev carve.
+    trained = open_dataset(data.url, data.split, endpoint_url=data.endpoint_url, carve=rest)
     if data.subset is not None:
         check(data.subset <= samples, "data.subset",
               f"({data.subset}) is larger than split {data.split!r} of {data.url} ({samples} samples)")
         samples = data.subset
+    where = f"split {data.split!r} of {data.url} has {samples} samples"
+    if rest is not None:
+        samples = sum(trained.counts)
+        where = f"{samples} samples of split {data.split!r} of {data.url} are left after the dev carve " \
+                "(sweep.dev_fraction)"
     # An epoch is the split's whole global batches (order.py), at any world size: it must hold one.
-    check(samples >= train.global_batch, "train.global_batch",
-          f"({train.global_batch}) cannot be filled: split {data.split!r} of {data.url} has {samples} samples")
-    # Re-submitting a run with the same name resumes it: refuse a changed one now, not on the workers.
-    from vitscale.train.resume import PRETRAIN_SCOPE, refuse_changed_run_in
-
-    refuse_changed_run_in(config.cluster.run_storage(config.run_name), to_yaml(config), PRETRAIN_SCOPE,
-                          config.cluster.fixed_world_size)
+    check(samples >= train.global_batch, "train.global_batch", f"({train.global_batch}) cannot be filled: {where}")
+    return meta
 
 
 def pretraining_job(config: PipelineConfig) -> TrainJob:

@@ -186,9 +186,6 @@ def check_sweep(config: PipelineConfig) -> None:
             with_params(config, {key: value})
     check(sweep.target != "pretrain" or config.data.subset is None, "data.subset",
           "a pre-training sweep carves its dev set from the whole split; leave data.subset out")
-    check(sweep.target != "pretrain" or config.section("train", TrainConfig).objective == "supervised",
-          "sweep.target", "a pre-training sweep selects on the dev carve's top-1 accuracy, which train.objective "
-          "masked_patch does not learn; sweep its fine-tuning (sweep.target: finetune) instead")
     from vitscale.train.engine import check_settings
 
     workers = trial_cluster(config).world_sizes
@@ -202,6 +199,7 @@ def check_sweep(config: PipelineConfig) -> None:
                   f"{sweep.metric} is measured with Polyak-averaged weights: set {section}.polyak (e.g. 0.9999)")
             recipe.check_batch_split(workers, section, workers_key)
             check_settings(recipe, section)
+            _check_trial_model(trial, sweep.target)
         except ConfigError as exc:
             raise ConfigError(exc.key, exc.message + (f" (trial {point})" if point else "")) from None
     if sweep.target == "finetune":
@@ -210,20 +208,67 @@ def check_sweep(config: PipelineConfig) -> None:
         check_transfer(config, "sweep")
 
 
+def _check_trial_model(trial: PipelineConfig, target: str) -> None:
+    """What a trial trains fits what it is asked to: a fine-tuning trial's pre-trained model takes its
+    `finetune.resolution` (a checkpoint's own model is checked with the data); a pre-training trial learns
+    the labels its dev carve scores."""
+    if target == "finetune":
+        from vitscale.stages.finetune import check_resolution
+
+        if finetune_section(trial).checkpoint is None:
+            check_resolution(trial.section("model", ModelConfig), finetune_section(trial).resolution)
+        return
+    check(trial.section("train", TrainConfig).objective == "supervised", "sweep.target",
+          "a pre-training sweep selects on the dev carve's top-1 accuracy, which train.objective masked_patch "
+          "does not learn; sweep its fine-tuning (sweep.target: finetune) instead")
+
+
 def prepare_sweep(config: PipelineConfig) -> None:
-    if sweep_section(config).target == "finetune":
+    """Every trial's data (and, fine-tuning, the weights it starts from), checked as the stage it trains checks
+    them: a value of the space the dataset cannot serve (a split it lacks, a batch its rest of the dev carve
+    cannot fill) is refused here, naming the trial, not found by that trial's workers. Trials that read the
+    same data and weights are checked once."""
+    sweep, checked = sweep_section(config), set()
+    for point in combinations(search_space(config)):
+        trial = with_params(config, point)
+        read = _what_a_trial_reads(trial, sweep.target)
+        if read in checked:
+            continue
+        checked.add(read)
+        try:
+            _check_trial_data(trial, sweep)
+        except ConfigError as exc:
+            raise ConfigError(exc.key, exc.message + (f" (trial {point})" if point else ""), exc.source,
+                              exc.also) from None
+
+
+def _what_a_trial_reads(trial: PipelineConfig, target: str) -> str:
+    """What `_check_trial_data` reads of a trial (equal for trials that differ only in, say, their learning rate)."""
+    if target == "finetune":
+        fc = finetune_section(trial)
+        return repr((fc.data_config(trial.data.endpoint_url), fc.train_config().global_batch, fc.test_split,
+                     fc.dev_share(), fc.dev_seed, fc.checkpoint, fc.resolution, trial.model))
+    return repr((trial.data, trial.train.global_batch, trial.train.objective))
+
+
+def _check_trial_data(trial: PipelineConfig, sweep: SweepConfig) -> None:
+    if sweep.target == "finetune":
         from vitscale.stages.finetune import check_checkpoint, check_downstream
 
-        meta = check_downstream(config)
-        check_checkpoint(config, meta.num_classes)
-    else:
-        from vitscale.data.format import open_dataset
-        from vitscale.stages.pretrain import prepare_pretrain
+        meta = check_downstream(trial)
+        check_checkpoint(trial, meta.num_classes)
+        return
+    from vitscale.data.format import open_dataset
+    from vitscale.stages.pretrain import check_pretrain_data
 
-        prepare_pretrain(config)
-        dev = open_dataset(config.data.url, config.data.split, endpoint_url=config.data.endpoint_url,
-                           carve=Carve(sweep_section(config).dev_fraction, config.data.seed, "dev"))
-        check(sum(dev.counts) >= 1, "sweep.dev_fraction", f"the dev carve of {config.data.url} is empty")
+    data = trial.data
+    meta = check_pretrain_data(trial, rest=Carve(sweep.dev_fraction, data.seed, "rest"))
+    # A trial is scored by top-1 accuracy on its dev carve (`train/evaluate.py`): one label per image.
+    check(not meta.multi_label, "data.url", f"{data.url} is multi-label; a pre-training sweep selects on top-1 "
+                                            "accuracy on a dev carve, which needs one label per image")
+    dev = open_dataset(data.url, data.split, endpoint_url=data.endpoint_url,
+                       carve=Carve(sweep.dev_fraction, data.seed, "dev"))
+    check(sum(dev.counts) >= 1, "sweep.dev_fraction", f"the dev carve of {data.url} is empty")
 
 
 # -- the jobs -------------------------------------------------------------------------------------
