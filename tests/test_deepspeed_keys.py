@@ -58,6 +58,10 @@ def test_engine_config_takes_unowned_keys() -> None:
     ({"optimizer": {"type": "Lamb"}}, "train.deepspeed.optimizer", "train.optimizer"),
     ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
      "train.deepspeed.zero_optimization.offload_optimizer", "train.offload"),
+    # DeepSpeed's deprecated spelling of offload_optimizer: every worker's engine refused vitscale's torch optimizer
+    ({"zero_optimization": {"cpu_offload": True}}, "train.deepspeed.zero_optimization.cpu_offload", "train.offload"),
+    # autocast: another precision than train.precision, which the run directory records
+    ({"torch_autocast": {"enabled": True}}, "train.deepspeed.torch_autocast", "train.precision"),
 ])
 def test_owned_keys_are_refused_when_the_pipeline_loads(overrides: dict, named: str, instead: str) -> None:
     with pytest.raises(ConfigError) as error:
@@ -87,6 +91,9 @@ def test_every_owned_key_is_refused() -> None:
     ({"tensorboard": {"enabeld": True}}, "train.deepspeed.tensorboard.enabeld", "(did you mean 'enabled'?)"),
     # A value DeepSpeed's parser asserts on.
     ({"communication_data_type": "fp7"}, "train.deepspeed", "Invalid communication_data_type"),
+    # A key this DeepSpeed no longer supports (its DeepSpeedConfigError was a traceback from `vitscale config`).
+    ({"amp": {"enabled": True}}, "train.deepspeed.amp", "Apex AMP integration has been removed"),
+    ({"zero_optimization": {"mics_shard_size": 2}}, "train.deepspeed.zero_optimization.mics_shard_size", "removed"),
     # A misspelt section, which DeepSpeed would have ignored.
     ({"zero_optimisation": {"reduce_bucket_size": 1}}, "train.deepspeed.zero_optimisation",
      "reads no such key (did you mean 'zero_optimization'?)"),

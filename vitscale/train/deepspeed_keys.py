@@ -17,6 +17,7 @@ config class (sequence parallelism's), and refusing a valid key would leave no w
 
 from __future__ import annotations
 
+import re
 import typing
 from collections.abc import KeysView, Mapping
 from typing import Any
@@ -36,6 +37,12 @@ OWNED: dict[str, str] = {
     "zero_optimization.stage": "train.zero_stage",
     "zero_optimization.offload_optimizer": "train.offload",
     "zero_optimization.offload_param": "train.offload",
+    # DeepSpeed's deprecated spellings of the two offloads: it turns them into those (an offloaded optimizer that
+    # vitscale's torch optimizer cannot be, refused by every worker as it built its engine).
+    "zero_optimization.cpu_offload": "train.offload",
+    "zero_optimization.cpu_offload_param": "train.offload",
+    # Mixed precision by autocast: another precision than train.precision's, which a resumed run could change.
+    "torch_autocast": "train.precision",
     "zero_force_ds_cpu_optimizer": "train.offload",
     "zero_allow_untested_optimizer": "train.optimizer",
 }
@@ -112,6 +119,18 @@ def check_spelling(overrides: Mapping[str, Any], read: set[str], section: str, v
         near = None if key in read else closest(key, read - set(overrides))
         if near is not None:
             raise ConfigError(f"{section}.deepspeed.{key}", f"{version} reads no such key (did you mean {near!r}?)")
+
+
+def refused_key(message: str, overrides: Mapping[str, Any], section: str, version: str) -> ConfigError:
+    """The `ConfigError` for DeepSpeed's own refusal (`DeepSpeedConfigError`, a key it no longer supports): the
+    user's key its `message` quotes (the longest such path), else a top-level key it names ("Apex AMP" for
+    `amp`), else the section."""
+    paths = {".".join(leaf.split(".")[:n]) for leaf in leaves(overrides) for n in range(1, leaf.count(".") + 2)}
+    quoted = [p for p in paths if f"'{p}'" in message or f"'{p.rsplit('.', 1)[-1]}'" in message]
+    named = [k for k in overrides if re.search(rf"\b{re.escape(str(k))}\b", message, re.IGNORECASE)]
+    key = max(quoted, key=len) if quoted else named[0] if named else None
+    return ConfigError(f"{section}.deepspeed.{key}" if key else f"{section}.deepspeed",
+                       f"{version} refuses it: {message}")
 
 
 def refused_section(title: str, error: Mapping[str, Any], overrides: Mapping[str, Any], section: str, version: str,

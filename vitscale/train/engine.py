@@ -27,7 +27,7 @@ from vitscale.config.errors import UserError
 from vitscale.models import REPEATED_UNITS
 from vitscale.train.batch import BatchPlan, derive_batch
 from vitscale.train.config import TrainConfig
-from vitscale.train.deepspeed_keys import ReadKeys, check_spelling, merge_overrides, refused_section
+from vitscale.train.deepspeed_keys import ReadKeys, check_spelling, merge_overrides, refused_key, refused_section
 from vitscale.train.fused import fuse_bf16_step, fuse_clipping, fuse_gradient_norm, keep_weight_views
 from vitscale.train.one_rank import ONE_RANK_ZERO_3, compile_units, order_on_the_gpu, skip_regather, weights_kept_whole
 from vitscale.train.optim import ADAM_EPS, optimizer_for, param_groups
@@ -140,6 +140,8 @@ def check_settings(train: TrainConfig, section: str = "train") -> None:
     except ValidationError as error:
         raise refused_section(error.title, error.errors()[0], train.deepspeed, section, version,
                               deepspeed.runtime.config_utils.DeepSpeedConfigModel) from None
+    except deepspeed.runtime.config.DeepSpeedConfigError as error:  # a key it no longer supports
+        raise refused_key(str(error), train.deepspeed, section, version) from None
     except (AssertionError, ValueError, TypeError, KeyError) as error:
         raise ConfigError(f"{section}.deepspeed", f"{version} refuses the config these settings make: {error}") \
             from None
