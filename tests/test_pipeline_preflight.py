@@ -123,3 +123,29 @@ def test_object_storage_that_cannot_be_reached_is_one_line(
     assert code == 2 and "s3://vitscale-nowhere/ds" in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err
     assert_no_ray_started()
+
+
+def test_an_offloaded_adamw_this_machine_cannot_build_is_refused_before_ray(
+        tmp_path: Path, capsys: pytest.CaptureFixture, dataset: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`train.offload` has every local worker JIT-build DeepSpeed's CPU Adam: without ninja or a compiler each one
+    failed as it built its engine. The driver builds it once (the workers load it), or says it cannot."""
+    import vitscale.train.engine as engine
+
+    built: list[bool] = []
+
+    def cannot_build() -> None:
+        built.append(True)
+        raise RuntimeError("Unable to JIT load the cpu_adam op due to ninja not being installed.")
+
+    monkeypatch.setattr(engine, "build_cpu_adam", cannot_build)
+    pipeline = base(dataset, tmp_path)
+    pipeline["train"].update(offload=True, zero_stage=1)
+    code, err = run(tmp_path, capsys, pipeline)
+    assert code == 2 and built and "train.offload" in err and "ninja" in err and "train.optimizer: sgd" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert_no_ray_started()
+    built.clear()
+    pipeline["train"]["optimizer"] = "sgd"  # the torch optimizer steps the offloaded state: nothing to build
+    pipeline["data"]["url"] = str(tmp_path / "nowhere")  # the next check speaks
+    code, err = run(tmp_path, capsys, pipeline)
+    assert code == 2 and not built and "nowhere" in err, err

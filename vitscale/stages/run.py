@@ -85,6 +85,38 @@ def check_local_ray(config: PipelineConfig) -> None:
         gpus = torch.cuda.device_count()
     where = f"the local Ray ({'cluster.local_num_cpus' if cluster.local_num_cpus else 'this machine'})"
     cluster.check_fits(max(widths), cpus, gpus, where)
+    check_cpu_adam(config)
+
+
+def check_cpu_adam(config: PipelineConfig) -> None:
+    """A local run that offloads AdamW (`train.offload`) has DeepSpeed build its CPU Adam in every worker, JIT-
+    compiling it where it is not built yet: built here once instead (the workers, on this machine, load it), and
+    where this machine cannot build it (no C++ compiler or ninja), refused naming the key, not by every worker."""
+    import os
+
+    from vitscale.stages.finetune import finetune_section
+
+    recipes = []
+    if "pretrain" in config.stages or ("sweep" in config.stages and config.section("sweep").target == "pretrain"):
+        recipes.append(("train", config.train))
+    if "finetune" in config.stages or ("sweep" in config.stages and config.section("sweep").target == "finetune"):
+        recipes.append(("finetune.train", finetune_section(config).train_config()))
+    section = next((s for s, train in recipes if train.offload and train.optimizer == "adamw"), None)
+    if section is None:
+        return
+    from vitscale.train.engine import build_cpu_adam
+
+    before = os.environ.get("DS_ACCELERATOR")  # the driver's environment reaches the workers: left as it was
+    try:
+        build_cpu_adam()
+    except Exception as exc:  # noqa: BLE001 -- whatever the build raised, the workers would have raised too
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise ConfigError(f"{section}.offload", f"offloads AdamW to DeepSpeed's CPU Adam, which this machine cannot "
+                                                f"build ({first}); install a C++ compiler and ninja, then `make "
+                                                f"cpu-adam`, or set {section}.optimizer: sgd") from None
+    finally:
+        if before is None:
+            os.environ.pop("DS_ACCELERATOR", None)
 
 
 def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose: bool = True,
