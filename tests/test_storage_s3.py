@@ -174,6 +174,30 @@ def test_persistent_failure_names_object(moto_s3: str, bucket: str) -> None:
     assert proxy.counts["ok"] == 0 and proxy.faults == 3
 
 
+def test_a_stream_never_splices_an_object_written_again_while_it_is_read(moto_s3: str, bucket: str) -> None:
+    """A seek or a resumed drop is a new GET: it must read the version the stream opened, or fail saying why
+    (was: the rest of the new version at the same size, one file spliced from two writes, no error)."""
+    direct = open_storage(f"s3://{bucket}/p", endpoint_url=moto_s3)
+    direct.write_bytes("model.pt", b"A" * (3 << 20))
+    with direct.open_read("model.pt") as f:
+        assert f.read(10) == b"A" * 10
+        direct.write_bytes("model.pt", b"B" * (3 << 20))  # an export written again to the same URL
+        f.seek(2 << 20)
+        with pytest.raises(StorageError, match=f"s3://{bucket}/p/model.pt: the object was written again"):
+            f.read(10)
+    direct.write_bytes("model.pt", b"A" * (3 << 20))
+    with FaultProxy(int(moto_s3.rsplit(":", 1)[1])) as proxy:
+        st = open_storage(f"s3://{bucket}/p", endpoint_url=proxy.url, retry=FAST_RETRY)
+        with st.open_read("model.pt") as f:
+            proxy.schedule("truncate")  # the first GET's body ends half way: the resumed GET meets version B
+            direct.write_bytes("model.pt", b"B" * (3 << 20))
+            with pytest.raises(StorageError, match="written again while it was being read"):
+                f.read()
+        assert proxy.counts["truncate"] == 1
+        with st.open_read("model.pt") as f:  # a stream opened after the write reads it whole
+            assert f.read() == b"B" * (3 << 20)
+
+
 def test_retry_policy_backoff_is_bounded() -> None:
     p = RetryPolicy(max_attempts=5, base_delay_s=0.1, max_delay_s=0.5)
     rng = random.Random(0)

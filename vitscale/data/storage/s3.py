@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from vitscale.config.checks import check
 from vitscale.config.errors import UserError
-from vitscale.data.storage.base import ObjectReader, Storage, check_name, is_name
+from vitscale.data.storage.base import ObjectReader, Storage, StorageError, check_name, is_name
 from vitscale.data.storage.cleanup import after_error
 from vitscale.data.storage.retry import RetryPolicy, ShortRead, call
 
@@ -169,9 +169,7 @@ class S3Storage(Storage):
                 # Start past the end: S3 answers 416; match local files and return b"".
                 import botocore.exceptions as bce
 
-                if isinstance(exc, bce.ClientError) and exc.response.get(
-                    "ResponseMetadata", {}
-                ).get("HTTPStatusCode") == 416:
+                if isinstance(exc, bce.ClientError) and _status(exc) == 416:
                     return b""
                 raise
 
@@ -194,7 +192,12 @@ class S3Storage(Storage):
         return f"{resp['ContentLength']} {resp.get('ETag', '')}"
 
     def open_read(self, name: str) -> BinaryIO:
-        raw = _S3RawStream(self, name, self.size(name))
+        head = self._retrying(
+            "head",
+            name,
+            lambda: self.client.head_object(Bucket=self.bucket, Key=self.key_of(name)),
+        )
+        raw = _S3RawStream(self, name, int(head["ContentLength"]), head.get("ETag"))
         return io.BufferedReader(raw, buffer_size=1024 * 1024)
 
     def exists(self, name: str) -> bool:
@@ -271,13 +274,25 @@ class S3Storage(Storage):
         self.delete(src)
 
 
-class _S3RawStream(ObjectReader):
-    """A seekable raw stream over one S3 object that resumes with a ranged GET after a drop."""
+def _status(exc: BaseException | None) -> int | None:
+    """The HTTP status of an S3 answer (boto3's ``ClientError``), or None for anything else."""
+    response = getattr(exc, "response", None)
+    return response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None
 
-    def __init__(self, storage: S3Storage, name: str, size: int) -> None:
+
+class _S3RawStream(ObjectReader):
+    """A seekable raw stream over one S3 object that resumes with a ranged GET after a drop.
+
+    Every GET is pinned to the version the stream was opened on (``If-Match`` its ETag): a seek or a
+    resumed drop is a new GET, and without the pin an object written again meanwhile (an export to the same
+    URL, a re-copied shard) would be read as one stream spliced from two versions, at the same size, with
+    no error. A changed object is a :class:`StorageError` instead."""
+
+    def __init__(self, storage: S3Storage, name: str, size: int, etag: str | None = None) -> None:
         super().__init__(size)
         self._s = storage
         self._name = name
+        self._etag = etag
         self._body: Any = None
 
     def _moved(self) -> None:
@@ -299,10 +314,12 @@ class _S3RawStream(ObjectReader):
         def chunk() -> bytes:
             try:
                 if self._body is None:
+                    pin = {"IfMatch": self._etag} if self._etag else {}
                     resp = self._s.client.get_object(
                         Bucket=self._s.bucket,
                         Key=self._s.key_of(self._name),
                         Range=f"bytes={self._pos}-",
+                        **pin,
                     )
                     self._body = resp["Body"]
                 data = self._body.read(want)
@@ -313,7 +330,14 @@ class _S3RawStream(ObjectReader):
                 self._drop_body()  # resume from self._pos with a fresh ranged GET
                 raise
 
-        data = self._s._retrying("read", self._name, chunk)
+        try:
+            data = self._s._retrying("read", self._name, chunk)
+        except StorageError as exc:
+            if _status(exc.__cause__) == 412:  # If-Match failed: another write replaced the object
+                raise StorageError(
+                    f"read {self._s.url_of(self._name)}: the object was written again while it was being read "
+                    "(its ETag changed); read it again once that write is done", final=True) from exc
+            raise
         n = len(data)
         b[:n] = data
         self._pos += n
