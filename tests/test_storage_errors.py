@@ -77,6 +77,36 @@ def test_an_endpoint_that_refuses_or_does_not_resolve_stops_on_the_first_try(end
     assert time.monotonic() - started < 5  # not the 30 s budget
 
 
+def test_an_endpoint_that_is_a_web_server_is_named_as_no_s3(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                            moto_s3: str) -> None:  # its credentials
+    """A plain web server as the endpoint: its 404 to a listing was "list: no such object s3://...", its redirect
+    of `/bucket` to `/bucket/` a RecursionError; both now say the endpoint is not answering as S3 does."""
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(tmp_path)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        storage = open_storage("s3://some-bucket/ds", endpoint_url=endpoint, retry=QUICK)
+        with pytest.raises(StorageError, match=f"list s3://some-bucket/ds failed: the endpoint {endpoint} answered "
+                           "a listing with 404 Not Found, which no S3 server does: is it an S3 endpoint"):
+            storage.list()
+        (tmp_path / "some-bucket").mkdir()  # now `/some-bucket` is answered with a redirect to `/some-bucket/`
+        line = _one_line(capsys, ["shards", "write", "--source", "synthetic", "--count", "4", "--out",
+                                  "s3://some-bucket/ds", "--endpoint-url", endpoint])
+        assert "s3://some-bucket/ds" in line
+        assert "redirects without end, as no S3 server does: is it an S3 endpoint?" in line, line
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_missing_bucket_is_named_and_not_retried(moto_s3: str) -> None:
     with FaultProxy(moto_s3, methods=("PUT",)) as proxy:
         storage = open_storage(f"s3://no-bucket-{uuid.uuid4().hex[:8]}/ds", endpoint_url=proxy.url, retry=QUICK)

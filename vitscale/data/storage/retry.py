@@ -272,6 +272,10 @@ def describe(exc: BaseException) -> str:
         code = err.get("Code") or "error"
         text = f"{code} (HTTP {status})" if status else str(code)
         return f"{text}: {err['Message']}" if err.get("Message") else text
+    if isinstance(exc, RecursionError):
+        # botocore follows an S3 redirect (301/307) by asking again; a server that is no S3 (a web server
+        # redirecting `/bucket` to `/bucket/`) sends it round until Python's stack ends.
+        return "the endpoint answered with redirects without end, as no S3 server does: is it an S3 endpoint?"
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if isinstance(exc, OSError) and _SDK_ERROR.search(text) else f"{type(exc).__name__}: {text}"
 
