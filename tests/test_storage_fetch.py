@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import boto3
@@ -58,6 +59,33 @@ def test_find_checkpoint_in_storage_skips_an_incomplete_newest(bucket: str, tmp_
     assert find_checkpoint(f"s3://{bucket}/runs/run/checkpoint_000000004") == found
     with pytest.raises(Exception, match="incomplete"):
         find_checkpoint(f"s3://{bucket}/runs/run/checkpoint_000000006")
+
+
+def test_a_place_that_is_no_run_is_refused_by_its_listing_without_downloading_it(bucket: str, tmp_path: Path) -> None:
+    """A dataset's prefix, a file or a bucket's root named as a run: was copied whole into the cache (a dataset's
+    terabytes) to end in an error naming the cache; a bucket's root looked for its older-layout sibling in
+    another bucket (`s3://b-finetune`: NoSuchBucket)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train-000000.tar").write_bytes(b"x" * 1000)
+    (data / "dataset.json").write_text("{}")
+    _upload(data, f"s3://{bucket}/datasets/d")
+    _upload(data, f"s3://{bucket}")
+    open_storage(f"s3://{bucket}/models").write_bytes("model.pt", b"weights")
+    for url, why in [(f"s3://{bucket}/datasets/d", "no checkpoint_* folders, and no checkpoint itself"),
+                     (f"s3://{bucket}/datasets", "no checkpoint_* folders, and no checkpoint itself"),
+                     (f"s3://{bucket}", "no checkpoint_* folders, and no checkpoint itself"),
+                     (f"s3://{bucket}/models/model.pt", "one file, not a run or checkpoint folder")]:
+        with pytest.raises(FileNotFoundError, match="^" + re.escape(f"{url}: {why}")):
+            find_checkpoint(url)
+    assert not (tmp_path / "cache").exists()  # nothing was copied
+    run = tmp_path / "run"  # a pipeline run without checkpoints of its own: its summary.json names them
+    complete_checkpoint(tmp_path / "elsewhere" / "checkpoint_000000002", step=2)
+    _upload(tmp_path / "elsewhere", f"s3://{bucket}/runs/pre")
+    run.mkdir()
+    (run / "summary.json").write_text(f'{{"pretrain": {{"checkpoint": "s3://{bucket}/runs/pre"}}}}')
+    _upload(run, f"s3://{bucket}/runs/pipe")
+    assert find_checkpoint(f"s3://{bucket}/runs/pipe").name == "checkpoint_000000002"
 
 
 def test_one_bucket_name_on_two_endpoints_has_two_cached_copies(bucket: str, moto_s3: str, tmp_path: Path,

@@ -103,6 +103,11 @@ def _find_remote_checkpoint(url: str) -> Path:
         trained = _trained_part(url)
         if trained is not None:
             return _find_remote_checkpoint(trained)
+        refused = _not_a_checkpoint(url)
+        if refused is not None:
+            # Copied whole, a dataset's prefix or a storage path of many runs would be downloaded (terabytes), a
+            # model file too, only to find no checkpoint in the copy; and the error named the cache, not the URL.
+            raise FileNotFoundError(f"{url}: {refused}")
         return find_checkpoint(local_copy(url))  # the URL is a checkpoint itself
     problems = []
     for folder in reversed(folders):  # checkpoint_{step:09d}: the name orders by step
@@ -115,6 +120,27 @@ def _find_remote_checkpoint(url: str) -> Path:
     raise UserError(f"{url}: none of its {len(folders)} checkpoints is complete ({problems[0]})")
 
 
+def _not_a_checkpoint(url: str) -> str | None:
+    """Why the object or folder at `url` (which has no checkpoint_* folders) cannot be a checkpoint, nor a run
+    whose summary.json names one; None when it may (or when nothing is there: `local_copy` says so). One
+    listing, nothing downloaded."""
+    from vitscale.data.storage import open_storage
+
+    parent, _, name = url.rstrip("/").rpartition("/")
+    if parent.endswith(":/"):  # the bucket itself: its top-level names
+        tops = {key.split("/", 1)[0] for key in open_storage(url).list()}
+    else:
+        keys = open_storage(parent).list(name)  # `name` itself (a file), `name/...`, and siblings `name2...`
+        if name in keys:
+            return "one file, not a run or checkpoint folder (a model file is read by fewshot and inspect)"
+        tops = {key[len(name) + 1:].split("/", 1)[0] for key in keys if key.startswith(name + "/")}
+        if not tops:
+            return None
+    if "summary.json" in tops or any(top.startswith("MANIFEST-rank") for top in tops):
+        return None
+    return "no checkpoint_* folders, and no checkpoint itself (no MANIFEST-rank*.json): is it a vitscale run directory?"
+
+
 def _checkpoint_folders(url: str) -> list[str]:
     return [f for f in subfolders(url) if f.rsplit("/", 1)[-1].startswith("checkpoint_")]
 
@@ -122,7 +148,9 @@ def _checkpoint_folders(url: str) -> list[str]:
 def _trained_part(url: str) -> str | None:
     """The fine-tuning run of the pipeline run at `url` in object storage, if it has checkpoints."""
     run = url.rstrip("/")
-    for trained in (f"{run}/{FINETUNE_PART}", f"{run}{SIBLING_FINETUNE_SUFFIX}"):
+    # The older layout's sibling of a run at a bucket's root would be another bucket (`s3://b-finetune`): none.
+    siblings = [] if run.rpartition("/")[0].endswith(":/") else [f"{run}{SIBLING_FINETUNE_SUFFIX}"]
+    for trained in (f"{run}/{FINETUNE_PART}", *siblings):
         if _checkpoint_folders(trained):
             return trained
     return None
