@@ -166,6 +166,26 @@ def test_a_bucket_that_does_not_exist_is_refused_before_the_work(moto_s3: str) -
         check_output("s3://no-such-bucket", "--out", folder=True, endpoint_url=moto_s3)
 
 
+def test_a_file_over_a_bucket_folder_and_files_into_a_bucket_file_are_refused_as_on_disk(moto_s3: str) -> None:
+    """Was accepted: S3 stores `runs/exp1` beside `runs/exp1/...`, and the object then shadows the folder for every
+    reader that asks for one name (`fetch.local_copy` takes the file): a run read as a model file."""
+    s3 = boto3.client("s3", endpoint_url=moto_s3)
+    s3.create_bucket(Bucket="shadows")
+    s3.put_object(Bucket="shadows", Key="runs/exp1/checkpoint_000000001/rank0.pt", Body=b"x")
+    s3.put_object(Bucket="shadows", Key="models/m.pt", Body=b"weights")
+    with pytest.raises(ConfigError, match=r"^--out: s3://shadows/runs/exp1 is a folder \(objects are stored under"):
+        check_output("s3://shadows/runs/exp1/", "--out", folder=False, endpoint_url=moto_s3)
+    with pytest.raises(ConfigError, match=r"^--out: s3://shadows/runs is a folder"):
+        check_output("s3://shadows/runs", "--out", folder=False, endpoint_url=moto_s3)
+    with pytest.raises(ConfigError, match=r"^--out: s3://shadows/models/m.pt is a file; name a folder"):
+        check_output("s3://shadows/models/m.pt", "--out", folder=True, endpoint_url=moto_s3)
+    # A name that merely begins another's is neither: `runs/exp` beside `runs/exp1/`, `models/m` beside `m.pt`.
+    assert check_output("s3://shadows/runs/exp", "--out", folder=False, endpoint_url=moto_s3) == "s3://shadows/runs/exp"
+    assert check_output("s3://shadows/models/m", "--out", folder=True, endpoint_url=moto_s3) == "s3://shadows/models/m"
+    assert check_output("s3://shadows/runs/exp1", "--out", folder=True, endpoint_url=moto_s3)  # a folder for files
+    assert check_output("s3://shadows/models/m.pt", "--out", folder=False, endpoint_url=moto_s3)  # a file replaced
+
+
 def test_export_writes_into_a_bucket_the_same_file_as_on_disk(trained: Path, tmp_path: Path, moto_s3: str,
                                                               monkeypatch: pytest.MonkeyPatch,
                                                               capsys: pytest.CaptureFixture[str]) -> None:

@@ -104,6 +104,10 @@ class Storage:
         a folder (nor an object store's folder marker)."""
         raise NotImplementedError
 
+    def holds_any(self, prefix: str) -> bool:
+        """Whether any object's name starts with ``prefix`` (one request on an object store, however many)."""
+        return bool(self.list_sizes(prefix))
+
     def delete(self, name: str) -> None:
         """Remove object ``name`` (FileNotFoundError if there is none)."""
         raise NotImplementedError

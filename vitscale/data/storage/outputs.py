@@ -62,12 +62,22 @@ def _read_only(path: Path) -> bool:
 def _check_remote(location: str, flag: str, folder: bool, endpoint_url: str | None) -> None:
     from vitscale.data.storage import open_storage
 
-    if location.rpartition("/")[0].endswith(":/") and not folder:  # the bucket itself: a file needs a name
+    parent, _, name = location.rpartition("/")
+    at_root = parent.endswith(":/")  # the bucket itself
+    if at_root and not folder:  # a file needs a name
         raise ConfigError(flag, f"{location}: name the file to write inside the bucket, not the bucket itself")
     # A listing of a name no object bears, under the place itself: a bucket that does not exist, or credentials
     # it refuses, fail here (a HEAD of a missing object answers 404 whether or not its bucket exists), and it
     # costs one request however many objects the place already holds (a storage path's every run).
-    open_storage(location, endpoint_url=endpoint_url, key=flag).list_sizes(PROBE)
+    place = open_storage(location, endpoint_url=endpoint_url, key=flag)
+    place.list_sizes(PROBE)
+    # As on a disk, a file is not written over a folder nor files into a file: S3 would take both, and the object
+    # would then shadow the folder for every reader that asks for one name (`fetch.local_copy` reads the file).
+    if not folder and place.holds_any(""):
+        raise ConfigError(flag, f"{location} is a folder (objects are stored under it); name the file to write "
+                          "inside it")
+    if folder and not at_root and open_storage(parent, endpoint_url=endpoint_url, key=flag).exists(name):
+        raise ConfigError(flag, f"{location} is a file; name a folder to write the files into")
 
 
 PROBE = ".vitscale-probe"

@@ -260,18 +260,24 @@ class S3Storage(Storage):
                         sizes[name] = int(obj["Size"])
             return dict(sorted(sizes.items()))
 
+        return self._listing(go)
+
+    def holds_any(self, prefix: str) -> bool:
+        root = f"{self.prefix}/" if self.prefix else ""
+        return self._listing(lambda: bool(self.client.list_objects_v2(
+            Bucket=self.bucket, Prefix=root + prefix, MaxKeys=1).get("KeyCount", 0)))
+
+    def _listing(self, fn: Callable[[], T]) -> T:
         try:
-            return self._retrying("list", None, go)
+            return self._retrying("list", None, fn)
         except FileNotFoundError as exc:
             # An S3 listing is never "not found": a prefix with nothing under it is an empty page, a missing
             # bucket NoSuchBucket. A bare 404 is a server that is no S3 (a web server, a wrong port or path),
             # and "no such object" would send the user looking for a dataset rather than at the endpoint.
-            raise StorageError(f"list {self.url} failed: {self._endpoint_text()} answered a listing with 404 Not "
-                               f"Found, which no S3 server does: is it an S3 endpoint? (--endpoint-url, else "
+            endpoint = f"the endpoint {self.endpoint_url}" if self.endpoint_url else "AWS's S3 endpoint"
+            raise StorageError(f"list {self.url} failed: {endpoint} answered a listing with 404 Not Found, which "
+                               f"no S3 server does: is it an S3 endpoint? (--endpoint-url, else "
                                f"${ENDPOINT_ENV_VARS[0]})", final=True) from exc
-
-    def _endpoint_text(self) -> str:
-        return f"the endpoint {self.endpoint_url}" if self.endpoint_url else "AWS's S3 endpoint"
 
     def delete(self, name: str) -> None:
         self._retrying("delete", name,
