@@ -231,6 +231,19 @@ def test_verify_names_bad_shards(digits_ds: str, tmp_path: Path) -> None:
     assert any(p.startswith("minival-000000.tar") and "missing from _index.parquet" in p for p in problems)
 
 
+def test_verify_flags_no_tar_the_dataset_does_not_own(digits_ds: str, tmp_path: Path) -> None:
+    """Was BAD for every dataset made by `shards index ONE.tar --out X`: the tars not picked in the folder it was
+    adopted from, which is not its folder."""
+    from vitscale.data.tools.adopt import index_shards
+
+    ds = _copy(digits_ds, tmp_path / "ds")
+    index_shards(f"{ds}/train-000001.tar", out=str(tmp_path / "picked"), progress=False)
+    assert verify_dataset(str(tmp_path / "picked")) == []
+    assert verify_dataset(ds) == []
+    open_storage(ds).write_bytes("train-000099.tar", b"")  # a stray of its own is still one
+    assert verify_dataset(ds) == ["train-000099.tar: shard not listed in dataset.json"]
+
+
 def test_verify_says_a_repeated_key_once_not_as_phantom_mismatches(tmp_path: Path) -> None:
     """A WebDataset tar may repeat a key (not consecutively: two samples, as `shards index` keeps them). Verify
     matched every tar sample to the key's last row: a byte-range mismatch and a row count one short, both false."""

@@ -85,13 +85,18 @@ def verify_dataset(url: str, *, endpoint_url: str | None = None, progress: bool 
         keys.add(r["key"])
         idx.setdefault((r["shard"], r["key"]), []).append(r)
     listed = {sh.name: (split, sh) for split, sp in meta.splits.items() for sh in sp.shards}
-    if SHARD_ROOT in meta.extra:  # adopted shards indexed elsewhere (`shards index --out`)
+    # A tar beside the shards that dataset.json does not name: a shard a write left, or one copied in by hand.
+    # Not where the shards were adopted where they lie and indexed elsewhere (`shards index TARS --out`): that
+    # folder is not the dataset's, and the tars the user did not pick there are none of its problems (every
+    # verify of such a dataset failed on them).
+    if SHARD_ROOT in meta.extra:
         storage = open_storage(str(meta.extra[SHARD_ROOT]), endpoint_url=endpoint_url)
+    else:
+        stray = sorted(n for n in storage.list() if n.endswith(".tar") and n not in listed)
+        problems += [f"{n}: shard not listed in {META_NAME}" for n in stray]
     # Adopted shards: samples `shards index` left out (listed), and labels that live in the index.
     left_out = {(b["shard"], b["key"]) for b in meta.extra.get("bad_samples", [])}
     index_labels = meta.extra.get(LABEL_SOURCE) == "index"
-    stray = sorted(n for n in storage.list() if n.endswith(".tar") and n not in listed)
-    problems += [f"{n}: shard not listed in {META_NAME}" for n in stray]
     indexed: dict[str, int] = {}
     for rows in idx.values():
         for r in rows:
