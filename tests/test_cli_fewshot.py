@@ -179,6 +179,19 @@ def test_errors_are_one_line(capsys: pytest.CaptureFixture[str], files: dict, da
     assert match in _error(capsys, *(a.format(**names) for a in argv))
 
 
+def test_a_bad_file_in_a_bucket_is_named_by_its_url_not_its_cached_copy(
+        capsys: pytest.CaptureFixture[str], files: dict, data: dict, tmp_path: Path, moto_s3: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import boto3
+
+    monkeypatch.setenv("VITSCALE_S3_ENDPOINT_URL", moto_s3)
+    monkeypatch.setenv("VITSCALE_CACHE", str(tmp_path / "cache"))
+    boto3.client("s3", endpoint_url=moto_s3).create_bucket(Bucket="weights")
+    boto3.client("s3", endpoint_url=moto_s3).upload_file(files["garbage"], "weights", "m/garbage.pt")
+    err = _error(capsys, "s3://weights/m/garbage.pt", "--data", data["synth"], "--shots", "1")
+    assert "cannot read checkpoint s3://weights/m/garbage.pt:" in err and str(tmp_path / "cache") not in err, err
+
+
 def test_model_options_describe_an_npz_files_architecture(data: dict, files: dict, tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     # A shrunk ViT-Ti/16 (one block of width 32) as an npz file: its name alone does not say its shape.

@@ -79,7 +79,10 @@ def load_model(path: str | Path, *, model_name: str | None = None, img_size: int
     except ValueError as exc:
         # Reading a file the user named (models/weights_files.py) or parsing a model name they typed:
         # the error is about that file or name, so it is theirs to fix and shown as one line.
-        raise UserError("; ".join(line.strip() for line in str(exc).splitlines() if line.strip())) from exc
+        from vitscale.data.storage.fetch import named_as_stored
+
+        text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        raise UserError(named_as_stored(path, text)) from exc  # a file from s3:// named by its URL, not the cache
 
 
 def _sized(build: Callable[[], nn.Module], resolution: int | None, img_size: int | None) -> nn.Module:

@@ -26,7 +26,7 @@ from vitscale.data.storage.atomic import write_atomic
 from vitscale.data.storage.base import Storage
 from vitscale.data.storage.cleanup import after_error, remove_file, remove_unlocked
 
-__all__ = ["cache_root", "is_folder", "local_copy", "subfolders"]
+__all__ = ["cache_root", "is_folder", "local_copy", "named_as_stored", "subfolders"]
 
 
 def cache_root() -> Path:
@@ -48,6 +48,16 @@ def _cached_path(url: str) -> Path:
     if endpoint:
         scheme = f"{scheme}@{hashlib.sha256(endpoint.encode()).hexdigest()[:12]}"
     return cache_root() / "storage" / scheme / rest.rstrip("/")
+
+
+def named_as_stored(location: str | Path, text: str) -> str:
+    """`text` (an error about the local copy of `location`) with the copy's paths written as the URLs they are
+    copies of: the cache is not where the user's file is, nor where they can mend it."""
+    location = str(location)
+    if not is_url(location):
+        return text
+    url = canonical_location(location, "location")
+    return text.replace(str(_cached_path(url)), url)
 
 
 def local_copy(location: str | Path) -> Path:
