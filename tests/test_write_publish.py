@@ -179,6 +179,23 @@ def test_a_dataset_is_never_written_inside_another(tmp_path, capsys):
     assert main(["shards", "verify", str(train)]) == 0
 
 
+def test_a_dataset_is_never_written_inside_another_in_a_bucket(moto_s3, capsys):
+    """Was checked on a disk only: `shards write --out s3://b/train/more` was written, and `train` then failed verify."""
+    import boto3
+
+    for bucket in ("nested", "nested-root"):
+        boto3.client("s3", endpoint_url=moto_s3).create_bucket(Bucket=bucket)
+    for train in ("s3://nested/train", "s3://nested-root"):  # a dataset at a bucket's root has every prefix below it
+        write_dataset("digits", train, progress=False, endpoint_url=moto_s3)
+        for out in (f"{train}/more", f"{train}/a/b/more"):
+            assert main(["shards", "write", "--source", "digits", "--out", out, "--endpoint-url", moto_s3]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith(f"vitscale: error: {out} is inside the dataset {train}") and err.count("\n") == 1
+        assert not open_storage(f"{train}/more", endpoint_url=moto_s3).list()  # nothing written there, no lease
+        assert main(["shards", "verify", train, "--endpoint-url", moto_s3]) == 0
+        capsys.readouterr()
+
+
 def test_the_spool_of_a_killed_write_is_removed_by_the_next_and_a_live_ones_never(tmp_path, monkeypatch):
     import os
     import signal

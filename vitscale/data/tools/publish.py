@@ -67,6 +67,8 @@ def claim(storage: Storage) -> None:
     created = missing_folders(storage.url) if isinstance(storage, LocalStorage) else []
     if isinstance(storage, LocalStorage):
         _check_outside_datasets(storage.root)
+    else:
+        _check_outside_remote_datasets(storage)
     lease = hold_run_lease(storage.url, endpoint_url=getattr(storage, "endpoint_url", None), kind="dataset")
     _LEASES[storage.url], _CREATED[storage.url] = lease, created
     try:
@@ -83,6 +85,19 @@ def _check_outside_datasets(root: Path) -> None:
         if (parent / META_NAME).is_file():
             raise UserError(f"{root} is inside the dataset {parent}, whose files are all those below it (`shards "
                             f"verify {parent}` would fail on the shards written here); write to a folder outside it")
+
+
+def _check_outside_remote_datasets(storage: Storage) -> None:
+    """`_check_outside_datasets` in object storage: a HEAD of `dataset.json` in each prefix above the destination
+    (a few requests; was not checked there at all, and `dedup --out s3://b/train/clean` broke `train`)."""
+    from vitscale.data.storage import open_storage
+
+    parent = storage.url.rpartition("/")[0]
+    while not parent.endswith(":/"):  # up to, and including, the bucket's root
+        if open_storage(parent, endpoint_url=getattr(storage, "endpoint_url", None)).exists(META_NAME):
+            raise UserError(f"{storage.url} is inside the dataset {parent}, whose files are all those below it "
+                            f"(`shards verify {parent}` would fail on the shards written here); write outside it")
+        parent = parent.rpartition("/")[0]
 
 
 def _drop_lease(storage: Storage) -> None:
