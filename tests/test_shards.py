@@ -244,6 +244,19 @@ def test_verify_flags_no_tar_the_dataset_does_not_own(digits_ds: str, tmp_path: 
     assert verify_dataset(ds) == ["train-000099.tar: shard not listed in dataset.json"]
 
 
+def test_a_file_in_a_bucket_named_for_a_dataset_is_said_to_be_one(moto_s3: str) -> None:
+    """Was "no dataset.json at s3://b/ds/dataset.json/dataset.json: not a vitscale dataset"."""
+    import boto3
+
+    boto3.client("s3", endpoint_url=moto_s3).create_bucket(Bucket="named-file")
+    write_dataset("digits", "s3://named-file/ds", endpoint_url=moto_s3, **DIGITS_KW)
+    for url in ("s3://named-file/ds/dataset.json", "s3://named-file/ds/train-000000.tar"):
+        with pytest.raises(FileNotFoundError, match=f"^{url} is a file, not a dataset's folder: name the folder"):
+            read_meta(url, endpoint_url=moto_s3)
+    with pytest.raises(FileNotFoundError, match="^no dataset.json at s3://named-file/none/dataset.json"):
+        read_meta("s3://named-file/none", endpoint_url=moto_s3)
+
+
 def test_verify_says_a_repeated_key_once_not_as_phantom_mismatches(tmp_path: Path) -> None:
     """A WebDataset tar may repeat a key (not consecutively: two samples, as `shards index` keeps them). Verify
     matched every tar sample to the key's last row: a byte-range mismatch and a row count one short, both false."""

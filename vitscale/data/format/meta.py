@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from vitscale.data.storage import Storage, open_storage
+from vitscale.data.storage import LocalStorage, Storage, open_storage
 from vitscale.data.storage.base import is_name
 
 META_NAME = "dataset.json"
@@ -351,6 +351,9 @@ def read_meta(url: str | Storage, *, endpoint_url: str | None = None) -> Dataset
     try:
         obj = json.loads(storage.read_bytes(META_NAME))
     except FileNotFoundError:
+        if _is_object(storage):  # `s3://b/ds/dataset.json` (a file) named for its folder: was "no ds/dataset.json/..."
+            raise FileNotFoundError(f"{storage.url} is a file, not a dataset's folder: name the folder that holds "
+                                    f"its {META_NAME}") from None
         raise FileNotFoundError(
             f"no {META_NAME} at {where}: not a vitscale dataset, or its write did not finish "
             "(write one with `vitscale shards write`)"
@@ -358,6 +361,14 @@ def read_meta(url: str | Storage, *, endpoint_url: str | None = None) -> Dataset
     except (OSError, ValueError) as exc:
         raise DatasetError(f"cannot read {where}: {exc}") from exc
     return DatasetMeta.from_json(obj, where)
+
+
+def _is_object(storage: Storage) -> bool:
+    """Whether an object store's root names one object (a file) rather than a prefix (a folder)."""
+    parent, _, name = storage.url.rpartition("/")
+    if isinstance(storage, LocalStorage) or not name or parent.endswith(":/"):
+        return False  # a local file is refused when read (not a directory); a bucket is no object
+    return open_storage(parent, endpoint_url=getattr(storage, "endpoint_url", None)).exists(name)
 
 
 def read_index(url: str | Storage, *, endpoint_url: str | None = None) -> pa.Table:
