@@ -218,22 +218,7 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
         raise UserError(f"--max-bad must be >= 0, got {max_bad}")
     if split is not None and not SPLIT_NAME.fullmatch(split):
         raise UserError(f"--split {split!r}: a split name is letters, digits and '_' (it names shard files)")
-    root, names = split_url(url)
-    shards = open_storage(root, endpoint_url=endpoint_url)
-    dest = open_storage(out, endpoint_url=endpoint_url) if out else shards
-    if dest.exists(META_NAME):
-        raise DatasetError(f"{dest.url_of(META_NAME)} exists: {dest.url} is already a dataset; index into another "
-                           f"--out, or delete its {META_NAME} and {INDEX_NAME} to index it again")
-    sizes = shards.list_sizes()
-    for place in {shards.url: shards, dest.url: dest}.values():  # the tars' folder, and --out's
-        if place.exists(WRITING):  # its tars are a write's first shards: indexed, they would pass for all of it
-            raise DatasetError(f"{place.url_of(WRITING)}: a vitscale write into {place.url} is running or was "
-                               "interrupted; run that write again to finish it, or delete its files first")
-    if names is None:
-        names = [n for n in sizes if n.endswith(".tar")]
-    missing = [n for n in names if n not in sizes]
-    if missing or not names:
-        raise DatasetError(f"no tar shard {missing[0] if missing else '(*.tar)'} under {shards.url}")
+    shards, dest, sizes, names = _places(url, out, endpoint_url)
     split_of = shard_splits(names, split, shards.url)
     classes = _read_classes(classes_file, num_classes) if classes_file else None
     bound = num_classes if num_classes is not None else (len(classes) if classes is not None else None)
@@ -279,6 +264,29 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
     )
     _write(dest, rows, meta)
     return meta.to_json()
+
+
+def _places(url: str, out: str | None, endpoint_url: str | None
+            ) -> tuple[Storage, Storage, dict[str, int], list[str]]:
+    """(the tars' storage, where the index goes, the tars' folder listing, the tars to index) of ``index_shards``,
+    refused before any tar is read: an index already there, a write's first shards, a tar that is not there."""
+    root, names = split_url(url)
+    shards = open_storage(root, endpoint_url=endpoint_url)
+    dest = open_storage(out, endpoint_url=endpoint_url) if out else shards
+    if dest.exists(META_NAME):
+        raise DatasetError(f"{dest.url_of(META_NAME)} exists: {dest.url} is already a dataset; index into another "
+                           f"--out, or delete its {META_NAME} and {INDEX_NAME} to index it again")
+    sizes = shards.list_sizes()
+    for place in {shards.url: shards, dest.url: dest}.values():  # the tars' folder, and --out's
+        if place.exists(WRITING):  # its tars are a write's first shards: indexed, they would pass for all of it
+            raise DatasetError(f"{place.url_of(WRITING)}: a vitscale write into {place.url} is running or was "
+                               "interrupted; run that write again to finish it, or delete its files first")
+    if names is None:
+        names = [n for n in sizes if n.endswith(".tar")]
+    missing = [n for n in names if n not in sizes]
+    if missing or not names:
+        raise DatasetError(f"no tar shard {missing[0] if missing else '(*.tar)'} under {shards.url}")
+    return shards, dest, sizes, names
 
 
 def _read_classes(classes_file: str, num_classes: int | None) -> list[str]:

@@ -301,25 +301,8 @@ def _dedup_into(out_storage: Storage, train: str, against: list[str], threshold:
     train_storage = open_storage(train, endpoint_url=endpoint_url)
     meta, train_index = read_meta(train_storage), read_index(train_storage)
     train_h = hash_dataset(train, endpoint_url=endpoint_url, progress=progress)
-    x = train_h.column("phash").to_numpy()
-    t_split, t_shard, t_key = (train_h.column(c).to_pylist() for c in ("split", "shard", "key"))
-    pair_cols: dict[str, list[Any]] = {k: [] for k in (
-        "train_split", "train_shard", "train_key", "against", "against_split", "against_key", "distance")}
-    for url in against:
-        q_h = hash_dataset(url, endpoint_url=endpoint_url, progress=progress)
-        qi, ij, dist = near_duplicate_pairs(q_h.column("phash").to_numpy(), x, threshold)
-        q_split, q_key = q_h.column("split").to_pylist(), q_h.column("key").to_pylist()
-        for a, b, d in zip(qi.tolist(), ij.tolist(), dist.tolist()):
-            pair_cols["train_split"].append(t_split[b])
-            pair_cols["train_shard"].append(t_shard[b])
-            pair_cols["train_key"].append(t_key[b])
-            pair_cols["against"].append(url)
-            pair_cols["against_split"].append(q_split[a])
-            pair_cols["against_key"].append(q_key[a])
-            pair_cols["distance"].append(d)
-    pairs = pa.table(pair_cols, schema=pa.schema(
-        [(k, pa.int32() if k == "distance" else pa.string()) for k in pair_cols]))
-    drop = set(pair_cols["train_key"])
+    pairs = _pairs(train_h, against, threshold, endpoint_url, progress)
+    drop = set(pairs.column("train_key").to_pylist())
 
     shard_size = max((sh.samples for sp in meta.splits.values() for sh in sp.shards), default=1)
     sizes = {
@@ -338,17 +321,8 @@ def _dedup_into(out_storage: Storage, train: str, against: list[str], threshold:
                 if s.key in drop:
                     removed[split] = removed.get(split, 0) + 1
                     continue
-                try:
-                    labels = labels_of(s)
-                except ValueError as exc:  # a hostile label (LabelError)
-                    raise _damaged(train, train, f"sample {s.key!r}: {exc}") from exc
-                if labels is None or "jpg" not in s.files:
-                    raise _damaged(train, train, f"sample {s.key!r} lacks .jpg or labels ({sorted(s.files)})")
-                if meta.num_classes and not all(0 <= x < meta.num_classes for x in labels):
-                    raise _damaged(train, train, f"sample {s.key!r} has labels {labels} outside "
-                                                 f"[0, {meta.num_classes})")
                 w, h = sizes.get(s.key, (0, 0))
-                writers[split].add(s.key, s.files["jpg"], labels, w, h)
+                writers[split].add(s.key, s.files["jpg"], _copied_labels(train, s, meta.num_classes), w, h)
             for split, wr in writers.items():
                 wr.finish_shard()
                 new_splits[split] = SplitMeta(len(wr.rows), tuple(wr.shards))
@@ -363,7 +337,7 @@ def _dedup_into(out_storage: Storage, train: str, against: list[str], threshold:
         "out": out_storage.url,
         "hash": "phash-dct-64 (vitscale numpy implementation)",
         "threshold": threshold,
-        "train_samples": len(x),
+        "train_samples": train_h.num_rows,
         "duplicate_pairs": pairs.num_rows,
         "removed": {s: removed.get(s, 0) for s in meta.splits},
         "removed_total": sum(removed.values()),
@@ -377,3 +351,41 @@ def _dedup_into(out_storage: Storage, train: str, against: list[str], threshold:
     new_meta = replace(meta, splits=new_splits, extra={**meta.extra, "dedup": dedup_note})
     write_index_and_meta(out_storage, rows, new_meta)
     return summary
+
+
+def _pairs(train_h: pa.Table, against: list[str], threshold: int, endpoint_url: str | None,
+           progress: bool) -> pa.Table:
+    """Every near-duplicate pair between the hashed training set ``train_h`` and each dataset of ``against``:
+    which training sample, which image of which dataset, at what Hamming distance."""
+    x = train_h.column("phash").to_numpy()
+    t_split, t_shard, t_key = (train_h.column(c).to_pylist() for c in ("split", "shard", "key"))
+    pair_cols: dict[str, list[Any]] = {k: [] for k in (
+        "train_split", "train_shard", "train_key", "against", "against_split", "against_key", "distance")}
+    for url in against:
+        q_h = hash_dataset(url, endpoint_url=endpoint_url, progress=progress)
+        qi, ij, dist = near_duplicate_pairs(q_h.column("phash").to_numpy(), x, threshold)
+        q_split, q_key = q_h.column("split").to_pylist(), q_h.column("key").to_pylist()
+        for a, b, d in zip(qi.tolist(), ij.tolist(), dist.tolist()):
+            pair_cols["train_split"].append(t_split[b])
+            pair_cols["train_shard"].append(t_shard[b])
+            pair_cols["train_key"].append(t_key[b])
+            pair_cols["against"].append(url)
+            pair_cols["against_split"].append(q_split[a])
+            pair_cols["against_key"].append(q_key[a])
+            pair_cols["distance"].append(d)
+    return pa.table(pair_cols, schema=pa.schema(
+        [(k, pa.int32() if k == "distance" else pa.string()) for k in pair_cols]))
+
+
+def _copied_labels(train: str, s: ShardSample, num_classes: int) -> list[int]:
+    """The labels of the kept training sample ``s``, which must have its .jpg and labels inside the classes: a
+    damaged one stops the copy naming it (never a shard copied short, nor a label another class reads)."""
+    try:
+        labels = labels_of(s)
+    except ValueError as exc:  # a hostile label (LabelError)
+        raise _damaged(train, train, f"sample {s.key!r}: {exc}") from exc
+    if labels is None or "jpg" not in s.files:
+        raise _damaged(train, train, f"sample {s.key!r} lacks .jpg or labels ({sorted(s.files)})")
+    if num_classes and not all(0 <= x < num_classes for x in labels):
+        raise _damaged(train, train, f"sample {s.key!r} has labels {labels} outside [0, {num_classes})")
+    return labels
