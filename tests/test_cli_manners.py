@@ -321,3 +321,27 @@ def test_a_storage_path_that_is_a_file_is_named_by_its_key(tmp_path: Path, small
         assert err.startswith(f"vitscale: error: cluster.storage_path: {storage}") and "is a file" in err, err
         assert err.rstrip().endswith(f"(from --set cluster.storage_path={storage})"), err
     assert (tmp_path / "file").read_text() == "x"
+
+
+def test_every_endpoint_url_flag_is_checked_as_data_endpoint_url_is(capsys: pytest.CaptureFixture[str]) -> None:
+    """A malformed --endpoint-url is refused by the parser naming the flag, on every verb that takes it, as the
+    pipeline's data.endpoint_url is; boto3 said it only at the first read, in a line naming no flag."""
+    parser = build_parser()
+    verbs = []
+    for action in parser._subparsers._group_actions:  # type: ignore[union-attr]
+        for sub in action.choices.values():
+            nested = [a for a in sub._actions if isinstance(getattr(a, "choices", None), dict)]
+            for p in [q for a in nested for q in a.choices.values()] or [sub]:
+                if any("--endpoint-url" in a.option_strings for a in p._actions):
+                    verbs.append(p)
+    assert len(verbs) >= 10, [p.prog for p in verbs]  # shards' verbs, export, fewshot, inspect, study report
+    for p in verbs:
+        for bad in ("http://", "http://minio 9000", "minio:9000", "http://minio:port"):
+            with pytest.raises(SystemExit) as exit_:
+                p.parse_known_args(["--endpoint-url", bad])
+            assert exit_.value.code == 2
+            err = capsys.readouterr().err.strip().splitlines()[-1]
+            assert err.startswith(f"{p.prog}: error: argument --endpoint-url: must be an http:// or https:// URL"), err
+        with pytest.raises(SystemExit):  # a good endpoint passes; the verb's missing positionals are then said
+            p.parse_known_args(["--endpoint-url", "http://minio:9000"])
+        assert "argument --endpoint-url" not in capsys.readouterr().err

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-from vitscale.config.location import is_url
+from vitscale.config.location import endpoint_ok, is_url
 from vitscale.config.suggest import did_you_mean
 
 
@@ -70,6 +70,21 @@ def chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             if name in action.choices:
                 return chosen_parser(action.choices[name], args)
     return parser
+
+
+ENDPOINT_HELP = "S3-compatible endpoint URL (default: $VITSCALE_S3_ENDPOINT_URL, else $AWS_ENDPOINT_URL, else AWS)"
+
+
+def add_endpoint_url(p: argparse.ArgumentParser) -> None:
+    """The `--endpoint-url` of every verb that reads or writes object storage, checked as `data.endpoint_url` is
+    (`config/location.py` `endpoint_ok`): a malformed one is one line naming the flag, not boto3's at first use."""
+    def endpoint(text: str) -> str:
+        if not endpoint_ok(text):
+            raise argparse.ArgumentTypeError(f"must be an http:// or https:// URL of a host (e.g. http://minio:9000), "
+                                             f"got {text!r}")
+        return text
+
+    p.add_argument("--endpoint-url", default=None, type=endpoint, help=ENDPOINT_HELP)
 
 
 def print_json(obj: Any) -> None:

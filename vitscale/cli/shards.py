@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from vitscale.cli.interrupt import writes
-from vitscale.cli.parser import VerbFn, print_json
+from vitscale.cli.parser import VerbFn, add_endpoint_url, print_json
 from vitscale.config.errors import UserError
 
 
@@ -44,12 +44,6 @@ def add_verbs(verbs: Any, verb: VerbFn) -> None:
         "Drop near-duplicates of test-set images from a training set.", into))
 
 
-def _endpoint(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--endpoint-url", default=None,
-                   help="S3-compatible endpoint URL (default: $VITSCALE_S3_ENDPOINT_URL, else $AWS_ENDPOINT_URL, "
-                        "else AWS)")
-
-
 def _shards_write_args(p: argparse.ArgumentParser) -> None:
     from vitscale.data.tools.sources import (
         source_specs,  # the source registry names them all
@@ -77,7 +71,7 @@ def _shards_write_args(p: argparse.ArgumentParser) -> None:
                    help="unreadable source files skipped and listed before the write stops (default 100)")
     p.add_argument("--max-pixels", type=int, default=None,
                    help="larger source images are skipped as decompression bombs (default 89478485, PIL's)")
-    _endpoint(p)
+    add_endpoint_url(p)
 
 
 @writes
@@ -126,7 +120,7 @@ def _shards_index_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-bad", type=int, default=100,
                    help="samples without an image or a usable label listed and left out before the index "
                         "stops (default 100)")
-    _endpoint(p)
+    add_endpoint_url(p)
 
 
 @writes
@@ -152,7 +146,7 @@ def cmd_shards_index(args: argparse.Namespace) -> int:
 def _shards_stats_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dest", help="dataset folder or s3:// prefix")
     p.add_argument("--json", action="store_true", help="print the statistics as JSON instead of a table")
-    _endpoint(p)
+    add_endpoint_url(p)
 
 
 def cmd_shards_stats(args: argparse.Namespace) -> int:
@@ -168,7 +162,7 @@ def cmd_shards_stats(args: argparse.Namespace) -> int:
 
 def _shards_verify_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dest", help="dataset folder or s3:// prefix")
-    _endpoint(p)
+    add_endpoint_url(p)
 
 
 def cmd_shards_verify(args: argparse.Namespace) -> int:
@@ -184,7 +178,7 @@ def cmd_shards_verify(args: argparse.Namespace) -> int:
 
 def _shards_reindex_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dest", help="dataset folder or s3:// prefix")
-    _endpoint(p)
+    add_endpoint_url(p)
 
 
 @writes
@@ -215,7 +209,7 @@ def _shards_order_args(p: argparse.ArgumentParser) -> None:
                         "train.global_batch when it pre-trains, else one contiguous span per rank)")
     p.add_argument("--split", default=None, help="default: the pipeline's data.split, else train")
     p.add_argument("--json", action="store_true", help="print the keys as one JSON list instead of a line each")
-    _endpoint(p)
+    add_endpoint_url(p)
 
 
 def cmd_shards_order(args: argparse.Namespace) -> int:
@@ -280,7 +274,7 @@ def _shards_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="images per batch")
     p.add_argument("--split", default="train", help="split to read")
     p.add_argument("--json", action="store_true", help="print the measurement as JSON instead of one line")
-    _endpoint(p)
+    add_endpoint_url(p)
 
 
 def cmd_shards_bench(args: argparse.Namespace) -> int:
@@ -308,7 +302,7 @@ def _shards_dedup_args(p: argparse.ArgumentParser) -> None:
                    help="a test dataset whose images must not reappear in training (repeatable)")
     p.add_argument("--out", required=True, help="where the cleaned training dataset is written")
     p.add_argument("--threshold", type=int, default=None, help="max Hamming distance of 64-bit pHashes (default: 10)")
-    _endpoint(p)
+    add_endpoint_url(p)
 
 
 @writes

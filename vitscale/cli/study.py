@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vitscale.cli.interrupt import writes
-from vitscale.cli.parser import writing
+from vitscale.cli.parser import add_endpoint_url, writing
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -98,9 +98,7 @@ def add_verbs(verbs: Any, verb: Callable[..., argparse.ArgumentParser]) -> None:
         p.add_argument("study_dir", help="the study directory (STORAGE_PATH/RUN_NAME/study, or study.directory; "
                                          "s3:// too)")
         p.add_argument("--metric", default=None, help="accuracy column to fit (default: the study's fit_metric)")
-        p.add_argument("--endpoint-url", default=None,
-                       help="S3-compatible endpoint URL (default: $VITSCALE_S3_ENDPOINT_URL, else $AWS_ENDPOINT_URL, "
-                            "else AWS)")
+        add_endpoint_url(p)
         if name == "recommend":
             p.add_argument("--budget", type=float, required=True, help="pre-training compute in exaFLOPs")
         else:

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from vitscale.cli.interrupt import writes
-from vitscale.cli.parser import VerbFn, print_json, writing
+from vitscale.cli.parser import VerbFn, add_endpoint_url, print_json, writing
 
 
 def add_verbs(verbs: Any, verb: VerbFn) -> None:
@@ -75,9 +75,7 @@ def _fewshot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="images per forward pass (default: 128)")
     p.add_argument("--error-budget", type=float, default=None,
                    help="fraction of unreadable samples tolerated per split (default: 0.001)")
-    p.add_argument("--endpoint-url", default=None,
-                   help="S3-compatible endpoint URL (default: $VITSCALE_S3_ENDPOINT_URL, else $AWS_ENDPOINT_URL, "
-                        "else AWS)")
+    add_endpoint_url(p)
     p.add_argument("--json", action="store_true", help="print the accuracies as JSON instead of a table")
 
 
@@ -117,9 +115,7 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a model option of the .npz/timm file's architecture, as in a pipeline's model: section "
                         "(e.g. depth=6, classifier=gap; repeatable)")
-    p.add_argument("--endpoint-url", default=None,
-                   help="S3-compatible endpoint URL (default: $VITSCALE_S3_ENDPOINT_URL, else $AWS_ENDPOINT_URL, "
-                        "else AWS)")
+    add_endpoint_url(p)
     p.add_argument("--json", action="store_true", help="print inspect.json's content instead of a summary")
 
 

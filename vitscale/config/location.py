@@ -163,6 +163,17 @@ def part_location(run_storage: str, part: str) -> str:
     return posixpath.join(run_storage, part) if part else run_storage
 
 
+def endpoint_ok(url: str) -> bool:
+    """An S3 endpoint boto3 can take: http(s), a host, a numeric port if any, no white space (boto3 refuses
+    the rest only at the first read, in a line that names no setting)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port that is not a number)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and not any(c.isspace() for c in url)
+
+
 def canonical_endpoint(endpoint_url: str | None) -> str:
     """An endpoint URL with its case-insensitive parts (scheme, host) lower-cased and no trailing `/`."""
     if not endpoint_url:

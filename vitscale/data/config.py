@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from vitscale.config.checks import ConfigError, check, fraction, non_negative, plain_name, positive, seed
 from vitscale.config.fields import PATH, RESUME_FREE
-from vitscale.config.location import canonical_location
+from vitscale.config.location import canonical_location, endpoint_ok
 from vitscale.data.order import DEFAULT_SHUFFLE_BUFFER
 from vitscale.data.tools.sources import source_kind_of
 
@@ -26,19 +26,6 @@ def check_splits(splits: dict[str, float], key: str = "splits") -> None:
         check(share <= 1.0, f"{key}.{name}", f"fraction {share} must be in (0, 1]")
     check(abs(sum(splits.values()) - 1.0) <= 1e-6, key,
           f"fractions must sum to 1, got {sum(splits.values()):.6g} ({splits})")
-
-
-def endpoint_ok(url: str) -> bool:
-    """An S3 endpoint boto3 can take: http(s), a host, a numeric port if any, no white space (boto3 refuses
-    the rest only at the first read, in a line that names no setting)."""
-    from urllib.parse import urlsplit
-
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 (raises ValueError for a port that is not a number)
-    except ValueError:
-        return False
-    return parts.scheme in ("http", "https") and bool(parts.hostname) and not any(c.isspace() for c in url)
 
 
 @dataclass(frozen=True)
