@@ -28,6 +28,7 @@ pytest.importorskip("deepspeed")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from host_cost import HostWaits  # the benchmark's counter of where a GPU would be waited on
 
+STAGES = [0, 1, 2, 3]
 TINY = {"img_size": 16, "depth": 2, "width": 32, "mlp_dim": 64, "heads": 2}
 def _engine(stage: int, *, fused: bool = True, grad_clip: float | None = 1e-2, world: int = 1,
             optimizer: str = "adamw") -> Any:
@@ -203,35 +204,45 @@ def test_a_step_reads_the_device_once_where_the_update_is_decided_there(
     assert len(counted.waits) == reads, counted.waits
 
 
-def ranks(out: Path, stage: int) -> None:
-    """One rank of `test_one_ranks_bad_gradient_refuses_the_update_on_every_rank` (run as a script)."""
+def ranks(out: Path, stages: list[int]) -> None:
+    """One rank of `two_ranks` (run as a script): each ZeRO stage in turn, with an engine of its own."""
     from vitscale.train.engine import init_distributed
 
     torch.distributed.init_process_group("gloo")
     init_distributed(on_gpu=False)
     rank = torch.distributed.get_rank()
-    engine = _engine(stage, world=torch.distributed.get_world_size())
-    applied, kinds = [], []
-    for step, poison in enumerate(["", "gradient", ""]):
-        # Each rank its own data (so the gradients differ before averaging); rank 1 alone poisoned.
-        update = apply_update(engine, loss=_backward(engine, 10 * step + rank, poison if rank == 1 else ""))
-        kinds.append(type(update.refused).__name__)
-        applied.append(update.read()[0])
-    with whole_weights(engine) as model:
-        weights = [float(p.double().sum()) for p in model.parameters()]
-    (out / f"rank{rank}.json").write_text(json.dumps({"applied": applied, "kinds": kinds, "weights": weights}))
+    for stage in stages:
+        engine = _engine(stage, world=torch.distributed.get_world_size())
+        applied, kinds = [], []
+        for step, poison in enumerate(["", "gradient", ""]):
+            # Each rank its own data (so the gradients differ before averaging); rank 1 alone poisoned.
+            update = apply_update(engine, loss=_backward(engine, 10 * step + rank, poison if rank == 1 else ""))
+            kinds.append(type(update.refused).__name__)
+            applied.append(update.read()[0])
+        with whole_weights(engine) as model:
+            weights = [float(p.double().sum()) for p in model.parameters()]
+        record = {"applied": applied, "kinds": kinds, "weights": weights}
+        (out / f"rank{rank}-zero{stage}.json").write_text(json.dumps(record))
+        torch.distributed.barrier()  # both ranks done with this engine before either builds the next
     # Leave together, the group torn down: gloo's threads still running at exit abort the process.
-    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_one_ranks_bad_gradient_refuses_the_update_on_every_rank(tmp_path: Path, stage: int) -> None:
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two gloo ranks that go through ZeRO 0, 1, 2 and 3 in turn (one launch: the processes' start-up is most
+    of the cost), each stage's record in `rank{r}-zero{s}.json`."""
+    out = tmp_path_factory.mktemp("two-ranks")
+    launch_ranks(__file__, out, 2, str(out), ",".join(map(str, STAGES)), timeout_s=300)
+    return out
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_one_ranks_bad_gradient_refuses_the_update_on_every_rank(two_ranks: Path, stage: int) -> None:
     """Two gloo ranks on the device path: a NaN in one rank's gradient reaches the other through the averaged
     gradients and the global norm, so both refuse that step with no collective of their own, and both
     apply the others; the ranks' weights stay identical."""
-    launch_ranks(__file__, tmp_path, 2, str(tmp_path), str(stage), timeout_s=240)
-    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    seen = [json.loads((two_ranks / f"rank{r}-zero{stage}.json").read_text()) for r in (0, 1)]
     assert seen[0]["applied"] == seen[1]["applied"] == [True, False, True]
     if stage != 3:  # ZeRO 3 skips the non-finite step itself, before the inner step
         assert seen[0]["kinds"] == seen[1]["kinds"] == ["Tensor"] * 3
@@ -289,7 +300,7 @@ def test_a_step_never_asks_deepspeed_to_sync_the_device(process_group: None, sta
 
 if __name__ == "__main__":
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    ranks(Path(sys.argv[1]), int(sys.argv[2]))
+    ranks(Path(sys.argv[1]), [int(stage) for stage in sys.argv[2].split(",")])
     # The rank's record is written and its group torn down. Past that, the interpreter's own teardown of
     # the libraries' threads aborted a ZeRO 3 rank once on a loaded machine ("terminate called without an
     # active exception", exit -6), failing a test whose every check had passed: leave without it.
