@@ -285,3 +285,30 @@ def test_a_position_table_that_cannot_be_resampled_names_the_file(tmp_path: Path
     with pytest.raises(ValueError, match=rf"checkpoint {tmp_path / 'odd.pth'}: pos_embed \(1, 11, 32\) does not fit "
                                          r"the model's \(1, 17, 32\): cannot infer the source grid of 10"):
         load_pretrained(tiny_vit(), tmp_path / "odd.pth")
+
+
+def test_a_bfloat16_npz_as_jax_writes_it_loads(tmp_path: Path) -> None:
+    """numpy has no bfloat16: an npz of JAX's bf16 weights holds 2-byte voids, once a TypeError traceback from
+    torch.from_numpy. Widened to float32 exactly: the model holds the bf16-rounded weights."""
+    src = randomize(tiny_vit())
+    export_npz(src, tmp_path / "m.npz")
+    with np.load(tmp_path / "m.npz") as f:
+        bf16 = {k: torch.from_numpy(f[k]).bfloat16().view(torch.int16).numpy().view("V2") for k in f.files}
+    np.savez(tmp_path / "bf16.npz", **bf16)
+    dst = tiny_vit(seed=1)
+    assert len(load_pretrained(dst, tmp_path / "bf16.npz").loaded) == len(src.state_dict())
+    for name, value in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[name], value.bfloat16().float()), name
+
+
+@pytest.mark.parametrize("bad", [np.array("text"), np.ones((1, 1, 32), np.int32), np.ones((1, 1, 32), np.complex64)],
+                         ids=["text", "int32", "complex64"])
+def test_an_npz_entry_that_is_no_float_is_refused_by_name(tmp_path: Path, bad: np.ndarray) -> None:
+    """Text was a TypeError traceback; integers and complex numbers were cast into the model without a word."""
+    export_npz(randomize(tiny_vit()), tmp_path / "m.npz")
+    with np.load(tmp_path / "m.npz") as f:
+        arrays = {k: f[k] for k in f.files}
+    np.savez(tmp_path / "bad.npz", **{**arrays, "cls": bad})
+    with pytest.raises(ValueError, match=rf"checkpoint {tmp_path / 'bad.npz'} \(npz\) does not fit .*"
+                                         rf"npz entry 'cls' holds {bad.dtype} values, not floating-point weights"):
+        load_pretrained(tiny_vit(), tmp_path / "bad.npz")

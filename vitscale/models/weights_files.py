@@ -6,7 +6,8 @@ Formats read by `load_pretrained` (chosen by file suffix / content):
   ``embedding/kernel``, ``cls``, hybrid ResNet keys ``conv_root``, ``block1/unit1/...``, with
   or without a ``ResNet/`` prefix) for ViT and hybrids; BiT layout (``resnet/root_block/...``)
   for standalone ResNets. Entries named ``vitscale/<param>`` carry parameters that have no
-  official counterpart (2-D / per-layer / relative position tables) in PyTorch layout.
+  official counterpart (2-D / per-layer / relative position tables) in PyTorch layout. bfloat16
+  entries (JAX writes them as 2-byte voids) are widened to float32; an entry of no float type is refused.
 - ``.pth`` / ``.pt`` / ``.bin`` (``torch.load(weights_only=True)``) and ``.safetensors``: a timm
   state dict (optionally wrapped in ``state_dict`` / ``model`` / ``module``; ``module.``
   prefixes stripped) or a vitscale export (a header ``{"format": "vitscale", "meta": ...}``).
@@ -216,6 +217,18 @@ def _rules_for(model: nn.Module) -> list[_Rule]:
 # Reading files into a PyTorch-named dict.
 
 
+def _weights_array(key: str, value: np.ndarray) -> np.ndarray:
+    """An npz entry as float weights. JAX writes bfloat16 as a 2-byte void (numpy has no bfloat16): widened to
+    float32 exactly. Anything else not a float (text, integers, objects) is no weight: a ValueError naming it,
+    where torch refused it with a TypeError (a traceback) or an integer was cast into the model silently."""
+    value = np.asarray(value)
+    if value.dtype.kind == "V" and value.dtype.itemsize == 2 and value.dtype.fields is None:
+        return (value.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if value.dtype.kind != "f":
+        raise ValueError(f"npz entry {key!r} holds {value.dtype} values, not floating-point weights")
+    return value
+
+
 def _npz_to_state_dict(arrays: Mapping[str, np.ndarray], model: nn.Module) -> tuple[dict[str, Tensor], list[str]]:
     """Convert npz arrays by the model's rules; returns (state dict, unexpected npz keys)."""
     arrays = {k.removeprefix("ResNet/"): v for k, v in arrays.items()}
@@ -226,14 +239,14 @@ def _npz_to_state_dict(arrays: Mapping[str, np.ndarray], model: nn.Module) -> tu
             continue
         used.update(rule.keys)
         try:
-            value = rule.to_torch([np.asarray(arrays[k]) for k in rule.keys])
+            value = rule.to_torch([_weights_array(k, arrays[k]) for k in rule.keys])
         except ValueError as exc:  # reshape failed: the file's dims differ from the model's
             raise ValueError(f"npz entries {list(rule.keys)} do not fit {rule.name}: {exc}") from exc
         out[rule.name] = torch.from_numpy(np.ascontiguousarray(value))
     for key, value in arrays.items():
         if key.startswith(EXTRA_PREFIX):
             used.add(key)
-            out[key[len(EXTRA_PREFIX):]] = torch.from_numpy(np.ascontiguousarray(value))
+            out[key[len(EXTRA_PREFIX):]] = torch.from_numpy(np.ascontiguousarray(_weights_array(key, value)))
     return out, sorted(set(arrays) - used)
 
 
