@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import numpy as np
@@ -158,6 +159,34 @@ def test_timm_state_dict_with_wrappers_and_prefixes(tmp_path: Path) -> None:
     assert load_pretrained(dst, tmp_path / "w.pth").source_format == "timm"
     with torch.no_grad():
         assert torch.equal(dst(X32), src(X32))
+
+
+class _Opaque:
+    """An object a checkpoint may pickle: loading it would run this module's code."""
+
+
+@pytest.mark.parametrize("layout", ["timm", "deit"])
+def test_a_training_scripts_checkpoint_with_its_args_loads(tmp_path: Path, layout: str) -> None:
+    """timm's train.py (model_best.pth.tar) and DeiT's / MAE's main.py save their argparse.Namespace beside the
+    weights: every such file was refused as 'not a file of tensors that loads without running code'."""
+    src, ema = randomize(tiny_vit()), randomize(tiny_vit(), seed=7)
+    args = argparse.Namespace(model="vit_tiny_patch8", lr=5e-4, smoothing=0.1, aa=None, input_size=[3, 32, 32])
+    optimizer = torch.optim.AdamW(src.parameters()).state_dict()
+    if layout == "timm":
+        ckpt = {"epoch": 9, "arch": "vit_tiny_patch8", "state_dict": timm_state_dict(src), "optimizer": optimizer,
+                "version": 2, "args": args, "amp_scaler": {"scale": 65536.0, "_growth_tracker": 3}, "metric": 71.5,
+                "state_dict_ema": timm_state_dict(ema)}
+    else:
+        ckpt = {"model": timm_state_dict(src), "optimizer": optimizer, "lr_scheduler": {"last_epoch": 9},
+                "epoch": 9, "model_ema": timm_state_dict(ema), "scaler": {"scale": 1024.0}, "args": args}
+    torch.save(ckpt, tmp_path / "model_best.pth.tar")
+    dst = tiny_vit(seed=2)
+    assert load_pretrained(dst, tmp_path / "model_best.pth.tar").source_format == "timm"
+    with torch.no_grad():
+        assert torch.equal(dst(X32), src(X32))  # the trained weights, as timm's load_checkpoint reads them
+    torch.save({**ckpt, "args": argparse.Namespace(hook=_Opaque())}, tmp_path / "opaque.pth")
+    with pytest.raises(ValueError, match="not a file of tensors that loads without running code"):
+        load_pretrained(dst, tmp_path / "opaque.pth")
 
 
 @pytest.mark.parametrize("fmt", ["npz", "pth"])

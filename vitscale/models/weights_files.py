@@ -10,7 +10,8 @@ Formats read by `load_pretrained` (chosen by file suffix / content):
   entries (JAX writes them as 2-byte voids) are widened to float32; an entry of no float type is refused.
 - ``.pth`` / ``.pt`` / ``.bin`` (``torch.load(weights_only=True)``) and ``.safetensors``: a timm
   state dict (optionally wrapped in ``state_dict`` / ``model`` / ``module``; ``module.``
-  prefixes stripped) or a vitscale export (a header ``{"format": "vitscale", "meta": ...}``).
+  prefixes stripped; a training script's checkpoint with its ``args`` too) or a vitscale export
+  (a header ``{"format": "vitscale", "meta": ...}``).
 
 Position embeddings are resampled when the grid differs; a head whose class count differs
 (or a pre-logits layer the model does not have) is left as the model's zero-init one.
@@ -24,6 +25,7 @@ applies ``encoder_norm`` before pooling while vitscale/timm apply ``fc_norm`` af
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -46,6 +48,9 @@ __all__ = ["LoadReport", "create_from_weights", "export_npz", "export_state_dict
            "read_weights", "timm_state_dict"]
 
 EXTRA_PREFIX = "vitscale/"
+_TRAINING_SCRIPT_GLOBALS: list[Any] = [argparse.Namespace]
+"""Classes besides tensors and plain data a weights file may hold: timm's train.py, DeiT's and MAE's main.py save
+their command line (an argparse.Namespace, plain values) beside the weights in every checkpoint they write."""
 _HEAD_PREFIXES = ("head.", "pre_logits.")
 _MAX_LISTED = 25
 
@@ -296,7 +301,8 @@ def read_weights(path: str | Path) -> tuple[str, dict[str, Any], dict[str, Any] 
                     raise ValueError(f"its vitscale header is not JSON ({exc})") from exc
                 return "vitscale", dict(sd), _vitscale_header(meta)
             return "timm", _unwrap(sd), None
-        obj = torch.load(p, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(_TRAINING_SCRIPT_GLOBALS):
+            obj = torch.load(p, map_location="cpu", weights_only=True)
         if isinstance(obj, Mapping) and obj.get("format") == "vitscale":
             return "vitscale", _unwrap(obj.get("state_dict")), _vitscale_header(obj.get("meta"))
         return "timm", _unwrap(obj), None
