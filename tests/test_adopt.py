@@ -327,3 +327,31 @@ def test_indexing_again_says_what_to_do(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["shards", "index", str(tars)]) == 2
     err = capsys.readouterr().err
     assert "is already a dataset; index into another --out, or delete its dataset.json" in err and err.count("\n") == 1
+
+
+def _gzip_tar(path: Path, tar: Path) -> Path:
+    import gzip
+
+    path.write_bytes(gzip.compress(tar.read_bytes()))
+    return path
+
+
+@pytest.mark.parametrize("where", ["beside", "alone", "named", "braces", "gzip-as-tar"])
+def test_a_gzip_compressed_tar_is_refused_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture, where: str) -> None:
+    """WebDataset streams .tar.gz shards; vitscale reads samples by byte range. A folder's .tar.gz were left out of
+    the listing without a word (a dataset short of their samples), one named was 'no tar shard (*.tar)', and gzip
+    bytes under a .tar name 'not a readable tar: invalid header'."""
+    root = _tars(tmp_path / "wds", shards=2)
+    gz = root / ("train-000001.tar" if where == "gzip-as-tar" else "train-000001.tar.gz")
+    plain = tmp_path / "plain.tar"
+    plain.write_bytes((root / "train-000001.tar").read_bytes())
+    (root / "train-000001.tar").unlink()
+    _gzip_tar(gz, plain)
+    if where == "alone":
+        (root / "train-000000.tar").unlink()
+    url = {"named": str(gz), "braces": f"{root}/train-{{000001..000001}}.tar.gz"}.get(where, str(root))
+    assert main(["shards", "index", url]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"vitscale: error: {gz} is a gzip-compressed tar: vitscale reads each sample by its byte range, "
+                   "which needs uncompressed shards; decompress them (gunzip) and index the .tar files\n"), err
+    assert not (root / "dataset.json").exists()

@@ -27,7 +27,8 @@ unchecked, as datasets written before the ``crc32`` column are.
 
 A sample without an image member or a readable label is left out of the index, counted and
 listed (``bad_samples``). URLs: a folder or ``s3://`` prefix (every ``.tar`` below it), one tar,
-or WebDataset's brace notation ``.../train-{000000..000999}.tar`` (all in one folder).
+or WebDataset's brace notation ``.../train-{000000..000999}.tar`` (all in one folder); a gzip-compressed
+tar among them is refused (:mod:`~vitscale.data.tools.adopt_checks`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from vitscale.data.loader.sample import IMAGE_MEMBERS
 from vitscale.data.storage import LocalStorage, Storage, StorageError, open_storage
 from vitscale.data.storage.cleanup import missing_folders, remove_new_folders
 from vitscale.data.storage.space import free_bytes, free_text, is_no_space, out_of_files, size_text
+from vitscale.data.tools.adopt_checks import COMPRESSED_SUFFIXES, refuse_compressed, refuse_gzip_bytes
 from vitscale.data.tools.label_member import LABEL_EXTS, NO_LABELS_HINT, LabelMember, default_member
 from vitscale.data.tools.progress import Progress
 from vitscale.data.tools.publish import WRITING
@@ -98,7 +100,7 @@ def expand_braces(pattern: str) -> list[str]:
 
 def split_url(url: str) -> tuple[str, list[str] | None]:
     """(the folder the shards lie in, their names in order, or None: every ``.tar`` below it)."""
-    if "{" not in url and not url.endswith(".tar"):
+    if "{" not in url and not url.endswith((".tar", *COMPRESSED_SUFFIXES)):
         return url.rstrip("/"), None
     paths = expand_braces(url)
     roots = {p.rpartition("/")[0] for p in paths}
@@ -237,6 +239,7 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
             found, damaged = _samples(shards, shard, sizes[shard])
             crcs = _checksums(shards, shard, [(o, n) for _, o, n, _ in found]) if checksums else [-1] * len(found)
         except (tarfile.TarError, OSError) as exc:
+            refuse_gzip_bytes(shards, shard)
             raise DatasetError(f"{shards.url_of(shard)} is not a readable tar: {exc}") from exc
         if labels is None:  # the default: decided by the first tar
             labels = LabelMember(default_member(found, shards.url_of(shard), progress), classes)
@@ -282,10 +285,12 @@ def _places(url: str, out: str | None, endpoint_url: str | None
             raise DatasetError(f"{place.url_of(WRITING)}: a vitscale write into {place.url} is running or was "
                                "interrupted; run that write again to finish it, or delete its files first")
     if names is None:
+        refuse_compressed(shards, list(sizes))  # left out of the listing, their samples went missing unsaid
         names = [n for n in sizes if n.endswith(".tar")]
     missing = [n for n in names if n not in sizes]
     if missing or not names:
         raise DatasetError(f"no tar shard {missing[0] if missing else '(*.tar)'} under {shards.url}")
+    refuse_compressed(shards, names)
     return shards, dest, sizes, names
 
 
