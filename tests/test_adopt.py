@@ -355,3 +355,40 @@ def test_a_gzip_compressed_tar_is_refused_naming_it(tmp_path: Path, capsys: pyte
     assert err == (f"vitscale: error: {gz} is a gzip-compressed tar: vitscale reads each sample by its byte range, "
                    "which needs uncompressed shards; decompress them (gunzip) and index the .tar files\n"), err
     assert not (root / "dataset.json").exists()
+
+
+@pytest.mark.parametrize("order", ["by-extension", "shuffled"])
+def test_a_tar_whose_samples_members_are_apart_is_refused_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                     order: str) -> None:
+    """`tar cf x.tar *.jpg *.cls`, or a folder tarred in directory order: each member was a sample of its own, and
+    the index ended on 'more than 100 bad samples ... no readable .cls label member; --label-member none indexes
+    the images without labels', advice that drops labels the tar has."""
+    import random
+    import tarfile
+
+    files = [(f"{i:05d}.{ext}", data) for i in range(120)
+             for ext, data in (("jpg", _image(i, "JPEG")), ("cls", str(i % 3).encode()))]
+    files = sorted(files, key=lambda f: f[0].split(".")[1]) if order == "by-extension" else \
+        random.Random(0).sample(files, len(files))
+    root = tmp_path / "tars"
+    root.mkdir()
+    with tarfile.open(root / "train-0.tar", "w") as tar:
+        for name, data in files:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    assert main(["shards", "index", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"vitscale: error: {root / 'train-0.tar'}: the members of sample ") and \
+        "are not consecutive (at bytes " in err and "tar --sort=name" in err and err.count("\n") == 1, err
+    assert not (root / "dataset.json").exists()
+
+
+def test_a_key_repeated_whole_is_still_two_samples(tmp_path: Path) -> None:
+    """A sample written twice (both with an image) is not a sample split up: each is kept, as before."""
+    root = tmp_path / "tars"
+    root.mkdir()
+    with wds.TarWriter(str(root / "train-0.tar")) as tw:
+        for i in (0, 1, 0):
+            tw.write({"__key__": f"{i}", "jpg": _image(i, "JPEG"), "cls": b"1"})
+    assert index_shards(str(root), progress=False)["splits"]["train"]["samples"] == 3

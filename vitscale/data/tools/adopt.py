@@ -66,7 +66,7 @@ from vitscale.data.loader.sample import IMAGE_MEMBERS
 from vitscale.data.storage import LocalStorage, Storage, StorageError, open_storage
 from vitscale.data.storage.cleanup import missing_folders, remove_new_folders
 from vitscale.data.storage.space import free_bytes, free_text, is_no_space, out_of_files, size_text
-from vitscale.data.tools.adopt_checks import COMPRESSED_SUFFIXES, refuse_compressed, refuse_gzip_bytes
+from vitscale.data.tools import adopt_checks
 from vitscale.data.tools.label_member import LABEL_EXTS, NO_LABELS_HINT, LabelMember, default_member
 from vitscale.data.tools.progress import Progress
 from vitscale.data.tools.publish import WRITING
@@ -100,7 +100,7 @@ def expand_braces(pattern: str) -> list[str]:
 
 def split_url(url: str) -> tuple[str, list[str] | None]:
     """(the folder the shards lie in, their names in order, or None: every ``.tar`` below it)."""
-    if "{" not in url and not url.endswith((".tar", *COMPRESSED_SUFFIXES)):
+    if "{" not in url and not url.endswith((".tar", *adopt_checks.COMPRESSED_SUFFIXES)):
         return url.rstrip("/"), None
     paths = expand_braces(url)
     roots = {p.rpartition("/")[0] for p in paths}
@@ -239,8 +239,9 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
             found, damaged = _samples(shards, shard, sizes[shard])
             crcs = _checksums(shards, shard, [(o, n) for _, o, n, _ in found]) if checksums else [-1] * len(found)
         except (tarfile.TarError, OSError) as exc:
-            refuse_gzip_bytes(shards, shard)
+            adopt_checks.refuse_gzip_bytes(shards, shard)
             raise DatasetError(f"{shards.url_of(shard)} is not a readable tar: {exc}") from exc
+        adopt_checks.refuse_scattered(shards, shard, found)
         if labels is None:  # the default: decided by the first tar
             labels = LabelMember(default_member(found, shards.url_of(shard), progress), classes)
         for entry in damaged:
@@ -285,12 +286,12 @@ def _places(url: str, out: str | None, endpoint_url: str | None
             raise DatasetError(f"{place.url_of(WRITING)}: a vitscale write into {place.url} is running or was "
                                "interrupted; run that write again to finish it, or delete its files first")
     if names is None:
-        refuse_compressed(shards, list(sizes))  # left out of the listing, their samples went missing unsaid
+        adopt_checks.refuse_compressed(shards, list(sizes))  # left out of the listing, their samples missing unsaid
         names = [n for n in sizes if n.endswith(".tar")]
     missing = [n for n in names if n not in sizes]
     if missing or not names:
         raise DatasetError(f"no tar shard {missing[0] if missing else '(*.tar)'} under {shards.url}")
-    refuse_compressed(shards, names)
+    adopt_checks.refuse_compressed(shards, names)
     return shards, dest, sizes, names
 
 
