@@ -204,6 +204,26 @@ def test_higher_resolution_resamples_position_embeddings(tmp_path: Path, fmt: st
     assert torch.equal(dst.blocks[1].mlp.fc2.weight, src.blocks[1].mlp.fc2.weight)
 
 
+def test_a_timm_no_embed_class_table_loads_as_timm_computes_it(tmp_path: Path) -> None:
+    """timm's no_embed_class (FlexiViT, DeiT-III) adds positions to the patches alone, then prepends the class
+    token: its table has a square count of rows. Refused as 'cannot infer the source grid of 15 position
+    embeddings (not square)'; loaded with a zero class-token row, the model computes what timm's does."""
+    src = randomize(tiny_vit())
+    with torch.no_grad():
+        src.pos_embed[:, 0] = 0  # [cls; patches] + [0; table] == [cls; patches + table]: timm's no_embed_class
+    sd = timm_state_dict(src)
+    sd["pos_embed"] = sd["pos_embed"][:, 1:].clone()
+    torch.save(sd, tmp_path / "no_embed_class.pth")
+    dst = tiny_vit(seed=1)
+    report = load_pretrained(dst, tmp_path / "no_embed_class.pth")
+    assert any("no_embed_class" in note for note in report.notes)
+    with torch.no_grad():
+        assert torch.equal(dst(X32), src(X32))
+    big = tiny_vit(seed=1, img_size=64)
+    assert load_pretrained(big, tmp_path / "no_embed_class.pth").resampled == ("pos_embed: 4x4 -> 8x8",)
+    assert torch.equal(big.pos_embed[0, 0], torch.zeros(32))
+
+
 def test_2d_and_relative_tables_resample(tmp_path: Path) -> None:
     for kw in ({"pos_emb": "learn_2d"}, {"pos_emb": "relative"}):
         src = randomize(tiny_vit(**kw))

@@ -13,7 +13,8 @@ Formats read by `load_pretrained` (chosen by file suffix / content):
   prefixes stripped; a training script's checkpoint with its ``args`` too) or a vitscale export
   (a header ``{"format": "vitscale", "meta": ...}``).
 
-Position embeddings are resampled when the grid differs; a head whose class count differs
+Position embeddings are resampled when the grid differs (a timm ``no_embed_class`` table, one row per
+patch, gets a zero class-token row: what timm computes); a head whose class count differs
 (or a pre-logits layer the model does not have) is left as the model's zero-init one.
 
 Known inexactness with official Flax weights (all round trips within vitscale are exact):
@@ -392,6 +393,17 @@ def _resample(name: str, src: Tensor, dst: Tensor, model: nn.Module, file_prefix
     return None
 
 
+def _class_row_added(src: Tensor, model: nn.Module, notes: list[str]) -> Tensor:
+    """A timm ``no_embed_class`` table (one row per patch, a square count: the class token gets no position)
+    with a zero row for the class token: adding it to [class; patches] is what timm computes. Once refused as
+    "cannot infer the source grid of 195 position embeddings (not square)"."""
+    n = src.shape[1] if src.dim() == 3 else 0
+    if getattr(model, "num_prefix_tokens", None) != 1 or n < 2 or math.isqrt(n) ** 2 != n:
+        return src
+    notes.append("pos_embed has no class-token row (timm's no_embed_class): the class token gets a zero one")
+    return torch.cat([src.new_zeros(src.shape[0], 1, src.shape[2]), src], dim=1)
+
+
 def _listing(title: str, items: list[str]) -> str:
     more = f" ... and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else ""
     return f"{title} ({len(items)}): {', '.join(items[:_MAX_LISTED])}{more}"
@@ -430,6 +442,8 @@ def load_pretrained(model: nn.Module, path: str | Path) -> LoadReport:
                 unexpected.append(name)
             continue
         dst = target[name]
+        if name == "pos_embed" and tuple(src.shape) != tuple(dst.shape) and file_prefix:
+            src = _class_row_added(src, model, notes)
         if tuple(src.shape) != tuple(dst.shape):
             if name.startswith(_HEAD_PREFIXES):
                 dropped.append(name)
