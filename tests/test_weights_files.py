@@ -361,3 +361,48 @@ def test_an_npz_entry_that_is_no_float_is_refused_by_name(tmp_path: Path, bad: n
     with pytest.raises(ValueError, match=rf"checkpoint {tmp_path / 'bad.npz'} \(npz\) does not fit .*"
                                          rf"npz entry 'cls' holds {bad.dtype} values, not floating-point weights"):
         load_pretrained(tiny_vit(), tmp_path / "bad.npz")
+
+
+def _big_vision(arrays: dict[str, np.ndarray], scanned: bool) -> dict[str, np.ndarray]:
+    """The official arrays as big_vision's vit.py names them (params/, blocks' modules numbered from 0, the
+    position table one row per patch at the model's top), the layers stacked when scanned."""
+    out: dict[str, np.ndarray] = {}
+    for key, value in arrays.items():
+        for old, new in (("MultiHeadDotProductAttention_1/", "MultiHeadDotProductAttention_0/"),
+                         ("LayerNorm_2/", "LayerNorm_1/"), ("MlpBlock_3/", "MlpBlock_0/")):
+            key = key.replace(old, new)
+        if key == "Transformer/posembed_input/pos_embedding":
+            key, value = "pos_embedding", value[:, 1:]
+        out[key] = value
+    if scanned:
+        blocks = sorted({k.split("/")[1] for k in out if k.startswith("Transformer/encoderblock_")})
+        for rest in sorted({k.split("/", 2)[2] for k in out if k.startswith("Transformer/encoderblock_0/")}):
+            out[f"Transformer/encoderblock/{rest}"] = np.stack([out.pop(f"Transformer/{b}/{rest}") for b in blocks])
+    return {f"params/{k}": v for k, v in out.items()}
+
+
+@pytest.mark.parametrize("layout", ["opt/target", "big_vision", "big_vision-scanned"])
+def test_training_checkpoint_npz_layouts_load(tmp_path: Path, layout: str) -> None:
+    """The vision_transformer repo's training checkpoints (opt/target/ beside the optimizer's state) and
+    big_vision's (params/, its own module numbering, a scanned encoder): every entry was 'unexpected' and every
+    parameter 'missing'."""
+    src = randomize(tiny_vit(representation_size=16))
+    with torch.no_grad():
+        src.pos_embed[:, 0] = 0  # big_vision adds positions to the patches alone
+    export_npz(src, tmp_path / "m.npz")
+    with np.load(tmp_path / "m.npz") as f:
+        arrays = {k: f[k] for k in f.files}
+    if layout == "opt/target":
+        arrays = {**{f"opt/target/{k}": v for k, v in arrays.items()}, "opt/state/step": np.array(1000)}
+    else:
+        arrays = _big_vision(arrays, scanned=layout.endswith("scanned"))
+    np.savez(tmp_path / "train.npz", **arrays)
+    dst = tiny_vit(seed=1, representation_size=16)
+    assert len(load_pretrained(dst, tmp_path / "train.npz").loaded) == len(src.state_dict())
+    with torch.no_grad():
+        assert torch.equal(dst(X32), src(X32))
+    from vitscale.train.weights import load_model
+
+    probed, _ = load_model(tmp_path / "train.npz", model_name="ViT-Ti/8", img_size=32, model_options=TINY)
+    with torch.no_grad():  # its head and pre-logits read from the file: the probe's features are the file's
+        assert torch.equal(probed.eval()(X32), src(X32))

@@ -5,9 +5,11 @@ Formats read by `load_pretrained` (chosen by file suffix / content):
 - ``.npz``: google-research/vision_transformer layout (``Transformer/encoderblock_0/...``,
   ``embedding/kernel``, ``cls``, hybrid ResNet keys ``conv_root``, ``block1/unit1/...``, with
   or without a ``ResNet/`` prefix) for ViT and hybrids; BiT layout (``resnet/root_block/...``)
-  for standalone ResNets. Entries named ``vitscale/<param>`` carry parameters that have no
-  official counterpart (2-D / per-layer / relative position tables) in PyTorch layout. bfloat16
-  entries (JAX writes them as 2-byte voids) are widened to float32; an entry of no float type is refused.
+  for standalone ResNets; training checkpoints too: the repo's ``opt/target/`` and big_vision's ``params/``
+  layout (its own block numbering, a scanned encoder, positions for the patches alone). Entries named
+  ``vitscale/<param>`` carry parameters that have no official counterpart (2-D / per-layer / relative
+  position tables) in PyTorch layout. bfloat16 entries (JAX writes them as 2-byte voids) are widened
+  to float32; an entry of no float type is refused.
 - ``.pth`` / ``.pt`` / ``.bin`` (``torch.load(weights_only=True)``) and ``.safetensors``: a timm
   state dict (optionally wrapped in ``state_dict`` / ``model`` / ``module``; ``module.``
   prefixes stripped; a training script's checkpoint with its ``args`` too) or a vitscale export
@@ -46,7 +48,7 @@ from vitscale.models.variants import parse_model_name
 from vitscale.models.vit import VisionTransformer
 
 __all__ = ["LoadReport", "create_from_weights", "export_npz", "export_state_dict", "load_pretrained",
-           "read_weights", "timm_state_dict"]
+           "official_npz_names", "read_weights", "timm_state_dict"]
 
 EXTRA_PREFIX = "vitscale/"
 _TRAINING_SCRIPT_GLOBALS: list[Any] = [argparse.Namespace]
@@ -235,9 +237,38 @@ def _weights_array(key: str, value: np.ndarray) -> np.ndarray:
     return value
 
 
+_BIG_VISION_BLOCK = {"MultiHeadDotProductAttention_0/": "MultiHeadDotProductAttention_1/",
+                     "LayerNorm_1/": "LayerNorm_2/", "MlpBlock_0/": "MlpBlock_3/"}
+"""big_vision's encoder-block module names -> the vision_transformer repo's (the names the rules use)."""
+
+
+def official_npz_names(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A training checkpoint's weights under the official names: the vision_transformer repo's (``opt/target/``
+    beside the optimizer's state) and big_vision's (``params/``; blocks named ``..._0``, layers stacked under
+    ``encoderblock`` when scanned, ``pos_embedding`` one row per patch: timm's no_embed_class). Once every entry
+    was "unexpected" and every parameter "missing"."""
+    for prefix in ("opt/target/", "params/img/", "params/"):
+        if any(k.startswith(f"{prefix}embedding/") for k in arrays):
+            arrays = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+            break
+    if not any("/MultiHeadDotProductAttention_0/" in k for k in arrays):
+        return dict(arrays)
+    out: dict[str, np.ndarray] = {}
+    for key, value in arrays.items():
+        if key.startswith("Transformer/encoderblock/"):  # scanned: the layers stacked on the first axis
+            rest = key.removeprefix("Transformer/encoderblock/")
+            out.update({f"Transformer/encoderblock_{i}/{rest}": value[i] for i in range(len(value))})
+        else:
+            out["Transformer/posembed_input/pos_embedding" if key == "pos_embedding" else key] = value
+    for old, new in _BIG_VISION_BLOCK.items():
+        out = {(k.replace(f"/{old}", f"/{new}") if k.startswith("Transformer/encoderblock_") else k): v
+               for k, v in out.items()}
+    return out
+
+
 def _npz_to_state_dict(arrays: Mapping[str, np.ndarray], model: nn.Module) -> tuple[dict[str, Tensor], list[str]]:
     """Convert npz arrays by the model's rules; returns (state dict, unexpected npz keys)."""
-    arrays = {k.removeprefix("ResNet/"): v for k, v in arrays.items()}
+    arrays = {k.removeprefix("ResNet/"): v for k, v in official_npz_names(arrays).items()}
     used: set[str] = set()
     out: dict[str, Tensor] = {}
     for rule in _rules_for(model):

@@ -31,7 +31,9 @@ DEFAULT_IMG_SIZE = 224
 def _file_head(fmt: str, raw: Mapping[str, Any]) -> tuple[int | None, int | None]:
     """(classifier outputs, pre-logits width) stored in an npz / timm file; None where absent."""
     if fmt == "npz":
-        raw = {k.removeprefix("ResNet/"): v for k, v in raw.items()}
+        from vitscale.models.weights_files import official_npz_names
+
+        raw = {k.removeprefix("ResNet/"): v for k, v in official_npz_names(raw).items()}
         head = raw.get("head/kernel", raw.get("resnet/head/conv2d/kernel"))
         rep = raw.get("pre_logits/kernel")
         return (int(head.shape[-1]) if head is not None else None,
