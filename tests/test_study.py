@@ -374,6 +374,30 @@ def test_a_cell_may_name_the_masked_patch_objective_and_its_head_is_priced(tmp_p
     per_example = sum(masked_patch_flops("ViT-Ti/16", img_size=32, corrupted=2, outputs=512, **dims).values())
     assert masked.exaflops == pytest.approx(training_flops(per_example, 120) / 1e18, rel=1e-12)
     assert masked.exaflops != supervised.exaflops
+    assert (supervised.objective, masked.objective) == ("supervised", "masked_patch")
+
+
+def test_masked_patch_cells_are_fitted_apart_from_the_supervised_ones_of_their_family(tmp_path: Path) -> None:
+    """Six supervised ViT cells and six masked patch ViT cells on curves of their own: two fits, one per
+    objective (pooled, one fit would have drawn a curve through both and recommended from it)."""
+    from vitscale.scaling.study.report import publish_report
+
+    state = StudyState(str(tmp_path / "study"))
+    cells = []
+    for objective, floor in (("supervised", 0.2), ("masked_patch", 0.6)):
+        for i, c in enumerate(np.geomspace(1e-6, 1e-4, 6)):
+            cells.append({"id": f"{objective}-{i}", "label": f"v{i}", "family": "vit", "epochs": 2.0,
+                          "examples": 1000, "exaflops": float(c), "objective": objective})
+            acc = 1 - float(saturating(c, 1e-3, 0.5, floor, 0.0))
+            state.write(CellRecord(f"{objective}-{i}", status="done", runs=1, exaflops=float(c), examples_seen=2000,
+                                   device_hours=0.01, accuracies={"digits fewshot 5shot": acc}))
+    del cells[0]["objective"]  # a plan written before cells recorded their objective: supervised
+    state.write_plan({"cells": cells, "fit_metric": None})
+    report = publish_report(state)
+    assert [r["family"] for r in report.rows] == ["ViT"] * 6 + ["ViT (masked patch)"] * 6
+    assert set(report.fits) == {"ViT", "ViT (masked patch)"}
+    assert report.fits["ViT"].c == pytest.approx(0.2, abs=0.05)
+    assert report.fits["ViT (masked patch)"].c == pytest.approx(0.6, abs=0.05)
 
 
 def test_a_report_into_a_place_that_takes_no_files_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

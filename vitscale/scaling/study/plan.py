@@ -79,6 +79,8 @@ class PlannedCell:
     cost_source: str = ""
     """Where the speed came from (a measurement, or an estimate and its default)."""
     device: str = ""
+    objective: str = "supervised"
+    """How the cell pre-trains (`train.objective`): a report fits each family and objective on its own."""
 
     def row(self) -> dict[str, Any]:
         return {**asdict(self), "transfer": list(self.transfer)}
@@ -106,7 +108,8 @@ def plan_cell(cell: Cell, data: DataFacts, pricing: Pricing | None = None) -> Pl
     return PlannedCell(cell.id, summary["model"], cell.label, cell.family, img_size, data.num_classes, cell.epochs,
                        examples, seen, summary["train_gflops_per_example"], summary["train_exaflops"],
                        cost.device_hours, tuple(cell.raw["stages"][1:]), cost.devices, cost.wall_hours, cost.cost,
-                       cost.mfu, cost.source, pricing.device)
+                       cost.mfu, cost.source, pricing.device,
+                       str((cell.raw.get("train") or {}).get("objective", "supervised")))
 
 
 def _masked_patch(cell: Cell) -> tuple[int, int] | None:

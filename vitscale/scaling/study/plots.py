@@ -10,8 +10,8 @@ import numpy as np
 
 from vitscale.eval.tables import save_figure
 
-MARKERS = {"ViT": "o", "ResNet": "s", "Hybrid": "^"}
-COLOURS = {"ViT": "tab:blue", "ResNet": "tab:orange", "Hybrid": "tab:green"}
+MARKERS = {"ViT": "o", "ResNet": "s", "Hybrid": "^", "ViT (masked patch)": "P"}
+COLOURS = {"ViT": "tab:blue", "ResNet": "tab:orange", "Hybrid": "tab:green", "ViT (masked patch)": "tab:purple"}
 
 
 def _pyplot() -> Any:

@@ -31,6 +31,9 @@ from vitscale.scaling.study.state import CellRecord, StudyState
 from vitscale.scaling.study.uncertainty import BOOTSTRAP, BacktestRow, backtest, fit_with_intervals
 
 FAMILY_NAMES = {"vit": "ViT", "resnet": "ResNet", "hybrid": "Hybrid"}
+OBJECTIVE_NAMES = {"masked_patch": "masked patch"}
+"""A family's name in the report, per pre-training objective other than the labels: ViTs pre-trained by masked
+patch prediction follow a curve of their own, never fitted with the supervised ones."""
 NOT_ACCURACY = {"cell", "model", "family", "epochs", "data_size", "status", "partial", "exaflops", "planned_exaflops",
                 "examples_seen", "planned_device_hours", "device_hours", "pretrain_device_hours", "devices",
                 "planned_wall_min", "wall_min", "cost_source", "wall_s", "runs", "error"}
@@ -58,7 +61,7 @@ def cell_rows(plan: dict[str, Any], records: dict[str, CellRecord]) -> list[dict
     rows = []
     for cell in plan["cells"]:
         record = records.get(cell["id"]) or CellRecord(cell["id"])
-        row = {"cell": cell["id"], "model": cell["label"], "family": FAMILY_NAMES.get(cell["family"], cell["family"]),
+        row = {"cell": cell["id"], "model": cell["label"], "family": family_name(cell),
                "epochs": cell["epochs"], "data_size": cell["examples"], "status": record.status,
                "partial": record.status != "done"}
         row.update(record.accuracies)
@@ -75,6 +78,14 @@ def cell_rows(plan: dict[str, Any], records: dict[str, CellRecord]) -> list[dict
                    runs=record.runs, error=record.error)
         rows.append(row)
     return rows
+
+
+def family_name(cell: dict[str, Any]) -> str:
+    """The family a planned cell is reported, plotted and fitted in: its architecture's, and its objective's
+    unless supervised (a plan written before cells recorded their objective: supervised)."""
+    family = FAMILY_NAMES.get(cell["family"], cell["family"])
+    objective = OBJECTIVE_NAMES.get(str(cell.get("objective", "supervised")))
+    return f"{family} ({objective})" if objective else family
 
 
 def accuracy_columns(rows: list[dict[str, Any]]) -> list[str]:
