@@ -176,6 +176,7 @@ def test_fine_tuning_refuses_the_pre_training_objective() -> None:
     (["R50x1", "--objective", "masked_patch"], "--objective"),
     (["R50x1+ViT-B/16", "--objective", "masked_patch"], "--objective"),  # the stem leaks neighbours' pixels
     (["ViT-H/14", "--objective", "masked_patch", "--target", "downsized_4x4"], "--target"),
+    (["ViT-B/16", "--target", "pixels"], "--target"),  # without the objective: the supervised figures
     (["ViT-B/16", "--resolution", "100"], "--resolution"),
     (["ViT-X/16"], "MODEL"),
     (["ViT-B/16", "--option", "depth=-1"], "--option depth"),

@@ -44,8 +44,8 @@ def _flops_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--objective", choices=["supervised", "masked_patch"], default="supervised",
                    help="what pre-training predicts: the classes, or masked patch prediction's per-patch head "
                         "(the paper's: 50%% of the patches, 3-bit mean colour; --target for the others)")
-    p.add_argument("--target", choices=["mean_colour", "downsized_4x4", "pixels"], default="mean_colour",
-                   help="masked patch prediction's target (with --objective masked_patch)")
+    p.add_argument("--target", choices=["mean_colour", "downsized_4x4", "pixels"], default=None,
+                   help="masked patch prediction's target, with --objective masked_patch (default: mean_colour)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a summary")
 
 
@@ -67,6 +67,9 @@ def cmd_flops(args: argparse.Namespace) -> int:
     check(args.classes >= 0, "--classes", f"must be >= 0 (0: no classifier), got {args.classes}")
     if args.examples is not None:
         positive_int(args.examples, "--examples")
+    # Without the objective the target changes nothing: the supervised figures under a flag asking for others.
+    check(args.target is None or args.objective == "masked_patch", "--target",
+          "is masked patch prediction's target: add --objective masked_patch")
     model = ModelConfig.from_mapping({"name": args.model, "img_size": args.resolution, **options})
     masked_patch = None
     try:  # the checks a pipeline's model: and train: sections get, each error naming its argument here
@@ -75,7 +78,8 @@ def cmd_flops(args: argparse.Namespace) -> int:
             from vitscale.train.config import MaskedPatchConfig
             from vitscale.train.objective import checked_masked_patch_plan
 
-            corruption, target = checked_masked_patch_plan(model, MaskedPatchConfig(target=args.target))
+            settings = MaskedPatchConfig(target=args.target or "mean_colour")
+            corruption, target = checked_masked_patch_plan(model, settings)
             masked_patch = (corruption.counts[0], target.outputs)
     except ConfigError as exc:
         flag = FLAGS.get(exc.key, f"--option {exc.key.removeprefix('model.')}")
