@@ -220,6 +220,19 @@ def test_ranks_stay_balanced_when_samples_are_lost(damaged):
                     assert b["label"][i] == b["label"][src]
 
 
+def test_a_batch_without_a_readable_sample_is_blank(clean, tmp_path):
+    """Every row of a batch whose samples are all unreadable is zeros, not what its buffer held before (the
+    rows are invalid and weigh nothing in the loss; a blank row keeps a batch the same on every run)."""
+    root = _copy(clean, tmp_path / "blank")
+    for shard in root.glob("train-*.tar"):  # the index intact, every sample's bytes gone
+        shard.write_bytes(b"\xab" * shard.stat().st_size)
+    batches = _epoch(_stream(root, seed=1, batch_size=3, error_budget=1.0))
+    assert len(batches) == 10
+    for b in batches:
+        assert not b["valid"].any()
+        assert int(b["image"].abs().sum()) == 0 and int(b["label"].abs().sum()) == 0
+
+
 def test_error_budget_is_a_fraction_of_the_epoch(damaged):
     # 6 of 30 samples are bad. 0.1 of the epoch = 3 samples: exceeded, naming the shards.
     s = _stream(damaged, seed=1, batch_size=3, error_budget=0.1)

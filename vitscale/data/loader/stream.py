@@ -214,7 +214,7 @@ class _EpochBatches(IterableDataset):
                     src = int(survivors[j % survivors.size])
                     pixels[bad], labels[bad], keys[bad] = pixels[src], labels[src], keys[src]
                 else:
-                    pixels[i], labels[i] = 0, []
+                    pixels[bad], labels[bad] = 0, []  # no sample survived: a blank row, never torch.empty's
         if ds.multi_label:
             label = torch.zeros((n, ds.num_classes), dtype=torch.float32)  # (n, K) multi-hot
             for i, ls in enumerate(labels):
