@@ -230,7 +230,7 @@ def _fake_study(directory: Path | str, endpoint_url: str | None = None) -> Study
         if i == 8:
             state.write(CellRecord(cell_id, status="running", runs=1))
             continue
-        acc = 1 - float(saturating(c, 1e-3, 0.5, 0.2, 0.0)) + rng.normal(0, 0.002)
+        acc = 1 - float(saturating(c, 1e-4, 0.5, 0.2, 0.0)) + rng.normal(0, 0.002)  # accuracies 0.70-0.79
         state.write(CellRecord(cell_id, status="done", runs=1, exaflops=float(c), examples_seen=6000,
                                device_hours=0.01, accuracies={"digits fewshot 5shot": acc}))
     state.write_plan({"cells": cells, "fit_metric": None})
@@ -305,6 +305,17 @@ def test_cli_study_plan_refusal_and_report(tmp_path: Path, capsys: pytest.Captur
     ("state/vit-0.json", b'{"id": "vit-0", "status": "finished", "runs": "1"}', "status, runs not of the kind"),
     ("state/vit-0.json", b'{"id": "vit-0", "accuracies": {"digits": "high"}}', "accuracies not of the kind"),
     ("state/vit-0.json", b"\xff\xfe", "state/vit-0.json is unreadable"),
+    # JSON as Python writes it holds NaN and Infinity: such a record was fitted (a NaN accuracy refused its
+    # whole family's fit yet was backtested as "measured nan"), an accuracy of -0.5 fitted as an error of 1.5.
+    ("state/vit-0.json", b'{"id": "vit-0", "status": "done", "exaflops": NaN}', "exaflops not of the kind"),
+    ("state/vit-0.json", b'{"id": "vit-0", "status": "done", "exaflops": Infinity}', "exaflops not of the kind"),
+    ("state/vit-0.json", b'{"id": "vit-0", "status": "done", "wall_s": -5}', "wall_s not of the kind"),
+    ("state/vit-0.json", b'{"id": "vit-0", "status": "done", "accuracies": {"digits fewshot 5shot": NaN}}',
+     "accuracies not of the kind a record holds (finite numbers >= 0, accuracies in [0, 1])"),
+    ("state/vit-0.json", b'{"id": "vit-0", "status": "done", "accuracies": {"digits fewshot 5shot": -0.5}}',
+     "accuracies not of the kind"),
+    ("state/vit-0.json", b'{"id": "vit-0", "status": "done", "accuracies": {"digits fewshot 5shot": 1.5}}',
+     "accuracies not of the kind"),
 ])
 def test_a_damaged_state_file_is_one_line_naming_it_and_the_way_back(tmp_path: Path, name: str, content: bytes,
                                                                       words: str,
@@ -318,6 +329,16 @@ def test_a_damaged_state_file_is_one_line_naming_it_and_the_way_back(tmp_path: P
         err = capsys.readouterr().err
         assert err.startswith(f"vitscale: error: {tmp_path / 'study' / name} is unreadable") and words in err, err
         assert err.count("\n") == 1 and ("writes it again" in err or "delete it" in err), err
+
+
+def test_a_cell_records_only_finite_accuracies() -> None:
+    """What the runner writes its reader reads back: a stage summary's non-finite accuracy is no value."""
+    from vitscale.scaling.study.state import accuracies
+
+    stages = {"fewshot": {"/d/digits": {"5shot": math.nan, "25shot": 0.5}}, "sweep": {"test_accuracy": math.inf}}
+    got = accuracies(stages, "/d/digits")
+    assert got == {"digits fewshot 25shot": 0.5}
+    CellRecord.from_json(CellRecord("a", status="done", accuracies=got).to_json())
 
 
 def test_a_damaged_record_of_finished_stages_names_the_way_back(tmp_path: Path) -> None:

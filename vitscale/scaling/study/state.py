@@ -22,6 +22,7 @@ record or stages can be deleted for the cell to run again from its checkpoints.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -105,13 +106,16 @@ class CellRecord:
         return record
 
     def _check(self) -> None:
-        def number(value: Any, optional: bool = False) -> bool:
-            return (value is None and optional) or (isinstance(value, (int, float)) and not isinstance(value, bool))
+        # JSON as Python writes it may hold NaN and Infinity, and an edit anything: a record holds finite
+        # counts and times >= 0 and accuracies in [0, 1]; anything else would be fitted, ranked and plotted.
+        def number(value: Any, optional: bool = False, top: float = math.inf) -> bool:
+            return (value is None and optional) or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                                    and math.isfinite(value) and 0 <= value <= top)
 
         wrong = [name for name, ok in (
             ("id", isinstance(self.id, str)), ("status", self.status in STATUSES),
-            *((n, isinstance(getattr(self, n), int) and not isinstance(getattr(self, n), bool))
-              for n in ("runs", "failures")),
+            *((n, isinstance(getattr(self, n), int) and not isinstance(getattr(self, n), bool)
+               and getattr(self, n) >= 0) for n in ("runs", "failures")),
             *((n, number(getattr(self, n))) for n in ("wall_s", "pretrain_wall_s", "device_hours", "devices",
                                                       "open_attempt_s")),
             *((n, number(getattr(self, n), optional=True)) for n in ("started_at", "finished_at", "examples_seen",
@@ -119,10 +123,11 @@ class CellRecord:
             ("run_name", self.run_name is None or isinstance(self.run_name, str)),
             ("error", self.error is None or isinstance(self.error, str)),
             ("accuracies", isinstance(self.accuracies, dict)
-             and all(isinstance(k, str) and number(v) for k, v in self.accuracies.items())))
+             and all(isinstance(k, str) and number(v, top=1.0) for k, v in self.accuracies.items())))
             if not ok]
         if wrong:
-            raise ValueError(f"{', '.join(wrong)} not of the kind a record holds")
+            raise ValueError(f"{', '.join(wrong)} not of the kind a record holds (finite numbers >= 0, "
+                             f"accuracies in [0, 1])")
 
 
 class StudyState:
@@ -236,11 +241,11 @@ def accuracies(stages: dict[str, Any], finetune_dataset: str | None) -> dict[str
         if url == "untrained_baseline" or not isinstance(per_shot, dict):
             continue
         for k, v in per_shot.items():
-            if k.endswith("shot") and isinstance(v, (int, float)):
+            if k.endswith("shot") and isinstance(v, (int, float)) and math.isfinite(v):
                 out[f"{dataset_name(url)} fewshot {k}"] = float(v)
     for stage in ("finetune", "sweep"):
         value = (stages.get(stage) or {}).get("test_accuracy")
-        if isinstance(value, (int, float)) and finetune_dataset:
+        if isinstance(value, (int, float)) and math.isfinite(value) and finetune_dataset:
             out[f"{dataset_name(finetune_dataset)} {stage}"] = float(value)
     return out
 
