@@ -38,6 +38,21 @@ def test_bootstrap_intervals_cover_the_truth_and_predictions() -> None:
     assert fit.row()["b_lo"] == b_lo and fit.row()["bootstrap"] == len(fit.samples)
 
 
+def test_a_prediction_below_the_data_is_an_accuracy() -> None:
+    """E = a C^-b grows without bound as C falls: 1e-4 below the data, the law's 1 - E was -9 (interval down to
+    -6e8), and recommend ranked that family first at "predicted -7.1236". An accuracy lies in [0, 1]."""
+    compute = np.geomspace(1e-6, 1e-4, 9)
+    error = saturating(compute, 1e-4, 0.5, 0.2, 0.0) + np.random.default_rng(0).normal(0, 0.003, 9)
+    fit = fit_with_intervals(compute, error, bootstrap=50, seed=0)
+    assert 1.0 - float(fit.error(1e-10)) < 0  # the law itself, outside an accuracy's range
+    for budget in (1e-300, 1e-10, 1e-7):
+        mid, lo, hi = predict(fit, budget)
+        assert lo is not None and hi is not None and 0.0 <= lo <= mid <= hi <= 1.0, (budget, lo, mid, hi)
+    (answer,) = recommend(1e-10, {"ViT": fit}, [])
+    assert answer.predicted == 0.0 and answer.extrapolated
+    assert float(fit.accuracy(1e-5)) == pytest.approx(1.0 - float(fit.error(1e-5)))  # inside: the law as it is
+
+
 points = st.lists(st.tuples(st.floats(-6, 3), st.floats(0.0, 1.0)), min_size=5, max_size=9,
                   unique_by=lambda p: round(p[0], 3))
 

@@ -99,6 +99,11 @@ class PowerLawFit:
     def error(self, compute: float | np.ndarray) -> float | np.ndarray:
         return saturating(compute, self.a, self.b, self.c, self.d)
 
+    def accuracy(self, compute: float | np.ndarray) -> float | np.ndarray:
+        """1 - error, within [0, 1]: below its data the law's error passes 1 (a (C + d)^-b grows without
+        bound as C falls), which no accuracy is; there the prediction is 0, not a negative number."""
+        return np.clip(1.0 - self.error(compute), 0.0, 1.0)
+
     def extrapolates(self, compute: float) -> bool:
         return not self.min_compute <= compute <= self.max_compute
 

@@ -70,9 +70,9 @@ def _draw_fit(ax: Any, family: str, fit: Any) -> None:
     above = np.geomspace(fit.max_compute, fit.max_compute * 4, 30)
     label = (f"{family} fit: E = {fit.a:.3g}(C+{fit.d:.2g})^-{fit.b:.2f} + {fit.c:.3f}"
              + (" (!)" if fit.warnings else ""))
-    ax.plot(inside, 1.0 - fit.error(inside), color=colour, alpha=0.8, linewidth=1.2, label=label)
+    ax.plot(inside, fit.accuracy(inside), color=colour, alpha=0.8, linewidth=1.2, label=label)
     for xs in (below, above):
-        ax.plot(xs, 1.0 - fit.error(xs), color=colour, alpha=0.6, linewidth=1, linestyle="--")
+        ax.plot(xs, fit.accuracy(xs), color=colour, alpha=0.6, linewidth=1, linestyle="--")
         if fit.samples:
             bands = [predict(fit, float(x)) for x in xs]
             ax.fill_between(xs, [b[1] for b in bands], [b[2] for b in bands], color=colour, alpha=0.12, linewidth=0)

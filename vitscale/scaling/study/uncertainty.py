@@ -84,13 +84,14 @@ def fit_with_intervals(compute: Any, error: Any, *, bootstrap: int = BOOTSTRAP, 
 
 
 def predict(fit: PowerLawFit, compute: float) -> tuple[float, float | None, float | None]:
-    """Accuracy (1 - error) at `compute` and its 95% bootstrap interval (None, None without one)."""
-    mid = 1.0 - float(fit.error(compute))
+    """Accuracy (1 - error, within [0, 1]: `PowerLawFit.accuracy`) at `compute` and its 95% bootstrap interval
+    (None, None without one)."""
+    mid = float(fit.accuracy(compute))
     if not fit.samples:
         return mid, None, None
     arr = np.array(fit.samples)
     # Every refit at once (numpy broadcasts the parameter columns).
-    acc = 1.0 - (arr[:, 0] * np.power(compute + arr[:, 3], -arr[:, 1]) + arr[:, 2])
+    acc = np.clip(1.0 - (arr[:, 0] * np.power(compute + arr[:, 3], -arr[:, 1]) + arr[:, 2]), 0.0, 1.0)
     lo, hi = percentile_interval(acc)
     return mid, min(lo, mid), max(hi, mid)
 
