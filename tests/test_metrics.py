@@ -205,6 +205,8 @@ def test_mfu_and_peaks() -> None:
     assert peak_flops("auto", device_name="NVIDIA H100 PCIe") == 756e12
     assert peak_flops("auto", device_name="NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_flops("auto", device_name="Tesla T4") is None  # unknown: absent, not guessed
+    assert peak_flops("auto", device_name="NVIDIA RTX A1000") is None  # was the A100's 312 TFLOP/s: MFU made up
+    assert peak_flops("auto", device_name="NVIDIA GH200 480GB") == 989e12
     assert peak_flops("a100") == 312e12
     assert peak_flops(123e12) == 123e12
     assert peak_flops("989e12") == 989e12

@@ -56,6 +56,13 @@ def test_the_issue_arithmetic_h14_at_40_percent_of_an_h100() -> None:
     assert peak_flops("NVIDIA H100 PCIe") == 756e12 and peak_flops("cpu") == PEAK_FLOPS["CPU"]
     with pytest.raises(ValueError, match="no peak"):
         peak_flops("Abacus")
+    # A name was matched as a substring: "h100-pcie" was priced as an SXM H100 (989, not 756 TFLOP/s), and "H1000"
+    # or an "RTX A1000" (a small workstation GPU) as an H100 or an A100, with no word of it.
+    assert peak_flops("h100-pcie") == peak_flops("H100_PCIe") == 756e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12 and peak_flops("NVIDIA GH200 480GB") == 989e12
+    for unknown in ("H1000", "NVIDIA RTX A1000", "V1000"):
+        with pytest.raises(ValueError, match="no peak"):
+            peak_flops(unknown)
 
 
 mfu_text = st.floats(0.001, 1.0).map(lambda v: round(v, 4))

@@ -63,8 +63,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
@@ -97,10 +99,12 @@ __all__ = [
 #: Dense bf16 tensor-core peak FLOP/s per GPU (NVIDIA data sheets; the "with sparsity" figures are
 #: twice these). H100 SXM and H200 SXM share the GH100 compute: 989.4 TFLOP/s; A100 (SXM and PCIe):
 #: 312 TFLOP/s; H100 PCIe: 756 TFLOP/s; H100 NVL and H200 NVL: 835 TFLOP/s (1,671 sparse).
-#: Matching is by substring of the upper-cased device name, longest key first, so
-#: "NVIDIA H100 PCIe" resolves to the PCIe figure and "NVIDIA H100 80GB HBM3" to the SXM one.
+#: Matching is by :func:`device_key`: the longest key found in the upper-cased device name, not inside a
+#: longer number, so "NVIDIA H100 PCIe" resolves to the PCIe figure, "NVIDIA H100 80GB HBM3" to the SXM
+#: one, and an "NVIDIA RTX A1000" to none (it is no A100). GH200's GPU is an H100/H200 SXM.
 PEAK_BF16_FLOPS: dict[str, float] = {
     "H200": 989e12,
+    "GH200": 989e12,
     "H100": 989e12,
     "A100": 312e12,
     "H100 PCIE": 756e12,
@@ -192,12 +196,18 @@ def mfu(model_flops_per_s: float, peak_flops_per_s: float) -> float:
     return model_flops_per_s / peak_flops_per_s
 
 
+def device_key(device_name: str, keys: Iterable[str]) -> str | None:
+    """The longest of `keys` (upper case, words apart by spaces) in `device_name`, whatever its case and
+    whether its words are apart by spaces, '-' or '_' ("h100-pcie" is "H100 PCIE"), and not as a piece
+    of a longer number: "H1000" and "RTX A1000" are no H100 and no A100. None when no key is there."""
+    name = re.sub(r"[\s_-]+", " ", device_name.upper())
+    found = [key for key in keys if re.search(rf"(?<![0-9]){re.escape(key)}(?![0-9])", name)]
+    return max(found, key=len) if found else None
+
+
 def _lookup_peak(device_name: str) -> float | None:
-    name = device_name.upper()
-    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
-        if key in name:
-            return PEAK_BF16_FLOPS[key]
-    return None
+    key = device_key(device_name, PEAK_BF16_FLOPS)
+    return None if key is None else PEAK_BF16_FLOPS[key]
 
 
 def peak_flops(device_name_or_value: str | float | None, *, device_name: str | None = None) -> float | None:

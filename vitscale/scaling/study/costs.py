@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PEAK_FLOPS: dict[str, float] = {
-    "H100": 989e12, "H200": 989e12, "H100 PCIE": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12,
+    "H100": 989e12, "H200": 989e12, "GH200": 989e12, "H100 PCIE": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12,
     "A100": 312e12, "V100": 125e12, "TPUV3": 123e12, "CPU": 100e9,
 }
 """Dense peak FLOP/s per device: bf16 tensor cores on GPUs (NVIDIA data sheets, as
@@ -73,12 +73,14 @@ def device_class(device: str) -> str:
 
 
 def peak_flops(device: str) -> float:
-    """The device's peak FLOP/s (longest matching name in `PEAK_FLOPS`); unknown names are refused."""
-    name = device.upper()
-    matches = [k for k in PEAK_FLOPS if k in name]
-    if not matches:
+    """The device's peak FLOP/s (`train.metrics.device_key`: the longest name of `PEAK_FLOPS` in it, not
+    inside a longer number: "h100-pcie" is an H100 PCIe, "H1000" nothing); unknown names are refused."""
+    from vitscale.train.metrics import device_key
+
+    key = device_key(device, PEAK_FLOPS)
+    if key is None:
         raise ValueError(f"no peak FLOP/s known for device {device!r}; known: {', '.join(PEAK_FLOPS)}")
-    return PEAK_FLOPS[max(matches, key=len)]
+    return PEAK_FLOPS[key]
 
 
 @dataclass(frozen=True)
