@@ -395,3 +395,17 @@ def test_flops_summary_totals() -> None:
     with pytest.raises(ValueError, match="multiple of 14"):
         flops_summary("ViT-B/14", resolution=384)
 
+
+def test_compute_past_a_float_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """`vitscale flops ViT-B/16 --epochs 1e308 --examples 1000000000` was an OverflowError traceback (round() of
+    inf examples seen; at 1e300 epochs, float() of the FLOPs); a study with such epochs the same."""
+    from vitscale.cli import main
+
+    with pytest.raises(ValueError, match="more compute than a float holds"):
+        flops_summary("ViT-B/16", epochs=1e300)
+    for epochs in ("1e308", "1e300"):
+        assert main(["flops", "ViT-B/16", "--epochs", epochs, "--examples", "1000000000"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("vitscale: error: --epochs: ") and err.count("\n") == 1, err
+    assert flops_summary("ViT-B/16", epochs=1e280)["train_exaflops"] > 1e280  # huge but countable: counted
+

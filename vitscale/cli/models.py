@@ -50,7 +50,7 @@ def _flops_args(p: argparse.ArgumentParser) -> None:
 
 
 FLAGS = {"model.name": "MODEL", "model.img_size": "--resolution", "train.objective": "--objective",
-         "train.masked_patch.target": "--target"}
+         "train.masked_patch.target": "--target", "epochs": "--epochs"}
 """The pipeline keys whose checks `flops` reuses, by the argument that sets them here."""
 
 
@@ -81,11 +81,11 @@ def cmd_flops(args: argparse.Namespace) -> int:
             settings = MaskedPatchConfig(target=args.target or "mean_colour")
             corruption, target = checked_masked_patch_plan(model, settings)
             masked_patch = (corruption.counts[0], target.outputs)
+        summary = flops_summary(args.model, resolution=args.resolution, examples=args.examples, epochs=args.epochs,
+                                num_classes=args.classes, masked_patch=masked_patch, **options)
     except ConfigError as exc:
         flag = FLAGS.get(exc.key, f"--option {exc.key.removeprefix('model.')}")
         raise ConfigError(flag, exc.message) from None
-    summary = flops_summary(args.model, resolution=args.resolution, examples=args.examples, epochs=args.epochs,
-                            num_classes=args.classes, masked_patch=masked_patch, **options)
     if args.json:
         print_json(summary)
     else:

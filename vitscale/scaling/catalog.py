@@ -17,6 +17,7 @@ from vitscale.config.checks import check, positive_int
 from vitscale.models.factory import create_model, model_names, parse_model_name
 from vitscale.scaling.flops import (
     JFT300M_EXAMPLES,
+    TRAIN_FLOPS_MULTIPLIER,
     exaflops,
     flops_breakdown,
     forward_flops,
@@ -111,6 +112,10 @@ def flops_summary(
         params = count_params(spec.name, num_classes=0, img_size=resolution, **encoder)
         params += width * (outputs + 1) + outputs
     fwd = sum(parts.values())
+    # Past a float's range (1.8e308 FLOPs) the count below would end in an OverflowError: refused here instead.
+    check(math.isfinite(TRAIN_FLOPS_MULTIPLIER * fwd * float(epochs) * examples), "epochs",
+          f"{epochs:g} epochs x {examples:,} examples of {spec.name} is more compute than a float holds "
+          f"(over 1.8e308 FLOPs)")
     seen = round(epochs * examples)
     return {
         "model": spec.name,

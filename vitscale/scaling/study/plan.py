@@ -98,8 +98,11 @@ def plan_cell(cell: Cell, data: DataFacts, pricing: Pricing | None = None) -> Pl
         raise ConfigError(f"{cell.key}", f"data size {cell.data_size} is larger than the pre-training split "
                                          f"({data.examples} samples)")
     examples = cell.data_size or data.examples
-    summary = flops_summary(name, resolution=img_size, examples=examples, epochs=cell.epochs,
-                            num_classes=data.num_classes, masked_patch=_masked_patch(cell), **options)
+    try:
+        summary = flops_summary(name, resolution=img_size, examples=examples, epochs=cell.epochs,
+                                num_classes=data.num_classes, masked_patch=_masked_patch(cell), **options)
+    except ConfigError as exc:  # e.g. more epochs than a float counts the FLOPs of: name the cell
+        raise ConfigError(cell.key, f"{exc.key}: {exc.message}") from None
     seen = summary["examples_seen"]
     mfu, source = choose_mfu(summary["model"], cell.family, pricing.device, pricing.mfu_table, pricing.mfu_source)
     cost = cell_cost(exaflops=summary["train_exaflops"], examples_seen=seen, devices=pricing.devices_per_cell,
