@@ -274,6 +274,20 @@ def test_planning_a_pipeline_without_a_study_names_its_stages(tmp_path: Path, ca
     assert "stages: no study stage to plan: ['pretrain']" in err
 
 
+@pytest.mark.parametrize("verb", [["flops", "ViT-B/16"], ["fewshot", "ckpt", "--data", "d"],
+                                  ["inspect", "ckpt", "--images", "d", "--out", "o"]])
+def test_a_malformed_option_names_option_not_set(verb: list[str], tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """`--option depth` (no value) said "depth: an override must look like dotted.key=value (e.g.
+    train.base_lr=4e-4) (in --set)": a flag the command was not given."""
+    at = [str(tmp_path / a) if a in ("ckpt", "d", "o") else a for a in verb]
+    for option, words in (("depth", "must look like KEY=VALUE"), ("depth=[1", "cannot parse value")):
+        assert main([*at, "--option", option]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"vitscale: error: --option depth: {words}") and "--set" not in err, err
+        assert err.count("\n") == 1, err
+
+
 def test_finetune_names_the_flag_not_the_key_it_sets(tmp_path: Path, small_synthetic: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     weights = str(tmp_path / "weights.pt")

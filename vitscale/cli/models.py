@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from vitscale.cli.parser import VerbFn, print_json
+from vitscale.cli.parser import VerbFn, model_options, print_json
 
 
 def add_verbs(verbs: Any, verb: VerbFn) -> None:
@@ -56,13 +56,10 @@ FLAGS = {"model.name": "MODEL", "model.img_size": "--resolution", "train.objecti
 
 def cmd_flops(args: argparse.Namespace) -> int:
     from vitscale.config.checks import ConfigError, check, positive, positive_int
-    from vitscale.config.loader import apply_override
     from vitscale.models.config import ModelConfig
     from vitscale.scaling.catalog import flops_summary, summary_markdown
 
-    options: dict = {}
-    for item in args.option:  # YAML values, as a pipeline's `model:` section reads them
-        options = apply_override(options, item)
+    options = model_options(args.option)
     positive(args.epochs, "--epochs")
     check(args.classes >= 0, "--classes", f"must be >= 0 (0: no classifier), got {args.classes}")
     if args.examples is not None:

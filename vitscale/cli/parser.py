@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -85,6 +85,23 @@ def add_endpoint_url(p: argparse.ArgumentParser) -> None:
         return text
 
     p.add_argument("--endpoint-url", default=None, type=endpoint, help=ENDPOINT_HELP)
+
+
+def model_options(items: Sequence[str]) -> dict[str, Any]:
+    """The `--option KEY=VALUE`s of `flops`, `fewshot` and `inspect` as a pipeline's `model:` section reads them
+    (YAML values, through `--set`'s parser); a malformed one is the error naming `--option`, not `--set`."""
+    from vitscale.config.checks import ConfigError
+    from vitscale.config.loader import apply_override
+
+    options: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--option {item}", "must look like KEY=VALUE, a model option (e.g. depth=6)")
+        try:
+            options = apply_override(options, item)
+        except ConfigError as exc:
+            raise ConfigError(f"--option {exc.key}", exc.message) from None
+    return options
 
 
 def print_json(obj: Any) -> None:

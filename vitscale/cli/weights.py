@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from vitscale.cli.interrupt import writes
-from vitscale.cli.parser import VerbFn, add_endpoint_url, print_json, writing
+from vitscale.cli.parser import VerbFn, add_endpoint_url, model_options, print_json, writing
 
 
 def add_verbs(verbs: Any, verb: VerbFn) -> None:
@@ -88,11 +88,8 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
                "seeds": args.seeds, "seed": args.seed, "l2": args.l2, "resolution": args.resolution,
                "train_split": args.train_split, "test_split": args.test_split, "batch_size": args.batch_size,
                "error_budget": args.error_budget}
-    from vitscale.config.loader import apply_override
 
-    options: dict[str, Any] = {}
-    for item in args.option:  # YAML values, as a pipeline's `model:` section reads them
-        options = apply_override(options, item)
+    options = model_options(args.option)
     report = fewshot_weights(args.checkpoint, fewshot, model_name=args.model, img_size=args.img_size,
                                 endpoint_url=args.endpoint_url, progress=True, model_options=options)
     if args.json:
@@ -121,14 +118,11 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 
 @writes
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from vitscale.config.loader import apply_override
     from vitscale.inspect.run import inspect_checkpoint
 
     _well_formed((args.checkpoint, "checkpoint"), (args.images, "--images"))  # --out: `storage.outputs`
 
-    options: dict[str, Any] = {}
-    for item in args.option:  # YAML values, as a pipeline's `model:` section reads them
-        options = apply_override(options, item)
+    options = model_options(args.option)
     with writing(f"inspect into {args.out}"):
         report = inspect_checkpoint(args.checkpoint, args.images, args.out, count=args.count, split=args.split,
                                     model_name=args.model, img_size=args.img_size, endpoint_url=args.endpoint_url,
