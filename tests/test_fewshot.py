@@ -428,6 +428,27 @@ def test_fewshot_probe_errors_name_the_dataset(probe_datasets: tuple[Path, Path]
         fewshot_probe(PooledPixels(), _cfg(damaged, shots=(8,)), device=torch.device("cpu"))
 
 
+class DivergedPixels(PooledPixels):
+    """A representation with NaN in every image's first dimension (a model whose weights hold NaN)."""
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward_features(x)
+        out[:, 0] = math.nan
+        return out
+
+
+def test_a_representation_that_is_not_finite_is_refused(probe_datasets: tuple[Path, Path]) -> None:
+    """A model whose weights hold NaN was probed to "0.296±0.000" on 3 classes (NaN scores' argmax is class 0 for
+    every image): chance, printed as an accuracy."""
+    from vitscale.config.errors import UserError
+    from vitscale.eval.probe import fewshot_probe
+
+    clean, _ = probe_datasets
+    with pytest.raises(UserError, match=f"{clean} \\(train\\): the model's representations of 24 of 24 images are "
+                                        "not finite"):
+        fewshot_probe(DivergedPixels(), _cfg(clean), device=torch.device("cpu"))
+
+
 def test_config_seeds_l2_and_error_budget_are_checked() -> None:
     from vitscale.config.checks import ConfigError
     from vitscale.eval.config import FewshotConfig

@@ -4,7 +4,8 @@ The representation is `model.forward_features` (the pre-logits output when the m
 layer), images are resized and centre-cropped to `fewshot.resolution`, and the least-squares maths is
 `eval.fewshot` (Sec. 4.1 "Metrics" of the paper, as big_vision's few-shot evaluator does it). Rows the
 stream refilled after a bad sample (`valid == False`) are dropped from both splits; the samples
-skipped are counted in the result.
+skipped are counted in the result. Representations that are not finite (a model whose weights hold
+NaN) are refused: their least-squares scores are NaN, and the argmax of those is chance.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from vitscale.config.checks import ConfigError, check
+from vitscale.config.errors import UserError
 from vitscale.data.format import DatasetError
 from vitscale.data.tools.progress import Progress
 from vitscale.eval.config import FewshotConfig
@@ -115,9 +117,16 @@ def _features(model: torch.nn.Module, stream: Any, device: torch.device,
     try:
         with Progress(sum(stream.dataset.counts), f"features of {stream.spec.url} ({stream.spec.split})",
                       unit="img", enabled=progress) as bar:
-            return extract_features(model, _batches(stream, device, bar), device)
+            feats, labels = extract_features(model, _batches(stream, device, bar), device)
     except ErrorBudgetExceeded as exc:
         raise DatasetError(f"{stream.spec.url} ({stream.spec.split}): {exc} (fewshot.error_budget)") from exc
+    # NaN features solve to NaN scores, whose argmax is class 0 for every image: chance, reported as an accuracy.
+    bad = int((~torch.isfinite(feats)).any(dim=1).sum())
+    if bad:
+        raise UserError(f"{stream.spec.url} ({stream.spec.split}): the model's representations of {bad} of "
+                        f"{feats.shape[0]} images are not finite (NaN or inf): its weights hold NaN or inf, or its "
+                        f"activations overflow; no few-shot accuracy of them means anything")
+    return feats, labels
 
 
 def fewshot_probe(model: torch.nn.Module, cfg: FewshotConfig, *, endpoint_url: str | None = None,
