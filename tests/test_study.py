@@ -410,7 +410,7 @@ def test_masked_patch_cells_are_fitted_apart_from_the_supervised_ones_of_their_f
         for i, c in enumerate(np.geomspace(1e-6, 1e-4, 6)):
             cells.append({"id": f"{objective}-{i}", "label": f"v{i}", "family": "vit", "epochs": 2.0,
                           "examples": 1000, "exaflops": float(c), "objective": objective})
-            acc = 1 - float(saturating(c, 1e-3, 0.5, floor, 0.0))
+            acc = 1 - float(saturating(c, 1e-4, 0.5, floor, 0.0))
             state.write(CellRecord(f"{objective}-{i}", status="done", runs=1, exaflops=float(c), examples_seen=2000,
                                    device_hours=0.01, accuracies={"digits fewshot 5shot": acc}))
     del cells[0]["objective"]  # a plan written before cells recorded their objective: supervised
