@@ -208,3 +208,31 @@ def test_every_zero_stage_trains_and_checkpoints(tmp_path: Path, tiny_dataset: s
     weights = final_weights(tmp_path / "checkpoint_000000003")
     assert weights["head.weight"].dtype == torch.float32
     assert weights["head.weight"].abs().sum() > 0  # the zero-initialised head has been trained
+
+
+def test_a_worker_refuses_to_resume_on_a_dataset_written_again(tmp_path: Path, process_group: None) -> None:
+    """The workers' own check (object storage has no driver-side one): every checkpoint records the dataset it was
+    trained on, and a resume on the same `data.url` rewritten with other samples stops before loading anything."""
+    import yaml
+
+    from vitscale.config.checks import ConfigError
+    from vitscale.train.loop import WorkerContext, train
+
+    def write(seed: int) -> str:
+        import shutil
+
+        shutil.rmtree(tmp_path / "data", ignore_errors=True)
+        write_dataset("synthetic", str(tmp_path / "data"), shard_size=37, max_side=32, seed=seed,
+                      source_options={"count": 48, "classes": 4, "image_size": 32}, progress=False)
+        return str(tmp_path / "data")
+
+    config = tiny_config(write(0), max_steps=3, record_samples=False)
+    kept = Recorder(tmp_path / "kept")
+    train(config, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-a", report=kept))
+    checkpoint = tmp_path / "kept" / "checkpoint_000000003"
+    assert yaml.safe_load((checkpoint / "config.yaml").read_text())["trained"]["dataset"]["samples"] == 48
+    write(1)  # the same 48 samples' count, other images
+    with pytest.raises(ConfigError, match="not the one it was trained on") as refused:
+        train(config, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-b", report=Recorder(tmp_path / "b"),
+                                    resume_from=checkpoint))
+    assert refused.value.key == "data.url"

@@ -167,3 +167,64 @@ def test_vitscale_run_refuses_a_changed_run_before_ray(tmp_path: Path, dataset: 
 
     # Only keys that may change: the same run is accepted (preflight passes).
     preflight(build_pipeline(_pipeline(dataset, storage, log_every=3, checkpoint_every=5)))
+
+
+# -- the dataset: the same data.url written again with other samples or labels ------------------------------
+
+
+def _write(out: Path, count: int, classes: int = 3, seed: int = 0) -> str:
+    import shutil
+
+    from vitscale.data.tools.write import write_dataset
+
+    shutil.rmtree(out, ignore_errors=True)
+    write_dataset("synthetic", str(out), shard_size=20, max_side=32, progress=False, seed=seed,
+                  source_options={"count": count, "classes": classes, "image_size": 32})
+    return str(out)
+
+
+def test_a_dataset_written_again_under_the_same_url_is_refused(tmp_path: Path) -> None:
+    """Same settings, other data: 40 samples of seed 0 trained on, then the folder rewritten. Unrefused, the run
+    went on from the checkpoint with another sample order (and, from the epoch count, another schedule)."""
+    from vitscale.config.loader import to_yaml
+    from vitscale.data.format import read_meta
+    from vitscale.stages import build_pipeline
+    from vitscale.stages.pretrain import pretraining_job
+    from vitscale.stages.run import preflight
+    from vitscale.train.resume import dataset_identity
+
+    url, storage = _write(tmp_path / "data", 40), tmp_path / "runs"
+    original = preflight(build_pipeline(_pipeline(url, storage)))
+    trained_on = dataset_identity(read_meta(url), "train")
+    _fake_checkpoint(storage / "resumed" / "checkpoint_000000001",
+                     pretraining_job(original).checkpoint_yaml(trained_on))
+    for count, classes, seed in [(40, 3, 1), (44, 3, 0), (40, 5, 0)]:
+        _write(tmp_path / "data", count, classes, seed)
+        with pytest.raises(ConfigError) as refused:
+            preflight(build_pipeline(_pipeline(url, storage)))
+        assert refused.value.key == "data.url" and "not the one it was trained on" in str(refused.value)
+        assert "40 samples of 3 classes" in str(refused.value)
+    # The dataset put back (the writer is deterministic) resumes; so does a checkpoint without the record.
+    _write(tmp_path / "data", 40)
+    preflight(build_pipeline(_pipeline(url, storage)))
+    _write(tmp_path / "data", 44, seed=1)
+    yaml_then = pretraining_job(original).checkpoint_yaml()
+    assert "dataset" not in yaml.safe_load(yaml_then)["trained"]
+    refuse_changed_run(yaml_then, to_yaml(original), PRETRAIN_SCOPE, "an older checkpoint",
+                       dataset=dataset_identity(read_meta(url), "train"))
+
+
+def test_the_dataset_record_ignores_the_index_and_names_the_fine_tuning_key(tmp_path: Path) -> None:
+    from vitscale.data.format import read_meta
+    from vitscale.train.resume import dataset_identity
+
+    url = _write(tmp_path / "data", 40)
+    before = dataset_identity(read_meta(url), "train")
+    (Path(url) / "_index.parquet").unlink()  # the index is not what the record hashes (`shards reindex` keeps it)
+    assert dataset_identity(read_meta(url), "train") == before
+    other = {**before, "sha256": "0" * 64}
+    old = yaml.safe_dump({"finetune": {"train": {"base_lr": 0.01}}, "trained": {"dataset": before}})
+    with pytest.raises(ConfigError) as refused:
+        refuse_changed_run(old, yaml.safe_dump({"finetune": {"train": {"base_lr": 0.01}}}), FINETUNE_SCOPE,
+                           "checkpoint c", dataset=other)
+    assert refused.value.key == "finetune.data.url" and "40 samples of 3 classes as before" in str(refused.value)

@@ -152,13 +152,14 @@ def check_checkpoint(config: PipelineConfig, num_classes: int) -> None:
 
 
 def prepare_finetune(config: PipelineConfig) -> None:
-    from vitscale.train.resume import FINETUNE_SCOPE, refuse_changed_run_in
+    from vitscale.train.resume import FINETUNE_SCOPE, dataset_identity, refuse_changed_run_in
 
     meta = check_downstream(config)
     check_checkpoint(config, meta.num_classes)
     refuse_sibling_finetune(config)
     # A re-run resumes the fine-tuning run of the same name: refuse a changed recipe before Ray starts.
-    refuse_changed_run_in(finetune_storage(config), to_yaml(config), FINETUNE_SCOPE, config.cluster.fixed_world_size)
+    refuse_changed_run_in(finetune_storage(config), to_yaml(config), FINETUNE_SCOPE, config.cluster.fixed_world_size,
+                          dataset_identity(meta, finetune_section(config).data_config().split))
 
 
 def finetune_storage(config: PipelineConfig) -> str:

@@ -47,12 +47,13 @@ def check_objective(config: PipelineConfig) -> None:
 
 def prepare_pretrain(config: PipelineConfig) -> None:
     """The dataset exists (or is written from `data.create_if_missing`), has the split, fills a step."""
-    check_pretrain_data(config)
-    # Re-submitting a run with the same name resumes it: refuse a changed one now, not on the workers.
-    from vitscale.train.resume import PRETRAIN_SCOPE, refuse_changed_run_in
+    meta = check_pretrain_data(config)
+    # Re-submitting a run with the same name resumes it: refuse a changed one (settings or dataset) now, not on
+    # the workers.
+    from vitscale.train.resume import PRETRAIN_SCOPE, dataset_identity, refuse_changed_run_in
 
     refuse_changed_run_in(config.cluster.run_storage(config.run_name), to_yaml(config), PRETRAIN_SCOPE,
-                          config.cluster.fixed_world_size)
+                          config.cluster.fixed_world_size, dataset_identity(meta, config.data.split))
 
 
 def check_pretrain_data(config: PipelineConfig, rest: Carve | None = None) -> Any:

@@ -25,7 +25,7 @@ from vitscale.data.config import DataConfig
 from vitscale.models.config import ModelConfig
 from vitscale.train.config import TrainConfig
 from vitscale.train.finetune import FinetuneConfig
-from vitscale.train.resume import FINETUNE_SCOPE, PRETRAIN_SCOPE
+from vitscale.train.resume import FINETUNE_SCOPE, PRETRAIN_SCOPE, TRAINED_KEY
 
 
 @dataclass(frozen=True)
@@ -85,18 +85,17 @@ class TrainJob:
                 raise ValueError("a job selecting on a dev carve trains on the rest of that carve and evaluates "
                                  f"only its dev part; it cannot evaluate {[e.name for e in others] or 'this split'}")
 
-    def checkpoint_yaml(self) -> str:
+    def checkpoint_yaml(self, dataset: dict[str, Any] | None = None) -> str:
         """A checkpoint's `config.yaml`: the resolved config, then under `trained:` the architecture and
         objective of the weights this job trains, which `train/export.py` rebuilds them as. A fine-tuning
         job's are not the pipeline's `model:` and `train:` (its resolution, no pre-logits, the pre-trained
-        weights' own architecture, always supervised). Outside every resume scope: resuming ignores it."""
-        trained = {TRAINED_KEY: {"model": to_dict(self.model), "objective": self.train.objective}}
+        weights' own architecture, always supervised). Outside every resume scope; its `dataset` (what the
+        job reads, `resume.dataset_identity`) is compared on resume by `resume.refuse_changed_run`."""
+        trained: dict[str, Any] = {TRAINED_KEY: {"model": to_dict(self.model), "objective": self.train.objective}}
+        if dataset is not None:
+            trained[TRAINED_KEY]["dataset"] = dataset
         head = self.config_yaml if not self.config_yaml or self.config_yaml.endswith("\n") else f"{self.config_yaml}\n"
         return head + yaml.safe_dump(trained, sort_keys=False)
-
-
-TRAINED_KEY = "trained"
-"""The key of a checkpoint's `config.yaml` naming what its weights are (`TrainJob.checkpoint_yaml`)."""
 
 
 def trained_sections(raw: dict[str, Any]) -> tuple[Any, str]:

@@ -10,11 +10,17 @@ Keys are compared only within a job's *scope*: the sections its training reads. 
 reads `model`, `data`, `train` and the world size; fine-tuning reads `model`, `finetune` (whose
 `train:` and `data:` are its recipe and dataset) and the world size. A later stage's section
 (`fewshot:`) never blocks resuming an earlier one.
+
+The dataset a run reads can change without its config changing (the same `data.url` written again
+with other samples or labels): each checkpoint also records the dataset it was trained on
+(`dataset_identity`, under `trained.dataset`), and a resume on another one is refused the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +30,7 @@ from vitscale.config.checks import ConfigError
 from vitscale.config.fields import is_resume_free, overridden
 from vitscale.config.location import is_url
 from vitscale.data.config import DataConfig
+from vitscale.data.format import LABEL_SOURCE, DatasetMeta
 from vitscale.train.config import UNREAD_BY_OBJECTIVE, TrainConfig
 from vitscale.train.finetune import FinetuneConfig
 
@@ -53,6 +60,10 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (resume_free_keys(TrainConfig, "train") + r
 `RESUME_FREE` (config/fields.py) where they are declared. They say how a run is watched (logging,
 metrics, audits), checkpointed, drilled, and where and how its bytes are read; never which samples
 it reads in which order (a pure function of seed, epoch, rank and world size), its schedule or its model."""
+
+TRAINED_KEY = "trained"
+"""The key of a checkpoint's `config.yaml` naming what its weights are (`TrainJob.checkpoint_yaml`): their
+architecture, objective and the dataset they were trained on (`dataset_identity`)."""
 
 ABSENT = "<absent>"
 """How a key one config has and the other lacks is shown."""
@@ -106,12 +117,41 @@ def describe(changes: list[tuple[str, Any, Any]]) -> str:
     return ", ".join(f"{key} {old!r} -> {new!r}" for key, old, new in changes)
 
 
+def dataset_identity(meta: DatasetMeta, split: str) -> dict[str, Any]:
+    """What fixes the samples a run reads, their order and their labels, from `dataset.json`: the split's
+    shards (names, sample counts, sizes, hashes), the classes and where the labels come from, as a digest
+    beside the counts a refusal names. Not the index's layout: `vitscale shards reindex` keeps it."""
+    entry = meta.split(split)
+    what = {"split": split, "shards": [sh.to_json() for sh in entry.shards], "samples": entry.samples,
+            "classes": list(meta.classes), "num_classes": meta.num_classes, "multi_label": meta.multi_label,
+            "labels": [meta.extra.get(LABEL_SOURCE), meta.extra.get("label_member")]}
+    digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+    return {"split": split, "samples": entry.samples, "num_classes": meta.num_classes, "sha256": digest}
+
+
+def _dataset_change(old: Any, new: Mapping[str, Any] | None) -> str | None:
+    """How the dataset `new` differs from the checkpoint's record `old` ('40 samples of 3 classes -> 44
+    samples of 3 classes'), or None: the same, or unknown (a checkpoint written before the record)."""
+    if new is None or not isinstance(old, Mapping) or old.get("sha256") == new["sha256"]:
+        return None
+    before, after = _counts(old), _counts(new)
+    if before == after:
+        return f"split {new['split']!r}: {after} as before, other shards or labels"
+    return f"split {new['split']!r}: {before} -> {after}"
+
+
+def _counts(identity: Mapping[str, Any]) -> str:
+    return f"{identity.get('samples')} samples of {identity.get('num_classes')} classes"
+
+
 def refuse_changed_run(old_yaml: str, new_yaml: str, scope: tuple[str, ...], where: str,
-                       old_world_size: int | None = None, new_world_size: int | None = None) -> None:
+                       old_world_size: int | None = None, new_world_size: int | None = None,
+                       dataset: Mapping[str, Any] | None = None) -> None:
     """Raise `ConfigError` naming every changed key if `new_yaml` may not resume `old_yaml`'s checkpoint.
 
     `where` names the checkpoint. World sizes, when given, are compared too (a sweep's trials take
-    theirs from `sweep.workers_per_trial`, so the manifest's is the one that counts).
+    theirs from `sweep.workers_per_trial`, so the manifest's is the one that counts), and so is
+    `dataset` (`dataset_identity` of what the job reads now) with the one the checkpoint records.
     """
     old = yaml.safe_load(old_yaml) or {}
     new = yaml.safe_load(new_yaml) or {}
@@ -124,13 +164,21 @@ def refuse_changed_run(old_yaml: str, new_yaml: str, scope: tuple[str, ...], whe
             changes[0][0],
             f"cannot resume {where}: it was trained with other settings ({describe(changes)}); "
             "restore them, or start a new run with another cluster.run_name (docs/resume.md)")
+    trained = old.get(TRAINED_KEY)
+    change = _dataset_change(trained.get("dataset") if isinstance(trained, Mapping) else None, dataset)
+    if change is not None:
+        key = "finetune.data.url" if "finetune" in scope else "data.url"
+        raise ConfigError(key, f"cannot resume {where}: the dataset {key} names is not the one it was trained on "
+                          f"({change}); put that dataset back, or start a new run with another "
+                          "cluster.run_name (docs/resume.md)")
 
 
-def refuse_changed_run_in(run_storage: str, new_yaml: str, scope: tuple[str, ...], world_size: int | None) -> None:
+def refuse_changed_run_in(run_storage: str, new_yaml: str, scope: tuple[str, ...], world_size: int | None,
+                          dataset: Mapping[str, Any] | None = None) -> None:
     """The driver's check, before Ray starts: `refuse_changed_run` against the run's newest complete
     checkpoint, when the run's storage is a folder this machine can read (object storage is
     checked by the workers, on the checkpoint Ray hands them). `world_size` None: an elastic run,
-    whose checkpoints may have any world size in its range."""
+    whose checkpoints may have any world size in its range. `dataset`: `dataset_identity` of what it reads."""
     from pathlib import Path
 
     from vitscale.train import checkpoint as ckpt
@@ -145,4 +193,4 @@ def refuse_changed_run_in(run_storage: str, new_yaml: str, scope: tuple[str, ...
         return
     info = ckpt.manifest_info(found)
     refuse_changed_run((found / "config.yaml").read_text(), new_yaml, scope, f"run {root} ({found.name})",
-                       info[1] if info else None, world_size)
+                       info[1] if info else None, world_size, dataset)

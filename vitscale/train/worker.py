@@ -23,6 +23,7 @@ from vitscale.train.metrics import peak_flops
 from vitscale.train.objective import Objective, objective_flops, objective_for
 from vitscale.train.optim import Decay, lr_at, schedule_length
 from vitscale.train.polyak import Polyak
+from vitscale.train.resume import dataset_identity
 from vitscale.train.step import Stepper
 
 if TYPE_CHECKING:
@@ -57,6 +58,8 @@ class Worker:
     """Where training stands: step 0, or the resumed checkpoint's."""
     resume_stream: dict[str, Any] | None
     """The resumed checkpoint's stream state for this rank (checked against the step), until the loop opens it."""
+    dataset: dict[str, Any] | None = None
+    """What the stream reads (`resume.dataset_identity`): recorded in every checkpoint, compared on resume."""
 
     @property
     def per_rank_step(self) -> int:
@@ -116,7 +119,8 @@ def set_up(job: TrainJob, ctx: WorkerContext) -> Worker:
         flops_per_example=3 * objective_flops(objective, model_cfg, num_classes),
         # "auto" knows no peak without CUDA (MFU left out); a peak the user states is used on any device.
         peak=peak_flops(train.peak_flops) if on_gpu or train.peak_flops != "auto" else None,
-        state=ckpt.TrainState(world_size=ctx.world_size), resume_stream=None)
+        state=ckpt.TrainState(world_size=ctx.world_size), resume_stream=None,
+        dataset=dataset_identity(stream.dataset.meta, job.data.split))
     if ctx.resume_from is not None:
         _resume(worker)
     return worker
@@ -160,7 +164,7 @@ def _build_model(job: TrainJob, ctx: WorkerContext, objective: Objective, num_cl
 def _resume(worker: Worker) -> None:
     """Load the checkpoint into `worker` and check its stream position against the step's."""
     ctx = worker.ctx
-    state, saved = restore(worker.engine, ctx, worker.polyak, worker.job)
+    state, saved = restore(worker.engine, ctx, worker.polyak, worker.job, worker.dataset)
     ctx.restored()
     implied = worker.stream_state(state.step)
     if state.world_size != ctx.world_size:
@@ -174,9 +178,10 @@ def _resume(worker: Worker) -> None:
     worker.state, worker.resume_stream = state, saved
 
 
-def restore(engine: Any, ctx: WorkerContext, polyak: Polyak | None,
-            job: TrainJob) -> tuple[ckpt.TrainState, dict[str, Any]]:
-    """Load the checkpoint `ctx.resume_from`; (train state, this rank's saved stream state)."""
+def restore(engine: Any, ctx: WorkerContext, polyak: Polyak | None, job: TrainJob,
+            dataset: dict[str, Any] | None = None) -> tuple[ckpt.TrainState, dict[str, Any]]:
+    """Load the checkpoint `ctx.resume_from`; (train state, this rank's saved stream state). `dataset`: what the
+    job reads now (`resume.dataset_identity`), refused if the checkpoint was trained on another."""
     from vitscale.train.resume import refuse_changed_run
 
     if ctx.resume_from is None:
@@ -190,7 +195,7 @@ def restore(engine: Any, ctx: WorkerContext, polyak: Polyak | None,
     if job.config_yaml and saved.exists():
         # An elastic run's world size may change between restarts; a fixed one's may not.
         refuse_changed_run(saved.read_text(), job.config_yaml, job.resume_scope, f"checkpoint {directory}",
-                           None if ctx.elastic else saved_world, None if ctx.elastic else ctx.world_size)
+                           None if ctx.elastic else saved_world, None if ctx.elastic else ctx.world_size, dataset)
     # A rank past the saved world size (the run grew) reads rank 0's part: stream and Polyak state are
     # the same on every rank.
     own = ctx.rank if ctx.rank < saved_world else 0
