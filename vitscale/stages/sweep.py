@@ -12,7 +12,8 @@ trial's settings are then retrained on the whole training split and tested once.
 (Sec. 4.3's weight decay x dropout x label smoothing on a smaller dataset) over `train:`, `data:`
 and `model:`. A trial is the pipeline with its values set, built and checked as any pipeline is.
 Re-running the same command resumes a sweep whose driver died (`Tuner.restore`): finished trials
-are not run again, unfinished ones continue from their checkpoints.
+are not run again, unfinished ones continue from their checkpoints. Tune restores the trials and values
+it was given first, so a re-run with other settings is refused (`refuse_changed_sweep`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vitscale.config.checks import ConfigError, check, non_negative, one_of, positive, seed
+from vitscale.config.fields import RESUME_FREE
 from vitscale.config.loader import to_dict, to_yaml
+from vitscale.config.location import is_url
 from vitscale.config.pipeline import ClusterConfig, PipelineConfig
 from vitscale.data.carve import Carve
 from vitscale.data.config import DataConfig
@@ -78,7 +81,7 @@ class SweepConfig:
     metric: str = "dev_accuracy"
     """Selection metric (maximised), measured on the dev carve of the training split: "dev_accuracy", or
     "dev_accuracy_polyak" (the Polyak-averaged weights: the trials' `polyak` must be set)."""
-    max_concurrent: int | None = None
+    max_concurrent: int | None = field(default=None, metadata=RESUME_FREE)
     """Trials at once; null = as many as the cluster's CPUs/GPUs fit with `workers_per_trial` each."""
     workers_per_trial: int | None = None
     """Ray Train workers per trial; null = cluster.num_workers."""
@@ -87,17 +90,17 @@ class SweepConfig:
     (`sweep_asha.py`; measured in benchmarks/sweep_efficiency.py)."""
     reduction_factor: int = 3
     """ASHA: keep the best 1/reduction_factor at each rung."""
-    evaluations: int = 4
+    evaluations: int = field(default=4, metadata=RESUME_FREE)
     """Evenly spaced dev evaluations per trial under ASHA, for the curves; each trial is also
     evaluated exactly at every rung, where ASHA judges it."""
     dev_fraction: float = 0.02
     """Pretrain target: share of the pre-training split held out as the dev set."""
-    retrain: bool = True
+    retrain: bool = field(default=True, metadata=RESUME_FREE)
     """Retrain the winner on the whole training split and test it once."""
-    scratch_baseline: bool = False
+    scratch_baseline: bool = field(default=False, metadata=RESUME_FREE)
     """Also run the same fine-tuning sweep from random weights (same architecture, recipe and budget),
     so the summary shows what pre-training adds."""
-    trial_retries: int = 1
+    trial_retries: int = field(default=1, metadata=RESUME_FREE)
     """Times a failed trial is retried before it is a row with its error (the sweep goes on)."""
     seed: int = 0
     """Seed of the random scheduler's draws."""
@@ -227,7 +230,12 @@ def prepare_sweep(config: PipelineConfig) -> None:
     """Every trial's data (and, fine-tuning, the weights it starts from), checked as the stage it trains checks
     them: a value of the space the dataset cannot serve (a split it lacks, a batch its rest of the dev carve
     cannot fill) is refused here, naming the trial, not found by that trial's workers. Trials that read the
-    same data and weights are checked once."""
+    same data and weights are checked once. A sweep this run resumes with other settings is refused before
+    Ray starts when the run's storage is a folder here (`_search` checks object storage's after its pull)."""
+    storage = config.cluster.run_storage(config.run_name)
+    if not is_url(storage):
+        for label in ("", SCRATCH) if sweep_section(config).scratch_baseline else ("",):
+            refuse_changed_sweep(config, Path(storage) / sweep_part(label))
     sweep, checked = sweep_section(config), set()
     for point in combinations(search_space(config)):
         trial = with_params(config, point)
@@ -240,6 +248,38 @@ def prepare_sweep(config: PipelineConfig) -> None:
         except ConfigError as exc:
             raise ConfigError(exc.key, exc.message + (f" (trial {point})" if point else ""), exc.source,
                               exc.also) from None
+
+
+SETTINGS = "config.yaml"
+"""The resolved config a search started with, in its folder (`sweep/`, `sweep/scratch/`): what a re-run that
+resumes it (`Tuner.restore`) is compared with."""
+
+
+def refuse_changed_sweep(config: PipelineConfig, directory: Path) -> None:
+    """`ConfigError` naming every changed key when `config` would resume the search in `directory` (its
+    `SETTINGS` there) with other settings: Tune restores the first run's trials and values and keeps its finished
+    trials' scores, whatever `config` says. What a trial reads is compared (its stage's resume scope and
+    `sweep:`), but not the swept keys themselves, nor what only watches or schedules the search (the fields
+    marked `RESUME_FREE`). A search without the record (none yet, or one begun by an older vitscale) is not."""
+    import yaml
+
+    from vitscale.train.resume import (
+        FINETUNE_SCOPE,
+        PRETRAIN_SCOPE,
+        RESUME_MAY_CHANGE,
+        refuse_changed_run,
+        resume_free_keys,
+    )
+
+    record = directory / SETTINGS
+    if not record.is_file():
+        return
+    before = record.read_text()
+    old_sweep = (yaml.safe_load(before) or {}).get("sweep") or {}
+    swept = tuple(search_space(config)) + tuple(str(k) for k in old_sweep.get("space") or {})
+    scope = (FINETUNE_SCOPE if sweep_section(config).target == "finetune" else PRETRAIN_SCOPE) + ("sweep",)
+    refuse_changed_run(before, to_yaml(config), scope, f"the sweep in {directory}",
+                       may_change=RESUME_MAY_CHANGE + resume_free_keys(SweepConfig, "sweep") + swept)
 
 
 def _what_a_trial_reads(trial: PipelineConfig, target: str) -> str:
@@ -409,6 +449,10 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
     filesystem, tune_path = run_filesystem(tune_storage)
     restoring = tune.Tuner.can_restore(experiment if filesystem is None else f"{tune_path}/sweep-trials{label}",
                                        storage_filesystem=filesystem)
+    if restoring:  # Tune restores the first run's trials and values: the same settings, or a new run name
+        refuse_changed_sweep(config, directory)
+    else:
+        write_atomic(directory / SETTINGS, to_yaml(config))
     # The trial function only drives its TorchTrainer: it takes no CPU from the workers (Ray wants
     # some resource in a trial's bundle, so it asks for a token 64 MiB of memory).
     trainable = tune.with_resources(

@@ -146,16 +146,18 @@ def _counts(identity: Mapping[str, Any]) -> str:
 
 def refuse_changed_run(old_yaml: str, new_yaml: str, scope: tuple[str, ...], where: str,
                        old_world_size: int | None = None, new_world_size: int | None = None,
-                       dataset: Mapping[str, Any] | None = None) -> None:
+                       dataset: Mapping[str, Any] | None = None,
+                       may_change: tuple[str, ...] = RESUME_MAY_CHANGE) -> None:
     """Raise `ConfigError` naming every changed key if `new_yaml` may not resume `old_yaml`'s checkpoint.
 
     `where` names the checkpoint. World sizes, when given, are compared too (a sweep's trials take
     theirs from `sweep.workers_per_trial`, so the manifest's is the one that counts), and so is
     `dataset` (`dataset_identity` of what the job reads now) with the one the checkpoint records.
+    `may_change`: the keys in `scope` that may differ (a sweep's adds its own, `stages/sweep.py`).
     """
     old = yaml.safe_load(old_yaml) or {}
     new = yaml.safe_load(new_yaml) or {}
-    changes = changed_keys(old, new, scope)
+    changes = changed_keys(old, new, scope, may_change)
     if old_world_size is not None and new_world_size is not None and old_world_size != new_world_size \
             and not any(key == "cluster.num_workers" for key, _, _ in changes):
         changes.append(("world size", old_world_size, new_world_size))
