@@ -228,3 +228,21 @@ def test_the_dataset_record_ignores_the_index_and_names_the_fine_tuning_key(tmp_
         refuse_changed_run(old, yaml.safe_dump({"finetune": {"train": {"base_lr": 0.01}}}), FINETUNE_SCOPE,
                            "checkpoint c", dataset=other)
     assert refused.value.key == "finetune.data.url" and "40 samples of 3 classes as before" in str(refused.value)
+
+
+def test_a_checkpoint_written_before_a_key_existed_resumes_at_its_default() -> None:
+    """A checkpoint's config.yaml lacks the keys vitscale gained since (`train.objective` and `train.masked_patch`
+    came after resume's check): it was refused as `train.objective '<absent>' -> 'supervised'`, which no setting
+    can restore. A missing key is today's default; another value is refused naming that default."""
+    from vitscale.config.loader import to_yaml
+    from vitscale.stages import build_pipeline
+
+    raw = _pipeline("/data/d", Path("/runs"))
+    new = yaml.safe_load(to_yaml(build_pipeline(raw)))
+    old = {**new, "train": {k: v for k, v in new["train"].items() if k not in ("objective", "masked_patch")},
+           "finetune": {k: v for k, v in new["finetune"].items() if k != "eval_batch"}}
+    refuse_changed_run(yaml.safe_dump(old), yaml.safe_dump(new), PRETRAIN_SCOPE, "an older checkpoint")
+    raw["train"]["objective"] = "masked_patch"
+    with pytest.raises(ConfigError) as refused:
+        refuse_changed_run(yaml.safe_dump(old), to_yaml(build_pipeline(raw)), PRETRAIN_SCOPE, "an older checkpoint")
+    assert refused.value.key == "train.objective" and "'supervised' -> 'masked_patch'" in str(refused.value)

@@ -28,6 +28,7 @@ import yaml
 
 from vitscale.config.checks import ConfigError
 from vitscale.config.fields import is_resume_free, overridden
+from vitscale.config.loader import to_dict
 from vitscale.config.location import is_url
 from vitscale.data.config import DataConfig
 from vitscale.data.format import LABEL_SOURCE, DatasetMeta
@@ -112,6 +113,32 @@ def unread_keys(config: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(f"train.{key}" for key in UNREAD_BY_OBJECTIVE.get(objective, ()))
 
 
+SECTIONS_WITH_DEFAULTS: Mapping[str, type] = {"train": TrainConfig, "data": DataConfig, "finetune": FinetuneConfig}
+"""The compared sections whose every key has a default (the model's keys are its name's and the options set)."""
+
+
+def with_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A parsed config with each key its sections lack (`SECTIONS_WITH_DEFAULTS`) at today's default, as both
+    sides are compared: a key vitscale gained after a checkpoint was written (`train.objective`) did, at its
+    default, what the code did before it existed, so a run resumed with it is the same run, and one resumed with
+    another value is refused naming that default."""
+    out = dict(config)
+    for name, cls in SECTIONS_WITH_DEFAULTS.items():
+        if isinstance(config.get(name), Mapping):
+            out[name] = _filled(config[name], to_dict(cls()))
+    return out
+
+
+def _filled(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(values)
+    for key, default in defaults.items():
+        if key not in out:
+            out[key] = default
+        elif isinstance(out[key], Mapping) and isinstance(default, Mapping):
+            out[key] = _filled(out[key], default)
+    return out
+
+
 def describe(changes: list[tuple[str, Any, Any]]) -> str:
     """'train.global_batch 16 -> 32, data.seed 0 -> 1'."""
     return ", ".join(f"{key} {old!r} -> {new!r}" for key, old, new in changes)
@@ -155,8 +182,8 @@ def refuse_changed_run(old_yaml: str, new_yaml: str, scope: tuple[str, ...], whe
     `dataset` (`dataset_identity` of what the job reads now) with the one the checkpoint records.
     `may_change`: the keys in `scope` that may differ (a sweep's adds its own, `stages/sweep.py`).
     """
-    old = yaml.safe_load(old_yaml) or {}
-    new = yaml.safe_load(new_yaml) or {}
+    old = with_defaults(yaml.safe_load(old_yaml) or {})
+    new = with_defaults(yaml.safe_load(new_yaml) or {})
     changes = changed_keys(old, new, scope, may_change)
     if old_world_size is not None and new_world_size is not None and old_world_size != new_world_size \
             and not any(key == "cluster.num_workers" for key, _, _ in changes):
