@@ -246,3 +246,13 @@ def test_a_checkpoint_written_before_a_key_existed_resumes_at_its_default() -> N
     with pytest.raises(ConfigError) as refused:
         refuse_changed_run(yaml.safe_dump(old), to_yaml(build_pipeline(raw)), PRETRAIN_SCOPE, "an older checkpoint")
     assert refused.value.key == "train.objective" and "'supervised' -> 'masked_patch'" in str(refused.value)
+
+
+def test_a_range_of_one_size_is_that_fixed_size() -> None:
+    """docs/elastic.md: `[W, W]` is a fixed `W`; the same run written either way was refused as
+    `cluster.num_workers 2 -> [2, 2]`. A real range is still another setting."""
+    fixed, same = yaml.safe_dump({"cluster": {"num_workers": 2}}), yaml.safe_dump({"cluster": {"num_workers": [2, 2]}})
+    refuse_changed_run(fixed, same, PRETRAIN_SCOPE, "checkpoint X", 2, 2)
+    refuse_changed_run(same, fixed, PRETRAIN_SCOPE, "checkpoint X", 2, 2)
+    with pytest.raises(ConfigError, match=r"cluster.num_workers 2 -> \[1, 4\]"):
+        refuse_changed_run(fixed, yaml.safe_dump({"cluster": {"num_workers": [1, 4]}}), PRETRAIN_SCOPE, "checkpoint X")

@@ -121,11 +121,16 @@ def with_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
     """A parsed config with each key its sections lack (`SECTIONS_WITH_DEFAULTS`) at today's default, as both
     sides are compared: a key vitscale gained after a checkpoint was written (`train.objective`) did, at its
     default, what the code did before it existed, so a run resumed with it is the same run, and one resumed with
-    another value is refused naming that default."""
+    another value is refused naming that default. A `cluster.num_workers` range `[W, W]` reads as the `W` it is."""
     out = dict(config)
     for name, cls in SECTIONS_WITH_DEFAULTS.items():
         if isinstance(config.get(name), Mapping):
             out[name] = _filled(config[name], to_dict(cls()))
+    cluster = config.get("cluster")
+    if isinstance(cluster, Mapping):
+        workers = cluster.get("num_workers")
+        if isinstance(workers, list) and len(workers) == 2 and workers[0] == workers[1]:
+            out["cluster"] = {**cluster, "num_workers": workers[0]}  # a range [W, W] is a fixed W (docs/elastic.md)
     return out
 
 
