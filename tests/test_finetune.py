@@ -217,3 +217,36 @@ def test_vitscale_finetune_on_a_local_ray_fits_this_machine(monkeypatch: pytest.
     config = build_pipeline(raw, "vitscale finetune")
     assert config.finetune.train_config().precision == ("bf16" if gpus else "fp32")
     assert "cluster" not in finetune_pipeline("weights.pth", "shards", local=False)  # a cluster: its own config
+
+
+def test_a_resumed_finetuning_refuses_other_pretrained_weights(downstream: str, tmp_path: Path,
+                                                               process_group: None) -> None:
+    """`vitscale finetune runs/pre ...` once at pre-training's step 5, again once it reached step 20: the same
+    command, so the second resumed (or, finished, returned) the fine-tuning of the step-5 weights, exit 0. Every
+    checkpoint records the weights it started from as loaded; the same weights written again (another export's
+    bytes) resume, other weights are refused before anything is loaded."""
+    from vitscale.train.loop import WorkerContext, train
+
+    def weights(seed: int) -> str:
+        torch.manual_seed(seed)
+        export_state_dict(create_model("ViT-Ti/8", num_classes=7, img_size=16, depth=2, width=32, mlp_dim=64,
+                                       heads=2, representation_size=32), tmp_path / "init.pt")
+        return str(tmp_path / "init.pt")
+
+    cfg = FinetuneConfig(data={"url": downstream, "num_workers": 0}, resolution=16,
+                         train={"max_steps": 2, "global_batch": 16, "micro_batch": 16, "precision": "fp32",
+                                "checkpoint_every": 1})
+    job = final_job(cfg, finetune_model(TINY, 16), weights(0), 0.05, use_gpu=False, endpoint_url=None,
+                    config_yaml="stages: [finetune]\n")  # a pipeline's: what resuming compares
+    kept = Recorder(tmp_path / "kept")
+    train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run", report=kept))
+    checkpoint = tmp_path / "kept" / "checkpoint_000000001"
+    weights(0)  # the same weights exported again
+    resumed = train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "again", report=Recorder(tmp_path / "b"),
+                                       resume_from=checkpoint))
+    assert resumed["steps"] == 2
+    weights(1)
+    with pytest.raises(ConfigError, match="other pre-trained weights") as refused:
+        train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "other", report=Recorder(tmp_path / "c"),
+                                 resume_from=checkpoint))
+    assert refused.value.key == "finetune.checkpoint"

@@ -197,7 +197,7 @@ def test_a_dataset_written_again_under_the_same_url_is_refused(tmp_path: Path) -
     original = preflight(build_pipeline(_pipeline(url, storage)))
     trained_on = dataset_identity(read_meta(url), "train")
     _fake_checkpoint(storage / "resumed" / "checkpoint_000000001",
-                     pretraining_job(original).checkpoint_yaml(trained_on))
+                     pretraining_job(original).checkpoint_yaml({"dataset": trained_on}))
     for count, classes, seed in [(40, 3, 1), (44, 3, 0), (40, 5, 0)]:
         _write(tmp_path / "data", count, classes, seed)
         with pytest.raises(ConfigError) as refused:
@@ -211,7 +211,7 @@ def test_a_dataset_written_again_under_the_same_url_is_refused(tmp_path: Path) -
     yaml_then = pretraining_job(original).checkpoint_yaml()
     assert "dataset" not in yaml.safe_load(yaml_then)["trained"]
     refuse_changed_run(yaml_then, to_yaml(original), PRETRAIN_SCOPE, "an older checkpoint",
-                       dataset=dataset_identity(read_meta(url), "train"))
+                       trained_on={"dataset": dataset_identity(read_meta(url), "train")})
 
 
 def test_the_dataset_record_ignores_the_index_and_names_the_fine_tuning_key(tmp_path: Path) -> None:
@@ -226,7 +226,7 @@ def test_the_dataset_record_ignores_the_index_and_names_the_fine_tuning_key(tmp_
     old = yaml.safe_dump({"finetune": {"train": {"base_lr": 0.01}}, "trained": {"dataset": before}})
     with pytest.raises(ConfigError) as refused:
         refuse_changed_run(old, yaml.safe_dump({"finetune": {"train": {"base_lr": 0.01}}}), FINETUNE_SCOPE,
-                           "checkpoint c", dataset=other)
+                           "checkpoint c", trained_on={"dataset": other})
     assert refused.value.key == "finetune.data.url" and "40 samples of 3 classes as before" in str(refused.value)
 
 

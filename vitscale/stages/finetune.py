@@ -159,7 +159,7 @@ def prepare_finetune(config: PipelineConfig) -> None:
     refuse_sibling_finetune(config)
     # A re-run resumes the fine-tuning run of the same name: refuse a changed recipe before Ray starts.
     refuse_changed_run_in(finetune_storage(config), to_yaml(config), FINETUNE_SCOPE, config.cluster.fixed_world_size,
-                          dataset_identity(meta, finetune_section(config).data_config().split))
+                          {"dataset": dataset_identity(meta, finetune_section(config).data_config().split)})
 
 
 def finetune_storage(config: PipelineConfig) -> str:

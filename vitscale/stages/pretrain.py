@@ -53,7 +53,7 @@ def prepare_pretrain(config: PipelineConfig) -> None:
     from vitscale.train.resume import PRETRAIN_SCOPE, dataset_identity, refuse_changed_run_in
 
     refuse_changed_run_in(config.cluster.run_storage(config.run_name), to_yaml(config), PRETRAIN_SCOPE,
-                          config.cluster.fixed_world_size, dataset_identity(meta, config.data.split))
+                          config.cluster.fixed_world_size, {"dataset": dataset_identity(meta, config.data.split)})
 
 
 def check_pretrain_data(config: PipelineConfig, rest: Carve | None = None) -> Any:

@@ -80,6 +80,16 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def state_sha256(module: torch.nn.Module) -> str:
+    """Hex SHA-256 of a module's state (names, dtypes, shapes and bytes, in name order): the same weights give the
+    same digest whatever file they were read from (an export's bytes differ each time it is written)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
+    return digest.hexdigest()
+
+
 def rng_state() -> dict[str, Any]:
     """Python, NumPy and torch RNG states (dropout and any host-side randomness)."""
     # NumPy's key array travels as a tensor so the file loads with torch.load(weights_only=True).

@@ -84,7 +84,7 @@ def _save_and_report(w: Worker, state: ckpt.TrainState, stream_state: dict[str, 
             # Every rank calls save: ZeRO keeps one optimizer shard per rank (DeepSpeed barriers inside).
             w.engine.save_checkpoint(str(directory / ckpt.DEEPSPEED_DIR), tag=ckpt.DEEPSPEED_TAG)
             ckpt.write_rank_part(directory, rank=ctx.rank, stream_state=stream_state, train_state=state,
-                                 config_yaml=w.job.checkpoint_yaml(w.dataset),
+                                 config_yaml=w.job.checkpoint_yaml(w.trained_on),
                                  polyak=None if w.polyak is None else w.polyak.state_dict())
         with ckpt.space_for(ctx.storage or ctx.run_dir, step=state.step, parts=ctx.world_size, copying=directory):
             ctx.report(metrics, directory)

@@ -85,15 +85,14 @@ class TrainJob:
                 raise ValueError("a job selecting on a dev carve trains on the rest of that carve and evaluates "
                                  f"only its dev part; it cannot evaluate {[e.name for e in others] or 'this split'}")
 
-    def checkpoint_yaml(self, dataset: dict[str, Any] | None = None) -> str:
+    def checkpoint_yaml(self, trained_on: dict[str, Any] | None = None) -> str:
         """A checkpoint's `config.yaml`: the resolved config, then under `trained:` the architecture and
         objective of the weights this job trains, which `train/export.py` rebuilds them as. A fine-tuning
         job's are not the pipeline's `model:` and `train:` (its resolution, no pre-logits, the pre-trained
-        weights' own architecture, always supervised). Outside every resume scope; its `dataset` (what the
-        job reads, `resume.dataset_identity`) is compared on resume by `resume.refuse_changed_run`."""
+        weights' own architecture, always supervised). Outside every resume scope; `trained_on` (what the job
+        reads and starts from, `resume.TRAINED_KEY`) is compared on resume by `resume.refuse_changed_run`."""
         trained: dict[str, Any] = {TRAINED_KEY: {"model": to_dict(self.model), "objective": self.train.objective}}
-        if dataset is not None:
-            trained[TRAINED_KEY]["dataset"] = dataset
+        trained[TRAINED_KEY].update(trained_on or {})
         head = self.config_yaml if not self.config_yaml or self.config_yaml.endswith("\n") else f"{self.config_yaml}\n"
         return head + yaml.safe_dump(trained, sort_keys=False)
 

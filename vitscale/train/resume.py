@@ -64,7 +64,10 @@ it reads in which order (a pure function of seed, epoch, rank and world size), i
 
 TRAINED_KEY = "trained"
 """The key of a checkpoint's `config.yaml` naming what its weights are (`TrainJob.checkpoint_yaml`): their
-architecture, objective and the dataset they were trained on (`dataset_identity`)."""
+architecture and objective, and what its run read and started from, compared on resume (a checkpoint written
+before a record is not): `dataset`, the `dataset_identity` of its data; `init`, fine-tuning's pre-trained
+weights as loaded (`checkpoint.state_sha256`: the pipeline's pre-training or `finetune.checkpoint`, whose run
+may have trained on since, or whose file may have been written again)."""
 
 ABSENT = "<absent>"
 """How a key one config has and the other lacks is shown."""
@@ -178,13 +181,13 @@ def _counts(identity: Mapping[str, Any]) -> str:
 
 def refuse_changed_run(old_yaml: str, new_yaml: str, scope: tuple[str, ...], where: str,
                        old_world_size: int | None = None, new_world_size: int | None = None,
-                       dataset: Mapping[str, Any] | None = None,
+                       trained_on: Mapping[str, Any] | None = None,
                        may_change: tuple[str, ...] = RESUME_MAY_CHANGE) -> None:
     """Raise `ConfigError` naming every changed key if `new_yaml` may not resume `old_yaml`'s checkpoint.
 
     `where` names the checkpoint. World sizes, when given, are compared too (a sweep's trials take
     theirs from `sweep.workers_per_trial`, so the manifest's is the one that counts), and so is
-    `dataset` (`dataset_identity` of what the job reads now) with the one the checkpoint records.
+    `trained_on` (what the job reads and starts from now: `TRAINED_KEY`) with what the checkpoint records.
     `may_change`: the keys in `scope` that may differ (a sweep's adds its own, `stages/sweep.py`).
     """
     old = with_defaults(yaml.safe_load(old_yaml) or {})
@@ -199,20 +202,29 @@ def refuse_changed_run(old_yaml: str, new_yaml: str, scope: tuple[str, ...], whe
             f"cannot resume {where}: it was trained with other settings ({describe(changes)}); "
             "restore them, or start a new run with another cluster.run_name (docs/resume.md)")
     trained = old.get(TRAINED_KEY)
-    change = _dataset_change(trained.get("dataset") if isinstance(trained, Mapping) else None, dataset)
+    recorded = trained if isinstance(trained, Mapping) else {}
+    now = trained_on or {}
+    change = _dataset_change(recorded.get("dataset"), now.get("dataset"))
     if change is not None:
         key = "finetune.data.url" if "finetune" in scope else "data.url"
         raise ConfigError(key, f"cannot resume {where}: the dataset {key} names is not the one it was trained on "
                           f"({change}); put that dataset back, or start a new run with another "
                           "cluster.run_name (docs/resume.md)")
+    before, after = recorded.get("init"), now.get("init")
+    if isinstance(before, str) and after is not None and before != after:
+        raise ConfigError("finetune.checkpoint", f"cannot resume {where}: it started from other pre-trained weights "
+                          f"than finetune.checkpoint (or the pipeline's pre-training) gives now (their tensors' "
+                          f"sha256 {before[:12]}... -> {after[:12]}...: a run trained on since, or a file written "
+                          "again); use those weights, or start a new run with another cluster.run_name "
+                          "(docs/resume.md)")
 
 
 def refuse_changed_run_in(run_storage: str, new_yaml: str, scope: tuple[str, ...], world_size: int | None,
-                          dataset: Mapping[str, Any] | None = None) -> None:
+                          trained_on: Mapping[str, Any] | None = None) -> None:
     """The driver's check, before Ray starts: `refuse_changed_run` against the run's newest complete
     checkpoint, when the run's storage is a folder this machine can read (object storage is
     checked by the workers, on the checkpoint Ray hands them). `world_size` None: an elastic run,
-    whose checkpoints may have any world size in its range. `dataset`: `dataset_identity` of what it reads."""
+    whose checkpoints may have any world size in its range. `trained_on`: what it reads (`TRAINED_KEY`)."""
     from pathlib import Path
 
     from vitscale.train import checkpoint as ckpt
@@ -227,4 +239,4 @@ def refuse_changed_run_in(run_storage: str, new_yaml: str, scope: tuple[str, ...
         return
     info = ckpt.manifest_info(found)
     refuse_changed_run((found / "config.yaml").read_text(), new_yaml, scope, f"run {root} ({found.name})",
-                       info[1] if info else None, world_size, dataset)
+                       info[1] if info else None, world_size, trained_on)

@@ -58,8 +58,8 @@ class Worker:
     """Where training stands: step 0, or the resumed checkpoint's."""
     resume_stream: dict[str, Any] | None
     """The resumed checkpoint's stream state for this rank (checked against the step), until the loop opens it."""
-    dataset: dict[str, Any] | None = None
-    """What the stream reads (`resume.dataset_identity`): recorded in every checkpoint, compared on resume."""
+    trained_on: dict[str, Any] | None = None
+    """What the run reads and starts from (`resume.TRAINED_KEY`): recorded in every checkpoint, compared on resume."""
 
     @property
     def per_rank_step(self) -> int:
@@ -106,6 +106,10 @@ def set_up(job: TrainJob, ctx: WorkerContext) -> Worker:
                                                    train.max_steps)
     torch.manual_seed(train.seed)  # identical initial weights on every rank
     model = _build_model(job, ctx, objective, num_classes)
+    # Fine-tuning: the weights it starts from as loaded, before the engine moves or partitions them (an export's
+    # file differs byte-wise each time it is written).
+    trained_on = {"dataset": dataset_identity(stream.dataset.meta, job.data.split),
+                  **({"init": ckpt.state_sha256(model)} if job.init is not None else {})}
     polyak = Polyak(model, train.polyak) if train.polyak is not None else None
     parameters = sum(p.numel() for p in model.parameters())
     engine = build_engine(model, train, deepspeed_config(train, batch, on_gpu=on_gpu, parameters=parameters),
@@ -120,7 +124,7 @@ def set_up(job: TrainJob, ctx: WorkerContext) -> Worker:
         # "auto" knows no peak without CUDA (MFU left out); a peak the user states is used on any device.
         peak=peak_flops(train.peak_flops) if on_gpu or train.peak_flops != "auto" else None,
         state=ckpt.TrainState(world_size=ctx.world_size), resume_stream=None,
-        dataset=dataset_identity(stream.dataset.meta, job.data.split))
+        trained_on=trained_on)
     if ctx.resume_from is not None:
         _resume(worker)
     return worker
@@ -164,7 +168,7 @@ def _build_model(job: TrainJob, ctx: WorkerContext, objective: Objective, num_cl
 def _resume(worker: Worker) -> None:
     """Load the checkpoint into `worker` and check its stream position against the step's."""
     ctx = worker.ctx
-    state, saved = restore(worker.engine, ctx, worker.polyak, worker.job, worker.dataset)
+    state, saved = restore(worker.engine, ctx, worker.polyak, worker.job, worker.trained_on)
     ctx.restored()
     implied = worker.stream_state(state.step)
     if state.world_size != ctx.world_size:
@@ -179,9 +183,9 @@ def _resume(worker: Worker) -> None:
 
 
 def restore(engine: Any, ctx: WorkerContext, polyak: Polyak | None, job: TrainJob,
-            dataset: dict[str, Any] | None = None) -> tuple[ckpt.TrainState, dict[str, Any]]:
-    """Load the checkpoint `ctx.resume_from`; (train state, this rank's saved stream state). `dataset`: what the
-    job reads now (`resume.dataset_identity`), refused if the checkpoint was trained on another."""
+            trained_on: dict[str, Any] | None = None) -> tuple[ckpt.TrainState, dict[str, Any]]:
+    """Load the checkpoint `ctx.resume_from`; (train state, this rank's saved stream state). `trained_on`: what the
+    job reads and starts from now (`resume.TRAINED_KEY`), refused if the checkpoint was trained on another."""
     from vitscale.train.resume import refuse_changed_run
 
     if ctx.resume_from is None:
@@ -195,7 +199,7 @@ def restore(engine: Any, ctx: WorkerContext, polyak: Polyak | None, job: TrainJo
     if job.config_yaml and saved.exists():
         # An elastic run's world size may change between restarts; a fixed one's may not.
         refuse_changed_run(saved.read_text(), job.config_yaml, job.resume_scope, f"checkpoint {directory}",
-                           None if ctx.elastic else saved_world, None if ctx.elastic else ctx.world_size, dataset)
+                           None if ctx.elastic else saved_world, None if ctx.elastic else ctx.world_size, trained_on)
     # A rank past the saved world size (the run grew) reads rank 0's part: stream and Polyak state are
     # the same on every rank.
     own = ctx.rank if ctx.rank < saved_world else 0
