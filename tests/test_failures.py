@@ -15,6 +15,7 @@ from vitscale.launch.ray_train import WorkerFailed, _root_cause
 from vitscale.train.checkpoint import DiskFull
 from vitscale.train.engine import UnsafeCheckpoint
 from vitscale.train.loop import NonFiniteSteps
+from vitscale.train.worker import StreamMismatch
 
 
 def _as_controller_sees_it(rank: int, exc: BaseException) -> BaseException:
@@ -49,6 +50,9 @@ def _refused_by_pydantic() -> Exception:
     NonFiniteSteps("11 steps with a non-finite loss or gradients (first at step 40), over train.max_skipped_steps"),
     UnsafeCheckpoint("checkpoint_000010/rank0.pt: refusing to unpickle builtins.exec"),
     DiskFull("no space for the checkpoint at /runs/r/checkpoint_000000008: 1.0 MiB free, 3.0 MiB needed"),
+    # An older checkpoint (no dataset record) resumed on a dataset of another size: retried max_failures times.
+    StreamMismatch("checkpoint_000000005: rank 1's saved stream position {'epoch': 1, 'position': 0} is not "
+                   "the one step 5 implies ({'epoch': 0, 'position': 40})"),
     _refused_by_pydantic(),
 ])  # fmt: skip
 def test_deterministic_failures_stop_the_run(exc):

@@ -43,11 +43,13 @@ from vitscale.launch.worker_wait import Shortfall, no_room_line, observe, out_of
 from vitscale.train.checkpoint import DiskFull
 from vitscale.train.engine import UnsafeCheckpoint
 from vitscale.train.loop import NonFiniteSteps
+from vitscale.train.worker import StreamMismatch
 
 DETERMINISTIC: tuple[type[BaseException], ...] = (ErrorBudgetExceeded, DatasetError, ConfigError, NonFiniteSteps,
-                                                   UnsafeCheckpoint, DiskFull, ValidationError)
+                                                   UnsafeCheckpoint, DiskFull, ValidationError, StreamMismatch)
 """Errors a restart repeats exactly (bad data, an exceeded error budget, a bad setting or a changed
-run found on a worker, the non-finite-step budget spent, a checkpoint file that would run code, a
+run found on a worker, a checkpoint whose stream position this run's sample order does not imply, the
+non-finite-step budget spent, a checkpoint file that would run code, a
 checkpoint that does not fit its disk, a config DeepSpeed's pydantic models refuse as a worker builds its
 engine, which the pipeline's own check reads the same way first: `train/engine.py` `check_settings`):
 the run stops instead of being retried."""

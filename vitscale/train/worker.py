@@ -165,6 +165,12 @@ def _build_model(job: TrainJob, ctx: WorkerContext, objective: Objective, num_cl
     return model
 
 
+class StreamMismatch(RuntimeError):
+    """A checkpoint's saved stream position is not the one its step implies for this run (a checkpoint written
+    before it recorded its dataset, whose dataset changed since): a restart would find the same, so it is not
+    retried (`launch/failures.py`)."""
+
+
 def _resume(worker: Worker) -> None:
     """Load the checkpoint into `worker` and check its stream position against the step's."""
     ctx = worker.ctx
@@ -176,9 +182,10 @@ def _resume(worker: Worker) -> None:
         # epoch's skipped-sample count (all ranks') goes on.
         saved = {**implied, "skipped": saved.get("skipped", 0) if implied["position"] else 0}
     if any(saved.get(k) != v for k, v in implied.items()):
-        raise RuntimeError(f"{ctx.resume_from}: rank {ctx.rank}'s saved stream position {saved} is not "
-                           f"the one step {state.step} implies ({implied}); the checkpoint does not belong "
-                           "to this run's sample order")
+        raise StreamMismatch(f"{ctx.resume_from}: rank {ctx.rank}'s saved stream position {saved} is not "
+                             f"the one step {state.step} implies ({implied}); the checkpoint does not belong "
+                             "to this run's sample order (its dataset or batch changed since; docs/resume.md): "
+                             "start a new run with another cluster.run_name")
     worker.state, worker.resume_stream = state, saved
 
 
