@@ -271,23 +271,28 @@ def test_a_pre_training_sweep_refuses_the_masked_patch_objective() -> None:
     assert err.value.key == "sweep.target" and "masked_patch" in err.value.message
 
 
-def test_a_sweep_resumed_with_other_settings_is_refused_before_ray(datasets: dict, tmp_path: Path) -> None:
+def test_a_sweep_resumed_with_other_settings_is_refused_before_ray(tmp_path: Path) -> None:
     """Tune's restore keeps the first run's trials, values and finished scores whatever the pipeline says now:
     re-run with another grid and recipe, a finished sweep answered with its old trials (lr 0.01/0.03) and exit 0.
     The search's folder records the config it began with; a re-run is compared with it, as a resumed run is."""
     import torch
 
-    from vitscale.config.loader import to_yaml
     from vitscale.models import create_model, export_state_dict
-    from vitscale.stages.sweep import SETTINGS, refuse_changed_sweep, sweep_part
+    from vitscale.stages.sweep import SETTINGS, refuse_changed_sweep, sweep_part, sweep_record
 
+    def downstream(seed: int) -> str:
+        write_dataset("synthetic", str(tmp_path / "data"), shard_size=20, max_side=16, progress=False, seed=seed,
+                      splits={"train": 0.7, "test": 0.3}, source_options={"count": 30, "classes": 3, "image_size": 16})
+        return str(tmp_path / "data")
+
+    url = downstream(0)
     weights = tmp_path / "w.pt"
     torch.manual_seed(0)
     export_state_dict(create_model("ViT-Ti/8", num_classes=5, img_size=16, depth=1, width=32, mlp_dim=32, heads=2),
                       weights)
 
     def pipeline(sweep: dict | None = None, **train: object) -> dict:
-        raw = sweep_pipeline(finetune={"checkpoint": str(weights), "data": {"url": datasets["small"]},
+        raw = sweep_pipeline(finetune={"checkpoint": str(weights), "data": {"url": url},
                                        "train": {"base_lr": 0.01, **train}},
                              sweep={"space": {"finetune.train.base_lr": [0.01, 0.03]}, **(sweep or {})})
         raw["cluster"] = {**CLUSTER, "storage_path": str(tmp_path / "runs")}
@@ -296,7 +301,7 @@ def test_a_sweep_resumed_with_other_settings_is_refused_before_ray(datasets: dic
     first = preflight(build_pipeline(pipeline()))
     folder = tmp_path / "runs" / first.run_name / sweep_part("")
     folder.mkdir(parents=True)
-    (folder / SETTINGS).write_text(to_yaml(first))  # what `_search` writes as the Tune experiment begins
+    (folder / SETTINGS).write_text(sweep_record(first))  # what `_search` writes as the Tune experiment begins
     for sweep, train, key in [({"space": {"finetune.train.base_lr": [0.1, 0.3]}}, {}, "sweep.space.finetune.train.base_lr"),
                               ({}, {"weight_decay": 0.5}, "finetune.train.weight_decay"),
                               ({"scheduler": "asha"}, {}, "sweep.scheduler")]:
@@ -307,3 +312,11 @@ def test_a_sweep_resumed_with_other_settings_is_refused_before_ray(datasets: dic
     preflight(build_pipeline(pipeline({"max_concurrent": 1, "trial_retries": 3, "retrain": False}, base_lr=0.5,
                                       log_every=3)))
     refuse_changed_sweep(first, tmp_path / "elsewhere")  # no record: a new sweep (or one an older vitscale began)
+    # The same settings on the dataset written again with other images: the finished trials scored the old one.
+    import shutil
+
+    shutil.rmtree(url)
+    downstream(1)
+    with pytest.raises(ConfigError) as err:
+        preflight(build_pipeline(pipeline()))
+    assert err.value.key == "finetune.data.url" and "not the one it was trained on" in err.value.message, err.value

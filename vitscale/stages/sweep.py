@@ -260,7 +260,8 @@ def refuse_changed_sweep(config: PipelineConfig, directory: Path) -> None:
     `SETTINGS` there) with other settings: Tune restores the first run's trials and values and keeps its finished
     trials' scores, whatever `config` says. What a trial reads is compared (its stage's resume scope and
     `sweep:`), but not the swept keys themselves, nor what only watches or schedules the search (the fields
-    marked `RESUME_FREE`). A search without the record (none yet, or one begun by an older vitscale) is not."""
+    marked `RESUME_FREE`); and the dataset the trials read (`sweep_record`). A search without the record (none
+    yet, or one begun by an older vitscale) is not."""
     import yaml
 
     from vitscale.train.resume import (
@@ -278,8 +279,35 @@ def refuse_changed_sweep(config: PipelineConfig, directory: Path) -> None:
     old_sweep = (yaml.safe_load(before) or {}).get("sweep") or {}
     swept = tuple(search_space(config)) + tuple(str(k) for k in old_sweep.get("space") or {})
     scope = (FINETUNE_SCOPE if sweep_section(config).target == "finetune" else PRETRAIN_SCOPE) + ("sweep",)
+    data = _trials_data(config)
     refuse_changed_run(before, to_yaml(config), scope, f"the sweep in {directory}",
+                       trained_on=None if data is None else {"dataset": data},
                        may_change=RESUME_MAY_CHANGE + resume_free_keys(SweepConfig, "sweep") + swept)
+
+
+def sweep_record(config: PipelineConfig) -> str:
+    """The search's `SETTINGS`: its resolved config, and under `trained.dataset` the dataset every trial reads
+    (finished trials' scores were measured on it; a dataset written again under the same location is another)."""
+    import yaml
+
+    from vitscale.train.resume import TRAINED_KEY
+
+    data = _trials_data(config)
+    return to_yaml(config) + ("" if data is None else yaml.safe_dump({TRAINED_KEY: {"dataset": data}}))
+
+
+def _trials_data(config: PipelineConfig) -> dict[str, Any] | None:
+    """`dataset_identity` of the split every trial trains on, or None when the space sweeps the dataset itself."""
+    from vitscale.data.format import read_meta
+    from vitscale.train.resume import dataset_identity
+
+    finetune = sweep_section(config).target == "finetune"
+    prefix = "finetune.data." if finetune else "data."
+    if any(key in (f"{prefix}url", f"{prefix}split") for key in search_space(config)):
+        return None
+    data = finetune_section(config).data_config(config.data.endpoint_url) if finetune \
+        else config.section("data", DataConfig)
+    return dataset_identity(read_meta(data.url, endpoint_url=data.endpoint_url), data.split)
 
 
 def _what_a_trial_reads(trial: PipelineConfig, target: str) -> str:
@@ -452,7 +480,7 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
     if restoring:  # Tune restores the first run's trials and values: the same settings, or a new run name
         refuse_changed_sweep(config, directory)
     else:
-        write_atomic(directory / SETTINGS, to_yaml(config))
+        write_atomic(directory / SETTINGS, sweep_record(config))
     # The trial function only drives its TorchTrainer: it takes no CPU from the workers (Ray wants
     # some resource in a trial's bundle, so it asks for a token 64 MiB of memory).
     trainable = tune.with_resources(
