@@ -256,3 +256,13 @@ def test_a_range_of_one_size_is_that_fixed_size() -> None:
     refuse_changed_run(same, fixed, PRETRAIN_SCOPE, "checkpoint X", 2, 2)
     with pytest.raises(ConfigError, match=r"cluster.num_workers 2 -> \[1, 4\]"):
         refuse_changed_run(fixed, yaml.safe_dump({"cluster": {"num_workers": [1, 4]}}), PRETRAIN_SCOPE, "checkpoint X")
+
+
+def test_a_model_is_compared_by_the_model_its_name_names() -> None:
+    """`--set model.name=vit-ti/8` builds ViT-Ti/8, the model the checkpoint was trained as: it was refused as
+    `model.name 'ViT-Ti/8' -> 'vit-ti/8'`. Another model is still refused."""
+    old = yaml.safe_dump({"model": {"name": "ViT-B/16", "img_size": 224}})
+    for same in ("vit-b/16", "VIT-B/16", "vit_base_patch16_224"):
+        refuse_changed_run(old, yaml.safe_dump({"model": {"name": same, "img_size": 224}}), PRETRAIN_SCOPE, "c")
+    with pytest.raises(ConfigError, match=r"model.name 'ViT-B/16' -> 'ViT-B/32'"):
+        refuse_changed_run(old, yaml.safe_dump({"model": {"name": "vit-b/32", "img_size": 224}}), PRETRAIN_SCOPE, "c")

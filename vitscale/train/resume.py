@@ -124,7 +124,8 @@ def with_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
     """A parsed config with each key its sections lack (`SECTIONS_WITH_DEFAULTS`) at today's default, as both
     sides are compared: a key vitscale gained after a checkpoint was written (`train.objective`) did, at its
     default, what the code did before it existed, so a run resumed with it is the same run, and one resumed with
-    another value is refused naming that default. A `cluster.num_workers` range `[W, W]` reads as the `W` it is."""
+    another value is refused naming that default. A `cluster.num_workers` range `[W, W]` reads as the `W` it is,
+    and a model's name as the model it names (`vit-b/16`, `vit_base_patch16_224`: ViT-B/16)."""
     out = dict(config)
     for name, cls in SECTIONS_WITH_DEFAULTS.items():
         if isinstance(config.get(name), Mapping):
@@ -134,7 +135,20 @@ def with_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
         workers = cluster.get("num_workers")
         if isinstance(workers, list) and len(workers) == 2 and workers[0] == workers[1]:
             out["cluster"] = {**cluster, "num_workers": workers[0]}  # a range [W, W] is a fixed W (docs/elastic.md)
+    model = config.get("model")
+    if isinstance(model, Mapping) and isinstance(model.get("name"), str):
+        out["model"] = {**model, "name": _model_named(model["name"])}
     return out
+
+
+def _model_named(name: str) -> str:
+    """The canonical name of the model `name` spells (any case, or timm's spelling), or `name` if it names none."""
+    from vitscale.models.variants import parse_model_name
+
+    try:
+        return parse_model_name(name).name
+    except ValueError:
+        return name
 
 
 def _filled(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
