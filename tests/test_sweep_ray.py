@@ -6,7 +6,7 @@
   finished trial is not run again (it keeps its start and finish times), the unfinished one resumes
   its own Train checkpoints, and the table ends with every trial once.
 - A trial that fails is a row with its error, and the sweep goes on to select a winner.
-- A finished sweep run again with another grid is refused in one line; the same grid again returns its answer.
+- A finished sweep run again with another grid is refused in one line, before Ray starts.
 
 Every sweep is tiny (a one-block ViT at 16 px, one worker per trial, two trials at a time); what
 costs time is Ray and Ray Train starting up.
@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 import yaml
 
-from helpers.ray_runs import RUN_TIMEOUT_S, kill_tree, run, start
+from helpers.ray_runs import RUN_TIMEOUT_S, finished, kill_tree, run, start
 from vitscale.config.loader import merge
 from vitscale.data.tools.write import write_dataset
 
@@ -301,23 +301,14 @@ def test_a_failed_trial_is_a_row_with_its_error(assets: dict[str, str], tmp_path
     assert selected["trial_id"] == good["trial_id"] and selected["params"] == {"finetune.data.url": assets["data"]}
     assert "error" in output and good["trial_id"] in output
 
+    # Run again with another grid: Tune's restore answered it with this sweep's trials and winner, exit 0. Now
+    # the sweep's record (sweep/config.yaml) refuses it in one line naming the changed key, before Ray starts
+    # (the same grid again resumes: the stopped sweep's test above).
+    other = write_pipeline(tmp_path / "other.yaml", assets, "fail",
+                           {"finetune.data.url": [assets["data"]]}, sweep={"trial_retries": 1})
+    code, again = finished(other, tmp_path / "other.log")
+    lines = again.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("vitscale: error: sweep.space.finetune.data.url:"), \
+        again[-4000:]
+    assert sorted(r["finetune.data.url"] for r in results_table(run_dir)) == sorted([assets["data"], assets["broken"]])
 
-def test_a_finished_sweep_run_again_with_another_grid_is_refused(assets: dict[str, str], tmp_path: Path) -> None:
-    """Tune's restore answered the new grid with the old one's trials and winner, exit 0; now the run is refused in
-    one line naming the changed key before Ray starts, and the same grid again returns the sweep's answer."""
-    from helpers.ray_runs import finished
-
-    pipeline = write_pipeline(tmp_path / "grid.yaml", assets, "grid", {"finetune.train.base_lr": [0.01, 0.03]},
-                              finetune={"train": {"max_steps": 2}})
-    run(pipeline, tmp_path / "first.log")
-    run_dir = tmp_path / "runs" / "grid"
-    assert (run_dir / "sweep" / "config.yaml").is_file()
-    other = write_pipeline(tmp_path / "other.yaml", assets, "grid", {"finetune.train.base_lr": [0.1, 0.3]},
-                           finetune={"train": {"max_steps": 2}})
-    code, output = finished(other, tmp_path / "other.log")
-    lines = output.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("vitscale: error: sweep.space.finetune.train.base_lr:"), \
-        output[-4000:]
-    again = run(pipeline, tmp_path / "again.log")
-    assert "resuming the sweep" in again
-    assert sorted(r["finetune.train.base_lr"] for r in results_table(run_dir)) == [0.01, 0.03]
