@@ -319,6 +319,21 @@ def test_tensorboard_log_is_keyed_by_optimizer_step(tmp_path: Path) -> None:
     assert loss[2][1] == pytest.approx(12.0) and loss[3][1] == pytest.approx(13.0)
 
 
+def test_a_restart_before_the_first_checkpoint_does_not_draw_its_steps_twice(tmp_path: Path) -> None:
+    from vitscale.train.metrics import TensorBoardLog
+
+    board = TensorBoardLog(tmp_path / "tb")
+    for step in (1, 2, 3):  # the attempt dies at step 3, before any checkpoint
+        board.record(_step(step))
+    board.close()
+    board = TensorBoardLog(tmp_path / "tb", resumed_at=0)  # Ray Train starts the run again from step 0
+    for step in (1, 2):
+        board.record(_step(step, loss=7.0 + step))
+    board.close()
+    loss = _scalars(tmp_path / "tb")["train/loss"]
+    assert loss == [(1, pytest.approx(8.0)), (2, pytest.approx(9.0))]
+
+
 def test_no_mfu_is_no_point(tmp_path: Path) -> None:
     from vitscale.train.metrics import TensorBoardLog
 

@@ -521,7 +521,8 @@ class TensorBoardLog:
 
     A run resumed from a checkpoint at step S passes ``resumed_at=S``: TensorBoard then drops what an
     earlier attempt logged past S (its ``purge_step``), so the curve goes on from the checkpoint rather
-    than folding back or doubling. Events are flushed every 10 s and at every :meth:`flush` (the loop
+    than folding back or doubling. A start from step 0 purges too: an attempt that died before its first
+    checkpoint leaves steps the restart logs again. Events are flushed every 10 s and at every :meth:`flush` (the loop
     calls it before each checkpoint, so storage never holds a checkpoint newer than its curves).
     """
 
@@ -531,8 +532,7 @@ class TensorBoardLog:
         )
 
         self.log_dir = Path(log_dir)
-        self._writer = SummaryWriter(str(self.log_dir), purge_step=resumed_at + 1 if resumed_at else None,
-                                     flush_secs=10)
+        self._writer = SummaryWriter(str(self.log_dir), purge_step=resumed_at + 1, flush_secs=10)
 
     def record(self, m: StepMetrics) -> None:
         """One optimiser step's training scalars."""
