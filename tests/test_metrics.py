@@ -94,7 +94,7 @@ def test_prometheus_endpoint_after_steps(tmp_path: Path) -> None:
     assert _value(fams, "vitscale_grad_norm", **lab) == pytest.approx(3.5)
     assert _value(fams, "vitscale_images_per_second", **lab) == pytest.approx(300.0)
     assert _value(fams, "vitscale_mfu_ratio", **lab) == pytest.approx(0.3)
-    # counters carry the cumulative totals, in base units
+    # counters count what this process did (here from the run's start), in base units
     assert _value(fams, "vitscale_examples_seen_total", **lab) == 192
     assert _value(fams, "vitscale_train_flops_total", **lab) == pytest.approx(0.75e18)
     assert _value(fams, "vitscale_skipped_samples_total", **lab, shard="shard-000001.tar") == 1
@@ -159,6 +159,23 @@ def test_mfu_absent_and_counters_never_go_down(tmp_path: Path) -> None:
     assert not [s for s in fams["vitscale_mfu_ratio"].samples if s.name == "vitscale_mfu_ratio"]
     assert _value(fams, "vitscale_examples_seen_total", rank="0") == 320
     assert _value(fams, "vitscale_step", rank="0") == 4
+
+
+def test_a_restarted_process_counts_from_zero_so_rate_reads_its_reset(tmp_path: Path) -> None:
+    # The attempt before served up to step 5 (320 examples) and died; the restart resumes from the step-3
+    # checkpoint on the same scrape target. Its counters start at 0 and count its own steps: Prometheus
+    # reads the drop as a reset and adds 0 + 64, not the checkpoint's 192 examples on top of a fresh one.
+    with MetricsSink(tmp_path, run="r", rank=0, port=0, addr="127.0.0.1", resumed_examples=192,
+                     resumed_exaflops=0.75) as sink:
+        fams = _scrape(sink.port)
+        assert _value(fams, "vitscale_examples_seen_total", rank="0") == 0
+        assert _value(fams, "vitscale_train_flops_total", rank="0") == 0
+        sink.record(_step(4))
+        fams = _scrape(sink.port)
+    assert _value(fams, "vitscale_examples_seen_total", rank="0") == 64
+    assert _value(fams, "vitscale_train_flops_total", rank="0") == pytest.approx(0.25e18)
+    assert _value(fams, "vitscale_run_flops", rank="0") == pytest.approx(1.0e18)  # the run's total, a gauge
+    assert fams["vitscale_run_flops"].type == "gauge"
 
 
 def test_jsonl_lines(tmp_path: Path) -> None:

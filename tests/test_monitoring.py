@@ -79,7 +79,7 @@ def test_dashboard_has_each_panel_per_run_and_rank() -> None:
     exprs = " ".join(dashboard_exprs().values())
     for metric in ("vitscale_images_per_second", "vitscale_mfu_ratio", "vitscale_train_loss", "vitscale_learning_rate",
                    "vitscale_data_wait_seconds_sum", "vitscale_skipped_samples_total", "vitscale_checkpoint_seconds",
-                   "vitscale_train_flops_total", "vitscale_last_checkpoint_timestamp_seconds"):
+                   "vitscale_run_flops", "vitscale_last_checkpoint_timestamp_seconds"):
         assert metric in exprs, metric
     variables = {v["name"] for v in dashboard()["templating"]["list"]}
     assert {"run", "rank", "datasource"} <= variables

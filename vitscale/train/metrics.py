@@ -23,8 +23,10 @@ vitscale_images_per_second          gauge      throughput of the last step (glob
 vitscale_step_seconds               histogram  wall time per optimiser step
 vitscale_data_wait_seconds          histogram  part of the step spent waiting for input
 vitscale_compute_seconds            histogram  part of the step spent in forward/backward/update
-vitscale_examples_seen_total        counter    examples consumed since the run began
-vitscale_train_flops_total          counter    training FLOPs since the run began (FLOPs, not exa)
+vitscale_examples_seen_total        counter    examples this process consumed (from 0 at its start)
+vitscale_train_flops_total          counter    training FLOPs this process spent (FLOPs, not exa)
+vitscale_run_flops                  gauge      training FLOPs of the run so far, the paper's count (the
+                                               progress line's EFLOP, in FLOPs)
 vitscale_mfu_ratio                  gauge      model FLOPs utilisation in [0, 1]; absent if unknown
 vitscale_skipped_samples_total      counter    undecodable samples skipped, label ``shard``
 vitscale_nonfinite_loss_total       counter    steps whose loss was NaN or infinite
@@ -36,6 +38,12 @@ vitscale_restarts_total             counter    restarts of the worker group seen
 vitscale_restart_lost_seconds_total counter    seconds from the last step before a restart to the
                                                first step after (failure, preemption or resize)
 ==================================  =========  =====================================================
+
+The counters count what this process did, as Prometheus expects of a counter: a restart of the worker
+group is a new process whose counters start at 0, which ``rate()`` and ``increase()`` read as the reset it
+is. (Counting from the checkpoint's totals instead, a restart on the same scrape target dropped the series
+from the last step's total to the checkpoint's, and ``increase()`` took the whole run's examples for new
+ones.) The run's own totals are the JSON lines' and, for compute, ``vitscale_run_flops``.
 
 The alert rules and Grafana dashboard built on these series are in ``k8s/monitoring/``.
 
@@ -283,10 +291,13 @@ class MetricsSink:
         addr: the interface to bind (``train.metrics_addr``): loopback by default, so a laptop's
             metrics are not served to its network; ``0.0.0.0`` lets a Prometheus in the cluster
             scrape the pod (the k8s manifests set it).
+        resumed_examples, resumed_exaflops: the run's totals at the step this process starts from (its
+            checkpoint's): the counters count from there.
 
     Counters are fed cumulative values (``examples_seen``, ``cumulative_exaflops``, skipped counts)
-    and increase by the difference from the previous record; a value lower than the last one (a
-    restore to an earlier checkpoint in the same process) adds nothing, as counters cannot go down.
+    and increase by the difference from the previous record (the first from the resumed totals); a
+    value lower than the last one (a restore to an earlier checkpoint in the same process) adds
+    nothing, as counters cannot go down.
     """
 
     def __init__(
@@ -297,6 +308,8 @@ class MetricsSink:
         rank: int,
         port: int | None = None,
         addr: str = "127.0.0.1",
+        resumed_examples: int = 0,
+        resumed_exaflops: float = 0.0,
     ) -> None:
         non_negative_int(rank, "rank")
         if port is not None:
@@ -317,7 +330,8 @@ class MetricsSink:
         # line for the next attempt to continue from; a torn one an earlier writer left is cut off here.
         self._file: AppendOnly | None = AppendOnly(self.path)
         self._lock = threading.Lock()
-        self._last: dict[str, float] = {}  # cumulative value last fed to each counter child
+        # Cumulative value last fed to each counter child: the counters start at 0 where this process starts.
+        self._last: dict[str, float] = {"examples": float(resumed_examples), "flops": resumed_exaflops * 1e18}
         self.registry = CollectorRegistry(auto_describe=True)
         self._build_series()
         self._server = None
@@ -375,8 +389,12 @@ class MetricsSink:
             ),
         }
         # prometheus_client appends "_total" to counter names itself.
-        self._examples = Counter("vitscale_examples_seen", "Examples consumed since the run began.", labels, registry=r)
-        self._flops = Counter("vitscale_train_flops", "Training FLOPs since the run began.", labels, registry=r)
+        self._examples = Counter("vitscale_examples_seen", "Examples this process consumed.", labels, registry=r)
+        self._flops = Counter("vitscale_train_flops", "Training FLOPs this process spent.", labels, registry=r)
+        for counter in (self._examples, self._flops):
+            counter.labels(self.run, str(self.rank))  # at 0 from the start: a restart's reset is seen at once
+        self._run_flops = Gauge("vitscale_run_flops", "Training FLOPs of the run so far (the paper's count).", labels,
+                                registry=r)
         self._skipped = Counter(
             "vitscale_skipped_samples", "Samples skipped (undecodable or invalid), by shard.", (*labels, "shard"),
             registry=r,
@@ -447,6 +465,7 @@ class MetricsSink:
                 hist.labels(*lv).observe(getattr(m, key))
             self._advance("examples", self._examples.labels(*lv), float(m.examples_seen))
             self._advance("flops", self._flops.labels(*lv), m.cumulative_exaflops * 1e18)
+            self._run_flops.labels(*lv).set(m.cumulative_exaflops * 1e18)
             for shard, count in by_shard.items():
                 self._advance(f"skipped/{shard}", self._skipped.labels(*lv, shard), float(count))
             if not math.isfinite(m.loss):

@@ -29,7 +29,8 @@ class Observers:
         self.start_step = worker.state.step
         self.sink = MetricsSink(ctx.run_dir, run=ctx.run_name or ctx.run_dir.name, rank=ctx.rank,
                                 addr=train.metrics_addr, port=None if train.metrics_port is None else
-                                (0 if train.metrics_port == 0 else train.metrics_port + ctx.local_rank))
+                                (0 if train.metrics_port == 0 else train.metrics_port + ctx.local_rank),
+                                resumed_examples=worker.state.examples_seen, resumed_exaflops=worker.state.flops / 1e18)
         if self.sink.port is not None:
             instead = f" instead: {self.sink.refused}" if self.sink.refused else ""
             say(f"rank {ctx.rank}: Prometheus metrics on :{self.sink.port}/metrics{instead}")
