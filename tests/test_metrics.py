@@ -178,6 +178,15 @@ def test_a_restarted_process_counts_from_zero_so_rate_reads_its_reset(tmp_path: 
     assert fams["vitscale_run_flops"].type == "gauge"
 
 
+def test_the_attempts_start_is_served_for_the_stale_checkpoint_alert(tmp_path: Path) -> None:
+    # VitscaleCheckpointStale counts from it while this process has not saved: its steps are all unsaved.
+    with MetricsSink(tmp_path, run="r", rank=0, port=0, addr="127.0.0.1") as sink:
+        sink.record(_step(1, attempt=1_700_000_000.0))
+        fams = _scrape(sink.port)
+    assert _value(fams, "vitscale_attempt_start_timestamp_seconds", rank="0") == 1_700_000_000.0
+    assert fams["vitscale_last_checkpoint_timestamp_seconds"].samples == []  # no save yet
+
+
 def test_jsonl_lines(tmp_path: Path) -> None:
     with MetricsSink(tmp_path / "run", run="demo", rank=1) as sink:
         assert sink.port is None

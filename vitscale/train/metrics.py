@@ -33,6 +33,8 @@ vitscale_nonfinite_loss_total       counter    steps whose loss was NaN or infin
 vitscale_checkpoint_seconds         histogram  wall time to save one checkpoint (this rank's part)
 vitscale_last_checkpoint_timestamp  gauge      Unix time the last checkpoint save finished
 _seconds                                       (absent until this process saved one)
+vitscale_attempt_start_timestamp    gauge      Unix time this attempt of the run began (a start or a
+_seconds                                       restart): its steps are unsaved until its first checkpoint
 vitscale_world_size                 gauge      workers training the run (an elastic run's changes)
 vitscale_restarts_total             counter    restarts of the worker group seen by this process
 vitscale_restart_lost_seconds_total counter    seconds from the last step before a restart to the
@@ -412,6 +414,8 @@ class MetricsSink:
                                  "(failures, preemptions, resizes).", labels, registry=r)
         self._restart_seconds = Counter("vitscale_restart_lost_seconds", "Seconds from the last step before a "
                                         "restart to the first step after.", labels, registry=r)
+        self._attempt = Gauge("vitscale_attempt_start_timestamp_seconds", "Unix time this attempt of the run (a start "
+                              "or a restart of the worker group) began.", labels, registry=r)
         self._ckpt_last = Gauge(
             "vitscale_last_checkpoint_timestamp_seconds", "Unix time the last checkpoint save finished.", labels,
             registry=r,
@@ -471,6 +475,8 @@ class MetricsSink:
             if not math.isfinite(m.loss):
                 self._nonfinite.labels(*lv).inc()
             self._world.labels(*lv).set(m.world_size)
+            if m.attempt > 0:
+                self._attempt.labels(*lv).set(m.attempt)
             for restart in gone:
                 self._restarts.labels(*lv).inc()
                 self._restart_seconds.labels(*lv).inc(restart.seconds_lost)
