@@ -59,3 +59,31 @@ def test_restart_goes_on_counting(tmp_path: Path, damaged: str, process_group: N
                                  resume_from=checkpoint))
     assert resumed.metrics == [] and steps(tmp_path / "run-b") == []
     shutil.rmtree(tmp_path / "whole")
+
+
+def test_the_runs_skipped_samples_survive_a_restart_and_an_epoch(tmp_path: Path, damaged: str,
+                                                                 process_group: None) -> None:
+    """The run's figure (summary table, final JSON): every epoch's skips, a restart's predecessor's included,
+    not what rank 0 skipped since its process began."""
+    import ray.train
+
+    from vitscale.launch.ray_train import final_metrics
+    from vitscale.train.loop import WorkerContext, train
+
+    job = tiny_config(damaged, max_steps=14, checkpoint_every=3)  # 10 steps an epoch: into epoch 1
+    job = dataclasses.replace(job, data=dataclasses.replace(job.data, error_budget=1.0))
+    whole = Recorder(tmp_path / "whole")
+    train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-a", report=whole))
+    lines = steps(tmp_path / "run-a")
+    assert lines[9]["run_skipped_samples"] == len(DAMAGED)  # epoch 0 read each damaged sample once
+    total = lines[-1]["run_skipped_samples"]
+    assert total >= len(DAMAGED) and [m["run_skipped_samples"] for m in lines] == \
+        sorted(m["run_skipped_samples"] for m in lines)
+    for resume_at in (9, 12):  # in epoch 0, and in epoch 1 after epoch 0's end
+        again = Recorder(tmp_path / f"again-{resume_at}")
+        train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / f"run-{resume_at}", report=again,
+                                 resume_from=tmp_path / "whole" / f"checkpoint_{resume_at:09d}"))
+        assert again.metrics[-1]["run_skipped_samples"] == total, resume_at
+        assert again.metrics[-1]["skipped_samples"] < total  # this process's own count: rank 0 since its start
+        result = ray.train.Result(metrics=again.metrics[-1], checkpoint=None, error=None, path=str(tmp_path))
+        assert final_metrics(result)["skipped_samples"] == total

@@ -442,6 +442,8 @@ def final_metrics(result: Any) -> dict[str, Any]:
     """The metrics Ray kept with the latest checkpoint: the final step's, accuracies included."""
     last = dict(result.metrics or {})
     out = {key: last.get(key) for key in FINAL_METRICS}
+    # The run's (all ranks, every epoch, the attempts before a restart), not rank 0's since its process began.
+    out["skipped_samples"] = last.get("run_skipped_samples", out["skipped_samples"])
     out.update({k: v for k, v in last.items() if "_accuracy" in k})
     return out
 

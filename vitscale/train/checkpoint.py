@@ -5,7 +5,7 @@ merges the folders of all ranks into one directory of the run's storage):
 
     deepspeed/state/...          DeepSpeed's files: module states (rank 0) and one ZeRO shard per rank
     rank{r}.pt                   this rank's stream state and RNG states (and Polyak average, if on)
-    train_state.json             step, epoch, examples seen, cumulative FLOPs (rank 0)
+    train_state.json             step, epoch, examples seen, cumulative FLOPs, samples skipped (rank 0)
     config.yaml                  the resolved pipeline config, and what the weights are (`trained:`; rank 0)
     MANIFEST-rank{r}.json        SHA-256 of every file rank r wrote -- written LAST by that rank
 
@@ -63,6 +63,9 @@ class TrainState:
     """Steps not applied because their loss or gradients were not finite (the run's whole history)."""
     first_skipped_step: int | None = None
     """The first such step; checkpoints written before it outrank later ones in rotation."""
+    skipped_samples: int = 0
+    """Samples skipped (undecodable, bad labels), all ranks together, in the epochs finished by `step`; the
+    epoch in progress keeps its own count in the stream state (``skipped``)."""
 
 
 

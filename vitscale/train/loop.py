@@ -65,14 +65,18 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
         else:
             state = _skipped(state, outcome.loss, outcome.grad_norm, job.train.max_skipped_steps, ctx.rank)
         step = state.step + 1
-        if step % w.steps_per_epoch == 0:
+        epoch_done = step % w.steps_per_epoch == 0
+        if epoch_done:
             batches = None  # epoch finished: the next step opens the next epoch's plan
         # Every rank sees the same sum, so all gather the bad shards and raise `ErrorBudgetExceeded` at the same
         # step (no rank is left waiting in a collective); the launcher then ends the run instead of restarting it.
-        stream.check_error_budget(vote.skipped_samples(outcome.votes), gather=vote.gather)
+        # The epoch's count so far, all ranks (a resumed epoch's included): the run's is the finished epochs' plus it.
+        epoch_skips = stream.check_error_budget(vote.skipped_samples(outcome.votes), gather=vote.gather)
         state = replace(state, step=step, examples_seen=state.examples_seen + batch.global_batch,
-                        flops=state.flops + w.flops_per_example * batch.global_batch)
-        metrics = _step_metrics(w, state, outcome, lr, clock.lap(), observers.attempt, vote.skipped)
+                        flops=state.flops + w.flops_per_example * batch.global_batch,
+                        skipped_samples=state.skipped_samples + (epoch_skips if epoch_done else 0))
+        metrics = _step_metrics(w, state, outcome, lr, clock.lap(), observers.attempt, vote.skipped,
+                                state.skipped_samples + (0 if epoch_done else epoch_skips))
         observers.record(metrics, outcome.keys, vote.skipped)
         maybe_die(job.train.fault, ctx.rank, step, ctx.storage or str(ctx.run_dir))
         clock.booked()
@@ -113,8 +117,9 @@ def _skipped(state: ckpt.TrainState, loss: float, grad_norm: float, budget: int,
 
 
 def _step_metrics(w: Worker, state: ckpt.TrainState, outcome: StepOutcome, lr: float, step_time: float,
-                  attempt: float, skipped: dict[str, int]) -> StepMetrics:
-    """What one step measured: loss, LR, throughput, MFU, compute spent, samples skipped, epoch."""
+                  attempt: float, skipped: dict[str, int], run_skipped: int) -> StepMetrics:
+    """What one step measured: loss, LR, throughput, MFU, compute spent, samples skipped (this rank's in this
+    process, and `run_skipped`: the run's), epoch."""
     images_per_s = w.batch.global_batch / step_time
     world = w.ctx.world_size
     return StepMetrics(
@@ -122,5 +127,5 @@ def _step_metrics(w: Worker, state: ckpt.TrainState, outcome: StepOutcome, lr: f
         step_time_s=step_time, data_wait_s=outcome.data_wait_s, compute_s=step_time - outcome.data_wait_s,
         examples_seen=state.examples_seen, cumulative_exaflops=state.flops / 1e18,
         mfu=None if w.peak is None else mfu(w.flops_per_example * images_per_s / world, w.peak),
-        skipped_samples=sum(skipped.values()), epoch=state.step / w.steps_per_epoch,
+        skipped_samples=sum(skipped.values()), run_skipped_samples=run_skipped, epoch=state.step / w.steps_per_epoch,
         world_size=world, attempt=attempt, launch=w.ctx.launched, patch_accuracy=outcome.patch_accuracy)

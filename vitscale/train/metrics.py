@@ -150,7 +150,7 @@ class StepMetrics:
     mfu: float | None
     """Model FLOPs utilisation in [0, 1], or None where the hardware peak is unknown (CPU)."""
     skipped_samples: int
-    """Samples skipped so far (undecodable images, bad labels) on this rank."""
+    """Samples skipped so far (undecodable images, bad labels) on this rank, by this process."""
     epoch: float
     """Fractional epoch reached."""
     world_size: int = 1
@@ -161,6 +161,9 @@ class StepMetrics:
     launch: float = 0.0
     """Unix time the command running this attempt began (`vitscale run`): the same through the restarts Ray
     Train makes, a new value when the run is resumed by running the command again (0: not known)."""
+    run_skipped_samples: int = 0
+    """Samples the whole run skipped so far: all ranks, every epoch, the attempts before a restart included (as
+    far as the checkpoint it resumed from; the run's summary shows this)."""
     patch_accuracy: float | None = None
     """Masked patch prediction (Sec. 4.6): the share of this step's corrupted patches (all ranks) whose
     target was predicted exactly; None for supervised training and the regression target."""

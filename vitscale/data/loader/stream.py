@@ -333,17 +333,19 @@ class ShardStream:
         return sum(self._epoch_skipped.values())
 
     def check_error_budget(self, skipped_all_ranks: int,
-                           gather: Callable[[Mapping[str, int]], list[Mapping[str, int]]] | None = None) -> None:
+                           gather: Callable[[Mapping[str, int]], list[Mapping[str, int]]] | None = None) -> int:
         """Raise :class:`ErrorBudgetExceeded` if the epoch's skipped samples (``skipped_all_ranks``:
         :meth:`epoch_skipped` summed over all ranks; plus the count restored from a checkpoint) exceed the
-        budget; otherwise remember the total for :meth:`state_dict`. ``gather`` (every rank calls it, at the
-        same step) collects the ranks' per-shard counts, so the error names every rank's bad shards."""
+        budget; otherwise remember the total for :meth:`state_dict` and return it. ``gather`` (every rank
+        calls it, at the same step) collects the ranks' per-shard counts, so the error names every rank's
+        bad shards."""
         total = self._skipped_before + int(skipped_all_ranks)
         self._skipped_total = total
         if total > self.budget_samples():
             mine = dict(self._epoch_skipped)
             raise budget_error(total, self.epoch, self.spec.error_budget, sum(self.dataset.counts),
                                self.spec.world_size, gather(mine) if gather is not None else [mine])
+        return total
 
     def _account(self, skipped: list[tuple[str, str, str]]) -> None:
         for shard, key, why in skipped:
