@@ -185,6 +185,21 @@ def test_the_run_storage_is_canonical() -> None:
     assert spelled.storage_root == "s3://bar/runs" and spelled.run_storage("exp1") == "s3://bar/runs/exp1"
 
 
+def test_each_train_runs_metrics_are_labelled_with_its_pipeline_run(tmp_path: Path) -> None:
+    from vitscale.launch.ray_train import run_place
+
+    # Two pipelines' fine-tunings and sweeps: each Train run's `run` label names its pipeline run, not only
+    # the last segment every pipeline shares ("finetune", "final").
+    for storage in (str(tmp_path / "runs"), "s3://bucket/runs/"):
+        cluster = ClusterConfig(storage_path=storage)
+        assert run_place(cluster, "vit-b16").label == "vit-b16"
+        assert run_place(cluster, "vit-b16", "finetune").label == "vit-b16/finetune"
+        assert run_place(cluster, "vit-l16", "finetune").label == "vit-l16/finetune"
+        trials = run_place(cluster, "vit-b16", "sweep-pretrained/trials")
+        assert trials.sub("a1b2").label == "vit-b16/sweep-pretrained/trials/a1b2"
+        assert run_place(cluster, "vit-b16", "sweep-pretrained/final").label == "vit-b16/sweep-pretrained/final"
+
+
 # -- a node cache per run location -------------------------------------------------------------
 
 

@@ -90,7 +90,7 @@ def train_worker(payload: dict[str, Any]) -> None:
             ctx = WorkerContext(rank=rank, world_size=world_size, run_dir=run_dir,
                                 report=functools.partial(_report, mirror=mirror, storage=storage),
                                 resume_from=resume_from, local_rank=context.get_local_rank(),
-                                restored=downloaded.close, storage=storage, run_name=place.name,
+                                restored=downloaded.close, storage=storage, run_name=place.label,
                                 elastic=bool(payload.get("elastic")), preemption=_preemption_notice,
                                 launched=float(payload.get("launched", 0.0)),
                                 stop_requested=_stop_poll(payload.get("stop"), place.storage),
@@ -329,6 +329,14 @@ class RunPlace:
     def name(self) -> str:
         """The Train run's name (the last segment of its location: the run's name, `finetune`, a trial id)."""
         return posixpath.basename(self.storage)
+
+    @property
+    def label(self) -> str:
+        """The pipeline run's name and this Train run's part inside it (`vit-b16`, `vit-b16/finetune`,
+        `vit-b16/sweep/trials/<id>`): its metrics' `run` label, which `name` alone (`finetune`, `final`) would
+        give every pipeline's fine-tuning alike."""
+        depth = len(self.part.strip("/").split("/")) if self.part.strip("/") else 0
+        return "/".join(self.storage.rstrip("/").split("/")[-1 - depth:])
 
     def local_dir(self) -> Path:
         """This node's folder for the run: the storage itself, or this node's cache of it (its root created)."""

@@ -9,7 +9,9 @@ What a step reports is one frozen :class:`StepMetrics`. :class:`MetricsSink` wri
   ``prometheus_client.start_http_server`` on a registry of its own (never the global default
   registry, so two sinks in one process — tests, Ray Tune trials — do not collide).
 
-Prometheus series (labels ``run`` and ``rank`` on all; base units; ``_total`` for counters):
+Prometheus series (labels ``run`` and ``rank`` on all; base units; ``_total`` for counters). ``run`` is the
+pipeline run and the Train run's part inside it (``vit-b16``, ``vit-b16/finetune``,
+``vit-b16/sweep/trials/<id>``: ``RunPlace.label``):
 
 ==================================  =========  =====================================================
 name                                type       meaning
