@@ -74,6 +74,11 @@ def test_a_restarted_sink_counts_the_restart_and_its_seconds(tmp_path: Path) -> 
     from prometheus_client import generate_latest
 
     with MetricsSink(tmp_path, run="r", rank=0) as sink:
+        # Served at 0 before any restart: a series that first appears at 1, with the restart, is one whose
+        # first sample increase() never counts (promtool: `_x10 1x20` gives no increase, `0x10 1x20` gives 1).
+        before = generate_latest(sink.registry).decode()
+        assert 'vitscale_restarts_total{rank="0",run="r"} 0.0' in before
+        assert 'vitscale_restart_lost_seconds_total{rank="0",run="r"} 0.0' in before
         for step in (1, 2, 3):
             sink.record(_metrics(step, 4, attempt=100.0))
     last = read_rows(tmp_path / "metrics" / "rank0.jsonl")[-1]["time"]

@@ -419,6 +419,10 @@ class MetricsSink:
                                  "(failures, preemptions, resizes).", labels, registry=r)
         self._restart_seconds = Counter("vitscale_restart_lost_seconds", "Seconds from the last step before a "
                                         "restart to the first step after.", labels, registry=r)
+        # At 0 from the start, as the non-finite count: a series that first appears at 1 is one whose first
+        # sample increase() and rate() never count, so a restart (always a new process's) would not show.
+        for counter in (self._restarts, self._restart_seconds):
+            counter.labels(self.run, str(self.rank))
         self._attempt = Gauge("vitscale_attempt_start_timestamp_seconds", "Unix time this attempt of the run (a start "
                               "or a restart of the worker group) began.", labels, registry=r)
         self._ckpt_last = Gauge(
