@@ -85,6 +85,24 @@ def test_exif_orientation_is_applied():
     assert px[5, 10, 0] > 200 and px[35, 10, 2] > 200  # red on top, blue below after the turn
 
 
+# An EXIF block whose one entry points past its end: PIL's reader warns "Corrupt EXIF data" (a phone's or an
+# editor's damaged metadata is common in real photo folders).
+_BAD_EXIF = b"Exif\x00\x00II*\x00\x08\x00\x00\x00\x01\x00\x12\x01\x03\x00\x01\x00\x00\x00\xff\xff\xff\xff"
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_damaged_exif_is_written_upright_without_pils_warning_on_the_terminal(fmt):
+    import warnings
+
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 20), (255, 0, 0)).save(buf, fmt, exif=_BAD_EXIF if fmt == "JPEG" else _BAD_EXIF[6:])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        jpeg, w, h = encode_image(buf.getvalue(), 64, 95)
+    assert [str(x.message) for x in seen] == [] and (w, h) == (40, 20)
+    assert _rgb(jpeg)[10, 20, 0] > 200
+
+
 def _png_claiming(width: int, height: int) -> bytes:
     buf = io.BytesIO()
     Image.new("L", (4, 4)).save(buf, "PNG")

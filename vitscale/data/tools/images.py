@@ -22,8 +22,10 @@ bombs; anything PIL cannot open or decode (not an image, empty, truncated) raise
 
 from __future__ import annotations
 
+import contextlib
 import io
 import warnings
+from collections.abc import Iterator
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -45,6 +47,17 @@ class UnreadableImage(ValueError):
     """A source file that is no image PIL can decode (or a decompression bomb); skipped and counted."""
 
 
+@contextlib.contextmanager
+def _pil_quiet() -> Iterator[None]:
+    """Within: PIL's warnings about what the limits here decide (big images) and about damaged EXIF metadata
+    (``Corrupt EXIF data``, from its TIFF reader, when a JPEG is opened or its EXIF read: the image decodes,
+    only its orientation is taken from EXIF, upright when unreadable) are not printed among the verb's lines."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.TiffImagePlugin")
+        yield
+
+
 def open_image(image: Image.Image | bytes, max_pixels: int = MAX_PIXELS) -> Image.Image:
     """A PIL image from a source's bytes (header read, pixels not yet decoded), size-checked."""
     if isinstance(image, Image.Image):
@@ -53,9 +66,7 @@ def open_image(image: Image.Image | bytes, max_pixels: int = MAX_PIXELS) -> Imag
         if not image:
             raise UnreadableImage("empty file")
         try:
-            with warnings.catch_warnings():
-                # Our own limit below decides; PIL's warning about big images is noise here.
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with _pil_quiet():  # our own limit below decides
                 img = Image.open(io.BytesIO(image))
         except Image.DecompressionBombError as exc:
             raise UnreadableImage(f"decompression bomb: {exc}") from exc
@@ -107,7 +118,8 @@ def encode_image(image: Image.Image | bytes, max_side: int, quality: int,
     try:
         # Orientation first, from the header: thumbnail() may decode at a reduced scale (draft)
         # and the transposed size decides which side is the long one.
-        orientation = img.getexif().get(0x0112, 1)
+        with _pil_quiet():
+            orientation = img.getexif().get(0x0112, 1)
         if img.mode in (*_INT16_MODES, "I", "F"):
             img = to_rgb(img)  # resampling these modes in PIL is partial; convert first
         # thumbnail() shrinks in place keeping the aspect ratio, never enlarges, and for JPEG input
