@@ -443,3 +443,23 @@ def test_a_report_into_a_place_that_takes_no_files_is_one_line(tmp_path: Path, m
     assert main(["study", "report", str(tmp_path / "study")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"vitscale: error: study_dir: {tmp_path / 'study'}") and err.count("\n") == 1, err
+
+
+def test_a_cells_progress_line_shows_a_non_finite_loss_instead_of_failing(tmp_path: Path) -> None:
+    """A cell whose latest step's loss was NaN (a skipped step, within train.max_skipped_steps) has it as
+    null in its metrics line: the study's progress line says nan, not a TypeError that ends the study."""
+    from vitscale.launch.ray_train import run_place
+    from vitscale.scaling.study.cell_pipelines import cell_run, resolve_cells
+    from vitscale.scaling.study.runner import _progress
+    from vitscale.stages import build_pipeline
+    from vitscale.train.metrics import MetricsSink, StepMetrics
+
+    raw = _study(tmp_path, {"models": [TINY], "epochs": [1]})
+    config = build_pipeline(raw, "study.yaml")
+    [cell], [planned] = resolve_cells(config), _plan(raw)[1]
+    run = cell_run(config, cell, str(tmp_path / "cells"))
+    with MetricsSink(run_place(run.cluster, run.run_name).local_dir(), run=run.run_name, rank=0) as sink:
+        sink.record(StepMetrics(step=3, loss=float("nan"), lr=0.1, grad_norm=float("inf"), images_per_s=12.0,
+                                step_time_s=1.0, data_wait_s=0.0, compute_s=1.0, examples_seen=24,
+                                cumulative_exaflops=1e-9, mfu=None, skipped_samples=0, epoch=0.2))
+    assert _progress(run, planned) == "step 3 (20% of 120 examples) loss nan, 12 img/s"

@@ -125,9 +125,14 @@ def _progress(config: PipelineConfig, planned: PlannedCell) -> str | None:
         return None
     if not isinstance(last, dict):  # a line that is JSON but not a record: no progress to show
         return None
-    share = last.get("examples_seen", 0) / max(1, planned.examples_seen)
+    share = _number(last.get("examples_seen")) / max(1, planned.examples_seen)
+    # A non-finite loss is null in the metrics line (JSON has no NaN): it reads "nan" here, as it was.
     return (f"step {last.get('step')} ({share:.0%} of {planned.examples_seen:,} examples) "
-            f"loss {last.get('loss', float('nan')):.4f}, {last.get('images_per_s', 0):.0f} img/s")
+            f"loss {_number(last.get('loss'), float('nan')):.4f}, {_number(last.get('images_per_s')):.0f} img/s")
+
+
+def _number(value: object, otherwise: float = 0.0) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else otherwise
 
 
 def run_cells(config: PipelineConfig, cells: list[Cell], planned: list[PlannedCell], state: StudyState,
