@@ -34,6 +34,37 @@ def test_a_failure_leaves_no_final_line() -> None:
     assert tty.getvalue().endswith("\n") and "1/3" in tty.getvalue() and "3/3" not in tty.getvalue()
 
 
+def _screen(text: str) -> list[str]:
+    """What a terminal shows for `text`: a carriage return moves back to the line's start, and what follows
+    overwrites only the characters it covers."""
+    rows, row, col = [], [], 0
+    for ch in text:
+        if ch == "\r":
+            col = 0
+        elif ch == "\n":
+            rows, row, col = [*rows, "".join(row)], [], 0
+        else:
+            row[col:col + 1] = [ch]
+            col += 1
+    return [*rows, "".join(row)]
+
+
+def test_a_shorter_redraw_leaves_nothing_of_the_longer_line_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vitscale.data.tools.progress as progress
+
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    tty = _Terminal()
+    with Progress(1000, "write x", unit="img", stream=tty, interval_s=0.0) as bar:
+        clock[0] = 0.5
+        bar.update(600)  # 1200.0 img/s
+        clock[0] = 2.0
+        bar.update(100)  # 350.0 img/s: one character shorter
+        assert _screen(tty.getvalue())[-1].rstrip().endswith("350.0 img/s  ETA 0:00:01")
+        clock[0] = 3.0
+    assert _screen(tty.getvalue())[-2].rstrip().endswith("233.3 img/s  ETA 0:00:01")  # the final line, ended
+
+
 @pytest.mark.parametrize("verb", ["index", "fewshot", "inspect"])
 def test_the_verbs_show_progress_on_a_terminal(verb: str, tmp_path: Path, small_synthetic: str,
                                                monkeypatch: pytest.MonkeyPatch,

@@ -76,6 +76,7 @@ class Progress:
         self._last = self._start
         self._closed = False
         self._shown = False  # a line (or a bar) has been written
+        self._drawn = 0  # length of the bar last drawn on the terminal: a shorter one must cover all of it
 
     def __enter__(self) -> Self:
         return self
@@ -115,7 +116,11 @@ class Progress:
     def _emit(self, final: bool) -> None:
         self._shown = True
         if self._tty:
-            self.stream.write("\r" + self.line() + ("\n" if final else ""))
+            # A redraw only overwrites: where this line is shorter (a rate that lost a digit), the last one's
+            # tail would stay on screen after it ("ETA 0:00:01" reading "ETA 0:00:010"), so spaces cover it.
+            text = self.line()
+            self.stream.write("\r" + text.ljust(self._drawn) + ("\n" if final else ""))
+            self._drawn = 0 if final else len(text)
         else:
             self.stream.write(self.line() + "\n")
         self.stream.flush()
