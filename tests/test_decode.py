@@ -203,6 +203,25 @@ def test_corrupt_and_truncated_images_are_bad_samples():
             _decode(bad, TransformSpec(resolution=32, train=False))
 
 
+def test_a_png_header_past_pils_bomb_limit_is_a_bad_sample_without_pils_warning():
+    """100M pixels: over PIL's warning threshold (89,478,485), under the loader's MAX_PIXELS (2^27), and only
+    a header: a bad sample, and PIL's DecompressionBombWarning not printed among fewshot's or inspect's lines."""
+    import struct
+    import warnings
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 10000, 10000, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(b"\0" * 100)) + chunk(b"IEND", b""))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(BadSample):
+            _decode(png, TransformSpec(resolution=32, train=False))
+    assert [str(w.message) for w in seen] == []
+
+
 def test_output_buffer_is_checked():
     with pytest.raises(ValueError, match="shape"):
         decode_image_into(_jpeg(_halves()), np.empty((3, 8, 8), np.uint8), TransformSpec(resolution=16), None)

@@ -31,7 +31,7 @@ from PIL import Image
 
 from vitscale.data.loader.tar import BadSample
 from vitscale.data.loader.transforms import CropBox, TransformSpec, crop_box
-from vitscale.data.tools.images import to_rgb
+from vitscale.data.tools.images import pil_quiet, to_rgb
 
 __all__ = ["MAX_PIXELS", "decode_image_into"]
 
@@ -59,7 +59,7 @@ def _decode_rgb(data: bytes, width: int, height: int, k: int) -> np.ndarray:
     except ValueError:
         pass  # CMYK/YCCK JPEG or not a JPEG at all: let PIL try, it raises if truly corrupt
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with pil_quiet(), Image.open(io.BytesIO(data)) as img:  # MAX_PIXELS decides, not PIL's warning
             # draft() picks a power-of-two DCT scale whose size is >= the requested one.
             img.draft("RGB", (-(-width // k), -(-height // k)))
             # The writer's rules for every mode (tools/images.py), not PIL's convert("RGB"): a 16-bit PNG in an
@@ -76,7 +76,7 @@ def _image_size(data: bytes) -> tuple[int, int]:
         width, height = int(width), int(height)
     except ValueError:
         try:
-            with Image.open(io.BytesIO(data)) as img:
+            with pil_quiet(), Image.open(io.BytesIO(data)) as img:  # MAX_PIXELS decides, below
                 width, height = img.size
         except Exception as exc:  # any decoder failure on untrusted bytes is a bad sample
             raise BadSample(f"corrupt image: {type(exc).__name__}: {exc}") from exc

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 import numpy as np
 from PIL import Image, ImageOps
 
-__all__ = ["BACKGROUND", "MAX_PIXELS", "UnreadableImage", "encode_image", "open_image", "to_rgb"]
+__all__ = ["BACKGROUND", "MAX_PIXELS", "UnreadableImage", "encode_image", "open_image", "pil_quiet", "to_rgb"]
 
 BACKGROUND = (255, 255, 255)
 """What transparent pixels are composited on: white."""
@@ -48,10 +48,11 @@ class UnreadableImage(ValueError):
 
 
 @contextlib.contextmanager
-def _pil_quiet() -> Iterator[None]:
-    """Within: PIL's warnings about what the limits here decide (big images) and about damaged EXIF metadata
-    (``Corrupt EXIF data``, from its TIFF reader, when a JPEG is opened or its EXIF read: the image decodes,
-    only its orientation is taken from EXIF, upright when unreadable) are not printed among the verb's lines."""
+def pil_quiet() -> Iterator[None]:
+    """Within: PIL's warnings about what vitscale's own pixel limits decide (big images; here and in the
+    loader, `data/loader/decode.py`) and about damaged EXIF metadata (``Corrupt EXIF data``, from its TIFF
+    reader, when a JPEG is opened or its EXIF read: the image decodes, only its orientation is taken from
+    EXIF, upright when unreadable) are not printed among the verb's lines."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.TiffImagePlugin")
@@ -66,7 +67,7 @@ def open_image(image: Image.Image | bytes, max_pixels: int = MAX_PIXELS) -> Imag
         if not image:
             raise UnreadableImage("empty file")
         try:
-            with _pil_quiet():  # our own limit below decides
+            with pil_quiet():  # our own limit below decides
                 img = Image.open(io.BytesIO(image))
         except Image.DecompressionBombError as exc:
             raise UnreadableImage(f"decompression bomb: {exc}") from exc
@@ -118,7 +119,7 @@ def encode_image(image: Image.Image | bytes, max_side: int, quality: int,
     try:
         # Orientation first, from the header: thumbnail() may decode at a reduced scale (draft)
         # and the transposed size decides which side is the long one.
-        with _pil_quiet():
+        with pil_quiet():
             orientation = img.getexif().get(0x0112, 1)
         if img.mode in (*_INT16_MODES, "I", "F"):
             img = to_rgb(img)  # resampling these modes in PIL is partial; convert first
