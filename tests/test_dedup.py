@@ -88,6 +88,20 @@ def test_phash_rejects_wrong_shape() -> None:
         phash_pixels(np.zeros((8, 8)))
 
 
+def test_a_photo_with_damaged_exif_is_hashed_without_pils_warning() -> None:
+    """An adopted tar's .jpg whose EXIF block points past its end: PIL warns "Corrupt EXIF data" on opening
+    it; `shards dedup` hashes it with only its own progress bar on the terminal."""
+    import warnings
+
+    bad_exif = b"Exif\x00\x00II*\x00\x08\x00\x00\x00\x01\x00\x12\x01\x03\x00\x01\x00\x00\x00\xff\xff\xff\xff"
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (90, 140, 30)).save(buf, "JPEG", exif=bad_exif)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        phash(buf.getvalue())
+    assert [str(w.message) for w in seen] == []
+
+
 def _photo(rng: np.random.Generator, h: int = 240, w: int = 320) -> Image.Image:
     """A photo-like image: 1/f^1.2 coloured noise (natural images have roughly this spectrum)."""
     fy, fx = np.fft.fftfreq(h)[:, None], np.fft.rfftfreq(w)[None, :]

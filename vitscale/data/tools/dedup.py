@@ -35,6 +35,7 @@ from vitscale.config.checks import check
 from vitscale.data.format import META_NAME, DatasetError, SplitMeta, read_index, read_meta, write_index_and_meta
 from vitscale.data.storage import Storage, open_storage
 from vitscale.data.tools import publish
+from vitscale.data.tools.images import pil_quiet
 from vitscale.data.tools.progress import Progress
 from vitscale.data.tools.scan import ShardSample, iter_shard, labels_of
 from vitscale.data.tools.write import ShardWriter
@@ -84,7 +85,8 @@ def phash_pixels(grey: np.ndarray) -> int:
 
 def phash(image: Image.Image | bytes) -> int:
     """64-bit pHash of a PIL image or encoded image bytes."""
-    img = image if isinstance(image, Image.Image) else Image.open(io.BytesIO(image))
+    with pil_quiet():  # an adopted tar's photo with damaged EXIF: its hash, not PIL's warning mid-bar
+        img = image if isinstance(image, Image.Image) else Image.open(io.BytesIO(image))
     if img.format == "JPEG":
         img.draft("L", (2 * _HASH_SIDE, 2 * _HASH_SIDE))  # let libjpeg decode at reduced scale
     grey = img.convert("L").resize((_HASH_SIDE, _HASH_SIDE), Image.Resampling.LANCZOS)
