@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 from pathlib import Path
 
@@ -236,3 +238,63 @@ def test_a_worker_refuses_to_resume_on_a_dataset_written_again(tmp_path: Path, p
         train(config, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-b", report=Recorder(tmp_path / "b"),
                                     resume_from=checkpoint))
     assert refused.value.key == "data.url"
+
+
+_SAVING_RANK = """
+import json, os, pickle, signal, sys, tempfile
+from pathlib import Path
+import torch
+from vitscale.train.engine import init_distributed
+from vitscale.train.loop import WorkerContext, train
+
+os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": sys.argv[2], "RANK": "0", "WORLD_SIZE": "1",
+                   "LOCAL_RANK": "0"})
+torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+init_distributed(on_gpu=False)
+job = pickle.loads(open(sys.argv[1], "rb").read())
+killed = sys.argv[4] == "kill"
+
+def report(metrics, checkpoint_dir):  # Ray's copy into the run's storage: cut short by a SIGKILL, or recorded
+    if checkpoint_dir is not None:
+        if killed:
+            os.kill(os.getpid(), signal.SIGKILL)
+        print(json.dumps({"saving": str(checkpoint_dir), "there": sorted(os.listdir(tempfile.gettempdir()))}))
+
+train(job, WorkerContext(rank=0, world_size=1, run_dir=Path(sys.argv[3]), report=report))
+"""
+
+
+def test_a_rank_killed_mid_checkpoint_leaves_no_part_the_next_one_keeps(tmp_path: Path, tiny_dataset: str) -> None:
+    """A rank SIGKILLed while its checkpoint part waits in the temporary folder for Ray's copy (an OOM kill, a
+    lost node's process) runs no cleanup: the part, a checkpoint's size, stayed there for good, one more at
+    every such kill until the disk filled. The next rank to save on the machine removes it; a live rank's
+    part (locked) is never touched, and a finished save leaves nothing. (Both ranks are processes of their own,
+    as Ray's workers are.)"""
+    import json
+    import pickle
+    import subprocess
+    import sys
+
+    from vitscale.train.checkpointer import SCRATCH_PREFIX
+
+    spools = tmp_path / "tmp"
+    spools.mkdir()
+    (tmp_path / "job.pkl").write_bytes(pickle.dumps(tiny_config(tiny_dataset)))
+
+    def rank(mode: str, run: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _SAVING_RANK, str(tmp_path / "job.pkl"), str(_free_port()),
+                               str(tmp_path / run), mode], env={**os.environ, "TMPDIR": str(spools)},
+                              capture_output=True, text=True, timeout=300)
+
+    killed = rank("kill", "run-a")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    left = list(spools.glob(f"{SCRATCH_PREFIX}*"))
+    assert len(left) == 1 and (left[0] / "deepspeed").is_dir()  # the killed rank's part, whole
+
+    saved = rank("save", "run-b")
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    saves = [json.loads(line) for line in saved.stdout.splitlines() if line.startswith('{"saving"')]
+    assert len(saves) == 2  # steps 3 and 6
+    for save in saves:  # during each save: its own part only, the killed rank's gone
+        assert [n for n in save["there"] if n.startswith(SCRATCH_PREFIX)] == [Path(save["saving"]).name], save
+    assert list(spools.glob(f"{SCRATCH_PREFIX}*")) == []  # and nothing once saved

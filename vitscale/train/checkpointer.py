@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 import tempfile
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vitscale.data.storage.cleanup import scratch_folder
 from vitscale.train import checkpoint as ckpt
 from vitscale.train.metrics import StepMetrics
 from vitscale.train.stopvote import Notice
@@ -23,6 +23,10 @@ from vitscale.train.termination import Terminated
 if TYPE_CHECKING:
     from vitscale.train.observers import Observers
     from vitscale.train.worker import Worker
+
+
+SCRATCH_PREFIX = "vitscale-ckpt-"
+"""The local folders a rank saves its checkpoint part into before Ray copies it into the run's storage."""
 
 
 def checkpoint_score(step: int, first_skipped: int | None) -> float:
@@ -77,8 +81,9 @@ class Checkpointer:
 
 def _save_and_report(w: Worker, state: ckpt.TrainState, stream_state: dict[str, Any], metrics: dict[str, Any]) -> None:
     ctx = w.ctx
-    with tempfile.TemporaryDirectory(prefix=f"vitscale-ckpt-r{ctx.rank}-") as tmp:
-        directory = Path(tmp)
+    # Locked while this rank lives: a rank killed mid-save (SIGKILL, OOM, a lost node's process) leaves its
+    # part here unlocked, and the next rank to save on this machine removes it (data/storage/cleanup.py).
+    with scratch_folder(SCRATCH_PREFIX) as directory:
         # A full disk, here or in the run's storage, is one line naming it and the space needed.
         with ckpt.space_for(tempfile.gettempdir(), step=state.step):
             # Every rank calls save: ZeRO keeps one optimizer shard per rank (DeepSpeed barriers inside).

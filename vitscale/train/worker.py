@@ -239,10 +239,9 @@ def _load_engine(engine: Any, ctx: WorkerContext, directory: Path, saved_world: 
     if saved_world == ctx.world_size:
         load_checkpoint(engine, directory / ckpt.DEEPSPEED_DIR, ckpt.DEEPSPEED_TAG)
         return
-    import tempfile
-
+    from vitscale.data.storage.cleanup import scratch_folder
     from vitscale.train.reshard import load_resharded
 
-    with tempfile.TemporaryDirectory(prefix=f"vitscale-reshard-rank{ctx.rank}-") as scratch:
-        load_resharded(engine, directory / ckpt.DEEPSPEED_DIR, ckpt.DEEPSPEED_TAG, saved_world, scratch=Path(scratch))
+    with scratch_folder("vitscale-reshard-") as scratch:  # a rank killed meanwhile: swept by the next one
+        load_resharded(engine, directory / ckpt.DEEPSPEED_DIR, ckpt.DEEPSPEED_TAG, saved_world, scratch=scratch)
 

@@ -19,12 +19,12 @@ import fcntl
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["after_error", "missing_folders", "remove_file", "remove_new_folders", "remove_unlocked", "spool_file",
-           "spool_folder"]
+__all__ = ["after_error", "missing_folders", "remove_file", "remove_new_folders", "remove_unlocked", "scratch_folder",
+           "spool_file", "spool_folder"]
 
 
 def after_error(error: BaseException, what: str, step: Callable[[], object]) -> None:
@@ -89,6 +89,19 @@ def spool_folder(prefix: str) -> tuple[Path, int]:
     opening = tempfile.mkdtemp(prefix=prefix, suffix=".opening", dir=folder)
     fd = os.open(opening, os.O_RDONLY)
     return Path(_locked(fd, opening, "")), fd
+
+
+@contextlib.contextmanager
+def scratch_folder(prefix: str) -> Iterator[Path]:
+    """A new temporary folder ``PREFIX<random>`` for the block's work, removed when it ends however it ends; a
+    process killed inside it (SIGKILL, the OOM killer: a training rank mid-checkpoint) leaves it unlocked, and
+    the next :func:`spool_folder` of the same prefix on this machine removes it (a checkpoint's size each)."""
+    folder, lock = spool_folder(prefix)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.close(lock)
 
 
 def _sweep(prefix: str, suffix: str) -> str:
