@@ -148,3 +148,68 @@ def test_fault_marker_lives_in_the_runs_storage(tmp_path: Path) -> None:
     assert first.returncode == 17 and (storage / marker_name(1, 3)).exists()
     again = subprocess.run([sys.executable, "-c", code], cwd=tmp_path / "storage")  # "another node"
     assert again.returncode == 0
+
+
+# -- a live run's rotation while its checkpoint is read -------------------------------------------------
+
+
+def test_export_of_a_live_run_reads_on_past_a_checkpoint_rotated_away(tmp_path: Path, process_group: None,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`vitscale export RUN` while the run trains (`keep_checkpoints: 1`, a checkpoint a step): the run's next
+    checkpoint became complete and Ray deleted the one being consolidated, and the export ended in `[Errno 2]
+    No such file or directory: .../checkpoint_000000012/deepspeed/state` (seen 2 times in 8 exports of a live
+    run). It now reads the run's newest complete checkpoint again; a checkpoint that stays the newest and
+    fails keeps its own error."""
+    import shutil
+
+    from helpers.loop_runs import Recorder
+    from helpers.loop_runs import weights as final_weights
+    from vitscale.data.tools.write import write_dataset
+    from vitscale.stages import build_pipeline
+    from vitscale.stages.pretrain import pretraining_job
+    from vitscale.train import engine, export
+    from vitscale.train.loop import WorkerContext, train
+
+    data = tmp_path / "data"
+    write_dataset("synthetic", str(data), shard_size=20, max_side=16, progress=False,
+                  source_options={"count": 40, "classes": 3, "image_size": 16})
+    job = pretraining_job(build_pipeline({
+        "model": MODEL, "data": {"url": str(data), "num_workers": 0, "shuffle_buffer": 16},
+        "train": {"global_batch": 8, "micro_batch": 8, "max_steps": 2, "warmup_steps": 0, "zero_stage": 2,
+                  "precision": "fp32", "checkpoint_every": 1},
+        "cluster": {"num_workers": 1, "use_gpu": False}}))
+    train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "logs", report=Recorder(tmp_path / "saved")))
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(tmp_path / "saved" / "checkpoint_000000001", run / "checkpoint_000000001")
+
+    real = engine.consolidated_state_dict
+    rotated: list[str] = []
+
+    def rotating(directory: Path, tag: str) -> dict:
+        if not rotated:  # the run registers step 2 and deletes step 1 while step 1 is being read
+            rotated.append(str(directory))
+            shutil.copytree(tmp_path / "saved" / "checkpoint_000000002", run / "checkpoint_000000002")
+            shutil.rmtree(run / "checkpoint_000000001")
+        return real(directory, tag)
+
+    monkeypatch.setattr(engine, "consolidated_state_dict", rotating)
+    facts = export.export_run(run, tmp_path / "model.pt")
+    assert rotated == [str(run / "checkpoint_000000001" / ckpt.DEEPSPEED_DIR)]
+    assert facts["step"] == 2 and facts["checkpoint"] == str(run / "checkpoint_000000002")
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    exported = exported.get("state_dict", exported)
+    expected = final_weights(run / "checkpoint_000000002")
+    assert all(torch.equal(exported[name], expected[name]) for name in expected)
+
+    # A checkpoint that stays the newest and cannot be read (a disk's EIO) keeps its error, read once.
+    reads: list[str] = []
+
+    def failing(directory: Path, tag: str) -> dict:
+        reads.append(str(directory))
+        raise OSError(5, "Input/output error", str(directory / tag))
+
+    monkeypatch.setattr(engine, "consolidated_state_dict", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        export.export_run(run, tmp_path / "again.pt")
+    assert reads == [str(run / "checkpoint_000000002" / ckpt.DEEPSPEED_DIR)]

@@ -214,12 +214,14 @@ def check_complete(directory: Path, world_size: int, *, hash_ranks: Iterable[int
                                 f"{world_size} (a ZeRO checkpoint resumes on the same number of workers)")
         for rel, info in manifest["files"].items():
             file = directory / rel
-            if not file.exists():
+            try:  # a live run's rotation may delete the file between any two of these looks
+                size = file.stat().st_size
+                if size != info["bytes"]:
+                    problems.append(f"{file}: {size} bytes, manifest says {info['bytes']}")
+                elif rank in to_hash and sha256_file(file) != info["sha256"]:
+                    problems.append(f"{file}: SHA-256 differs from rank {rank}'s manifest")
+            except FileNotFoundError:
                 problems.append(f"{file}: listed by rank {rank} but missing")
-            elif file.stat().st_size != info["bytes"]:
-                problems.append(f"{file}: {file.stat().st_size} bytes, manifest says {info['bytes']}")
-            elif rank in to_hash and sha256_file(file) != info["sha256"]:
-                problems.append(f"{file}: SHA-256 differs from rank {rank}'s manifest")
     if len(set(steps.values())) > 1:
         problems.append(f"{directory}: ranks' manifests disagree on the step: "
                         + ", ".join(f"rank {r} step {s}" for r, s in sorted(steps.items())))

@@ -7,10 +7,10 @@ the config names, and loads the weights strictly, so an export is exactly what w
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import yaml
@@ -54,6 +54,33 @@ def find_checkpoint(path: str | Path) -> Path:
     if found is None:
         raise UserError(f"{path}: none of its {len(candidates)} checkpoints is complete")
     return found
+
+
+T = TypeVar("T")
+
+
+def read_newest(path: str | Path, read: Callable[[Path], T]) -> T:
+    """`read` of `path`'s newest complete checkpoint (`find_checkpoint`), even while a live run rotates it away.
+
+    A run that trains keeps its newest `train.keep_checkpoints` and deletes older ones once a newer one is
+    complete, so the checkpoint chosen here can vanish while `read` reads it (`vitscale export`, `fewshot`,
+    `inspect` or a fine-tune of a run that still trains: `[Errno 2] No such file ... checkpoint_000000012/...`).
+    Then the newest complete checkpoint is found again and read; an error reading a checkpoint that is still
+    the newest is that checkpoint's own, raised as it is.
+    """
+    checkpoint, tried = find_checkpoint(path), set()
+    while True:
+        try:
+            return read(checkpoint)
+        except (OSError, ValueError, RuntimeError):
+            tried.add(checkpoint)
+            try:
+                newer = find_checkpoint(path)
+            except (OSError, ValueError):
+                newer = checkpoint
+            if newer in tried:
+                raise
+            checkpoint = newer  # a newer one replaced it meanwhile
 
 
 def local_weights(location: str | Path) -> Path:
@@ -262,8 +289,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str | None = None,
     fmt = export_format(out, fmt)
     target = check_output(str(out), "--out", folder=False)  # before the shards are read and consolidated
     bar = Progress(2, f"export {run_dir}", unit="step", enabled=progress)
-    checkpoint = find_checkpoint(run_dir)
-    model, _, facts = model_from_checkpoint(checkpoint)
+    model, _, facts = read_newest(run_dir, model_from_checkpoint)
     bar.update()
     need = sum(t.numel() * 4 for t in model.state_dict().values())  # fp32: the format's own bytes are few
     with _full_disk_named(target, need), output_file(target, "--out") as path:

@@ -120,10 +120,10 @@ def _load_model(path: str | Path, *, model_name: str | None, img_size: int | Non
     if model_options and p.is_dir():
         raise ValueError(f"{p} is a run: it names its own model; --option is for npz and timm files")
     if p.is_dir():
-        from vitscale.train.export import find_checkpoint, model_from_checkpoint
+        from vitscale.train.export import model_from_checkpoint, read_newest
 
-        checkpoint = find_checkpoint(p)
-        model, _, facts = model_from_checkpoint(checkpoint)
+        model, _, facts = read_newest(p, model_from_checkpoint)  # a live run's, rotated meanwhile: the next
+        checkpoint = facts["checkpoint"]
         agree("model", model_name and parse_model_name(model_name).name, facts["model"], str(checkpoint))
         agree("pixel model", img_size, facts["img_size"], str(checkpoint))
         spec: Any = model.spec
