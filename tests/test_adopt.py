@@ -392,3 +392,41 @@ def test_a_key_repeated_whole_is_still_two_samples(tmp_path: Path) -> None:
         for i in (0, 1, 0):
             tw.write({"__key__": f"{i}", "jpg": _image(i, "JPEG"), "cls": b"1"})
     assert index_shards(str(root), progress=False)["splits"]["train"]["samples"] == 3
+
+
+def test_a_second_index_of_the_same_place_at_once_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two `shards index` of one folder at once (the first paused while reading its tars, the second with
+    `--split other --label-member none`) both passed the check that no dataset.json was there and both said
+    they succeeded; the first to finish lost its dataset to the other's index and dataset.json. The index is
+    written under the destination's lease, as `shards write` writes: the other one is refused in one line, by
+    the lease while the first writes, or by the first's dataset.json once it has finished."""
+    import os
+
+    from vitscale.data.storage.lease import LeaseHeld
+    from vitscale.data.tools import adopt, publish
+
+    root = _tars(tmp_path / "tars")
+    with publish.held(open_storage(str(root))):  # another index (or write) of the folder, writing now
+        with pytest.raises(LeaseHeld, match=f"dataset {root} is being written by pid {os.getpid()} "):
+            index_shards(str(root), split="other", label_member="none", progress=False)
+        assert main(["shards", "index", str(root), "--split", "other"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"vitscale: error: shards index {root}: LeaseHeld: dataset {root} is being written "
+                              f"by pid {os.getpid()} ") and "\n" not in err
+    assert not (root / "dataset.json").exists() and not (root / "_index.parquet").exists()
+
+    real, other = adopt._samples, []
+
+    def meanwhile(*args, **kwargs):  # while this index reads its first tar, another one runs whole
+        if not other:
+            other.append("running")
+            monkeypatch.setattr(adopt, "_samples", real)
+            index_shards(str(root), split="other", label_member="none", progress=False)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(adopt, "_samples", meanwhile)
+    with pytest.raises(ValueError, match=f"{root}/dataset.json exists: {root} became a dataset meanwhile"):
+        index_shards(str(root), progress=False)
+    assert list(read_meta(open_storage(str(root))).splits) == ["other"]  # the one that finished first, whole
+    assert read_meta(open_storage(str(root))).num_classes == 0

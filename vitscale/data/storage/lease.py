@@ -138,6 +138,8 @@ class _LocalLease(RunLease):
             os.ftruncate(fd, 0)
             os.pwrite(fd, holder.encode(), 0)
         except OSError as exc:  # a full disk: the run could not write anything either
+            with contextlib.suppress(OSError):
+                self.path.unlink()  # while still locked, as release() does: no empty lease file is left behind
             os.close(fd)  # closing drops the lock
             raise _unwritable(self.path, exc, self.holder) from exc
         self._fd: int | None = fd

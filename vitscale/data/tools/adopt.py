@@ -69,7 +69,7 @@ from vitscale.data.storage.space import free_bytes, free_text, is_no_space, out_
 from vitscale.data.tools import adopt_checks
 from vitscale.data.tools.label_member import LABEL_EXTS, NO_LABELS_HINT, LabelMember, default_member
 from vitscale.data.tools.progress import Progress
-from vitscale.data.tools.publish import WRITING
+from vitscale.data.tools.publish import WRITING, held
 
 __all__ = ["expand_braces", "index_shards", "split_url"]
 
@@ -341,7 +341,8 @@ def _write(dest: Storage, rows: list[dict[str, Any]], meta: DatasetMeta) -> None
     """
     created = missing_folders(dest.url) if isinstance(dest, LocalStorage) else []
     try:
-        write_index_and_meta(dest, rows, meta)
+        with held(dest):  # one writer: of two indexes of one place at once, the second is refused
+            write_index_and_meta(dest, rows, meta)
     except BaseException as exc:
         remove_new_folders(created)
         if not isinstance(exc, OSError) or not is_no_space(exc):

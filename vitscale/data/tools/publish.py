@@ -25,7 +25,8 @@ import logging
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from vitscale.config.errors import UserError
@@ -36,7 +37,7 @@ from vitscale.data.storage.cleanup import after_error, missing_folders, remove_f
 from vitscale.data.storage.lease import RunLease, hold_run_lease
 from vitscale.data.storage.space import NO_FILES, free_bytes, is_no_space, out_of_files, size_text
 
-__all__ = ["WRITING", "abort", "claim", "no_space", "release"]
+__all__ = ["WRITING", "abort", "claim", "held", "no_space", "release"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,19 @@ def claim(storage: Storage) -> None:
     except BaseException as exc:
         after_error(exc, f"releasing the lease on {storage.url}", lambda: _drop_lease(storage))
         raise
+
+
+@contextmanager
+def held(storage: Storage) -> Iterator[None]:
+    """``storage``'s lease held around a write that claims nothing (``shards index`` writes only an index and
+    ``dataset.json`` beside tars that are there). Two indexes of one place at once both found no ``dataset.json``
+    and the last to finish replaced the other's, each told it had succeeded; now the second is refused in one
+    line, by the lease while the first writes, or by the first's ``dataset.json`` once it has finished."""
+    with hold_run_lease(storage.url, endpoint_url=getattr(storage, "endpoint_url", None), kind="dataset"):
+        if storage.exists(META_NAME):
+            raise UserError(f"{storage.url_of(META_NAME)} exists: {storage.url} became a dataset meanwhile (another "
+                            f"index or write into it finished first); index into another --out")
+        yield
 
 
 def _check_outside_datasets(root: Path) -> None:
