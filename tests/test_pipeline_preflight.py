@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,55 @@ def test_an_offloaded_adamw_this_machine_cannot_build_is_refused_before_ray(
     pipeline["data"]["url"] = str(tmp_path / "nowhere")  # the next check speaks
     code, err = run(tmp_path, capsys, pipeline)
     assert code == 2 and not built and "nowhere" in err, err
+
+
+def test_a_cpu_adam_build_killed_mid_way_is_one_line_not_a_hang(tmp_path: Path, dataset: str) -> None:
+    """A build of DeepSpeed's CPU Adam SIGKILLed mid-way (a first offloaded run killed while its driver compiled)
+    leaves torch's `lock` in the build folder, and torch waits for it forever: the next `vitscale run` with
+    `train.offload` hung before Ray started, saying nothing. Now one line naming the file, exit 2."""
+    import subprocess
+    import sys
+
+    extensions = tmp_path / "extensions"
+    (extensions / "cpu_adam").mkdir(parents=True)
+    (extensions / "cpu_adam" / "lock").touch()  # what the killed build left (torch's FileBaton: an empty file)
+    pipeline = base(dataset, tmp_path)
+    pipeline["train"].update(offload=True, zero_stage=1)
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(pipeline))
+    done = subprocess.run([sys.executable, "-m", "vitscale", "run", str(path)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)})
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"vitscale: error: train.offload: offloads AdamW to DeepSpeed's CPU Adam: {extensions}/cpu_adam/lock is there "
+        f"and nothing is building DeepSpeed's CPU Adam: a build killed mid-way left it, and torch waits for it "
+        f"forever; remove that file and run again (in {path})")
+
+
+def test_a_live_build_is_waited_for_and_a_dead_ones_lock_is_not(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two offloaded runs starting at once on one machine: the second finds the first's lock while the first
+    builds (its compiler working in the build folder) and waits for it; a lock with no build behind it is a
+    dead build's once the grace (a built extension's load holds the lock a moment) has passed."""
+    import subprocess
+    import threading
+    import time
+
+    from vitscale.train import engine
+
+    monkeypatch.setattr(engine, "LOCK_GRACE_S", 1.0)
+    folder = tmp_path / "cpu_adam"
+    folder.mkdir()
+    lock = folder / "lock"
+    lock.touch()
+    started = time.monotonic()
+    assert engine._left_by_a_dead_build(lock) and time.monotonic() - started < 10
+    compiler = subprocess.Popen(["sleep", "60"], cwd=folder)  # a live build's process, working in the folder
+    try:
+        threading.Timer(4.0, lock.unlink).start()  # the build ends
+        started = time.monotonic()
+        assert not engine._left_by_a_dead_build(lock)
+        assert time.monotonic() - started >= 3.5  # waited past the grace, for as long as the build ran
+    finally:
+        compiler.kill()
+        compiler.wait()

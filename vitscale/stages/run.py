@@ -104,11 +104,13 @@ def check_cpu_adam(config: PipelineConfig) -> None:
     section = next((s for s, train in recipes if train.offload and train.optimizer == "adamw"), None)
     if section is None:
         return
-    from vitscale.train.engine import build_cpu_adam
+    from vitscale.train.engine import BuildLockLeft, build_cpu_adam
 
     before = os.environ.get("DS_ACCELERATOR")  # the driver's environment reaches the workers: left as it was
     try:
         build_cpu_adam()
+    except BuildLockLeft as exc:  # a killed build's lock: not a machine that cannot build
+        raise ConfigError(f"{section}.offload", f"offloads AdamW to DeepSpeed's CPU Adam: {exc}") from None
     except Exception as exc:  # noqa: BLE001 -- whatever the build raised, the workers would have raised too
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise ConfigError(f"{section}.offload", f"offloads AdamW to DeepSpeed's CPU Adam, which this machine cannot "

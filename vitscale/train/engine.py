@@ -157,14 +157,60 @@ def _deepspeed() -> Any:
     return deepspeed
 
 
+class BuildLockLeft(UserError):
+    """Torch's build lock of an extension is there and nothing builds it: a build killed mid-way (SIGKILL, the
+    OOM killer, a machine that went down) left it, and torch would wait for it forever."""
+
+
 def build_cpu_adam() -> None:
     """Build DeepSpeed's CPU Adam (`train.offload`'s optimizer) into torch's extension cache now, so the
     first offloaded run's workers load it instead of each JIT-compiling it in their start-up (`make
-    cpu-adam`; a minute or more on 2 cores). A no-op once built for this torch and Python."""
+    cpu-adam`; a minute or more on 2 cores). A no-op once built for this torch and Python.
+
+    Torch serialises builds with a `lock` file in the build folder, removed only by the process that made it:
+    a build killed mid-way leaves it, and every later load waits for it forever, without a word (`vitscale run`
+    hung before Ray started). A lock that outlives `LOCK_GRACE_S` while no build works in that folder is refused
+    in one line naming it (`BuildLockLeft`); a live build (another run's, on this machine) is waited for.
+    """
+    from torch.utils.cpp_extension import _get_build_directory
+
     _deepspeed()  # first: it tells DeepSpeed the accelerator before the op builders look for one
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
-    CPUAdamBuilder().load(verbose=False)
+    builder = CPUAdamBuilder()
+    lock = Path(_get_build_directory(builder.name, verbose=False)) / "lock"  # torch's, where torch builds it
+    if _left_by_a_dead_build(lock):
+        raise BuildLockLeft(f"{lock} is there and nothing is building DeepSpeed's CPU Adam: a build killed mid-way "
+                            f"left it, and torch waits for it forever; remove that file and run again")
+    builder.load(verbose=False)
+
+
+LOCK_GRACE_S = 10.0
+"""How long torch's build lock may stay with no build working in its folder: a load of a built extension holds it
+for a moment (another run's workers starting), a build runs ninja and the compiler in that folder meanwhile."""
+
+
+def _left_by_a_dead_build(lock: Path) -> bool:
+    """Whether `lock` stays past `LOCK_GRACE_S` while no process works in its folder (waits while one does)."""
+    import time
+
+    import psutil
+
+    def building() -> bool:
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):
+                if proc.cwd() == str(lock.parent):
+                    return True
+        return False
+
+    deadline = time.monotonic() + LOCK_GRACE_S
+    while lock.exists():
+        if building():
+            deadline = time.monotonic() + LOCK_GRACE_S  # a live build: as long as it takes
+        elif time.monotonic() > deadline:
+            return True
+        time.sleep(0.5)
+    return False
 
 
 def init_distributed(on_gpu: bool) -> None:
