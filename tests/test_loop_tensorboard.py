@@ -129,3 +129,26 @@ def test_export_of_the_run_directory_a_finetune_prints(tmp_path: Path, tiny_data
     (run_dir / "summary.json").write_text(json.dumps(
         {"finetune": {"checkpoint": str(storage / "elsewhere" / "checkpoint_000000003")}}))
     assert export_run(run_dir, tmp_path / "b.pt")["step"] == 3  # the checkpoint its summary names
+
+
+def test_a_resume_in_the_same_second_and_process_continues_the_curve(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Event files sort by name: seconds, host, pid, then a per-process counter as text. An attempt resumed in
+    the same second and process whose counter went from 9 to 10 sorted first ("...vm.26417.10" before
+    "...vm.26417.9": the suite's order did it), and the curve went 4, 5, 6, 1, 2, 3, ...; it goes 1..6 now."""
+    from tensorboard.summary.writer import event_file_writer
+
+    from vitscale.train.metrics import StepMetrics, TensorBoardLog
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
+
+    def record(log: TensorBoardLog, steps_: range, loss: float) -> None:
+        for step in steps_:
+            log.record(StepMetrics(step=step, loss=loss, lr=0.1, grad_norm=1.0, images_per_s=1.0, step_time_s=1.0,
+                                   data_wait_s=0.0, compute_s=1.0, examples_seen=step, cumulative_exaflops=0.0,
+                                   mfu=None, skipped_samples=0, epoch=0.0))
+        log.close()
+
+    record(TensorBoardLog(tmp_path), range(1, 7), 1.0)  # the first attempt: steps 1-6, its counter 9
+    record(TensorBoardLog(tmp_path, resumed_at=3), range(4, 7), 2.0)  # resumed from step 3: counter 10
+    assert _scalars(tmp_path)["train/loss"] == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0), (6, 2.0)]

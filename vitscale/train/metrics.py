@@ -550,6 +550,18 @@ def progress_line(m: StepMetrics, total_steps: int, elapsed_s: float, steps_done
                 f"{rate} img/s (data {data:.0%}){mfu_text} {m.cumulative_exaflops:.3g} EFLOP eta {hms(eta)}")
 
 
+def _after_earlier_files(log_dir: Path) -> None:
+    """Wait (under a second) until an event file begun now sorts after `log_dir`'s earlier ones. TensorBoard reads
+    a run's files in name order: a time in whole seconds, the host, the pid, then a per-process counter compared
+    as text, so an attempt resumed in the same second and process as its predecessor (`train()` called again,
+    as a test does) could sort first ("...873.vm.26417.10" before "...873.vm.26417.9"), and the predecessor's
+    steps past the checkpoint then outlived the purge: the curve went 4, 5, 6, 1, 2, 3, ..."""
+    stamps = [int(part) for path in log_dir.glob("events.out.tfevents.*")
+              if (part := path.name.split(".")[3]).isdigit()]
+    if stamps and max(stamps) >= int(time.time()):
+        time.sleep(min(1.0, max(stamps) + 1 - time.time()))
+
+
 class TensorBoardLog:
     """Rank 0's scalars as TensorBoard event files in `log_dir`, keyed by optimiser step.
 
@@ -566,6 +578,7 @@ class TensorBoardLog:
         )
 
         self.log_dir = Path(log_dir)
+        _after_earlier_files(self.log_dir)  # a restart's file sorts after its predecessor's, which it purges
         self._writer = SummaryWriter(str(self.log_dir), purge_step=resumed_at + 1, flush_secs=10)
 
     def record(self, m: StepMetrics) -> None:
