@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from helpers.prometheus_server import PrometheusServer, ensure_prometheus, free_port
+from helpers.prometheus_server import PrometheusServer, ensure_prometheus, metrics_ports
 
 MONITORING = Path(__file__).resolve().parents[1] / "k8s" / "monitoring"
 #: What Grafana puts in place of the dashboard's variables when every run and rank is picked.
@@ -101,9 +101,7 @@ def scraped_run(tmp_path_factory: pytest.TempPathFactory):
     data = tmp / "data"
     write_dataset("synthetic", str(data), shard_size=40, max_side=32, seed=0,
                   source_options={"count": 80, "classes": 4, "image_size": 32}, progress=False)
-    port = free_port()
-    while free_port() == port + 1:  # both local ranks' ports must be free: metrics_port + local rank
-        port = free_port()
+    port = metrics_ports(2)  # both local ranks' ports: metrics_port + local rank
     (tmp / "prom").mkdir()
     server = PrometheusServer(tmp / "prom", [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"])
     config = build_pipeline({

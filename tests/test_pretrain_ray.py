@@ -11,7 +11,6 @@ import dataclasses
 import json
 import re
 import signal
-import socket
 import threading
 import time
 import urllib.request
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.prometheus_server import metrics_ports
 from vitscale.data.tools.write import write_dataset
 from vitscale.stages import build_pipeline
 
@@ -230,18 +230,12 @@ def test_a_worker_sent_sigterm_checkpoints_first_and_no_step_is_trained_twice(
     assert told_run["pretrain"]["restarts"] == 1 and told_run["pretrain"]["relaunches"] == 0, told_run["pretrain"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_metrics_endpoint_serves_prometheus_series_during_a_run(local_ray: None, dataset: str, tmp_path: Path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     from vitscale.stages.run import run_pipeline
 
-    port = _free_port()
+    port = metrics_ports(2)  # a port no Ray process is handed meanwhile (helpers/prometheus_server.py)
     scraped: list[str] = []
     done = threading.Event()
 

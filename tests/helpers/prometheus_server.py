@@ -7,7 +7,9 @@ either, the test skips and says why (helpers/tools.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import random
 import socket
 import subprocess
 import time
@@ -32,6 +34,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+METRICS_PORTS = range(20000, 32000)
+"""Where a run's `train.metrics_port` is picked for a test: below the kernel's ephemeral ports (32768 on), which
+every Ray process binds its gRPC servers on, and above Ray's worker ports (10002-19999). A port the kernel handed
+out was free when picked and could be a Ray process's (this run's, or the other test worker's) a moment later: a
+suite once scraped an HTTP/2 server there ("Unsolicited response ... \\x00\\x00\\x18\\x04") and rank 0's
+metrics went to the fallback port, unscraped."""
+
+
+def metrics_ports(count: int) -> int:
+    """The first of `count` consecutive free ports in `METRICS_PORTS` (a rank's port: metrics_port + local rank)."""
+    rng = random.Random()
+    for _ in range(1000):
+        first = rng.randrange(METRICS_PORTS.start, METRICS_PORTS.stop - count)
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(first, first + count):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports in {METRICS_PORTS}")
 
 
 class PrometheusServer:
