@@ -440,6 +440,32 @@ def _listing(title: str, items: list[str]) -> str:
     return f"{title} ({len(items)}): {', '.join(items[:_MAX_LISTED])}{more}"
 
 
+def _refuse_misfit(path: str | Path, fmt: str, model: nn.Module, **lists: list[str]) -> None:
+    """A ValueError listing each of `lists` (missing, unexpected, shape mismatch) that is not empty, if any is."""
+    if not any(lists.values()):
+        return
+    parts = [f"checkpoint {path} ({fmt}) does not fit {type(model).__name__}"
+             f" {getattr(getattr(model, 'spec', None), 'name', '')}".rstrip()]
+    for title, items in lists.items():
+        if items:
+            parts.append(_listing("shape mismatch" if title == "mismatched" else title, items))
+    raise ValueError("\n  ".join(parts))
+
+
+def _head_notes(model: nn.Module, kept: list[str], dropped: list[str], meta: dict[str, Any] | None) -> list[str]:
+    """The report's notes on the head and pre-logits left out, and on a file exported from another model."""
+    notes = []
+    if any(k.startswith("head.") for k in kept):
+        notes.append(f"classifier not loaded (file: {sorted(d for d in dropped if d.startswith('head.')) or 'none'});"
+                     f" kept the model's zero-init head with {getattr(model, 'num_classes', '?')} classes")
+    if any(d.startswith("pre_logits.") for d in dropped):
+        notes.append("pre-logits layer in the file dropped: the model has none (fine-tuning recipe)")
+    spec: Any = getattr(model, "spec", None)
+    if meta and spec is not None and meta.get("name") != spec.name:
+        notes.append(f"file was exported from {meta.get('name')!r}, model is {spec.name!r}")
+    return notes
+
+
 def load_pretrained(model: nn.Module, path: str | Path) -> LoadReport:
     """Load official .npz, timm or vitscale weights into `model` in place.
 
@@ -495,13 +521,7 @@ def load_pretrained(model: nn.Module, path: str | Path) -> LoadReport:
         if name in values:
             continue
         (kept if name.startswith(_HEAD_PREFIXES) else missing).append(name)
-    if missing or unexpected or mismatched:
-        parts = [f"checkpoint {path} ({fmt}) does not fit {type(model).__name__}"
-                 f" {getattr(getattr(model, 'spec', None), 'name', '')}".rstrip()]
-        for title, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
-            if items:
-                parts.append(_listing(title, items))
-        raise ValueError("\n  ".join(parts))
+    _refuse_misfit(path, fmt, model, missing=missing, unexpected=unexpected, mismatched=mismatched)
     # Head and pre-logits go together: a head trained on other pre-logits features is useless.
     if any(k.startswith("pre_logits.") for k in kept + dropped):
         for name in [n for n in values if n.startswith("head.")]:
@@ -512,14 +532,7 @@ def load_pretrained(model: nn.Module, path: str | Path) -> LoadReport:
         for name, src in values.items():
             target[name].copy_(src.to(dtype=target[name].dtype, device=target[name].device))
             loaded.append(name)
-    if any(k.startswith("head.") for k in kept):
-        notes.append(f"classifier not loaded (file: {sorted(d for d in dropped if d.startswith('head.')) or 'none'});"
-                     f" kept the model's zero-init head with {getattr(model, 'num_classes', '?')} classes")
-    if any(d.startswith("pre_logits.") for d in dropped):
-        notes.append("pre-logits layer in the file dropped: the model has none (fine-tuning recipe)")
-    spec: Any = getattr(model, "spec", None)
-    if meta and spec is not None and meta.get("name") != spec.name:
-        notes.append(f"file was exported from {meta.get('name')!r}, model is {spec.name!r}")
+    notes.extend(_head_notes(model, kept, dropped, meta))
     return LoadReport(str(path), fmt, tuple(loaded), tuple(resampled), tuple(sorted(set(kept))),
                       tuple(sorted(set(dropped))), tuple(notes), meta)
 

@@ -475,8 +475,8 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
     experiment = f"{tune_storage}/sweep-trials{label}"
     # Object storage: Tune's experiment state goes through the same retrying filesystem as checkpoints.
     filesystem, tune_path = run_filesystem(tune_storage)
-    restoring = tune.Tuner.can_restore(experiment if filesystem is None else f"{tune_path}/sweep-trials{label}",
-                                       storage_filesystem=filesystem)
+    where = experiment if filesystem is None else f"{tune_path}/sweep-trials{label}"  # as Tune reads it
+    restoring = tune.Tuner.can_restore(where, storage_filesystem=filesystem)
     if restoring:  # Tune restores the first run's trials and values: the same settings, or a new run name
         refuse_changed_sweep(config, directory)
     else:
@@ -489,13 +489,6 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
                              finished=finished_trials(experiment) if restoring else {}),
         {"cpu": 0, "memory": 64 * 2**20})
     metric = sweep.metric
-    scheduler = None
-    if sweep.scheduler == "asha":
-        from ray.tune.schedulers import ASHAScheduler
-
-        steps = trial_steps(config, trial_job(config, model, init, final=False))
-        scheduler = ASHAScheduler(time_attr="step", max_t=steps, grace_period=asha_grace(steps, sweep.grace_period),
-                                  reduction_factor=sweep.reduction_factor)
     concurrent = sweep.max_concurrent or concurrent_runs(trial_cluster(config), ray.cluster_resources())
     # The dev metric is reported when it is measured (every eval_every steps and at the end); the
     # reports between carry training metrics only. Tune's strict check would call those errors;
@@ -507,13 +500,12 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
     os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"
     if restoring:
         say(f"resuming the sweep in {experiment}")
-        tuner = tune.Tuner.restore(experiment if filesystem is None else f"{tune_path}/sweep-trials{label}",
-                                   trainable=trainable, resume_unfinished=True, resume_errored=True,
+        tuner = tune.Tuner.restore(where, trainable=trainable, resume_unfinished=True, resume_errored=True,
                                    storage_filesystem=filesystem)
     else:
         tuner = tune.Tuner(
             trainable, param_space=tune_space,
-            tune_config=tune.TuneConfig(metric=metric, mode="max", scheduler=scheduler,
+            tune_config=tune.TuneConfig(metric=metric, mode="max", scheduler=_scheduler(config, model, init),
                                         max_concurrent_trials=concurrent,
                                         num_samples=sweep.num_samples if sweep.scheduler == "random" else 1),
             run_config=tune.RunConfig(name=f"sweep-trials{label}", storage_path=tune_path, verbose=0,
@@ -531,6 +523,23 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
     rows = tuple(sorted((trial_row(result, space, metric, pre_exaflops) for result in results),
                         key=lambda r: str(r["trial_id"])))
     write_table([flat_row(r) for r in rows], directory, "results")
+    return rows, _select(rows, metric, directory)
+
+
+def _scheduler(config: PipelineConfig, model: ModelConfig | None, init: str | None) -> Any:
+    """ASHA stopping trials early on the dev metric (`sweep.scheduler: asha`), or None: every trial runs whole."""
+    sweep = sweep_section(config)
+    if sweep.scheduler != "asha":
+        return None
+    from ray.tune.schedulers import ASHAScheduler
+
+    steps = trial_steps(config, trial_job(config, model, init, final=False))
+    return ASHAScheduler(time_attr="step", max_t=steps, grace_period=asha_grace(steps, sweep.grace_period),
+                         reduction_factor=sweep.reduction_factor)
+
+
+def _select(rows: tuple[dict[str, Any], ...], metric: str, directory: Path) -> dict[str, Any]:
+    """The trial of the best dev `metric`, written to `directory/selected.json`; refused when none scored."""
     scored = [r for r in rows if isinstance(r.get("metric"), float)]
     if not scored:
         raise ConfigError("sweep", f"no trial reported {metric}; see {directory}/results.md")
@@ -539,7 +548,7 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
     # On disk as soon as it is chosen (with `retrain: false`, or a retrain that fails, this is the
     # sweep's answer); `_retrain` rewrites it with the winner's test accuracy.
     write_atomic(directory / "selected.json", json.dumps(selected, indent=2, default=str))
-    return rows, selected
+    return selected
 
 
 def _retrain_winners(config: PipelineConfig, model: ModelConfig | None,
