@@ -27,12 +27,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-PEAK_FLOPS: dict[str, float] = {
-    "H100": 989e12, "H200": 989e12, "GH200": 989e12, "H100 PCIE": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12,
-    "A100": 312e12, "V100": 125e12, "TPUV3": 123e12, "CPU": 100e9,
-}
-"""Dense peak FLOP/s per device: bf16 tensor cores on GPUs (NVIDIA data sheets, as
-`train.metrics.PEAK_BF16_FLOPS`), a TPUv3 chip (the paper's hardware, 123 TFLOP/s bf16), and one
+from vitscale.train.metrics import PEAK_BF16_FLOPS, device_key
+
+PEAK_FLOPS: dict[str, float] = {**PEAK_BF16_FLOPS, "V100": 125e12, "TPUV3": 123e12, "CPU": 100e9}
+"""Dense peak FLOP/s per device: bf16 tensor cores on GPUs (NVIDIA data sheets: the table MFU is measured
+against, `train.metrics.PEAK_BF16_FLOPS`, and a V100's), a TPUv3 chip (the paper's hardware, 123 TFLOP/s bf16), and one
 CPU core's fp32 FMA peak, an estimate (2 AVX2 FMA units x 8 lanes x 2 FLOPs x ~3 GHz)."""
 
 DEFAULT_MFU: dict[str, dict[str, float]] = {
@@ -75,8 +74,6 @@ def device_class(device: str) -> str:
 def peak_flops(device: str) -> float:
     """The device's peak FLOP/s (`train.metrics.device_key`: the longest name of `PEAK_FLOPS` in it, not
     inside a longer number: "h100-pcie" is an H100 PCIe, "H1000" nothing); unknown names are refused."""
-    from vitscale.train.metrics import device_key
-
     key = device_key(device, PEAK_FLOPS)
     if key is None:
         raise ValueError(f"no peak FLOP/s known for device {device!r}; known: {', '.join(PEAK_FLOPS)}")
