@@ -200,7 +200,9 @@ def test_a_checkpoint_file_throttled_for_ever_gives_up_within_the_budget(tmp_pat
         with pytest.raises(StorageError) as err:
             ensure_uploaded(local, f"s3://{target}", endpoint_url=proxy.url, retry=QUICK)
         took = time.monotonic() - started
-    assert took < 2.5 and proxy.counts["503"] > 3, (took, proxy.counts)  # was 30 tries in 287 s
+    # The 1 s budget plus the try in flight when it ran out (a loaded 2-core machine has taken a second for one
+    # try through the proxy); what it bounds was 30 tries in 287 s.
+    assert took < 5.0 and proxy.counts["503"] > 3, (took, proxy.counts)
     assert f"store s3://{target}/payload.bin failed after {proxy.counts['503']} attempts: " in str(err.value)
     assert "SLOW_DOWN" in str(err.value)
 

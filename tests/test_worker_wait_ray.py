@@ -8,6 +8,7 @@ wait plus Ray's start-up, with `PipelineFailed` carrying the line.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -54,4 +55,9 @@ def test_a_run_without_room_for_its_workers_stops_in_one_line(two_cpus: None, sm
     assert f"({size}), but the cluster has had room for at most 2 for " in message
     assert "add nodes, lower cluster.num_workers, or raise cluster.worker_wait_s" in message
     assert "\n" not in message
-    assert WAIT_S <= took < WAIT_S + 40, took  # the wait, Ray Train's start and shut-down; never forever
+    waited = float(re.search(r"for at most 2 for (\d+) s;", message)[1])
+    # The run's own clock: the wait itself, give or take the controller's polling under a loaded machine.
+    assert WAIT_S <= waited < WAIT_S + 30, message
+    # The wall clock adds Ray Train's start and shut-down, which a loaded 2-core CI machine stretches past a
+    # minute; the bound says "never forever" (Ray Train's own behaviour), not how fast Ray starts.
+    assert WAIT_S <= took < WAIT_S + 150, took
