@@ -10,6 +10,7 @@ report` regenerates them from the state alone.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -107,6 +108,19 @@ def test_study_interrupted_and_run_again(tmp_path: Path) -> None:
     (study / "results.md").unlink()
     report = run_cli(["study", "report", str(study), "--json"])
     assert len(json.loads(report)["rows"]) == 3 and (study / "results.md").exists()
+
+    # The probe's dataset written again (other digits, the same counts): the finished cells' accuracies are the
+    # old data's, so the same command is refused in one line, before Ray starts, and no record changes.
+    plan_file = json.loads((study / "plan.json").read_text())
+    assert set(plan_file["datasets"]) == {str(tmp_path / "pre"), str(tmp_path / "digits")}
+    shutil.rmtree(tmp_path / "digits")
+    write_dataset("digits", str(tmp_path / "digits"), shard_size=500, seed=1, splits={"train": 0.8, "test": 0.2})
+    refused = subprocess.run([VITSCALE, "run", str(pipeline)], capture_output=True, text=True, timeout=300)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and lines[0].startswith("vitscale: error: fewshot.datasets[0]: "), \
+        refused.stdout[-2000:] + refused.stderr[-2000:]
+    assert "as before, other shards or labels" in lines[0] and "started a local Ray" not in refused.stdout
+    assert _records(study) == after
 
 
 def run_cli(args: list[str]) -> str:

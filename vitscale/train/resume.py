@@ -178,7 +178,7 @@ def dataset_identity(meta: DatasetMeta, split: str) -> dict[str, Any]:
     return {"split": split, "samples": entry.samples, "num_classes": meta.num_classes, "sha256": digest}
 
 
-def _dataset_change(old: Any, new: Mapping[str, Any] | None) -> str | None:
+def dataset_change(old: Any, new: Mapping[str, Any] | None) -> str | None:
     """How the dataset `new` differs from the checkpoint's record `old` ('40 samples of 3 classes -> 44
     samples of 3 classes'), or None: the same, or unknown (a checkpoint written before the record)."""
     if new is None or not isinstance(old, Mapping) or old.get("sha256") == new["sha256"]:
@@ -218,7 +218,7 @@ def refuse_changed_run(old_yaml: str, new_yaml: str, scope: tuple[str, ...], whe
     trained = old.get(TRAINED_KEY)
     recorded = trained if isinstance(trained, Mapping) else {}
     now = trained_on or {}
-    change = _dataset_change(recorded.get("dataset"), now.get("dataset"))
+    change = dataset_change(recorded.get("dataset"), now.get("dataset"))
     if change is not None:
         key = "finetune.data.url" if "finetune" in scope else "data.url"
         raise ConfigError(key, f"cannot resume {where}: the dataset {key} names is not the one it was trained on "

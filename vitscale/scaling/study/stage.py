@@ -192,8 +192,75 @@ def plan(config: PipelineConfig, *, planning: bool = False, check_data: bool = T
     return facts, planned
 
 
+def study_directory(config: PipelineConfig) -> str:
+    """Where the study keeps its plan, its cells' records and their runs: `study.directory`, else inside the run's
+    storage. The run's storage, not the driver's disk: on a cluster whose nodes share only object storage the cells'
+    Train runs (under `cells/`) must be reachable from every node."""
+    study = config.section("study")
+    return study.directory or f"{config.cluster.run_storage(config.run_name).rstrip('/')}/study"
+
+
+def datasets_read(config: PipelineConfig) -> dict[str, dict[str, Any]]:
+    """What the cells read, by canonical location: the setting that names the dataset (`key`) and the
+    `dataset_identity` of each split read (`splits`): the pre-training split, and the splits of each dataset the
+    study's transfer stages read. A dataset not written yet is left out (the study writes it from its source)."""
+    from vitscale.data.format import has_dataset, read_meta
+    from vitscale.stages.finetune import finetune_section
+    from vitscale.train.resume import dataset_identity
+
+    study, endpoint = config.section("study"), config.data.endpoint_url
+    wanted: list[tuple[str, str, tuple[str, ...]]] = [("data.url", config.data.url, (config.data.split,))]
+    if "fewshot" in study.transfer:
+        probe = config.section("fewshot", FewshotConfig)
+        wanted += [(f"fewshot.datasets[{i}]", url, (probe.train_split, probe.test_split))
+                   for i, url in enumerate(probe.datasets)]
+    if {"finetune", "sweep"} & set(study.transfer):
+        downstream = finetune_section(config)
+        data = downstream.data_config(endpoint)
+        if data.url:
+            wanted.append(("finetune.data.url", data.url, (data.split, downstream.test_split)))
+    read: dict[str, dict[str, Any]] = {}
+    for key, url, splits in wanted:
+        if has_dataset(url, endpoint_url=endpoint):
+            meta = read_meta(url, endpoint_url=endpoint)
+            read[canonical_location(url, key)] = {"key": key, "splits": {
+                split: dataset_identity(meta, split) for split in splits if split in meta.splits}}
+    return read
+
+
+def refuse_changed_data(config: PipelineConfig) -> None:
+    """`ConfigError` naming the setting when a dataset this study's recorded cells read was written again since
+    (its plan's `datasets`): a finished cell is never run again, so its results, and every fit and
+    recommendation made from them, would be the old data's beside the new data's cells. A plan written by an
+    older vitscale (no `datasets`), or a study with no cell recorded yet, is not checked."""
+    from vitscale.scaling.study.state import StudyState, StudyStateError
+    from vitscale.train.resume import dataset_change
+
+    directory = study_directory(config)
+    state = StudyState(directory, config.data.endpoint_url)
+    try:
+        recorded = state.plan().get("datasets") if state.storage.exists("plan.json") else None
+    except StudyStateError:
+        return  # the run writes the plan again; the cells' records are checked as they are read
+    if not isinstance(recorded, dict) or not any(state.storage.exists(f"state/{cell.id}.json")
+                                                 for cell in resolve_cells(config)):
+        return
+    for location, now in datasets_read(config).items():
+        before = recorded.get(location)
+        if not isinstance(before, dict) or not isinstance(before.get("splits"), dict):
+            continue
+        for split, identity in now["splits"].items():
+            change = dataset_change(before["splits"].get(split), identity)
+            if change is not None:
+                raise ConfigError(now["key"], f"{location} is not the dataset this study's cells in {directory} "
+                                  f"read ({change}): their results are the old data's and a finished cell is never "
+                                  "run again; put that dataset back, or run the study under another "
+                                  f"cluster.run_name (or remove {directory}) to run every cell on this one")
+
+
 def prepare_study(config: PipelineConfig) -> None:
     plan(config)
+    refuse_changed_data(config)
 
 
 def run_study(config: PipelineConfig, context: StageContext) -> StudyResult:
@@ -202,15 +269,14 @@ def run_study(config: PipelineConfig, context: StageContext) -> StudyResult:
     from vitscale.scaling.study.state import StudyState
 
     study = config.section("study")
-    # The run's storage, not the driver's disk: on a cluster whose nodes share only object storage the
-    # cells' Train runs (under `cells/`) must be reachable from every node.
-    directory = study.directory or f"{config.cluster.run_storage(config.run_name).rstrip('/')}/study"
+    directory = study_directory(config)
     cells = resolve_cells(config)
     facts, planned = plan(config, check_data=False)  # `prepare_study` checked every cell before Ray started
     state = StudyState(directory, config.data.endpoint_url)
     state.write_plan({"study": config.run_name, "planned_at": time.time(), "fit_metric": study.fit_metric,
                       "data": {"url": config.data.url, "split": config.data.split, "examples": facts.examples,
                                "num_classes": facts.num_classes},
+                      "datasets": datasets_read(config),  # what `refuse_changed_data` compares on the next run
                       "cells": [p.row() | {"data_size": c.data_size, "key": c.key} for c, p in zip(cells, planned)]})
     records = run_cells(config, cells, planned, state, retries=study.retries, max_concurrent=study.max_concurrent)
     report = publish_report(state, study.fit_metric)
