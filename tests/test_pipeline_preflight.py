@@ -202,3 +202,52 @@ def test_a_live_build_is_waited_for_and_a_dead_ones_lock_is_not(tmp_path: Path,
     finally:
         compiler.kill()
         compiler.wait()
+
+
+WORKER_ENGINE = """
+import os, socket, sys
+import torch
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                   "LOCAL_RANK": "0"})
+torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+from vitscale.models.factory import create_model
+from vitscale.train import engine
+from vitscale.train.batch import derive_batch
+from vitscale.train.config import TrainConfig
+engine.LOCK_GRACE_S = 1.0
+engine.init_distributed(on_gpu=False)
+model = create_model("ViT-Ti/8", num_classes=3, img_size=16, depth=1, width=32, heads=2, mlp_dim=32)
+train = TrainConfig(global_batch=2, micro_batch=2, zero_stage=1, precision="fp32", offload=True)
+try:
+    engine.build_engine(model, train, engine.deepspeed_config(train, derive_batch(2, 2, 1), on_gpu=False),
+                        on_gpu=False)
+except engine.BuildLockLeft as exc:
+    print(exc)
+    sys.exit(3)
+"""
+
+
+def test_a_worker_node_with_a_dead_builds_lock_fails_in_one_line_not_a_hang(tmp_path: Path) -> None:
+    """The driver checks its own machine; a worker on another node (a first offloaded run's rank killed while it
+    JIT-built CPU Adam there) found the same lock and hung in DeepSpeed's load for good, Ray Train waiting with
+    it. The engine a worker builds now refuses it in one line (a deterministic failure: not retried)."""
+    import subprocess
+    import sys
+
+    extensions = tmp_path / "extensions"
+    (extensions / "cpu_adam").mkdir(parents=True)
+    (extensions / "cpu_adam" / "lock").touch()
+    done = subprocess.run([sys.executable, "-c", WORKER_ENGINE], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)})
+    assert done.returncode == 3, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.stdout.strip() == (f"{extensions}/cpu_adam/lock is there and nothing is building DeepSpeed's CPU "
+                                   f"Adam: a build killed mid-way left it, and torch waits for it forever; remove "
+                                   f"that file and run again")
+
+    from vitscale.launch.failures import deterministic_cause
+    from vitscale.train.engine import BuildLockLeft
+
+    assert deterministic_cause(BuildLockLeft("x")) is not None

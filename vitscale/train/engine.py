@@ -161,6 +161,9 @@ class BuildLockLeft(UserError):
     """Torch's build lock of an extension is there and nothing builds it: a build killed mid-way (SIGKILL, the
     OOM killer, a machine that went down) left it, and torch would wait for it forever."""
 
+    deterministic = True
+    """A restart finds the same file: the run stops at once (`launch/failures.deterministic_cause`)."""
+
 
 def build_cpu_adam() -> None:
     """Build DeepSpeed's CPU Adam (`train.offload`'s optimizer) into torch's extension cache now, so the
@@ -172,6 +175,14 @@ def build_cpu_adam() -> None:
     hung before Ray started). A lock that outlives `LOCK_GRACE_S` while no build works in that folder is refused
     in one line naming it (`BuildLockLeft`); a live build (another run's, on this machine) is waited for.
     """
+    builder = refuse_dead_build_lock()
+    builder.load(verbose=False)
+
+
+def refuse_dead_build_lock() -> Any:
+    """`BuildLockLeft` when torch's build lock of DeepSpeed's CPU Adam was left by a dead build (waits while a live
+    build runs); else DeepSpeed's builder of it. The driver checks its own machine (`build_cpu_adam`); each
+    worker checks its node before DeepSpeed loads the op (`build_engine`), where the same lock hung the rank."""
     from torch.utils.cpp_extension import _get_build_directory
 
     _deepspeed()  # first: it tells DeepSpeed the accelerator before the op builders look for one
@@ -182,7 +193,7 @@ def build_cpu_adam() -> None:
     if _left_by_a_dead_build(lock):
         raise BuildLockLeft(f"{lock} is there and nothing is building DeepSpeed's CPU Adam: a build killed mid-way "
                             f"left it, and torch waits for it forever; remove that file and run again")
-    builder.load(verbose=False)
+    return builder
 
 
 LOCK_GRACE_S = 10.0
@@ -248,6 +259,8 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str
     # optimizer state stays on the device, so a host-offloaded optimizer keeps the plain one.
     fused = on_gpu and not train.offload if fused is None else fused
     optimizer = None if "optimizer" in ds_config else optimizer_for(train, groups, fused=fused)
+    if optimizer is None:  # DeepSpeed loads (or JIT-builds) its CPU Adam on this node now
+        refuse_dead_build_lock()
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
