@@ -14,6 +14,7 @@ import functools
 import os
 import posixpath
 import socket
+import tempfile
 import threading
 import time
 import traceback
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+import pyarrow.fs
 import ray
 import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -38,6 +40,7 @@ from vitscale.data.storage.mirror import RunMirror
 from vitscale.data.storage.retry import RETRY_ENV, final_reason
 from vitscale.data.storage.run_cache import run_cache_dir, run_cache_key
 from vitscale.data.storage.space import is_no_space, no_space_line
+from vitscale.launch.abandoned_downloads import remove_abandoned_downloads
 from vitscale.launch.console import labelled_lines
 from vitscale.launch.errors import PipelineFailed
 from vitscale.launch.failures import (
@@ -207,6 +210,11 @@ def _resume_directory(world_size: int, rank: int, downloads: contextlib.ExitStac
     if not known:
         return None
     latest = max(known, key=lambda c: posixpath.basename(c.path.rstrip("/")))  # checkpoint_{step:09d}
+    if not isinstance(latest.filesystem, pyarrow.fs.LocalFileSystem):  # as_directory() downloads it, below
+        removed = remove_abandoned_downloads()
+        if removed:
+            say(f"rank {rank}: removed {len(removed)} checkpoint download(s) that killed processes left in "
+                f"{tempfile.gettempdir()}: {', '.join(removed)}")
     ignored: list[str] = []
     for candidate in _newest_first(latest):
         name = posixpath.basename(candidate.path.rstrip("/"))
