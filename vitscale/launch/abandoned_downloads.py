@@ -14,10 +14,11 @@ caller keeps) are never touched. Ray's internals, read here and only here (`ray.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from vitscale.data.storage.holder import no_such_process
 
 PREFIX = "checkpoint_tmp_"
 """Ray's `_CHECKPOINT_TEMP_DIR_PREFIX`."""
@@ -25,20 +26,10 @@ MARK = ".del_lock_"
 """Between a download's folder name and its reader's pid (Ray's `_get_del_lock_path`)."""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
-
-
 def abandoned(folder: Path) -> bool:
     """Whether every reader `folder`'s marks name is gone (False without a mark, or with one not naming a pid)."""
     marks = [mark.name[len(folder.name) + len(MARK):] for mark in folder.parent.glob(f"{folder.name}{MARK}*")]
-    return bool(marks) and all(pid.isdigit() for pid in marks) and not any(_alive(int(pid)) for pid in marks)
+    return bool(marks) and all(pid.isdigit() for pid in marks) and all(no_such_process(int(pid)) for pid in marks)
 
 
 def remove_abandoned_downloads(where: str | None = None) -> list[str]:

@@ -72,7 +72,7 @@ class Holder:
 
     def alive_here(self) -> bool:
         """Whether this holder may be a live process on this machine (False when it is elsewhere)."""
-        return self.here() and not self.dead_here() and not _no_such_process(self.pid)
+        return self.here() and not self.dead_here() and not no_such_process(self.pid)
 
     def dead_here(self) -> bool:
         """Whether this holder is provably gone: it was a process of this very machine (its recorded
@@ -82,7 +82,7 @@ class Holder:
             return False
         now = process_start(self.pid)
         if now is None:
-            return _no_such_process(self.pid)
+            return no_such_process(self.pid)
         return self.started is not None and now != self.started  # the pid was reused by a later process
 
 
@@ -113,7 +113,8 @@ def process_start(pid: int) -> int | None:
         return None
 
 
-def _no_such_process(pid: int) -> bool:
+def no_such_process(pid: int) -> bool:
+    """Whether no process of this machine has `pid` (one of another user's is one)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
