@@ -46,6 +46,8 @@ def remove_abandoned_downloads(where: str | None = None) -> list[str]:
                 continue
             shutil.rmtree(folder)
             for mark in folder.parent.glob(f"{folder.name}{MARK}*"):
-                mark.unlink(missing_ok=True)
+                pid = mark.name[len(folder.name) + len(MARK):]
+                if pid.isdigit() and no_such_process(int(pid)):  # not the mark of a reader come since
+                    mark.unlink(missing_ok=True)
             removed.append(folder.name)
     return removed
