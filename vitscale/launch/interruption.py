@@ -32,8 +32,8 @@ from types import FrameType
 from typing import Any, TypeVar
 
 import ray
-from ray.train.torch import TorchTrainer
 
+from vitscale.launch.no_datasets import TrainerWithoutDatasets
 from vitscale.launch.stop_request import stop_grace
 from vitscale.say import say
 
@@ -70,7 +70,7 @@ def keeping_handlers() -> Iterator[None]:
         _restore(before)
 
 
-class InterruptibleTrainer(TorchTrainer):
+class InterruptibleTrainer(TrainerWithoutDatasets):
     """A ``TorchTrainer`` whose Ctrl-C, SIGTERM or SIGHUP stops the run, then the driver.
 
     With ``stop`` (this driver's `StopRequests` actor, the run's key and its grace in seconds), the first
