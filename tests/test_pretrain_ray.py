@@ -1,7 +1,7 @@
 """Pre-training on a real local Ray cluster: 2 Train workers, gloo, DeepSpeed ZeRO-2.
 
-The acceptance test of fault tolerance lives here: rank 1 is killed mid-epoch, Ray restarts the
-worker group, training resumes from the latest complete checkpoint, and the final weights and the
+The acceptance test of fault tolerance lives here: a worker is SIGKILLed from outside mid-epoch, Ray restarts
+the worker group, training resumes from the latest complete checkpoint, and the final weights and the
 multiset of consumed samples equal those of the uninterrupted run.
 """
 
