@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from vitscale.train.batch import BatchPlan, derive_batch, nearest_valid_global_batch
-from vitscale.train.optim import epoch_at, lr_at, param_groups, split_decay, steps_for
+from vitscale.train.optim import epoch_at, lr_at, param_groups, split_decay, steps_for, warmup_outlasts
 
 # ------------------------------------------------------------------------------------ lr_at
 
@@ -87,6 +87,19 @@ def test_warmup_longer_than_run_is_a_truncated_ramp(total: int, extra: int, deca
     assert all(v2 >= v1 for v1, v2 in itertools.pairwise(values))
     assert lr_at(total, **a) == pytest.approx(1e-3 * total / warm)
     assert lr_at(total + 100, **a) == lr_at(total, **a)
+
+
+@given(st.integers(1, 100_000), st.integers(0, 200_000))
+def test_a_run_that_ends_before_its_warmup_is_said_with_the_lr_it_reaches(total: int, warm: int) -> None:
+    line = warmup_outlasts(total, warm, "train.warmup_steps")
+    # Said exactly when no step of the run trains at the base LR (the 0-based steps 0 .. total - 1).
+    # The LR only rises during warm-up and only falls after it: its highest is at the step warm-up ends.
+    reaches_base = lr_at(min(warm, total - 1), base_lr=1.0, total_steps=total, warmup_steps=warm) == 1.0
+    assert (line is None) == (warm == 0 or reaches_base)
+    if line is not None:
+        reached = lr_at(total - 1, base_lr=1.0, total_steps=total, warmup_steps=warm)
+        assert line.startswith(f"train.warmup_steps ({warm:,}) is not below the run's {total:,} steps")
+        assert f"rises to {100 * reached:.3g}% of the base LR" in line and "\n" not in line
 
 
 @pytest.mark.parametrize(

@@ -197,6 +197,31 @@ def test_loss_goes_down(tmp_path: Path, tiny_dataset: str, process_group: None) 
     assert len(losses) == 30 and sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
 
 
+def test_a_run_that_ends_before_its_warmup_says_so_once_at_its_start(tmp_path: Path, tiny_dataset: str,
+                                                                      process_group: None,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    """A warm-up as long as the run (the paper's 10k steps kept in a short one): the learning rate never reaches
+    `train.base_lr`. Rank 0 says so in one line as the run starts, not again as it resumes; a warm-up that ends
+    within the run is not mentioned."""
+    from vitscale.train.loop import WorkerContext, train
+
+    job = tiny_config(tiny_dataset, warmup_steps=6, checkpoint_every=3)  # 6 steps
+    (tmp_path / "a").mkdir()
+    train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-a", report=Recorder(tmp_path / "a")))
+    said = [line for line in capsys.readouterr().out.splitlines() if "warmup_steps" in line]
+    assert said == ["[vitscale] train.warmup_steps (6) is not below the run's 6 steps: the whole run is warm-up, its "
+                    "learning rate rises to 83.3% of the base LR and never decays (set train.warmup_steps below the "
+                    "run's steps for the paper's schedule)"], said
+    (tmp_path / "b").mkdir()
+    train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-b", report=Recorder(tmp_path / "b"),
+                             resume_from=tmp_path / "a" / "checkpoint_000000003"))
+    assert "warmup_steps" not in capsys.readouterr().out
+    (tmp_path / "c").mkdir()
+    train(tiny_config(tiny_dataset, warmup_steps=5), WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-c",
+                                                                   report=Recorder(tmp_path / "c")))
+    assert "warmup_steps" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("stage, offload", [(0, False), (1, False), (3, False), (2, True)])
 def test_every_zero_stage_trains_and_checkpoints(tmp_path: Path, tiny_dataset: str, process_group: None,
                                                  stage: int, offload: bool) -> None:

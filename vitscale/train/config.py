@@ -107,7 +107,8 @@ class TrainConfig:
     end_lr: float = 0.0
     """Learning rate reached at the last step (at most `base_lr`)."""
     warmup_steps: int = 10_000
-    """Linear warm-up steps (App. B.1: 10k)."""
+    """Linear warm-up steps (App. B.1: 10k). A run of no more steps never reaches `base_lr` (the ramp is cut off
+    at its last step, `optim.lr_at`); rank 0 says so in one line as such a run starts."""
     lr_decay: str = "linear"
     """"linear" or "cosine" decay after warm-up."""
     weight_decay: float = 0.03

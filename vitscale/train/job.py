@@ -85,6 +85,11 @@ class TrainJob:
                 raise ValueError("a job selecting on a dev carve trains on the rest of that carve and evaluates "
                                  f"only its dev part; it cannot evaluate {[e.name for e in others] or 'this split'}")
 
+    @property
+    def train_key(self) -> str:
+        """Where this job's recipe is set: `train` for pre-training, `finetune.train` for fine-tuning."""
+        return "finetune.train" if self.resume_scope == FINETUNE_SCOPE else "train"
+
     def checkpoint_yaml(self, trained_on: dict[str, Any] | None = None) -> str:
         """A checkpoint's `config.yaml`: the resolved config, then under `trained:` the architecture and
         objective of the weights this job trains, which `train/export.py` rebuilds them as. A fine-tuning

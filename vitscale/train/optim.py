@@ -100,6 +100,18 @@ def lr_at(
     return min(base, max(end, lr))
 
 
+def warmup_outlasts(total_steps: int, warmup_steps: int, key: str) -> str | None:
+    """The line saying a run ends before its warm-up does (`lr_at`'s ramp cut off: the learning rate never
+    reaches the base LR, and never decays), or None when the warm-up ends within the run. `key` names the
+    setting (`train.warmup_steps`)."""
+    if warmup_steps == 0 or warmup_steps < total_steps:
+        return None
+    reached = (total_steps - 1) / warmup_steps  # the last step's LR, lr_at(total_steps - 1), over the base LR
+    return (f"{key} ({warmup_steps:,}) is not below the run's {total_steps:,} steps: the whole run is warm-up, "
+            f"its learning rate rises to {100 * reached:.3g}% of the base LR and never decays (set {key} below "
+            "the run's steps for the paper's schedule)")
+
+
 # --------------------------------------------------------------------------------------------
 # Weight-decay parameter groups
 # --------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from vitscale.train.engine import build_engine, deepspeed_config, init_distribut
 from vitscale.train.job import TrainJob
 from vitscale.train.metrics import peak_flops
 from vitscale.train.objective import Objective, objective_flops, objective_for
-from vitscale.train.optim import Decay, lr_at, schedule_length
+from vitscale.train.optim import Decay, lr_at, schedule_length, warmup_outlasts
 from vitscale.train.polyak import Polyak
 from vitscale.train.resume import dataset_identity
 from vitscale.train.step import Stepper
@@ -104,6 +104,9 @@ def set_up(job: TrainJob, ctx: WorkerContext) -> Worker:
                          "(train.objective: masked_patch learns from images alone)")
     steps_per_epoch, total_steps = schedule_length(sum(stream.dataset.counts), batch.global_batch, train.epochs,
                                                    train.max_steps)
+    outlasts = warmup_outlasts(total_steps, train.warmup_steps, f"{job.train_key}.warmup_steps")
+    if outlasts and ctx.rank == 0 and ctx.resume_from is None:  # said once, at the run's start
+        say(outlasts)
     torch.manual_seed(train.seed)  # identical initial weights on every rank
     model = _build_model(job, ctx, objective, num_classes)
     # Fine-tuning: the weights it starts from as loaded, before the engine moves or partitions them (an export's
