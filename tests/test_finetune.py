@@ -94,6 +94,9 @@ def test_a_selection_job_cannot_read_the_test_split() -> None:
         TrainJob(model=job.model, data=job.data, train=job.train, carve=Carve(0.1, 0, "dev"), evals=job.evals)
     final = final_job(cfg, TINY, None, 0.01, use_gpu=False, endpoint_url=None)
     assert [(e.name, e.split, e.carve) for e in final.evals] == [("test", "test", None)] and final.carve is None
+    # A fine-tuning job's recipe is set under finetune.train (what its lines name, e.g. a warm-up longer than it).
+    assert job.train_key == final.train_key == "finetune.train"
+    assert TrainJob(model=job.model, data=job.data, train=job.train).train_key == "train"
 
 
 @pytest.mark.parametrize("raw, key", [
