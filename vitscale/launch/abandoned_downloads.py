@@ -26,10 +26,21 @@ MARK = ".del_lock_"
 """Between a download's folder name and its reader's pid (Ray's `_get_del_lock_path`)."""
 
 
+def _readers(folder: Path) -> dict[Path, int | None]:
+    """`folder`'s reader marks, each with the pid it names (None: a mark that names no pid)."""
+    marks = folder.parent.glob(f"{folder.name}{MARK}*")
+    return {mark: int(pid) if (pid := mark.name[len(folder.name) + len(MARK):]).isdigit() else None
+            for mark in marks}
+
+
+def _gone(pid: int | None) -> bool:
+    return pid is not None and no_such_process(pid)
+
+
 def abandoned(folder: Path) -> bool:
     """Whether every reader `folder`'s marks name is gone (False without a mark, or with one not naming a pid)."""
-    marks = [mark.name[len(folder.name) + len(MARK):] for mark in folder.parent.glob(f"{folder.name}{MARK}*")]
-    return bool(marks) and all(pid.isdigit() for pid in marks) and all(no_such_process(int(pid)) for pid in marks)
+    readers = _readers(folder)
+    return bool(readers) and all(_gone(pid) for pid in readers.values())
 
 
 def remove_abandoned_downloads(where: str | None = None) -> list[str]:
@@ -45,9 +56,8 @@ def remove_abandoned_downloads(where: str | None = None) -> list[str]:
             if not abandoned(folder):  # a reader came meanwhile
                 continue
             shutil.rmtree(folder)
-            for mark in folder.parent.glob(f"{folder.name}{MARK}*"):
-                pid = mark.name[len(folder.name) + len(MARK):]
-                if pid.isdigit() and no_such_process(int(pid)):  # not the mark of a reader come since
+            for mark, pid in _readers(folder).items():
+                if _gone(pid):  # not the mark of a reader come since
                     mark.unlink(missing_ok=True)
             removed.append(folder.name)
     return removed

@@ -262,8 +262,6 @@ def _agree_on_resume(rank: int, resume_from: Path | None) -> None:
 
 def _url(checkpoint: Any) -> str:
     """A checkpoint's address for messages: `s3://bucket/...` on object storage, else its path."""
-    import pyarrow.fs
-
     s3 = isinstance(checkpoint.filesystem, pyarrow.fs.S3FileSystem)
     return ("s3://" if s3 else "") + checkpoint.path
 
@@ -279,8 +277,6 @@ def _unreadable(what: str, exc: BaseException) -> StorageError:
 def newest_in_storage(storage: str | None) -> Any:
     """The newest `checkpoint_*` folder in the run's storage as a `ray.train.Checkpoint`, or None (none there).
     A storage that cannot be listed raises a `StorageError`: it is not a run without checkpoints."""
-    import pyarrow.fs
-
     if storage is None:
         return None
     filesystem, path = run_filesystem(storage)
@@ -299,8 +295,6 @@ def newest_in_storage(storage: str | None) -> Any:
 
 def _newest_first(latest: Any) -> Iterator[Any]:
     """`latest`, then the run's other `checkpoint_*` folders beside it in storage, newest first."""
-    import pyarrow.fs
-
     yield latest
     parent = posixpath.dirname(latest.path.rstrip("/"))
     try:
