@@ -159,7 +159,7 @@ def test_ctrl_c_of_a_run_says_where_it_is_kept_and_how_to_resume(verb: str, tmp_
     else:
         argv = ["finetune", str(tmp_path / "weights.pt"), "--data", small_synthetic, "--model", "ViT-Ti/16",
                 "--lr", "0.01", "--set", f"cluster.storage_path={tmp_path / 'runs'}"]
-        kept = tmp_path / "runs" / f"finetune-{Path(small_synthetic).name}"
+        kept = tmp_path / "runs" / f"finetune-weights-{Path(small_synthetic).name}"
     assert main(argv) == 130
     # The command as typed resumes the run.
     assert capsys.readouterr().err == (f"vitscale: interrupted; the run is kept at {kept}: resume it from its last "

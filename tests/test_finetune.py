@@ -222,6 +222,23 @@ def test_vitscale_finetune_on_a_local_ray_fits_this_machine(monkeypatch: pytest.
     assert "cluster" not in finetune_pipeline("weights.pth", "shards", local=False)  # a cluster: its own config
 
 
+def test_each_pretrained_run_fine_tuned_on_a_dataset_is_a_run_of_its_own() -> None:
+    """`vitscale finetune runs/exp1 --data cifar10` then `... runs/exp2 --data cifar10`: two runs, not the second
+    refused as a changed resume of the first; the same command again names the same run (so it resumes)."""
+    from vitscale.stages.finetune import finetune_pipeline
+
+    def name(checkpoint: str, dataset: str) -> str:
+        config = build_pipeline(finetune_pipeline(checkpoint, dataset, base_lr=0.01), "vitscale finetune")
+        return config.run_name
+
+    assert name("runs/exp1", "shards/cifar10") == name("runs/exp1/", "shards/cifar10/") == "finetune-exp1-cifar10"
+    assert name("runs/exp2", "shards/cifar10") == "finetune-exp2-cifar10"
+    assert name("s3://bucket/runs/exp1", "s3://bucket/shards/pets") == "finetune-exp1-pets"
+    assert name("weights/ViT-B_16.npz", "cifar10") == "finetune-ViT-B_16-cifar10"  # the file's suffix dropped
+    assert name("exp1.safetensors", "cifar10") == "finetune-exp1-cifar10"
+    assert name("runs/exp1", ".") == f"finetune-exp1-{Path.cwd().name}"  # "." is the folder it names
+
+
 def test_a_resumed_finetuning_refuses_other_pretrained_weights(downstream: str, tmp_path: Path,
                                                                process_group: None) -> None:
     """`vitscale finetune runs/pre ...` once at pre-training's step 5, again once it reached step 20: the same

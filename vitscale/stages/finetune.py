@@ -10,6 +10,7 @@ learning rate is `finetune.train.base_lr`; choosing it on a dev split is the swe
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -257,6 +258,27 @@ FINETUNE_FLAGS = {"finetune.checkpoint": "checkpoint", "finetune.data.url": "--d
 """The pipeline key each of `vitscale finetune`'s own arguments sets in `finetune_pipeline` (errors name the flag)."""
 
 
+WEIGHTS_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".npz")
+"""What `finetune_name` drops from a weights file's name (the formats `vitscale finetune` reads)."""
+
+
+def finetune_name(checkpoint: str, dataset: str) -> str:
+    """`vitscale finetune`'s run name: `finetune-<weights>-<dataset>`, from the last part of each location.
+
+    The same command names the same run (so it resumes); other weights on the same dataset name another
+    (`runs/exp1` and `runs/exp2` fine-tuned on `cifar10` are two runs, not one refused as changed)."""
+    weights = _last_part(checkpoint)
+    weights = next((weights[: -len(s)] for s in WEIGHTS_SUFFIXES if weights.endswith(s) and weights != s), weights)
+    return f"finetune-{weights or 'weights'}-{_last_part(dataset) or 'dataset'}"
+
+
+def _last_part(location: str) -> str:
+    """A location's last part: a URL's last segment, a local path's folder or file name ("." names the folder)."""
+    if is_url(location):
+        return location.rstrip("/").rsplit("/", 1)[-1]
+    return Path(os.path.abspath(location)).name
+
+
 def finetune_pipeline(checkpoint: str, dataset: str, *, preset: str | None = None, base_lr: float | None = None,
                       model: str | None = None, img_size: int | None = None, resolution: int | None = None,
                       steps: int | None = None, local: bool = False) -> dict[str, Any]:
@@ -265,7 +287,6 @@ def finetune_pipeline(checkpoint: str, dataset: str, *, preset: str | None = Non
     `local`: on a Ray started on this machine, the cluster is this machine (a worker per GPU, or one
     CPU worker with every core) and, without a GPU, fp32 (bf16 matmuls crawl on most CPUs).
     """
-    name = Path(dataset.rstrip("/")).name or "dataset"
     train: dict[str, Any] = {}
     finetune: dict[str, Any] = {"checkpoint": checkpoint, "data": {"url": dataset}, "train": train}
     if preset is not None:
@@ -276,7 +297,7 @@ def finetune_pipeline(checkpoint: str, dataset: str, *, preset: str | None = Non
         train["base_lr"] = base_lr
     if steps is not None:
         train["max_steps"] = steps
-    raw: dict[str, Any] = {"name": f"finetune-{name}", "stages": ["finetune"], "finetune": finetune}
+    raw: dict[str, Any] = {"name": finetune_name(checkpoint, dataset), "stages": ["finetune"], "finetune": finetune}
     if local:
         raw["cluster"] = local_cluster()
         if not raw["cluster"]["use_gpu"]:
