@@ -103,6 +103,39 @@ def test_damaged_exif_is_written_upright_without_pils_warning_on_the_terminal(fm
     assert _rgb(jpeg)[10, 20, 0] > 200
 
 
+def test_damaged_exif_from_many_threads_at_once_prints_nothing_and_leaves_the_filters_as_they_were():
+    """The shard writer encodes on a thread pool: each thread's quiet must hold while another's ends, and the
+    process's warning filters must be the same afterwards (`warnings.catch_warnings` per thread broke both)."""
+    import sys
+    import threading
+    import warnings
+
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 20), (255, 0, 0)).save(buf, "JPEG", exif=_BAD_EXIF)
+    data, start = buf.getvalue(), threading.Barrier(8)
+
+    def encode_many() -> None:
+        start.wait()
+        for _ in range(40):
+            encode_image(data, 16, 90)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads take turns inside each other's quiet, as on a busy machine
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            before = list(warnings.filters)
+            threads = [threading.Thread(target=encode_many) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            after = list(warnings.filters)
+    finally:
+        sys.setswitchinterval(interval)
+    assert [str(x.message) for x in seen] == [] and after == before
+
+
 def _png_claiming(width: int, height: int) -> bytes:
     buf = io.BytesIO()
     Image.new("L", (4, 4)).save(buf, "PNG")

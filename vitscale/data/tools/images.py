@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import threading
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -47,16 +49,44 @@ class UnreadableImage(ValueError):
     """A source file that is no image PIL can decode (or a decompression bomb); skipped and counted."""
 
 
+_QUIET_LOCK = threading.Lock()
+_quiet_within = 0
+"""Threads inside `pil_quiet` now; the filters are in place while it is above 0."""
+_quiet_added: list[Any] = []
+"""The filter entries the first of them put in `warnings.filters`, which the last one takes out."""
+
+
 @contextlib.contextmanager
 def pil_quiet() -> Iterator[None]:
     """Within: PIL's warnings about what vitscale's own pixel limits decide (big images; here and in the
     loader, `data/loader/decode.py`) and about damaged EXIF metadata (``Corrupt EXIF data``, from its TIFF
     reader, when a JPEG is opened or its EXIF read: the image decodes, only its orientation is taken from
-    EXIF, upright when unreadable) are not printed among the verb's lines."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.TiffImagePlugin")
+    EXIF, upright when unreadable) are not printed among the verb's lines.
+
+    Thread-safe, unlike `warnings.catch_warnings` (the shard writer and the hashes call this from a thread
+    pool: a thread leaving a `catch_warnings` put back the filters as they were when it entered, taking
+    another thread's out from under it or leaving them in place for good). The first thread in adds the
+    two filters, the last one out removes exactly those entries; filters set meanwhile by anyone else stay.
+    """
+    global _quiet_within
+    with _QUIET_LOCK:
+        if _quiet_within == 0:
+            before = list(warnings.filters)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.TiffImagePlugin")
+            _quiet_added[:] = [f for f in warnings.filters if f not in before]
+        _quiet_within += 1
+    try:
         yield
+    finally:
+        with _QUIET_LOCK:
+            _quiet_within -= 1
+            if _quiet_within == 0:
+                for entry in _quiet_added:
+                    with contextlib.suppress(ValueError):  # someone reset the filters meanwhile
+                        warnings.filters.remove(entry)
+                warnings._filters_mutated()  # type: ignore[attr-defined]  # as warnings' own functions do
+                _quiet_added.clear()
 
 
 def open_image(image: Image.Image | bytes, max_pixels: int = MAX_PIXELS) -> Image.Image:
