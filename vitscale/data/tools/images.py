@@ -27,7 +27,7 @@ import io
 import threading
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -82,9 +82,10 @@ def pil_quiet() -> Iterator[None]:
         with _QUIET_LOCK:
             _quiet_within -= 1
             if _quiet_within == 0:
+                filters = cast(list[Any], warnings.filters)  # a list (typeshed says Sequence)
                 for entry in _quiet_added:
                     with contextlib.suppress(ValueError):  # someone reset the filters meanwhile
-                        warnings.filters.remove(entry)
+                        filters.remove(entry)
                 warnings._filters_mutated()  # type: ignore[attr-defined]  # as warnings' own functions do
                 _quiet_added.clear()
 
