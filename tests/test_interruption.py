@@ -96,15 +96,17 @@ def test_ctrl_c_or_sigterm_stops_the_workers_says_how_to_resume_and_the_command_
     through a SIGHUP it was started ignoring (`nohup`).
     Without the CLI's handler put back after `ray.init`, Ray's own printed a stack dump on SIGTERM and
     aborted the driver (no line, the lease left held)."""
-    steps_total = 60
+    # A step takes 25-50 ms and the workers see a stop up to 1.5 s after it is asked (rank 0 reads the request
+    # once a second): 60 steps with a checkpoint every 4 were sometimes all done before the second stop landed.
+    steps_total, every = 300, 20
     pipeline = tiny_pipeline(tmp_path, "ctrlc", small_synthetic,
-                             {"max_steps": steps_total, "zero_stage": 1, "checkpoint_every": 4, "log_every": 1})
+                             {"max_steps": steps_total, "zero_stage": 1, "checkpoint_every": every, "log_every": 1})
     run_dir = tmp_path / "runs" / "ctrlc"
     stopped = [0]
     plan = [(signal.SIGINT, 130, "", False), (signal.SIGTERM, 143, " by SIGTERM", True)]
     for attempt, (signum, code, by, again) in enumerate(plan):
         # The first run stops after its first checkpoint, the resumed one after a checkpoint it wrote itself.
-        newer = run_dir / f"checkpoint_{stopped[-1] // 4 * 4 + 4:09d}"
+        newer = run_dir / f"checkpoint_{stopped[-1] // every * every + every:09d}"
         ended, output, left = _stop(pipeline, tmp_path / f"stopped{attempt}.log", signum, newer, again)
         assert ended == code, output[-4000:]
         assert output.rstrip("\n").splitlines()[-1] == (
@@ -128,7 +130,7 @@ def test_ctrl_c_or_sigterm_stops_the_workers_says_how_to_resume_and_the_command_
     proc = start(pipeline, log, ignoring=(signal.SIGHUP,))
     try:
         deadline = time.monotonic() + 600
-        while not (run_dir / f"checkpoint_{stopped[-1] // 4 * 4 + 4:09d}").is_dir():
+        while not (run_dir / f"checkpoint_{stopped[-1] // every * every + every:09d}").is_dir():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.2)
         proc.send_signal(signal.SIGHUP)
@@ -147,7 +149,7 @@ def test_ctrl_c_or_sigterm_stops_the_workers_says_how_to_resume_and_the_command_
     resumed = [line for line in output.splitlines() if "resumed from" in line]
     at = int(resumed[0].split(" at step ")[1].split()[0])
     # SIGTERM twice: aborted at once, from a periodic checkpoint (or the stop's own, had the workers been quick).
-    assert len(resumed) == 1 and stopped[1] < at <= stopped[2] and (at % 4 == 0 or at == stopped[2]), (resumed, stopped)
+    assert len(resumed) == 1 and stopped[1] < at <= stopped[2] and (at % every == 0 or at == stopped[2]), (resumed, stopped)
 
 
 @pytest.mark.slow
