@@ -258,6 +258,22 @@ def test_a_range_of_one_size_is_that_fixed_size() -> None:
         refuse_changed_run(fixed, yaml.safe_dump({"cluster": {"num_workers": [1, 4]}}), PRETRAIN_SCOPE, "checkpoint X")
 
 
+def test_an_elastic_range_may_become_another_range_but_not_a_fixed_size() -> None:
+    """`[2, 4]` -> `[2, 8]` once the cluster grew (or `[1, 2]` once it shrank) resumes: an elastic run's step is
+    the global batch's mean at any world size and its checkpoints are resharded. A range and a fixed size are
+    still other settings either way, `[W, W]` being the fixed `W`."""
+    def workers(value: object) -> str:
+        return yaml.safe_dump({"cluster": {"num_workers": value}})
+
+    for old, new in (([2, 4], [2, 8]), ([2, 4], [1, 2]), ([1, 3], [4, 6])):
+        refuse_changed_run(workers(old), workers(new), PRETRAIN_SCOPE, "checkpoint X")
+        refuse_changed_run(workers(old), workers(new), FINETUNE_SCOPE, "checkpoint X")
+    for old, new in (([2, 4], 4), (4, [2, 4]), ([2, 4], [4, 4]), ([2, 2], [2, 4])):
+        with pytest.raises(ConfigError, match=r"cluster.num_workers") as refused:
+            refuse_changed_run(workers(old), workers(new), PRETRAIN_SCOPE, "checkpoint X")
+        assert refused.value.key == "cluster.num_workers"
+
+
 def test_a_model_is_compared_by_the_model_its_name_names() -> None:
     """`--set model.name=vit-ti/8` builds ViT-Ti/8, the model the checkpoint was trained as: it was refused as
     `model.name 'ViT-Ti/8' -> 'vit-ti/8'`. Another model is still refused."""

@@ -35,9 +35,10 @@ from vitscale.data.format import LABEL_SOURCE, DatasetMeta
 from vitscale.train.config import UNREAD_BY_OBJECTIVE, TrainConfig
 from vitscale.train.finetune import FinetuneConfig
 
-PRETRAIN_SCOPE: tuple[str, ...] = ("model", "data", "train", "cluster.num_workers")
+WORKERS_KEY = "cluster.num_workers"
+PRETRAIN_SCOPE: tuple[str, ...] = ("model", "data", "train", WORKERS_KEY)
 """What fixes a pre-training run: the model, the sample order, the schedule, the world size."""
-FINETUNE_SCOPE: tuple[str, ...] = ("model", "finetune", "cluster.num_workers")
+FINETUNE_SCOPE: tuple[str, ...] = ("model", "finetune", WORKERS_KEY)
 """What fixes a fine-tuning run (its recipe and data are the `finetune` section's `train:` and `data:`)."""
 
 
@@ -104,9 +105,20 @@ def changed_keys(old: Mapping[str, Any], new: Mapping[str, Any], scope: tuple[st
         if not _under(key, scope) or _under(key, may_change):
             continue
         va, vb = a.get(key, ABSENT), b.get(key, ABSENT)
-        if va != vb:
+        if va != vb and not (key == WORKERS_KEY and is_range(va) and is_range(vb)):
             out.append((key, va, vb))
     return out
+
+
+def is_range(workers: Any) -> bool:
+    """An elastic `cluster.num_workers` `[MIN, MAX]` with MIN < MAX (`[W, W]` is the fixed `W`).
+
+    One range may become another on resume (`[2, 4]` -> `[2, 8]` once the cluster grew): an elastic run's step
+    is the global batch's mean at any world size (uneven shares, weighted micro-batches) and its checkpoints
+    are resharded to the size it restarts at, so the range says only where it may run. A fixed size and a
+    range are not interchangeable: a fixed run keeps the classic batch rule and refuses another size."""
+    return (isinstance(workers, (list, tuple)) and len(workers) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in workers) and workers[0] < workers[1])
 
 
 def unread_keys(config: Mapping[str, Any]) -> tuple[str, ...]:
@@ -208,7 +220,7 @@ def refuse_changed_run(old_yaml: str, new_yaml: str, scope: tuple[str, ...], whe
     new = with_defaults(yaml.safe_load(new_yaml) or {})
     changes = changed_keys(old, new, scope, may_change)
     if old_world_size is not None and new_world_size is not None and old_world_size != new_world_size \
-            and not any(key == "cluster.num_workers" for key, _, _ in changes):
+            and not any(key == WORKERS_KEY for key, _, _ in changes):
         changes.append(("world size", old_world_size, new_world_size))
     if changes:
         raise ConfigError(
