@@ -54,6 +54,9 @@ BAD: list[tuple[str, Any, str]] = [
     ("train.metrics_port", 65535, "train.metrics_port"), ("train.metrics_addr", "my host", "train.metrics_addr"),
     # names that become paths
     ("cluster.run_name", "../elsewhere", "cluster.run_name"), ("cluster.run_name", "a/b", "cluster.run_name"),
+    # read differently by pyarrow (Ray Train's storage) and boto3 once part of an s3:// location
+    ("cluster.run_name", "exp?x", "cluster.run_name"), ("cluster.run_name", "exp%2Fx", "cluster.run_name"),
+    ("cluster.run_name", "exp#1", "cluster.run_name"), ("cluster.run_name", "exp\n1", "cluster.run_name"),
     ("data.split", "../train", "data.split"), ("cluster.storage_path", "", "cluster.storage_path"),
     ("data.endpoint_url", "minio:9000", "data.endpoint_url"),
     # no host, a space, a port that is not a number: boto3 refused them at the first read, naming no key

@@ -237,6 +237,8 @@ def test_each_pretrained_run_fine_tuned_on_a_dataset_is_a_run_of_its_own() -> No
     assert name("weights/ViT-B_16.npz", "cifar10") == "finetune-ViT-B_16-cifar10"  # the file's suffix dropped
     assert name("exp1.safetensors", "cifar10") == "finetune-exp1-cifar10"
     assert name("runs/exp1", ".") == f"finetune-exp1-{Path.cwd().name}"  # "." is the folder it names
+    # A local file may be named what a run may not be (a run's name is part of an s3:// location).
+    assert name("weights/exp#1.pt", "cifar10") == "finetune-exp-1-cifar10"
 
 
 def test_a_resumed_finetuning_refuses_other_pretrained_weights(downstream: str, tmp_path: Path,

@@ -84,10 +84,22 @@ def positive_int(value: Any, key: str) -> int:
     return value
 
 
+AMBIGUOUS_CHARS = {"%": "a %-encoding", "?": "a query (?)", "#": "a fragment (#)", "\\": "a backslash"}
+"""Characters one tool reads literally and another decodes or splits on in a storage URL (pyarrow's URI parser,
+which Ray Train's storage uses, decodes `%2F` and reads `?` as options; boto3 takes the key as written):
+refused in a location (`config/location.py`) and in a name that becomes part of one (`plain_name`)."""
+
+
 def plain_name(value: Any, key: str) -> str:
-    """A name that becomes one path component: no separators, not '.' or '..', not empty."""
+    """A name that becomes one path component, of a local folder or of an s3:// location (a run's name, a
+    split's): no separators, not '.' or '..', not empty, none of `AMBIGUOUS_CHARS`, no control character. A run
+    named `exp?x` on s3:// was a location pyarrow refuses (`Unexpected query parameter`) and boto3 writes to."""
     check(isinstance(value, str) and value not in ("", ".", "..") and "/" not in value and "\\" not in value
           and "\0" not in value, key, f"must be a plain name (no '/', '\\', '..'), got {value!r}")
+    ambiguous = next((what for char, what in AMBIGUOUS_CHARS.items() if char in value), None)
+    check(ambiguous is None, key, f"{value!r} contains {ambiguous}, which tools read differently in a storage "
+                                  "location; use plain characters")
+    check(all(ord(c) >= 32 and ord(c) != 127 for c in value), key, f"{value!r} contains a control character")
     return value
 
 

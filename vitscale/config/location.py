@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from vitscale.config.checks import ConfigError
+from vitscale.config.checks import AMBIGUOUS_CHARS, ConfigError
 
 STORAGE_KEY = "cluster.storage_path"
 """The key named when a run's storage location is refused."""
@@ -37,9 +37,8 @@ _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
 """What a URL's scheme looks like (RFC 3986): a location whose first segment starts so is a URL
 (`s3:/bar`, `s3:bar`, `file:/x`), never a relative local folder named `s3:`."""
 
-_AMBIGUOUS = {"%": "a %-encoding", "?": "a query (?)", "#": "a fragment (#)", "\\": "a backslash"}
-"""Characters one tool reads literally and another decodes or splits on (pyarrow's URI parser decodes
-`%2F` and reads `?` as options; boto3 takes the key as written): refused rather than guessed."""
+_AMBIGUOUS = AMBIGUOUS_CHARS
+"""Characters one tool reads literally and another decodes or splits on: refused rather than guessed."""
 
 
 def is_url(location: str) -> bool:
