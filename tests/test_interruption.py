@@ -96,7 +96,7 @@ def test_ctrl_c_or_sigterm_stops_the_workers_says_how_to_resume_and_the_command_
     through a SIGHUP it was started ignoring (`nohup`).
     Without the CLI's handler put back after `ray.init`, Ray's own printed a stack dump on SIGTERM and
     aborted the driver (no line, the lease left held)."""
-    # A step takes 25-50 ms and the workers see a stop up to 1.5 s after it is asked (rank 0 reads the request
+    # A step takes 25-50 ms and the workers see a stop up to 2 s after it is asked (rank 0 reads the request
     # once a second): 60 steps with a checkpoint every 4 were sometimes all done before the second stop landed.
     steps_total, every = 300, 20
     pipeline = tiny_pipeline(tmp_path, "ctrlc", small_synthetic,

@@ -37,10 +37,6 @@ _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
 """What a URL's scheme looks like (RFC 3986): a location whose first segment starts so is a URL
 (`s3:/bar`, `s3:bar`, `file:/x`), never a relative local folder named `s3:`."""
 
-_AMBIGUOUS = AMBIGUOUS_CHARS
-"""Characters one tool reads literally and another decodes or splits on: refused rather than guessed."""
-
-
 def is_url(location: str) -> bool:
     """Whether `location` is a URL with a scheme (`s3://...`, `file://...`), not a local path."""
     return "://" in location
@@ -70,7 +66,7 @@ def canonical_location(location: str, key: str = STORAGE_KEY) -> str:
       resolved (`file://` dropped: a local path is what the lease, the mirror and Ray all take);
     - `file:/path` (RFC 8089's short form of `file:///path`): the same local path;
     - refused: other schemes, a bucket that breaks S3's naming rules (`bucket_problem`), `%`, `?`, `#`,
-      `\\`, control characters (see `_AMBIGUOUS`), `file://HOST/...`, and anything else whose first
+      `\\`, control characters (see `checks.AMBIGUOUS_CHARS`), `file://HOST/...`, and anything else whose first
       segment looks like a scheme (`s3:/bar`, `s3:bar`, `file:x`): a URL spelled wrong, never taken for
       a relative folder named `s3:`.
 
@@ -115,7 +111,7 @@ def _malformed(location: str, key: str, why: str) -> str:
 
 
 def _refuse_ambiguous(location: str, key: str) -> None:
-    for char, what in _AMBIGUOUS.items():
+    for char, what in AMBIGUOUS_CHARS.items():
         if char in location:
             raise ConfigError(key, f"{location} contains {what}, which tools read differently; "
                               "write the location with plain characters")
