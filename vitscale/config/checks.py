@@ -90,6 +90,11 @@ which Ray Train's storage uses, decodes `%2F` and reads `?` as options; boto3 ta
 refused in a location (`config/location.py`) and in a name that becomes part of one (`plain_name`)."""
 
 
+def is_control(char: str) -> bool:
+    """A control character (C0 or DEL): nothing a name or a location may hold."""
+    return ord(char) < 32 or ord(char) == 127
+
+
 def plain_name(value: Any, key: str) -> str:
     """A name that becomes one path component, of a local folder or of an s3:// location (a run's name, a
     split's): no separators, not '.' or '..', not empty, none of `AMBIGUOUS_CHARS`, no control character. A run
@@ -99,7 +104,7 @@ def plain_name(value: Any, key: str) -> str:
     ambiguous = next((what for char, what in AMBIGUOUS_CHARS.items() if char in value), None)
     check(ambiguous is None, key, f"{value!r} contains {ambiguous}, which tools read differently in a storage "
                                   "location; use plain characters")
-    check(all(ord(c) >= 32 and ord(c) != 127 for c in value), key, f"{value!r} contains a control character")
+    check(not any(is_control(c) for c in value), key, f"{value!r} contains a control character")
     return value
 
 

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from vitscale.config.checks import AMBIGUOUS_CHARS, ConfigError
+from vitscale.config.checks import AMBIGUOUS_CHARS, ConfigError, is_control
 
 STORAGE_KEY = "cluster.storage_path"
 """The key named when a run's storage location is refused."""
@@ -74,7 +74,7 @@ def canonical_location(location: str, key: str = STORAGE_KEY) -> str:
     """
     if not location:
         raise ConfigError(key, "must name a folder or an s3:// prefix")
-    if any(ord(c) < 32 or ord(c) == 127 for c in location):
+    if any(is_control(c) for c in location):
         raise ConfigError(key, f"{location!r} contains a control character")
     if not is_url(location):
         if _SCHEME.match(location) is None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vitscale.config.checks import AMBIGUOUS_CHARS, ConfigError, check
+from vitscale.config.checks import AMBIGUOUS_CHARS, ConfigError, check, is_control
 from vitscale.config.loader import build_section, to_yaml
 from vitscale.config.location import FINETUNE_PART, SIBLING_FINETUNE_SUFFIX, is_url, part_location
 from vitscale.config.pipeline import PipelineConfig, local_cluster
@@ -276,7 +276,7 @@ def _last_part(location: str) -> str:
     """A location's last part: a URL's last segment, a local path's folder or file name ("." names the folder),
     with what a run name may not hold (`checks.plain_name`: `#` in a local file's name, say) as `-`."""
     part = location.rstrip("/").rsplit("/", 1)[-1] if is_url(location) else Path(os.path.abspath(location)).name
-    return "".join("-" if c in AMBIGUOUS_CHARS or ord(c) < 32 or ord(c) == 127 else c for c in part)
+    return "".join("-" if c in AMBIGUOUS_CHARS or is_control(c) else c for c in part)
 
 
 def finetune_pipeline(checkpoint: str, dataset: str, *, preset: str | None = None, base_lr: float | None = None,

@@ -106,7 +106,8 @@ def warmup_outlasts(total_steps: int, warmup_steps: int, key: str) -> str | None
     setting (`train.warmup_steps`)."""
     if warmup_steps == 0 or warmup_steps < total_steps:
         return None
-    reached = (total_steps - 1) / warmup_steps  # the last step's LR, lr_at(total_steps - 1), over the base LR
+    # The last (0-based) step's LR over the base LR: the highest the cut-off ramp reaches.
+    reached = lr_at(total_steps - 1, base_lr=1.0, total_steps=total_steps, warmup_steps=warmup_steps)
     return (f"{key} ({warmup_steps:,}) is not below the run's {total_steps:,} steps: the whole run is warm-up, "
             f"its learning rate rises to {100 * reached:.3g}% of the base LR and never decays (set {key} below "
             "the run's steps for the paper's schedule)")

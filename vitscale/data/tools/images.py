@@ -86,7 +86,8 @@ def pil_quiet() -> Iterator[None]:
                 for entry in _quiet_added:
                     with contextlib.suppress(ValueError):  # someone reset the filters meanwhile
                         filters.remove(entry)
-                warnings._filters_mutated()  # type: ignore[attr-defined]  # as warnings' own functions do
+                # What warnings' own functions call after a change (its "once" caches); private, so not assumed.
+                getattr(warnings, "_filters_mutated", lambda: None)()
                 _quiet_added.clear()
 
 
