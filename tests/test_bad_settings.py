@@ -72,6 +72,17 @@ BAD: list[tuple[str, Any, str]] = [
     ("finetune.resolution", 20, "finetune.resolution"), ("finetune.train.seed", -1, "finetune.train.seed"),
     ("finetune.data.seed", -1, "finetune.data.seed"), ("finetune.train.global_batch", 12, "finetune.train.global_batch"),
     ("finetune.data.split", "nope", "finetune.data.split"), ("finetune.seed", 1, "finetune.seed"),  # the old shape
+    # integers no 64-bit integer holds, and sizes whose tensors none can: torch's TypeError or RuntimeError, a traceback
+    ("train.max_steps", 2**63, "train.max_steps"), ("train.max_steps", 1e300, "train.max_steps"),
+    ("data.seed", -(2**64), "data.seed"), ("model.img_size", 2**31, "model"), ("model.width", 2**40, "model"),
+    ("finetune.resolution", 2**40, "finetune.resolution"),
+    # a number or a blank where a path or URL goes: a folder named "0" in the working directory, a dataset ''
+    ("cluster.storage_path", 0, "cluster.storage_path"), ("data.url", " ", "data.url"),
+    ("fewshot.datasets", "", "fewshot.datasets"), ("fewshot.datasets", [1], "fewshot.datasets[0]"),
+    ("finetune.data.url", 7, "finetune.data.url"),
+    # YAML's .nan as a name; numbers YAML read where a host name goes, which inet_aton reads as addresses
+    ("cluster.run_name", NAN, "cluster.run_name"), ("train.metrics_addr", 0, "train.metrics_addr"),
+    ("train.metrics_addr", "-1", "train.metrics_addr"), ("train.metrics_addr", "10.1", "train.metrics_addr"),
 ]
 """(dotted key, value, the key the one-line error must name)."""
 

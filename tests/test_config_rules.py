@@ -115,3 +115,32 @@ def test_sections_are_typed() -> None:
         config.section("data", TrainConfig)
     with pytest.raises(KeyError):
         config.section("nope", TrainConfig)
+
+
+@dataclass(frozen=True)
+class _Typed:
+    count: int = 0
+    label: str = ""
+    where: str = field(default="x", metadata={"path": True})
+
+
+@given(st.integers() | st.floats(allow_nan=True, allow_infinity=True))
+def test_a_number_is_taken_only_where_it_converts_without_loss(value: int | float) -> None:
+    """An integer field takes a whole number within 64 bits (torch, numpy, Ray and Arrow hold no bigger one);
+    a text field takes a finite number as its text (`peak_flops: 9.89e14`), never YAML's .nan or .inf; a path
+    field takes no number at all (`storage_path: 0` is a slip, not a folder named "0")."""
+    whole = isinstance(value, int) or (value == value and abs(value) != float("inf") and float(value).is_integer())
+    fits = whole and -(2**63) <= int(value) < 2**63
+    if fits:
+        assert build_section(_Typed, {"count": value}, "s").count == int(value)
+    else:
+        with pytest.raises(ConfigError, match=r"^s\.count: "):
+            build_section(_Typed, {"count": value}, "s")
+    finite = isinstance(value, int) or (abs(value) != float("inf") and value == value)
+    if finite:
+        assert build_section(_Typed, {"label": value}, "s").label == str(value)
+    else:
+        with pytest.raises(ConfigError, match=r"^s\.label: "):
+            build_section(_Typed, {"label": value}, "s")
+    with pytest.raises(ConfigError, match=r"^s\.where: expected a path or URL"):
+        build_section(_Typed, {"where": value}, "s")

@@ -139,6 +139,11 @@ def check_address(value: Any, key: str) -> str:
     try:
         ipaddress.ip_address(value)
     except ValueError:
-        check(all(part.isalnum() or part.replace("-", "").isalnum() for part in value.split(".")) and len(value) < 254,
+        # RFC 1123 labels: letters, digits and inner hyphens, at most 63 each; the last not all digits, so that
+        # a number YAML turned into text ("0", "2147483648") or a short form ("10.1") is not bound as the
+        # address the C library's inet_aton makes of it.
+        labels = value.split(".")
+        check(all(0 < len(part) < 64 and part.replace("-", "").isalnum() and part.isascii() and part[0] != "-"
+                  and part[-1] != "-" for part in labels) and not labels[-1].isdigit() and len(value) < 254,
               key, f"must be an IP address or host name, got {value!r}")
     return value

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from collections.abc import Collection, Iterable, Mapping
@@ -25,6 +26,9 @@ from vitscale.config.fields import is_path, overridden
 from vitscale.config.location import canonical_location
 from vitscale.config.pipeline import PipelineConfig
 from vitscale.config.suggest import did_you_mean
+
+INT64_MAX = 2**63 - 1
+"""The largest integer a setting may hold."""
 
 
 class _UniqueKeys(yaml.SafeLoader):
@@ -241,8 +245,22 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     for name, value in raw.items():
         target = overridden(fields[name].metadata)
         kwargs[name] = (_overrides(target, value, f"{prefix}{name}") if target is not None
-                        else _coerce(hints[name], value, f"{prefix}{name}"))
+                        else _field_value(fields[name], hints[name], value, f"{prefix}{name}"))
     return cls(**kwargs)
+
+
+def _field_value(field: dataclasses.Field, tp: Any, value: Any, key: str) -> Any:
+    """`value` checked against the field's annotation; a path field's (fields.PATH) must also be text naming
+    something: a number there (`storage_path: 0`) or a blank one is a slip, not a folder anyone means."""
+    if is_path(field.metadata) and value is not None:
+        listed = isinstance(value, (list, tuple))
+        for i, item in enumerate(value if listed else [value]):
+            where = f"{key}[{i}]" if listed else key
+            if not isinstance(item, str):
+                raise ConfigError(where, f"expected a path or URL, got {_describe(item)}")
+            if not item.strip():
+                raise ConfigError(where, f"expected a path or URL, got {item!r}")
+    return _coerce(tp, value, key)
 
 
 def _refuse_moved(cls: type, raw: dict[str, Any], prefix: str) -> None:
@@ -275,7 +293,7 @@ def _overrides(cls: type, raw: Any, key: str) -> dict[str, Any]:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     _refuse_unknown(fields, raw, f"{key}.")
     hints = typing.get_type_hints(cls)
-    return {name: _coerce(hints[name], value, f"{key}.{name}") for name, value in raw.items()}
+    return {name: _field_value(fields[name], hints[name], value, f"{key}.{name}") for name, value in raw.items()}
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
@@ -315,11 +333,14 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             return value
         raise ConfigError(key, f"expected true or false, got {_describe(value)}")
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(key, f"expected an integer, got {_describe(value)}")
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(key, f"expected an integer, got {_describe(value)}")
+        if not -INT64_MAX - 1 <= value <= INT64_MAX:  # torch, numpy, Ray and Arrow hold no bigger integer
+            digits = str(abs(value))
+            raise ConfigError(key, f"an integer of {len(digits)} digits is out of range (at most {INT64_MAX:,})")
+        return value
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -332,8 +353,9 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)  # e.g. peak_flops: 9.89e14
+        finite = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+        if finite and not isinstance(value, bool):
+            return str(value)  # e.g. peak_flops: 9.89e14 (YAML's .nan and .inf are no one's text)
         raise ConfigError(key, f"expected a string, got {_describe(value)}")
     raise ConfigError(key, f"unsupported annotation {tp!r}")  # a bug in schema.py, not user input
 

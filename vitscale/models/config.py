@@ -67,6 +67,12 @@ class ModelConfig:
             # An unknown name (with close matches) or a size the patch grid cannot take.
             field_name = "name" if "model name" in str(exc) else "img_size" if "img_size" in str(exc) else ""
             raise ConfigError(f"{key}.{field_name}" if field_name else key, str(exc)) from None
+        except (RuntimeError, TypeError, OverflowError) as exc:
+            # Sizes whose tensors no 64-bit size can hold (`img_size: 2147483648`, `width: 1099511627776`): torch
+            # refuses them even on the meta device.
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(key, f"{self.name} cannot be built at img_size {self.img_size} with "
+                                   f"{dict(self.options) or 'its default options'}: {first}") from None
 
     def build(self, num_classes: int) -> Any:
         """The model (an `nn.Module`) with a zero-initialised head of `num_classes` outputs."""
