@@ -133,8 +133,10 @@ def test_bad_override_names_the_key(tmp_path: Path) -> None:
     path = write(tmp_path, {})
     with pytest.raises(ConfigError, match="train.base_lr"):
         load_pipeline(path, ["train.base_lr=fast"])
-    with pytest.raises(ConfigError, match="dotted.key=value"):
-        load_pipeline(path, ["train.base_lr"])
+    # No value, or a key with an empty part: "=5" was refused as an unknown key named '', "a..b=1" as the key ''.
+    for item in ("train.base_lr", "=5", "train.=5", "train..base_lr=1"):
+        with pytest.raises(ConfigError, match="dotted.key=value"):
+            load_pipeline(path, [item])
 
 
 def test_extends_cycle_is_an_error(tmp_path: Path) -> None:

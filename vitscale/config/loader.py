@@ -180,11 +180,11 @@ def absolute_paths(config: PipelineConfig) -> PipelineConfig:
 
 def apply_override(raw: dict[str, Any], item: str) -> dict[str, Any]:
     """Return a copy of `raw` with one `dotted.key=value` override applied (value parsed as YAML)."""
-    if "=" not in item:
-        raise ConfigError(item, "an override must look like dotted.key=value (e.g. train.base_lr=4e-4)",
-                          "--set")
-    key, _, text = item.partition("=")
+    key, equals, text = item.partition("=")
     key = key.strip()
+    if not equals or not all(part.strip() for part in key.split(".")):  # `train`, `=5`, `train.=5`, `a..b=1`
+        raise ConfigError(key or item, "an override must look like dotted.key=value (e.g. train.base_lr=4e-4)",
+                          "--set")
     try:
         value = parse_yaml(text) if text.strip() else ""
     except yaml.YAMLError as exc:
