@@ -269,6 +269,13 @@ def test_mismatched_file_lists_missing_unexpected_and_shapes(tmp_path: Path) -> 
     torch.save(timm_state_dict(gap), tmp_path / "gap.pth")
     with pytest.raises(ValueError, match="missing.*cls_token"):
         load_pretrained(tiny_vit(), tmp_path / "gap.pth")
+    # A parameter in the file at another shape is a mismatch, not also missing (it was listed as both).
+    sd = timm_state_dict(tiny_vit())
+    sd["cls_token"] = torch.zeros(3, 3)
+    torch.save(sd, tmp_path / "token.pth")
+    with pytest.raises(ValueError) as refused:
+        load_pretrained(tiny_vit(), tmp_path / "token.pth")
+    assert "shape mismatch (1): cls_token file (3, 3)" in str(refused.value) and "missing" not in str(refused.value)
 
 
 def test_unreadable_files_raise_value_error(tmp_path: Path) -> None:
@@ -278,6 +285,16 @@ def test_unreadable_files_raise_value_error(tmp_path: Path) -> None:
     (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="cannot read"):
         load_pretrained(model, tmp_path / "junk.pth")
+    # A plain pickle of protocol 4 (not torch's): the refusal is the one line, without torch's warning about the
+    # protocol printed above it.
+    import pickle
+    import warnings
+
+    (tmp_path / "p4.pth").write_bytes(pickle.dumps({"w": [1.0]}, protocol=4))
+    with warnings.catch_warnings(record=True) as seen, pytest.raises(ValueError, match="loads without running code"):
+        warnings.simplefilter("always")
+        load_pretrained(model, tmp_path / "p4.pth")
+    assert [str(w.message) for w in seen] == []
     torch.save({"step": 3}, tmp_path / "nodict.pth")
     with pytest.raises(ValueError, match="not a state dict"):
         load_pretrained(model, tmp_path / "nodict.pth")
@@ -317,6 +334,13 @@ def _pt_with_header(path: Path, meta: object) -> None:
      "its vitscale header needs name .*'num_classes': 'five'"),
     ("unknown.pth", lambda p: _pt_with_header(p, {"name": "ViT-Zz/3", "num_classes": 5, "img_size": 32}),
      "its vitscale header names no model vitscale builds: unknown model name 'ViT-Zz/3'"),
+    # numpy took bytes that are no zip for a pickle, and advised allow_pickle=True (running whatever it holds)
+    ("bytes.npz", lambda p: p.write_bytes(bytes(range(256)) * 8), r"not an \.npz archive \(a zip of arrays\)"),
+    ("cut.npz", lambda p: (export_npz(tiny_vit(), p), p.write_bytes(p.read_bytes()[:2000])),
+     r"not an \.npz archive \(a zip of arrays\); cut short"),
+    # torch's zip reader said only "OSError: [Errno 22] Invalid argument"
+    ("cut.pth", lambda p: (torch.save(timm_state_dict(tiny_vit()), p), p.write_bytes(p.read_bytes()[:3000])),
+     "a damaged or cut-short torch file"),
 ])
 def test_a_damaged_file_is_a_value_error_naming_it(tmp_path: Path, name: str, write, says: str) -> None:
     """Once a TypeError (a header that is a list), or a ValueError that named no file (numpy's, json's)."""

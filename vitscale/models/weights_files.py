@@ -31,6 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import warnings
+import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -317,6 +319,8 @@ def read_weights(path: str | Path) -> tuple[str, dict[str, Any], dict[str, Any] 
         raise ValueError(f"checkpoint {p} does not exist or is not a file")
     try:
         if p.suffix == ".npz":
+            if not zipfile.is_zipfile(p):  # numpy would take it for a pickle and suggest allow_pickle=True
+                raise ValueError("not an .npz archive (a zip of arrays); cut short, or another kind of file")
             with np.load(p, allow_pickle=False) as f:
                 return "npz", {k: f[k] for k in f.files}, None
         if p.suffix == ".safetensors":
@@ -333,7 +337,9 @@ def read_weights(path: str | Path) -> tuple[str, dict[str, Any], dict[str, Any] 
                     raise ValueError(f"its vitscale header is not JSON ({exc})") from exc
                 return "vitscale", dict(sd), _vitscale_header(meta)
             return "timm", _unwrap(sd), None
-        with torch.serialization.safe_globals(_TRAINING_SCRIPT_GLOBALS):
+        with torch.serialization.safe_globals(_TRAINING_SCRIPT_GLOBALS), warnings.catch_warnings():
+            # torch's note on a pickle protocol it did not write comes before its refusal: the refusal is the line
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
             obj = torch.load(p, map_location="cpu", weights_only=True)
         if isinstance(obj, Mapping) and obj.get("format") == "vitscale":
             return "vitscale", _unwrap(obj.get("state_dict")), _vitscale_header(obj.get("meta"))
@@ -341,7 +347,7 @@ def read_weights(path: str | Path) -> tuple[str, dict[str, Any], dict[str, Any] 
     except ValueError as exc:  # numpy's refusal of pickled arrays, a damaged header: named with the file
         raise ValueError(f"cannot read checkpoint {p}: {exc}") from exc
     except Exception as exc:  # pickle/zip/safetensors errors: one user-facing error type
-        raise ValueError(f"cannot read checkpoint {p}: {_why_unreadable(exc)}") from exc
+        raise ValueError(f"cannot read checkpoint {p}: {_why_unreadable(exc, _zip_magic(p))}") from exc
 
 
 def _vitscale_header(meta: Any) -> dict[str, Any]:
@@ -361,7 +367,16 @@ def _vitscale_header(meta: Any) -> dict[str, Any]:
     return dict(meta)
 
 
-def _why_unreadable(exc: Exception) -> str:
+def _zip_magic(path: Path) -> bool:
+    """The file begins as a zip archive does (torch's format since 1.6): whole or not, it was meant to be one."""
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False
+
+
+def _why_unreadable(exc: Exception, zipped: bool = False) -> str:
     """A reader's error as one line. torch's refusal of a pickle that is not plain tensors is paragraphs
     (with terminal colour codes) advising to load it with `weights_only=False`, which would run whatever
     code the file holds: kept to its reason, with what vitscale reads instead."""
@@ -369,6 +384,8 @@ def _why_unreadable(exc: Exception) -> str:
     import re
 
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    if isinstance(exc, (OSError, RuntimeError)) and zipped:  # torch's zip reader: "[Errno 22] Invalid argument"
+        return f"a damaged or cut-short torch file (a zip archive torch cannot read: {' '.join(text.split())})"
     if isinstance(exc, pickle.UnpicklingError) and "Weights only load failed" in text:
         found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\.\s|\s*Check the documentation|$)", text, re.S)
         reason = " ".join(found.group(1).split()) if found else "not a torch file"
@@ -490,6 +507,7 @@ def load_pretrained(model: nn.Module, path: str | Path) -> LoadReport:
     dropped: list[str] = []
     notes: list[str] = []
     mismatched: list[str] = []
+    present: set[str] = set()
     values: dict[str, Tensor] = {}
     for name, src in sd.items():
         if name not in target:
@@ -512,13 +530,14 @@ def load_pretrained(model: nn.Module, path: str | Path) -> LoadReport:
                                  f"{tuple(dst.shape)}: {exc}") from exc
             if res is None:
                 mismatched.append(f"{name} file {tuple(src.shape)} vs model {tuple(dst.shape)}")
+                present.add(name)  # in the file, at the wrong shape: not also "missing"
                 continue
             src, what = res
             resampled.append(what)
         values[name] = src
     missing: list[str] = []
     for name in target:
-        if name in values:
+        if name in values or name in present:
             continue
         (kept if name.startswith(_HEAD_PREFIXES) else missing).append(name)
     _refuse_misfit(path, fmt, model, missing=missing, unexpected=unexpected, mismatched=mismatched)

@@ -150,7 +150,8 @@ def _load_model(path: str | Path, *, model_name: str | None, img_size: int | Non
                        resolution, None)
     else:
         if model_name is None:
-            raise ValueError(f"{p} is an {fmt} checkpoint without a vitscale header: name its architecture "
+            article = "an" if fmt == "npz" else "a"
+            raise ValueError(f"{p} is {article} {fmt} checkpoint without a vitscale header: name its architecture "
                              "with --model (e.g. --model ViT-B/16) and, unless 224, its input size with --img-size")
         spec = parse_model_name(model_name)
         num_classes, rep = _file_head(fmt, raw)
