@@ -126,13 +126,14 @@ class PrivateCluster:
     # -- life cycle --------------------------------------------------------------------------------
 
     def start(self, timeout: float = 240) -> PrivateCluster:
-        """The head, then the workers; returns once every node is alive in the GCS."""
+        """The head, then the workers one by one; returns once every node is alive in the GCS."""
         self._start_node("head")
         # Workers give up if the head's node is not in the GCS when they start (seen on a loaded machine).
         self.wait_for_nodes(1, timeout)
         for i in range(self.workers):
-            self._start_node(f"worker{i + 1}")
-        self.wait_for_nodes(1 + self.workers, timeout)
+            # `add` starts a node again whose `ray start` missed Ray's own 30-s start-up deadline ("The current node
+            # timed out during startup"), as worker1 once did with `make test`'s other worker busy beside it.
+            self.add(f"worker{i + 1}", timeout)
         return self
 
     def add(self, name: str, timeout: float = 180, attempts: int = 3) -> Node:
@@ -152,6 +153,7 @@ class PrivateCluster:
             except TimeoutError:
                 if node.alive or attempt == attempts:
                     raise
+                self.kill(name)  # what the failed start left in its session (a raylet that may register late)
         raise AssertionError("unreachable")
 
     def kill(self, name: str) -> None:
