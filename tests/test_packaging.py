@@ -3,6 +3,7 @@ folder with no pipelines/ in it."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -22,7 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args: str | Path, cwd: Path | None = None) -> str:
-    done = subprocess.run([str(a) for a in args], capture_output=True, text=True, cwd=cwd, timeout=300, check=False)
+    # Without PYTHONPATH: a checkout on it (a worktree's suite run) would be the vitscale the fresh venv imports.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([str(a) for a in args], capture_output=True, text=True, cwd=cwd, timeout=300, check=False,
+                          env=env)
     assert done.returncode == 0, f"{args}: {done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     return done.stdout
 
