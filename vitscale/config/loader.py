@@ -305,6 +305,9 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             if type(None) in options:
                 return None
             raise ConfigError(key, "must not be null")
+        kinds = [option for option in options if option is not type(None)]
+        if len(kinds) == 1:  # `int | None`: the int's own complaint ("out of range"), not "expected int, got int"
+            return _coerce(kinds[0], value, key)
         errors = []
         for option in options:
             if option is type(None):
