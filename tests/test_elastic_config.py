@@ -101,3 +101,34 @@ def test_any_plan_takes_the_whole_global_batch_and_weights_it_to_its_mean(global
     assert step / world == Fraction(global_batch + 1, 2)  # the global batch's mean loss
     if global_batch % world == 0:
         assert plan.even and all(loss_weight(n, plan) == 1.0 for s in sizes for n in s)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 200), st.integers(1, 8), st.integers(1, 60), st.integers(0, 260))
+def test_the_sizes_without_a_plan_are_found_without_trying_each(global_batch: int, micro: int, lo: int,
+                                                               extra: int) -> None:
+    """`unshareable` (a closed form: a range may reach [1, 10**12], which trying each size hung on) names the
+    very sizes at which `resized_batch` has no plan."""
+    from vitscale.train.batch import _LISTED, unshareable
+
+    sizes = range(lo, lo + extra + 1)
+    failing = []
+    for w in sizes:
+        try:
+            resized_batch(global_batch, micro, w)
+        except ValueError:
+            failing.append(w)
+    uneven, empty = unshareable(global_batch, micro, sizes)
+    above = [w for w in failing if w > global_batch]
+    assert uneven == [w for w in failing if w <= global_batch][:_LISTED + 1]
+    assert empty == ((above[0], above[-1]) if above else None) and above == list(range(above[0], above[-1] + 1)) \
+        if above else empty is None
+
+
+def test_a_range_reaching_far_past_the_global_batch_is_refused_at_once() -> None:
+    """`num_workers: [1, 1099511627776]` walked every size: preflight never returned (and [1, 10**7] took 27 s,
+    its line naming ten million sizes)."""
+    with pytest.raises(ValueError, match=r"cannot be shared over 9-1099511627776 workers"):
+        elastic_split(8, 4, range(1, 2**40 + 1))
+    with pytest.raises(ValueError, match=r"over 3, 5, 6, 7, 9, .*, \.\.\. workers"):
+        elastic_split(2**40, 1, range(1, 2**40 + 1))

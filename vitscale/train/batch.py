@@ -144,18 +144,40 @@ def elastic_split(global_batch: int, micro_batch: int, world_sizes: range, *, se
     in each of its micro-batches; else a ValueError, one line naming the sizes that cannot."""
     positive_int(global_batch, f"{section}.global_batch")
     positive_int(micro_batch, f"{section}.micro_batch")
-    bad: list[int] = []
-    for w in world_sizes:
-        try:
-            resized_batch(global_batch, micro_batch, w)
-        except ValueError:
-            bad.append(w)
-    if not bad:
+    uneven, empty = unshareable(global_batch, micro_batch, world_sizes)
+    if not uneven and empty is None:
         return
-    share = global_batch // bad[0]
-    raise ValueError(
-        f"{section}.global_batch={global_batch} cannot be shared over {', '.join(map(str, bad))} workers, which "
-        f"{world}: [{world_sizes[0]}, {world_sizes[-1]}] may run at: "
-        + (f"a share of {share} examples in micro-batches of {section}.micro_batch={micro_batch} leaves one empty; "
-           f"use {section}.micro_batch >= 2" if share else
-           f"more workers than examples; use a global batch of at least {world_sizes[-1]}"))
+    named = [str(w) for w in uneven[:_LISTED]] + (["..."] if len(uneven) > _LISTED else [])
+    named += [f"{empty[0]}-{empty[1]}" if empty[1] > empty[0] else str(empty[0])] if empty else []
+    advice = ([f"a share in micro-batches of {section}.micro_batch={micro_batch} leaves one empty unless the "
+               f"size divides {global_batch}; use {section}.micro_batch >= 2"] if uneven else [])
+    advice += [f"more workers than examples; use a global batch of at least {world_sizes[-1]}"] if empty else []
+    raise ValueError(f"{section}.global_batch={global_batch} cannot be shared over {', '.join(named)} workers, "
+                     f"which {world}: [{world_sizes[0]}, {world_sizes[-1]}] may run at: {'; '.join(advice)}")
+
+
+_LISTED = 12
+"""Sizes named one by one in elastic_split's line; a range may reach millions."""
+
+
+def unshareable(global_batch: int, micro_batch: int, world_sizes: range) -> tuple[list[int], tuple[int, int] | None]:
+    """The world sizes of `world_sizes` at which ``resized_batch`` has no plan, found without trying each (a
+    range may be [1, 10**12]): (sizes at or below the global batch, in order, at most `_LISTED` + 1 of them;
+    the span (first, last) above it, or None).
+
+    Above the global batch a worker gets no example. At or below it, an even split always has a plan, and an
+    uneven one's share of ``s`` examples fills its ``ceil((s + 1) / micro_batch)`` micro-batches whenever
+    ``micro_batch >= 2`` (that count is at most ``s``); with ``micro_batch`` 1 it cannot (``s + 1 > s``). So
+    the sizes at or below it that have no plan are, with ``micro_batch`` 1, those that do not divide it.
+    """
+    lo, hi = world_sizes[0], world_sizes[-1]
+    empty = (max(lo, global_batch + 1), hi) if hi > global_batch else None
+    uneven: list[int] = []
+    if micro_batch == 1:
+        # A run of consecutive divisors of an integer is short (their lcm divides it), so this stops soon.
+        for w in range(lo, min(hi, global_batch) + 1):
+            if global_batch % w:
+                uneven.append(w)
+                if len(uneven) > _LISTED:
+                    break
+    return uneven, empty
