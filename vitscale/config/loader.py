@@ -257,7 +257,9 @@ def _field_value(field: dataclasses.Field, tp: Any, value: Any, key: str) -> Any
         for i, item in enumerate(value if listed else [value]):
             where = f"{key}[{i}]" if listed else key
             if not isinstance(item, str):
-                raise ConfigError(where, f"expected a path or URL, got {_describe(item)}")
+                number = isinstance(item, (int, float)) and not isinstance(item, bool)
+                quote = f" (write '{item}' in quotes if a folder has that name)" if number else ""
+                raise ConfigError(where, f"expected a path or URL, got {_describe(item)}{quote}")
             if not item.strip():
                 raise ConfigError(where, f"expected a path or URL, got {item!r}")
     return _coerce(tp, value, key)
