@@ -121,8 +121,10 @@ def test_the_sizes_without_a_plan_are_found_without_trying_each(global_batch: in
     uneven, empty = unshareable(global_batch, micro, sizes)
     above = [w for w in failing if w > global_batch]
     assert uneven == [w for w in failing if w <= global_batch][:_LISTED + 1]
-    assert empty == ((above[0], above[-1]) if above else None) and above == list(range(above[0], above[-1] + 1)) \
-        if above else empty is None
+    if above:  # one span, from just past the global batch (or the range's start) to its end
+        assert empty == (above[0], above[-1]) and above == list(range(above[0], above[-1] + 1))
+    else:
+        assert empty is None
 
 
 def test_a_range_reaching_far_past_the_global_batch_is_refused_at_once() -> None:
