@@ -338,7 +338,9 @@ def read_weights(path: str | Path) -> tuple[str, dict[str, Any], dict[str, Any] 
                 return "vitscale", dict(sd), _vitscale_header(meta)
             return "timm", _unwrap(sd), None
         with torch.serialization.safe_globals(_TRAINING_SCRIPT_GLOBALS), warnings.catch_warnings():
-            # torch's note on a pickle protocol it did not write comes before its refusal: the refusal is the line
+            # torch's note on a pickle protocol it did not write comes before its refusal: the refusal is the line.
+            # catch_warnings is process-wide, not per thread: fine here, where one thread per process reads weights
+            # (the driver's checks, each worker's start); threaded callers would need pil_quiet's counted filter.
             warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
             obj = torch.load(p, map_location="cpu", weights_only=True)
         if isinstance(obj, Mapping) and obj.get("format") == "vitscale":
