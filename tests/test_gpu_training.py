@@ -254,3 +254,58 @@ def test_one_ranks_zero_3_never_waits_for_the_gpu(nccl_group: None, monkeypatch:
         assert applied and norm > 0
         if checked:
             assert waits == [], (step, waits)
+
+
+def test_one_ranks_zero_3_with_offload_keeps_the_hosts_wait_for_its_gradients(nccl_group: None) -> None:
+    """With `train.offload` ZeRO 3 copies the gradients into host memory on its reduction stream (non-blocking)
+    and the host's optimizer reads them there: the host's own wait for that stream is what makes the copies
+    complete first, so `order_on_the_gpu` leaves it. The offloaded steps (SGD on the host: nothing for DeepSpeed
+    to build) end where the same steps on the GPU end, up to rounding (the two paths cast and reduce the
+    gradients in another order: 0.2% of the weights' movement on a CPU); a step on gradients still being copied
+    would miss part of a step's movement (a third of it for a whole gradient)."""
+    from vitscale.models import create_model
+    from vitscale.train.batch import derive_batch
+    from vitscale.train.config import TrainConfig
+    from vitscale.train.engine import build_engine, deepspeed_config
+    from vitscale.train.one_rank import _OrderedOnTheGpu, order_on_the_gpu
+    from vitscale.train.update import apply_update
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 3, 32, 32, generator=generator), torch.randint(0, 5, (8,), generator=generator))
+               for _ in range(3)]
+    start: dict[int, torch.Tensor] = {}
+    ends = {}
+    for offload in (False, True):
+        train = TrainConfig(global_batch=8, micro_batch=8, zero_stage=3, precision="bf16", optimizer="sgd",
+                            base_lr=0.1, offload=offload, compile=False)
+        torch.manual_seed(0)
+        model = create_model("ViT-Ti/8", num_classes=5, img_size=32, depth=2, width=256, mlp_dim=1024, heads=4)
+        engine = build_engine(model, train, deepspeed_config(train, derive_batch(8, 8, 1), on_gpu=True), on_gpu=True)
+        stream = engine.optimizer.reduce_and_partition_stream
+        assert isinstance(stream, _OrderedOnTheGpu) != offload, (offload, type(stream))
+        assert not order_on_the_gpu(engine)  # installed once (no offload) or never (offload)
+        start = start or _master_weights(engine)
+        for images, labels in batches:  # at the optimizer's starting learning rate, 0.1
+            loss = torch.nn.functional.cross_entropy(engine(images.to(device, torch.bfloat16)).float(),
+                                                     labels.to(device))
+            engine.backward(loss)
+            applied, _, _ = apply_update(engine, loss=loss.detach()).read()
+            assert applied
+        ends[offload] = _master_weights(engine)
+    moved = _distance(ends[False], start)
+    apart = _distance(ends[True], ends[False])
+    print(f"ZeRO 3 one rank: offloaded vs on the GPU {apart:.3g} apart after moving {moved:.3g}")
+    assert moved > 0 and apart <= 0.02 * moved, (apart, moved)
+
+
+def _master_weights(engine) -> dict[int, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """ZeRO 3's flat fp32 master partitions by sub-group, on the host (one rank: each is the whole group)."""
+    return {i: flat.detach().float().cpu().clone()
+            for i, flat in enumerate(engine.optimizer.fp32_partitioned_groups_flat)}
+
+
+def _distance(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> float:
+    """The L2 distance between two sets of master weights."""
+    assert a.keys() == b.keys()
+    return float(sum(float(((a[k] - b[k]) ** 2).sum()) for k in a)) ** 0.5

@@ -27,8 +27,9 @@ placeholders, which an engine that has not stepped yet can load.
 
 `order_on_the_gpu` removes the backward pass's wait: at its end ZeRO 3 synchronises its reduction stream on
 the host (`independent_gradient_partition_epilogue`) before the step reads the gradient partitions. On one
-rank the gradients go no further than this GPU, and every later reader runs on a stream of this device, so
-the caller's stream waiting for the reduction stream on the GPU orders them the same; the host goes on to
+rank without offload the gradients go no further than this GPU, and every later reader runs on a stream of
+this device, so the caller's stream waiting for the reduction stream on the GPU orders them the same (with
+offload the host reads the gradients the stream copied to it, and keeps its wait); the host goes on to
 queue the update while the backward pass runs (with DeepSpeed's norm read gone too, `train/update.py`, the
 GPU had idled while the host queued ZeRO 3's update: a ViT-B/16 step on an H200 ran at 0.85x of ZeRO 1's).
 
@@ -110,10 +111,13 @@ class _OrderedOnTheGpu(torch.cuda.ExternalStream):
 def order_on_the_gpu(engine: Any) -> bool:
     """On one rank's ZeRO 3 on a GPU, turn the host's waits for the reduction stream into the GPU's (see the
     module's docstring); whether it did. DeepSpeed's copies, collectives and `record_stream` calls keep their
-    stream: the wrapper is that stream, by its handle."""
+    stream: the wrapper is that stream, by its handle. Not with offload: there the reduction stream copies the
+    gradients into host memory (non-blocking), which the host's optimizer then reads, and only the host's
+    wait makes those copies complete before it does."""
     optimizer: Any = getattr(engine, "optimizer", None)
     stream = getattr(optimizer, "reduce_and_partition_stream", None)
     if (type(optimizer).__name__ != "DeepSpeedZeroOptimizer_Stage3" or getattr(optimizer, "partition_count", 0) != 1
+            or getattr(optimizer, "offload_optimizer", True) or getattr(optimizer, "offload_param", True)
             or not isinstance(stream, torch.cuda.Stream) or isinstance(stream, _OrderedOnTheGpu)):
         return False
     ordered = _OrderedOnTheGpu(stream.cuda_stream, device=stream.device)
