@@ -9,6 +9,7 @@ Numbers must also be finite: `nan` and `inf` are never a sensible learning rate,
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Collection
 from typing import Any
 
@@ -131,6 +132,10 @@ def number(value: Any, key: str) -> float:
     return _number(value, key)
 
 
+_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+"""One label of a host name (RFC 1123): ASCII letters, digits and inner hyphens, 1 to 63 of them."""
+
+
 def check_address(value: Any, key: str) -> str:
     """An IPv4/IPv6 address or host name a server can bind ("127.0.0.1", "0.0.0.0", "::", "localhost")."""
     import ipaddress
@@ -139,11 +144,9 @@ def check_address(value: Any, key: str) -> str:
     try:
         ipaddress.ip_address(value)
     except ValueError:
-        # RFC 1123 labels: letters, digits and inner hyphens, at most 63 each; the last not all digits, so that
-        # a number YAML turned into text ("0", "2147483648") or a short form ("10.1") is not bound as the
-        # address the C library's inet_aton makes of it.
+        # The last label not all digits, so that a number YAML turned into text ("0", "2147483648") or a short
+        # form ("10.1") is not bound as the address the C library's inet_aton makes of it.
         labels = value.split(".")
-        check(all(0 < len(part) < 64 and part.replace("-", "").isalnum() and part.isascii() and part[0] != "-"
-                  and part[-1] != "-" for part in labels) and not labels[-1].isdigit() and len(value) < 254,
+        check(len(value) < 254 and all(_HOST_LABEL.fullmatch(part) for part in labels) and not labels[-1].isdigit(),
               key, f"must be an IP address or host name, got {value!r}")
     return value
