@@ -7,6 +7,7 @@ multiset of consumed samples equal those of the uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -15,6 +16,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -78,15 +80,46 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def clean_run(local_ray: None, dataset: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted run the faults are compared with. It also runs the few-shot stage (a Ray task reading
+    the final checkpoint) on digits, and serves rank 0's Prometheus endpoint, scraped while it trains (a run
+    of its own for either cost as much as the rest of this file)."""
     from vitscale.stages.run import run_pipeline
 
-    # The clean run also runs the few-shot stage (a Ray task reading the final checkpoint) on digits.
     root = tmp_path_factory.mktemp("runs")
-    cfg = config(dataset, root, "clean")
+    port = metrics_ports(2)  # a port no Ray process is handed meanwhile (helpers/prometheus_server.py)
+    cfg = config(dataset, root, "clean", metrics_port=port)
     cfg = cfg.with_sections(stages=("pretrain", "fewshot"), fewshot=build_pipeline({
         "fewshot": {"datasets": [str(root / "digits")], "shots": [5], "resolution": 16, "batch_size": 256,
                  "create_if_missing": {"kind": "digits", "splits": {"train": 0.8, "test": 0.2}}}}).fewshot)
-    return run_pipeline(cfg)
+    with _scraping(port) as scraped:
+        result = run_pipeline(cfg)
+    return {**result, "scraped": scraped}
+
+
+@contextlib.contextmanager
+def _scraping(port: int) -> Iterator[list[str]]:
+    """Rank 0's metrics endpoint read every 0.2 s meanwhile; yields the texts that had a loss in them."""
+    scraped: list[str] = []
+    done = threading.Event()
+
+    def scrape() -> None:
+        while not done.is_set():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+                    text = response.read().decode()
+                if "vitscale_train_loss{" in text:
+                    scraped.append(text)
+            except OSError:
+                pass
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=scrape, daemon=True)
+    thread.start()
+    try:
+        yield scraped
+    finally:
+        done.set()
+        thread.join()
 
 
 def test_fewshot_stage_probes_the_final_checkpoint(clean_run: dict) -> None:
@@ -215,33 +248,10 @@ def test_a_worker_sent_sigterm_checkpoints_first_and_no_step_is_trained_twice(
     assert told_run["pretrain"]["restarts"] == 1 and told_run["pretrain"]["relaunches"] == 0, told_run["pretrain"]
 
 
-def test_metrics_endpoint_serves_prometheus_series_during_a_run(local_ray: None, dataset: str, tmp_path: Path) -> None:
+def test_metrics_endpoint_serves_prometheus_series_during_a_run(clean_run: dict) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from vitscale.stages.run import run_pipeline
-
-    port = metrics_ports(2)  # a port no Ray process is handed meanwhile (helpers/prometheus_server.py)
-    scraped: list[str] = []
-    done = threading.Event()
-
-    def scrape() -> None:
-        while not done.is_set():
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
-                    text = response.read().decode()
-                if "vitscale_train_loss{" in text:
-                    scraped.append(text)
-            except OSError:
-                pass
-            time.sleep(0.2)
-
-    thread = threading.Thread(target=scrape, daemon=True)
-    thread.start()
-    try:
-        run_pipeline(config(dataset, tmp_path, "metrics", metrics_port=port, max_steps=12, checkpoint_every=12))
-    finally:
-        done.set()
-        thread.join()
+    scraped = clean_run["scraped"]
     assert scraped, "no scrape of rank 0's endpoint succeeded while the run was going"
     families = {f.name: f for f in text_string_to_metric_families(scraped[-1])}
     for name in ("vitscale_train_loss", "vitscale_learning_rate", "vitscale_grad_norm", "vitscale_images_per_second",
@@ -249,7 +259,7 @@ def test_metrics_endpoint_serves_prometheus_series_during_a_run(local_ray: None,
                  "vitscale_train_flops"):
         assert name in families, sorted(families)
     loss = families["vitscale_train_loss"].samples[0]
-    assert loss.labels == {"run": "metrics", "rank": "0"} and loss.value > 0
+    assert loss.labels == {"run": "clean", "rank": "0"} and loss.value > 0
     examples = [s for s in families["vitscale_examples_seen"].samples if s.name.endswith("_total")]
     assert examples and examples[0].value > 0
 
