@@ -81,8 +81,8 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def clean_run(local_ray: None, dataset: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The uninterrupted run the faults are compared with. It also runs the few-shot stage (a Ray task reading
-    the final checkpoint) on digits, and serves rank 0's Prometheus endpoint, scraped while it trains (a run
-    of its own for either cost as much as the rest of this file)."""
+    the final checkpoint) on digits, and serves rank 0's Prometheus endpoint, scraped while it trains (the
+    metrics test had a Train run of its own: about 30 s of the suite on 2 cores)."""
     from vitscale.stages.run import run_pipeline
 
     root = tmp_path_factory.mktemp("runs")
