@@ -46,10 +46,8 @@ cpu-adam: install
 quickstart: install
 	$(VENV)/bin/vitscale run pipelines/quickstart.yaml
 
-# Three workers on 2 cores, whole files each (module fixtures run once): a Ray run spends much of its wall
-# time waiting (processes starting, polls, teardown), and the other workers' tests fill it. Measured the
-# same hour on the same checkout: 20 min 08 s on two workers (the cores 92% busy), 17 min 12 s and 17 min
-# 45 s on three (96-98% busy), 20 min 49 s on four (oversubscribed) the hour before.
+# Two workers, whole files each (module fixtures run once): Ray's start-up waits of one leave the
+# cores to the other's tests.
 # The linter and the type checker first (pyproject.toml's [tool.ruff] and [tool.mypy]): a failure there is
 # seconds, not the suite's minutes.
 lint: install
@@ -57,7 +55,7 @@ lint: install
 	$(VENV)/bin/mypy
 
 test: lint install-test-tools cpu-adam
-	$(VENV)/bin/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # vitscale on a cluster of nodes with private disks (a whole node SIGKILLed mid-pre-training, the whole
 # pipeline and a study kept in the bucket, a node lost under sweep trials; needs root), and an elastic

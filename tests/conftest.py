@@ -19,7 +19,7 @@ settings.register_profile("suite", deadline=None)
 settings.load_profile("suite")
 
 # One thread for torch's CPU kernels in each test process, and in the processes the tests start. `make test`
-# runs three of them on 2 cores beside the Ray runs they start; torch's default, a thread per core in each,
+# runs two of them on 2 cores beside the Ray runs they start; torch's default, a thread per core in each,
 # oversubscribes the cores, and its threads spin waiting for each other: an in-process benchmark test ran
 # in 49 s beside two busy processes with the default, in 13 s with one thread (11 s alone). Ray gives its
 # workers one thread per CPU they hold anyway.
@@ -41,10 +41,10 @@ if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Files with a slow end-to-end run first (stable, so the order is the same on every xdist worker).
 
-    `make test` runs whole files on 3 workers (`-n 3 --dist loadfile --no-loadscope-reorder`: xdist's
+    `make test` runs whole files on 2 workers (`-n 2 --dist loadfile --no-loadscope-reorder`: xdist's
     default would reorder files by their number of tests, putting the few-test slow files last);
-    much of a slow test's wall time is Ray starting processes and waiting on them, which the other
-    workers' tests fill. Taking the longest first keeps one worker from starting a slow file when
+    most of a slow test's wall time is Ray starting processes and waiting on them, which the other
+    worker's tests fill. Taking the longest first keeps one worker from starting a slow file when
     the rest is nearly done.
     """
     slow_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
