@@ -16,6 +16,12 @@ from vitscale.data.tools.sources import source_kind_of
 DEFAULT_ERROR_BUDGET = 0.001
 """Share of a split's samples that may be unreadable and skipped (0.1%): the default of every reader
 (`data.error_budget`, `fewshot.error_budget`, the loader's `ShardStream`, evaluation)."""
+
+MAX_LOADER_WORKERS = 64
+"""The most loader processes a rank may start (`data.num_workers`). One decodes about 690 images/s of 224-px
+JPEGs (docs/gpu.md): 64 feed about 44,000 images/s, ten times ViT-B/16's 3,600 on an H200. Each holds its own
+torch and decode buffers (a few hundred MB) and a DataLoader forks them all at once: a typo of 10,000 would
+bring a node to a standstill before any error could name the key."""
 def check_splits(splits: dict[str, float], key: str = "splits") -> None:
     """Named fractions of a source: names that can name shard files, fractions in (0, 1] summing to 1."""
     check(bool(splits), key, "must name at least one split, e.g. {train: 1.0}")
@@ -112,6 +118,9 @@ class DataConfig:
         check(bool(self.url), f"{s}.url", "must name a folder or s3:// prefix")
         canonical_location(self.url, f"{s}.url")  # a malformed location (`s3:/bar`, a bad bucket) is refused here
         non_negative(self.num_workers, f"{s}.num_workers")
+        check(self.num_workers <= MAX_LOADER_WORKERS, f"{s}.num_workers",
+              f"at most {MAX_LOADER_WORKERS} loader processes per rank, got {self.num_workers} (each decodes about "
+              "690 images/s: `vitscale shards bench` measures yours)")
         positive(self.shuffle_buffer, f"{s}.shuffle_buffer")
         seed(self.seed, f"{s}.seed")
         plain_name(self.split, f"{s}.split")  # it names shard files: {split}-NNNNNN.tar
