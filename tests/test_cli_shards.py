@@ -160,6 +160,14 @@ def test_a_bad_resolution_is_named_as_the_user_passed_it(digits: str, capsys: py
     assert capsys.readouterr().err.startswith("vitscale: error: resolution: must be a positive int, got 0")
 
 
+@pytest.mark.parametrize(("workers", "says"), [("0", "must be a positive int, got 0"), ("100000", "at most 64, got 100000")])
+def test_a_loader_count_that_cannot_run_is_refused_before_any_fork(workers: str, says: str, digits: str,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    capsys.readouterr()
+    assert main(["shards", "bench", digits, "--workers", workers, "--seconds", "1"]) == 2
+    assert capsys.readouterr().err.startswith(f"vitscale: error: --workers: {says}")
+
+
 def _rewrite_index(root: Path, change) -> None:
     import pyarrow.parquet as pq
 

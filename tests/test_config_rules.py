@@ -17,7 +17,7 @@ from vitscale.config.fields import overrides
 from vitscale.config.loader import build_section, to_dict
 from vitscale.config.location import is_url, run_location
 from vitscale.config.pipeline import ClusterConfig
-from vitscale.data.config import DEFAULT_ERROR_BUDGET, DataConfig
+from vitscale.data.config import DEFAULT_ERROR_BUDGET, MAX_LOADER_WORKERS, DataConfig
 from vitscale.data.order import DEFAULT_SHUFFLE_BUFFER
 from vitscale.stages import build_pipeline
 from vitscale.train.config import TrainConfig
@@ -57,6 +57,12 @@ def test_shared_defaults_have_one_home() -> None:
         assert default == DEFAULT_ERROR_BUDGET
     # The loader's settings have one list, StreamSpec's: the stream takes them through it, declaring none.
     assert not {"shuffle_buffer", "error_budget", "batch_size"} & set(inspect.signature(ShardStream.__init__).parameters)
+    # The most loader processes a rank may fork: one limit, which the config and the loader both hold to.
+    assert StreamSpec(url="data", num_workers=MAX_LOADER_WORKERS).num_workers == MAX_LOADER_WORKERS
+    with pytest.raises(ConfigError, match=f"^num_workers: at most {MAX_LOADER_WORKERS} loader processes"):
+        StreamSpec(url="data", num_workers=MAX_LOADER_WORKERS + 1)
+    with pytest.raises(ConfigError, match=f"^data.num_workers: at most {MAX_LOADER_WORKERS} loader processes"):
+        DataConfig(num_workers=MAX_LOADER_WORKERS + 1).validate()
 
 
 @given(st.integers(1, 5000), st.integers(1, 256), st.integers(1, 32))

@@ -278,11 +278,13 @@ def _shards_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_shards_bench(args: argparse.Namespace) -> int:
-    from vitscale.config.checks import positive_int
+    from vitscale.config.checks import check, positive_int
+    from vitscale.data.config import MAX_LOADER_WORKERS
     from vitscale.data.loader.stream import StreamSpec
     from vitscale.data.tools.bench import run_bench
 
     positive_int(args.workers, "--workers")
+    check(args.workers <= MAX_LOADER_WORKERS, "--workers", f"at most {MAX_LOADER_WORKERS}, got {args.workers}")
     # --workers 1 decodes in this process (the single-core rate); N > 1: N loader processes.
     spec = StreamSpec(url=args.dest, split=args.split, resolution=args.resolution, batch_size=args.batch_size,
                       train=True, num_workers=0 if args.workers == 1 else args.workers,

@@ -54,7 +54,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from vitscale.config.checks import check, fraction, non_negative, positive_int
 from vitscale.data.carve import Carve
-from vitscale.data.config import DEFAULT_ERROR_BUDGET
+from vitscale.data.config import DEFAULT_ERROR_BUDGET, MAX_LOADER_WORKERS
 from vitscale.data.corruption import Corruption, corrupted_positions
 from vitscale.data.format import DatasetError, OpenDataset, open_dataset
 from vitscale.data.loader.budget import ErrorBudgetExceeded, budget_error
@@ -135,6 +135,8 @@ class StreamSpec:
         check(min(self.batch_sizes) > 0, "batch_size", f"{self.batch_size}: rank {self.rank}'s share of "
               f"global_batch={self.global_batch} cannot fill the {len(self.batch_sizes)} batches every rank cuts")
         non_negative(self.num_workers, "num_workers")
+        check(self.num_workers <= MAX_LOADER_WORKERS, "num_workers",
+              f"at most {MAX_LOADER_WORKERS} loader processes, got {self.num_workers}")
         fraction(self.error_budget, "error_budget")
         non_negative(self.seed, "seed")
         positive_int(self.shuffle_buffer, "shuffle_buffer")
