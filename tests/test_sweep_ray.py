@@ -2,9 +2,10 @@
 
 - TensorBoard is the sweep's live view: a real TensorBoard server on loopback, pointed at the run
   directory, serves every trial's dev-accuracy series, equal to what Tune recorded.
-- A sweep whose driver is SIGKILLed after its first finished trial resumes when run again: the
-  finished trial is not run again (it keeps its start and finish times), the unfinished one resumes
-  its own Train checkpoints, and the table ends with every trial once.
+- A sweep whose driver is SIGKILLed as soon as its first trial has ended (before Tune's own record of
+  the experiment, copied every >= 10 s, says so) resumes when run again: the finished trial is not run
+  again (it keeps its start and finish times), the unfinished one resumes its own Train checkpoints,
+  and the table ends with every trial once.
 - A trial that fails is a row with its error, and the sweep goes on to select a winner.
 - A finished sweep run again with another grid is refused in one line, before Ray starts.
 
@@ -35,6 +36,7 @@ import yaml
 from helpers.ray_runs import RUN_TIMEOUT_S, finished, kill_tree, run, start
 from vitscale.config.loader import merge
 from vitscale.data.tools.write import write_dataset
+from vitscale.stages.sweep_results import FINAL_REPORT
 
 pytestmark = pytest.mark.slow
 psutil = pytest.importorskip("psutil")
@@ -110,6 +112,12 @@ def results_table(run_dir: Path) -> list[dict[str, Any]]:
     import pandas as pd
 
     return pd.read_parquet(run_dir / "sweep" / "results.parquet").to_dict("records")
+
+
+def saved_reports(storage: Path, name: str) -> dict[str, dict[str, Any]]:
+    """Trial id -> the final report the trial saved in its own folder as it ended (`sweep/trials/<id>`)."""
+    return {p.parent.name: json.loads(p.read_text())
+            for p in (storage / name / "sweep" / "trials").glob(f"*/{FINAL_REPORT}")}
 
 
 def train_checkpoints(storage: Path, name: str, trial_id: str) -> list[int]:
@@ -213,13 +221,13 @@ def test_a_stopped_sweep_resumes_where_it_stopped(stop: str, assets: dict[str, s
     sends it as soon as the trials are training: the CLI's one line naming the command that resumes, exit
     130, no process left): the same command resumes (after Ctrl-C the resume is as after the kill, from the
     trials' own checkpoints and Tune's record; measured once by hand, not here, to keep the suite's minutes)."""
-    # Two trials at once: a short one that finishes first and a long one (checkpointed every 400
-    # steps) that is still training when the driver is killed. The long one runs about 100 steps/s
-    # here, and Tune records the short one's end 20-25 s after its last step (its Train run's teardown on
-    # two busy cores): 4,800 steps leave that wait twice the room (1,600 were sometimes all done before it).
-    name, long_steps = "resume", 4800
+    # Two trials at once: a short one that finishes first and a long one (checkpointed every 200
+    # steps) that is still training when the driver is killed, once the short one has saved its final
+    # report and the long one a checkpoint. The long one runs about 100 steps/s here: 2,000 steps leave
+    # it training well after that, however far apart the two trials' workers start on two busy cores.
+    name, long_steps = "resume", 2000
     pipeline = write_pipeline(tmp_path / "resume.yaml", assets, name, {"finetune.train.max_steps": [4, long_steps]},
-                              finetune={"train": {"checkpoint_every": 400, "log_every": 400}})
+                              finetune={"train": {"checkpoint_every": 200, "log_every": 200}})
     storage, run_dir = tmp_path / "runs", tmp_path / "runs" / name
     log = tmp_path / "first.log"
 
@@ -231,10 +239,9 @@ def test_a_stopped_sweep_resumes_where_it_stopped(stop: str, assets: dict[str, s
         while True:
             assert proc.poll() is None, f"the sweep ended before it could be killed:\n{log.read_text()[-4000:]}"
             assert time.monotonic() < deadline, f"no trial finished in time:\n{log.read_text()[-4000:]}"
-            trials = tune_results(run_dir)
-            finished = {t: next(r for r in v["lines"] if "finished_at" in r) for t, v in trials.items()
-                        if any("finished_at" in r for r in v["lines"])}
-            others = {t: train_checkpoints(storage, name, t) for t in trials if t not in finished}
+            finished = saved_reports(storage, name)
+            others = {p.name: train_checkpoints(storage, name, p.name)
+                      for p in (run_dir / "sweep" / "trials").glob("*") if p.name not in finished}
             # Ctrl-C only needs trials running (a checkpoint written); the kill is followed by a resume
             # that must skip a finished trial and continue an unfinished one's checkpoints.
             if any(others.values()) and (finished or stop == "Ctrl-C"):

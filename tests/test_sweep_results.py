@@ -1,11 +1,17 @@
-"""A resumed trial's wall time adds the attempts that died before the one that finished."""
+"""A resumed trial's wall time adds the attempts that died before the one that finished; the final reports a
+resumed sweep replays are the ones its trials saved."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vitscale.stages.sweep_results import earlier_attempts_s
+from vitscale.data.storage import open_storage
+from vitscale.stages.sweep_results import FINAL_REPORT, earlier_attempts_s, finished_trials, save_final_report
 
 
 def _attempt(start: float, seconds: list[float]) -> list[dict[str, float]]:
@@ -82,3 +88,24 @@ def test_pretrain_exaflops_of_a_run_the_sweep_starts_from(tmp_path) -> None:  # 
         ckpt.write_rank_part(directory, rank=0, stream_state={"epoch": 0, "position": step, "seed": 0},
                              train_state=ckpt.TrainState(step=step, world_size=1, flops=step * 1e17), config_yaml="")
     assert pretrain_exaflops([], str(run)) == 1.0  # the newest complete checkpoint's compute
+
+
+@pytest.mark.parametrize("where", ["folder", "s3"])
+def test_the_reports_trials_saved_as_they_ended_are_the_finished_ones(where: str, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     request: pytest.FixtureRequest) -> None:
+    if where == "s3":
+        monkeypatch.setenv("VITSCALE_S3_ENDPOINT_URL", request.getfixturevalue("moto_s3"))
+        open_storage("s3://sweep-reports/x").client.create_bucket(Bucket="sweep-reports")
+        trials = "s3://sweep-reports/run/sweep/trials"
+    else:
+        trials = str(tmp_path / "run" / "sweep" / "trials")
+    report = {"step": 6, "dev_accuracy": 0.75, "started_at": 1000.5, "finished_at": 1042.25}
+    save_final_report(f"{trials}/a_00000", report)
+    store = open_storage(trials)
+    store.write_bytes("b_00001/checkpoint_000000004/rank0.pt", b"weights")  # still training: no report
+    store.write_bytes(f"c_00002/{FINAL_REPORT}", b'{"step": 6, "dev_acc')  # not a report: trained again
+    store.write_bytes(f"d_00003/{FINAL_REPORT}", json.dumps({"step": 2}).encode())  # no finish time: not one
+    store.write_bytes(f"e_00004/inner/{FINAL_REPORT}", json.dumps(report).encode())  # not a trial's own folder
+    assert finished_trials(trials) == {"a_00000": report}
+    assert finished_trials(f"{trials}-absent") == {}

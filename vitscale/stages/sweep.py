@@ -48,6 +48,7 @@ from vitscale.stages.sweep_results import (
     flat_row,
     plot_searches,
     pretrain_exaflops,
+    save_final_report,
     trial_row,
 )
 from vitscale.train.config import TrainConfig
@@ -408,11 +409,14 @@ def _trial(params: dict[str, Any], base: PipelineConfig, model: ModelConfig | No
     config = with_params(base, params)
     job = trial_job(config, model, init, final=False)
     # Named after the trial id (no timestamp): a restarted trial finds and resumes its own checkpoints.
-    trainer = trainer_for(job, trial_cluster(config), trials.sub(trial_id), callbacks=[TuneReportCallback()],
+    place = trials.sub(trial_id)
+    trainer = trainer_for(job, trial_cluster(config), place, callbacks=[TuneReportCallback()],
                           label=trial_label(trial_id, params),  # trials run at once: each line names its trial
                           workers_key=trial_workers_key(config))
     result = trainer.fit()
-    ray.tune.report({**final_metrics(result), "started_at": started, "finished_at": time.time()})
+    report = {**final_metrics(result), "started_at": started, "finished_at": time.time()}
+    save_final_report(place.storage, report)  # before Tune hears of it: a driver killed next cannot lose it
+    ray.tune.report(report)
 
 
 # -- the stage ------------------------------------------------------------------------------------
@@ -483,10 +487,10 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
         write_atomic(directory / SETTINGS, sweep_record(config))
     # The trial function only drives its TorchTrainer: it takes no CPU from the workers (Ray wants
     # some resource in a trial's bundle, so it asks for a token 64 MiB of memory).
+    trials = run_place(config.cluster, config.run_name, f"{sweep_part(label)}/trials")
     trainable = tune.with_resources(
-        tune.with_parameters(_trial, base=config, model=model, init=init,
-                             trials=run_place(config.cluster, config.run_name, f"{sweep_part(label)}/trials"),
-                             finished=finished_trials(experiment) if restoring else {}),
+        tune.with_parameters(_trial, base=config, model=model, init=init, trials=trials,
+                             finished=finished_trials(trials.storage) if restoring else {}),
         {"cpu": 0, "memory": 64 * 2**20})
     metric = sweep.metric
     concurrent = sweep.max_concurrent or concurrent_runs(trial_cluster(config), ray.cluster_resources())

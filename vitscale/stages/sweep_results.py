@@ -146,28 +146,40 @@ def flat_row(row: dict[str, Any]) -> dict[str, Any]:
                                                               if k not in ("trial_id", "params")}}
 
 
-def finished_trials(experiment: str) -> dict[str, dict[str, Any]]:
-    """Trial id -> its final report, for every trial whose result.json in the experiment has one.
+FINAL_REPORT = "final_report.json"
+"""A trial's final report to Tune (its last step's metrics, dev accuracy, start and finish times), which the
+trial writes whole into its own folder (`sweep/trials/<id>/`) before it reports it."""
 
-    Tune copies its trials' states and results to the experiment folder every >= 10 s, and a trial
-    ends one event after its last report: a snapshot can hold the final report of a trial it still
-    calls running, and `Tuner.restore(resume_unfinished=True)` would then train that trial again,
-    with new start and finish times. Local experiments only (an s3:// experiment is not read).
+
+def save_final_report(trial_storage: str, report: dict[str, Any]) -> None:
+    """Keep `report` in the trial's folder `trial_storage` (a folder or an s3:// prefix), whole or not at all."""
+    from vitscale.data.storage import open_storage
+
+    open_storage(trial_storage).write_bytes(FINAL_REPORT, json.dumps(report).encode())
+
+
+def finished_trials(trials_storage: str) -> dict[str, dict[str, Any]]:
+    """Trial id -> its final report, for every trial under `trials_storage` (`sweep/trials`) that saved one.
+
+    Tune copies its trials' states and results to the experiment's storage every >= 10 s: a driver killed
+    in between leaves a trial that had ended on record as running, and `Tuner.restore(resume_unfinished=True)`
+    would train it again, with new start and finish times. Its own report, saved as it ended, says it ended.
+    A report that does not read as one (a stray file) is not taken: that trial is trained again.
     """
-    from vitscale.launch.ray_train import FINAL_METRICS
+    from vitscale.data.storage import open_storage
 
+    store = open_storage(trials_storage)
     out: dict[str, dict[str, Any]] = {}
-    if is_url(experiment):
-        return out
-    for path in Path(experiment).glob("*/result.json"):
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by the kill
-                continue
-            if "finished_at" in record and "trial_id" in record:
-                out[record["trial_id"]] = {k: v for k, v in record.items() if k in FINAL_METRICS or "_accuracy" in k
-                                           or k in ("started_at", "finished_at")}
+    for name in store.list():
+        trial_id, _, file = name.rpartition("/")
+        if file != FINAL_REPORT or not trial_id or "/" in trial_id:
+            continue
+        try:
+            report = json.loads(store.read_bytes(name))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(report, dict) and "finished_at" in report:
+            out[trial_id] = report
     return out
 
 
