@@ -22,6 +22,8 @@ MAX_LOADER_WORKERS = 64
 JPEGs (docs/gpu.md): 64 feed about 44,000 images/s, ten times ViT-B/16's 3,600 on an H200. Each holds its own
 torch and decode buffers (a few hundred MB) and a DataLoader forks them all at once: a typo of 10,000 would
 bring a node to a standstill before any error could name the key."""
+
+
 def check_splits(splits: dict[str, float], key: str = "splits") -> None:
     """Named fractions of a source: names that can name shard files, fractions in (0, 1] summing to 1."""
     check(bool(splits), key, "must name at least one split, e.g. {train: 1.0}")
