@@ -58,6 +58,8 @@ BAD: list[tuple[str, Any, str]] = [
     ("cluster.run_name", "exp?x", "cluster.run_name"), ("cluster.run_name", "exp%2Fx", "cluster.run_name"),
     ("cluster.run_name", "exp#1", "cluster.run_name"), ("cluster.run_name", "exp\n1", "cluster.run_name"),
     ("data.split", "../train", "data.split"), ("cluster.storage_path", "", "cluster.storage_path"),
+    # a name no file system takes as a folder or file name (255 bytes): an OSError's traceback from the first glob
+    ("cluster.run_name", "r" * 300, "cluster.run_name"), ("data.split", "é" * 101, "data.split"),
     ("data.endpoint_url", "minio:9000", "data.endpoint_url"),
     # no host, a space, a port that is not a number: boto3 refused them at the first read, naming no key
     ("data.endpoint_url", "http://", "data.endpoint_url"), ("data.endpoint_url", "http://minio 9000", "data.endpoint_url"),

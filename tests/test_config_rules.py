@@ -150,3 +150,16 @@ def test_a_number_is_taken_only_where_it_converts_without_loss(value: int | floa
             build_section(_Typed, {"label": value}, "s")
     with pytest.raises(ConfigError, match=r"^s\.where: expected a path or URL"):
         build_section(_Typed, {"where": value}, "s")
+
+
+@given(st.text(min_size=1, max_size=120))
+def test_a_name_is_refused_exactly_when_its_utf8_bytes_are_too_many_for_a_file_name(name: str) -> None:
+    from vitscale.config.checks import NAME_MAX_BYTES, name_length
+
+    size = len(name.encode("utf-8", "surrogatepass"))
+    try:
+        name_length(name, "cluster.run_name")
+        assert size <= NAME_MAX_BYTES
+    except ConfigError as exc:
+        assert size > NAME_MAX_BYTES and exc.key == "cluster.run_name" and f"is {size} bytes long" in exc.message
+    assert NAME_MAX_BYTES + len(".-finetune.0123456789ab.part") < 255  # the longest name vitscale makes of one

@@ -96,6 +96,19 @@ def is_control(char: str) -> bool:
     return ord(char) < 32 or ord(char) == 127
 
 
+NAME_MAX_BYTES = 200
+"""The longest a name may be where it becomes one file or folder name (a run's folder, a split's shard files),
+in UTF-8 bytes: file systems take 255 a name, and vitscale adds up to 30 to it (`-finetune`, `-000000.tar`, an
+atomic write's `.NAME.<12 hex digits>.part`)."""
+
+
+def name_length(value: str, key: str) -> None:
+    """`value`, a name that becomes a file or folder name, is at most `NAME_MAX_BYTES` long."""
+    size = len(value.encode("utf-8", "surrogatepass"))
+    check(size <= NAME_MAX_BYTES, key, f"is {size} bytes long: a name may be at most {NAME_MAX_BYTES} (it names a "
+                                       "folder or files, and file systems take 255 bytes a name)")
+
+
 def plain_name(value: Any, key: str) -> str:
     """A name that becomes one path component, of a local folder or of an s3:// location (a run's name, a
     split's): no separators, not '.' or '..', not empty, none of `AMBIGUOUS_CHARS`, no control character. A run
@@ -106,6 +119,7 @@ def plain_name(value: Any, key: str) -> str:
     check(ambiguous is None, key, f"{value!r} contains {ambiguous}, which tools read differently in a storage "
                                   "location; use plain characters")
     check(not any(is_control(c) for c in value), key, f"{value!r} contains a control character")
+    name_length(value, key)
     return value
 
 

@@ -7,7 +7,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vitscale.config.checks import ConfigError, check, fraction, non_negative, plain_name, positive, seed
+from vitscale.config.checks import (
+    ConfigError,
+    check,
+    fraction,
+    name_length,
+    non_negative,
+    plain_name,
+    positive,
+    seed,
+)
 from vitscale.config.fields import PATH, RESUME_FREE
 from vitscale.config.location import canonical_location, endpoint_ok
 from vitscale.data.order import DEFAULT_SHUFFLE_BUFFER
@@ -30,6 +39,7 @@ def check_splits(splits: dict[str, float], key: str = "splits") -> None:
     for name, share in splits.items():
         check(bool(name) and all(c.isalnum() or c == "_" for c in name), key,
               f"split name {name!r} must be letters, digits or '_' (it names shard files)")
+        name_length(name, key)
         positive(share, f"{key}.{name}")
         check(share <= 1.0, f"{key}.{name}", f"fraction {share} must be in (0, 1]")
     check(abs(sum(splits.values()) - 1.0) <= 1e-6, key,
