@@ -180,6 +180,8 @@ def test_grid_cells_ids_and_subsets(tmp_path: Path) -> None:
     ({"cells": [{"model": TINY, "epochs": 0}]}, "study.cells[0].epochs", "> 0"),
     ({"cells": [{"model": TINY, "size": 5}]}, "study.cells[0].size", "unknown key"),
     ({"models": [TINY, TINY]}, "study.models[1]", "the same cell as study.models[0]"),
+    # the cell id names its run folder: an OSError's traceback (File name too long) from its first record
+    ({"models": [{**TINY, "label": "L" * 240}]}, "study.models[0].label", "makes a cell id of 254 bytes"),
     ({"models": [TINY], "epochs": [1e308]}, "study.models[0]", "more compute than a float holds"),  # a traceback
     ({}, "study.models", "needs models"),
     # a column no cell reports: every fit refused, found only after the whole study had run
