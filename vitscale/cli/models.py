@@ -50,7 +50,8 @@ def _flops_args(p: argparse.ArgumentParser) -> None:
 
 
 FLAGS = {"model.name": "MODEL", "model.img_size": "--resolution", "train.objective": "--objective",
-         "train.masked_patch.target": "--target", "epochs": "--epochs"}
+         "train.masked_patch.target": "--target", "epochs": "--epochs",
+         "model": "MODEL"}  # the model as a whole (no size its tensors can take): its message names the sizes
 """The pipeline keys whose checks `flops` reuses, by the argument that sets them here."""
 
 
