@@ -78,6 +78,8 @@ BAD: list[tuple[str, Any, str]] = [
     ("train.max_steps", 2**63, "train.max_steps"), ("train.max_steps", 1e300, "train.max_steps"),
     ("data.seed", -(2**64), "data.seed"), ("model.img_size", 2**31, "model"), ("model.width", 2**40, "model"),
     ("finetune.resolution", 2**40, "finetune.resolution"),
+    # an image no generated source can draw: a 112-GiB array and a MemoryError's traceback at 100,000 px
+    ("data.create_if_missing.image_size", 100_000, "data.create_if_missing.image_size"),
     # loader processes a DataLoader would fork all at once on every rank
     ("data.num_workers", 10_000, "data.num_workers"), ("finetune.data.num_workers", 65, "finetune.data.num_workers"),
     # a number or a blank where a path or URL goes: a folder named "0" in the working directory, a dataset ''

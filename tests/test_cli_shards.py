@@ -160,6 +160,19 @@ def test_a_bad_resolution_is_named_as_the_user_passed_it(digits: str, capsys: py
     assert capsys.readouterr().err.startswith("vitscale: error: resolution: must be a positive int, got 0")
 
 
+@pytest.mark.parametrize(("source", "side", "says"), [
+    ("synthetic", "100000", "synthetic.image_size: must be in [8, 4096] px"),  # was a 112-GiB array's MemoryError
+    ("fractal", "8", "fractal.image_size: must be in [16, 4096] px"), ("digits", "4097", "digits.image_size")])
+def test_a_side_no_source_can_draw_is_refused_before_anything_is_written(source: str, side: str, says: str,
+                                                                        tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture) -> None:
+    capsys.readouterr()
+    count = [] if source == "digits" else ["--count", "10"]  # digits are the 1,797 they are
+    assert main(["shards", "write", "--source", source, *count, "--image-size", side, "--out", str(tmp_path / "ds")]) == 2
+    assert capsys.readouterr().err.startswith(f"vitscale: error: {says}")
+    assert not (tmp_path / "ds").exists()
+
+
 @pytest.mark.parametrize(("workers", "says"), [("0", "must be a positive int, got 0"), ("100000", "at most 64, got 100000")])
 def test_a_loader_count_that_cannot_run_is_refused_before_any_fork(workers: str, says: str, digits: str,
                                                                    capsys: pytest.CaptureFixture) -> None:

@@ -11,8 +11,8 @@ from functools import lru_cache
 import numpy as np
 from PIL import Image
 
-from vitscale.config.checks import check, one_of
-from vitscale.data.tools.source_base import Sample, Source, SourceKind
+from vitscale.config.checks import one_of
+from vitscale.data.tools.source_base import Sample, Source, SourceKind, drawn_side
 
 __all__ = ["SOURCE", "DigitsSource"]
 
@@ -30,7 +30,7 @@ class DigitsSource(Source):
     """scikit-learn's bundled 8x8 handwritten digits, upscaled and turned RGB (no download)."""
 
     def __init__(self, *, image_size: int = 64, resample: str = "bicubic") -> None:
-        check(image_size >= 8, "digits.image_size", f"must be >= 8, got {image_size}")
+        drawn_side(image_size, "digits.image_size", least=8)
         modes = {"bicubic": Image.Resampling.BICUBIC, "nearest": Image.Resampling.NEAREST}
         one_of(resample, sorted(modes), "digits.resample")
         self.image_size = image_size

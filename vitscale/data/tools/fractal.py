@@ -47,7 +47,7 @@ import numpy as np
 from PIL import Image, ImageFilter
 
 from vitscale.config.checks import check, one_of, positive_int
-from vitscale.data.tools.source_base import Sample, Source, SourceKind
+from vitscale.data.tools.source_base import Sample, Source, SourceKind, drawn_side
 
 __all__ = [
     "FILL_RATE",
@@ -216,7 +216,7 @@ class FractalSource(Source):
         positive_int(count, "fractal.count")
         check(classes >= 2, "fractal.classes", f"must be >= 2, got {classes}")
         size = 64 if image_size is None else image_size
-        check(size >= 16, "fractal.image_size", f"must be >= 16, got {image_size}")
+        drawn_side(size, "fractal.image_size", least=16)
         check(points is None or points >= 256, "fractal.points", f"must be >= 256 or None, got {points}")
         one_of(ink, INKS, "fractal.ink")
         blur = size / 32 if blur is None else blur

@@ -15,9 +15,21 @@ from typing import NamedTuple
 import numpy as np
 from PIL import Image
 
-__all__ = ["IMAGE_EXTENSIONS", "Sample", "Source", "SourceKind", "image_of"]
+from vitscale.config.checks import check
+
+__all__ = ["IMAGE_EXTENSIONS", "MAX_DRAWN_SIDE", "Sample", "Source", "SourceKind", "drawn_side", "image_of"]
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm"})
+
+MAX_DRAWN_SIDE = 4096
+"""The largest side, in pixels, of an image a source draws itself (synthetic, fractal, digits): eight times the
+paper's largest resolution (512 px). A side of 100,000 px was a 112-GiB array and a MemoryError's traceback."""
+
+
+def drawn_side(value: int, key: str, least: int) -> int:
+    """`value`, the side of the images a source draws, in [least, MAX_DRAWN_SIDE]; returns it."""
+    check(least <= value <= MAX_DRAWN_SIDE, key, f"must be in [{least}, {MAX_DRAWN_SIDE}] px, got {value}")
+    return value
 
 
 class Sample(NamedTuple):

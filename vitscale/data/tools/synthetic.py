@@ -17,7 +17,7 @@ import numpy as np
 from PIL import Image
 
 from vitscale.config.checks import check, positive_int
-from vitscale.data.tools.source_base import Sample, Source, SourceKind
+from vitscale.data.tools.source_base import Sample, Source, SourceKind, drawn_side
 
 __all__ = ["SOURCE", "ClassPattern", "SyntheticSource", "class_pattern"]
 
@@ -88,7 +88,8 @@ class SyntheticSource(Source):
     ) -> None:
         positive_int(count, "synthetic.count")
         check(classes >= 2, "synthetic.classes", f"must be >= 2, got {classes}")
-        check(image_size is None or image_size >= 8, "synthetic.image_size", f"must be >= 8 or None, got {image_size}")
+        if image_size is not None:  # None: each image's own side, drawn in [256, 512]
+            drawn_side(image_size, "synthetic.image_size", least=8)
         check(not multi_label or classes >= 3, "synthetic.multi_label", "needs classes >= 3")
         self.samples, self.num_classes, self.image_size, self.seed = count, classes, image_size, seed
         self.name = "synthetic"
