@@ -80,6 +80,7 @@ BAD: list[tuple[str, Any, str]] = [
     ("finetune.resolution", 2**40, "finetune.resolution"),
     # an image no generated source can draw: a 112-GiB array and a MemoryError's traceback at 100,000 px
     ("data.create_if_missing.image_size", 100_000, "data.create_if_missing.image_size"),
+    ("data.create_if_missing.classes", 10**9, "data.create_if_missing.classes"),  # a name each: out of memory
     # loader processes a DataLoader would fork all at once on every rank
     ("data.num_workers", 10_000, "data.num_workers"), ("finetune.data.num_workers", 65, "finetune.data.num_workers"),
     # a number or a blank where a path or URL goes: a folder named "0" in the working directory, a dataset ''

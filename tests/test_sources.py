@@ -180,8 +180,10 @@ def test_open_source_validates() -> None:
         open_source("digits", count=3)
     with pytest.raises(ValueError, match="needs a path"):
         open_source("folder:")
-    with pytest.raises(ValueError, match="synthetic.classes: must be >= 2"):
+    with pytest.raises(ValueError, match=r"synthetic.classes: must be in \[2, 100000\]"):
         SyntheticSource(classes=1)
+    with pytest.raises(ValueError, match=r"synthetic.classes: must be in \[2, 100000\]"):
+        SyntheticSource(classes=10**9)  # a name each: it ran out of memory before the first image
 
 
 def test_digits_bundled() -> None:

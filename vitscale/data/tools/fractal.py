@@ -47,7 +47,14 @@ import numpy as np
 from PIL import Image, ImageFilter
 
 from vitscale.config.checks import check, one_of, positive_int
-from vitscale.data.tools.source_base import Sample, Source, SourceKind, drawn_side
+from vitscale.data.tools.source_base import (
+    MAX_DRAWN_SIDE,
+    Sample,
+    Source,
+    SourceKind,
+    drawn_classes,
+    drawn_side,
+)
 
 __all__ = [
     "FILL_RATE",
@@ -214,10 +221,11 @@ class FractalSource(Source):
         seed: int = 0,
     ) -> None:
         positive_int(count, "fractal.count")
-        check(classes >= 2, "fractal.classes", f"must be >= 2, got {classes}")
+        drawn_classes(classes, "fractal.classes")
         size = 64 if image_size is None else image_size
         drawn_side(size, "fractal.image_size", least=16)
-        check(points is None or points >= 256, "fractal.points", f"must be >= 256 or None, got {points}")
+        check(points is None or 256 <= points <= MAX_DRAWN_SIDE**2, "fractal.points",
+              f"must be in [256, {MAX_DRAWN_SIDE**2}] (one a pixel of the largest side) or None, got {points}")
         one_of(ink, INKS, "fractal.ink")
         blur = size / 32 if blur is None else blur
         check(0.0 <= blur <= size / 4, "fractal.blur", f"must be in [0, image_size / 4], got {blur}")

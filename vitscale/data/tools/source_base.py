@@ -17,13 +17,25 @@ from PIL import Image
 
 from vitscale.config.checks import check
 
-__all__ = ["IMAGE_EXTENSIONS", "MAX_DRAWN_SIDE", "Sample", "Source", "SourceKind", "drawn_side", "image_of"]
+__all__ = ["IMAGE_EXTENSIONS", "MAX_DRAWN_CLASSES", "MAX_DRAWN_SIDE", "Sample", "Source", "SourceKind",
+           "drawn_classes", "drawn_side", "image_of"]
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm"})
 
 MAX_DRAWN_SIDE = 4096
 """The largest side, in pixels, of an image a source draws itself (synthetic, fractal, digits): eight times the
 paper's largest resolution (512 px). A side of 100,000 px was a 112-GiB array and a MemoryError's traceback."""
+
+
+MAX_DRAWN_CLASSES = 100_000
+"""The most classes a source draws itself (synthetic, fractal): five times JFT-300M's 18,291. Each has a name
+in memory and in `dataset.json`; 10**9 of them ran out of memory before the first image."""
+
+
+def drawn_classes(value: int, key: str) -> int:
+    """`value`, the number of classes a source draws, in [2, MAX_DRAWN_CLASSES]; returns it."""
+    check(2 <= value <= MAX_DRAWN_CLASSES, key, f"must be in [2, {MAX_DRAWN_CLASSES}], got {value}")
+    return value
 
 
 def drawn_side(value: int, key: str, least: int) -> int:

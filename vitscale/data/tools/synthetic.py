@@ -17,7 +17,7 @@ import numpy as np
 from PIL import Image
 
 from vitscale.config.checks import check, positive_int
-from vitscale.data.tools.source_base import Sample, Source, SourceKind, drawn_side
+from vitscale.data.tools.source_base import Sample, Source, SourceKind, drawn_classes, drawn_side
 
 __all__ = ["SOURCE", "ClassPattern", "SyntheticSource", "class_pattern"]
 
@@ -87,7 +87,7 @@ class SyntheticSource(Source):
         seed: int = 0,
     ) -> None:
         positive_int(count, "synthetic.count")
-        check(classes >= 2, "synthetic.classes", f"must be >= 2, got {classes}")
+        drawn_classes(classes, "synthetic.classes")
         if image_size is not None:  # None: each image's own side, drawn in [256, 512]
             drawn_side(image_size, "synthetic.image_size", least=8)
         check(not multi_label or classes >= 3, "synthetic.multi_label", "needs classes >= 3")
