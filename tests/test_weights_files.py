@@ -341,6 +341,8 @@ def _pt_with_header(path: Path, meta: object) -> None:
     # torch's zip reader said only "OSError: [Errno 22] Invalid argument"
     ("cut.pth", lambda p: (torch.save(timm_state_dict(tiny_vit()), p), p.write_bytes(p.read_bytes()[:3000])),
      "a damaged or cut-short torch file"),
+    # a copy that never wrote a byte: once "EOFError: " and nothing after it
+    ("empty.pth", lambda p: p.write_bytes(b""), r"an empty or cut-short file \(it ends before its first object\)"),
 ])
 def test_a_damaged_file_is_a_value_error_naming_it(tmp_path: Path, name: str, write, says: str) -> None:
     """Once a TypeError (a header that is a list), or a ValueError that named no file (numpy's, json's)."""

@@ -386,6 +386,8 @@ def _why_unreadable(exc: Exception, zipped: bool = False) -> str:
     import re
 
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    if isinstance(exc, EOFError):  # the unpickler ran out of bytes before the first object: "EOFError: " alone
+        return "an empty or cut-short file (it ends before its first object)"
     if isinstance(exc, (OSError, RuntimeError)) and zipped:  # torch's zip reader: "[Errno 22] Invalid argument"
         return f"a damaged or cut-short torch file (a zip archive torch cannot read: {' '.join(text.split())})"
     if isinstance(exc, pickle.UnpicklingError) and "Weights only load failed" in text:
