@@ -62,11 +62,20 @@ def test_ctrl_c_is_not_held_up_by_calls_still_running() -> None:
     release.set()
 
 
-def _stop(pipeline: Path, log: Path, signum: int, checkpoint: Path, again: bool = False) -> tuple[int, str, list[str]]:
+def _stop(pipeline: Path, log: Path, signum: int, checkpoint: Path, again: bool = False,
+          group: bool = False) -> tuple[int, str, list[str]]:
     """Start `vitscale run PIPELINE`, send `signum` to the driver once `checkpoint` exists (`again`: a second
-    time once the driver says it is stopping); (exit code, terminal output, processes of its tree still
-    running 30 s after it ended)."""
-    proc = start(pipeline, log)
+    time once the driver says it is stopping; `group`: to the driver's whole process group, as a closed terminal,
+    `timeout` or `kill -- -PGID` send it); (exit code, terminal output, processes of its tree still running 30 s
+    after it ended)."""
+    proc = start(pipeline, log)  # in a session of its own: its process group's id is its pid
+
+    def send() -> None:
+        if group:
+            os.killpg(proc.pid, signum)
+        else:
+            proc.send_signal(signum)
+
     try:
         deadline = time.monotonic() + 600
         while not checkpoint.is_dir():  # Ray up, a worker training, a checkpoint kept
@@ -74,12 +83,12 @@ def _stop(pipeline: Path, log: Path, signum: int, checkpoint: Path, again: bool 
             assert time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.2)
         tree = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signum)
+        send()
         while again and "stopping: the workers checkpoint" not in log.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.05)
         if again:
-            proc.send_signal(signum)
+            send()
         ended = proc.wait(timeout=120)
         _, alive = psutil.wait_procs(tree, timeout=30)
         left = [f"{p.pid} {p.name()}" for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -92,10 +101,12 @@ def _stop(pipeline: Path, log: Path, signum: int, checkpoint: Path, again: bool 
 @pytest.mark.slow
 def test_ctrl_c_or_sigterm_stops_the_workers_says_how_to_resume_and_the_command_resumes(tmp_path: Path,
                                                                                        small_synthetic: str) -> None:
-    """Ctrl-C, then SIGTERM (`kill`, `ray job stop`, a scheduler) to the resumed run, then the run to its end
-    through a SIGHUP it was started ignoring (`nohup`).
+    """Ctrl-C, then SIGTERM to the resumed run's whole process group (`timeout`, `kill -- -PGID`), then the run
+    to its end through a SIGHUP it was started ignoring (`nohup`).
     Without the CLI's handler put back after `ray.init`, Ray's own printed a stack dump on SIGTERM and
-    aborted the driver (no line, the lease left held)."""
+    aborted the driver (no line, the lease left held). With Ray's head in the driver's process group, the
+    group's SIGTERM ended the GCS and the raylet too: no last checkpoint, and after 60 s Ray's "Failed to
+    connect to GCS" as the last line, exit status 1."""
     # A step takes 25-50 ms and the workers see a stop up to 2 s after it is asked (rank 0 reads the request
     # once a second): 60 steps with a checkpoint every 4 were sometimes all done before the second stop landed.
     steps_total, every = 300, 20
@@ -107,7 +118,8 @@ def test_ctrl_c_or_sigterm_stops_the_workers_says_how_to_resume_and_the_command_
     for attempt, (signum, code, by, again) in enumerate(plan):
         # The first run stops after its first checkpoint, the resumed one after a checkpoint it wrote itself.
         newer = run_dir / f"checkpoint_{stopped[-1] // every * every + every:09d}"
-        ended, output, left = _stop(pipeline, tmp_path / f"stopped{attempt}.log", signum, newer, again)
+        ended, output, left = _stop(pipeline, tmp_path / f"stopped{attempt}.log", signum, newer, again,
+                                    group=signum == signal.SIGTERM)
         assert ended == code, output[-4000:]
         assert output.rstrip("\n").splitlines()[-1] == (
             f"vitscale: interrupted{by}; the run is kept at {run_dir}: resume it from its last complete checkpoint "

@@ -9,6 +9,12 @@ The watchdog keeps a list of every process started in the driver's tree since it
 twice a second), and when the pipe closes (the driver is gone, however it died) it terminates
 them, then kills what is left. Processes are matched on (pid, start time), never on a pid alone,
 so a reused pid is never hit.
+
+Ray's head processes also lead process groups of their own (`own_process_groups`). Started in the driver's,
+a signal to the driver's whole group (a closed terminal's SIGHUP, `timeout`'s SIGTERM, `kill -- -PGID`)
+ended the GCS and the raylet with the driver: the driver could not ask its workers for a last checkpoint,
+waited 60 s for a GCS that was gone and ended with Ray's "Failed to connect to GCS" line. Ray itself
+shields them from only one such signal, the terminal's SIGINT (it starts them with SIGINT blocked).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import select
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psutil
@@ -38,13 +45,36 @@ a process and two CPU-seconds at every start."""
 
 
 def start_local_ray(num_cpus: int | None) -> Any:
-    """`ray.init` a local Ray on this machine, watched so that it cannot outlive this process."""
+    """`ray.init` a local Ray on this machine, watched so that it cannot outlive this process, its head's
+    processes out of this process's group (module doc)."""
     import ray
 
     start_watchdog()
     for key, value in LOCAL_ENV.items():
         os.environ.setdefault(key, value)
-    return ray.init(num_cpus=num_cpus, log_to_driver=True)
+    with own_process_groups():
+        return ray.init(num_cpus=num_cpus, log_to_driver=True)
+
+
+@contextlib.contextmanager
+def own_process_groups() -> Iterator[None]:
+    """Within: each process Ray's services start (`ray._private.services.ConsolePopen`: the GCS, the raylet
+    and, through it, the agents; the dashboard, the monitors) leads a process group of its own, so a signal
+    to this process's group does not reach it. Ray's workers already do (the raylet starts them so)."""
+    from ray._private import services
+
+    started_by_ray = services.ConsolePopen
+
+    class OwnGroup(started_by_ray):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("process_group", 0)
+            super().__init__(*args, **kwargs)
+
+    setattr(services, "ConsolePopen", OwnGroup)  # noqa: B010 (mypy refuses assigning to a class name)
+    try:
+        yield
+    finally:
+        setattr(services, "ConsolePopen", started_by_ray)  # noqa: B010
 
 
 def start_watchdog() -> None:

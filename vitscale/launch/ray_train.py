@@ -515,8 +515,9 @@ def _root_cause(exc: BaseException, storage: str | None = None, parts: int = 1) 
 def ensure_ray(address: str | None, local_num_cpus: int | None) -> str:
     """Connect to a Ray cluster (address, $RAY_ADDRESS) or start a local one; returns a description.
 
-    A local Ray is started in a session of its own and tied to this process (`launch/local_ray.py`):
-    when this driver dies, even by SIGKILL, its Ray's processes die too.
+    A local Ray's head processes lead process groups of their own and are tied to this process
+    (`launch/local_ray.py`): a signal to this driver's group does not reach them, and when this driver dies,
+    even by SIGKILL, they die too.
     """
     if ray.is_initialized():
         return "already connected"
