@@ -86,12 +86,17 @@ def test_once_the_run_has_ended_workers_lines_no_longer_reach_the_terminal(tmp_p
 
 
 def test_the_console_uses_no_private_ray_module() -> None:
-    # A Ray upgrade must not silently flood the terminal again: nothing in vitscale imports ray._private.
+    # A Ray upgrade must not silently flood the terminal again: nothing in vitscale imports ray._private, but
+    # for the one guarded use that puts a local Ray's head out of the driver's process group (Ray has no
+    # public setting for it; a release that moves the class leaves Ray as it was: tests/test_no_orphans.py).
     import vitscale
 
     root = Path(vitscale.__file__).parent
     offenders = [str(p.relative_to(root)) for p in root.rglob("*.py") if "ray._private" in p.read_text()]
-    assert offenders == []
+    assert offenders == ["launch/local_ray.py"]
+    uses = [line.strip() for line in (root / "launch" / "local_ray.py").read_text().splitlines()
+            if "ray._private" in line and not line.strip().startswith(("#", '"', "`", "Ray has no"))]
+    assert uses == ["from ray._private import services"]
 
 
 def test_a_real_ray_run_shows_only_vitscales_lines(tmp_path: Path) -> None:

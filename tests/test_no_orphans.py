@@ -45,3 +45,33 @@ def test_a_sigkilled_driver_leaves_no_ray_process(tmp_path: Path, small_syntheti
     finally:
         if proc.poll() is None:
             kill_tree(proc)
+
+
+def test_the_processes_ray_starts_for_its_head_lead_process_groups_of_their_own() -> None:
+    """A signal to the driver's whole group (`timeout`, `kill -- -PGID`) must not reach Ray's GCS and raylet: the
+    driver needs them to have its workers take the run's last checkpoint (tests/test_interruption.py)."""
+    from ray._private import services
+
+    from vitscale.launch.local_ray import own_process_groups
+
+    with own_process_groups():
+        inside = services.ConsolePopen(["sleep", "30"])
+    outside = services.ConsolePopen(["sleep", "30"])  # Ray's own class again once ray.init is done
+    try:
+        assert os.getpgid(inside.pid) == inside.pid != os.getpgrp()
+        assert os.getpgid(outside.pid) == os.getpgrp()
+    finally:
+        for proc in (inside, outside):
+            proc.kill()
+            proc.wait()
+
+
+def test_a_ray_release_without_the_class_starts_its_head_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ray._private import services
+
+    from vitscale.launch.local_ray import own_process_groups
+
+    monkeypatch.delattr(services, "ConsolePopen")
+    with own_process_groups():
+        pass
+    assert not hasattr(services, "ConsolePopen")  # nothing put in its place

@@ -60,10 +60,17 @@ def start_local_ray(num_cpus: int | None) -> Any:
 def own_process_groups() -> Iterator[None]:
     """Within: each process Ray's services start (`ray._private.services.ConsolePopen`: the GCS, the raylet
     and, through it, the agents; the dashboard, the monitors) leads a process group of its own, so a signal
-    to this process's group does not reach it. Ray's workers already do (the raylet starts them so)."""
-    from ray._private import services
+    to this process's group does not reach it. Ray's workers already do (the raylet starts them so).
 
-    started_by_ray = services.ConsolePopen
+    Ray has no public setting for it: this reaches into `ray._private`, the one place vitscale does, guarded.
+    Should a Ray release move the class, Ray's head starts in this group again, as before, and nothing fails."""
+    try:
+        from ray._private import services
+
+        started_by_ray = services.ConsolePopen
+    except (ImportError, AttributeError):
+        yield
+        return
 
     class OwnGroup(started_by_ray):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
