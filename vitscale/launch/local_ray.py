@@ -69,6 +69,8 @@ def own_process_groups() -> Iterator[None]:
 
         started_by_ray = services.ConsolePopen
     except (ImportError, AttributeError):
+        started_by_ray = None
+    if started_by_ray is None:  # (outside the except: an error of the body is not chained to the ImportError)
         yield
         return
 
