@@ -107,9 +107,10 @@ def test_ctrl_c_or_sigterm_stops_the_workers_says_how_to_resume_and_the_command_
     aborted the driver (no line, the lease left held). With Ray's head in the driver's process group, the
     group's SIGTERM ended the GCS and the raylet too: no last checkpoint, and after 60 s Ray's "Failed to
     connect to GCS" as the last line, exit status 1."""
-    # A step takes 25-50 ms and the workers see a stop up to 2 s after it is asked (rank 0 reads the request
-    # once a second): 60 steps with a checkpoint every 4 were sometimes all done before the second stop landed.
-    steps_total, every = 300, 20
+    # A step takes 7-50 ms (7 on a fast hour: 140 steps a second) and the workers see a stop up to 2 s after it
+    # is asked (rank 0 reads the request once a second): 60 steps with a checkpoint every 4, and later 300 with
+    # one every 20 (2026-11-29, twice in a dozen runs), were sometimes all done before the second stop landed.
+    steps_total, every = 800, 20
     pipeline = tiny_pipeline(tmp_path, "ctrlc", small_synthetic,
                              {"max_steps": steps_total, "zero_stage": 1, "checkpoint_every": every, "log_every": 1})
     run_dir = tmp_path / "runs" / "ctrlc"
