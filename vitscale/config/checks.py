@@ -102,9 +102,14 @@ in UTF-8 bytes: file systems take 255 a name, and vitscale adds up to 30 to it (
 atomic write's `.NAME.<12 hex digits>.part`)."""
 
 
+def name_bytes(value: str) -> int:
+    """The length of `value` as a file system counts a name: its UTF-8 bytes."""
+    return len(value.encode("utf-8", "surrogatepass"))
+
+
 def name_length(value: str, key: str) -> None:
     """`value`, a name that becomes a file or folder name, is at most `NAME_MAX_BYTES` long."""
-    size = len(value.encode("utf-8", "surrogatepass"))
+    size = name_bytes(value)
     check(size <= NAME_MAX_BYTES, key, f"is {size} bytes long: a name may be at most {NAME_MAX_BYTES} (it names a "
                                        "folder or files, and file systems take 255 bytes a name)")
 

@@ -13,7 +13,7 @@ import functools
 from dataclasses import replace
 from typing import Any
 
-from vitscale.config.checks import NAME_MAX_BYTES, ConfigError, check
+from vitscale.config.checks import NAME_MAX_BYTES, ConfigError, check, name_bytes
 from vitscale.config.loader import merge, read_pipeline, to_dict
 from vitscale.config.pipeline import PipelineConfig
 from vitscale.scaling.study.cells import RESULT_SECTIONS, Cell, cell_id, settings_hash
@@ -67,7 +67,7 @@ def resolve_cells(config: PipelineConfig) -> list[Cell]:
         ident = cell_id(label, epochs, spec.data_size, settings_hash(raw, defaults))
         legacy = cell_id(label, epochs, spec.data_size, settings_hash(raw, defaults, locations=True))
         # The id names the cell's run folder and its records (`state/<id>.stages.json`): a file name.
-        size = len(ident.encode("utf-8", "surrogatepass"))
+        size = name_bytes(ident)
         check(size <= NAME_MAX_BYTES, f"{spec.key}.label" if spec.entry.label else spec.key,
               f"makes a cell id of {size} bytes ({ident[:24]}...{ident[-16:]}), which names the cell's run "
               f"folder: at most {NAME_MAX_BYTES}; shorten the label")
