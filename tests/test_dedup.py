@@ -218,3 +218,90 @@ def test_a_damaged_dataset_is_named_not_copied_short(tmp_path: Path, how: str, s
     with pytest.raises(DatasetError, match=f"{damaged}.*{says}.*shards verify"):
         dedup_dataset(str(train), [str(against)], str(tmp_path / "out"), progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def _peer_tar(path: Path, samples: list[tuple[str, Image.Image, dict[str, bytes]]], image: str, fmt: str) -> None:
+    """A tar another tool wrote: each sample's image as member `image` (in PIL format `fmt`), plus `extra`."""
+    import tarfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for key, img, extra in samples:
+            buf = io.BytesIO()
+            img.save(buf, fmt)
+            for ext, data in ((image, buf.getvalue()), *extra.items()):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def _copy_of(img: Image.Image) -> Image.Image:
+    return _crop(img, 0.02).resize((72, 56), Image.Resampling.BICUBIC)
+
+
+def test_keys_that_repeat_across_shards_and_splits_remove_only_the_duplicate(tmp_path: Path) -> None:
+    """Tars written apart often number their samples from 0 each (`shards index` adopts them so): a duplicate
+    of the test set was removed by its key alone, and with it every other sample of that key, in every shard and
+    split (3 removed for 1 pair here). A sample is its shard and byte offset."""
+    from vitscale.data.tools.adopt import index_shards
+
+    rng = np.random.default_rng(3)
+    photos = [_photo(rng, 64, 80) for _ in range(9)]
+    labelled = [{"cls": str(i % 2).encode()} for i in range(9)]
+    train = tmp_path / "train"
+    for shard, part in (("train-000000.tar", [0, 1, 2]), ("train-000001.tar", [3, 4, 5]), ("test-000000.tar", [6, 7, 8])):
+        _peer_tar(train / shard, [(f"{j:06d}", photos[i], labelled[i]) for j, i in enumerate(part)], "jpg", "JPEG")
+    _peer_tar(tmp_path / "against" / "test-000000.tar", [("copy", _copy_of(photos[4]), {"cls": b"0"})], "jpg", "JPEG")
+    for root in (train, tmp_path / "against"):
+        index_shards(str(root), progress=False)
+    assert verify_dataset(str(train)) == []  # a key repeated in other shards is no damage
+
+    summary = dedup_dataset(str(train), [str(tmp_path / "against")], str(tmp_path / "out"), progress=False)
+
+    assert summary["duplicate_pairs"] == 1 and summary["removed"] == {"train": 1, "test": 0}, summary
+    pairs = pq.read_table(io.BytesIO(open_storage(str(tmp_path / "out")).read_bytes(PAIRS_NAME))).to_pylist()
+    assert [(p["train_shard"], p["train_key"]) for p in pairs] == [("train-000001.tar", "000001")]
+    kept = [(r["shard"], r["key"]) for r in read_index(str(tmp_path / "out")).to_pylist()]
+    assert len(kept) == 8 and sorted(k for _, k in kept).count("000001") == 2  # train-000000's and test's
+    assert verify_dataset(str(tmp_path / "out")) == []
+
+
+@pytest.mark.parametrize(("image", "fmt", "label"), [("png", "PNG", "cls"), ("webp", "WEBP", "cls"),
+                                                      ("JPEG", "JPEG", "CLS"), ("jpeg", "JPEG", "txt"),
+                                                      ("png", "PNG", "none")])
+def test_an_adopted_dataset_of_any_image_member_is_verified_and_deduplicated(
+        tmp_path: Path, image: str, fmt: str, label: str) -> None:
+    """The loader reads a sample's image from .jpg, .jpeg, .png or .webp, in any case, and `shards index`
+    adopts them all; `shards dedup` refused every such dataset ("has no .jpg", on either side), and `shards
+    verify` called every sample of upper-case members bad. The copy keeps each image as it was, with the
+    labels the dataset has (in the index, for class names; none, for images alone)."""
+    from vitscale.data.loader.stream import ShardStream
+    from vitscale.data.tools.adopt import index_shards
+
+    rng = np.random.default_rng(4)
+    photos = [_photo(rng, 64, 80) for _ in range(6)]
+    names = (b"cat", b"dog")
+    train, against, out = tmp_path / "train", tmp_path / "against", tmp_path / "out"
+    _peer_tar(train / "train-000000.tar",
+              [(f"s{i}", photos[i], {label: names[i % 2] if label == "txt" else str(i % 2).encode()} if label != "none"
+                else {}) for i in range(6)], image, fmt)
+    _peer_tar(against / "test-000000.tar", [("t0", _copy_of(photos[2]), {})], image, fmt)
+    index_shards(str(train), label_member=label.lower(), progress=False)
+    index_shards(str(against), label_member="none", progress=False)
+    assert verify_dataset(str(train)) == [] and verify_dataset(str(against)) == []
+
+    summary = dedup_dataset(str(train), [str(against)], str(out), progress=False)
+
+    assert summary["removed"] == {"train": 1}, summary
+    rows = read_index(str(out)).to_pylist()
+    assert [r["key"] for r in rows] == ["s0", "s1", "s3", "s4", "s5"]
+    labels = [[], [], [], [], []] if label == "none" else [[0], [1], [1], [0], [1]]
+    assert [r["labels"] for r in rows] == labels
+    assert verify_dataset(str(out)) == []
+    import tarfile
+
+    with tarfile.open(out / rows[0]["shard"]) as tar:
+        members = tar.getnames()
+    assert f"s0.{image.lower()}" in members, members  # the image as it was, not re-encoded
+    batch = next(iter(ShardStream(str(out), "train", batch_size=5, resolution=32, train=False)))
+    assert bool(batch["valid"].all()) and (label == "none" or batch["label"].tolist() == [0, 1, 1, 0, 1])

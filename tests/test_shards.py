@@ -271,7 +271,7 @@ def test_verify_says_a_repeated_key_once_not_as_phantom_mismatches(tmp_path: Pat
                 info.size = len(data)
                 tf.addfile(info, io.BytesIO(data))
     index_shards(str(tmp_path), progress=False)
-    assert verify_dataset(str(tmp_path)) == ["_index.parquet: key 'a' (train-000000.tar) appears more than once"]
+    assert verify_dataset(str(tmp_path)) == ["_index.parquet: key 'a' appears more than once in train-000000.tar"]
 
 
 def test_stats_and_format(digits_ds: str) -> None:

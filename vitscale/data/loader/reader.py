@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from vitscale.data.loader.labels import LabelError, parse_class_id, parse_json_label
@@ -32,6 +33,11 @@ def check_crc(raw: bytes, expected: int) -> None:
             raise BadSample(f"checksum mismatch: crc32 {got:08x}, the index says {expected:08x}")
 
 
+def no_label(extensions: Iterable[str]) -> str:
+    """Why a sample with these members has no label, in the words every tool uses."""
+    return f"no label member (.cls or .json) among {sorted(extensions)[:10]}"
+
+
 def parse_label(members: dict[str, bytes], num_classes: int, multi_label: bool) -> list[int]:
     """Class ids of a sample from ``cls`` (ascii int) or ``json`` (``{"labels": [ints]}``).
 
@@ -47,7 +53,7 @@ def parse_label(members: dict[str, bytes], num_classes: int, multi_label: bool) 
                 raise LabelError("malformed .json label: 'labels' must be a list of ints")
             labels = [int(v) for v in found]
         else:
-            raise BadSample(f"no label member (.cls or .json) among {sorted(members)}")
+            raise BadSample(no_label(members))
     except LabelError as exc:  # bounded size and depth: data/loader/labels.py
         raise BadSample(str(exc)) from None
     check_labels(labels, num_classes, multi_label)

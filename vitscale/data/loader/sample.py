@@ -9,6 +9,7 @@ and count a damaged sample without knowing which step found the damage; the fuzz
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -17,11 +18,23 @@ from vitscale.data.loader.reader import check_crc, check_labels, parse_label
 from vitscale.data.loader.tar import BadSample, split_tar_record
 from vitscale.data.loader.transforms import TransformSpec
 
-__all__ = ["IMAGE_MEMBERS", "decode_sample"]
+__all__ = ["IMAGE_MEMBERS", "decode_sample", "image_member", "no_image"]
 
 IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
 """Member extensions that hold a sample's image, first found wins (vitscale writes ``jpg``;
 adopted WebDataset shards may hold any of these)."""
+
+
+def image_member(extensions: Iterable[str]) -> str | None:
+    """The extension among a sample's members (lower-cased) that holds its image; None: it has none.
+    The one rule for the loader, `shards index`, `shards verify` and `shards dedup`."""
+    have = set(extensions)
+    return next((ext for ext in IMAGE_MEMBERS if ext in have), None)
+
+
+def no_image(extensions: Iterable[str]) -> str:
+    """Why a sample with these members has no image, in the words every tool uses."""
+    return f"no image member ({', '.join(IMAGE_MEMBERS)}) among {sorted(extensions)[:10]}"
 
 
 def decode_sample(
@@ -55,8 +68,8 @@ def decode_sample(
         labels = parse_label(members, num_classes, multi_label)
     else:
         check_labels(labels, num_classes, multi_label)
-    data = next((members[ext] for ext in IMAGE_MEMBERS if ext in members), None)
-    if data is None:
-        raise BadSample(f"no image member ({', '.join(IMAGE_MEMBERS)}) among {sorted(members)[:10]}")
-    decode_image_into(data, out, spec, rng)
+    ext = image_member(members)
+    if ext is None:
+        raise BadSample(no_image(members))
+    decode_image_into(members[ext], out, spec, rng)
     return labels

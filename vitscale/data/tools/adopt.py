@@ -62,7 +62,7 @@ from vitscale.data.format import (
     write_index_and_meta,
 )
 from vitscale.data.loader.labels import MAX_LABEL_BYTES, LabelError, check_class_ids
-from vitscale.data.loader.sample import IMAGE_MEMBERS
+from vitscale.data.loader.sample import image_member, no_image
 from vitscale.data.storage import LocalStorage, Storage, StorageError, open_storage
 from vitscale.data.storage.cleanup import missing_folders, remove_new_folders
 from vitscale.data.storage.space import free_bytes, free_text, is_no_space, out_of_files, size_text
@@ -70,6 +70,7 @@ from vitscale.data.tools import adopt_checks
 from vitscale.data.tools.label_member import LABEL_EXTS, NO_LABELS_HINT, LabelMember, default_member
 from vitscale.data.tools.progress import Progress
 from vitscale.data.tools.publish import WRITING, held
+from vitscale.data.tools.scan import member_key
 
 __all__ = ["expand_braces", "index_shards", "split_url"]
 
@@ -107,13 +108,6 @@ def split_url(url: str) -> tuple[str, list[str] | None]:
     if len(roots) != 1 or "{" in next(iter(roots)):
         raise DatasetError(f"{url}: the shards must lie in one folder (braces only in the file name)")
     return roots.pop() or ".", [p.rpartition("/")[2] for p in paths]
-
-
-def _member_key(name: str) -> tuple[str, str]:
-    """(key, extension) by WebDataset's rule: the base name splits at its first dot."""
-    folder, _, base = name.rpartition("/")
-    stem, _, ext = base.partition(".")
-    return (f"{folder}/{stem}" if folder else stem), ext.lower()
 
 
 
@@ -163,7 +157,7 @@ def _samples(storage: Storage, shard: str, shard_size: int
                 break
             if not m.isfile():
                 continue
-            k, ext = _member_key(m.name)
+            k, ext = member_key(m.name)
             if k != key:
                 close()
                 key, start, members, damaged = k, m.offset, {}, ""
@@ -311,8 +305,8 @@ def _shard_rows(shard: str, split: str, found: list[tuple[str, int, int, dict[st
     rows = []
     for (key, offset, size, members), crc in zip(found, crcs, strict=True):
         label = members.get(labels.ext)
-        if not any(ext in members for ext in IMAGE_MEMBERS):
-            reject(shard, key, f"no image member ({', '.join(IMAGE_MEMBERS)}) among {sorted(members)[:10]}")
+        if image_member(members) is None:
+            reject(shard, key, no_image(members))
             continue
         if labels.kind == "none":  # images alone: any label member is ignored
             rows.append({"split": split, "shard": shard, "key": key, "labels": [], "offset": offset,

@@ -32,7 +32,17 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from vitscale.config.checks import check
-from vitscale.data.format import META_NAME, DatasetError, SplitMeta, read_index, read_meta, write_index_and_meta
+from vitscale.data.format import (
+    LABEL_SOURCE,
+    META_NAME,
+    DatasetError,
+    SplitMeta,
+    read_index,
+    read_meta,
+    write_index_and_meta,
+)
+from vitscale.data.loader.reader import no_label
+from vitscale.data.loader.sample import image_member, no_image
 from vitscale.data.storage import Storage, open_storage
 from vitscale.data.tools import publish
 from vitscale.data.tools.images import pil_quiet
@@ -231,10 +241,11 @@ def _damaged(where: str, url: str, why: str) -> DatasetError:
 
 def _hash_sample(url: str, shard: str, s: ShardSample) -> int:
     """The pHash of a sample's image; a missing or undecodable one is a :class:`DatasetError` naming it."""
-    if "jpg" not in s.files:
-        raise _damaged(f"{url}: {shard}", url, f"sample {s.key!r} has no .jpg ({sorted(s.files)})")
+    ext = image_member(s.files)
+    if ext is None:
+        raise _damaged(f"{url}: {shard}", url, f"sample {s.key!r}: {no_image(s.files)}")
     try:
-        return phash(s.files["jpg"])
+        return phash(s.files[ext])
     except Exception as exc:  # any decoder error (PIL raises several kinds) is this image's damage
         raise _damaged(f"{url}: {shard}", url, f"sample {s.key!r}: corrupt image: {type(exc).__name__}: {exc}") from exc
 
@@ -243,7 +254,7 @@ def hash_dataset(url: str, *, endpoint_url: str | None = None, progress: bool = 
     """pHash of every image: table of split, shard, key, phash (uint64)."""
     storage = open_storage(url, endpoint_url=endpoint_url)
     total = sum(sp.samples for sp in read_meta(storage).splits.values())
-    cols: dict[str, list[Any]] = {"split": [], "shard": [], "key": [], "phash": []}
+    cols: dict[str, list[Any]] = {"split": [], "shard": [], "key": [], "offset": [], "phash": []}
     batch: list[tuple[str, str, ShardSample]] = []
     bar = Progress(total, f"hash {storage.url}", unit="img", enabled=progress)
     with ThreadPoolExecutor(max_workers=4) as pool, bar:
@@ -254,6 +265,7 @@ def hash_dataset(url: str, *, endpoint_url: str | None = None, progress: bool = 
                 cols["split"].append(split)
                 cols["shard"].append(shard)
                 cols["key"].append(sample.key)
+                cols["offset"].append(sample.offset)
                 cols["phash"].append(h)
             bar.update(len(batch))
             batch.clear()
@@ -264,8 +276,13 @@ def hash_dataset(url: str, *, endpoint_url: str | None = None, progress: bool = 
                 flush()
         flush()
     return pa.table(
-        {k: pa.array(v, type=pa.uint64() if k == "phash" else pa.string()) for k, v in cols.items()}
+        {k: pa.array(v, type=_HASH_TYPES.get(k, pa.string())) for k, v in cols.items()}
     )
+
+
+_HASH_TYPES = {"offset": pa.int64(), "phash": pa.uint64()}
+"""`hash_dataset`'s columns that are not text. A sample is (shard, offset): its key alone may repeat across
+shards, splits and even within a shard of an adopted dataset (`shards index` keeps each as its sample)."""
 
 
 def dedup_dataset(
@@ -304,13 +321,10 @@ def _dedup_into(out_storage: Storage, train: str, against: list[str], threshold:
     meta, train_index = read_meta(train_storage), read_index(train_storage)
     train_h = hash_dataset(train, endpoint_url=endpoint_url, progress=progress)
     pairs = _pairs(train_h, against, threshold, endpoint_url, progress)
-    drop = set(pairs.column("train_key").to_pylist())
+    drop = set(zip(pairs.column("train_shard").to_pylist(), pairs.column("train_offset").to_pylist(), strict=True))
 
     shard_size = max((sh.samples for sp in meta.splits.values() for sh in sp.shards), default=1)
-    sizes = {
-        r["key"]: (r["width"], r["height"])
-        for r in train_index.select(["key", "width", "height"]).to_pylist()
-    }
+    rows_of = _index_rows(train_index, labels=meta.extra.get(LABEL_SOURCE) == "index")
     new_splits: dict[str, SplitMeta] = {}
     rows: list[dict[str, Any]] = []
     removed: dict[str, int] = {}
@@ -318,13 +332,15 @@ def _dedup_into(out_storage: Storage, train: str, against: list[str], threshold:
     with Progress(total, f"copy {out_storage.url}", unit="img", enabled=progress) as bar:
         writers = {s: ShardWriter(out_storage, s, shard_size, meta.multi_label) for s in meta.splits}
         try:
-            for split, _, s in _iter_samples(train, endpoint_url):
+            for split, shard, s in _iter_samples(train, endpoint_url):
                 bar.update()
-                if s.key in drop:
+                if (shard, s.offset) in drop:
                     removed[split] = removed.get(split, 0) + 1
                     continue
-                w, h = sizes.get(s.key, (0, 0))
-                writers[split].add(s.key, s.files["jpg"], _copied_labels(train, s, meta.num_classes), w, h)
+                row = rows_of.get((shard, s.offset), {})
+                labels = _copied_labels(train, s, meta.num_classes, row.get("labels"))
+                ext = image_member(s.files) or "jpg"  # (hashed above: it has one)
+                writers[split].add(s.key, s.files[ext], labels, row.get("width"), row.get("height"), ext=ext)
             for split, wr in writers.items():
                 wr.finish_shard()
                 new_splits[split] = SplitMeta(len(wr.rows), tuple(wr.shards))
@@ -360,9 +376,10 @@ def _pairs(train_h: pa.Table, against: list[str], threshold: int, endpoint_url: 
     """Every near-duplicate pair between the hashed training set ``train_h`` and each dataset of ``against``:
     which training sample, which image of which dataset, at what Hamming distance."""
     x = train_h.column("phash").to_numpy()
-    t_split, t_shard, t_key = (train_h.column(c).to_pylist() for c in ("split", "shard", "key"))
+    t_split, t_shard, t_key, t_offset = (train_h.column(c).to_pylist() for c in ("split", "shard", "key", "offset"))
     pair_cols: dict[str, list[Any]] = {k: [] for k in (
-        "train_split", "train_shard", "train_key", "against", "against_split", "against_key", "distance")}
+        "train_split", "train_shard", "train_key", "train_offset", "against", "against_split", "against_key",
+        "distance")}
     for url in against:
         q_h = hash_dataset(url, endpoint_url=endpoint_url, progress=progress)
         qi, ij, dist = near_duplicate_pairs(q_h.column("phash").to_numpy(), x, threshold)
@@ -371,23 +388,40 @@ def _pairs(train_h: pa.Table, against: list[str], threshold: int, endpoint_url: 
             pair_cols["train_split"].append(t_split[b])
             pair_cols["train_shard"].append(t_shard[b])
             pair_cols["train_key"].append(t_key[b])
+            pair_cols["train_offset"].append(t_offset[b])
             pair_cols["against"].append(url)
             pair_cols["against_split"].append(q_split[a])
             pair_cols["against_key"].append(q_key[a])
             pair_cols["distance"].append(d)
     return pa.table(pair_cols, schema=pa.schema(
-        [(k, pa.int32() if k == "distance" else pa.string()) for k in pair_cols]))
+        [(k, _PAIR_TYPES.get(k, pa.string())) for k in pair_cols]))
 
 
-def _copied_labels(train: str, s: ShardSample, num_classes: int) -> list[int]:
-    """The labels of the kept training sample ``s``, which must have its .jpg and labels inside the classes: a
-    damaged one stops the copy naming it (never a shard copied short, nor a label another class reads)."""
+_PAIR_TYPES = {"train_offset": pa.int64(), "distance": pa.int32()}
+"""The pairs' columns that are not text; a training sample is (``train_shard``, ``train_offset``), the byte where
+its record starts (its key may repeat: `_HASH_TYPES`)."""
+
+
+def _index_rows(index: pa.Table, labels: bool) -> dict[tuple[str, int], dict[str, Any]]:
+    """The index's rows by (shard, offset), with what the copy keeps of each: its image's size (when the index
+    has it: an adopted one has not) and, where the dataset's labels live in the index (`shards index
+    --label-member txt` or `json:KEY`), its labels."""
+    kept = [c for c in ("width", "height", *(("labels",) if labels else ())) if c in index.column_names]
+    return {(r["shard"], r["offset"]): r for r in index.select(["shard", "offset", *kept]).to_pylist()}
+
+
+def _copied_labels(train: str, s: ShardSample, num_classes: int, indexed: list[int] | None) -> list[int]:
+    """The labels of the kept training sample ``s``: the index's (`indexed`) where the dataset's labels live
+    there, none for a dataset of images alone, else its label member's, inside the classes. A damaged one stops
+    the copy naming it (never a shard copied short, nor a label another class reads)."""
+    if num_classes == 0:  # images alone (masked patch pre-training): any label member is not a label
+        return []
     try:
-        labels = labels_of(s)
+        labels = list(indexed) if indexed is not None else labels_of(s)
     except ValueError as exc:  # a hostile label (LabelError)
         raise _damaged(train, train, f"sample {s.key!r}: {exc}") from exc
-    if labels is None or "jpg" not in s.files:
-        raise _damaged(train, train, f"sample {s.key!r} lacks .jpg or labels ({sorted(s.files)})")
+    if labels is None:
+        raise _damaged(train, train, f"sample {s.key!r}: {no_label(s.files)}")
     if num_classes and not all(0 <= x < num_classes for x in labels):
         raise _damaged(train, train, f"sample {s.key!r} has labels {labels} outside [0, {num_classes})")
     return labels

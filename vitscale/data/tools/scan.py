@@ -13,7 +13,7 @@ from typing import BinaryIO
 
 from vitscale.data.loader.labels import LabelError, parse_class_id, parse_json_label
 
-__all__ = ["ShardSample", "iter_shard", "labels_of"]
+__all__ = ["ShardSample", "iter_shard", "labels_of", "member_key"]
 
 
 @dataclass(frozen=True)
@@ -26,16 +26,23 @@ class ShardSample:
     size: int
 
 
+def member_key(name: str) -> tuple[str, str]:
+    """(key, extension) of a tar member by WebDataset's rule: the base name splits at its first dot. The
+    extension is lower-cased, as the training loader reads it (`data/loader/tar.py`): ``x.JPEG`` and
+    ``x.CLS`` are the image and the label of sample ``x``."""
+    folder, _, base = name.rpartition("/")
+    stem, _, ext = base.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), ext.lower()
+
+
 def iter_shard(f: BinaryIO) -> Iterator[ShardSample]:
-    """Samples of a shard stream in order, grouping members by key (the name up to its first dot)."""
+    """Samples of a shard stream in order, grouping members by key (:func:`member_key`)."""
     current: ShardSample | None = None
     with tarfile.open(fileobj=f, mode="r|") as tar:
         for info in tar:
             if not info.isfile():
                 continue
-            base = info.name.rsplit("/", 1)[-1]
-            key, _, ext = base.partition(".")
-            key = info.name[: len(info.name) - len(base)] + key
+            key, ext = member_key(info.name)
             data = tar.extractfile(info).read()  # type: ignore[union-attr]
             end = info.offset_data + ((info.size + 511) // 512) * 512
             if current is not None and current.key == key:

@@ -28,7 +28,8 @@ from vitscale.data.format import (
     read_meta,
 )
 from vitscale.data.loader.labels import LabelError
-from vitscale.data.loader.sample import IMAGE_MEMBERS
+from vitscale.data.loader.reader import no_label
+from vitscale.data.loader.sample import image_member, no_image
 from vitscale.data.storage import Storage, open_storage
 from vitscale.data.storage.space import size_text
 from vitscale.data.tools.progress import Progress
@@ -75,15 +76,16 @@ def verify_dataset(url: str, *, endpoint_url: str | None = None, progress: bool 
         return [f"{url}: cannot load {META_NAME}/{INDEX_NAME}: {exc}"]
     problems: list[str] = []
     num_classes = meta.num_classes
-    # (shard, key) -> its rows: a key twice in a shard (WebDataset tars repeat keys; `shards index` keeps each
-    # as its sample) is matched by byte range, so the one problem said is the repeat, not a phantom mismatch.
+    # (shard, key) -> its rows. A key names a sample within its shard, as WebDataset's (url, key) does: tars
+    # written apart often number their samples from 0 each, which is no damage (and `shards index` adopts them).
+    # A key twice in one shard (written twice; `shards index` keeps each as its sample) is matched by byte range,
+    # so the one problem said is the repeat, not a phantom mismatch.
     idx: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    keys: set[str] = set()
     for r in index.to_pylist():
-        if r["key"] in keys:
-            problems.append(f"{INDEX_NAME}: key {r['key']!r} ({r['shard']}) appears more than once")
-        keys.add(r["key"])
-        idx.setdefault((r["shard"], r["key"]), []).append(r)
+        rows = idx.setdefault((r["shard"], r["key"]), [])
+        if len(rows) == 1:
+            problems.append(f"{INDEX_NAME}: key {r['key']!r} appears more than once in {r['shard']}")
+        rows.append(r)
     listed = {sh.name: (split, sh) for split, sp in meta.splits.items() for sh in sp.shards}
     # A tar beside the shards that dataset.json does not name: a shard a write left, or one copied in by hand.
     # Not where the shards were adopted where they lie and indexed elsewhere (`shards index TARS --out`): that
@@ -141,8 +143,10 @@ def _verify_shard(
                 except LabelError as exc:  # a hostile label is this sample's problem, not the shard's
                     problems.append(f"{name}: sample {s.key!r}: {exc}")
                     continue
-                if not any(ext in s.files for ext in IMAGE_MEMBERS) or (labels is None and not index_labels):
-                    problems.append(f"{name}: sample {s.key!r} lacks an image or .cls/.json ({sorted(s.files)})")
+                if image_member(s.files) is None:
+                    problems.append(f"{name}: sample {s.key!r}: {no_image(s.files)}")
+                if labels is None and not index_labels:
+                    problems.append(f"{name}: sample {s.key!r}: {no_label(s.files)}")
                 if row is None:
                     problems.append(f"{name}: sample {s.key!r} missing from {INDEX_NAME}")
                     continue

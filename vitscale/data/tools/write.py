@@ -142,15 +142,17 @@ class ShardWriter:
     _hf: _HashingFile | None = None
     _count: int = 0
 
-    def add(self, key: str, jpeg: bytes, labels: Sequence[int], width: int, height: int) -> None:
-        """Append one sample; starts/finishes shards as they fill."""
+    def add(self, key: str, image: bytes, labels: Sequence[int], width: int | None, height: int | None, *,
+            ext: str = "jpg") -> None:
+        """Append one sample, its image as member ``{key}.{ext}`` (vitscale writes JPEGs; `shards dedup` copies an
+        adopted sample's PNG or WebP as it is); starts/finishes shards as they fill. A size of None: not known."""
         if self._tar is None:
             self._open()
         if self._tar is None or self._hf is None:
             raise RuntimeError("ShardWriter: shard failed to open")
         start = self._tar.offset
         self._hf.mark()
-        self._tar.addfile(*_member(f"{key}.jpg", jpeg))
+        self._tar.addfile(*_member(f"{key}.{ext}", image))
         if self.multi_label:
             self._tar.addfile(*_member(f"{key}.json", json.dumps({"labels": list(labels)}).encode()))
         elif labels:
