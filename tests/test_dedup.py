@@ -305,3 +305,23 @@ def test_an_adopted_dataset_of_any_image_member_is_verified_and_deduplicated(
     assert f"s0.{image.lower()}" in members, members  # the image as it was, not re-encoded
     batch = next(iter(ShardStream(str(out), "train", batch_size=5, resolution=32, train=False)))
     assert bool(batch["valid"].all()) and (label == "none" or batch["label"].tolist() == [0, 1, 1, 0, 1])
+
+
+def test_a_dataset_indexed_apart_from_its_tars_is_deduplicated(tmp_path: Path) -> None:
+    """`shards index TARS --out DEST` leaves the tars where they lie (`shard_root`): dedup looked for them beside
+    the index ("No such file or directory"), on either side, where training, stats and verify find them."""
+    from vitscale.data.tools.adopt import index_shards
+
+    rng = np.random.default_rng(5)
+    photos = [_photo(rng, 64, 80) for _ in range(4)]
+    _peer_tar(tmp_path / "tars" / "train-000000.tar", [(f"s{i}", photos[i], {"cls": b"0"}) for i in range(4)],
+              "jpg", "JPEG")
+    _peer_tar(tmp_path / "test_tars" / "test-000000.tar", [("t0", _copy_of(photos[1]), {})], "jpg", "JPEG")
+    train, against = tmp_path / "train_index", tmp_path / "test_index"
+    index_shards(str(tmp_path / "tars"), out=str(train), progress=False)
+    index_shards(str(tmp_path / "test_tars"), out=str(against), label_member="none", progress=False)
+
+    summary = dedup_dataset(str(train), [str(against)], str(tmp_path / "out"), progress=False)
+
+    assert summary["removed"] == {"train": 1} and summary["kept"] == {"train": 3}, summary
+    assert verify_dataset(str(tmp_path / "out")) == []

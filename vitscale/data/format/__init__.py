@@ -47,6 +47,7 @@ from vitscale.data.format.meta import (
     read_meta,
     shard_name,
     shard_splits,
+    shard_storage,
     split_of_shard,
 )
 from vitscale.data.format.split import OpenDataset, ShardIndex, open_dataset
@@ -56,5 +57,6 @@ __all__ = [
     "SHARD_ROOT", "SPLIT_NAME", "SPLIT_WORDS",
     "DatasetError", "DatasetMeta", "IndexFile", "IndexWriter",
     "OpenDataset", "ShardIndex", "ShardMeta", "SplitMeta", "check_index_schema", "has_dataset", "index_bytes",
-    "open_dataset", "read_index", "read_meta", "shard_name", "shard_splits", "split_of_shard", "write_index_and_meta",
+    "open_dataset", "read_index", "read_meta", "shard_name", "shard_splits", "shard_storage", "split_of_shard",
+    "write_index_and_meta",
 ]

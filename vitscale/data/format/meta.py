@@ -363,6 +363,13 @@ def read_meta(url: str | Storage, *, endpoint_url: str | None = None) -> Dataset
     return DatasetMeta.from_json(obj, where)
 
 
+def shard_storage(storage: Storage, meta: DatasetMeta, endpoint_url: str | None = None) -> Storage:
+    """Where the shards of the dataset at ``storage`` lie: beside its index, or where ``shards index --out``
+    adopted them (:data:`SHARD_ROOT`). Every reader of shards goes through it."""
+    root = meta.extra.get(SHARD_ROOT)
+    return storage if root is None else open_storage(str(root), endpoint_url=endpoint_url)
+
+
 def _is_object(storage: Storage) -> bool:
     """Whether an object store's root names one object (a file) rather than a prefix (a folder)."""
     parent, _, name = storage.url.rpartition("/")

@@ -28,11 +28,11 @@ from vitscale.data.format.meta import (
     LABEL_SOURCE,
     META_NAME,
     PARQUET_THREADS,
-    SHARD_ROOT,
     DatasetError,
     DatasetMeta,
     check_index_schema,
     read_meta,
+    shard_storage,
 )
 from vitscale.data.storage import LocalStorage, Storage, open_storage
 
@@ -321,8 +321,7 @@ def open_dataset(url: str, split: str, *, endpoint_url: str | None = None, carve
         raise DatasetError(f"split {split!r} not in {meta_url}; it has {sorted(meta.splits)}")
     names, counts = meta.splits[split].shard_names, meta.splits[split].counts
     index_storage = storage
-    if SHARD_ROOT in meta.extra:  # shards adopted where they lie, indexed elsewhere (`shards index --out`)
-        storage = open_storage(str(meta.extra[SHARD_ROOT]), endpoint_url=endpoint_url)
+    storage = shard_storage(storage, meta, endpoint_url)
     present = storage.list_sizes()
     missing = [n for n in names if n not in present]
     if missing:

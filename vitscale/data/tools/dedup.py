@@ -35,10 +35,12 @@ from vitscale.config.checks import check
 from vitscale.data.format import (
     LABEL_SOURCE,
     META_NAME,
+    SHARD_ROOT,
     DatasetError,
     SplitMeta,
     read_index,
     read_meta,
+    shard_storage,
     write_index_and_meta,
 )
 from vitscale.data.loader.reader import no_label
@@ -65,6 +67,9 @@ __all__ = [
 DEFAULT_THRESHOLD = 10
 """Bits (of 64): catches resized, re-encoded and slightly cropped copies; distinct images sit
 around 32 bits apart, and a pair below 16 is rare (see tests/test_dedup.py)."""
+
+_OF_THE_SOURCE_SHARDS = (SHARD_ROOT, "bad_samples")
+"""``dataset.json`` entries about the training set's own shards, which its copy does not keep."""
 
 PAIRS_NAME = "dedup_pairs.parquet"
 SUMMARY_NAME = "dedup_summary.json"
@@ -219,8 +224,9 @@ def _iter_samples(url: str, endpoint_url: str | None) -> Iterator[tuple[str, str
     A damaged shard is a :class:`DatasetError` naming it: Python's streaming tar reader takes a garbled
     header for the end of the archive, so a shard read short (fewer samples than ``dataset.json`` says) was
     copied short, or hashed short, without a word."""
-    storage = open_storage(url, endpoint_url=endpoint_url)
-    meta = read_meta(storage)
+    index = open_storage(url, endpoint_url=endpoint_url)
+    meta = read_meta(index)
+    storage = shard_storage(index, meta, endpoint_url)  # (shards adopted with `shards index --out` lie elsewhere)
     for split in meta.splits:
         for shard in meta.splits[split].shards:
             n = 0
@@ -366,7 +372,10 @@ def _dedup_into(out_storage: Storage, train: str, against: list[str], threshold:
     out_storage.write_bytes(PAIRS_NAME, buf.getvalue())
     out_storage.write_bytes(SUMMARY_NAME, (json.dumps(summary, indent=2) + "\n").encode())
     dedup_note = {k: summary[k] for k in ("train", "against", "threshold", "removed_total")}
-    new_meta = replace(meta, splits=new_splits, extra={**meta.extra, "dedup": dedup_note})
+    # The copy's shards are its own: not the adopted tars' folder (`shard_root`: its index would place its records
+    # in the source's tars), nor the samples `shards index` left out of those (`bad_samples`).
+    kept = {k: v for k, v in meta.extra.items() if k not in _OF_THE_SOURCE_SHARDS}
+    new_meta = replace(meta, splits=new_splits, extra={**kept, "dedup": dedup_note})
     write_index_and_meta(out_storage, rows, new_meta)
     return summary
 

@@ -26,6 +26,7 @@ from vitscale.data.format import (
     check_index_schema,
     read_index,
     read_meta,
+    shard_storage,
 )
 from vitscale.data.loader.labels import LabelError
 from vitscale.data.loader.reader import no_label
@@ -92,7 +93,7 @@ def verify_dataset(url: str, *, endpoint_url: str | None = None, progress: bool 
     # folder is not the dataset's, and the tars the user did not pick there are none of its problems (every
     # verify of such a dataset failed on them).
     if SHARD_ROOT in meta.extra:
-        storage = open_storage(str(meta.extra[SHARD_ROOT]), endpoint_url=endpoint_url)
+        storage = shard_storage(storage, meta, endpoint_url)
     else:
         stray = sorted(n for n in storage.list() if n.endswith(".tar") and n not in listed)
         problems += [f"{n}: shard not listed in {META_NAME}" for n in stray]
