@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -183,20 +184,13 @@ def test_a_wrong_address_is_one_line_within_seconds(tmp_path: Path, small_synthe
 
 
 
-@pytest.mark.slow
-def test_a_cluster_that_wants_a_token_says_so(tmp_path: Path, small_synthetic: str, monkeypatch: pytest.MonkeyPatch,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
-    """A head with token authentication (`ray start` with a token) refuses a driver without
-    RAY_AUTH_MODE=token, and Ray says only "Failed to connect": the line says what the cluster wants."""
-    import os
+@pytest.fixture(scope="module")
+def token_head() -> Iterator[tuple[int, Path]]:
+    """A head `ray start` left on this machine, with token authentication: (its GCS port, its RAY_TMPDIR)."""
     import secrets
     import shutil
     import signal
-    import subprocess
-    import sys
     import tempfile
-
-    import ray
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -211,22 +205,55 @@ def test_a_cluster_that_wants_a_token_says_so(tmp_path: Path, small_synthetic: s
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not list(short.glob("ray/session_latest/logs/gcs_server.out")):  # the head is up
+        while not list(short.glob("ray/ray_current_cluster")):  # the head is up, and findable as Ray finds it
             assert head.poll() is None and time.monotonic() < deadline, "ray start did not come up"
             time.sleep(0.5)
-        monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-        monkeypatch.delenv("RAY_ADDRESS", raising=False)
-        path = tiny_pipeline(tmp_path, "t", small_synthetic, {"max_steps": 1})
-        code = main(["run", str(path), "--address", f"127.0.0.1:{port}"])
-        err = capsys.readouterr().err.strip().splitlines()[-1]
-        assert code == 2 and err.startswith(f"vitscale: error: cluster.address: cannot join a Ray cluster at "
-                                            f"127.0.0.1:{port}"), err
-        assert "needs RAY_AUTH_MODE=token and its token" in err, err
-        assert not ray.is_initialized()
+        yield port, short
     finally:
         os.killpg(head.pid, signal.SIGKILL)  # SIGTERM would drain the node for 30 s first
         head.wait(timeout=60)
         shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_cluster_that_wants_a_token_says_so(tmp_path: Path, small_synthetic: str, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str], token_head: tuple[int, Path]) -> None:
+    """A head with token authentication (`ray start` with a token) refuses a driver without
+    RAY_AUTH_MODE=token, and Ray says only "Failed to connect": the line says what the cluster wants."""
+    import ray
+
+    port, _ = token_head
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    path = tiny_pipeline(tmp_path, "t", small_synthetic, {"max_steps": 1})
+    code = main(["run", str(path), "--address", f"127.0.0.1:{port}"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and err.startswith(f"vitscale: error: cluster.address: cannot join a Ray cluster at "
+                                        f"127.0.0.1:{port}"), err
+    assert "needs RAY_AUTH_MODE=token and its token" in err, err
+    assert not ray.is_initialized()
+
+
+@pytest.mark.slow
+def test_without_an_address_a_run_starts_its_own_ray_beside_the_one_ray_start_left(
+        monkeypatch: pytest.MonkeyPatch, token_head: tuple[int, Path]) -> None:
+    """`ray.init()` joins the cluster `ray start` left on this machine: a run without an address joined it
+    while saying it had started a local Ray, without its environment, and `cluster.local_num_cpus` was a
+    ValueError traceback ("num_cpus ... must not be provided"). It starts a Ray of its own, as the README says
+    (`--address auto` joins that one)."""
+    import ray
+
+    from vitscale.launch.ray_train import ensure_ray
+
+    port, short = token_head
+    monkeypatch.setenv("RAY_TMPDIR", str(short))  # where Ray looks for the cluster `ray start` left
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    try:
+        said = ensure_ray(None, 1)
+        assert said.startswith("started a local Ray with 1 CPUs"), said
+        assert not ray.get_runtime_context().gcs_address.endswith(f":{port}")
+    finally:
+        ray.shutdown()
 
 
 def test_every_argument_of_every_verb_says_what_it_is() -> None:

@@ -46,14 +46,19 @@ a process and two CPU-seconds at every start."""
 
 def start_local_ray(num_cpus: int | None) -> Any:
     """`ray.init` a local Ray on this machine, watched so that it cannot outlive this process, its head's
-    processes out of this process's group (module doc)."""
+    processes out of this process's group (module doc).
+
+    A Ray of its own (`address="local"`), even where `ray start` left a cluster on this machine: `ray.init()`
+    would join that one, with neither this driver's environment (the run's storage endpoint) nor its Python,
+    refuse `cluster.local_num_cpus` with a traceback, and the driver would say it had started a local Ray.
+    That cluster is `--address auto` (`launch/ray_train.py` `ensure_ray`)."""
     import ray
 
     start_watchdog()
     for key, value in LOCAL_ENV.items():
         os.environ.setdefault(key, value)
     with own_process_groups():
-        return ray.init(num_cpus=num_cpus, log_to_driver=True)
+        return ray.init(address="local", num_cpus=num_cpus, log_to_driver=True)
 
 
 @contextlib.contextmanager
