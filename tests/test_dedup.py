@@ -15,12 +15,10 @@ from PIL import Image
 
 from vitscale.data.format import read_index, read_meta
 from vitscale.data.storage import open_storage
-from vitscale.data.tools.dedup import (
+from vitscale.data.tools.dedup import PAIRS_NAME, SUMMARY_NAME, dedup_dataset
+from vitscale.data.tools.near_duplicates import (
     DEFAULT_THRESHOLD,
-    PAIRS_NAME,
-    SUMMARY_NAME,
     band_layout,
-    dedup_dataset,
     hamming,
     near_duplicate_pairs,
     phash,

@@ -144,8 +144,7 @@ class ShardWriter:
 
     def add(self, key: str, image: bytes, labels: Sequence[int], width: int | None, height: int | None, *,
             ext: str = "jpg") -> None:
-        """Append one sample, its image as member ``{key}.{ext}`` (vitscale writes JPEGs; `shards dedup` copies an
-        adopted sample's PNG or WebP as it is); starts/finishes shards as they fill. A size of None: not known."""
+        """Append one sample, its image as ``{key}.{ext}`` (dedup copies PNGs as they are; None: a size unknown)."""
         if self._tar is None:
             self._open()
         if self._tar is None or self._hf is None:
