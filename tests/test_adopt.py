@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -430,3 +431,28 @@ def test_a_second_index_of_the_same_place_at_once_is_refused(tmp_path: Path, cap
         index_shards(str(root), progress=False)
     assert list(read_meta(open_storage(str(root))).splits) == ["other"]  # the one that finished first, whole
     assert read_meta(open_storage(str(root))).num_classes == 0
+
+
+def test_tars_not_yet_adopted_are_named_with_the_command_that_adopts_them(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture) -> None:
+    """A pipeline, few-shot probe or `shards` verb pointed at another tool's tars said to write a dataset
+    there with `shards write` (which refuses a folder holding shards it did not write): it names `shards index`."""
+    from vitscale.config.checks import ConfigError
+    from vitscale.eval.config import FewshotConfig
+    from vitscale.eval.probe import check_probe_datasets
+    from vitscale.stages.datasets import ensure_dataset
+
+    root = _tars(tmp_path / "tars")
+    adopt = f"but 3 tar file(s): `vitscale shards index {root}` adopts them where they lie"
+    with pytest.raises(ConfigError, match=re.escape(f"data.url: no dataset at {root} (no dataset.json), {adopt}")):
+        ensure_dataset(str(root), None, None, "data.url")
+    with pytest.raises(FileNotFoundError, match=re.escape(adopt)):
+        check_probe_datasets(FewshotConfig(datasets=(str(root),)))
+    assert main(["shards", "stats", str(root)]) == 2
+    assert adopt in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match=re.escape(f"write one with `vitscale shards write --source ... --out {empty}`")):
+        ensure_dataset(str(empty), None, None, "data.url")
+    assert main(["shards", "index", str(root)]) == 0
+    assert ensure_dataset(str(root), None, None, "data.url").samples("train") == 12

@@ -253,7 +253,7 @@ def test_a_file_in_a_bucket_named_for_a_dataset_is_said_to_be_one(moto_s3: str) 
     for url in ("s3://named-file/ds/dataset.json", "s3://named-file/ds/train-000000.tar"):
         with pytest.raises(FileNotFoundError, match=f"^{url} is a file, not a dataset's folder: name the folder"):
             read_meta(url, endpoint_url=moto_s3)
-    with pytest.raises(FileNotFoundError, match="^no dataset.json at s3://named-file/none/dataset.json"):
+    with pytest.raises(FileNotFoundError, match=r"^no dataset at s3://named-file/none \(no dataset.json\); write one"):
         read_meta("s3://named-file/none", endpoint_url=moto_s3)
 
 

@@ -79,14 +79,13 @@ def check_shots_per_class(url: str, num_classes: int, cfg: FewshotConfig, endpoi
 
 def check_probe_datasets(cfg: FewshotConfig, endpoint_url: str | None = None) -> None:
     """Every dataset of `cfg` exists and passes `check_probe_dataset` (FileNotFoundError / ConfigError)."""
-    from vitscale.data.format import has_dataset, read_meta
+    from vitscale.data.format import has_dataset, no_dataset, read_meta
 
     check(len(cfg.datasets) > 0, "fewshot.datasets", "needs at least one dataset to probe")
     for i, url in enumerate(cfg.datasets):
         key = f"fewshot.datasets[{i}]"
         if not has_dataset(url, endpoint_url=endpoint_url):
-            raise FileNotFoundError(f"{key}: no dataset at {url} (no dataset.json); write one with "
-                                    f"`vitscale shards write --source ... --out {url}`")
+            raise FileNotFoundError(f"{key}: {no_dataset(url, endpoint_url=endpoint_url)}")
         check_probe_dataset(read_meta(url, endpoint_url=endpoint_url), url, cfg, key)
 
 

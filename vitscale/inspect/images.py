@@ -29,13 +29,12 @@ def sample_images(url: str, split: str, count: int, resolution: int, *,
 
     Raises FileNotFoundError (no dataset at `url`) or ConfigError naming --split / --count.
     """
-    from vitscale.data.format import has_dataset, read_meta
+    from vitscale.data.format import has_dataset, no_dataset, read_meta
     from vitscale.data.loader.stream import ShardStream
 
     positive_int(count, "--count")
     if not has_dataset(url, endpoint_url=endpoint_url):
-        raise FileNotFoundError(f"--images: no dataset at {url} (no dataset.json); write one with "
-                                f"`vitscale shards write --source ... --out {url}`")
+        raise FileNotFoundError(f"--images: {no_dataset(url, endpoint_url=endpoint_url)}")
     meta = read_meta(url, endpoint_url=endpoint_url)
     if split not in meta.splits:
         raise ConfigError("--split", f"{split!r} is not a split of {url} (splits: {sorted(meta.splits)})")

@@ -14,13 +14,12 @@ def ensure_dataset(url: str, source: SourceConfig | None, endpoint_url: str | No
 
     `key` is the config key that named `url` (e.g. "data.url"): errors name it.
     """
-    from vitscale.data.format import has_dataset, read_meta
+    from vitscale.data.format import has_dataset, no_dataset, read_meta
     from vitscale.data.tools.write import write_dataset
 
     if not has_dataset(url, endpoint_url=endpoint_url):
         if source is None:  # a setting that names nothing: the key (or the flag or --set it came from) is named
-            raise ConfigError(key, f"no dataset at {url} (no dataset.json); write one with "
-                                   f"`vitscale shards write --source ... --out {url}`")
+            raise ConfigError(key, no_dataset(url, endpoint_url=endpoint_url))
         say(f"writing {source.kind} dataset to {url}")
         write_dataset(source.kind, url, shard_size=source.shard_size, max_side=source.max_side,
                       quality=source.quality, seed=0, splits=dict(source.splits) if source.splits else None,

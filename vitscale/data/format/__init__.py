@@ -43,6 +43,7 @@ from vitscale.data.format.meta import (
     SplitMeta,
     check_index_schema,
     has_dataset,
+    no_dataset,
     read_index,
     read_meta,
     shard_name,
@@ -57,6 +58,7 @@ __all__ = [
     "SHARD_ROOT", "SPLIT_NAME", "SPLIT_WORDS",
     "DatasetError", "DatasetMeta", "IndexFile", "IndexWriter",
     "OpenDataset", "ShardIndex", "ShardMeta", "SplitMeta", "check_index_schema", "has_dataset", "index_bytes",
+    "no_dataset",
     "open_dataset", "read_index", "read_meta", "shard_name", "shard_splits", "shard_storage", "split_of_shard",
     "write_index_and_meta",
 ]

@@ -6,6 +6,7 @@ See the package docstring (`vitscale.data.format`) for the contract.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -340,6 +341,18 @@ def has_dataset(url: str | Storage, *, endpoint_url: str | None = None) -> bool:
     return _storage(url, endpoint_url).exists(META_NAME)
 
 
+def no_dataset(url: str | Storage, *, endpoint_url: str | None = None) -> str:
+    """What to do where there is no ``dataset.json``: adopt the WebDataset tars the place holds where they lie
+    (another tool's shards), else write a dataset there. The one wording of every reader's refusal."""
+    storage = _storage(url, endpoint_url)
+    with contextlib.suppress(OSError):  # (an unreadable place: only the advice to write is left)
+        if tars := sum(name.endswith(".tar") for name in storage.list()):
+            return (f"no dataset at {storage.url} (no {META_NAME}), but {tars} tar file(s): `vitscale shards index "
+                    f"{storage.url}` adopts them where they lie (WebDataset shards another tool wrote)")
+    return f"no dataset at {storage.url} (no {META_NAME}); write one with `vitscale shards write --source ... --out " \
+           f"{storage.url}`, or a write there did not finish"
+
+
 def read_meta(url: str | Storage, *, endpoint_url: str | None = None) -> DatasetMeta:
     """The metadata of the dataset at ``url`` (a folder, ``s3://bucket/prefix`` or a Storage).
 
@@ -354,10 +367,7 @@ def read_meta(url: str | Storage, *, endpoint_url: str | None = None) -> Dataset
         if _is_object(storage):  # `s3://b/ds/dataset.json` (a file) named for its folder: was "no ds/dataset.json/..."
             raise FileNotFoundError(f"{storage.url} is a file, not a dataset's folder: name the folder that holds "
                                     f"its {META_NAME}") from None
-        raise FileNotFoundError(
-            f"no {META_NAME} at {where}: not a vitscale dataset, or its write did not finish "
-            "(write one with `vitscale shards write`)"
-        ) from None
+        raise FileNotFoundError(no_dataset(storage)) from None
     except (OSError, ValueError) as exc:
         raise DatasetError(f"cannot read {where}: {exc}") from exc
     return DatasetMeta.from_json(obj, where)
