@@ -432,3 +432,111 @@ def test_training_checkpoint_npz_layouts_load(tmp_path: Path, layout: str) -> No
     probed, _ = load_model(tmp_path / "train.npz", model_name="ViT-Ti/8", img_size=32, model_options=TINY)
     with torch.no_grad():  # its head and pre-logits read from the file: the probe's features are the file's
         assert torch.equal(probed.eval()(X32), src(X32))
+
+
+# -- Hugging Face transformers' ViT layout ---------------------------------------------------------------------------
+# The reference below is transformers' ViT written out from its own parameter names (ViTEmbeddings, ViTLayer:
+# layernorm_before -> self-attention (query, key, value) -> output.dense -> residual, layernorm_after ->
+# intermediate.dense -> GELU -> output.dense -> residual; ViTModel's final layernorm and tanh pooler on the class
+# token; ViTForImageClassification's classifier on the class token), with its layer-norm epsilon of 1e-12.
+
+
+def _transformers_vit(prefix: str, seed: int, classes: int | None, pooler: bool) -> dict[str, torch.Tensor]:
+    """Random weights of a transformers ViT of TINY's sizes (patch 8, 32 px), under transformers' names."""
+    g = torch.Generator().manual_seed(seed)
+    d, m, n = TINY["width"], TINY["mlp_dim"], (32 // 8) ** 2 + 1
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.2
+
+    sd = {"embeddings.cls_token": r(1, 1, d), "embeddings.position_embeddings": r(1, n, d),
+          "embeddings.patch_embeddings.projection.weight": r(d, 3, 8, 8),
+          "embeddings.patch_embeddings.projection.bias": r(d), "layernorm.weight": 1 + r(d), "layernorm.bias": r(d)}
+    for i in range(TINY["depth"]):
+        layer = f"encoder.layer.{i}."
+        for name, rows, cols in (("attention.attention.query", d, d), ("attention.attention.key", d, d),
+                                 ("attention.attention.value", d, d), ("attention.output.dense", d, d),
+                                 ("intermediate.dense", m, d), ("output.dense", d, m)):
+            sd[f"{layer}{name}.weight"], sd[f"{layer}{name}.bias"] = r(rows, cols), r(rows)
+        for norm in ("layernorm_before", "layernorm_after"):
+            sd[f"{layer}{norm}.weight"], sd[f"{layer}{norm}.bias"] = 1 + r(d), r(d)
+    if pooler:
+        sd["pooler.dense.weight"], sd["pooler.dense.bias"] = r(d, d), r(d)
+    sd = {prefix + k: v for k, v in sd.items()}
+    if classes:
+        sd["classifier.weight"], sd["classifier.bias"] = r(classes, d), r(classes)
+    return sd
+
+
+def _transformers_forward(sd: dict[str, torch.Tensor], x: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
+    """transformers' ViT forward from its state dict: the class token's final state, pooled, and logits."""
+    import torch.nn.functional as F
+
+    w = {k.removeprefix(prefix): v for k, v in sd.items()}
+
+    def norm(h: torch.Tensor, name: str) -> torch.Tensor:
+        return F.layer_norm(h, h.shape[-1:], w[f"{name}.weight"], w[f"{name}.bias"], eps=1e-12)
+
+    def dense(h: torch.Tensor, name: str) -> torch.Tensor:
+        return F.linear(h, w[f"{name}.weight"], w[f"{name}.bias"])
+
+    p = F.conv2d(x, w["embeddings.patch_embeddings.projection.weight"],
+                 w["embeddings.patch_embeddings.projection.bias"], stride=8).flatten(2).transpose(1, 2)
+    h = torch.cat([w["embeddings.cls_token"].expand(len(x), -1, -1), p], 1) + w["embeddings.position_embeddings"]
+    heads = TINY["heads"]
+    for i in range(TINY["depth"]):
+        layer = f"encoder.layer.{i}."
+        a = norm(h, layer + "layernorm_before")
+        q, k, v = (dense(a, f"{layer}attention.attention.{n}").unflatten(-1, (heads, -1)).transpose(1, 2)
+                   for n in ("query", "key", "value"))
+        att = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ v
+        h = h + dense(att.transpose(1, 2).flatten(2), layer + "attention.output.dense")
+        h = h + dense(F.gelu(dense(norm(h, layer + "layernorm_after"), layer + "intermediate.dense")),
+                      layer + "output.dense")
+    cls = norm(h, "layernorm")[:, 0]
+    out = {"cls": cls}
+    if "pooler.dense.weight" in w:
+        out["pooled"] = torch.tanh(dense(cls, "pooler.dense"))
+    if "classifier.weight" in w:
+        out["logits"] = dense(cls, "classifier")
+    return out
+
+
+def test_a_transformers_image_classifier_gives_transformers_logits(tmp_path: Path) -> None:
+    """`ViTForImageClassification`'s `pytorch_model.bin` (names under `vit.`, a `classifier`): its logits."""
+    sd = _transformers_vit("vit.", seed=1, classes=5, pooler=False)
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    model = tiny_vit(seed=9)
+
+    report = load_pretrained(model, tmp_path / "pytorch_model.bin")
+
+    assert report.source_format == "transformers" and len(report.loaded) == len(model.state_dict())
+    assert not report.kept and any("transformers" in note for note in report.notes), report
+    with torch.no_grad():
+        torch.testing.assert_close(model(X32), _transformers_forward(sd, X32, "vit.")["logits"], atol=1e-4, rtol=1e-4)
+
+
+def test_a_transformers_encoder_with_its_pooler_is_the_paper_s_pre_logits(tmp_path: Path) -> None:
+    """`ViTModel` (the in21k checkpoints: no prefix, a tanh `pooler`, no classifier) as `model.safetensors`: the
+    pooler is the pre-logits layer, and a model with one gives transformers' pooled features; the head is new."""
+    from safetensors.torch import save_file
+
+    sd = _transformers_vit("", seed=2, classes=None, pooler=True)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    model = tiny_vit(seed=9, representation_size=TINY["width"])
+
+    report = load_pretrained(model, tmp_path / "model.safetensors")
+
+    assert report.source_format == "transformers" and report.head_kept, report
+    with torch.no_grad():
+        torch.testing.assert_close(model.forward_features(X32), _transformers_forward(sd, X32, "")["pooled"],
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_a_transformers_block_without_its_key_matrix_is_refused_by_name(tmp_path: Path) -> None:
+    sd = _transformers_vit("vit.", seed=3, classes=5, pooler=False)
+    del sd["vit.encoder.layer.1.attention.attention.key.weight"]
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"(?s)\(transformers\) does not fit.*missing \(1\): blocks\.1\.attn\.qkv\.weight"
+                                         r".*unexpected \(2\): encoder\.layer\.1\.attention\.attention\.query\.weight"):
+        load_pretrained(tiny_vit(), tmp_path / "pytorch_model.bin")

@@ -101,13 +101,14 @@ def _named_by_flag(exc: ConfigError, overrides: list[str]) -> ConfigError:
 
 
 def _finetune_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="run directory, vitscale export (.pt/.safetensors), official .npz or timm file")
+    p.add_argument("checkpoint",
+                   help="run directory, vitscale export (.pt/.safetensors), official .npz, timm or transformers file")
     p.add_argument("--data", required=True, help="downstream dataset (vitscale shards) with train and test splits")
     p.add_argument("--preset", default=None,
                    help="imagenet | cifar10 | cifar100 | pets | flowers | vtab (Table 4) (default: none)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the preset's, if it has one)")
-    p.add_argument("--model", default=None, help='architecture of a .npz/timm file, e.g. "ViT-B/16"')
-    p.add_argument("--img-size", type=int, default=None, help="resolution the .npz/timm file was trained at (224)")
+    p.add_argument("--model", default=None, help='architecture of a .npz, timm or transformers file, e.g. "ViT-B/16"')
+    p.add_argument("--img-size", type=int, default=None, help="resolution such a file was trained at (224)")
     p.add_argument("--resolution", type=int, default=None, help="fine-tuning resolution (default 384)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the preset's, else 10000)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

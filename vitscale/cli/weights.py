@@ -57,7 +57,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _fewshot_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="run directory, vitscale export (.pt/.safetensors), official .npz or timm file")
+    p.add_argument("checkpoint",
+                   help="run directory, vitscale export (.pt/.safetensors), official .npz, timm or transformers file")
     p.add_argument("--data", action="append", required=True, metavar="SHARDS",
                    help="dataset (vitscale shards) with train and test splits (repeatable)")
     p.add_argument("--shots", type=int, nargs="+", default=None, help="examples per class (default: 1 5 10 25)")
@@ -67,10 +68,10 @@ def _fewshot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resolution", type=int, default=None, help="probe resolution (default: the model's)")
     p.add_argument("--train-split", default=None, help="split the shots are drawn from (default: train)")
     p.add_argument("--test-split", default=None, help="split accuracy is measured on (default: test)")
-    p.add_argument("--model", default=None, help='architecture of a .npz/timm file, e.g. "ViT-B/16"')
-    p.add_argument("--img-size", type=int, default=None, help="resolution the .npz/timm file was trained at (224)")
+    p.add_argument("--model", default=None, help='architecture of a .npz, timm or transformers file, e.g. "ViT-B/16"')
+    p.add_argument("--img-size", type=int, default=None, help="resolution such a file was trained at (224)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="a model option of the .npz/timm file's architecture, as in a pipeline's model: section "
+                   help="a model option of such a file's architecture, as in a pipeline's model: section "
                         "(e.g. depth=6, classifier=gap; repeatable)")
     p.add_argument("--batch-size", type=int, default=None, help="images per forward pass (default: 128)")
     p.add_argument("--error-budget", type=float, default=None,
@@ -100,17 +101,18 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
 
 
 def _inspect_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="run directory, vitscale export (.pt/.safetensors), official .npz or timm file")
+    p.add_argument("checkpoint",
+                   help="run directory, vitscale export (.pt/.safetensors), official .npz, timm or transformers file")
     p.add_argument("--images", required=True, metavar="SHARDS", help="dataset (vitscale shards) of sample images")
     p.add_argument("--out", required=True,
                    help="folder (or s3:// prefix) for the PNGs, parquet tables and inspect.json (an earlier "
                         "inspect's files there are replaced; other files are left alone)")
     p.add_argument("--count", type=int, default=8, help="sample images, the first readable ones (default: 8)")
     p.add_argument("--split", default="train", help="split the images are read from (default: train)")
-    p.add_argument("--model", default=None, help='architecture of a .npz/timm file, e.g. "ViT-B/16"')
-    p.add_argument("--img-size", type=int, default=None, help="resolution the .npz/timm file was trained at (224)")
+    p.add_argument("--model", default=None, help='architecture of a .npz, timm or transformers file, e.g. "ViT-B/16"')
+    p.add_argument("--img-size", type=int, default=None, help="resolution such a file was trained at (224)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="a model option of the .npz/timm file's architecture, as in a pipeline's model: section "
+                   help="a model option of such a file's architecture, as in a pipeline's model: section "
                         "(e.g. depth=6, classifier=gap; repeatable)")
     add_endpoint_url(p)
     p.add_argument("--json", action="store_true", help="print inspect.json's content instead of a summary")

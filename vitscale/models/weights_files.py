@@ -12,8 +12,9 @@ Formats read by `load_pretrained` (chosen by file suffix / content):
   to float32; an entry of no float type is refused.
 - ``.pth`` / ``.pt`` / ``.bin`` (``torch.load(weights_only=True)``) and ``.safetensors``: a timm
   state dict (optionally wrapped in ``state_dict`` / ``model`` / ``module``; ``module.``
-  prefixes stripped; a training script's checkpoint with its ``args`` too) or a vitscale export
-  (a header ``{"format": "vitscale", "meta": ...}``).
+  prefixes stripped; a training script's checkpoint with its ``args`` too), a Hugging Face transformers
+  ViT's (``pytorch_model.bin``, ``model.safetensors``: renamed to timm's, `models/transformers_layout.py`)
+  or a vitscale export (a header ``{"format": "vitscale", "meta": ...}``).
 
 Position embeddings are resampled when the grid differs (a timm ``no_embed_class`` table, one row per
 patch, gets a zero class-token row: what timm computes); a head whose class count differs
@@ -46,6 +47,7 @@ from vitscale.models.factory import create_from_meta, model_meta
 from vitscale.models.hybrid import HybridEmbed
 from vitscale.models.posemb import resample_1d, resample_posemb, resample_relative_table
 from vitscale.models.resnet import ResNetStage, ResNetV2
+from vitscale.models.transformers_layout import LAYER_NORM_NOTE, from_transformers, is_transformers_vit
 from vitscale.models.variants import parse_model_name
 from vitscale.models.vit import VisionTransformer
 
@@ -66,7 +68,7 @@ class LoadReport:
 
     path: str
     source_format: str
-    """"npz", "timm" or "vitscale"."""
+    """"npz", "timm", "transformers" or "vitscale"."""
     loaded: tuple[str, ...]
     """Model parameters filled from the file."""
     resampled: tuple[str, ...] = ()
@@ -311,8 +313,9 @@ def _unwrap(obj: Any) -> dict[str, Tensor]:
 def read_weights(path: str | Path) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
     """Read a checkpoint file: (format, raw entries, vitscale meta or None).
 
-    format is "npz" (entries are numpy arrays under Flax names), "timm" or "vitscale"
-    (entries are tensors under PyTorch names). ValueError if unreadable.
+    format is "npz" (entries are numpy arrays under Flax names), "timm", "transformers" (renamed to timm's
+    names: `models/transformers_layout.py`) or "vitscale" (entries are tensors under PyTorch names). ValueError
+    if unreadable.
     """
     p = Path(path)
     if not p.is_file():
@@ -336,7 +339,7 @@ def read_weights(path: str | Path) -> tuple[str, dict[str, Any], dict[str, Any] 
                 except ValueError as exc:
                     raise ValueError(f"its vitscale header is not JSON ({exc})") from exc
                 return "vitscale", dict(sd), _vitscale_header(meta)
-            return "timm", _unwrap(sd), None
+            return _torch_layout(_unwrap(sd))
         with torch.serialization.safe_globals(_TRAINING_SCRIPT_GLOBALS), warnings.catch_warnings():
             # torch's note on a pickle protocol it did not write comes before its refusal: the refusal is the line.
             # catch_warnings is process-wide, not per thread: fine here, where one thread per process reads weights
@@ -345,11 +348,18 @@ def read_weights(path: str | Path) -> tuple[str, dict[str, Any], dict[str, Any] 
             obj = torch.load(p, map_location="cpu", weights_only=True)
         if isinstance(obj, Mapping) and obj.get("format") == "vitscale":
             return "vitscale", _unwrap(obj.get("state_dict")), _vitscale_header(obj.get("meta"))
-        return "timm", _unwrap(obj), None
+        return _torch_layout(_unwrap(obj))
     except ValueError as exc:  # numpy's refusal of pickled arrays, a damaged header: named with the file
         raise ValueError(f"cannot read checkpoint {p}: {exc}") from exc
     except Exception as exc:  # pickle/zip/safetensors errors: one user-facing error type
         raise ValueError(f"cannot read checkpoint {p}: {_why_unreadable(exc, _zip_magic(p))}") from exc
+
+
+def _torch_layout(sd: dict[str, Tensor]) -> tuple[str, dict[str, Any], None]:
+    """A state dict without a vitscale header: timm's names, or transformers' renamed to them."""
+    if is_transformers_vit(sd):
+        return "transformers", from_transformers(sd), None
+    return "timm", sd, None
 
 
 def _vitscale_header(meta: Any) -> dict[str, Any]:
@@ -556,6 +566,8 @@ def load_pretrained(model: nn.Module, path: str | Path) -> LoadReport:
             target[name].copy_(src.to(dtype=target[name].dtype, device=target[name].device))
             loaded.append(name)
     notes.extend(_head_notes(model, kept, dropped, meta))
+    if fmt == "transformers":
+        notes.append(LAYER_NORM_NOTE)
     return LoadReport(str(path), fmt, tuple(loaded), tuple(resampled), tuple(sorted(set(kept))),
                       tuple(sorted(set(dropped))), tuple(notes), meta)
 
