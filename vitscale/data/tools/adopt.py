@@ -110,8 +110,6 @@ def split_url(url: str) -> tuple[str, list[str] | None]:
     return roots.pop() or ".", [p.rpartition("/")[2] for p in paths]
 
 
-
-
 def _samples(storage: Storage, shard: str, shard_size: int
              ) -> tuple[list[tuple[str, int, int, dict[str, bytes | None]]], list[dict[str, str]]]:
     """(samples, bad) of one shard: (key, offset, size, {ext: label bytes, or None for other members})

@@ -62,7 +62,6 @@ class _HashingReader(io.RawIOBase):
             pass
 
 
-
 def verify_dataset(url: str, *, endpoint_url: str | None = None, progress: bool = False) -> list[str]:
     """Re-hash every shard and check counts, keys, labels and byte ranges against ``dataset.json``
     and ``_index.parquet``.
