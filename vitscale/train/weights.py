@@ -29,7 +29,7 @@ DEFAULT_IMG_SIZE = 224
 
 
 def _file_head(fmt: str, raw: Mapping[str, Any]) -> tuple[int | None, int | None]:
-    """(classifier outputs, pre-logits width) stored in an npz / timm file; None where absent."""
+    """(classifier outputs, pre-logits width) stored in an npz, timm or transformers file; None where absent."""
     if fmt == "npz":
         from vitscale.models.weights_files import official_npz_names
 
@@ -50,11 +50,11 @@ def load_model(path: str | Path, *, model_name: str | None = None, img_size: int
     """(model with the checkpoint's weights, facts) from any checkpoint the probe reads (module docstring).
 
     Args:
-        model_name: the architecture of an npz / timm file (a vitscale checkpoint names its own;
+        model_name: the architecture of an npz, timm or transformers file (a vitscale checkpoint names its own;
             given anyway, it must agree).
-        img_size: the input size an npz / timm file was trained at (default 224; vitscale
+        img_size: the input size such a file was trained at (default 224; vitscale
             checkpoints know theirs; given anyway, it must agree).
-        model_options: options of an npz / timm file's architecture (`create_model`'s keyword
+        model_options: options of such a file's architecture (`create_model`'s keyword
             arguments, as a pipeline's `model:` section: depth, width, classifier, ...); vitscale
             checkpoints name their own.
         resolution: the size to probe at (default: the checkpoint's own). A ViT read from a file is
@@ -63,12 +63,12 @@ def load_model(path: str | Path, *, model_name: str | None = None, img_size: int
 
     Returns:
         facts: ``checkpoint`` (the file or checkpoint directory read), ``format`` ("run",
-        "vitscale", "npz", "timm"), ``model`` (name), ``img_size`` (the size the model takes now),
+        "vitscale", "npz", "timm", "transformers"), ``model`` (name), ``img_size`` (the size the model takes now),
         ``step`` (training step, runs only), ``notes`` (what loading changed: resampling, head).
 
     Raises:
         FileNotFoundError: no such file or directory, or a directory with no checkpoint.
-        ValueError: an unreadable file, an npz/timm file without ``model_name``, a ``model_name`` or
+        ValueError: an unreadable file, an npz, timm or transformers file without ``model_name``, a ``model_name`` or
             ``img_size`` that contradicts a vitscale checkpoint, weights that do not fit the model.
     """
     from vitscale.config.errors import UserError
