@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import numpy as np
@@ -540,3 +541,23 @@ def test_a_transformers_block_without_its_key_matrix_is_refused_by_name(tmp_path
     with pytest.raises(ValueError, match=r"(?s)\(transformers\) does not fit.*missing \(1\): blocks\.1\.attn\.qkv\.weight"
                                          r".*unexpected \(2\): encoder\.layer\.1\.attention\.attention\.query\.weight"):
         load_pretrained(tiny_vit(), tmp_path / "pytorch_model.bin")
+
+
+def test_a_folder_of_weights_that_is_no_run_names_its_file(tmp_path: Path) -> None:
+    """A model folder as a hub download leaves it (`config.json` beside `pytorch_model.bin`) given where a run or a
+    file goes: it said only "no checkpoint_* directories (is it a vitscale run directory?)"."""
+    from vitscale.train.weights import load_model
+
+    folder = tmp_path / "vit-tiny"
+    folder.mkdir()
+    torch.save(_transformers_vit("vit.", seed=4, classes=5, pooler=False), folder / "pytorch_model.bin")
+    (folder / "config.json").write_text('{"model_type": "vit"}')
+    with pytest.raises(FileNotFoundError, match=re.escape(f"it holds weights: name the file ({folder / 'pytorch_model.bin'})")):
+        load_model(folder)
+    model, facts = load_model(folder / "pytorch_model.bin", model_name="ViT-Ti/8", img_size=32,
+                              model_options=dict(TINY))
+    assert facts["format"] == "transformers" and isinstance(model, nn.Module)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint_\* directories \(is it a vitscale run directory\?\)$"):
+        load_model(empty)

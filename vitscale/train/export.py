@@ -24,6 +24,20 @@ from vitscale.models.config import ModelConfig
 from vitscale.train import checkpoint as ckpt
 from vitscale.train.job import trained_sections
 
+WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt", ".npz")
+"""Suffixes of the weights files a folder that is no run may hold (a model downloaded from a hub: its
+`model.safetensors` or `pytorch_model.bin`, an official `.npz`)."""
+
+
+def _weights_files_in(folder: Path) -> str:
+    """For a folder that is no run: the weights files in it, to name instead (`; it holds ...`), or ''."""
+    found = sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix in WEIGHTS_SUFFIXES)
+    if not found:
+        return ""
+    return (f"; it holds weights: name the file ({folder / found[0]}"
+            f"{f' or {len(found) - 1} more' if len(found) > 1 else ''}) and its architecture (--model, or a "
+            "pipeline's model: section)")
+
 
 def find_checkpoint(path: str | Path) -> Path:
     """`path` itself if it is a checkpoint, else the newest complete `checkpoint_*` inside it.
@@ -49,7 +63,8 @@ def find_checkpoint(path: str | Path) -> Path:
         trained = _trained_elsewhere(path)
         if trained is not None:
             return find_checkpoint(trained)
-        raise FileNotFoundError(f"{path}: no checkpoint_* directories (is it a vitscale run directory?)")
+        raise FileNotFoundError(f"{path}: no checkpoint_* directories (is it a vitscale run directory?)"
+                                f"{_weights_files_in(path)}")
     found = ckpt.latest_complete(candidates)
     if found is None:
         raise UserError(f"{path}: none of its {len(candidates)} checkpoints is complete")
