@@ -290,6 +290,16 @@ def test_shards_order_names_the_flag_it_refuses(flags: list[str], named: str, sm
     assert named in _one_line(capsys, argv)
 
 
+@pytest.mark.parametrize("threshold", ["64", "-1"])
+def test_a_dedup_threshold_out_of_range_names_the_flag(threshold: str, small_synthetic: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Was "threshold: must be in [0, 63] bits": the search's parameter, not the flag that set it."""
+    err = _one_line(capsys, ["shards", "dedup", "--train", small_synthetic, "--against", small_synthetic,
+                             "--out", str(tmp_path / "out"), "--threshold", threshold])
+    assert err.startswith(f"vitscale: error: --threshold: must be in [0, 63] bits, got {threshold}"), err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_benchmark_batch_larger_than_the_split_is_one_line(small_synthetic: str,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     err = _one_line(capsys, ["shards", "bench", small_synthetic, "--batch-size", "64", "--seconds", "1"])
