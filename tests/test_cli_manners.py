@@ -300,6 +300,22 @@ def test_a_dedup_threshold_out_of_range_names_the_flag(threshold: str, small_syn
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("argv", "named"), [
+    (["shards", "write", "--source", "synthetic", "--count", "99999999999999999999"],  # an OverflowError traceback
+     "synthetic.count: must be in [1, 100,000,000], got 99999999999999999999"),
+    (["shards", "write", "--source", "fractal", "--count", "9999999999"],  # a 75-GiB array's MemoryError
+     "fractal.count: must be in [1, 100,000,000], got 9999999999"),
+    (["shards", "index", "{data}", "--num-classes", "1000000000"],  # a name for each class: a MemoryError
+     "--num-classes must be a count in [1, 1,048,576], got 1000000000"),
+])
+def test_counts_that_would_exhaust_memory_are_refused_in_one_line(argv: list[str], named: str, small_synthetic: str,
+                                                                  tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    err = _one_line(capsys, [a.format(data=small_synthetic) for a in argv] + ["--out", str(tmp_path / "out")])
+    assert named in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_benchmark_batch_larger_than_the_split_is_one_line(small_synthetic: str,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     err = _one_line(capsys, ["shards", "bench", small_synthetic, "--batch-size", "64", "--seconds", "1"])

@@ -20,7 +20,7 @@ from vitscale.config.checks import (
 from vitscale.config.fields import PATH, RESUME_FREE
 from vitscale.config.location import canonical_location, endpoint_ok
 from vitscale.data.order import DEFAULT_SHUFFLE_BUFFER
-from vitscale.data.tools.source_base import MAX_DRAWN_CLASSES, MAX_DRAWN_SIDE
+from vitscale.data.tools.source_base import MAX_DRAWN_CLASSES, MAX_DRAWN_IMAGES, MAX_DRAWN_SIDE
 from vitscale.data.tools.sources import source_kind_of
 
 DEFAULT_ERROR_BUDGET = 0.001
@@ -85,6 +85,8 @@ class SourceConfig:
               f"must be at most {MAX_DRAWN_SIDE} px, got {self.image_size}")
         check(self.classes <= MAX_DRAWN_CLASSES, f"{prefix}.classes",
               f"must be at most {MAX_DRAWN_CLASSES}, got {self.classes}")
+        check(self.count <= MAX_DRAWN_IMAGES, f"{prefix}.count",
+              f"must be at most {MAX_DRAWN_IMAGES:,}, got {self.count}")
         check(1 <= self.quality <= 95, f"{prefix}.quality", f"must be in [1, 95] (JPEG), got {self.quality}")
         # Off by default, so `true` was asked for: a source without the option would write one label per image.
         check(not self.multi_label or "multi_label" in kind.options, f"{prefix}.multi_label",

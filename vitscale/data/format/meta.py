@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from vitscale.data.loader.labels import MAX_CLASSES
 from vitscale.data.storage import LocalStorage, Storage, open_storage
 from vitscale.data.storage.base import is_name
 
@@ -317,8 +318,8 @@ class DatasetMeta:
                 if sh.samples < 0:
                     raise DatasetError(f"{where}: split {s!r} shard {sh.name!r} has {sh.samples} samples")
                 seen.add(sh.name)
-        if meta.num_classes < 0:
-            raise DatasetError(f"{where}: num_classes must be >= 0 (0: images without labels)")
+        if not 0 <= meta.num_classes <= MAX_CLASSES:  # a model's head is num_classes wide: bounded memory
+            raise DatasetError(f"{where}: num_classes must be in [0, {MAX_CLASSES:,}] (0: images without labels)")
         if meta.num_classes == 0 and meta.classes:
             raise DatasetError(f"{where}: num_classes 0 (images without labels) but classes names {len(meta.classes)}")
         if meta.classes and len(meta.classes) != meta.num_classes:  # a name per class, or none: labels index them
@@ -374,8 +375,7 @@ def read_meta(url: str | Storage, *, endpoint_url: str | None = None) -> Dataset
 
 
 def shard_storage(storage: Storage, meta: DatasetMeta, endpoint_url: str | None = None) -> Storage:
-    """Where the shards of the dataset at ``storage`` lie: beside its index, or where ``shards index --out``
-    adopted them (:data:`SHARD_ROOT`). Every reader of shards goes through it."""
+    """Where the dataset's shards lie: beside its index, or where ``shards index --out`` put them (SHARD_ROOT)."""
     root = meta.extra.get(SHARD_ROOT)
     return storage if root is None else open_storage(str(root), endpoint_url=endpoint_url)
 

@@ -61,7 +61,7 @@ from vitscale.data.format import (
     shard_splits,
     write_index_and_meta,
 )
-from vitscale.data.loader.labels import MAX_LABEL_BYTES, LabelError, check_class_ids
+from vitscale.data.loader.labels import MAX_CLASSES, MAX_LABEL_BYTES, LabelError, check_class_ids
 from vitscale.data.loader.sample import image_member, no_image
 from vitscale.data.storage import LocalStorage, Storage, StorageError, open_storage
 from vitscale.data.storage.cleanup import missing_folders, remove_new_folders
@@ -206,8 +206,8 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
     ``labels.MAX_CLASSES``); more than ``max_bad`` bad samples (None: no limit) stop the index
     with one line naming the last one.
     """
-    if num_classes is not None and num_classes < 1:
-        raise UserError(f"--num-classes must be a positive count, got {num_classes}")
+    if num_classes is not None and not 1 <= num_classes <= MAX_CLASSES:  # a name each is made: bounded memory
+        raise UserError(f"--num-classes must be a count in [1, {MAX_CLASSES:,}], got {num_classes}")
     if max_bad is not None and max_bad < 0:
         raise UserError(f"--max-bad must be >= 0, got {max_bad}")
     if split is not None and not SPLIT_NAME.fullmatch(split):

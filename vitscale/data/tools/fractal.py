@@ -46,13 +46,14 @@ from functools import lru_cache
 import numpy as np
 from PIL import Image, ImageFilter
 
-from vitscale.config.checks import check, one_of, positive_int
+from vitscale.config.checks import check, one_of
 from vitscale.data.tools.source_base import (
     MAX_DRAWN_SIDE,
     Sample,
     Source,
     SourceKind,
     drawn_classes,
+    drawn_count,
     drawn_side,
 )
 
@@ -220,7 +221,7 @@ class FractalSource(Source):
         blur: float | None = None,
         seed: int = 0,
     ) -> None:
-        positive_int(count, "fractal.count")
+        drawn_count(count, "fractal.count")
         drawn_classes(classes, "fractal.classes")
         size = 64 if image_size is None else image_size
         drawn_side(size, "fractal.image_size", least=16)

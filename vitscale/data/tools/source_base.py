@@ -17,8 +17,8 @@ from PIL import Image
 
 from vitscale.config.checks import check
 
-__all__ = ["IMAGE_EXTENSIONS", "MAX_DRAWN_CLASSES", "MAX_DRAWN_SIDE", "Sample", "Source", "SourceKind",
-           "drawn_classes", "drawn_side", "image_of"]
+__all__ = ["IMAGE_EXTENSIONS", "MAX_DRAWN_CLASSES", "MAX_DRAWN_IMAGES", "MAX_DRAWN_SIDE", "Sample", "Source",
+           "SourceKind", "drawn_classes", "drawn_count", "drawn_side", "image_of"]
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm"})
 
@@ -30,6 +30,17 @@ paper's largest resolution (512 px). A side of 100,000 px was a 112-GiB array an
 MAX_DRAWN_CLASSES = 100_000
 """The most classes a source draws itself (synthetic, fractal): five times JFT-300M's 18,291. Each has a name
 in memory and in `dataset.json`; 10**9 of them ran out of memory before the first image."""
+
+
+MAX_DRAWN_IMAGES = 100_000_000
+"""The most images a source draws itself (synthetic, fractal): a third of JFT-300M, terabytes of JPEGs. The write
+shuffles them into splits in memory (16 bytes an image); 10**10 asked for a 75-GiB array, 10**20 overflowed."""
+
+
+def drawn_count(value: int, key: str) -> int:
+    """`value`, the number of images a source draws, in [1, MAX_DRAWN_IMAGES]; returns it."""
+    check(1 <= value <= MAX_DRAWN_IMAGES, key, f"must be in [1, {MAX_DRAWN_IMAGES:,}], got {value}")
+    return value
 
 
 def drawn_classes(value: int, key: str) -> int:

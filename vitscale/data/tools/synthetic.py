@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from vitscale.config.checks import check, positive_int
-from vitscale.data.tools.source_base import Sample, Source, SourceKind, drawn_classes, drawn_side
+from vitscale.config.checks import check
+from vitscale.data.tools.source_base import Sample, Source, SourceKind, drawn_classes, drawn_count, drawn_side
 
 __all__ = ["SOURCE", "ClassPattern", "SyntheticSource", "class_pattern"]
 
@@ -86,7 +86,7 @@ class SyntheticSource(Source):
         multi_label: bool = False,
         seed: int = 0,
     ) -> None:
-        positive_int(count, "synthetic.count")
+        drawn_count(count, "synthetic.count")
         drawn_classes(classes, "synthetic.classes")
         if image_size is not None:  # None: each image's own side, drawn in [256, 512]
             drawn_side(image_size, "synthetic.image_size", least=8)
