@@ -280,6 +280,10 @@ def _one_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     (["--rank", "0", "--world-size", "1", "--start", "100000"], "start: must be in [0, 40]"),
     (["--rank", "0", "--world-size", "1", "--shuffle-buffer", "0"], "--shuffle-buffer: must be a positive int"),
     (["--rank", "0", "--world-size", "4", "--global-batch", "2"], "--global-batch: must be >= --world-size 4"),
+    # More than the split holds: no batch fills (an empty order), and 10**20 was an OverflowError traceback.
+    (["--rank", "0", "--world-size", "1", "--global-batch", "41"], "global_batch: must be at most the 40 samples"),
+    (["--rank", "0", "--world-size", "1", "--global-batch", "99999999999999999999"],
+     "global_batch: must be at most the 40 samples"),
     (["--rank", "0", "--world-size", "1", "--seed", "-1"], "--seed: must be an int in"),
 ])
 def test_shards_order_names_the_flag_it_refuses(flags: list[str], named: str, small_synthetic: str,
@@ -298,6 +302,14 @@ def test_a_dedup_threshold_out_of_range_names_the_flag(threshold: str, small_syn
                              "--out", str(tmp_path / "out"), "--threshold", threshold])
     assert err.startswith(f"vitscale: error: --threshold: must be in [0, 63] bits, got {threshold}"), err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("classes", ["99999999999999999999", "1048577", "-1"])
+def test_flops_of_more_classes_than_a_dataset_holds_is_one_line(classes: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """10**20 classes was torch's traceback from the meta device."""
+    err = _one_line(capsys, ["flops", "ViT-B/16", "--classes", classes])
+    assert err.startswith("vitscale: error: --classes: must be in [0, 1,048,576] (0: no classifier"), err
 
 
 @pytest.mark.parametrize(("argv", "named"), [

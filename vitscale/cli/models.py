@@ -57,12 +57,14 @@ FLAGS = {"model.name": "MODEL", "model.img_size": "--resolution", "train.objecti
 
 def cmd_flops(args: argparse.Namespace) -> int:
     from vitscale.config.checks import ConfigError, check, positive, positive_int
+    from vitscale.data.loader.labels import MAX_CLASSES
     from vitscale.models.config import ModelConfig
     from vitscale.scaling.catalog import flops_summary, summary_markdown
 
     options = model_options(args.option)
     positive(args.epochs, "--epochs")
-    check(args.classes >= 0, "--classes", f"must be >= 0 (0: no classifier), got {args.classes}")
+    check(0 <= args.classes <= MAX_CLASSES, "--classes",  # (10**20: torch's traceback from the meta device)
+          f"must be in [0, {MAX_CLASSES:,}] (0: no classifier; a dataset's most), got {args.classes}")
     if args.examples is not None:
         positive_int(args.examples, "--examples")
     # Without the objective the target changes nothing: the supervised figures under a flag asking for others.
