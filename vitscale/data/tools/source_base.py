@@ -34,7 +34,8 @@ in memory and in `dataset.json`; 10**9 of them ran out of memory before the firs
 
 MAX_DRAWN_IMAGES = 100_000_000
 """The most images a source draws itself (synthetic, fractal): a third of JFT-300M, terabytes of JPEGs. The write
-shuffles them into splits in memory (16 bytes an image); 10**10 asked for a 75-GiB array, 10**20 overflowed."""
+shuffles them into splits with a permutation in memory (8 bytes an image): 10**10 asked for 75 GiB, and 10**20
+overflowed."""
 
 
 def drawn_count(value: int, key: str) -> int:
