@@ -304,6 +304,35 @@ def test_a_dedup_threshold_out_of_range_names_the_flag(threshold: str, small_syn
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("argv", "named"), [
+    (["shards", "write", "--source", "synthetic", "--shard-size", "0"], "--shard-size: must be a positive int"),
+    (["shards", "write", "--source", "synthetic", "--max-side", "0"], "--max-side: must be >= 8 px"),
+    (["shards", "write", "--source", "synthetic", "--quality", "0"], "--quality: must be in [1, 95]"),
+    (["shards", "write", "--source", "synthetic", "--seed", "-1"], "--seed: must be an int in"),
+    (["shards", "write", "--source", "synthetic", "--max-bad", "-1"], "--max-bad: must be an integer >= 0"),
+    (["shards", "write", "--source", "synthetic", "--max-pixels", "0"], "--max-pixels: must be a positive int"),
+    (["shards", "write", "--source", "fractal", "--classes", "1"], "--classes: must be in [2, 100000]"),
+    (["shards", "bench", "{data}", "--batch-size", "0"], "--batch-size: must be a positive int"),
+    (["shards", "bench", "{data}", "--batch-size", "8", "--seconds", "0"], "--seconds: must be > 0"),
+    (["inspect", "{weights}", "--model", "ViT-Ti/16", "--img-size", "-1", "--images", "{data}", "--out", "{out}"],
+     "--img-size: must be a positive int"),
+])
+def test_a_bad_number_names_the_flag_that_set_it(argv: list[str], named: str, small_synthetic: str, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Each said the parameter of the function the verb calls (`shard_size:`, `batch_size:`, `img_size:`)."""
+    import torch
+
+    from vitscale.models import create_model, timm_state_dict
+
+    weights = tmp_path / "vit.pth"
+    torch.save(timm_state_dict(create_model("ViT-Ti/16", num_classes=3, img_size=32)), weights)
+    argv = [a.format(data=small_synthetic, weights=weights, out=tmp_path / "inspected") for a in argv]
+    if argv[:2] == ["shards", "write"]:
+        argv += ["--out", str(tmp_path / "out")]
+    err = _one_line(capsys, argv)
+    assert err.startswith(f"vitscale: error: {named}"), err
+
+
 @pytest.mark.parametrize("classes", ["99999999999999999999", "1048577", "-1"])
 def test_flops_of_more_classes_than_a_dataset_holds_is_one_line(classes: str,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
@@ -314,9 +343,9 @@ def test_flops_of_more_classes_than_a_dataset_holds_is_one_line(classes: str,
 
 @pytest.mark.parametrize(("argv", "named"), [
     (["shards", "write", "--source", "synthetic", "--count", "99999999999999999999"],  # an OverflowError traceback
-     "synthetic.count: must be in [1, 100,000,000], got 99999999999999999999"),
+     "--count: must be in [1, 100,000,000], got 99999999999999999999"),
     (["shards", "write", "--source", "fractal", "--count", "9999999999"],  # a 75-GiB array's MemoryError
-     "fractal.count: must be in [1, 100,000,000], got 9999999999"),
+     "--count: must be in [1, 100,000,000], got 9999999999"),
     (["shards", "index", "{data}", "--num-classes", "1000000000"],  # a name for each class: a MemoryError
      "--num-classes must be a count in [1, 1,048,576], got 1000000000"),
 ])

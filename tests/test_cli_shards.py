@@ -157,12 +157,12 @@ def test_an_out_that_is_a_file_is_refused_before_the_work(digits: str, tmp_path:
 def test_a_bad_resolution_is_named_as_the_user_passed_it(digits: str, capsys: pytest.CaptureFixture) -> None:
     capsys.readouterr()
     assert main(["shards", "bench", digits, "--resolution", "0", "--seconds", "1"]) == 2
-    assert capsys.readouterr().err.startswith("vitscale: error: resolution: must be a positive int, got 0")
+    assert capsys.readouterr().err.startswith("vitscale: error: --resolution: must be a positive int, got 0")
 
 
 @pytest.mark.parametrize(("source", "side", "says"), [
-    ("synthetic", "100000", "synthetic.image_size: must be in [8, 4096] px"),  # was a 112-GiB array's MemoryError
-    ("fractal", "8", "fractal.image_size: must be in [16, 4096] px"), ("digits", "4097", "digits.image_size")])
+    ("synthetic", "100000", "--image-size: must be in [8, 4096] px"),  # was a 112-GiB array's MemoryError
+    ("fractal", "8", "--image-size: must be in [16, 4096] px"), ("digits", "4097", "--image-size")])
 def test_a_side_no_source_can_draw_is_refused_before_anything_is_written(source: str, side: str, says: str,
                                                                         tmp_path: Path,
                                                                         capsys: pytest.CaptureFixture) -> None:

@@ -121,3 +121,17 @@ def writing(doing: str) -> Iterator[None]:
         if isinstance(exc, (StorageError, FileNotFoundError)):  # already one line (the CLI's known errors)
             raise
         raise UserError(f"{doing}: {type(exc).__name__}: {exc}") from exc
+
+
+@contextmanager
+def naming_flags(flags: dict[str, str]) -> Iterator[None]:
+    """Within: an error of a key in `flags` (a parameter of the function a verb calls, `shard_size`) names the flag
+    that set it (`--shard-size`): the check is the function's own, said in the verb's words."""
+    from vitscale.config.checks import ConfigError
+
+    try:
+        yield
+    except ConfigError as exc:
+        if exc.key not in flags:
+            raise
+        raise ConfigError(flags[exc.key], exc.message) from None

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from vitscale.cli.interrupt import writes
-from vitscale.cli.parser import VerbFn, add_endpoint_url, print_json
+from vitscale.cli.parser import VerbFn, add_endpoint_url, naming_flags, print_json
 from vitscale.config.errors import UserError
 
 
@@ -85,12 +85,17 @@ def cmd_shards_write(args: argparse.Namespace) -> int:
                                  ("image_size", args.image_size)) if v is not None}
     if args.multi_label:
         options["multi_label"] = True
+    kind = args.source.partition(":")[0]  # a source's options are checked as `synthetic.count` and the like
+    flags = {**{k: "--" + k.replace("_", "-") for k in ("shard_size", "max_side", "quality", "seed", "max_bad",
+                                                          "max_pixels")},
+             **{f"{kind}.{k}": "--" + k.replace("_", "-") for k in ("count", "classes", "image_size")}}
     try:
-        meta = write_dataset(args.source, args.out, shard_size=args.shard_size, max_side=args.max_side,
-                             quality=args.quality, seed=args.seed,
-                             splits=parse_splits(args.split) if args.split else None, source_options=options,
-                             name=args.name, endpoint_url=args.endpoint_url, max_bad=args.max_bad,
-                             max_pixels=args.max_pixels, chroma=args.chroma)
+        with naming_flags(flags):
+            meta = write_dataset(args.source, args.out, shard_size=args.shard_size, max_side=args.max_side,
+                                 quality=args.quality, seed=args.seed,
+                                 splits=parse_splits(args.split) if args.split else None, source_options=options,
+                                 name=args.name, endpoint_url=args.endpoint_url, max_bad=args.max_bad,
+                                 max_pixels=args.max_pixels, chroma=args.chroma)
     except OSError as exc:  # storage trouble (disk full, permissions, S3 after retries): one line
         raise UserError(f"shards write to {args.out}: {type(exc).__name__}: {exc}") from exc
     counts = {s: v["samples"] for s, v in meta["splits"].items()}
@@ -286,11 +291,12 @@ def cmd_shards_bench(args: argparse.Namespace) -> int:
     positive_int(args.workers, "--workers")
     check(args.workers <= MAX_LOADER_WORKERS, "--workers", f"at most {MAX_LOADER_WORKERS}, got {args.workers}")
     # --workers 1 decodes in this process (the single-core rate); N > 1: N loader processes.
-    spec = StreamSpec(url=args.dest, split=args.split, resolution=args.resolution, batch_size=args.batch_size,
-                      train=True, num_workers=0 if args.workers == 1 else args.workers,
-                      endpoint_url=args.endpoint_url,
-                      error_budget=0.5)  # a benchmark reports bad data, it does not stop on it
-    result = run_bench(spec, seconds=args.seconds)
+    with naming_flags({"resolution": "--resolution", "batch_size": "--batch-size", "seconds": "--seconds"}):
+        spec = StreamSpec(url=args.dest, split=args.split, resolution=args.resolution, batch_size=args.batch_size,
+                          train=True, num_workers=0 if args.workers == 1 else args.workers,
+                          endpoint_url=args.endpoint_url,
+                          error_budget=0.5)  # a benchmark reports bad data, it does not stop on it
+        result = run_bench(spec, seconds=args.seconds)
     if args.json:
         print_json(result)
     else:

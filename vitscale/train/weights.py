@@ -90,12 +90,14 @@ def load_model(path: str | Path, *, model_name: str | None = None, img_size: int
 def _sized(build: Callable[[], nn.Module], resolution: int | None, img_size: int | None) -> nn.Module:
     """`build()`; a size the model's patches cannot tile is a ConfigError naming the argument that asked for it
     (`create_model` names only its own `img_size`)."""
+    flag = "--resolution" if resolution is not None else "--img-size" if img_size is not None else None
     try:
         return build()
-    except ConfigError:
-        raise  # a model option's own error, already naming it
+    except ConfigError as exc:  # a model option's own error, naming it; the size's is the flag's that set it
+        if flag is None or exc.key != "img_size":
+            raise
+        raise ConfigError(flag, exc.message) from None
     except ValueError as exc:
-        flag = "--resolution" if resolution is not None else "--img-size" if img_size is not None else None
         if flag is None or "img_size" not in str(exc):
             raise
         raise ConfigError(flag, str(exc)) from None
