@@ -321,14 +321,8 @@ def cmd_shards_dedup(args: argparse.Namespace) -> int:
     args.out = check_output(args.out, "--out", folder=True, endpoint_url=args.endpoint_url)  # before the hashing
     kwargs = {"endpoint_url": args.endpoint_url}
     if args.threshold is not None:
-        from vitscale.config.checks import ConfigError
-        from vitscale.data.tools.near_duplicates import band_layout
-
-        try:  # the search's own check of a threshold, said of the flag that set it
-            band_layout(1, args.threshold)
-        except ConfigError as exc:
-            raise ConfigError("--threshold", exc.message) from None
         kwargs["threshold"] = args.threshold
-    summary = dedup_dataset(args.train, args.against, args.out, **kwargs)
+    with naming_flags({"threshold": "--threshold"}):  # (checked before anything is written)
+        summary = dedup_dataset(args.train, args.against, args.out, **kwargs)
     print_json(summary)
     return 0
