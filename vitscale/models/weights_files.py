@@ -51,9 +51,11 @@ from vitscale.models.transformers_layout import LAYER_NORM_NOTE, from_transforme
 from vitscale.models.variants import parse_model_name
 from vitscale.models.vit import VisionTransformer
 
-__all__ = ["LoadReport", "create_from_weights", "export_npz", "export_state_dict", "load_pretrained",
-           "official_npz_names", "read_weights", "timm_state_dict"]
+__all__ = ["WEIGHTS_SUFFIXES", "LoadReport", "create_from_weights", "export_npz", "export_state_dict",
+           "load_pretrained", "official_npz_names", "read_weights", "timm_state_dict"]
 
+WEIGHTS_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".npz")
+"""The names of the weights files `read_weights` reads (the module doc), by their suffix."""
 EXTRA_PREFIX = "vitscale/"
 _TRAINING_SCRIPT_GLOBALS: list[Any] = [argparse.Namespace]
 """Classes besides tensors and plain data a weights file may hold: timm's train.py, DeiT's and MAE's main.py save

@@ -258,15 +258,13 @@ FINETUNE_FLAGS = {"finetune.checkpoint": "checkpoint", "finetune.data.url": "--d
 """The pipeline key each of `vitscale finetune`'s own arguments sets in `finetune_pipeline` (errors name the flag)."""
 
 
-WEIGHTS_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".npz")
-"""What `finetune_name` drops from a weights file's name (the formats `vitscale finetune` reads)."""
-
-
 def finetune_name(checkpoint: str, dataset: str) -> str:
     """`vitscale finetune`'s run name: `finetune-<weights>-<dataset>`, from the last part of each location.
 
     The same command names the same run (so it resumes); other weights on the same dataset name another
     (`runs/exp1` and `runs/exp2` fine-tuned on `cifar10` are two runs, not one refused as changed)."""
+    from vitscale.models.weights_files import WEIGHTS_SUFFIXES  # (dropped from the file's name)
+
     weights = _last_part(checkpoint)
     weights = next((weights[: -len(s)] for s in WEIGHTS_SUFFIXES if weights.endswith(s) and weights != s), weights)
     return f"finetune-{weights or 'weights'}-{_last_part(dataset) or 'dataset'}"

@@ -24,13 +24,12 @@ from vitscale.models.config import ModelConfig
 from vitscale.train import checkpoint as ckpt
 from vitscale.train.job import trained_sections
 
-WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt", ".npz")
-"""Suffixes of the weights files a folder that is no run may hold (a model downloaded from a hub: its
-`model.safetensors` or `pytorch_model.bin`, an official `.npz`)."""
-
 
 def _weights_files_in(folder: Path) -> str:
-    """For a folder that is no run: the weights files in it, to name instead (`; it holds ...`), or ''."""
+    """For a folder that is no run (a model downloaded from a hub: its `model.safetensors` or `pytorch_model.bin`):
+    the weights files in it, to name instead (`; it holds ...`), or ''."""
+    from vitscale.models.weights_files import WEIGHTS_SUFFIXES
+
     found = sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix in WEIGHTS_SUFFIXES)
     if not found:
         return ""
