@@ -78,6 +78,8 @@ BAD: list[tuple[str, Any, str]] = [
     ("train.max_steps", 2**63, "train.max_steps"), ("train.max_steps", 1e300, "train.max_steps"),
     ("data.seed", -(2**64), "data.seed"), ("model.img_size", 2**31, "model"), ("model.width", 2**40, "model"),
     ("finetune.resolution", 2**40, "finetune.resolution"),
+    # a block is a Python object even on the meta device: the config's own check of 10**9 filled the host's memory
+    ("model.depth", 10**9, "model.depth"),
     # an image no generated source can draw: a 112-GiB array and a MemoryError's traceback at 100,000 px
     ("data.create_if_missing.image_size", 100_000, "data.create_if_missing.image_size"),
     ("data.create_if_missing.classes", 10**9, "data.create_if_missing.classes"),  # a name each: out of memory

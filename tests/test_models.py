@@ -105,6 +105,8 @@ def test_unknown_name_lists_close_matches(bad: str) -> None:
         ("R50x1", {"depth": 3}, "depth"),
         ("ViT-Ti/8", {"resnet_layers": (1,)}, "resnet_layers"),
         ("R50x1", {"resnet_layers": (0, 1)}, "resnet_layers"),
+        ("ViT-Ti/8", {"depth": 1025}, "depth"),  # MAX_LAYERS: a slip such as 1e9 is refused before it is built
+        ("R50x1", {"resnet_layers": (1, 1025)}, "resnet_layers"),
     ],
 )
 def test_bad_overrides_raise_value_error_naming_them(name: str, kwargs: dict, match: str) -> None:

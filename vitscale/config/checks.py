@@ -78,6 +78,20 @@ def one_of(value: Any, choices: Collection[Any], key: str) -> None:
     check(value in choices, key, f"must be one of {list(choices)}, got {value!r}")
 
 
+MAX_RESOLUTION = 4096
+"""The largest input side, in pixels, of any model or stream (`model.img_size`, `finetune.resolution`,
+`fewshot.resolution`, a loader's output, `flops --resolution`): eight times the paper's largest (512 px). A ViT-B/16
+at 4,096 px already has 65,536 tokens; `img_size: 100000` passed the meta-device build and only failed when a
+worker ran out of memory allocating its position embeddings."""
+
+
+def image_side(value: Any, key: str) -> int:
+    """An input side in pixels, in [1, MAX_RESOLUTION]; returns it."""
+    positive_int(value, key)
+    check(value <= MAX_RESOLUTION, key, f"must be at most {MAX_RESOLUTION} px, got {value}")
+    return value
+
+
 def positive_int(value: Any, key: str) -> int:
     """An int >= 1 (not a bool, not a float); returns it. For arguments of library functions."""
     check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, key,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vitscale.config.checks import check, fraction, plain_name, positive, positive_int, seed
+from vitscale.config.checks import check, fraction, image_side, plain_name, positive, positive_int, seed
 from vitscale.data.config import DEFAULT_ERROR_BUDGET, SourceConfig
 
 
@@ -48,7 +48,7 @@ class FewshotConfig:
             positive(shots, f"fewshot.shots[{i}]")
         check(len(set(self.shots)) == len(self.shots), "fewshot.shots", f"lists a shot count twice: {list(self.shots)}")
         positive(self.l2, "fewshot.l2")
-        positive(self.resolution, "fewshot.resolution")
+        image_side(self.resolution, "fewshot.resolution")
         positive(self.batch_size, "fewshot.batch_size")
         positive_int(self.seeds, "fewshot.seeds")
         seed(self.seed, "fewshot.seed", count=self.seeds)  # the draws use seed .. seed + seeds - 1

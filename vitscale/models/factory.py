@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from vitscale.config.checks import non_negative_int, positive_int
+from vitscale.config.checks import image_side, non_negative_int
 from vitscale.models.hybrid import build_hybrid
 from vitscale.models.layers import Block
 from vitscale.models.options import (
@@ -65,7 +65,7 @@ def create_model(name: str, *, num_classes: int, img_size: int | None = None, **
         img_size = alias[1] if alias is not None and alias[1] is not None else 224
     check_option_names(overrides, spec.family, spec.name)
     non_negative_int(num_classes, "num_classes")
-    positive_int(img_size, "img_size")
+    image_side(img_size, "img_size")
     spec = with_overrides(spec, **{k: overrides.pop(k) for k in DIM_OPTIONS if k in overrides})
     if spec.family == "resnet":
         if spec.resnet is None:  # narrows the type; parse_model_name always sets it for resnets

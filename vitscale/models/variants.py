@@ -25,6 +25,12 @@ from vitscale.config.checks import check, positive_int
 
 Family = Literal["vit", "resnet", "hybrid"]
 
+MAX_LAYERS = 1024
+"""Most encoder blocks (`depth`) or units in one ResNet stage (`resnet_layers`) an override may ask for. The
+deepest published ViTs have 48-64 blocks and BiT's R152 36 units in a stage; 1,024 leaves room for research, while
+a slip (`depth: 1e9`) is refused here before anything builds it: every block is a Python object even on the meta
+device, so such a model would fill the host's memory during the config's own check."""
+
 
 @dataclass(frozen=True)
 class ViTDims:
@@ -255,24 +261,22 @@ def with_overrides(
 ) -> ModelSpec:
     """Spec with some dims replaced (tiny test/quickstart models); None keeps the table's value.
 
-    ValueError names an override that does not apply to the family or has a bad value.
+    A `ConfigError` names an override that does not apply to the family or has a bad value.
     """
     vit_over = {"depth": depth, "width": width, "mlp_dim": mlp_dim, "heads": heads}
     for key, value in [*vit_over.items(), ("resnet_layers", resnet_layers)]:
         if value is None:
             continue
         if key == "resnet_layers":
-            if spec.resnet is None:
-                raise ValueError(f"override resnet_layers does not apply to {spec.family} model {spec.name}")
-            ok = isinstance(value, (tuple, list)) and len(value) >= 1 and all(
-                isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value
+            check(spec.resnet is not None, key, f"does not apply to {spec.family} model {spec.name}")
+            ok = isinstance(value, (tuple, list)) and 1 <= len(value) <= MAX_LAYERS and all(
+                isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_LAYERS for v in value
             )
-            if not ok:
-                raise ValueError(f"override resnet_layers must be a non-empty tuple of ints >= 1, got {value!r}")
+            check(ok, key, f"must be a list of 1 to {MAX_LAYERS} unit counts, each in [1, {MAX_LAYERS}], got {value!r}")
             continue
-        if spec.vit is None:
-            raise ValueError(f"override {key} does not apply to {spec.family} model {spec.name}")
-        positive_int(value, key)
+        check(spec.vit is not None, key, f"does not apply to {spec.family} model {spec.name}")
+        size = positive_int(value, key)
+        check(key != "depth" or size <= MAX_LAYERS, key, f"must be at most {MAX_LAYERS} blocks, got {size}")
     vit = spec.vit
     if vit is not None:
         vit = dataclasses.replace(vit, **{k: v for k, v in vit_over.items() if v is not None})

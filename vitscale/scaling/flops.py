@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vitscale.config.checks import non_negative_int, one_of, positive_int
+from vitscale.config.checks import image_side, non_negative_int, one_of, positive_int
 from vitscale.models.options import CLASSIFIERS, DIM_OPTIONS, check_option_names
 from vitscale.models.variants import (
     ModelSpec,
@@ -234,7 +234,7 @@ def flops_breakdown(
         **overrides: the model's options, the same keywords as `create_model`
             (`models/options.py`); only dims, classifier and representation_size change compute.
     """
-    positive_int(img_size, "img_size")
+    image_side(img_size, "img_size")
     non_negative_int(num_classes, "num_classes")  # 0: an encoder without a classifier
     spec, classifier, rep = _resolve(name, **overrides)
     parts: dict[str, int] = {}

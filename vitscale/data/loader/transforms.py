@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vitscale.config.checks import check, positive_int
+from vitscale.config.checks import check, image_side
 
 __all__ = [
     "CropBox",
@@ -60,7 +60,7 @@ class TransformSpec:
     """Evaluation only: side of the centre square as a fraction of the shorter image side."""
 
     def __post_init__(self) -> None:
-        positive_int(self.resolution, "resolution")
+        image_side(self.resolution, "resolution")
         lo, hi = self.scale
         check(0.0 < lo <= hi <= 1.0, "scale", f"must satisfy 0 < lo <= hi <= 1, got {self.scale}")
         rlo, rhi = self.ratio
