@@ -80,6 +80,8 @@ BAD: list[tuple[str, Any, str]] = [
     ("finetune.resolution", 2**40, "finetune.resolution"),
     # a block is a Python object even on the meta device: the config's own check of 10**9 filled the host's memory
     ("model.depth", 10**9, "model.depth"),
+    # an input no model or loader takes (MAX_RESOLUTION): 100,000 px passed and a worker ran out of memory
+    ("model.img_size", 100_000, "model.img_size"), ("finetune.resolution", 8192, "finetune.resolution"),
     # an image no generated source can draw: a 112-GiB array and a MemoryError's traceback at 100,000 px
     ("data.create_if_missing.image_size", 100_000, "data.create_if_missing.image_size"),
     ("data.create_if_missing.classes", 10**9, "data.create_if_missing.classes"),  # a name each: out of memory

@@ -306,6 +306,11 @@ def test_shards_order_names_the_flag_it_refuses(flags: list[str], named: str, sm
     (["shards", "bench", "{data}", "--batch-size", "8", "--seconds", "0"], "--seconds: must be > 0"),
     (["inspect", "{weights}", "--model", "ViT-Ti/16", "--img-size", "-1", "--images", "{data}", "--out", "{out}"],
      "--img-size: must be a positive int"),
+    # MAX_RESOLUTION: 10**20 was torch's OverflowError from the resize; 100,000 px a worker's out-of-memory
+    (["shards", "bench", "{data}", "--resolution", "99999999999999999999"], "--resolution: must be at most 4096 px"),
+    (["inspect", "{weights}", "--model", "ViT-Ti/16", "--img-size", "100000", "--images", "{data}", "--out", "{out}"],
+     "--img-size: must be at most 4096 px"),
+    (["flops", "ViT-B/16", "--resolution", "100000"], "--resolution: must be at most 4096 px"),
     (["shards", "dedup", "--train", "{data}", "--against", "{data}", "--out", "{out}", "--threshold", "64"],
      "--threshold: must be in [0, 63] bits, got 64"),
     (["shards", "dedup", "--train", "{data}", "--against", "{data}", "--out", "{out}", "--threshold", "-1"],
