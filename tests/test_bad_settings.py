@@ -73,6 +73,7 @@ BAD: list[tuple[str, Any, str]] = [
     ("fewshot.seed", 2**32 - 2, "fewshot.seed"), ("fewshot.train_split", "a/b", "fewshot.train_split"),
     ("finetune.resolution", 20, "finetune.resolution"), ("finetune.train.seed", -1, "finetune.train.seed"),
     ("finetune.data.seed", -1, "finetune.data.seed"), ("finetune.train.global_batch", 12, "finetune.train.global_batch"),
+    ("finetune.train.max_steps", 0, "finetune.train.max_steps"),  # was read as "unset": the preset's 10,000 steps
     ("finetune.data.split", "nope", "finetune.data.split"), ("finetune.seed", 1, "finetune.seed"),  # the old shape
     # integers no 64-bit integer holds, and sizes whose tensors none can: torch's TypeError or RuntimeError, a traceback
     ("train.max_steps", 2**63, "train.max_steps"), ("train.max_steps", 1e300, "train.max_steps"),

@@ -246,6 +246,19 @@ def test_error_budget_is_a_fraction_of_the_epoch(damaged):
             _stream(damaged, error_budget=bad)
 
 
+def test_a_spec_refuses_a_global_batch_of_zero_and_a_side_past_the_largest() -> None:
+    """`global_batch: 0` read as "not set" (one span per rank): a training stream quietly lost its global batches."""
+    from vitscale.config.checks import MAX_RESOLUTION
+    from vitscale.data.loader.stream import StreamSpec
+
+    StreamSpec("unused", global_batch=None)
+    with pytest.raises(ValueError, match="global_batch: must be a positive int, got 0"):
+        StreamSpec("unused", global_batch=0)
+    StreamSpec("unused", resolution=MAX_RESOLUTION)
+    with pytest.raises(ValueError, match=f"resolution: must be at most {MAX_RESOLUTION} px"):
+        StreamSpec("unused", resolution=MAX_RESOLUTION + 1)
+
+
 def _all_gather(counts: list[dict[str, int]], rank: int):
     """What `StopVote.gather`'s all-gather returns to `rank`, whose own counts must be what it hands in."""
     def gather(mine):

@@ -162,7 +162,8 @@ class FinetuneConfig:
     def total_steps(self) -> int:
         """Optimizer steps: `train.max_steps`, else the preset's, else 10000."""
         preset = self._preset()
-        return self.train.get("max_steps") or (preset.steps if preset else DEFAULT_STEPS)
+        steps = self.train.get("max_steps")  # 0 is the recipe's to refuse, not "the preset's"
+        return steps if steps is not None else preset.steps if preset else DEFAULT_STEPS
 
     def grid(self) -> tuple[float, ...]:
         """The learning rates a sweep selects from: `lr_grid`, else the preset's, else `train.base_lr` alone."""
@@ -183,7 +184,9 @@ class FinetuneConfig:
 
     def dev_share(self) -> float:
         preset = self._preset()
-        return self.dev_fraction or (preset.dev_fraction if preset else DEFAULT_DEV_FRACTION)
+        if self.dev_fraction is not None:
+            return self.dev_fraction
+        return preset.dev_fraction if preset else DEFAULT_DEV_FRACTION
 
     def train_config(self, base_lr: float | None = None) -> TrainConfig:
         """The training recipe: `RECIPE`, the preset's steps and the derived warm-up, then `train:`'s keys.

@@ -131,7 +131,7 @@ class StreamSpec:
         positive_int(self.world_size, "world_size")
         check(0 <= self.rank < self.world_size, "rank", f"must be in [0, {self.world_size}) (world_size): {self.rank}")
         positive_int(self.batch_size, "batch_size")
-        positive_int(self.global_batch or self.world_size, "global_batch")  # and at least world_size: batch_sizes
+        positive_int(self.world_size if self.global_batch is None else self.global_batch, "global_batch")
         check(min(self.batch_sizes) > 0, "batch_size", f"{self.batch_size}: rank {self.rank}'s share of "
               f"global_batch={self.global_batch} cannot fill the {len(self.batch_sizes)} batches every rank cuts")
         non_negative(self.num_workers, "num_workers")
