@@ -2,14 +2,14 @@
 
 Formats read by `load_pretrained` (chosen by file suffix / content):
 
-- ``.npz``: google-research/vision_transformer layout (``Transformer/encoderblock_0/...``,
-  ``embedding/kernel``, ``cls``, hybrid ResNet keys ``conv_root``, ``block1/unit1/...``, with
-  or without a ``ResNet/`` prefix) for ViT and hybrids; BiT layout (``resnet/root_block/...``)
-  for standalone ResNets; training checkpoints too: the repo's ``opt/target/`` and big_vision's ``params/``
-  layout (its own block numbering, a scanned encoder, positions for the patches alone). Entries named
-  ``vitscale/<param>`` carry parameters that have no official counterpart (2-D / per-layer / relative
-  position tables) in PyTorch layout. bfloat16 entries (JAX writes them as 2-byte voids) are widened
-  to float32; an entry of no float type is refused.
+- ``.npz`` (names and layouts: `models/flax_layout.py`): google-research/vision_transformer layout
+  (``Transformer/encoderblock_0/...``, ``embedding/kernel``, ``cls``, hybrid ResNet keys ``conv_root``,
+  ``block1/unit1/...``, with or without a ``ResNet/`` prefix) for ViT and hybrids; BiT layout
+  (``resnet/root_block/...``) for standalone ResNets; training checkpoints too: the repo's ``opt/target/`` and
+  big_vision's ``params/`` layout (its own block numbering, a scanned encoder, positions for the patches alone).
+  Entries named ``vitscale/<param>`` carry parameters that have no official counterpart (2-D / per-layer / relative
+  position tables) in PyTorch layout. bfloat16 entries (JAX writes them as 2-byte voids) are widened to float32; an
+  entry of no float type is refused.
 - ``.pth`` / ``.pt`` / ``.bin`` (``torch.load(weights_only=True)``) and ``.safetensors``: a timm
   state dict (optionally wrapped in ``state_dict`` / ``model`` / ``module``; ``module.``
   prefixes stripped; a training script's checkpoint with its ``args`` too), a Hugging Face transformers
@@ -34,29 +34,28 @@ import json
 import math
 import warnings
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from vitscale.models.factory import create_from_meta, model_meta
-from vitscale.models.hybrid import HybridEmbed
+from vitscale.models.flax_layout import npz_arrays, npz_to_state_dict
 from vitscale.models.posemb import resample_1d, resample_posemb, resample_relative_table
-from vitscale.models.resnet import ResNetStage, ResNetV2
+from vitscale.models.resnet import ResNetV2
 from vitscale.models.transformers_layout import LAYER_NORM_NOTE, from_transformers, is_transformers_vit
 from vitscale.models.variants import parse_model_name
 from vitscale.models.vit import VisionTransformer
 
 __all__ = ["WEIGHTS_SUFFIXES", "LoadReport", "create_from_weights", "export_npz", "export_state_dict",
-           "load_pretrained", "official_npz_names", "read_weights", "timm_state_dict"]
+           "load_pretrained", "read_weights", "timm_state_dict"]
 
 WEIGHTS_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".npz")
 """The names of the weights files `read_weights` reads (the module doc), by their suffix."""
-EXTRA_PREFIX = "vitscale/"
 _TRAINING_SCRIPT_GLOBALS: list[Any] = [argparse.Namespace]
 """Classes besides tensors and plain data a weights file may hold: timm's train.py, DeiT's and MAE's main.py save
 their command line (an argparse.Namespace, plain values) beside the weights in every checkpoint they write."""
@@ -93,204 +92,6 @@ class LoadReport:
         lines += [f"  resampled {r}" for r in self.resampled]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------
-# Name/layout rules between PyTorch parameters and the official Flax/BiT npz layouts.
-
-
-@dataclass(frozen=True)
-class _Rule:
-    name: str  # PyTorch state-dict key
-    keys: tuple[str, ...]  # npz keys
-    to_torch: Callable[[list[np.ndarray]], np.ndarray]
-    to_npz: Callable[[np.ndarray], list[np.ndarray]]
-
-
-def _same(name: str, key: str) -> _Rule:
-    return _Rule(name, (key,), lambda a: a[0], lambda w: [w])
-
-
-def _vector(name: str, key: str) -> _Rule:  # norms: some files store (1, 1, 1, C)
-    return _Rule(name, (key,), lambda a: a[0].reshape(-1), lambda w: [w])
-
-
-def _dense(name: str, key: str) -> _Rule:  # Flax (in, out) <-> torch (out, in)
-    return _Rule(name, (key,), lambda a: a[0].T, lambda w: [w.T])
-
-
-def _conv(name: str, key: str) -> _Rule:  # HWIO <-> OIHW
-    return _Rule(name, (key,), lambda a: a[0].transpose(3, 2, 0, 1), lambda w: [w.transpose(2, 3, 1, 0)])
-
-
-def _attention_rules(name: str, prefix: str, heads: int) -> list[_Rule]:
-    """Fused qkv (3D, D) <-> query/key/value kernels (D, heads, Dh); out (heads, Dh, D)."""
-    qkv = tuple(f"{prefix}{n}/kernel" for n in ("query", "key", "value"))
-    qkv_b = tuple(f"{prefix}{n}/bias" for n in ("query", "key", "value"))
-
-    def qkv_to_npz(w: np.ndarray) -> list[np.ndarray]:
-        d = w.shape[1]
-        return [p.reshape(heads, -1, d).transpose(2, 0, 1) for p in np.split(w, 3, axis=0)]
-
-    def fits(a: list[np.ndarray], axis: int) -> list[np.ndarray]:
-        # A file of another head count reshapes to the same matrix, but splits it into other heads: a model
-        # whose attention computes something else. Refused (the caller names the entries), never loaded.
-        for k in a:
-            if k.ndim <= axis or k.shape[axis] != heads:
-                raise ValueError(f"{tuple(k.shape)} is not {heads} heads (the model's)")
-        return a
-
-    def out_to_torch(a: list[np.ndarray]) -> np.ndarray:
-        k = fits(a, 0)[0]
-        return k.reshape(-1, k.shape[-1]).T
-
-    return [
-        _Rule(f"{name}.qkv.weight", qkv, lambda a: np.concatenate([k.reshape(k.shape[0], -1).T for k in fits(a, 1)]),
-              qkv_to_npz),
-        _Rule(f"{name}.qkv.bias", qkv_b, lambda a: np.concatenate([b.reshape(-1) for b in fits(a, 0)]),
-              lambda w: [p.reshape(heads, -1) for p in np.split(w, 3)]),
-        _Rule(f"{name}.proj.weight", (f"{prefix}out/kernel",), out_to_torch,
-              lambda w: [w.T.reshape(heads, -1, w.shape[0])]),
-        _same(f"{name}.proj.bias", f"{prefix}out/bias"),
-    ]
-
-
-def _vit_rules(model: VisionTransformer) -> list[_Rule]:
-    rules = [_conv("patch_embed.proj.weight", "embedding/kernel"), _same("patch_embed.proj.bias", "embedding/bias")]
-    if model.cls_token is not None:
-        rules.append(_same("cls_token", "cls"))
-    if model.pos_embed is not None and model.pos_embed.shape[0] == 1:
-        rules.append(_same("pos_embed", "Transformer/posembed_input/pos_embedding"))
-    final = "norm" if isinstance(model.norm, nn.LayerNorm) else "fc_norm"
-    rules += [_same(f"{final}.weight", "Transformer/encoder_norm/scale"),
-              _same(f"{final}.bias", "Transformer/encoder_norm/bias")]
-    for i in range(len(model.blocks)):
-        b, p = f"blocks.{i}", f"Transformer/encoderblock_{i}/"
-        rules += [_same(f"{b}.norm1.weight", f"{p}LayerNorm_0/scale"), _same(f"{b}.norm1.bias", f"{p}LayerNorm_0/bias"),
-                  _same(f"{b}.norm2.weight", f"{p}LayerNorm_2/scale"), _same(f"{b}.norm2.bias", f"{p}LayerNorm_2/bias")]
-        rules += _attention_rules(f"{b}.attn", f"{p}MultiHeadDotProductAttention_1/", model.cfg.dims.heads)
-        for r in range(2):
-            rules += [_dense(f"{b}.mlp.fc{r + 1}.weight", f"{p}MlpBlock_3/Dense_{r}/kernel"),
-                      _same(f"{b}.mlp.fc{r + 1}.bias", f"{p}MlpBlock_3/Dense_{r}/bias")]
-    rules += [_dense("pre_logits.fc.weight", "pre_logits/kernel"), _same("pre_logits.fc.bias", "pre_logits/bias"),
-              _dense("head.weight", "head/kernel"), _same("head.bias", "head/bias")]
-    if isinstance(model.patch_embed, HybridEmbed):
-        rules += _hybrid_backbone_rules(model.patch_embed.backbone, "patch_embed.backbone.")
-    return rules
-
-
-def _hybrid_backbone_rules(backbone: ResNetV2, t: str) -> list[_Rule]:
-    """Official vision_transformer hybrid names: conv_root, gn_root, block{i}/unit{j}/{conv,gn}{r}."""
-    rules = [_conv(f"{t}stem.conv.weight", "conv_root/kernel"),
-             _vector(f"{t}stem.norm.weight", "gn_root/scale"), _vector(f"{t}stem.norm.bias", "gn_root/bias")]
-    for i, stage in enumerate(cast("list[ResNetStage]", list(backbone.stages))):
-        for j, blk in enumerate(stage.blocks):
-            b, p = f"{t}stages.{i}.blocks.{j}.", f"block{i + 1}/unit{j + 1}/"
-            for r in (1, 2, 3):
-                rules += [_conv(f"{b}conv{r}.weight", f"{p}conv{r}/kernel"),
-                          _vector(f"{b}norm{r}.weight", f"{p}gn{r}/scale"),
-                          _vector(f"{b}norm{r}.bias", f"{p}gn{r}/bias")]
-            if blk.downsample is not None:
-                rules += [_conv(f"{b}downsample.conv.weight", f"{p}conv_proj/kernel"),
-                          _vector(f"{b}downsample.norm.weight", f"{p}gn_proj/scale"),
-                          _vector(f"{b}downsample.norm.bias", f"{p}gn_proj/bias")]
-    return rules
-
-
-def _bit_rules(model: ResNetV2) -> list[_Rule]:
-    """BiT npz names (big_transfer): resnet/root_block, resnet/block{i}/unit{jj}/{a,b,c}/..."""
-    if not model.cfg.dims.preact:
-        return _hybrid_backbone_rules(model, "")
-    p0, conv = "resnet/", "standardized_conv2d/kernel"
-    rules = [_conv("stem.conv.weight", f"{p0}root_block/{conv}"),
-             _vector("norm.weight", f"{p0}group_norm/gamma"), _vector("norm.bias", f"{p0}group_norm/beta")]
-    for i, stage in enumerate(cast("list[ResNetStage]", list(model.stages))):
-        for j, blk in enumerate(stage.blocks):
-            b, p = f"stages.{i}.blocks.{j}.", f"{p0}block{i + 1}/unit{j + 1:02d}/"
-            for r, u in zip((1, 2, 3), "abc"):
-                rules += [_conv(f"{b}conv{r}.weight", f"{p}{u}/{conv}"),
-                          _vector(f"{b}norm{r}.weight", f"{p}{u}/group_norm/gamma"),
-                          _vector(f"{b}norm{r}.bias", f"{p}{u}/group_norm/beta")]
-            if blk.downsample is not None:
-                rules.append(_conv(f"{b}downsample.conv.weight", f"{p}a/proj/{conv}"))
-    rules += [_Rule("head.weight", (f"{p0}head/conv2d/kernel",), lambda a: a[0].reshape(a[0].shape[-2:]).T,
-                    lambda w: [w.T[None, None]]),
-              _same("head.bias", f"{p0}head/conv2d/bias")]
-    return rules
-
-
-def _rules_for(model: nn.Module) -> list[_Rule]:
-    if isinstance(model, VisionTransformer):
-        return _vit_rules(model)
-    if isinstance(model, ResNetV2):
-        return _bit_rules(model)
-    raise ValueError(f"no checkpoint layout for {type(model).__name__}; expected a vitscale model")
-
-
-# ----------------------------------------------------------------------------------------------
-# Reading files into a PyTorch-named dict.
-
-
-def _weights_array(key: str, value: np.ndarray) -> np.ndarray:
-    """An npz entry as float weights. JAX writes bfloat16 as a 2-byte void (numpy has no bfloat16): widened to
-    float32 exactly. Anything else not a float (text, integers, objects) is no weight: a ValueError naming it,
-    where torch refused it with a TypeError (a traceback) or an integer was cast into the model silently."""
-    value = np.asarray(value)
-    if value.dtype.kind == "V" and value.dtype.itemsize == 2 and value.dtype.fields is None:
-        return (value.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    if value.dtype.kind != "f":
-        raise ValueError(f"npz entry {key!r} holds {value.dtype} values, not floating-point weights")
-    return value
-
-
-_BIG_VISION_BLOCK = {"MultiHeadDotProductAttention_0/": "MultiHeadDotProductAttention_1/",
-                     "LayerNorm_1/": "LayerNorm_2/", "MlpBlock_0/": "MlpBlock_3/"}
-"""big_vision's encoder-block module names -> the vision_transformer repo's (the names the rules use)."""
-
-
-def official_npz_names(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A training checkpoint's weights under the official names: the vision_transformer repo's (``opt/target/``
-    beside the optimizer's state) and big_vision's (``params/``; blocks named ``..._0``, layers stacked under
-    ``encoderblock`` when scanned, ``pos_embedding`` one row per patch: timm's no_embed_class). Once every entry
-    was "unexpected" and every parameter "missing"."""
-    for prefix in ("opt/target/", "params/img/", "params/"):
-        if any(k.startswith(f"{prefix}embedding/") for k in arrays):
-            arrays = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
-            break
-    if not any("/MultiHeadDotProductAttention_0/" in k for k in arrays):
-        return dict(arrays)
-    out: dict[str, np.ndarray] = {}
-    for key, value in arrays.items():
-        if key.startswith("Transformer/encoderblock/"):  # scanned: the layers stacked on the first axis
-            rest = key.removeprefix("Transformer/encoderblock/")
-            out.update({f"Transformer/encoderblock_{i}/{rest}": value[i] for i in range(len(value))})
-        else:
-            out["Transformer/posembed_input/pos_embedding" if key == "pos_embedding" else key] = value
-    for old, new in _BIG_VISION_BLOCK.items():
-        out = {(k.replace(f"/{old}", f"/{new}") if k.startswith("Transformer/encoderblock_") else k): v
-               for k, v in out.items()}
-    return out
-
-
-def _npz_to_state_dict(arrays: Mapping[str, np.ndarray], model: nn.Module) -> tuple[dict[str, Tensor], list[str]]:
-    """Convert npz arrays by the model's rules; returns (state dict, unexpected npz keys)."""
-    arrays = {k.removeprefix("ResNet/"): v for k, v in official_npz_names(arrays).items()}
-    used: set[str] = set()
-    out: dict[str, Tensor] = {}
-    for rule in _rules_for(model):
-        if not all(k in arrays for k in rule.keys):
-            continue
-        used.update(rule.keys)
-        try:
-            value = rule.to_torch([_weights_array(k, arrays[k]) for k in rule.keys])
-        except ValueError as exc:  # reshape failed: the file's dims differ from the model's
-            raise ValueError(f"npz entries {list(rule.keys)} do not fit {rule.name}: {exc}") from exc
-        out[rule.name] = torch.from_numpy(np.ascontiguousarray(value))
-    for key, value in arrays.items():
-        if key.startswith(EXTRA_PREFIX):
-            used.add(key)
-            out[key[len(EXTRA_PREFIX):]] = torch.from_numpy(np.ascontiguousarray(_weights_array(key, value)))
-    return out, sorted(set(arrays) - used)
 
 
 def _unwrap(obj: Any) -> dict[str, Tensor]:
@@ -510,7 +311,7 @@ def load_pretrained(model: nn.Module, path: str | Path) -> LoadReport:
     fmt, raw, meta = read_weights(path)
     if fmt == "npz":
         try:
-            sd, unexpected = _npz_to_state_dict(raw, model)
+            sd, unexpected = npz_to_state_dict(raw, model)
         except ValueError as exc:  # entries that do not convert (other dims, other heads): name the file
             raise ValueError(f"checkpoint {path} (npz) does not fit {type(model).__name__}: {exc}") from exc
     else:
@@ -591,14 +392,7 @@ def export_npz(model: nn.Module, path: str | Path) -> None:
     Parameters with no official counterpart are stored as ``vitscale/<name>`` in PyTorch layout.
     Half-precision weights are written as float32.
     """
-    sd = {k: _numpy(v) for k, v in model.state_dict().items()}
-    arrays: dict[str, np.ndarray] = {}
-    for rule in _rules_for(model):
-        if rule.name in sd:
-            for key, value in zip(rule.keys, rule.to_npz(sd.pop(rule.name))):
-                arrays[key] = np.ascontiguousarray(value)
-    for name, value in sd.items():
-        arrays[EXTRA_PREFIX + name] = value
+    arrays = npz_arrays(model, {k: _numpy(v) for k, v in model.state_dict().items()})
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:  # an open file keeps numpy from appending ".npz" to the name
         np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy's stub reads **arrays as allow_pickle

@@ -31,7 +31,7 @@ DEFAULT_IMG_SIZE = 224
 def _file_head(fmt: str, raw: Mapping[str, Any]) -> tuple[int | None, int | None]:
     """(classifier outputs, pre-logits width) stored in an npz, timm or transformers file; None where absent."""
     if fmt == "npz":
-        from vitscale.models.weights_files import official_npz_names
+        from vitscale.models.flax_layout import official_npz_names
 
         raw = {k.removeprefix("ResNet/"): v for k, v in official_npz_names(raw).items()}
         head = raw.get("head/kernel", raw.get("resnet/head/conv2d/kernel"))
