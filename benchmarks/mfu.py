@@ -15,7 +15,7 @@ model of the same size (when timm is installed; it is a benchmark-only extra), `
 `torch.optim.AdamW(fused=True)` over fp32 weights, bf16 autocast, no gradient clipping, and the same
 loop with vitscale's model instead of timm's. Each vitscale row prints its ratio to the timm peer
 (else to the vitscale-model peer). MFU is the paper-convention model FLOPs (3x forward,
-`scaling.flops`) per second over the device's dense bf16 peak (`train.metrics.PEAK_BF16_FLOPS`); the
+`scaling.flops`) per second over the device's dense bf16 peak (`train.mfu.PEAK_BF16_FLOPS`); the
 large-matmul rate measured in the same process says what the chip delivers here.
 
 Where a step's time goes: a few more steps with a device sync between forward (with the loss),
@@ -542,7 +542,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON document at the end")
     args = parser.parse_args(argv)
 
-    from vitscale.train.metrics import peak_flops
+    from vitscale.train.mfu import peak_flops
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     on_gpu = device.type == "cuda"

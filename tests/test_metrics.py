@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from vitscale.train.metrics import PEAK_BF16_FLOPS, MetricsSink, StepClock, StepMetrics, mfu, peak_flops
+from vitscale.train.metrics import MetricsSink, StepClock, StepMetrics
+from vitscale.train.mfu import PEAK_BF16_FLOPS, mfu, peak_flops
 
 
 def _step(step: int, **over: object) -> StepMetrics:

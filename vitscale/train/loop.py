@@ -29,7 +29,8 @@ from vitscale.train.context import WorkerContext
 from vitscale.train.evaluate import evaluate, evaluation_due
 from vitscale.train.faults import maybe_die
 from vitscale.train.job import TrainJob
-from vitscale.train.metrics import StepClock, StepMetrics, mfu
+from vitscale.train.metrics import StepClock, StepMetrics
+from vitscale.train.mfu import mfu
 from vitscale.train.observers import Observers
 from vitscale.train.step import StepOutcome
 from vitscale.train.stopvote import StopVote

@@ -19,7 +19,7 @@ from vitscale.train import checkpoint as ckpt
 from vitscale.train.batch import BatchPlan, resized_batch
 from vitscale.train.engine import build_engine, deepspeed_config, init_distributed, load_checkpoint
 from vitscale.train.job import TrainJob
-from vitscale.train.metrics import peak_flops
+from vitscale.train.mfu import peak_flops
 from vitscale.train.objective import Objective, objective_flops, objective_for
 from vitscale.train.optim import Decay, lr_at, schedule_length, warmup_outlasts
 from vitscale.train.polyak import Polyak

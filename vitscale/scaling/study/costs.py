@@ -27,11 +27,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from vitscale.train.metrics import PEAK_BF16_FLOPS, device_key
+from vitscale.train.mfu import PEAK_BF16_FLOPS, device_key
 
 PEAK_FLOPS: dict[str, float] = {**PEAK_BF16_FLOPS, "V100": 125e12, "TPUV3": 123e12, "CPU": 100e9}
 """Dense peak FLOP/s per device: bf16 tensor cores on GPUs (NVIDIA data sheets: the table MFU is measured
-against, `train.metrics.PEAK_BF16_FLOPS`, and a V100's), a TPUv3 chip (the paper's hardware, 123 TFLOP/s bf16), and one
+against, `train.mfu.PEAK_BF16_FLOPS`, and a V100's), a TPUv3 chip (the paper's hardware, 123 TFLOP/s bf16), and one
 CPU core's fp32 FMA peak, an estimate (2 AVX2 FMA units x 8 lanes x 2 FLOPs x ~3 GHz)."""
 
 DEFAULT_MFU: dict[str, dict[str, float]] = {
@@ -72,7 +72,7 @@ def device_class(device: str) -> str:
 
 
 def peak_flops(device: str) -> float:
-    """The device's peak FLOP/s (`train.metrics.device_key`: the longest name of `PEAK_FLOPS` in it, not
+    """The device's peak FLOP/s (`train.mfu.device_key`: the longest name of `PEAK_FLOPS` in it, not
     inside a longer number: "h100-pcie" is an H100 PCIe, "H1000" nothing); unknown names are refused."""
     key = device_key(device, PEAK_FLOPS)
     if key is None:
