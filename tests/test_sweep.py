@@ -13,7 +13,8 @@ from vitscale.config.loader import merge
 from vitscale.data.tools.write import write_dataset
 from vitscale.stages import build_pipeline
 from vitscale.stages.run import preflight
-from vitscale.stages.sweep import combinations, search_space, trial_job, with_params
+from vitscale.stages.sweep import trial_job
+from vitscale.stages.sweep_space import combinations, search_space, with_params
 
 MODEL = {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "mlp_dim": 32, "heads": 2}
 CLUSTER = {"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1}

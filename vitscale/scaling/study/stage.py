@@ -24,7 +24,7 @@ from vitscale.scaling.study.config import StudyConfig
 from vitscale.scaling.study.plan import DataFacts, PlannedCell, Pricing, plan_study
 from vitscale.scaling.study.state import planned_columns
 from vitscale.stages.base import Stage, StageContext
-from vitscale.stages.sweep import SweepConfig
+from vitscale.stages.sweep_space import SweepConfig
 from vitscale.train.config import TrainConfig
 from vitscale.train.finetune import FinetuneConfig
 
