@@ -11,7 +11,8 @@ from vitscale.config.checks import ConfigError
 from vitscale.data.format import DatasetError
 from vitscale.data.loader.stream import ErrorBudgetExceeded
 from vitscale.launch.failures import DeterministicFailure, StopOnDeterministicFailure, deterministic_cause
-from vitscale.launch.ray_train import WorkerFailed, _root_cause
+from vitscale.launch.ray_train import _root_cause
+from vitscale.launch.train_worker import WorkerFailed
 from vitscale.train.checkpoint import DiskFull
 from vitscale.train.engine import UnsafeCheckpoint
 from vitscale.train.loop import NonFiniteSteps

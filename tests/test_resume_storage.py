@@ -19,7 +19,8 @@ import ray.train
 
 from helpers.checkpoints import complete_checkpoint
 from vitscale.data.storage import open_storage
-from vitscale.launch import ray_train
+from vitscale.data.storage.filesystem import run_filesystem
+from vitscale.launch import resume_point
 from vitscale.train import checkpoint as ckpt
 
 BUCKET = "vitscale-resume"
@@ -71,7 +72,7 @@ def test_an_incomplete_latest_falls_back_to_the_newest_complete_in_storage(s3_ru
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: latest)
     seen = _downloads(monkeypatch)
     with contextlib.ExitStack() as downloads:
-        found = ray_train._resume_directory(world_size=2, rank=0, downloads=downloads)
+        found = resume_point.resume_directory(world_size=2, rank=0, downloads=downloads)
         assert found is not None and ckpt.manifest_info(found) == (2, 2)
         assert not ckpt.check_complete(found, 2)
         assert found == seen[-1] and len(seen) == 2  # step 3 tried, step 2 taken; step 1 never fetched
@@ -92,7 +93,7 @@ def test_no_complete_checkpoint_starts_from_step_1_naming_what_it_ignores(s3_run
     monkeypatch.setattr(ray.train, "get_checkpoint",
                         lambda: ray.train.Checkpoint(f"{run}/checkpoint_000000003", filesystem=fs))
     with contextlib.ExitStack() as downloads:
-        assert ray_train._resume_directory(world_size=2, rank=0, downloads=downloads) is None
+        assert resume_point.resume_directory(world_size=2, rank=0, downloads=downloads) is None
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1, lines
     assert lines[0].startswith("[vitscale] no complete checkpoint to resume from: starting from step 1, ignoring 3 "
@@ -104,7 +105,7 @@ def test_no_complete_checkpoint_starts_from_step_1_naming_what_it_ignores(s3_run
 def test_no_checkpoint_is_a_fresh_start(monkeypatch) -> None:
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
     with contextlib.ExitStack() as downloads:
-        assert ray_train._resume_directory(world_size=2, rank=0, downloads=downloads) is None
+        assert resume_point.resume_directory(world_size=2, rank=0, downloads=downloads) is None
 
 
 def test_a_checkpoint_ray_never_registered_is_found_in_storage(s3_run, moto_s3, monkeypatch) -> None:
@@ -112,7 +113,7 @@ def test_a_checkpoint_ray_never_registered_is_found_in_storage(s3_run, moto_s3, 
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3)
     with contextlib.ExitStack() as downloads:
-        found = ray_train._resume_directory(world_size=2, rank=0, downloads=downloads,
+        found = resume_point.resume_directory(world_size=2, rank=0, downloads=downloads,
                                             storage=f"s3://{BUCKET}/runs/r1")
         assert found is not None and ckpt.manifest_info(found) == (2, 2)  # step 3 is incomplete: step 2
 
@@ -120,9 +121,9 @@ def test_a_checkpoint_ray_never_registered_is_found_in_storage(s3_run, moto_s3, 
 def test_a_run_with_nothing_in_storage_starts_fresh(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
     with contextlib.ExitStack() as downloads:
-        assert ray_train._resume_directory(2, 0, downloads, storage=str(tmp_path / "new-run")) is None
+        assert resume_point.resume_directory(2, 0, downloads, storage=str(tmp_path / "new-run")) is None
     complete_checkpoint(tmp_path / "run" / "checkpoint_000000004", 4)
-    assert ray_train.newest_in_storage(str(tmp_path / "run")).path.endswith("checkpoint_000000004")
+    assert resume_point.newest_in_storage(str(tmp_path / "run")).path.endswith("checkpoint_000000004")
 
 
 def _torn_first_checkpoint(run: Path) -> Path:
@@ -155,16 +156,16 @@ def test_a_torn_first_checkpoint_starts_over_and_its_step_is_saved_again(where, 
         open_storage(f"s3://{BUCKET}", endpoint_url=moto_s3).client.create_bucket(Bucket=BUCKET)
         storage = f"s3://{BUCKET}/runs/torn-{tmp_path.name}"
         _upload(written, storage, moto_s3)
-        run_fs, run = ray_train.run_filesystem(storage)
+        run_fs, run = run_filesystem(storage)
     with contextlib.ExitStack() as downloads:
-        assert ray_train._resume_directory(1, 0, downloads, storage=storage) is None
+        assert resume_point.resume_directory(1, 0, downloads, storage=storage) is None
     line = capsys.readouterr().out.strip()
     assert "\n" not in line and "starting from step 1, ignoring 1 incomplete: checkpoint_000000002 (rank0.pt: " \
         "listed by rank 0 but missing)" in line, line
 
     _save_again(run_fs, run, tmp_path)
     with contextlib.ExitStack() as downloads:
-        found = ray_train._resume_directory(1, 0, downloads, storage=storage)
+        found = resume_point.resume_directory(1, 0, downloads, storage=storage)
         assert found is not None and ckpt.check_complete(found, 1) == [] and ckpt.manifest_info(found) == (2, 1)
 
 
@@ -178,11 +179,11 @@ def test_a_torn_newer_checkpoint_is_passed_over_then_replaced(tmp_path: Path, mo
     (torn / "MANIFEST-rank0.json").unlink()
     (torn / "rank0.pt").write_bytes((torn / "rank0.pt").read_bytes()[:10])
     with contextlib.ExitStack() as downloads:
-        found = ray_train._resume_directory(1, 0, downloads, storage=str(run))
+        found = resume_point.resume_directory(1, 0, downloads, storage=str(run))
         assert found == run / "checkpoint_000000001"
     _save_again(pyarrow.fs.LocalFileSystem(), str(run), tmp_path)
     with contextlib.ExitStack() as downloads:
-        assert ray_train._resume_directory(1, 0, downloads, storage=str(run)) == run / "checkpoint_000000002"
+        assert resume_point.resume_directory(1, 0, downloads, storage=str(run)) == run / "checkpoint_000000002"
 
 
 def test_storage_that_cannot_be_read_is_never_a_fresh_start(s3_run, moto_s3, monkeypatch) -> None:
@@ -196,7 +197,7 @@ def test_storage_that_cannot_be_read_is_never_a_fresh_start(s3_run, moto_s3, mon
     with FaultProxy(moto_s3, fault_rate=1.0, methods=("GET",), random_faults=("403",)) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         with contextlib.ExitStack() as downloads, pytest.raises(StorageError) as err:
-            ray_train._resume_directory(2, 0, downloads, storage=f"s3://{BUCKET}/runs/r1")
+            resume_point.resume_directory(2, 0, downloads, storage=f"s3://{BUCKET}/runs/r1")
     message = str(err.value)
     assert proxy.counts["403"] >= 1 and "\n" not in message
     assert message.startswith(f"cannot list the checkpoints of s3://{BUCKET}/runs/r1: "), message
@@ -210,11 +211,11 @@ def test_a_download_that_fails_is_never_a_fresh_start(s3_run, moto_s3, monkeypat
     _, run = s3_run
     with FaultProxy(moto_s3, methods=("GET",)) as proxy:
         proxy.schedule("403", path="MANIFEST-rank0.json")
-        fs, _ = ray_train.run_filesystem(f"s3://{run}", endpoint_url=proxy.url)
+        fs, _ = run_filesystem(f"s3://{run}", endpoint_url=proxy.url)
         monkeypatch.setattr(ray.train, "get_checkpoint",
                             lambda: ray.train.Checkpoint(f"{run}/checkpoint_000000003", filesystem=fs))
         with contextlib.ExitStack() as downloads, pytest.raises(StorageError) as err:
-            ray_train._resume_directory(2, 0, downloads)
+            resume_point.resume_directory(2, 0, downloads)
     assert proxy.pending == 0
     assert str(err.value).startswith(f"cannot read checkpoint s3://{run}/checkpoint_000000003: "), err.value
 

@@ -216,7 +216,7 @@ def test_a_bucket_without_write_permission_stops_the_run_in_one_line(moto_s3: st
 def test_a_step_saved_again_replaces_every_file_its_torn_save_left(tmp_path: Path, moto_s3: str, bucket: str) -> None:
     """The first save of step 2 failed part-way (its rank0.pt never arrived); the run restarted and saves step 2
     again. A file the new copy loses without a word must not be taken for stored because the torn save left
-    one of that name and size: each rank first clears its own names (launch/ray_train.py, `_report`)."""
+    one of that name and size: each rank first clears its own names (launch/train_worker.py, `_report`)."""
     target = f"s3://{bucket}/runs/r5/checkpoint_000000002"
     fs, path = run_filesystem(target, endpoint_url=moto_s3)
     torn = _local_checkpoint(tmp_path / "torn", 2)

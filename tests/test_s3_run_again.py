@@ -7,7 +7,7 @@ storage was emptied, after its first checkpoint's upload was refused part-way.
   metrics lines and TensorBoard events are not pushed again (mirror.py, `pull`).
 - A refused checkpoint upload stops the run on its first attempt in one line (launch/failures.py); the
   torn checkpoint it leaves is ignored by the next run, which starts from step 1 and saves that step
-  again, complete (launch/ray_train.py, `_resume_directory`, `clear_stale`).
+  again, complete (launch/resume_point.py, `resume_directory`; launch/train_worker.py, `clear_stale`).
 """
 
 from __future__ import annotations

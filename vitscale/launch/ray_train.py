@@ -1,313 +1,51 @@
 """Ray Train wiring: a TorchTrainer whose workers run `vitscale.train.loop.train` on a `TrainJob`.
 
-Ray stays at this edge. The worker function takes the typed job from its payload on its first
-line, finds the checkpoint to resume from, and hands a `WorkerContext` to the loop. Fault tolerance
-is Ray Train V2's: `FailureConfig(max_failures)` restarts the worker group
-after a crash and `ray.train.get_checkpoint()` returns the latest reported checkpoint; a
-re-submitted job with the same (storage_path, name) resumes the same way.
+Ray stays at this edge. This is the driver's side: where a run lives (`RunPlace`), the trainer for a job,
+its launch, and the one line a failure ends in. Each worker runs `train_worker.py`'s function, which
+resumes from `resume_point.py`'s checkpoint. Fault tolerance is Ray Train V2's: `FailureConfig(max_failures)`
+restarts the worker group after a crash and `ray.train.get_checkpoint()` returns the latest reported checkpoint;
+a re-submitted job with the same (storage_path, name) resumes the same way.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import os
 import posixpath
 import socket
-import tempfile
 import threading
 import time
-import traceback
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-import pyarrow.fs
 import ray
 import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.collective import broadcast_from_rank_zero
 
 from vitscale.config.checks import ConfigError
 from vitscale.config.location import is_url, part_location
 from vitscale.config.pipeline import ClusterConfig, ray_address
-from vitscale.data.storage import open_storage
-from vitscale.data.storage.base import StorageError
 from vitscale.data.storage.endpoint import endpoint_env
-from vitscale.data.storage.filesystem import clear_stale, ensure_uploaded, run_filesystem
-from vitscale.data.storage.mirror import RunMirror
-from vitscale.data.storage.retry import RETRY_ENV, final_reason
+from vitscale.data.storage.filesystem import run_filesystem
+from vitscale.data.storage.retry import RETRY_ENV
 from vitscale.data.storage.run_cache import run_cache_dir, run_cache_key
 from vitscale.data.storage.space import is_no_space, no_space_line
-from vitscale.launch.abandoned_downloads import remove_abandoned_downloads
-from vitscale.launch.console import labelled_lines
 from vitscale.launch.errors import PipelineFailed
 from vitscale.launch.failures import (
     DeterministicFailure,
     StopOnDeterministicFailure,
     StopWithoutRoom,
     WorkersUnavailable,
-    deterministic_cause,
 )
 from vitscale.launch.interruption import InterruptibleTrainer, keeping_handlers
 from vitscale.launch.node_loss import RestartAtLiveSize
 from vitscale.launch.poll import set_controller_poll
 from vitscale.launch.snapshot import repair_snapshot
-from vitscale.launch.stop_request import StopPoll, stop_requests
+from vitscale.launch.stop_request import stop_requests
+from vitscale.launch.train_worker import WorkerFailed, train_worker
 from vitscale.say import say
 from vitscale.train import checkpoint as ckpt
 from vitscale.train.job import TrainJob
-from vitscale.train.termination import Terminated, TerminationNotice
-
-
-class WorkerFailed(RuntimeError):
-    """A training worker raised: carries the rank and the worker's own traceback."""
-
-    deterministic: bool = False
-    """A restart would fail the same way (launch/failures.py): set by the worker, read by the driver."""
-
-
-def train_worker(payload: dict[str, Any]) -> None:
-    """Entry point of every Ray Train worker: run the `TrainJob` in the payload.
-
-    The payload carries the validated, frozen `TrainJob` itself (Ray pickles it): the driver
-    checked every value in it, so the worker only runs it.
-    """
-    job: TrainJob = payload["job"]
-    from vitscale.train.loop import WorkerContext, train  # torch/deepspeed load inside the worker
-
-    context = ray.train.get_context()
-    rank, world_size = context.get_world_rank(), context.get_world_size()
-    place: RunPlace = payload["place"]
-    run_dir = place.local_dir()  # on this node, as this node's user: never the driver's path
-    storage = place.storage
-    mirror = _rank_mirror(run_dir, storage, rank)
-    # SIGTERM (a spot VM's shutdown, a pod's deletion, `kill`) becomes a checkpoint, then this exit.
-    termination = TerminationNotice(float(payload.get("grace_s", 120.0)), label=f"rank {rank}")
-    try:
-        with contextlib.ExitStack() as downloaded, labelled_lines(payload.get("label")), termination:
-            resume_from = _resume_directory(world_size, rank, downloaded, storage)
-            _agree_on_resume(rank, resume_from)
-            # `restored` releases a downloaded checkpoint as soon as the loop has loaded it.
-            ctx = WorkerContext(rank=rank, world_size=world_size, run_dir=run_dir,
-                                report=functools.partial(_report, mirror=mirror, storage=storage),
-                                resume_from=resume_from, local_rank=context.get_local_rank(),
-                                restored=downloaded.close, storage=storage, run_name=place.label,
-                                elastic=bool(payload.get("elastic")), preemption=_preemption_notice,
-                                launched=float(payload.get("launched", 0.0)),
-                                stop_requested=_stop_poll(payload.get("stop"), place.storage),
-                                terminated=termination.notice)
-            train(job, ctx)  # its last step reports the final checkpoint and metrics
-    except Terminated as stopped:
-        say(f"{stopped}: " + ("leaving" if stopped.signalled else "stopping for the restart"))
-        if stopped.signalled:
-            _leave(termination, stopped)
-        # A peer's SIGTERM: this worker ends its attempt in one line, not with a failed collective's traceback.
-        raise WorkerFailed(str(stopped)) from None
-    except Exception as exc:
-        # Ray shows its own traceback of the actor; print the worker's with its rank so the driver's
-        # log says which rank failed and why, then re-raise for Ray's failure handling.
-        say(f"rank {rank} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-        failure = WorkerFailed(f"rank {rank}: {ckpt.one_line(exc, storage, world_size)}")
-        failure.deterministic = deterministic_cause(exc) is not None  # survives pickling; the cause does not
-        raise failure from exc
-    finally:
-        if mirror is not None:
-            try:
-                mirror.close()
-            except OSError as exc:  # never hide the run's own outcome behind a failed last upload
-                say(f"rank {rank}: could not push its records to {mirror.storage.url}: {exc}")
-
-
-def _leave(termination: TerminationNotice, told: Terminated) -> NoReturn:
-    """End this worker's process as the SIGTERM it held back would have (Ray's handler: SystemExit in the
-    actor's main thread); Ray Train then restarts the group from the checkpoint the loop just wrote."""
-    import time
-
-    termination.leave()
-    time.sleep(60)  # the main thread ends the process meanwhile; this thread must not return "finished"
-    raise WorkerFailed(f"{told}, but the process did not end within 60 s of the signal's own handler")
-
-
-def _stop_poll(requests: Any, run: str) -> Callable[[], str | None]:
-    """Rank 0's reading of the driver's stop request; a run fitted from a thread (a sweep's) has none."""
-    return (lambda: None) if requests is None else StopPoll(requests, run)
-
-
-def _preemption_notice() -> str | None:
-    """Ray Train's notice that a node of this run is being preempted (drained with a deadline), as one
-    line, or None. A barrier: every rank calls it once per step."""
-    import time
-
-    info = ray.train.get_preemption_info()
-    if info is None:
-        return None
-    left = "" if info.deadline_ms is None else f", {info.deadline_ms / 1000 - time.time():.0f} s before its deadline"
-    nodes = ", ".join(n[:12] for n in info.preempted_node_ids)
-    return f"node(s) {nodes} (ranks {info.preempted_ranks}) preempted{left}"
-
-
-def _rank_mirror(run_dir: Path, storage: str | None, rank: int) -> RunMirror | None:
-    """What this rank writes on its node's disk (metrics, sample records; rank 0 also TensorBoard), pushed to
-    the run's storage: a node's disk is only a cache, and a lost node's files must not be lost with it."""
-    if storage is None:
-        return None
-    mine = f"rank{rank}."
-
-    def include(name: str) -> bool:
-        return mine in name.rsplit("/", 1)[-1] or (rank == 0 and name.startswith("tensorboard/"))
-
-    mirror = RunMirror(run_dir, open_storage(storage), include=include)
-    # A rank that starts on a node that is not its predecessor's (a lost node replaced) continues the
-    # records its predecessor pushed instead of overwriting them with a file that starts at the resume; and
-    # its files the storage lacks (a deleted run's, on a node that ran it) are removed before it writes.
-    mirror.pull()
-    mirror.push_every(30.0)
-    return mirror
-
-
-def _report(metrics: dict[str, Any], checkpoint_dir: Path | None, mirror: RunMirror | None = None,
-            storage: str | None = None) -> None:
-    if checkpoint_dir is None:
-        ray.train.report(metrics)
-        return
-    if mirror is not None:  # the records up to this checkpoint reach storage before the checkpoint does
-        mirror.push()
-    name = f"checkpoint_{int(metrics['step']):09d}"
-    if storage is not None:  # a step saved again: its torn save's files must not pass for this one's
-        cleared = clear_stale(checkpoint_dir, posixpath.join(storage, name))
-        if cleared:
-            say(f"{name}: removed {len(cleared)} file(s) an earlier, failed save of this step left")
-    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(checkpoint_dir)),
-                     checkpoint_dir_name=name)
-    if storage is not None:  # Ray's copy can lose a file without a word (filesystem.py): check, copy again
-        copied = ensure_uploaded(checkpoint_dir, posixpath.join(storage, name))
-        if copied:
-            say(f"{name}: stored again what the first upload lost: {', '.join(copied)}")
-
-
-def _resume_directory(world_size: int, rank: int, downloads: contextlib.ExitStack,
-                      storage: str | None = None) -> Path | None:
-    """The newest COMPLETE checkpoint of this run as a local directory, or None for a fresh start.
-
-    The newer of the latest checkpoint Ray hands back and the newest in the run's storage (a worker
-    that died right after its upload, a rank that left on SIGTERM, leaves a checkpoint Ray may never
-    have registered; a re-submitted run must not start from scratch or step back past it). If the latest is
-    incomplete (a rank died while uploading, a damaged manifest), older checkpoints are searched in
-    the run's storage itself
-    (a local folder, NFS or object storage: never a temporary download folder). A copy fetched
-    from object storage stays until `downloads` is closed; incomplete ones are released at once.
-    A checkpoint written by another world size is handed on as it is: the loop reshards it (an
-    elastic run) or refuses it naming the change (`train/resume.py`), never falls back past it.
-
-    When the storage shows every checkpoint incomplete (the first upload failed part-way), the run starts
-    from step 1, saying which it ignores: its saves of those steps write them again. Storage that cannot be
-    read (listed or downloaded) is never taken for a run without checkpoints: that raises a
-    :class:`StorageError` naming the place, and the run does not start over.
-    """
-    known = [c for c in (ray.train.get_checkpoint(), newest_in_storage(storage)) if c is not None]
-    if not known:
-        return None
-    latest = max(known, key=lambda c: posixpath.basename(c.path.rstrip("/")))  # checkpoint_{step:09d}
-    if not isinstance(latest.filesystem, pyarrow.fs.LocalFileSystem):  # as_directory() downloads it, below
-        removed = remove_abandoned_downloads()
-        if removed:
-            say(f"rank {rank}: removed {len(removed)} checkpoint download(s) that killed processes left in "
-                f"{tempfile.gettempdir()}: {', '.join(removed)}")
-    ignored: list[str] = []
-    for candidate in _newest_first(latest):
-        name = posixpath.basename(candidate.path.rstrip("/"))
-        fetched = contextlib.ExitStack()
-        try:
-            directory = Path(fetched.enter_context(candidate.as_directory()))
-        except FileNotFoundError:  # the storage says it is gone (deleted since Ray recorded it)
-            fetched.close()
-            ignored.append(f"{name} (not in storage)")
-            continue
-        except (OSError, ValueError) as exc:
-            fetched.close()
-            raise _unreadable(f"cannot read checkpoint {_url(candidate)}", exc) from exc
-        info = ckpt.manifest_info(directory)
-        # Complete as its writers left it (the loop reshards one of another world size, or refuses it).
-        saved_world = info[1] if info is not None else world_size
-        found = ckpt.check_complete(directory, saved_world, hash_ranks={0, rank if rank < saved_world else 0})
-        if not found:
-            downloads.callback(fetched.close)
-            if candidate is not latest:
-                say(f"latest checkpoint {posixpath.basename(latest.path)} is incomplete; "
-                      f"resuming from {name}")
-            return directory
-        fetched.close()
-        more = f"; {len(found) - 1} more problem(s)" if len(found) > 1 else ""
-        ignored.append(f"{name} ({found[0].replace(f'{directory}/', '').replace(str(directory), name)}{more})")
-    if rank == 0:
-        say(f"no complete checkpoint to resume from: starting from step 1, ignoring {len(ignored)} incomplete: "
-            + ", ".join(ignored))
-    return None
-
-
-def _agree_on_resume(rank: int, resume_from: Path | None) -> None:
-    """Every rank resumes from rank 0's step, or the attempt fails in one line. Each rank checks the hashes of
-    the files it reads (`_resume_directory`), so a rank whose own part of the newest checkpoint is damaged
-    chooses an older one, or none, and would train from another step than its peers. A barrier."""
-    info = ckpt.manifest_info(resume_from) if resume_from is not None else None
-    step = info[0] if info is not None else 0
-    chosen = broadcast_from_rank_zero(step)
-    if step != chosen:
-        raise RuntimeError(f"rank {rank} found no complete checkpoint at step {chosen}, from which rank 0 resumes "
-                           f"(its own files of it are missing or damaged: see its lines above); it would resume "
-                           f"from step {step}")
-
-
-def _url(checkpoint: Any) -> str:
-    """A checkpoint's address for messages: `s3://bucket/...` on object storage, else its path."""
-    s3 = isinstance(checkpoint.filesystem, pyarrow.fs.S3FileSystem)
-    return ("s3://" if s3 else "") + checkpoint.path
-
-
-def _unreadable(what: str, exc: BaseException) -> StorageError:
-    """`what` failed reading the run's storage: one line with the storage's error; final as that error is
-    (data/storage/retry.py: a refusal, or one that outlasted the retry budget)."""
-    why = final_reason(exc)
-    return StorageError(f"{what}: {' '.join(str(exc).split())[:300] or type(exc).__name__}"
-                        + (f" ({why})" if why else ""), final=why is not None)
-
-
-def newest_in_storage(storage: str | None) -> Any:
-    """The newest `checkpoint_*` folder in the run's storage as a `ray.train.Checkpoint`, or None (none there).
-    A storage that cannot be listed raises a `StorageError`: it is not a run without checkpoints."""
-    if storage is None:
-        return None
-    filesystem, path = run_filesystem(storage)
-    if filesystem is None:
-        filesystem, path = pyarrow.fs.LocalFileSystem(), storage
-    try:
-        infos = filesystem.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True))
-    except (OSError, ValueError) as exc:
-        raise _unreadable(f"cannot list the checkpoints of {storage}", exc) from exc
-    names = [posixpath.basename(i.path) for i in infos
-             if i.type == pyarrow.fs.FileType.Directory and posixpath.basename(i.path).startswith("checkpoint_")]
-    if not names:
-        return None
-    return ray.train.Checkpoint(posixpath.join(path, max(names)), filesystem=filesystem)
-
-
-def _newest_first(latest: Any) -> Iterator[Any]:
-    """`latest`, then the run's other `checkpoint_*` folders beside it in storage, newest first."""
-    yield latest
-    parent = posixpath.dirname(latest.path.rstrip("/"))
-    try:
-        infos = latest.filesystem.get_file_info(pyarrow.fs.FileSelector(parent))
-    except (OSError, ValueError) as exc:
-        raise _unreadable(f"cannot list the checkpoints beside {_url(latest)}", exc) from exc
-    folders = (posixpath.basename(i.path) for i in infos if i.type == pyarrow.fs.FileType.Directory)
-    names = sorted((name for name in folders if name.startswith("checkpoint_")),
-                   reverse=True)  # checkpoint_{step:09d}: the name orders by step
-    for name in names:
-        path = posixpath.join(parent, name)
-        if path.rstrip("/") != latest.path.rstrip("/"):
-            yield ray.train.Checkpoint(path, filesystem=latest.filesystem)
 
 
 @dataclass(frozen=True)

@@ -318,7 +318,7 @@ def space_for(where: str | os.PathLike[str], *, step: int, parts: int = 1,
     try:
         yield
     except Exception as exc:
-        # The run's own files pushed before the checkpoint (launch/ray_train.py, `_report`) fail as what they are.
+        # The run's own files pushed before the checkpoint (launch/train_worker.py, `_report`) fail as what they are.
         if isinstance(exc, (DiskFull, CheckpointNotWritten, RunFileNotStored)):
             raise
         free = free_bytes(where)

@@ -1,6 +1,6 @@
 """What the launcher tells a worker: who it is, where the run lives, how to report, what to resume.
 
-`launch/ray_train.py` fills it from Ray Train's context; tests and benchmarks fill it by hand to run the
+`launch/train_worker.py` fills it from Ray Train's context; tests and benchmarks fill it by hand to run the
 same loop without Ray. Its own module so that the loop's components (`worker.py`, `observers.py`,
 `stopvote.py`) read it without importing the loop that composes them.
 """
