@@ -34,7 +34,7 @@ def test_is_url_is_the_only_spelling_of_the_rule() -> None:
 
 
 def test_a_run_is_stored_in_one_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from vitscale.launch.ray_train import run_place
+    from vitscale.launch.run_place import run_place
 
     monkeypatch.chdir(tmp_path)
     local = ClusterConfig(storage_path="runs")

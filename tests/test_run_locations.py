@@ -186,7 +186,7 @@ def test_the_run_storage_is_canonical() -> None:
 
 
 def test_each_train_runs_metrics_are_labelled_with_its_pipeline_run(tmp_path: Path) -> None:
-    from vitscale.launch.ray_train import run_place
+    from vitscale.launch.run_place import run_place
 
     # Two pipelines' fine-tunings and sweeps: each Train run's `run` label names its pipeline run, not only
     # the last segment every pipeline shares ("finetune", "final").
@@ -226,7 +226,7 @@ def _bucket(endpoint: str, name: str) -> str:
 
 def test_two_buckets_one_run_name_two_caches_and_nothing_crosses(moto_s3: str, node_cache: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from vitscale.launch.ray_train import run_place
+    from vitscale.launch.run_place import run_place
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3)
     team_a, team_b = _bucket(moto_s3, "team-a"), _bucket(moto_s3, "team-b")
@@ -266,7 +266,7 @@ def _on_a_node(place: object, home: Path, tmp: Path) -> Path:
 
 
 def test_each_node_resolves_its_own_cache_folder(moto_s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from vitscale.launch.ray_train import run_place
+    from vitscale.launch.run_place import run_place
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3)
     monkeypatch.delenv(ROOT_ENV, raising=False)

@@ -450,7 +450,7 @@ def test_a_report_into_a_place_that_takes_no_files_is_one_line(tmp_path: Path, m
 def test_a_cells_progress_line_shows_a_non_finite_loss_instead_of_failing(tmp_path: Path) -> None:
     """A cell whose latest step's loss was NaN (a skipped step, within train.max_skipped_steps) has it as
     null in its metrics line: the study's progress line says nan, not a TypeError that ends the study."""
-    from vitscale.launch.ray_train import run_place
+    from vitscale.launch.run_place import run_place
     from vitscale.scaling.study.cell_pipelines import cell_run, resolve_cells
     from vitscale.scaling.study.runner import _progress
     from vitscale.stages import build_pipeline

@@ -10,12 +10,9 @@ a re-submitted job with the same (storage_path, name) resumes the same way.
 from __future__ import annotations
 
 import os
-import posixpath
 import socket
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -23,12 +20,10 @@ import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
 from vitscale.config.checks import ConfigError
-from vitscale.config.location import is_url, part_location
 from vitscale.config.pipeline import ClusterConfig, ray_address
 from vitscale.data.storage.endpoint import endpoint_env
 from vitscale.data.storage.filesystem import run_filesystem
 from vitscale.data.storage.retry import RETRY_ENV
-from vitscale.data.storage.run_cache import run_cache_dir, run_cache_key
 from vitscale.data.storage.space import is_no_space, no_space_line
 from vitscale.launch.errors import PipelineFailed
 from vitscale.launch.failures import (
@@ -40,69 +35,13 @@ from vitscale.launch.failures import (
 from vitscale.launch.interruption import InterruptibleTrainer, keeping_handlers
 from vitscale.launch.node_loss import RestartAtLiveSize
 from vitscale.launch.poll import set_controller_poll
+from vitscale.launch.run_place import RunPlace
 from vitscale.launch.snapshot import repair_snapshot
 from vitscale.launch.stop_request import stop_requests
 from vitscale.launch.train_worker import WorkerFailed, train_worker
 from vitscale.say import say
 from vitscale.train import checkpoint as ckpt
 from vitscale.train.job import TrainJob
-
-
-@dataclass(frozen=True)
-class RunPlace:
-    """Where one Ray Train run of a pipeline run lives: in storage, and on whichever node asks.
-
-    A pipeline run's Train runs all live inside it (`storage_path/run_name/<part>`: the pretraining at
-    the run itself, `finetune`, `sweep/trials/<id>`, ...), never beside it. On object storage each node
-    keeps its files in its own cache folder (`data/storage/run_cache.py`), found from `cache_key` on
-    that node: the driver ships the key, not a path of its own disk.
-    """
-
-    storage: str
-    """This Train run's canonical location: a shared folder or an `s3://` prefix."""
-    cache_key: str | None
-    """The pipeline run's node-local cache name; None when the storage is a folder every node reads."""
-    part: str = ""
-    """This Train run's path inside the pipeline run ("" for the run itself)."""
-
-    @property
-    def name(self) -> str:
-        """The Train run's name (the last segment of its location: the run's name, `finetune`, a trial id)."""
-        return posixpath.basename(self.storage)
-
-    @property
-    def label(self) -> str:
-        """The pipeline run's name and this Train run's part inside it (`vit-b16`, `vit-b16/finetune`,
-        `vit-b16/sweep/trials/<id>`): its metrics' `run` label, which `name` alone (`finetune`, `final`) would
-        give every pipeline's fine-tuning alike."""
-        depth = len(self.part.strip("/").split("/")) if self.part.strip("/") else 0
-        return "/".join(self.storage.rstrip("/").split("/")[-1 - depth:])
-
-    def local_dir(self) -> Path:
-        """This node's folder for the run: the storage itself, or this node's cache of it (its root created)."""
-        if self.cache_key is None:
-            return Path(self.storage)
-        return run_cache_dir(self.cache_key, self.part)
-
-    def sub(self, part: str) -> RunPlace:
-        """The Train run at `part` inside this one (a sweep's trials inside `sweep/trials`)."""
-        inner = posixpath.join(self.part, part) if self.part else part
-        return RunPlace(part_location(self.storage, part), self.cache_key, inner)
-
-    def ray_storage(self) -> tuple[str, str]:
-        """(`RunConfig.storage_path`, `RunConfig.name`): Ray Train stores the run at their join."""
-        return posixpath.dirname(self.storage), self.name
-
-
-def run_place(cluster: ClusterConfig, run_name: str, part: str = "") -> RunPlace:
-    """Where the run `run_name` (or its `part`) lives: `cluster.run_storage(run_name)` is the one rule
-    (config/location.py), and an object-storage run's node cache is keyed by that location and the
-    endpoint in force, never by the name alone."""
-    storage = cluster.run_storage(run_name)
-    cache = run_cache_key(storage) if is_url(storage) else None
-    place = RunPlace(storage, cache)
-    return place.sub(part) if part else place
-
 
 FINAL_METRICS = ("step", "epoch", "loss", "examples_seen", "cumulative_exaflops", "images_per_s", "mfu",
                  "skipped_samples", "world_size", "restarts", "relaunches", "restart_lost_s")

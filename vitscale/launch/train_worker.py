@@ -25,13 +25,13 @@ from vitscale.data.storage.mirror import RunMirror
 from vitscale.launch.console import labelled_lines
 from vitscale.launch.failures import deterministic_cause
 from vitscale.launch.resume_point import agree_on_resume, resume_directory
+from vitscale.launch.run_place import RunPlace
 from vitscale.launch.stop_request import StopPoll
 from vitscale.say import say
 from vitscale.train import checkpoint as ckpt
 from vitscale.train.termination import Terminated, TerminationNotice
 
 if TYPE_CHECKING:
-    from vitscale.launch.ray_train import RunPlace
     from vitscale.train.job import TrainJob
 
 __all__ = ["WorkerFailed", "train_worker"]

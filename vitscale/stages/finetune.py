@@ -240,7 +240,8 @@ def _handed_over(config: PipelineConfig, context: StageContext) -> str:
 
 
 def run_finetune(config: PipelineConfig, context: StageContext) -> Finetuned:
-    from vitscale.launch.ray_train import launch_training, run_place
+    from vitscale.launch.ray_train import launch_training
+    from vitscale.launch.run_place import run_place
 
     fc = finetune_section(config)
     model, init = initial_weights(config, context)

@@ -97,7 +97,8 @@ def pretraining_job(config: PipelineConfig) -> TrainJob:
 
 
 def run_pretrain(config: PipelineConfig, context: StageContext) -> Pretrained:
-    from vitscale.launch.ray_train import launch_training, run_place
+    from vitscale.launch.ray_train import launch_training
+    from vitscale.launch.run_place import run_place
 
     checkpoint, metrics = launch_training(pretraining_job(config), config.cluster,
                                           run_place(config.cluster, config.run_name), what="pre-training")

@@ -158,7 +158,7 @@ def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose:
 
 
 def _run_stages(config: PipelineConfig, verbose: bool, t0: float) -> dict[str, Any]:
-    from vitscale.launch.ray_train import run_place
+    from vitscale.launch.run_place import run_place
 
     run_dir = run_place(config.cluster, config.run_name).local_dir()
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vitscale.config.checks import ConfigError, check
 from vitscale.config.loader import to_yaml
@@ -34,6 +34,7 @@ from vitscale.data.carve import Carve
 from vitscale.data.config import DataConfig
 from vitscale.data.storage.atomic import write_atomic
 from vitscale.data.storage.filesystem import run_filesystem
+from vitscale.launch.run_place import RunPlace
 from vitscale.models.config import ModelConfig
 from vitscale.say import say
 from vitscale.stages.base import Pretrained, Stage, StageContext
@@ -60,8 +61,6 @@ from vitscale.train.config import TrainConfig
 from vitscale.train.finetune import FinetuneConfig, finetune_model
 from vitscale.train.job import EvalSet, TrainJob, final_job, selection_job
 
-if TYPE_CHECKING:  # Ray is imported lazily, inside the stage
-    from vitscale.launch.ray_train import RunPlace
 
 def check_sweep(config: PipelineConfig) -> None:
     sweep = sweep_section(config)
@@ -354,7 +353,8 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
 
     from vitscale.eval.tables import write_table
     from vitscale.launch.console import library_output_to
-    from vitscale.launch.ray_train import concurrent_runs, run_place
+    from vitscale.launch.ray_train import concurrent_runs
+    from vitscale.launch.run_place import run_place
 
     sweep = sweep_section(config)
     directory.mkdir(parents=True, exist_ok=True)
@@ -463,7 +463,8 @@ def _retrain_winners(config: PipelineConfig, model: ModelConfig | None,
 
 def _retrain(config: PipelineConfig, model: ModelConfig | None, init: str | None, directory: Path, label: str,
              selected: dict[str, Any]) -> dict[str, Any]:
-    from vitscale.launch.ray_train import launch_training, run_place
+    from vitscale.launch.ray_train import launch_training
+    from vitscale.launch.run_place import run_place
 
     start = "pre-trained" if init is not None else "random weights"
     say(f"retraining the winner {json.dumps(selected['params'])} from {start} on the whole "

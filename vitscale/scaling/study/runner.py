@@ -71,7 +71,7 @@ def run_cell(config: PipelineConfig, cell_id: str, state_url: str, endpoint_url:
     """In the cell's Ray task: its stages in order, skipping those an earlier run finished. ``study_run``:
     the study's own run, whose lease its driver holds (the cells' runs lie inside it by default)."""
     from vitscale.data.storage.lease import hold_run_lease
-    from vitscale.launch.ray_train import run_place
+    from vitscale.launch.run_place import run_place
     from vitscale.stages import get_stage
     from vitscale.stages.base import StageContext
 
@@ -114,7 +114,7 @@ def devices(config: PipelineConfig) -> float:
 
 def _progress(config: PipelineConfig, planned: PlannedCell) -> str | None:
     """The cell's latest step from rank 0's metrics file (local runs), as one line."""
-    from vitscale.launch.ray_train import run_place
+    from vitscale.launch.run_place import run_place
 
     path = run_place(config.cluster, config.run_name).local_dir() / "metrics" / "rank0.jsonl"
     try:
