@@ -179,7 +179,8 @@ def test_fine_tuning_refuses_the_pre_training_objective() -> None:
     (["ViT-B/16", "--target", "pixels"], "--target"),  # without the objective: the supervised figures
     (["ViT-B/16", "--resolution", "100"], "--resolution"),
     (["ViT-X/16"], "MODEL"),
-    (["ViT-B/16", "--resolution", str(2**40)], "MODEL"),  # no tensor takes its sizes: named "--option model"
+    (["ViT-B/16", "--resolution", str(2**40)], "--resolution"),  # past MAX_RESOLUTION, before any tensor is sized
+    (["ViT-B/16", "--option", f"width={2**40}", "--option", "heads=1"], "MODEL"),  # no tensor takes its sizes
     (["ViT-B/16", "--option", "depth=-1"], "--option depth"),
     (["ViT-B/16", "--epochs", "-1"], "--epochs"),
     (["ViT-B/16", "--classes", "-1"], "--classes"),
