@@ -153,7 +153,7 @@ def test_a_run_directory_is_consolidated_and_probed(capsys: pytest.CaptureFixtur
         (["{pt}", "--data", "{synth}", "--shots", "25"], "25 shots x 3 classes need 75 examples"),
         (["{pt}", "--data", "{damaged}", "--shots", "10", "--error-budget", "0.1"], "class 1 has 9"),
         (["{pt}", "--data", "{damaged}", "--shots", "1"], "fewshot.error_budget"),
-        (["{pt}", "--data", "{synth}", "--seeds", "0"], "fewshot.seeds"),
+        (["{pt}", "--data", "{synth}", "--seeds", "0"], "--seeds: must be a positive int"),
         (["{pt}", "--data", "{synth}", "--train-split", "nope"], "'nope' is not a split"),
         (["{pt}", "--data", "{synth}", "--shots", "5", "--model", "ViT-S/16"], "not ViT-S/16"),
         # a size the patches cannot tile names the flag that asked for it (was create_model's own `img_size=`)

@@ -311,6 +311,13 @@ def test_shards_order_names_the_flag_it_refuses(flags: list[str], named: str, sm
     (["inspect", "{weights}", "--model", "ViT-Ti/16", "--img-size", "100000", "--images", "{data}", "--out", "{out}"],
      "--img-size: must be at most 4096 px"),
     (["flops", "ViT-B/16", "--resolution", "100000"], "--resolution: must be at most 4096 px"),
+    # the fewshot: keys its flags set said `fewshot.l2:`; 10**20 draws said "fewshot.seed: must be in [0, -9999...]"
+    (["fewshot", "{weights}", "--model", "ViT-Ti/16", "--img-size", "32", "--data", "{data}", "--l2", "0"],
+     "--l2: must be > 0"),
+    (["fewshot", "{weights}", "--model", "ViT-Ti/16", "--img-size", "32", "--data", "{data}", "--seeds",
+      "99999999999999999999"], "--seeds: must be at most 4294967296"),
+    (["fewshot", "{weights}", "--model", "ViT-Ti/16", "--img-size", "32", "--data", "{data}", "--shots", "1", "0"],
+     "--shots: must be > 0"),
     (["shards", "dedup", "--train", "{data}", "--against", "{data}", "--out", "{out}", "--threshold", "64"],
      "--threshold: must be in [0, 63] bits, got 64"),
     (["shards", "dedup", "--train", "{data}", "--against", "{data}", "--out", "{out}", "--threshold", "-1"],

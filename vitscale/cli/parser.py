@@ -132,6 +132,7 @@ def naming_flags(flags: dict[str, str]) -> Iterator[None]:
     try:
         yield
     except ConfigError as exc:
-        if exc.key not in flags:
+        key = exc.key.split("[", 1)[0]  # `fewshot.shots[1]`: an item of what the flag set
+        if key not in flags:
             raise
-        raise ConfigError(flags[exc.key], exc.message) from None
+        raise ConfigError(flags[key], exc.message) from None

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from vitscale.cli.interrupt import writes
-from vitscale.cli.parser import VerbFn, add_endpoint_url, model_options, print_json, writing
+from vitscale.cli.parser import VerbFn, add_endpoint_url, model_options, naming_flags, print_json, writing
 
 
 def add_verbs(verbs: Any, verb: VerbFn) -> None:
@@ -80,6 +80,13 @@ def _fewshot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the accuracies as JSON instead of a table")
 
 
+FEWSHOT_FLAGS = {"fewshot.datasets": "--data", "fewshot.shots": "--shots", "fewshot.seeds": "--seeds",
+                 "fewshot.seed": "--seed", "fewshot.l2": "--l2", "fewshot.resolution": "--resolution",
+                 "fewshot.train_split": "--train-split", "fewshot.test_split": "--test-split",
+                 "fewshot.batch_size": "--batch-size", "fewshot.error_budget": "--error-budget"}
+"""The `fewshot:` keys `vitscale fewshot`'s flags set: a bad value is named by the flag the user typed."""
+
+
 def cmd_fewshot(args: argparse.Namespace) -> int:
     from vitscale.eval.weights_probe import fewshot_table, fewshot_weights
 
@@ -91,8 +98,9 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
                "error_budget": args.error_budget}
 
     options = model_options(args.option)
-    report = fewshot_weights(args.checkpoint, fewshot, model_name=args.model, img_size=args.img_size,
-                                endpoint_url=args.endpoint_url, progress=True, model_options=options)
+    with naming_flags(FEWSHOT_FLAGS):
+        report = fewshot_weights(args.checkpoint, fewshot, model_name=args.model, img_size=args.img_size,
+                                 endpoint_url=args.endpoint_url, progress=True, model_options=options)
     if args.json:
         print_json(report)
     else:

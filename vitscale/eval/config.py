@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vitscale.config.checks import check, fraction, image_side, plain_name, positive, positive_int, seed
+from vitscale.config.checks import SEED_LIMIT, check, fraction, image_side, plain_name, positive, positive_int, seed
 from vitscale.data.config import DEFAULT_ERROR_BUDGET, SourceConfig
 
 
@@ -51,6 +51,8 @@ class FewshotConfig:
         image_side(self.resolution, "fewshot.resolution")
         positive(self.batch_size, "fewshot.batch_size")
         positive_int(self.seeds, "fewshot.seeds")
+        check(self.seeds <= SEED_LIMIT, "fewshot.seeds",
+              f"must be at most {SEED_LIMIT} (a seed each), got {self.seeds}")
         seed(self.seed, "fewshot.seed", count=self.seeds)  # the draws use seed .. seed + seeds - 1
         plain_name(self.train_split, "fewshot.train_split")
         plain_name(self.test_split, "fewshot.test_split")
