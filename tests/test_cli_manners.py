@@ -404,6 +404,13 @@ def test_finetune_names_the_flag_not_the_key_it_sets(tmp_path: Path, small_synth
     missing = str(tmp_path / "missing")
     err = _one_line(capsys, ["finetune", weights, "--data", missing, "--model", "ViT-Ti/16", "--lr", "0.1"])
     assert err.startswith(f"vitscale: error: --data: no dataset at {missing}"), err  # found by the data's check
+    # --img-size 0 was read as "not given" (224); alone, without --model, it went unread; a missing test split
+    # said `finetune.test_split:`, a key the verb has no flag for until --test-split
+    assert "--img-size: must be a positive int, got 0" in _one_line(capsys, [*argv, "--lr", "0.1", "--img-size", "0"])
+    err = _one_line(capsys, ["finetune", weights, "--data", small_synthetic, "--lr", "0.1", "--img-size", "48"])
+    assert err.startswith("vitscale: error: --img-size: goes with --model"), err
+    err = _one_line(capsys, [*argv, "--lr", "0.1", "--test-split", "validation"])
+    assert err.startswith("vitscale: error: --test-split: 'validation' is not a split of"), err
 
 
 def test_a_list_flag_that_swallowed_the_positional_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

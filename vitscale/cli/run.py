@@ -9,7 +9,7 @@ from typing import Any
 
 from vitscale.cli.interrupt import received, writes
 from vitscale.cli.parser import VerbFn
-from vitscale.config.checks import ConfigError
+from vitscale.config.checks import ConfigError, check
 
 
 def add_verbs(verbs: Any, verb: VerbFn) -> None:
@@ -111,6 +111,9 @@ def _finetune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--img-size", type=int, default=None, help="resolution such a file was trained at (224)")
     p.add_argument("--resolution", type=int, default=None, help="fine-tuning resolution (default 384)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the preset's, else 10000)")
+    p.add_argument("--test-split", default=None,
+                   help="split the fine-tuned model is tested on, once (default: test; timm's Hugging Face "
+                        "layout calls it validation)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any pipeline value, e.g. --set finetune.train.global_batch=64 --set cluster.num_workers=2 "
                         "(without --address the cluster is this machine: a worker per GPU, or one CPU worker)")
@@ -126,9 +129,13 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     from vitscale.stages.finetune import finetune_pipeline
     from vitscale.stages.run import run_pipeline
 
+    # A run or a vitscale export names its own size: alone, --img-size went unread.
+    check(args.img_size is None or args.model is not None, "--img-size",
+          "goes with --model: the size a .npz, timm or transformers file was trained at (a run or a vitscale "
+          "export names its own; --resolution is the size it is fine-tuned at)")
     raw = finetune_pipeline(args.checkpoint, args.data, preset=args.preset, base_lr=args.lr, model=args.model,
                             img_size=args.img_size, resolution=args.resolution, steps=args.steps,
-                            local=ray_address(args.address) is None)
+                            test_split=args.test_split, local=ray_address(args.address) is None)
     for item in args.set:
         raw = apply_override(raw, item)
     try:

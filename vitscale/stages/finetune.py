@@ -255,7 +255,8 @@ def run_finetune(config: PipelineConfig, context: StageContext) -> Finetuned:
 
 FINETUNE_FLAGS = {"finetune.checkpoint": "checkpoint", "finetune.data.url": "--data", "finetune.preset": "--preset",
                   "finetune.train.base_lr": "--lr", "model.name": "--model", "model.img_size": "--img-size",
-                  "finetune.resolution": "--resolution", "finetune.train.max_steps": "--steps"}
+                  "finetune.resolution": "--resolution", "finetune.train.max_steps": "--steps",
+                  "finetune.test_split": "--test-split"}
 """The pipeline key each of `vitscale finetune`'s own arguments sets in `finetune_pipeline` (errors name the flag)."""
 
 
@@ -280,7 +281,7 @@ def _last_part(location: str) -> str:
 
 def finetune_pipeline(checkpoint: str, dataset: str, *, preset: str | None = None, base_lr: float | None = None,
                       model: str | None = None, img_size: int | None = None, resolution: int | None = None,
-                      steps: int | None = None, local: bool = False) -> dict[str, Any]:
+                      steps: int | None = None, test_split: str | None = None, local: bool = False) -> dict[str, Any]:
     """The pipeline `vitscale finetune CHECKPOINT --data SHARDS` runs, as plain data (`--set` refines it).
 
     `local`: on a Ray started on this machine, the cluster is this machine (a worker per GPU, or one
@@ -296,13 +297,15 @@ def finetune_pipeline(checkpoint: str, dataset: str, *, preset: str | None = Non
         train["base_lr"] = base_lr
     if steps is not None:
         train["max_steps"] = steps
+    if test_split is not None:
+        finetune["test_split"] = test_split
     raw: dict[str, Any] = {"name": finetune_name(checkpoint, dataset), "stages": ["finetune"], "finetune": finetune}
     if local:
         raw["cluster"] = local_cluster()
         if not raw["cluster"]["use_gpu"]:
             train["precision"] = "fp32"
     if model is not None:
-        raw["model"] = {"name": model, **({"img_size": img_size} if img_size else {})}
+        raw["model"] = {"name": model, **({"img_size": img_size} if img_size is not None else {})}
     return raw
 
 
