@@ -318,6 +318,9 @@ def test_shards_order_names_the_flag_it_refuses(flags: list[str], named: str, sm
       "99999999999999999999"], "--seeds: must be at most 4294967296"),
     (["fewshot", "{weights}", "--model", "ViT-Ti/16", "--img-size", "32", "--data", "{data}", "--shots", "1", "0"],
      "--shots: must be > 0"),
+    # 0 was read as "not given": the file read at 224 px (train/weights.py, which fewshot reads through too)
+    (["inspect", "{weights}", "--model", "ViT-Ti/16", "--img-size", "0", "--images", "{data}", "--out", "{out}"],
+     "--img-size: must be a positive int, got 0"),
     (["shards", "dedup", "--train", "{data}", "--against", "{data}", "--out", "{out}", "--threshold", "64"],
      "--threshold: must be in [0, 63] bits, got 64"),
     (["shards", "dedup", "--train", "{data}", "--against", "{data}", "--out", "{out}", "--threshold", "-1"],

@@ -52,7 +52,7 @@ def fewshot_weights(path: str | Path, fewshot: Mapping[str, Any], *, model_name:
     check_probe_datasets(cfg, endpoint_url)  # before a large model is read
     model, facts = load_model(path, model_name=model_name, img_size=img_size, resolution=resolution,
                               model_options=model_options)
-    cfg = dataclasses.replace(cfg, resolution=int(resolution or facts["img_size"]))
+    cfg = dataclasses.replace(cfg, resolution=int(facts["img_size"] if resolution is None else resolution))
     results = fewshot_probe(model, cfg, endpoint_url=endpoint_url, device=device, progress=progress)
     return {**facts, "resolution": cfg.resolution, "results": results}
 

@@ -148,8 +148,8 @@ def _load_model(path: str | Path, *, model_name: str | None, img_size: int | Non
         agree("pixel model", img_size, meta.get("img_size"), str(p))
         del raw
         # Rebuilt at the probe's size: load_pretrained resamples the position embeddings.
-        model = _sized(lambda: create_from_meta({**meta, "img_size": resolution or meta.get("img_size")}),
-                       resolution, None)
+        size = meta.get("img_size") if resolution is None else resolution
+        model = _sized(lambda: create_from_meta({**meta, "img_size": size}), resolution, None)
     else:
         if model_name is None:
             article = "an" if fmt == "npz" else "a"
@@ -161,8 +161,10 @@ def _load_model(path: str | Path, *, model_name: str | None, img_size: int | Non
         options: dict[str, Any] = {}
         if rep is not None and spec.family != "resnet":
             options["representation_size"] = rep  # probe the pre-logits the file was trained with
-        model = _sized(lambda: create_model(spec.name, num_classes=num_classes or 1, img_size=resolution or img_size
-                                            or DEFAULT_IMG_SIZE, **{**options, **model_options}), resolution, img_size)
+        # 0 is a size to refuse (create_model names it), not "not given"
+        size = next((s for s in (resolution, img_size) if s is not None), DEFAULT_IMG_SIZE)
+        model = _sized(lambda: create_model(spec.name, num_classes=num_classes or 1, img_size=size,
+                                            **{**options, **model_options}), resolution, img_size)
     report = load_pretrained(model, p)
     built: Any = model  # create_model's plain attributes (spec, img_size), which nn.Module's typing hides
     return model, {"checkpoint": str(p), "format": fmt, "model": built.spec.name, "img_size": int(built.img_size),
