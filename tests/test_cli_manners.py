@@ -277,13 +277,13 @@ def _one_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     (["--rank", "0", "--world-size", "0"], "--world-size: must be a positive int"),
     (["--rank", "0", "--world-size", "1", "--epoch", "-1"], "--epoch: must be an int >= 0"),
     (["--rank", "0", "--world-size", "1", "--start", "-5"], "--start: must be an int >= 0"),
-    (["--rank", "0", "--world-size", "1", "--start", "100000"], "start: must be in [0, 40]"),
+    (["--rank", "0", "--world-size", "1", "--start", "100000"], "--start: must be in [0, 40]"),
     (["--rank", "0", "--world-size", "1", "--shuffle-buffer", "0"], "--shuffle-buffer: must be a positive int"),
     (["--rank", "0", "--world-size", "4", "--global-batch", "2"], "--global-batch: must be >= --world-size 4"),
     # More than the split holds: no batch fills (an empty order), and 10**20 was an OverflowError traceback.
-    (["--rank", "0", "--world-size", "1", "--global-batch", "41"], "global_batch: must be at most the 40 samples"),
+    (["--rank", "0", "--world-size", "1", "--global-batch", "41"], "--global-batch: must be at most the 40 samples"),
     (["--rank", "0", "--world-size", "1", "--global-batch", "99999999999999999999"],
-     "global_batch: must be at most the 40 samples"),
+     "--global-batch: must be at most the 40 samples"),
     (["--rank", "0", "--world-size", "1", "--seed", "-1"], "--seed: must be an int in"),
 ])
 def test_shards_order_names_the_flag_it_refuses(flags: list[str], named: str, small_synthetic: str,

@@ -235,9 +235,12 @@ def cmd_shards_order(args: argparse.Namespace) -> int:
     if dest is None or world_size is None:
         raise UserError("shards order needs DEST and --world-size, or --pipeline FILE")
     layout = _order_layout(args, world_size, _given(args.global_batch, global_batch))
-    keys = rank_keys(dest, args.split or data.split, endpoint_url=args.endpoint_url or data.endpoint_url,
-                     seed=_given(args.seed, data.seed), shuffle_buffer=_given(args.shuffle_buffer, data.shuffle_buffer),
-                     **layout)
+    # What only the split's size can refuse, named where it was set: a flag, or the pipeline's key.
+    batch_key = "--global-batch" if args.global_batch is not None else "train.global_batch"
+    with naming_flags({"start": "--start", "global_batch": batch_key}):
+        keys = rank_keys(dest, args.split or data.split, endpoint_url=args.endpoint_url or data.endpoint_url,
+                         seed=_given(args.seed, data.seed),
+                         shuffle_buffer=_given(args.shuffle_buffer, data.shuffle_buffer), **layout)
     if args.json:
         print(json.dumps(keys))
     else:
