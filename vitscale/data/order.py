@@ -374,18 +374,17 @@ def rank_keys(
     dataset's ``dataset.json`` and ``_index.parquet``; backs ``vitscale shards order``.
     """
     # Imported here so importing this module stays a pure algorithm: no storage or parquet.
-    from vitscale.config.errors import UserError
+    from vitscale.config.checks import check
     from vitscale.data.format import open_dataset
 
     ds = open_dataset(dataset_url, split, endpoint_url=endpoint_url)
     total = sum(ds.counts)
-    if global_batch is not None and global_batch > total:  # no batch fills (training refuses it; 10**20 overflowed)
-        raise UserError(f"global_batch: must be at most the {total} samples of {split!r} (an epoch holds at least "
-                        f"one batch), got {global_batch}")
+    # no batch fills (training refuses it; 10**20 overflowed)
+    check(global_batch is None or global_batch <= total, "global_batch",
+          f"must be at most the {total} samples of {split!r} (an epoch holds at least one batch), got {global_batch}")
     m = samples_per_rank(total, world_size, global_batch, rank=rank) if 0 <= rank < world_size else 0
-    if not 0 <= start <= m:  # the arguments only the dataset bounds: the user's to fix, said so
-        raise UserError(f"start: must be in [0, {m}] (rank {rank}'s samples of {split!r} in an epoch over "
-                        f"{world_size} ranks), got {start}")
+    check(0 <= start <= m, "start",  # the arguments only the dataset bounds: the user's to fix, said so
+          f"must be in [0, {m}] (rank {rank}'s samples of {split!r} in an epoch over {world_size} ranks), got {start}")
     p = rank_order(ds.counts, seed, epoch, rank, world_size, start, shuffle_buffer, global_batch=global_batch)
     shard, local = p.locate(p.indices)
     index = ds.load_index(np.unique(shard).tolist())  # the shards its samples are in, no more
