@@ -17,6 +17,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
@@ -396,3 +397,45 @@ def test_a_run_around_a_live_run_is_refused_naming_it_and_leaves_no_lease(tmp_pa
         assert keys == [f"{prefix}/finetune/{LEASE_NAME}"]  # its own lease given back
     finally:
         _kill(proc)
+
+
+def test_a_run_whose_dataset_another_process_is_writing_waits_for_it(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs of a pipeline with `create_if_missing`, started together: the second was refused ("is being
+    written by pid ...") and its run ended. It now waits for the writer, and writes the dataset itself when that
+    writer ends without one (here: killed)."""
+    import threading
+
+    from vitscale.data.config import SourceConfig
+    from vitscale.data.format import has_dataset
+    from vitscale.stages import datasets
+
+    url = str(tmp_path / "data")
+    said: list[str] = []
+    waiting = threading.Event()
+
+    def record(text: str) -> None:
+        said.append(text)
+        if "waiting for it to finish" in text:
+            waiting.set()
+
+    monkeypatch.setattr(datasets, "say", record)
+    monkeypatch.setattr(datasets, "BUSY_POLL_S", 0.05)
+    proc = _holder(url)
+    got: list[object] = []
+    source = SourceConfig(kind="synthetic", count=40, classes=2, image_size=16, shard_size=20)
+    worker = threading.Thread(target=lambda: got.append(datasets.ensure_dataset(url, source, None, "data.url")))
+    try:
+        worker.start()
+        deadline = time.monotonic() + 120  # against a hang, not a measure
+        while not waiting.wait(timeout=0.1) and worker.is_alive() and time.monotonic() < deadline:
+            pass
+        assert waiting.is_set(), said  # (a refusal ends the thread at once: no wait)
+        assert worker.is_alive() and not has_dataset(url), said  # waiting, not refused, and nothing written
+        assert f"{url} is being written by pid {proc.pid} on host {socket.gethostname()}" in said[-1], said
+    finally:
+        _kill(proc)
+    worker.join(timeout=300)
+    assert not worker.is_alive() and got, said
+    meta: Any = got[0]
+    assert has_dataset(url) and meta.samples("train") == 40 and meta.num_classes == 2

@@ -2,28 +2,44 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from vitscale.config.checks import ConfigError
 from vitscale.data.config import SourceConfig
 from vitscale.say import say
 
+BUSY_POLL_S = 2.0
+"""How often a run waiting for another process's write of its dataset looks again."""
+
 
 def ensure_dataset(url: str, source: SourceConfig | None, endpoint_url: str | None, key: str) -> Any:
     """The dataset's metadata (`DatasetMeta`); writes the dataset first from `source` when absent.
 
+    When another process is writing that very dataset (two runs of one pipeline started together, a
+    `shards write` to it), this one waits for it and reads what it wrote, as it reads any dataset already
+    there; should that writer end without one (killed), this one writes it. Ctrl-C stops the wait.
     `key` is the config key that named `url` (e.g. "data.url"): errors name it.
     """
     from vitscale.data.format import has_dataset, no_dataset, read_meta
+    from vitscale.data.storage.lease import WriterBusy
     from vitscale.data.tools.write import write_dataset
 
-    if not has_dataset(url, endpoint_url=endpoint_url):
+    waiting = False
+    while not has_dataset(url, endpoint_url=endpoint_url):
         if source is None:  # a setting that names nothing: the key (or the flag or --set it came from) is named
             raise ConfigError(key, no_dataset(url, endpoint_url=endpoint_url))
-        say(f"writing {source.kind} dataset to {url}")
-        write_dataset(source.kind, url, shard_size=source.shard_size, max_side=source.max_side,
-                      quality=source.quality, seed=0, splits=dict(source.splits) if source.splits else None,
-                      source_options=source.source_options(), endpoint_url=endpoint_url)
+        if not waiting:
+            say(f"writing {source.kind} dataset to {url}")
+        try:
+            write_dataset(source.kind, url, shard_size=source.shard_size, max_side=source.max_side,
+                          quality=source.quality, seed=0, splits=dict(source.splits) if source.splits else None,
+                          source_options=source.source_options(), endpoint_url=endpoint_url)
+        except WriterBusy as busy:  # refused before it wrote anything: the lease is that writer's
+            if not waiting:
+                say(f"{url} is being written by {busy.holder}: waiting for it to finish")
+            waiting = True
+            time.sleep(BUSY_POLL_S)
     return read_meta(url, endpoint_url=endpoint_url)
 
 
