@@ -22,7 +22,7 @@ def ensure_dataset(url: str, source: SourceConfig | None, endpoint_url: str | No
     `key` is the config key that named `url` (e.g. "data.url"): errors name it.
     """
     from vitscale.data.format import has_dataset, no_dataset, read_meta
-    from vitscale.data.storage.lease import WriterBusy
+    from vitscale.data.storage.lease import LeaseHeld
     from vitscale.data.tools.write import write_dataset
 
     waiting = False
@@ -35,7 +35,9 @@ def ensure_dataset(url: str, source: SourceConfig | None, endpoint_url: str | No
             write_dataset(source.kind, url, shard_size=source.shard_size, max_side=source.max_side,
                           quality=source.quality, seed=0, splits=dict(source.splits) if source.splits else None,
                           source_options=source.source_options(), endpoint_url=endpoint_url)
-        except WriterBusy as busy:  # refused before it wrote anything: the lease is that writer's
+        except LeaseHeld as busy:  # refused before it wrote anything
+            if busy.holder is None:  # a live writer's folder around or inside this one: no end to wait for
+                raise
             if not waiting:
                 say(f"{url} is being written by {busy.holder}: waiting for it to finish")
             waiting = True

@@ -59,7 +59,7 @@ from vitscale.data.storage.s3 import S3Storage
 from vitscale.data.storage.space import free_bytes, free_text, is_no_space, out_of_files, size_text
 from vitscale.say import line
 
-__all__ = ["DEFAULT_TTL_S", "LEASE_NAME", "Holder", "LeaseHeld", "RunLease", "WriterBusy", "hold_run_lease"]
+__all__ = ["DEFAULT_TTL_S", "LEASE_NAME", "Holder", "LeaseHeld", "RunLease", "hold_run_lease"]
 
 LEASE_NAME = ".vitscale-lease"
 """The lease file (local) or object (S3) inside the run's folder."""
@@ -67,15 +67,12 @@ LEASE_NAME = ".vitscale-lease"
 class LeaseHeld(StorageError):
     """Another writer holds the run's lease (a StorageError: the CLI prints it as one line)."""
 
-
-class WriterBusy(LeaseHeld):
-    """A live writer holds the lease of this very place (not of a folder around or inside it): what it writes
-    will be there once it ends, so a run that only needs that dataset may wait for it (`stages/datasets.py`)."""
-
-    def __init__(self, message: str, holder: str):
+    def __init__(self, message: str, holder: str | None = None):
         super().__init__(message)
         self.holder = holder
-        """The writer, as messages name it (`who`): "pid 123 on host h since ..."."""
+        """Who holds the lease of this very place, as messages name it ("pid 123 on host h since ..."); None when
+        the refusal is a live writer's folder around or inside this one. What a writer of this place writes will
+        be there once it ends, so a run that only needs that dataset may wait for it (`stages/datasets.py`)."""
 
 
 _ADVICE = {
@@ -86,8 +83,8 @@ _ADVICE = {
 """What a refused writer can do, by what it writes: a run (`vitscale run`) or a dataset (`shards write`)."""
 
 
-def _refusal(url: str, holder: Holder | None, detail: str, kind: str = "run") -> WriterBusy:
-    return WriterBusy(f"{kind} {url} is being written by {who(holder)} ({detail}); {_ADVICE[kind]}", who(holder))
+def _refusal(url: str, holder: Holder | None, detail: str, kind: str = "run") -> LeaseHeld:
+    return LeaseHeld(f"{kind} {url} is being written by {who(holder)} ({detail}); {_ADVICE[kind]}", who(holder))
 
 
 def _unwritable(path: Path, exc: OSError, holder: Holder) -> StorageError:
