@@ -421,6 +421,26 @@ def test_a_run_whose_dataset_another_process_is_writing_waits_for_it(tmp_path: P
 
     monkeypatch.setattr(datasets, "say", record)
     monkeypatch.setattr(datasets, "BUSY_POLL_S", 0.05)
+    from vitscale.data.tools import write
+
+    attempts: list[str] = []
+    real_write = write.write_dataset
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        attempts.append(args[1])
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(write, "write_dataset", counted)
+    from vitscale.data.storage import lease as leases
+
+    polls: list[str] = []
+    real_hold = leases.hold_run_lease
+
+    def polled(*args: Any, **kwargs: Any) -> Any:
+        polls.append(args[0])
+        return real_hold(*args, **kwargs)
+
+    monkeypatch.setattr(leases, "hold_run_lease", polled)
     proc = _holder(url)
     got: list[object] = []
     source = SourceConfig(kind="synthetic", count=40, classes=2, image_size=16, shard_size=20)
@@ -433,9 +453,12 @@ def test_a_run_whose_dataset_another_process_is_writing_waits_for_it(tmp_path: P
         assert waiting.is_set(), said  # (a refusal ends the thread at once: no wait)
         assert worker.is_alive() and not has_dataset(url), said  # waiting, not refused, and nothing written
         assert f"{url} is being written by pid {proc.pid} on host {socket.gethostname()}" in said[-1], said
+        while len(polls) < 3 and len(attempts) < 3 and time.monotonic() < deadline:  # a few rounds of waiting
+            time.sleep(0.01)
     finally:
         _kill(proc)
     worker.join(timeout=300)
     assert not worker.is_alive() and got, said
     meta: Any = got[0]
     assert has_dataset(url) and meta.samples("train") == 40 and meta.num_classes == 2
+    assert attempts == [url, url], attempts  # refused once, then written: the source is not opened each poll

@@ -25,12 +25,10 @@ def ensure_dataset(url: str, source: SourceConfig | None, endpoint_url: str | No
     from vitscale.data.storage.lease import LeaseHeld
     from vitscale.data.tools.write import write_dataset
 
-    waiting = False
     while not has_dataset(url, endpoint_url=endpoint_url):
         if source is None:  # a setting that names nothing: the key (or the flag or --set it came from) is named
             raise ConfigError(key, no_dataset(url, endpoint_url=endpoint_url))
-        if not waiting:
-            say(f"writing {source.kind} dataset to {url}")
+        say(f"writing {source.kind} dataset to {url}")
         try:
             write_dataset(source.kind, url, shard_size=source.shard_size, max_side=source.max_side,
                           quality=source.quality, seed=0, splits=dict(source.splits) if source.splits else None,
@@ -38,11 +36,25 @@ def ensure_dataset(url: str, source: SourceConfig | None, endpoint_url: str | No
         except LeaseHeld as busy:  # refused before it wrote anything
             if busy.holder is None:  # a live writer's folder around or inside this one: no end to wait for
                 raise
-            if not waiting:
-                say(f"{url} is being written by {busy.holder}: waiting for it to finish")
-            waiting = True
-            time.sleep(BUSY_POLL_S)
+            say(f"{url} is being written by {busy.holder}: waiting for it to finish")
+            _wait_for_writer(url, endpoint_url)
     return read_meta(url, endpoint_url=endpoint_url)
+
+
+def _wait_for_writer(url: str, endpoint_url: str | None) -> None:
+    """Return once the writer holding `url`'s lease has ended (its dataset published, or it died): the lease is
+    taken and given back every BUSY_POLL_S. Writing again to find out would open the source each time, and
+    listing a folder of images (`folder:`, `imagenet:`) can take minutes."""
+    from vitscale.data.storage.lease import LeaseHeld, hold_run_lease
+
+    while True:
+        time.sleep(BUSY_POLL_S)
+        try:
+            hold_run_lease(url, endpoint_url=endpoint_url, kind="dataset").release()
+            return
+        except LeaseHeld as held:
+            if held.holder is None:  # a writer around or inside it meanwhile: said as any refusal is
+                raise
 
 
 def require_split(meta: Any, split: str, key: str, url: str) -> int:
