@@ -65,6 +65,8 @@ WARMUP_STEPS = 3  # compilation, the allocator and autotuning land here
 AUTO_BATCH_MULTIPLE = 64  # tensor-core friendly, and coarse enough that the choice is stable between runs
 AUTO_BATCH_CAP = 1024  # past this a ViT's step is matmul-bound and gains nothing but compile time
 AUTO_MEMORY_SHARE = 0.8  # the rest: the allocator's fragmentation, cuBLAS and compile workspaces
+PROBE_STATE_BYTES = 8
+"""Bytes per parameter of the probe's own state: fp32 weights and their gradients."""
 EXTRA_STATE_BYTES = 12
 """Bytes per parameter a training step holds beyond the probe's fp32 weights and gradients (8 bytes):
 fp32 master weights or a bf16 copy with its gradient partition (DeepSpeed's bf16, 4) and Adam's two
@@ -234,7 +236,9 @@ def memory_line(name: str, device: torch.device, *, img_size: int = 224,
 def auto_batch(name: str, device: torch.device, *, img_size: int = 224) -> int:
     """The batch `--batch auto` gives `name` on this GPU (the module docstring says how); prints why."""
     at_zero, per_image, parameters = memory_line(name, device, img_size=img_size)
-    fixed = at_zero + EXTRA_STATE_BYTES * parameters
+    # The probe's peak comes in its backward pass, before the last gradients exist (ViT-Ti/16's line met
+    # batch 0 at 4.9 bytes per parameter on an H200): the fp32 weights and every gradient, at least.
+    fixed = max(at_zero, PROBE_STATE_BYTES * parameters) + EXTRA_STATE_BYTES * parameters
     total = torch.cuda.get_device_properties(device).total_memory
     capacity = AUTO_MEMORY_SHARE * total - torch.cuda.memory_allocated(device)
     batch = largest_batch(fixed, per_image, capacity)

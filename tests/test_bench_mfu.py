@@ -69,7 +69,9 @@ def test_an_auto_batch_fits_the_gpu_it_was_chosen_for() -> None:
 
     device = torch.device("cuda", 0)
     at_zero, per_image, parameters = mfu.memory_line("ViT-Ti/16", device)
-    assert per_image > 0 and at_zero >= 8 * parameters * 0.9  # fp32 weights and gradients, at least
+    # The fp32 weights at least: the probe's peak comes before its last gradients exist (4.9 bytes per
+    # parameter on an H200), which `auto_batch` adds back (`PROBE_STATE_BYTES`).
+    assert per_image > 0 and at_zero >= 4 * parameters * 0.9
     batch = mfu.auto_batch("ViT-Ti/16", device)
     assert batch % mfu.AUTO_BATCH_MULTIPLE == 0 and batch <= mfu.AUTO_BATCH_CAP
 

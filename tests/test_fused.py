@@ -112,8 +112,12 @@ def test_deepspeed_skips_its_own_overflow_check_in_bf16() -> None:
 
 
 def test_stage_0_and_3_keep_deepspeeds_norm(process_group: None) -> None:
-    for stage in (0, 3):
-        assert "get_grad_norm_direct" not in _engine(stage).optimizer.__dict__
+    """The fused norm is ZeRO 1 and 2's; one rank's ZeRO 3 keeps DeepSpeed's arithmetic without its host copy
+    (`one_rank.norm_on_the_gpu`, `test_one_rank_at_zero_3_takes_deepspeeds_norm_without_its_host_copy`)."""
+    from vitscale.train.fused import fused_norm_installed
+
+    assert "get_grad_norm_direct" not in _engine(0).optimizer.__dict__
+    assert not fused_norm_installed(_engine(3))
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
@@ -310,6 +314,35 @@ def test_one_rank_at_zero_3_resumes_to_the_uninterrupted_weights(process_group: 
         with whole_weights(straight) as a, whole_weights(other) as b:
             for (name, p), q in zip(a.named_parameters(), b.parameters()):
                 torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+def test_one_rank_at_zero_3_takes_deepspeeds_norm_without_its_host_copy(process_group: None) -> None:
+    """`norm_on_the_gpu`: one rank's ZeRO 3 norm is DeepSpeed's bit for bit, a non-finite one marked -1 as
+    DeepSpeed marks it, and the steps it clips (1e-3 acts) and refuses land where DeepSpeed's own do."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    from vitscale.train.one_rank import norm_on_the_gpu
+
+    ours, theirs = _zero3(True, False, gathered=False), _zero3(True, False, gathered=False)
+    assert "get_grad_norm_direct" in vars(ours.optimizer)  # installed on this engine's optimizer
+    assert not norm_on_the_gpu(ours, torch.float64)  # once
+    assert not norm_on_the_gpu(_engine(1), torch.float64)  # ZeRO 3 only
+    del theirs.optimizer.get_grad_norm_direct  # DeepSpeed's own
+    params = ours.optimizer.fp16_groups[0]
+    generator = torch.Generator().manual_seed(0)
+    for poison in (None, float("inf"), float("nan")):
+        grads = [torch.randn(p.ds_numel, generator=generator) for p in params]
+        if poison is not None:
+            grads[-1][3] = poison
+        a = ours.optimizer.get_grad_norm_direct(grads, params)
+        b = DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct(theirs.optimizer, grads, params)
+        assert a.dtype == b.dtype and a.device == b.device and torch.equal(a, b), (poison, a, b)
+        assert (float(a) == -1.0) == (poison is not None)
+    for poison in (False, False, True, False):
+        assert _step(ours, poison) == _step(theirs, poison) == (not poison)
+        assert float(ours.get_global_grad_norm()) > 1e-3 or poison
+    for p, q in zip(ours.optimizer.fp32_partitioned_groups_flat, theirs.optimizer.fp32_partitioned_groups_flat):
+        assert torch.equal(p, q)
 
 
 def test_one_rank_at_zero_3_compiles_each_block_between_deepspeeds_hooks(process_group: None) -> None:

@@ -29,7 +29,14 @@ from vitscale.train.batch import BatchPlan, derive_batch
 from vitscale.train.config import TrainConfig
 from vitscale.train.deepspeed_keys import ReadKeys, check_spelling, merge_overrides, refused_key, refused_section
 from vitscale.train.fused import fuse_bf16_step, fuse_clipping, fuse_gradient_norm, keep_weight_views
-from vitscale.train.one_rank import ONE_RANK_ZERO_3, compile_units, order_on_the_gpu, skip_regather, weights_kept_whole
+from vitscale.train.one_rank import (
+    ONE_RANK_ZERO_3,
+    compile_units,
+    norm_on_the_gpu,
+    order_on_the_gpu,
+    skip_regather,
+    weights_kept_whole,
+)
 from vitscale.train.optim import ADAM_EPS, optimizer_for, param_groups
 
 REDUCE_BUCKET = 500_000_000
@@ -275,6 +282,7 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str
     keep_weight_views(engine)
     skip_regather(engine)
     order_on_the_gpu(engine)
+    norm_on_the_gpu(engine, deepspeed.runtime.zero.utils.get_norm_dtype())
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     # The module inside the engine, compiled in place: parameter names, hooks and checkpoints unchanged. One
     # rank's ZeRO 3 compiles its repeated units between DeepSpeed's hooks (`one_rank.py`); elsewhere ZeRO 3
