@@ -8,7 +8,7 @@
 # in order of what matters most, under one deadline (GPU_CHECK_SECONDS, default 555: a 10-minute call with
 # the wheels' install and the tar of OUT_DIR around it), each part with its own cap besides:
 #   1. benchmarks/mfu.py: vitscale's training step against the hand-written peer (timm + compile + fused
-#      AdamW + bf16 autocast) for ViT-B/16 at ZeRO 1, 2 and 3 (with a torch.profiler summary) and ViT-L/16
+#      AdamW + bf16 autocast) for ViT-B/16 at ZeRO 1, 2 and 3 (a torch.profiler summary of each) and ViT-L/16
 #      at ZeRO 1, batch 256, with the forward / backward / optimizer phases and the update's GPU time in a step;
 #   2. benchmarks/train_data.py: the real worker loop on >= 20,000 JPEGs written here, against the fixed batch;
 #   3. the GPU tests (bf16 over NCCL at ZeRO 0-3, compiled, exact resume; the step's, the update's and ZeRO 3's

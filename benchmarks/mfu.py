@@ -20,9 +20,12 @@ large-matmul rate measured in the same process says what the chip delivers here.
 
 Where a step's time goes: a few more steps with a device sync between forward (with the loss),
 backward and the optimizer step (which includes DeepSpeed's gradient flattening, the norm and
-clipping), reported as `*_ms` columns. `--profile DIR` traces three steps of the first vitscale
-measurement with `torch.profiler` and writes DIR/profile.md: the top GPU kernels by time, the host
-calls by count, and the host syncs (device-to-host copies, stream and device synchronisations).
+clipping), reported as `*_ms` columns. `--profile DIR` traces three steps of the first model's vitscale
+step at each ZeRO stage with `torch.profiler` and writes DIR/profile-zero{stage}.md: the step's phases
+(forward, backward, update: the host's time in each, and the GPU's time in the kernels each queued), the
+top GPU kernels by time, the host calls by count and by time, and the host syncs (device-to-host copies,
+stream and device synchronisations). Where a phase's GPU kernels are far shorter than its span in a step
+(`update_gpu_ms`), the GPU waited there: for the host, or for another stream.
 The optimizer phase so measured starts with an idle GPU, so where the host queues the update more slowly
 than the GPU runs it, it is the host's time; inside a real step the host queues the update while the GPU
 still runs the backward pass. `update_gpu_ms` (the "update in step" column, GPU only) is the update's own
@@ -319,6 +322,13 @@ class VitscaleStep:
     def phases(self) -> list[Callable[[], Any]]:
         return [self.forward, self.backward, self.update]
 
+    def phase_owners(self) -> dict[str, Any]:
+        """Where `step` finds each phase's call (`PROFILED_PHASES`): the engine's forward and backward, and the
+        `apply_update` of the module whose `Stepper` steps."""
+        import vitscale.train.step as stepper
+
+        return {"forward": self.engine, "backward": self.engine, "update": stepper}
+
 
 def bench_vitscale(name: str, *, batch: int, steps: int, zero_stage: int, device: torch.device,
                    compile_model: bool | str = "auto", compile_mode: str = "default",
@@ -330,7 +340,7 @@ def bench_vitscale(name: str, *, batch: int, steps: int, zero_stage: int, device
                        compile_mode=compile_mode, img_size=img_size, options=options, deepspeed=deepspeed)
     step_s = _time_steps(run.step, steps, device)
     if profile is not None:
-        _profile(run.step, profile / "profile.md", f"{name}, ZeRO {zero_stage}")
+        _profile(run, profile / f"profile-zero{zero_stage}.md", f"{name}, ZeRO {zero_stage}")
     phases = _phases(run.phases(), device)
     import vitscale.train.step as stepper  # the module whose `apply_update` the step calls
 
@@ -406,35 +416,73 @@ def bench_peer(name: str, *, batch: int, steps: int, device: torch.device, timm_
                    zero_stage=None, precision=run.precision, compiled=compile_model, **phases)
 
 
-def _profile(step: Callable[[], Any], out: Path, title: str) -> None:
-    """Trace three steps; write the top kernels, the host calls by count and the host syncs as markdown."""
+PROFILED_PHASES = {"forward": "forward", "backward": "backward", "update": "apply_update"}
+"""The step's phases in a profile: each a range around one call of the step (`VitscaleStep.phase_owners`)."""
+
+
+def _profile(run: VitscaleStep, out: Path, title: str) -> None:
+    """Trace three of `run`'s steps; write the phases, the top kernels, the host calls by count and by time and
+    the host syncs as markdown."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
+    with _phase_ranges(run), profile(activities=activities) as prof:
         for _ in range(3):
-            step()
+            run.step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     events = prof.key_averages()
     device_time = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     kernels = sorted((e for e in events if getattr(e, device_time, 0) > 0), key=lambda e: -getattr(e, device_time))
-    host = sorted(events, key=lambda e: -e.count)
     syncs = [e for e in events if any(s in e.key for s in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
                                                              "cudaMemcpy", "cudaEventSynchronize", "aten::item",
                                                              "aten::_local_scalar_dense"))]
     total_device = sum(getattr(e, device_time) for e in kernels) or 1
-    lines = [f"# Profile: {title}, 3 steps", "", "## GPU kernels by time", "",
-             "| kernel | calls | ms (3 steps) | share |", "|---|---:|---:|---:|"]
+    lines = [f"# Profile: {title}, 3 steps", "", "## The step's phases", "",
+             "| phase | calls | host ms (3 steps) | GPU kernels ms (3 steps) |", "|---|---:|---:|---:|"]
+    for phase in PROFILED_PHASES:
+        hit = [e for e in events if e.key == f"vitscale.{phase}"]
+        gpu = f"{sum(getattr(e, device_time.replace('self_', ''), 0) for e in hit) / 1e3:.2f}" \
+            if torch.cuda.is_available() else "-"
+        lines.append(f"| {phase} | {sum(e.count for e in hit)} | {sum(e.cpu_time_total for e in hit) / 1e3:.2f} | "
+                     f"{gpu} |")
+    lines += ["", "## GPU kernels by time", "", "| kernel | calls | ms (3 steps) | share |", "|---|---:|---:|---:|"]
     lines += [f"| `{e.key[:90]}` | {e.count} | {getattr(e, device_time) / 1e3:.2f} | "
               f"{getattr(e, device_time) / total_device:.1%} |" for e in kernels[:25]]
-    lines += ["", "## Host calls by count", "", "| op | calls | host ms (self) |", "|---|---:|---:|"]
-    lines += [f"| `{e.key[:90]}` | {e.count} | {e.self_cpu_time_total / 1e3:.2f} |" for e in host[:25]]
+    for order, key in (("count", lambda e: -e.count), ("host time", lambda e: -e.self_cpu_time_total)):
+        lines += ["", f"## Host calls by {order}", "", "| op | calls | host ms (self) |", "|---|---:|---:|"]
+        lines += [f"| `{e.key[:90]}` | {e.count} | {e.self_cpu_time_total / 1e3:.2f} |"
+                  for e in sorted(events, key=key)[:25]]
     lines += ["", "## Host syncs and copies", "", "| call | calls | host ms |", "|---|---:|---:|"]
     lines += [f"| `{e.key[:90]}` | {e.count} | {e.cpu_time_total / 1e3:.2f} |" for e in syncs]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     print(f"profile written to {out}", flush=True)
+
+
+@contextlib.contextmanager
+def _phase_ranges(run: VitscaleStep) -> Iterator[None]:
+    """`run`'s step with a profiler range (`vitscale.<phase>`) around each of its phases' calls."""
+    owners = run.phase_owners()
+    real = {phase: getattr(owners[phase], attribute) for phase, attribute in PROFILED_PHASES.items()}
+
+    def ranged(phase: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with torch.profiler.record_function(f"vitscale.{phase}"):
+                return real[phase](*args, **kwargs)
+        return call
+
+    own = {phase: attribute in vars(owners[phase]) for phase, attribute in PROFILED_PHASES.items()}
+    for phase, attribute in PROFILED_PHASES.items():
+        setattr(owners[phase], attribute, ranged(phase))
+    try:
+        yield
+    finally:
+        for phase, attribute in PROFILED_PHASES.items():
+            if own[phase]:
+                setattr(owners[phase], attribute, real[phase])
+            else:  # a method: the class's again
+                delattr(owners[phase], attribute)
 
 
 def _batch(text: str) -> int | str:
@@ -489,7 +537,7 @@ def _table(rows: list[dict], device_name: str) -> list[str]:
 def _plans(args: argparse.Namespace, *, steps: int, device: torch.device,
            batch_for: dict[str, int]) -> list[tuple[str, Callable[[], dict]]]:
     """The measurements to take, in order, each a label and a call: per model (at its batch in `batch_for`)
-    the peer(s), then vitscale's step at each ZeRO stage (the first of them profiled when asked)."""
+    the peer(s), then vitscale's step at each ZeRO stage (the first model's profiled when asked)."""
     on_gpu = device.type == "cuda"
     try:
         import timm  # noqa: F401 -- only asks whether the peer can use timm's model
@@ -516,7 +564,7 @@ def _plans(args: argparse.Namespace, *, steps: int, device: torch.device,
                                   name, batch=n, steps=steps, zero_stage=stage, device=device,
                                   compile_model=compiled, compile_mode=args.compile_mode, profile=profile,
                                   deepspeed=args.deepspeed)))
-                profile = None
+        profile = None  # the first model's stages only: a trace costs steps and host memory
     return plans
 
 
@@ -541,7 +589,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--peer-own-model", action="store_true",
                         help="also run the hand-written loop with vitscale's model (always, where timm is missing)")
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
-                        help="trace the first vitscale measurement; write DIR/profile.md")
+                        help="trace the first model's vitscale step at each ZeRO stage; write DIR/profile-zero*.md")
     parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON document at the end")
     args = parser.parse_args(argv)

@@ -27,8 +27,15 @@ def test_mfu_measures_the_training_step_beside_the_peer(tmp_path: Path, capsys: 
         assert r["images_per_s"] > 0 and all(r[k] > 0 for k in ("forward_ms", "backward_ms", "optimizer_ms"))
     table = capsys.readouterr().out
     assert "| ViT-Ti/16 | vitscale | 1 | no | 2 |" in table and "x |" in table  # the ratio to the peer
-    profile = (tmp_path / "profile.md").read_text()
-    assert "## Host syncs and copies" in profile and "aten::item" in profile
+    profile = (tmp_path / "profile-zero1.md").read_text()
+    assert "## Host syncs and copies" in profile and "aten::item" in profile and "## Host calls by host time" in profile
+    phases = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in profile.splitlines()
+              if line.startswith(("| forward", "| backward", "| update"))}
+    assert sorted(phases) == ["backward", "forward", "update"]
+    assert all(calls == "3" and float(host) > 0 for calls, host, _ in phases.values()), phases  # a range a step
+    from vitscale.train import step, update
+
+    assert step.apply_update is update.apply_update  # the ranges taken off again
     assert (tmp_path / "rows.json").exists()
 
 
