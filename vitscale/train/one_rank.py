@@ -36,9 +36,11 @@ GPU had idled while the host queued ZeRO 3's update: a ViT-B/16 step on an H200 
 `norm_on_the_gpu` removes the update's wait: ZeRO 3's gradient norm marks a non-finite norm -1 with a
 constant it makes on the host and copies to the GPU (`torch.tensor(-1.0, device=...)` in
 `get_grad_norm_direct`), a copy from pageable memory that waits for everything queued before it: the whole
-backward pass. The GPU then idled while the host queued the update (a compiled ViT-B/16 step at ZeRO 3 on an
-H200 ran at 0.78x of ZeRO 1's, its update 10.9 ms of GPU time against 1.8). On one rank the norm is the same
-arithmetic with the constant a scalar no copy carries; elsewhere DeepSpeed's own runs.
+backward pass (CUDA's sync debug mode found it, `tests/test_gpu_training.py`). On one rank the norm is the
+same arithmetic with the constant a scalar no copy carries; elsewhere DeepSpeed's own runs. Removing it did
+not make the step faster on an H200 (a compiled ViT-B/16 step at ZeRO 3: 0.78x of ZeRO 1's before, 0.79x
+after): the update still takes 11-14 ms of a step's GPU time against ZeRO 1's 1.8, with no host sync left in
+it, for a reason `benchmarks/mfu.py --profile` is there to find.
 
 `compile_units` compiles where DeepSpeed's hooks would break the graph: each transformer block or ResNet
 unit (the units ZeRO 3 gathers whole, `models.REPEATED_UNITS`) is compiled on its own, the hooks around it
