@@ -13,15 +13,17 @@
 #   2. benchmarks/train_data.py: the real worker loop on >= 20,000 JPEGs written here, against the fixed batch;
 #   3. the GPU tests (bf16 over NCCL at ZeRO 0-3, compiled, exact resume; the step's, the update's and ZeRO 3's
 #      host syncs);
-#   4. the extras, each only where its whole cap still fits: ViT-L/16 at the largest batch its memory holds
-#      (`--batch auto`, the peer at the same; 150 s); ViT-B/16 at ZeRO 1 compiled with CUDA graphs
-#      (`train.compile_mode: reduce-overhead`); benchmarks/attention.py, every attention kernel at each ViT's
-#      shapes (seconds); ViT-B/16 at the largest batch its memory holds; ViT-B/16 eager at ZeRO 0 and 3; and
-#      ViT-B/16 at the batch its memory holds with `train.compile_mode: max-autotune-no-cudagraphs` (matmul and
-#      fusion configurations searched: whether it lifts the 39.5% MFU of the default mode to the 40% target).
+#   4. the extras, each only where its whole cap still fits, the open questions first: ViT-L/16 at ZeRO 1 with
+#      `train.compile_mode: max-autotune-no-cudagraphs` (matmul and fusion configurations searched: whether it
+#      lifts the 46.6% MFU of the default mode, 2026-11-30, to the 47% target; 190 s, what the main parts left then); ViT-B/16 eager at ZeRO 0
+#      and 3; benchmarks/attention.py, every attention kernel at each ViT's shapes (seconds); ViT-B/16 at ZeRO 1
+#      compiled with CUDA graphs (`train.compile_mode: reduce-overhead`); ViT-B/16 at the largest batch its
+#      memory holds (`--batch auto`); ViT-L/16 at the largest batch its memory holds, the peer at the same
+#      (150 s). The last three were measured on 2026-11-30 (benchmarks/RESULTS.md): ViT-B/16's batch 1024 reached
+#      41.2% MFU; CUDA graphs and ViT-L/16's batch 576 gained nothing.
 # A machine that hands back a few files only: `bash benchmarks/gpu_check.sh /tmp/gc; tar czf $OUT/gc.tgz -C /tmp gc`.
-# GPU_CHECK_ONLY="l16 tests" runs only the parts so named (b16 l16 data tests l16-auto graphs attention
-# b16-auto eager autotune), e.g. a second, shorter call for what the first one's deadline skipped.
+# GPU_CHECK_ONLY="l16 tests" runs only the parts so named (b16 l16 data tests autotune eager attention graphs
+# b16-auto l16-auto), e.g. a second, shorter call for what the first one's deadline skipped.
 # Tables and logs land in OUT_DIR; the last lines printed are the tables.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +33,7 @@ if ! [[ $deadline =~ ^[0-9]+$ ]]; then
   echo "gpu_check.sh: GPU_CHECK_SECONDS must be a whole number of seconds, got '$deadline'" >&2
   exit 2
 fi
-parts="b16 l16 data tests l16-auto graphs attention b16-auto eager autotune"
+parts="b16 l16 data tests autotune eager attention graphs b16-auto l16-auto"
 for name in ${GPU_CHECK_ONLY:-}; do
   if [[ " $parts " != *" $name "* ]]; then
     echo "gpu_check.sh: GPU_CHECK_ONLY names no part '$name' (the parts: $parts)" >&2
@@ -80,23 +82,23 @@ part data 150 "train_data ViT-B/16" $python benchmarks/train_data.py --steps 40 
   --out "$out/train_data.json" 2>&1 | tee "$out/train_data.log" | tail -25
 part tests 130 "gpu tests" $python -m pytest -m gpu tests/test_gpu_training.py tests/test_flops.py tests/test_bench_mfu.py \
   -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | grep -v DEBUG | tail -8
-# The extras, each only where its whole time still fits before the deadline. ViT-L/16 at the batch its memory
-# holds (576 on an H200) did not finish in 110 s: two eager probes, then both loops compiled at that batch.
-extra l16-auto 150 "mfu ViT-L/16, the batch chosen by memory (both loops)" \
-  $python benchmarks/mfu.py --models ViT-L/16 --batch auto --zero-stages 1 --peer --steps 4 \
-  --out "$out/mfu_l16_auto.json" 2>&1 | tee "$out/mfu_l16_auto.log" | grep -v '^{'
-extra graphs 75 "mfu ViT-B/16, CUDA graphs" $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 \
-  --compile-mode reduce-overhead --steps 8 --out "$out/mfu_b16_graphs.json" 2>&1 \
-  | tee "$out/mfu_b16_graphs.log" | grep -v '^{' | tail -6
-extra attention 40 "attention kernels" $python benchmarks/attention.py --steps 10 --out "$out/attention.json" 2>&1 \
-  | tee "$out/attention.log" | grep -v '^{' | tail -7
-extra b16-auto 60 "mfu ViT-B/16, the batch chosen by memory" $python benchmarks/mfu.py --models ViT-B/16 --batch auto \
-  --zero-stages 1 --steps 8 --out "$out/mfu_b16_auto.json" 2>&1 | tee "$out/mfu_b16_auto.log" | grep -v '^{' | tail -6
+# The extras, each only where its whole time still fits before the deadline, the open questions first.
+# Searching configurations compiles for minutes (ViT-L/16's default compile took ~50 s of its 100-s part).
+extra autotune 190 "mfu ViT-L/16, compile mode max-autotune-no-cudagraphs" \
+  $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 1 --compile-mode max-autotune-no-cudagraphs \
+  --steps 8 --out "$out/mfu_l16_autotune.json" 2>&1 | tee "$out/mfu_l16_autotune.log" | grep -v '^{' | tail -6
 extra eager 60 "mfu ViT-B/16, ZeRO 0 and ZeRO 3 eager (the main run's ZeRO 3 row is compiled a block at a time)" \
   $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 0 3 --compile off --steps 8 \
   --out "$out/mfu_b16_eager.json" 2>&1 | tee "$out/mfu_b16_eager.log" | grep -v '^{' | tail -6
-# Searching configurations compiles for minutes; the last extra, so it never takes the others' time.
-extra autotune 200 "mfu ViT-B/16, the batch chosen by memory, compile mode max-autotune-no-cudagraphs" \
-  $python benchmarks/mfu.py --models ViT-B/16 --batch auto --zero-stages 1 --compile-mode max-autotune-no-cudagraphs \
-  --steps 8 --out "$out/mfu_b16_autotune.json" 2>&1 | tee "$out/mfu_b16_autotune.log" | grep -v '^{' | tail -6
+extra attention 40 "attention kernels" $python benchmarks/attention.py --steps 10 --out "$out/attention.json" 2>&1 \
+  | tee "$out/attention.log" | grep -v '^{' | tail -7
+extra graphs 75 "mfu ViT-B/16, CUDA graphs" $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 \
+  --compile-mode reduce-overhead --steps 8 --out "$out/mfu_b16_graphs.json" 2>&1 \
+  | tee "$out/mfu_b16_graphs.log" | grep -v '^{' | tail -6
+extra b16-auto 60 "mfu ViT-B/16, the batch chosen by memory" $python benchmarks/mfu.py --models ViT-B/16 --batch auto \
+  --zero-stages 1 --steps 8 --out "$out/mfu_b16_auto.json" 2>&1 | tee "$out/mfu_b16_auto.log" | grep -v '^{' | tail -6
+# ViT-L/16 at the batch its memory holds (576 on an H200): two eager probes, then both loops compiled at it.
+extra l16-auto 150 "mfu ViT-L/16, the batch chosen by memory (both loops)" \
+  $python benchmarks/mfu.py --models ViT-L/16 --batch auto --zero-stages 1 --peer --steps 4 \
+  --out "$out/mfu_l16_auto.json" 2>&1 | tee "$out/mfu_l16_auto.log" | grep -v '^{'
 stamp "done"
