@@ -282,7 +282,7 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str
     keep_weight_views(engine)
     skip_regather(engine)
     order_on_the_gpu(engine)
-    norm_on_the_gpu(engine, deepspeed.runtime.zero.utils.get_norm_dtype())
+    norm_on_the_gpu(engine)
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     # The module inside the engine, compiled in place: parameter names, hooks and checkpoints unchanged. One
     # rank's ZeRO 3 compiles its repeated units between DeepSpeed's hooks (`one_rank.py`); elsewhere ZeRO 3

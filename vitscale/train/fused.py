@@ -41,6 +41,7 @@ keeps its own, slower path: correct either way).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -64,25 +65,31 @@ def fuse_gradient_norm(engine: Any) -> bool:
     def grad_norm(gradients: list[torch.Tensor], params: list[torch.Tensor], norm_type: float = 2) -> torch.Tensor:
         if float(norm_type) != 2.0:
             return original(gradients, params, norm_type)
-        # DeepSpeed's own filter: padding it appended for alignment is not a gradient.
-        grads = [g for g in gradients if g is not None and not getattr(g, "_zero_padding", False) and g.numel()]
-        device = optimizer.device
-        if grads:
-            # (n,) per-tensor norms, fp32 accumulation; the sum of squares is the squared global norm.
-            # Every gradient is on the optimizer's device (no offload here): one stack, not a call per tensor.
-            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-            total = torch.stack(norms).to(device).square().sum()
-        else:
-            total = torch.zeros((), dtype=torch.float32, device=device)
-        if not alone:
-            torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=group)
-        # DeepSpeed's sentinel for a non-finite norm (its `mask_nan_or_inf_with_val_inplace`), without the
-        # host-to-device copy of its -1 that waits for the GPU.
-        return total.sqrt().nan_to_num_(nan=-1.0, posinf=-1.0, neginf=-1.0)
+        return l2_norm(gradients, optimizer.device, None if alone else group)
 
     optimizer.get_grad_norm_direct = grad_norm
     setattr(optimizer, GLOBAL_NORM, True)
     return True
+
+
+def l2_norm(gradients: Sequence[torch.Tensor | None], device: torch.device | str, group: Any = None) -> torch.Tensor:
+    """The L2 norm of `gradients` on `device` (summed over `group`'s ranks where one is given), in one
+    multi-tensor kernel and with no host sync; -1 where it is not finite, DeepSpeed's sentinel. ZeRO 1 and 2's
+    norm here, and one rank's ZeRO 3's (`one_rank.norm_on_the_gpu`)."""
+    # DeepSpeed's own filter: padding it appended for alignment is not a gradient.
+    grads = [g for g in gradients if g is not None and not getattr(g, "_zero_padding", False) and g.numel()]
+    if grads:
+        # (n,) per-tensor norms, fp32 accumulation; the sum of squares is the squared global norm.
+        # Every gradient is on the optimizer's device (no offload here): one stack, not a call per tensor.
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+        total = torch.stack(norms).to(device).square().sum()
+    else:
+        total = torch.zeros((), dtype=torch.float32, device=device)
+    if group is not None:
+        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=group)
+    # DeepSpeed's sentinel for a non-finite norm (its `mask_nan_or_inf_with_val_inplace`), without the
+    # host-to-device copy of its -1 that waits for the GPU.
+    return total.sqrt().nan_to_num_(nan=-1.0, posinf=-1.0, neginf=-1.0)
 
 
 def fused_norm_installed(engine: Any) -> bool:
