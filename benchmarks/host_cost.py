@@ -4,7 +4,8 @@
 
 A GPU step runs at the GPU's speed only when the host queues its kernels faster than the GPU runs them and
 never waits for the GPU in between. Both are properties of the host's side, so both can be measured without
-a GPU. The model has ViT-B/16's layout (12 blocks, 152 parameter tensors, 12 heads, 16-px patches) at a
+a GPU, and so can the number of operators the update dispatches (a kernel launch each on a GPU, queued by
+Python one after the other while the GPU waits for the update). The model has ViT-B/16's layout (12 blocks, 152 parameter tensors, 12 heads, 16-px patches) at a
 width of 48 on 32-px images, so that a phase's time is the Python, hook and dispatch work of the step rather
 than its arithmetic; and every time the host would wait for a GPU is counted, per phase and per step: a read of
 a tensor on the host (`item`, `tolist`, a tensor's truth value or float) and a device sync DeepSpeed asks of
@@ -117,6 +118,30 @@ def count_waits(call: Callable[[], Any]) -> int:
     return len(counted.waits)
 
 
+def count_update_ops(run: Any) -> int:
+    """How many operators `run`'s update (after its forward and backward) dispatches that touch a tensor's data
+    (a kernel launch each on a GPU, queued one by one): the outermost `aten::` calls, less views, detaches and
+    the like, which launch nothing. The profiler's count, the same on any device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    forward, backward, update = run.phases()
+    forward()
+    backward()
+    with profile(activities=[ProfilerActivity.CPU]) as traced:
+        update()
+    outermost = [e for e in traced.events() if e.name.startswith("aten::")
+                 and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    return sum(e.name.removeprefix("aten::") not in NO_KERNEL for e in outermost)
+
+
+NO_KERNEL = frozenset({"view", "reshape", "detach", "as_strided", "slice", "narrow", "select", "unsqueeze",
+                       "squeeze", "t", "transpose", "permute", "expand", "alias", "empty", "empty_like",
+                       "empty_strided", "_has_compatible_shallow_copy_type", "set_", "lift_fresh", "to", "_to_copy",
+                       "resolve_conj", "resolve_neg", "is_nonzero", "item", "_local_scalar_dense"})
+"""Operators that launch no kernel of their own: views and metadata, and `to` (whose copy, where there is one,
+is counted as its `copy_`)."""
+
+
 def measure(label: str, run: Any, *, steps: int, zero_stage: int | None) -> dict[str, Any]:
     """Median step and phase times (ms) of `run` (a `VitscaleStep` or `PeerStep`) and its waits per phase."""
     step_ms = 1e3 * _time_steps(run.step, steps, torch.device("cpu"))
@@ -124,21 +149,23 @@ def measure(label: str, run: Any, *, steps: int, zero_stage: int | None) -> dict
     waits = [count_waits(phase) for phase in run.phases()]
     return {"loop": label, "zero_stage": zero_stage, "step_ms": step_ms, **phases,
             "waits_per_step": count_waits(run.step), "waits_forward": waits[0], "waits_backward": waits[1],
-            "waits_update": waits[2], "gathers_per_step": count_gathers(run.step)}
+            "waits_update": waits[2], "gathers_per_step": count_gathers(run.step),
+            "update_ops": count_update_ops(run)}
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
     peer = next((r["step_ms"] for r in rows if r["zero_stage"] is None), None)
     lines = ["| loop | ZeRO | step ms | vs peer | forward ms | backward ms | update ms | waits for the device per "
-             "step (forward / backward / update) | parameters gathered per step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "step (forward / backward / update) | parameters gathered per step | operators launched by the "
+             "update |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = f"{r['step_ms'] / peer:.2f}x" if peer else "-"
         stage = "" if r["zero_stage"] is None else str(r["zero_stage"])
         lines.append(f"| {r['loop']} | {stage} | {r['step_ms']:.2f} | {ratio} | {r['forward_ms']:.2f} | "
                      f"{r['backward_ms']:.2f} | {r['optimizer_ms']:.2f} | {r['waits_per_step']} "
                      f"({r['waits_forward']} / {r['waits_backward']} / {r['waits_update']}) | "
-                     f"{r['gathers_per_step'] if r['zero_stage'] == 3 else ''} |")
+                     f"{r['gathers_per_step'] if r['zero_stage'] == 3 else ''} | {r['update_ops']} |")
     return lines
 
 
