@@ -5,11 +5,12 @@
 A GPU step runs at the GPU's speed only when the host queues its kernels faster than the GPU runs them and
 never waits for the GPU in between. Both are properties of the host's side, so both can be measured without
 a GPU, and so can the number of operators the update dispatches (a kernel launch each on a GPU, queued by
-Python one after the other while the GPU waits for the update). The model has ViT-B/16's layout (12 blocks, 152 parameter tensors, 12 heads, 16-px patches) at a
-width of 48 on 32-px images, so that a phase's time is the Python, hook and dispatch work of the step rather
-than its arithmetic; and every time the host would wait for a GPU is counted, per phase and per step: a read of
-a tensor on the host (`item`, `tolist`, a tensor's truth value or float) and a device sync DeepSpeed asks of
-its accelerator (`get_accelerator().synchronize()`, a no-op here, the whole queue drained on a GPU).
+Python one after the other while the GPU waits for the update). The model has ViT-B/16's layout (12 blocks,
+152 parameter tensors, 12 heads, 16-px patches) at a width of 48 on 32-px images, so that a phase's time is
+the Python, hook and dispatch work of the step rather than its arithmetic; and every time the host would wait
+for a GPU is counted, per phase and per step: a read of a tensor on the host (`item`, `tolist`, a tensor's
+truth value or float) and a device sync DeepSpeed asks of its accelerator (`get_accelerator().synchronize()`,
+a no-op here, the whole queue drained on a GPU).
 
 vitscale's side runs the path a GPU trains on (`benchmarks/mfu.py`'s `VitscaleStep`): bf16, torch's fused
 optimizer (its CPU kernel here), DeepSpeed's engine at each ZeRO stage, the worker's own `Stepper`; eager,
