@@ -22,10 +22,11 @@ Where a step's time goes: a few more steps with a device sync between forward (w
 backward and the optimizer step (which includes DeepSpeed's gradient flattening, the norm and
 clipping), reported as `*_ms` columns. `--profile DIR` traces three steps of the first model's vitscale
 step at each ZeRO stage with `torch.profiler` and writes DIR/profile-zero{stage}.md: the step's phases
-(forward, backward, update: the host's time in each, and the GPU's time in the kernels each queued), the
-top GPU kernels by time, the host calls by count and by time, and the host syncs (device-to-host copies,
-stream and device synchronisations). Where a phase's GPU kernels are far shorter than its span in a step
-(`update_gpu_ms`), the GPU waited there: for the host, or for another stream.
+(forward, backward, update: the host's time in each, the GPU's time in the kernels each queued, and each
+one's span on the GPU's timeline with the share of it the GPU was busy, `gpu_spans.py`), the top GPU
+kernels by time, the host calls by count and by time, and the host syncs (device-to-host copies, stream
+and device synchronisations); the Chrome trace beside it (profile-zero{stage}.trace.json.gz). Where the
+GPU is busy for little of a phase's span, it waited there: for the host, or for another stream.
 The optimizer phase so measured starts with an idle GPU, so where the host queues the update more slowly
 than the GPU runs it, it is the host's time; inside a real step the host queues the update while the GPU
 still runs the backward pass. `update_gpu_ms` (the "update in step" column, GPU only) is the update's own
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import os
 import socket
@@ -57,6 +59,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from gpu_spans import phase_spans  # beside this file, on sys.path when run as a script or imported by tests
 
 TIMM_NAMES = {"ViT-Ti/16": "vit_tiny_patch16_224", "ViT-S/16": "vit_small_patch16_224",
               "ViT-B/16": "vit_base_patch16_224", "ViT-B/32": "vit_base_patch32_224",
@@ -431,6 +435,12 @@ def _profile(run: VitscaleStep, out: Path, title: str) -> None:
             run.step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+    # The Chrome trace beside the summary, for what the tables leave out; it also holds the phases' GPU spans.
+    trace = out.with_name(f"{out.stem}.trace.json.gz")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(trace))
+    with gzip.open(trace, "rt") as opened:
+        spans = phase_spans(json.load(opened).get("traceEvents", []), [f"vitscale.{p}" for p in PROFILED_PHASES])
     events = prof.key_averages()
     device_time = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     kernels = sorted((e for e in events if getattr(e, device_time, 0) > 0), key=lambda e: -getattr(e, device_time))
@@ -439,13 +449,20 @@ def _profile(run: VitscaleStep, out: Path, title: str) -> None:
                                                              "aten::_local_scalar_dense"))]
     total_device = sum(getattr(e, device_time) for e in kernels) or 1
     lines = [f"# Profile: {title}, 3 steps", "", "## The step's phases", "",
-             "| phase | calls | host ms (3 steps) | GPU kernels ms (3 steps) |", "|---|---:|---:|---:|"]
+             "Host ms: the host's time in the phase's calls. GPU kernels ms: the GPU time of the kernels they",
+             "launched. GPU span ms: the phase's length on the GPU's timeline, first kernel to last; busy: the part",
+             "of it in which some GPU work ran, on any stream (the rest, the GPU waited inside the phase).", "",
+             "| phase | calls | host ms (3 steps) | GPU kernels ms (3 steps) | GPU span ms (3 steps) | busy in span |",
+             "|---|---:|---:|---:|---:|---:|"]
     for phase in PROFILED_PHASES:
         hit = [e for e in events if e.key == f"vitscale.{phase}"]
         gpu = f"{sum(getattr(e, device_time.replace('self_', ''), 0) for e in hit) / 1e3:.2f}" \
             if torch.cuda.is_available() else "-"
+        span = spans.get(f"vitscale.{phase}")
+        on_gpu = f"{span['span_ms']:.2f} | {span['busy_ms'] / span['span_ms']:.0%}" if span and span["span_ms"] \
+            else "- | -"
         lines.append(f"| {phase} | {sum(e.count for e in hit)} | {sum(e.cpu_time_total for e in hit) / 1e3:.2f} | "
-                     f"{gpu} |")
+                     f"{gpu} | {on_gpu} |")
     lines += ["", "## GPU kernels by time", "", "| kernel | calls | ms (3 steps) | share |", "|---|---:|---:|---:|"]
     lines += [f"| `{e.key[:90]}` | {e.count} | {getattr(e, device_time) / 1e3:.2f} | "
               f"{getattr(e, device_time) / total_device:.1%} |" for e in kernels[:25]]
@@ -455,9 +472,8 @@ def _profile(run: VitscaleStep, out: Path, title: str) -> None:
                   for e in sorted(events, key=key)[:25]]
     lines += ["", "## Host syncs and copies", "", "| call | calls | host ms |", "|---|---:|---:|"]
     lines += [f"| `{e.key[:90]}` | {e.count} | {e.cpu_time_total / 1e3:.2f} |" for e in syncs]
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
-    print(f"profile written to {out}", flush=True)
+    print(f"profile written to {out} (the trace: {trace.name})", flush=True)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,10 @@ benchmarks/gpu_check.sh)."""
 
 from __future__ import annotations
 
+import gzip
+import json
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -27,16 +30,48 @@ def test_mfu_measures_the_training_step_beside_the_peer(tmp_path: Path, capsys: 
         assert r["images_per_s"] > 0 and all(r[k] > 0 for k in ("forward_ms", "backward_ms", "optimizer_ms"))
     table = capsys.readouterr().out
     assert "| ViT-Ti/16 | vitscale | 1 | no | 2 |" in table and "x |" in table  # the ratio to the peer
+    with gzip.open(tmp_path / "profile-zero1.trace.json.gz", "rt") as trace:  # the whole trace, beside it
+        assert any(e.get("name") == "vitscale.update" for e in json.load(trace)["traceEvents"])
     profile = (tmp_path / "profile-zero1.md").read_text()
     assert "## Host syncs and copies" in profile and "aten::item" in profile and "## Host calls by host time" in profile
     phases = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in profile.splitlines()
               if line.startswith(("| forward", "| backward", "| update"))}
     assert sorted(phases) == ["backward", "forward", "update"]
-    assert all(calls == "3" and float(host) > 0 for calls, host, _ in phases.values()), phases  # a range a step
+    assert all(calls == "3" and float(host) > 0 for calls, host, *_ in phases.values()), phases  # a range a step
     from vitscale.train import step, update
 
     assert step.apply_update is update.apply_update  # the ranges taken off again
     assert (tmp_path / "rows.json").exists()
+
+
+def test_a_phases_gpu_span_counts_the_work_inside_it_on_any_stream() -> None:
+    from gpu_spans import phase_spans
+
+    # Microseconds, as Kineto writes them: the update's span 100-200 on the GPU, kernels on two streams
+    # overlapping each other and its edges, a copy inside it, and the forward's span with nothing run in it.
+    events = [{"cat": "gpu_user_annotation", "name": "vitscale.update", "ts": 100, "dur": 100},
+              {"cat": "gpu_user_annotation", "name": "vitscale.forward", "ts": 300, "dur": 50},
+              {"cat": "kernel", "name": "a", "ts": 90, "dur": 20, "args": {"stream": 7}},
+              {"cat": "kernel", "name": "b", "ts": 105, "dur": 10, "args": {"stream": 20}},
+              {"cat": "gpu_memcpy", "name": "c", "ts": 150, "dur": 10},
+              {"cat": "kernel", "name": "d", "ts": 190, "dur": 30},
+              {"cat": "user_annotation", "name": "vitscale.update", "ts": 0, "dur": 400},  # the host's range
+              {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 120, "dur": 50}]  # host work
+    spans = phase_spans(events, ["vitscale.update", "vitscale.forward", "vitscale.backward"])
+    assert spans["vitscale.update"] == {"calls": 1, "span_ms": 0.1, "busy_ms": pytest.approx(0.035)}  # 15+10+10
+    assert spans["vitscale.forward"]["busy_ms"] == 0 and "vitscale.backward" not in spans
+
+
+@given(st.lists(st.tuples(st.floats(0, 1e6), st.floats(0, 1e3)), max_size=30), st.floats(0, 1e6), st.floats(0, 1e3))
+def test_the_busy_part_of_a_span_is_the_union_of_the_work_in_it(work: list[tuple[float, float]], start: float,
+                                                                  length: float) -> None:
+    from gpu_spans import merged, overlap
+
+    union = merged((ts, ts + dur) for ts, dur in work)
+    assert all(a[1] < b[0] for a, b in pairwise(union))  # disjoint and sorted
+    busy = overlap((start, start + length), union)
+    assert -1e-6 <= busy <= length + 1e-6
+    assert busy <= sum(max(0.0, min(start + length, ts + dur) - max(start, ts)) for ts, dur in work) + 1e-6
 
 
 @given(fixed=st.floats(0, 1e11), per_image=st.floats(1e3, 1e9), capacity=st.floats(0, 2e11),
