@@ -21,7 +21,9 @@
 #      memory holds (`--batch auto`); ViT-L/16 at the largest batch its memory holds, the peer at the same
 #      (150 s). The last three were measured on 2026-11-30 (benchmarks/RESULTS.md): ViT-B/16's batch 1024 reached
 #      41.2% MFU; CUDA graphs and ViT-L/16's batch 576 gained nothing.
-# A machine that hands back a few files only: `bash benchmarks/gpu_check.sh /tmp/gc; tar czf $OUT/gc.tgz -C /tmp gc`.
+# A machine that hands back a few files only (8, 16 MiB each): the tables and logs in one archive, the profiles'
+# Chrome traces (one per ZeRO stage, a few MiB at most) beside it, so that a large trace never costs the tables:
+#   bash benchmarks/gpu_check.sh /tmp/gc; tar czf $OUT/gc.tgz --exclude='*.trace.json.gz' -C /tmp gc; cp /tmp/gc/*.trace.json.gz $OUT/
 # GPU_CHECK_ONLY="l16 tests" runs only the parts so named (b16 l16 data tests autotune eager attention graphs
 # b16-auto l16-auto), e.g. a second, shorter call for what the first one's deadline skipped.
 # Tables and logs land in OUT_DIR; the last lines printed are the tables.
