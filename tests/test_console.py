@@ -139,7 +139,7 @@ def test_summary_table_names_each_stage_once() -> None:
     assert summary_table([]) == ""
 
 
-def test_ray_notices_go_to_the_log_only(tmp_path) -> None:
+def test_ray_notices_and_unfetched_errors_go_to_the_log_only(tmp_path) -> None:
     import io
     import logging
 
@@ -151,11 +151,17 @@ def test_ray_notices_go_to_the_log_only(tmp_path) -> None:
     logger.addHandler(handler)
     try:
         quiet_driver_logs(tmp_path / "ray.log", verbose=False)
-        for fn, text in (("authentication_token_setup.py", "Token authentication is enabled"),
-                         ("worker.py", "a real warning")):
-            logger.handle(logger.makeRecord("ray", logging.WARNING, fn, 1, text, None, None))
+        for name, fn, text in (("ray", "authentication_token_setup.py", "Token authentication is enabled"),
+                               ("ray", "worker.py", "a real warning"),
+                               ("ray._private.worker", "worker.py", "Unhandled error (suppress with "
+                                "'RAY_IGNORE_UNHANDLED_ERRORS=1'): ray::ImplicitFunc.train() RuntimeError: release "
+                                "unlocked lock")):
+            logging.getLogger(name).handle(logger.makeRecord(name, logging.WARNING if name == "ray" else logging.ERROR,
+                                                             fn, 1, text, None, None))
         assert "a real warning" in terminal.getvalue() and "Token" not in terminal.getvalue()
-        assert "Token authentication is enabled" in (tmp_path / "ray.log").read_text()
+        assert "Unhandled" not in terminal.getvalue()  # an interrupted sweep's trial, after vitscale's last line
+        logged = (tmp_path / "ray.log").read_text()
+        assert "Token authentication is enabled" in logged and "release unlocked lock" in logged
     finally:
         logger.removeHandler(handler)
         for h in list(logger.handlers):

@@ -263,7 +263,7 @@ def quiet_driver_logs(log_path: Path, *, verbose: bool) -> None:
         for handler in logger.handlers:
             if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
                 handler.setLevel(max(handler.level, logging.WARNING))
-                handler.addFilter(_not_notices)
+                handler.addFilter(_for_the_terminal)
         logger.addHandler(file_handler)
     # Documented in Ray's logging guide: forwarded lines without colour codes around their prefix.
     os.environ.setdefault("RAY_COLOR_PREFIX", "0")
@@ -274,8 +274,17 @@ NOTICES = ("authentication_token_setup",)
 vitscale wants; docs say how to pass the token). They go to the log file only."""
 
 
-def _not_notices(record: logging.LogRecord) -> bool:
-    return record.module not in NOTICES
+UNFETCHED = "Unhandled error"
+"""How Ray's driver begins its report of an error held in a result nobody fetched: a trial's or a worker's
+exception as an interrupted or failed run shuts down (a Ctrl-C'd sweep's trial thread ended with "release
+unlocked lock" after vitscale's last line). vitscale reports the run's outcome in its own line; these go to
+the run's log only."""
+
+
+def _for_the_terminal(record: logging.LogRecord) -> bool:
+    """Whether a Ray or DeepSpeed driver-side record is shown on the terminal (the log file has them all)."""
+    return record.module not in NOTICES and not (record.name.startswith("ray")
+                                                 and record.getMessage().startswith(UNFETCHED))
 
 
 def route_ray_output(log_path: Path, *, verbose: bool) -> str | None:
