@@ -77,6 +77,18 @@ def test_local_second_writer_is_refused_naming_the_holder_and_a_killed_holder_fr
     hold_run_lease(str(run)).release()
 
 
+def _places_passed(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, position: int) -> list[str]:
+    """The place each call of the real `module.name` is given (its positional argument `position`), in order."""
+    real, places = getattr(module, name), []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        places.append(args[position])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return places
+
+
 def _pipeline(tmp_path: Path, dataset: str) -> Path:
     raw = {"name": "lease", "stages": ["pretrain"], "data": {"url": dataset},
            "model": {"name": "ViT-Ti/8", "img_size": 16, "depth": 1, "width": 32, "heads": 2, "mlp_dim": 32},
@@ -421,26 +433,11 @@ def test_a_run_whose_dataset_another_process_is_writing_waits_for_it(tmp_path: P
 
     monkeypatch.setattr(datasets, "say", record)
     monkeypatch.setattr(datasets, "BUSY_POLL_S", 0.05)
+    from vitscale.data.storage import lease as leases
     from vitscale.data.tools import write
 
-    attempts: list[str] = []
-    real_write = write.write_dataset
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        attempts.append(args[1])
-        return real_write(*args, **kwargs)
-
-    monkeypatch.setattr(write, "write_dataset", counted)
-    from vitscale.data.storage import lease as leases
-
-    polls: list[str] = []
-    real_hold = leases.hold_run_lease
-
-    def polled(*args: Any, **kwargs: Any) -> Any:
-        polls.append(args[0])
-        return real_hold(*args, **kwargs)
-
-    monkeypatch.setattr(leases, "hold_run_lease", polled)
+    attempts = _places_passed(monkeypatch, write, "write_dataset", 1)  # (source, url, ...)
+    polls = _places_passed(monkeypatch, leases, "hold_run_lease", 0)  # (url, ...)
     proc = _holder(url)
     got: list[object] = []
     source = SourceConfig(kind="synthetic", count=40, classes=2, image_size=16, shard_size=20)
