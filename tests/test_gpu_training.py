@@ -209,6 +209,57 @@ def test_a_loop_step_waits_for_the_gpu_once(nccl_group: None, stage: int) -> Non
     assert len(syncs) == 1, syncs
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_one_pass_update_steps_as_deepspeed_without_waiting(nccl_group: None, stage: int) -> None:
+    """`train/one_pass.py` on the GPU, its kernel compiled by Triton: from the same weights, one step lands where
+    DeepSpeed's own step does (fp32 rounding apart); then, under CUDA's sync debug mode, a poisoned update is
+    refused and the next applied, with no host sync in either."""
+    from vitscale.models import create_model
+    from vitscale.train.batch import derive_batch
+    from vitscale.train.config import TrainConfig
+    from vitscale.train.engine import build_engine, deepspeed_config
+    from vitscale.train.one_pass import one_pass_installed, one_pass_update
+    from vitscale.train.update import apply_update
+
+    train = TrainConfig(global_batch=8, micro_batch=8, zero_stage=stage, precision="bf16", grad_clip=1e-3,
+                        compile=False)  # the model eager; the update's kernel compiled below
+    engines = []
+    for one_pass in (True, False):
+        torch.manual_seed(0)
+        model = create_model("ViT-Ti/8", num_classes=5, img_size=32, depth=2, width=64, mlp_dim=128, heads=2)
+        engine = build_engine(model, train, deepspeed_config(train, derive_batch(8, 8, 1), on_gpu=True), on_gpu=True)
+        assert not one_pass_installed(engine)  # `compile: false`: DeepSpeed's own step
+        if one_pass:
+            assert one_pass_update(engine)
+        engines.append(engine)
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def step(engine, seed: int, poison: bool = False, debug: bool = False):  # type: ignore[no-untyped-def]
+        torch.manual_seed(seed)
+        images = torch.randn(8, 3, 32, 32, device=device, dtype=torch.bfloat16)
+        loss = torch.nn.functional.cross_entropy(engine(images).float(), torch.randint(0, 5, (8,), device=device))
+        engine.backward(loss * float("inf") if poison else loss)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if debug else 0)
+        try:
+            update = apply_update(engine, loss=loss.detach() * (float("inf") if poison else 1.0))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return update.read()[0]
+
+    assert step(engines[0], 0) and step(engines[1], 0)
+    for ours, theirs in zip(engines[0].optimizer.single_partition_of_fp32_groups,
+                            engines[1].optimizer.single_partition_of_fp32_groups):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+        a, b = engines[0].basic_optimizer.state[ours], engines[1].basic_optimizer.state[theirs]
+        assert float(a["step"]) == float(b["step"]) == 1.0
+        torch.testing.assert_close(a["exp_avg"], b["exp_avg"], rtol=1e-5, atol=1e-11)
+    kept = [p.detach().clone() for p in engines[0].optimizer.single_partition_of_fp32_groups]
+    assert not step(engines[0], 1, poison=True, debug=True)
+    assert all(torch.equal(a, b) for a, b in zip(kept, engines[0].optimizer.single_partition_of_fp32_groups))
+    assert step(engines[0], 2, debug=True)
+
+
 def test_one_ranks_zero_3_never_waits_for_the_gpu(nccl_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """ZeRO 3 on one GPU (`train/one_rank.py`, `train/update.py`): from the forward pass to the queued update
     the host never waits for the GPU (CUDA's sync debug mode raises on any sync, and no stream or event is

@@ -29,6 +29,7 @@ from vitscale.train.batch import BatchPlan, derive_batch
 from vitscale.train.config import TrainConfig
 from vitscale.train.deepspeed_keys import ReadKeys, check_spelling, merge_overrides, refused_key, refused_section
 from vitscale.train.fused import fuse_bf16_step, fuse_clipping, fuse_gradient_norm, keep_weight_views
+from vitscale.train.one_pass import one_pass_update
 from vitscale.train.one_rank import (
     ONE_RANK_ZERO_3,
     compile_units,
@@ -284,6 +285,8 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str
     order_on_the_gpu(engine)
     norm_on_the_gpu(engine)
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if train.compiles(on_gpu, world_size):  # uncompiled, the one-pass update would pass over memory per operator
+        one_pass_update(engine)
     # The module inside the engine, compiled in place: parameter names, hooks and checkpoints unchanged. One
     # rank's ZeRO 3 compiles its repeated units between DeepSpeed's hooks (`one_rank.py`); elsewhere ZeRO 3
     # compiles the whole model only when asked to in so many words (`compile: true`), "auto" staying eager.

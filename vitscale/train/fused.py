@@ -108,24 +108,32 @@ def fuse_clipping(engine: Any) -> bool:
         return False
 
     def unscale_and_clip(grad_groups_flat: list[Any], total_norm: Any) -> None:
-        # DeepSpeed 0.19's `DeepSpeedZeroOptimizer.unscale_and_clip_grads`, op for op, so the gradients come
-        # out bit for bit the same; only the invalid-norm test stays a tensor instead of a Python bool.
-        if optimizer.clip_grad == 0.0 and optimizer.loss_scale == 1.0:
+        factor = clip_factor(optimizer, total_norm)
+        if factor is None:
             return
-        combined_scale: Any = optimizer.loss_scale
-        if optimizer.clip_grad > 0.0:
-            norm = total_norm if torch.is_tensor(total_norm) else torch.tensor(float(total_norm),
-                                                                                device=optimizer.device)
-            invalid = ~torch.isfinite(norm) | (norm < 0)  # DeepSpeed clips an invalid norm as an infinite one
-            clip_norm = torch.where(invalid, torch.full_like(norm, float("inf")), norm)
-            clip = ((clip_norm / optimizer.loss_scale) + 1e-6) / optimizer.clip_grad
-            combined_scale = torch.clamp(clip, min=1.0) * optimizer.loss_scale
         for grad in grad_groups_flat:
             for g in grad if isinstance(grad, list) else [grad]:
-                g.data.mul_(1.0 / combined_scale)
+                g.data.mul_(factor)
 
     optimizer.unscale_and_clip_grads = unscale_and_clip
     return True
+
+
+def clip_factor(optimizer: Any, total_norm: Any) -> Any:
+    """What DeepSpeed 0.19's `DeepSpeedZeroOptimizer.unscale_and_clip_grads` multiplies `optimizer`'s gradients
+    by, op for op, so the gradients come out bit for bit the same: None where it leaves them as they are. Only
+    the invalid-norm test stays a tensor instead of a Python bool (no host read): a device tensor wherever the
+    gradients are clipped."""
+    if optimizer.clip_grad == 0.0 and optimizer.loss_scale == 1.0:
+        return None
+    combined_scale: Any = optimizer.loss_scale
+    if optimizer.clip_grad > 0.0:
+        norm = total_norm if torch.is_tensor(total_norm) else torch.tensor(float(total_norm), device=optimizer.device)
+        invalid = ~torch.isfinite(norm) | (norm < 0)  # DeepSpeed clips an invalid norm as an infinite one
+        clip_norm = torch.where(invalid, torch.full_like(norm, float("inf")), norm)
+        clip = ((clip_norm / optimizer.loss_scale) + 1e-6) / optimizer.clip_grad
+        combined_scale = torch.clamp(clip, min=1.0) * optimizer.loss_scale
+    return 1.0 / combined_scale
 
 
 def fuse_bf16_step(engine: Any) -> bool:

@@ -1,0 +1,200 @@
+"""AdamW in one pass over memory, ZeRO 1 and 2: the bf16 gradient read, the fp32 master weight and both moments
+updated, the bf16 weight written, in one compiled kernel.
+
+DeepSpeed's ZeRO 1/2 step in bf16 passes over each parameter's memory five times per update (bytes per
+parameter, read + written): the group's gradients flattened into one bf16 buffer (2 + 2), that buffer cast to a
+new fp32 gradient (2 + 4), the clip's multiply (4 + 4), the inner AdamW (16 + 12: weight, gradient and both
+moments read; weight and moments written) and the copy of the fp32 master to the bf16 weight the model reads
+(4 + 2). With the norm's read (2), 54 bytes where Adam's own arithmetic needs 28 (the hand-written peer's fused
+AdamW over fp32 gradients). The update is memory-bound: ViT-L/16's took 5.6 ms of GPU time inside a step on an
+H200 (2026-11-30), the peer's 2.6, in a 205-ms step that was 0.4 MFU points short of its target.
+
+`one_pass_update` replaces that step where vitscale trains (bf16 weights over fp32 masters, torch's fused AdamW,
+no offload) with the sequence DeepSpeed 0.19 runs there: the global norm (`fused.py`'s kernel), the loss-scale
+bookkeeping, then per group the flat gradient of this rank's partition and the inner optimizer's step, then the
+all-gather of the updated bf16 partitions over ranks and the weights pointed at their slices. The inner step is
+`adamw_pass`: it reads the bf16 gradient, the master and the moments (14 bytes) and writes the master, the
+moments and the bf16 weight (14 bytes), the clip coefficient applied to the gradient in registers. With the
+flatten and the norm, 34 bytes where DeepSpeed's took 54, and no fp32 gradient allocated (4 bytes per parameter
+off the peak).
+
+What stays: the optimizer state is torch's AdamW's, held by the inner optimizer as before (`step`, `exp_avg`,
+`exp_avg_sq` for each flat partition), so checkpoints, resume, reshard and universal checkpoints are the same and
+load either way; the arithmetic is torch's fused AdamW's, op for op (decoupled decay, bias corrections from the
+step count, fp32), equal to it up to the compiler's rounding; the clipped gradient is DeepSpeed's bit for bit
+(`fused.clip_factor`); `train/update.py`'s verdict (`found_inf`: a non-finite norm or loss) leaves weights,
+moments and step counts as they were, as torch's kernel does.
+
+Installed only where it is exactly this case and its kernel is compiled (`train.compile`, on a GPU by default:
+uncompiled, its dozen operators would each pass over memory); everywhere else DeepSpeed's own step runs: ZeRO 0
+and 3, CPU offload, fp16 (loss scaling and its overflow check), fp32 weights, SGD, amsgrad or maximize,
+DeepSpeed's Muon or ZenFlow, torch autocast.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vitscale.train.fused import GLOBAL_NORM, clip_factor
+
+ONE_PASS = "vitscale_one_pass"
+"""The attribute marking a ZeRO 1/2 optimizer whose step `one_pass_update` installed."""
+
+
+def adamw_pass(gradient: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               step: torch.Tensor, weight: torch.Tensor, lr: torch.Tensor, factor: torch.Tensor,
+               refused: torch.Tensor, *, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """One AdamW update (Loshchilov & Hutter's decoupled decay, as torch's fused kernel computes it), in place.
+
+    `gradient` (any float dtype) times `factor` (the clip coefficient, a 0-d tensor) is the gradient;
+    `master`, `exp_avg`, `exp_avg_sq` (fp32) and `step` (a 0-d fp32 count) are updated and `weight` gets the
+    new master in its own dtype, all unchanged (`weight` re-rounded from `master`) where `refused` (0-d) is
+    not 0. `lr` is a 0-d tensor, so that a schedule's new rate is data, not a new graph."""
+    keep = refused == 0
+    grad = gradient.float() * factor
+    count = step + 1
+    decayed = master - lr * weight_decay * master
+    m = beta1 * exp_avg + (1 - beta1) * grad
+    v = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
+    bias1 = 1 - torch.pow(beta1, count)
+    bias2_sqrt = (1 - torch.pow(beta2, count)).sqrt()
+    updated = torch.where(keep, decayed - (lr / bias1) * m / (v.sqrt() / bias2_sqrt + eps), master)
+    exp_avg.copy_(torch.where(keep, m, exp_avg))
+    exp_avg_sq.copy_(torch.where(keep, v, exp_avg_sq))
+    step.copy_(torch.where(keep, count, step))
+    weight.copy_(updated.to(weight.dtype))
+    master.copy_(updated)
+
+
+def one_pass_update(engine: Any, compile_kernel: bool = True) -> bool:
+    """Install the one-pass step on `engine`'s ZeRO 1/2 optimizer (see the module's docstring); whether it was
+    installed. `compile_kernel=False` runs `adamw_pass` eagerly: the same arithmetic, for tests."""
+    optimizer: Any = getattr(engine, "optimizer", None)
+    if not _supported(optimizer):
+        return False
+    kernel: Callable[..., None] = (torch.compile(adamw_pass, dynamic=False, fullgraph=True) if compile_kernel
+                                   else adamw_pass)
+    inner = optimizer.optimizer
+    staged: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # master's id: gradient, weight, factor
+    plain = inner.step
+
+    def inner_step(closure: Any = None) -> Any:
+        if not staged:  # not called from the step below (a caller with fp32 gradients): torch's own
+            return plain(closure)
+        refused = getattr(inner, "found_inf", None)  # `train/update.py`'s verdict, as torch's kernel reads it
+        for group in inner.param_groups:
+            for master in group["params"]:
+                if id(master) in staged:
+                    _update(kernel, inner, group, master, *staged[id(master)], refused)
+        return None
+
+    inner.step = inner_step
+    optimizer.step = lambda closure=None: _zero_step(optimizer, staged)
+    setattr(optimizer, ONE_PASS, True)
+    return True
+
+
+def one_pass_installed(engine: Any) -> bool:
+    """Whether `engine`'s optimizer steps with `one_pass_update`'s kernel."""
+    return bool(vars(getattr(engine, "optimizer", None) or object()).get(ONE_PASS, False))
+
+
+def _supported(optimizer: Any) -> bool:
+    """DeepSpeed's ZeRO 1/2 optimizer in bf16 on the device, with `fused.py`'s norm and clipping and torch's
+    fused AdamW inside, and none of the features whose step differs (see the module's docstring)."""
+    inner = getattr(optimizer, "optimizer", None)
+    return (type(optimizer).__name__ == "DeepSpeedZeroOptimizer" and not getattr(optimizer, "cpu_offload", True)
+            and getattr(optimizer, "dtype", None) == torch.bfloat16 and bool(vars(optimizer).get(GLOBAL_NORM))
+            and not getattr(optimizer, "check_grad_overflow", True) and getattr(optimizer, "compute_grad_norm", False)
+            and not getattr(optimizer, "zenflow", True)
+            and getattr(optimizer, "torch_autocast_gradscaler", 1) is None
+            and not getattr(optimizer, "has_moe_layers", True)
+            and type(inner) is torch.optim.AdamW and bool(inner.defaults.get("fused"))
+            and not any(g["amsgrad"] or g["maximize"] or g.get("capturable") or g.get("differentiable")
+                        or torch.is_tensor(g["lr"]) for g in inner.param_groups)
+            and "step" not in vars(inner)
+            and all(getattr(optimizer, name, None) is not None for name in (
+                "bit16_groups", "single_partition_of_fp32_groups", "parallel_partitioned_bit16_groups",
+                "real_dp_process_group", "params_in_partition", "params_not_in_partition", "averaged_gradients",
+                "partition_size", "_optimizer_step", "_get_preflattened_grad_partition", "scaled_global_norm",
+                "_update_model_bit16_weights", "_release_preflattened_grad_buffers")))
+
+
+def _zero_step(optimizer: Any, staged: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    """DeepSpeed 0.19's `DeepSpeedZeroOptimizer.step` for bf16 without offload (no overflow check there: bf16's
+    is off, `engine.deepspeed_config`), the fp32 gradient, its clip and the copy back left to `adamw_pass`."""
+    module = sys.modules[type(optimizer).__module__]
+    optimizer.micro_step_id = module.INITIAL_MICRO_STEP_ID
+    optimizer._wait_for_offload_copies()
+    optimizer.overflow = False
+    norm = optimizer.scaled_global_norm()  # `fused.py`'s kernel per group; inf where any is not finite
+    previous_scale = optimizer.loss_scale
+    optimizer._update_scale(False)
+    optimizer._commit_muon_momentum()
+    optimizer._global_grad_norm = norm / previous_scale
+    factor = clip_factor(optimizer, norm)
+    if not torch.is_tensor(factor):  # no clip: 1, or a number where only a static loss scale divides
+        factor = torch.full((), 1.0 if factor is None else float(factor), dtype=torch.float32, device=norm.device)
+    for i in range(len(optimizer.bit16_groups)):
+        rank = torch.distributed.get_rank(group=optimizer.real_dp_process_group[i])
+        optimizer.free_grad_in_param_list(optimizer.params_not_in_partition[i])
+        gradient = _flat_gradient(optimizer, i, rank)
+        master = optimizer.single_partition_of_fp32_groups[i]
+        staged[id(master)] = (gradient, optimizer.parallel_partitioned_bit16_groups[i][rank], factor)
+        optimizer.free_grad_in_param_list(optimizer.params_in_partition[i])
+        try:
+            optimizer._optimizer_step(i)  # the inner step over this group alone, then the hp state linked
+        finally:
+            staged.clear()
+        optimizer._release_preflattened_grad_buffers(i)
+        optimizer.averaged_gradients[i] = None
+        optimizer.all_grad_tensors[i] = None
+    module.all_gather_dp_groups(groups_flat=optimizer.bit16_groups_flat,
+                                partitioned_param_groups=optimizer.parallel_partitioned_bit16_groups,
+                                dp_process_group=optimizer.real_dp_process_group,
+                                start_alignment_factor=optimizer.nccl_start_alignment_factor,
+                                allgather_bucket_size=optimizer.allgather_bucket_size)
+    for i in range(len(optimizer.bit16_groups)):
+        optimizer._update_model_bit16_weights(i)
+
+
+def _flat_gradient(optimizer: Any, group: int, rank: int) -> torch.Tensor:
+    """This rank's gradient partition of `group` as one flat tensor in its own dtype: the buffer DeepSpeed
+    reduced it into where there is one, else its gradients flattened, padded to the partition on the last
+    rank, as DeepSpeed's step does."""
+    flat = optimizer._get_preflattened_grad_partition(group)
+    if flat is None:
+        last = rank == torch.distributed.get_world_size(group=optimizer.real_dp_process_group[group]) - 1
+        gradients = optimizer.averaged_gradients[group]
+        flat = (optimizer.flatten_dense_tensors_aligned(gradients, int(optimizer.partition_size[group])) if last
+                else optimizer.flatten(gradients))
+    if flat.numel() != optimizer.partition_size[group]:
+        raise RuntimeError(f"the gradient partition of group {group} holds {flat.numel()} elements, its "
+                           f"parameters {optimizer.partition_size[group]}")
+    return flat
+
+
+def _update(kernel: Callable[..., None], inner: torch.optim.AdamW, group: dict[str, Any], master: torch.Tensor,
+            gradient: torch.Tensor, weight: torch.Tensor, factor: torch.Tensor, refused: Any) -> None:
+    """`adamw_pass` over one flat partition, its state made as torch's fused AdamW makes it (a refused first
+    step still creates it, as torch's does)."""
+    state = inner.state[master]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
+        state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+    device = master.device
+    # A fill kernel each, not a copy from host memory (which would wait for the GPU).
+    lr = torch.full((), float(group["lr"]), dtype=torch.float32, device=device)
+    flag = (torch.zeros((), dtype=torch.float32, device=device) if refused is None
+            else refused.detach().reshape(()).to(device=device, dtype=torch.float32))
+    beta1, beta2 = group["betas"]
+    with torch.no_grad():  # the master is a leaf that requires grad, as for torch's own step
+        kernel(gradient.view(-1), master, state["exp_avg"], state["exp_avg_sq"], state["step"], weight.view(-1),
+               lr,
+               factor.to(device=device, dtype=torch.float32), flag, beta1=float(beta1), beta2=float(beta2),
+               eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
