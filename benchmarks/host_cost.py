@@ -16,7 +16,8 @@ vitscale's side runs the path a GPU trains on (`benchmarks/mfu.py`'s `VitscaleSt
 optimizer (its CPU kernel here), DeepSpeed's engine at each ZeRO stage, the worker's own `Stepper`; eager,
 as compiling changes the kernels, not the host's bookkeeping around them. The peer (`PeerStep`): the same
 model, bf16 autocast, fused AdamW, no clipping, one process, no DeepSpeed. At one rank, vitscale's ZeRO 3
-keeps its parameters whole (`train/one_rank.py`); `--per-layer-hooks` adds ZeRO 3
+keeps its parameters whole (`train/one_rank.py`); at ZeRO 1 and 2 a second row steps with the update a GPU
+runs compiled (`train/one_pass.py`, its kernel compiled here too); `--per-layer-hooks` adds ZeRO 3
 gathering them as it must on many ranks, a block at a time (vitscale's hooks) and a layer at a time
 (DeepSpeed's own), and every ZeRO 3 row counts the parameters gathered per step.
 
@@ -39,8 +40,10 @@ from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mfu import PeerStep, VitscaleStep, _init_process_group, _phases, _time_steps
+from vitscale.train.one_pass import one_pass_update
 
 LAYOUT = "ViT-B/16"
+ONE_PASS_LABEL = "vitscale, one-pass update"
 READS = frozenset({"item", "tolist", "__bool__", "__float__", "__int__", "__index__"})
 """Tensor methods that bring a value to the host: a device sync each on a GPU."""
 
@@ -193,6 +196,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                                    compile_model=False, bf16=True, fused=True, **shape),
                     steps=args.steps, zero_stage=None)]
     plans: list[tuple[str, int, dict[str, Any]]] = [("vitscale", stage, {}) for stage in args.zero_stages]
+    # ZeRO 1/2's update as a GPU runs it, its kernel compiled (`train/one_pass.py`; the model stays eager).
+    plans += [(ONE_PASS_LABEL, stage, {}) for stage in args.zero_stages if stage in (1, 2)]
     if args.per_layer_hooks:
         # Every parameter gathered, as ViT-B/16's weight matrices are at its own width on many ranks: at this
         # width all of them are under DeepSpeed's default threshold (100,000 elements) and would persist.
@@ -203,6 +208,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for label, stage, deepspeed in plans:
         run = VitscaleStep(LAYOUT, zero_stage=stage, device=torch.device("cpu"), compile_model=False,
                            precision="bf16", fused=True, deepspeed=deepspeed, **shape)
+        if label == ONE_PASS_LABEL and not one_pass_update(run.engine):
+            raise RuntimeError(f"the one-pass update did not install at ZeRO {stage}")
         rows.append(measure(label, run, steps=args.steps, zero_stage=stage))
         print(json.dumps(rows[-1]), flush=True)
     print(f"\n{LAYOUT}'s layout at width {args.width}, {args.batch} images of 32 px, one CPU thread, "

@@ -13,7 +13,8 @@ in fp32 per tensor, then summed over tensors and ranks as DeepSpeed does), the s
 `fuse_clipping` replaces `unscale_and_clip_grads`, which DeepSpeed calls once per parameter group: its
 `is_invalid_grad_norm(norm)` reads the norm on the host (a sync per group, the GPU idle while the host
 then launches the update). The replacement computes the same clip coefficient, the same invalid-norm rule
-(an infinite norm) and the same multiply on the device.
+(an infinite norm) and the same multiply on the device; `clip_factor` is that coefficient, which
+`train/one_pass.py` applies inside its AdamW kernel instead of in a pass of its own.
 
 `fuse_bf16_step` does the same for ZeRO 0 in bf16, where DeepSpeed wraps the optimizer in its
 `FP16_UnfusedOptimizer`: that step checks every gradient for overflow with a host read each (152 for
