@@ -1,4 +1,4 @@
-"""The one-pass AdamW update of ZeRO 1 and 2 (`train/one_pass.py`) against torch's AdamW and DeepSpeed's own
+"""The one-pass AdamW update of ZeRO 1-3 (`train/one_pass.py`) against torch's AdamW and DeepSpeed's own
 step: the kernel's arithmetic (eager and compiled), a refused step, real DeepSpeed engines on a one-rank gloo
 group and on two ranks (this file launched as both), checkpoints written by either step loaded by the other.
 
@@ -144,13 +144,24 @@ def _step(engine: Any, seed: int, poison: bool = False) -> tuple[bool, float]:
     return applied, norm
 
 
+def _partitions(engine: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's (fp32 master, bf16 weight) flat partitions: per group at ZeRO 1/2, per sub-group at ZeRO 3."""
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "fp32_partitioned_groups_flat"):
+        return list(zip(optimizer.fp32_partitioned_groups_flat, optimizer.fp16_partitioned_groups_flat, strict=True))
+    rank = torch.distributed.get_rank()
+    return [(master, weights[rank]) for master, weights in zip(optimizer.single_partition_of_fp32_groups,
+                                                               optimizer.parallel_partitioned_bit16_groups,
+                                                               strict=True)]
+
+
 def _masters(engine: Any) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in engine.optimizer.single_partition_of_fp32_groups]
+    return [master.detach().clone() for master, _ in _partitions(engine)]
 
 
 def _moments(engine: Any) -> list[dict[str, torch.Tensor]]:
     inner = engine.optimizer.optimizer
-    return [{k: v.clone() for k, v in inner.state[p].items()} for p in engine.optimizer.single_partition_of_fp32_groups]
+    return [{k: v.clone() for k, v in inner.state[master].items()} for master, _ in _partitions(engine)]
 
 
 def _compare(ours: Any, theirs: Any, atol: float = 1e-6) -> None:
@@ -165,13 +176,11 @@ def _compare(ours: Any, theirs: Any, atol: float = 1e-6) -> None:
         if atol < 1e-5:  # clipped to a norm of 1e-3, a gradient is about 1e-5: moments of 1e-5 and 1e-10
             torch.testing.assert_close(a["exp_avg"], b["exp_avg"], rtol=1e-5, atol=1e-11)
             torch.testing.assert_close(a["exp_avg_sq"], b["exp_avg_sq"], rtol=1e-5, atol=1e-16)
-    rank = torch.distributed.get_rank()
-    for group, master in enumerate(ours.optimizer.single_partition_of_fp32_groups):
-        weights = ours.optimizer.parallel_partitioned_bit16_groups[group][rank]
+    for master, weights in _partitions(ours):
         assert torch.equal(weights, master.detach().to(weights.dtype))
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_deepspeeds_step_and_the_one_pass_agree(process_group: None, stage: int) -> None:
     """One step from the same weights with the clip acting: the same norm, masters and moments; a poisoned
     step refused by both with nothing changed; the next applied by both."""
@@ -190,7 +199,7 @@ def test_deepspeeds_step_and_the_one_pass_agree(process_group: None, stage: int)
     _compare(ours, theirs, atol=1e-3)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_checkpoint_of_either_step_resumes_in_the_other(process_group: None, stage: int,
                                                           tmp_path: Path) -> None:
     """The optimizer state is torch's AdamW's either way: a checkpoint the one-pass engine saved loads into
@@ -209,16 +218,17 @@ def test_a_checkpoint_of_either_step_resumes_in_the_other(process_group: None, s
 
 
 @pytest.mark.parametrize(("stage", "precision", "optimizer", "fused"), [
-    (0, "bf16", "adamw", True), (3, "bf16", "adamw", True), (1, "fp32", "adamw", True),
-    (2, "bf16", "sgd", True), (1, "bf16", "adamw", False)])
+    (0, "bf16", "adamw", True), (1, "fp32", "adamw", True), (3, "fp32", "adamw", True), (2, "bf16", "sgd", True),
+    (3, "bf16", "sgd", True), (1, "bf16", "adamw", False), (3, "bf16", "adamw", False)])
 def test_the_pass_is_installed_only_where_it_is_deepspeeds_step(process_group: None, stage: int, precision: str,
                                                                  optimizer: str, fused: bool) -> None:
-    """Anywhere but ZeRO 1/2 in bf16 with torch's fused AdamW, DeepSpeed's own step is left alone."""
+    """Anywhere but ZeRO 1-3 in bf16 with torch's fused AdamW, DeepSpeed's own update is left alone."""
     engine = _engine(stage, one_pass=False, precision=precision, optimizer=optimizer, fused=fused)
-    steps = vars(engine.optimizer).get("step"), vars(engine.basic_optimizer).get("step")
+    before = dict(vars(engine.optimizer)), dict(vars(engine.basic_optimizer))
     assert not one_pass_update(engine, compile_kernel=False)
     assert not one_pass_installed(engine)
-    assert (vars(engine.optimizer).get("step"), vars(engine.basic_optimizer).get("step")) == steps
+    after = vars(engine.optimizer), vars(engine.basic_optimizer)
+    assert all(a.keys() == b.keys() and all(a[k] is b[k] for k in a) for a, b in zip(before, after))
 
 
 @pytest.mark.parametrize(("compile_value", "installed"), [(True, True), (False, False)])
@@ -240,28 +250,35 @@ def test_the_engine_takes_the_pass_where_it_compiles(process_group: None, compil
 
 def test_two_ranks_step_as_deepspeed_does(tmp_path: Path) -> None:
     """Two ranks, each updating its own partition and gathering the other's (the last rank's partition padded):
-    at ZeRO 1 and 2 the one-pass engines end where DeepSpeed's own do, with the same weights on both ranks."""
+    at ZeRO 1-3 the one-pass engines end where DeepSpeed's own do, with the same weights on both ranks."""
     pytest.importorskip("deepspeed")
     from helpers.gloo_ranks import launch_ranks
 
     launch_ranks(__file__, tmp_path, 2, str(tmp_path), timeout_s=240)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for stage in ("1", "2"):
+    for stage in ("1", "2", "3"):
         assert results[0][stage]["weights"] == results[1][stage]["weights"]  # gathered: one model on both
         assert all(r[stage]["applied"] == [True, False, True] for r in results)
         assert all(r[stage]["master_gap"] <= 1e-3 for r in results), results  # as in the one-rank test
 
 
 def _rank_main(out: Path) -> None:
-    """One rank of `test_two_ranks_step_as_deepspeed_does`: both stages, both steps, the same batches."""
+    """One rank of `test_two_ranks_step_as_deepspeed_does`: every stage, both updates, the same batches."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from vitscale.train.engine import whole_weights
+
     torch.distributed.init_process_group("gloo")
     result: dict[str, Any] = {}
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         ours, theirs = _engine(stage, one_pass=True), _engine(stage, one_pass=False)
         applied = [_step(ours, s, poison=s == 1)[0] for s in range(3)]
         assert applied == [_step(theirs, s, poison=s == 1)[0] for s in range(3)]
-        gap = max((a - b).abs().max().item() for a, b in zip(_masters(ours), _masters(theirs)))
-        weights = sum(float(p.detach().float().sum()) for p in ours.module.parameters())
+        # Parameter by parameter, gathered: a partition's padding (ZeRO 3's last rank) is no weight of either.
+        gap = max((safe_get_full_fp32_param(a) - safe_get_full_fp32_param(b)).abs().max().item()
+                  for a, b in zip(ours.module.parameters(), theirs.module.parameters(), strict=True))
+        with whole_weights(ours) as module:  # ZeRO 3's weights gathered whole, on both ranks
+            weights = sum(float(p.detach().float().sum()) for p in module.parameters())
         result[str(stage)] = {"applied": applied, "master_gap": gap, "weights": weights}
     (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))
     torch.distributed.destroy_process_group()

@@ -1,34 +1,38 @@
-"""AdamW in one pass over memory, ZeRO 1 and 2: the bf16 gradient read, the fp32 master weight and both moments
+"""AdamW in one pass over memory, ZeRO 1-3: the bf16 gradient read, the fp32 master weight and both moments
 updated, the bf16 weight written, in one compiled kernel.
 
-DeepSpeed's ZeRO 1/2 step in bf16 passes over each parameter's memory five times per update (bytes per
-parameter, read + written): the group's gradients flattened into one bf16 buffer (2 + 2), that buffer cast to a
-new fp32 gradient (2 + 4), the clip's multiply (4 + 4), the inner AdamW (16 + 12: weight, gradient and both
-moments read; weight and moments written) and the copy of the fp32 master to the bf16 weight the model reads
-(4 + 2). With the norm's read (2), 54 bytes where Adam's own arithmetic needs 28 (the hand-written peer's fused
-AdamW over fp32 gradients). The update is memory-bound: ViT-L/16's took 5.6 ms of GPU time inside a step on an
-H200 (2026-11-30), the peer's 2.6, in a 205-ms step that was 0.4 MFU points short of its target.
+DeepSpeed's update in bf16 passes over each parameter's memory five times (bytes per parameter, read +
+written): the gradients flattened into one bf16 buffer (2 + 2), that buffer cast to a new fp32 gradient
+(2 + 4), the clip's multiply (4 + 4), the inner AdamW (16 + 12: weight, gradient and both moments read; weight
+and moments written) and the copy of the fp32 master to the bf16 weight the model reads (4 + 2). With the
+norm's read (2), 54 bytes where Adam's own arithmetic needs 28 (the hand-written peer's fused AdamW over fp32
+gradients). The update is memory-bound: ViT-L/16's took 5.6 ms of GPU time inside a step on an H200
+(2026-11-30), the peer's 2.6, in a 205-ms step that was 0.4 MFU points short of its target.
 
-`one_pass_update` replaces that step where vitscale trains (bf16 weights over fp32 masters, torch's fused AdamW,
-no offload) with the sequence DeepSpeed 0.19 runs there: the global norm (`fused.py`'s kernel), the loss-scale
-bookkeeping, then per group the flat gradient of this rank's partition and the inner optimizer's step, then the
-all-gather of the updated bf16 partitions over ranks and the weights pointed at their slices. The inner step is
-`adamw_pass`: it reads the bf16 gradient, the master and the moments (14 bytes) and writes the master, the
-moments and the bf16 weight (14 bytes), the clip coefficient applied to the gradient in registers. With the
-flatten and the norm, 34 bytes where DeepSpeed's took 54, and no fp32 gradient allocated (4 bytes per parameter
-off the peak).
+`one_pass_update` keeps DeepSpeed's sequence and replaces those passes, where vitscale trains (bf16 weights
+over fp32 masters, torch's fused AdamW, no offload), with `adamw_pass`: it reads the bf16 gradient, the master
+and the moments (14 bytes) and writes the master, the moments and the bf16 weight (14 bytes), the clip's factor
+applied to the gradient in registers. With the flatten and the norm, 34 bytes where DeepSpeed's took 54, and no
+fp32 gradient allocated (4 bytes per parameter off the peak).
+
+- ZeRO 1/2 (`DeepSpeedZeroOptimizer`, whose `step` is one method): the step is DeepSpeed 0.19's for bf16
+  without offload, re-stated in `_zero_step`: the global norm (`fused.py`'s kernel), the loss-scale
+  bookkeeping, per group the flat gradient of this rank's partition and the inner step, then the all-gather of
+  the updated bf16 partitions over ranks and the weights pointed at their slices.
+- ZeRO 3 (`DeepSpeedZeroOptimizer_Stage3`, whose step calls a method per stage of each sub-group's update):
+  DeepSpeed's step runs as it is, with four of those methods replaced (`_install_zero_3`).
 
 What stays: the optimizer state is torch's AdamW's, held by the inner optimizer as before (`step`, `exp_avg`,
 `exp_avg_sq` for each flat partition), so checkpoints, resume, reshard and universal checkpoints are the same and
 load either way; the arithmetic is torch's fused AdamW's, op for op (decoupled decay, bias corrections from the
-step count, fp32), equal to it up to the compiler's rounding; the clipped gradient is DeepSpeed's bit for bit
-(`fused.clip_factor`); `train/update.py`'s verdict (`found_inf`: a non-finite norm or loss) leaves weights,
-moments and step counts as they were, as torch's kernel does.
+step count, fp32), equal to it up to the compiler's rounding; the clip's factor is DeepSpeed's, bit for bit
+(`fused.clip_factor` at ZeRO 1/2); `train/update.py`'s verdict (`found_inf`: a non-finite norm or loss) leaves
+weights, moments and step counts as they were, as torch's kernel does.
 
 Installed only where it is exactly this case and its kernel is compiled (`train.compile`, on a GPU by default:
-uncompiled, its dozen operators would each pass over memory); everywhere else DeepSpeed's own step runs: ZeRO 0
-and 3, CPU offload, fp16 (loss scaling and its overflow check), fp32 weights, SGD, amsgrad or maximize,
-DeepSpeed's Muon or ZenFlow, torch autocast.
+uncompiled, its dozen operators would each pass over memory); everywhere else DeepSpeed's own update runs:
+ZeRO 0, CPU or NVMe offload, fp16 (loss scaling and its overflow check), fp32 weights, SGD, amsgrad or maximize,
+DeepSpeed's Muon or ZenFlow, torch autocast. Not yet measured on a GPU (`benchmarks/gpu_check.sh` measures it).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import torch
 from vitscale.train.fused import GLOBAL_NORM, clip_factor
 
 ONE_PASS = "vitscale_one_pass"
-"""The attribute marking a ZeRO 1/2 optimizer whose step `one_pass_update` installed."""
+"""The attribute marking a ZeRO optimizer whose update `one_pass_update` installed."""
 
 
 def adamw_pass(gradient: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -71,29 +75,34 @@ def adamw_pass(gradient: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tens
 
 
 def one_pass_update(engine: Any, compile_kernel: bool = True) -> bool:
-    """Install the one-pass step on `engine`'s ZeRO 1/2 optimizer (see the module's docstring); whether it was
-    installed. `compile_kernel=False` runs `adamw_pass` eagerly: the same arithmetic, for tests."""
+    """Install the one-pass update on `engine`'s ZeRO 1/2 or ZeRO 3 optimizer (see the module's docstring);
+    whether it was installed. `compile_kernel=False` runs `adamw_pass` eagerly: the same arithmetic, for tests."""
     optimizer: Any = getattr(engine, "optimizer", None)
-    if not _supported(optimizer):
+    zero_3 = _supported_zero_3(optimizer)
+    if not (zero_3 or _supported_zero_1_2(optimizer)):
         return False
     kernel: Callable[..., None] = (torch.compile(adamw_pass, dynamic=False, fullgraph=True) if compile_kernel
                                    else adamw_pass)
     inner = optimizer.optimizer
-    staged: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # master's id: gradient, weight, factor
+    staged: dict[int, list[Any]] = {}  # a flat master's id: [its gradient, its bf16 weight, the clip factor]
     plain = inner.step
 
     def inner_step(closure: Any = None) -> Any:
-        if not staged:  # not called from the step below (a caller with fp32 gradients): torch's own
+        if not staged:  # not called from a step below (a caller with fp32 gradients): torch's own
             return plain(closure)
         refused = getattr(inner, "found_inf", None)  # `train/update.py`'s verdict, as torch's kernel reads it
         for group in inner.param_groups:
             for master in group["params"]:
                 if id(master) in staged:
-                    _update(kernel, inner, group, master, *staged[id(master)], refused)
+                    gradient, weight, factor = staged[id(master)]
+                    _update(kernel, inner, group, master, gradient, weight, factor, refused)
         return None
 
     inner.step = inner_step
-    optimizer.step = lambda closure=None: _zero_step(optimizer, staged)
+    if zero_3:
+        _install_zero_3(optimizer, staged)
+    else:
+        optimizer.step = lambda closure=None: _zero_step(optimizer, staged)
     setattr(optimizer, ONE_PASS, True)
     return True
 
@@ -103,7 +112,7 @@ def one_pass_installed(engine: Any) -> bool:
     return bool(vars(getattr(engine, "optimizer", None) or object()).get(ONE_PASS, False))
 
 
-def _supported(optimizer: Any) -> bool:
+def _supported_zero_1_2(optimizer: Any) -> bool:
     """DeepSpeed's ZeRO 1/2 optimizer in bf16 on the device, with `fused.py`'s norm and clipping and torch's
     fused AdamW inside, and none of the features whose step differs (see the module's docstring)."""
     inner = getattr(optimizer, "optimizer", None)
@@ -113,10 +122,7 @@ def _supported(optimizer: Any) -> bool:
             and not getattr(optimizer, "zenflow", True)
             and getattr(optimizer, "torch_autocast_gradscaler", 1) is None
             and not getattr(optimizer, "has_moe_layers", True)
-            and type(inner) is torch.optim.AdamW and bool(inner.defaults.get("fused"))
-            and not any(g["amsgrad"] or g["maximize"] or g.get("capturable") or g.get("differentiable")
-                        or torch.is_tensor(g["lr"]) for g in inner.param_groups)
-            and "step" not in vars(inner)
+            and _fused_adamw(inner)
             and all(getattr(optimizer, name, None) is not None for name in (
                 "bit16_groups", "single_partition_of_fp32_groups", "parallel_partitioned_bit16_groups",
                 "real_dp_process_group", "params_in_partition", "params_not_in_partition", "averaged_gradients",
@@ -124,7 +130,80 @@ def _supported(optimizer: Any) -> bool:
                 "_update_model_bit16_weights", "_release_preflattened_grad_buffers")))
 
 
-def _zero_step(optimizer: Any, staged: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+def _supported_zero_3(optimizer: Any) -> bool:
+    """DeepSpeed's ZeRO 3 optimizer in bf16 without offload (its gradients, masters and moments on the device),
+    torch's fused AdamW inside, none of the features whose update differs."""
+    inner = getattr(optimizer, "optimizer", None)
+    return (type(optimizer).__name__ == "DeepSpeedZeroOptimizer_Stage3"
+            and getattr(optimizer, "offload_optimizer", True) is False and getattr(optimizer, "offload_param", True)
+            is False and getattr(optimizer, "swap_optimizer", True) is False
+            and getattr(optimizer, "dtype", None) == torch.bfloat16 and getattr(optimizer, "loss_scale", 0) == 1.0
+            and getattr(optimizer, "use_muon", True) is False and getattr(optimizer, "zenflow", True) is False
+            and getattr(optimizer, "torch_autocast_gradscaler", 1) is None
+            and _fused_adamw(inner)
+            and all(callable(getattr(optimizer, name, None)) for name in (
+                "_prepare_fp32_grad_for_sub_group", "unscale_and_clip_grads", "_optimizer_step",
+                "_reassign_or_swap_out_partitioned_parameters", "_unflatten_partitioned_parameters", "flatten"))
+            and all(getattr(optimizer, name, None) is not None for name in (
+                "fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat", "averaged_gradients")))
+
+
+def _install_zero_3(optimizer: Any, staged: dict[int, list[Any]]) -> None:
+    """ZeRO 3's step calls a method per stage of each sub-group's update, its own order kept: the flat bf16
+    gradient staged instead of cast to fp32, the clip's factor staged instead of multiplied, DeepSpeed's inner
+    step (the pass, which writes the bf16 partition), and of the copy back only the weights' re-pointing."""
+
+    def prepare(sub_group: int) -> None:
+        # DeepSpeed's `_prepare_fp32_grad_for_sub_group` without its `.to(fp32)`: the same flat gradient, kept
+        # alive for the pass on the stream that will read it.
+        master = optimizer.fp32_partitioned_groups_flat[sub_group]
+        gradient = optimizer.flatten(optimizer.averaged_gradients[sub_group])
+        if gradient.numel() != master.numel():
+            raise RuntimeError(f"the gradient partition of sub-group {sub_group} holds {gradient.numel()} "
+                               f"elements, its parameters {master.numel()}")
+        if gradient.is_cuda:
+            for grad in optimizer.averaged_gradients[sub_group]:
+                grad.record_stream(torch.cuda.current_stream(gradient.device))
+        staged[id(master)] = [gradient, optimizer.fp16_partitioned_groups_flat[sub_group], None]
+        optimizer.averaged_gradients[sub_group] = None
+
+    def unscale_and_clip(sub_group: int, total_norm: Any) -> None:
+        # DeepSpeed 0.19's ZeRO 3 `unscale_and_clip_grads`, op for op: its factor, applied in the pass.
+        combined_scale: Any = optimizer.loss_scale
+        if optimizer.clip_grad > 0.0:
+            clip = ((total_norm / optimizer.loss_scale) + 1e-6) / optimizer.clip_grad
+            combined_scale = torch.clamp(clip, min=1.0) * optimizer.loss_scale
+        factor = 1.0 / combined_scale
+        master = optimizer.fp32_partitioned_groups_flat[sub_group]
+        staged[id(master)][2] = factor if torch.is_tensor(factor) else torch.full(
+            (), float(factor), dtype=torch.float32, device=master.device)
+
+    step_group = optimizer._optimizer_step
+
+    def optimizer_step(sub_group: int) -> None:
+        try:
+            step_group(sub_group)
+        finally:
+            staged.clear()
+
+    def reassign(sub_group: int) -> None:
+        # The pass wrote the bf16 partition: of DeepSpeed's copy and re-pointing, the re-pointing.
+        optimizer._unflatten_partitioned_parameters(sub_group)
+
+    optimizer._prepare_fp32_grad_for_sub_group = prepare
+    optimizer.unscale_and_clip_grads = unscale_and_clip
+    optimizer._optimizer_step = optimizer_step
+    optimizer._reassign_or_swap_out_partitioned_parameters = reassign
+
+
+def _fused_adamw(inner: Any) -> bool:
+    """torch's fused AdamW, with none of the options its kernel takes that `adamw_pass` does not."""
+    return (type(inner) is torch.optim.AdamW and bool(inner.defaults.get("fused")) and "step" not in vars(inner)
+            and not any(g["amsgrad"] or g["maximize"] or g.get("capturable") or g.get("differentiable")
+                        or torch.is_tensor(g["lr"]) for g in inner.param_groups))
+
+
+def _zero_step(optimizer: Any, staged: dict[int, list[Any]]) -> None:
     """DeepSpeed 0.19's `DeepSpeedZeroOptimizer.step` for bf16 without offload (no overflow check there: bf16's
     is off, `engine.deepspeed_config`), the fp32 gradient, its clip and the copy back left to `adamw_pass`."""
     module = sys.modules[type(optimizer).__module__]
@@ -144,7 +223,7 @@ def _zero_step(optimizer: Any, staged: dict[int, tuple[torch.Tensor, torch.Tenso
         optimizer.free_grad_in_param_list(optimizer.params_not_in_partition[i])
         gradient = _flat_gradient(optimizer, i, rank)
         master = optimizer.single_partition_of_fp32_groups[i]
-        staged[id(master)] = (gradient, optimizer.parallel_partitioned_bit16_groups[i][rank], factor)
+        staged[id(master)] = [gradient, optimizer.parallel_partitioned_bit16_groups[i][rank], factor]
         optimizer.free_grad_in_param_list(optimizer.params_in_partition[i])
         try:
             optimizer._optimizer_step(i)  # the inner step over this group alone, then the hp state linked
@@ -179,7 +258,7 @@ def _flat_gradient(optimizer: Any, group: int, rank: int) -> torch.Tensor:
 
 
 def _update(kernel: Callable[..., None], inner: torch.optim.AdamW, group: dict[str, Any], master: torch.Tensor,
-            gradient: torch.Tensor, weight: torch.Tensor, factor: torch.Tensor, refused: Any) -> None:
+            gradient: torch.Tensor, weight: torch.Tensor, factor: torch.Tensor | None, refused: Any) -> None:
     """`adamw_pass` over one flat partition, its state made as torch's fused AdamW makes it (a refused first
     step still creates it, as torch's does)."""
     state = inner.state[master]
@@ -192,6 +271,8 @@ def _update(kernel: Callable[..., None], inner: torch.optim.AdamW, group: dict[s
     lr = torch.full((), float(group["lr"]), dtype=torch.float32, device=device)
     flag = (torch.zeros((), dtype=torch.float32, device=device) if refused is None
             else refused.detach().reshape(()).to(device=device, dtype=torch.float32))
+    if factor is None:  # nothing clipped the gradient
+        factor = torch.ones((), dtype=torch.float32, device=device)
     beta1, beta2 = group["betas"]
     with torch.no_grad():  # the master is a leaf that requires grad, as for torch's own step
         kernel(gradient.view(-1), master, state["exp_avg"], state["exp_avg_sq"], state["step"], weight.view(-1),
