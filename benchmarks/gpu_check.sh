@@ -7,6 +7,8 @@
 # pydantic and its core, hjson, simplejpeg, boto3 and its parts): `make gpu-wheels` fetches them. Then,
 # in order of what matters most, under one deadline (GPU_CHECK_SECONDS, default 555: a 10-minute call with
 # the wheels' install and the tar of OUT_DIR around it), each part with its own cap besides:
+#   0. benchmarks/update_pass.py: the optimizer's update alone for ViT-B/16 and ViT-L/16, DeepSpeed's passes
+#      against vitscale's one-pass AdamW (`train/one_pass.py`, new since 2026-11-30) and the peer's (seconds);
 #   1. benchmarks/mfu.py: vitscale's training step against the hand-written peer (timm + compile + fused
 #      AdamW + bf16 autocast) for ViT-B/16 at ZeRO 1, 2 and 3 (a torch.profiler summary of each) and ViT-L/16
 #      at ZeRO 1, batch 256, with the forward / backward / optimizer phases and the update's GPU time in a step;
@@ -24,8 +26,8 @@
 # A machine that hands back a few files only (8, 16 MiB each): the tables and logs in one archive, the profiles'
 # Chrome traces (one per ZeRO stage, a few MiB at most) beside it, so that a large trace never costs the tables:
 #   bash benchmarks/gpu_check.sh /tmp/gc; tar czf $OUT/gc.tgz --exclude='*.trace.json.gz' -C /tmp gc; cp /tmp/gc/*.trace.json.gz $OUT/
-# GPU_CHECK_ONLY="l16 tests" runs only the parts so named (b16 l16 data tests autotune eager attention graphs
-# b16-auto l16-auto), e.g. a second, shorter call for what the first one's deadline skipped.
+# GPU_CHECK_ONLY="l16 tests" runs only the parts so named (update b16 l16 data tests autotune eager attention
+# graphs b16-auto l16-auto), e.g. a second, shorter call for what the first one's deadline skipped.
 # Tables and logs land in OUT_DIR; the last lines printed are the tables.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +37,7 @@ if ! [[ $deadline =~ ^[0-9]+$ ]]; then
   echo "gpu_check.sh: GPU_CHECK_SECONDS must be a whole number of seconds, got '$deadline'" >&2
   exit 2
 fi
-parts="b16 l16 data tests autotune eager attention graphs b16-auto l16-auto"
+parts="update b16 l16 data tests autotune eager attention graphs b16-auto l16-auto"
 for name in ${GPU_CHECK_ONLY:-}; do
   if [[ " $parts " != *" $name "* ]]; then
     echo "gpu_check.sh: GPU_CHECK_ONLY names no part '$name' (the parts: $parts)" >&2
@@ -75,6 +77,8 @@ extra() {
 stamp "machine"; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 $python -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)" 2>&1 | tail -1
 
+part update 45 "the update alone" $python benchmarks/update_pass.py --steps 20 --out "$out/update_pass.json" 2>&1 \
+  | tee "$out/update_pass.log" | tail -9
 part b16 200 "mfu ViT-B/16" $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 2 3 --peer --steps 16 \
   --profile "$out" --out "$out/mfu_b16.json" 2>&1 | tee "$out/mfu_b16.log" | grep -v '^{'
 part l16 170 "mfu ViT-L/16" $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 1 --peer --steps 10 \

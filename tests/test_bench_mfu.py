@@ -1,6 +1,6 @@
-"""benchmarks/mfu.py and host_cost.py on the CPU: vitscale's training step and the hand-written peer, side by
-side, with phases, a profile and the host's reads (the GPU figures come from the same code:
-benchmarks/gpu_check.sh)."""
+"""benchmarks/mfu.py, host_cost.py and update_pass.py on the CPU: vitscale's training step and the hand-written
+peer, side by side, with phases, a profile, the host's reads and the update alone (the GPU figures come from
+the same code: benchmarks/gpu_check.sh)."""
 
 from __future__ import annotations
 
@@ -138,6 +138,20 @@ def test_host_cost_counts_the_steps_waits_beside_the_peer(capsys: pytest.Capture
     assert "| vitscale | 1 |" in capsys.readouterr().out
 
 
+def test_the_update_alone_is_timed_three_ways_and_the_two_masters_agree(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    import update_pass
+
+    rows = update_pass.main(["--models", "ViT-Ti/16", "--steps", "2", "--out", str(tmp_path / "u.json")])
+    assert [r["update"] for r in rows] == ["deepspeed", "one pass", "peer"]
+    assert rows[0]["parameters"] == sum(s.numel() for s in update_pass.shapes("ViT-Ti/16")) > 5_000_000
+    assert all(r["ms"] > 0 and r["gb_per_s"] > 0 for r in rows) and rows[0]["vs_deepspeed"] == 1.0
+    # Five steps of the same gradients (three to warm up, two timed): DeepSpeed's sequence and the pass end at
+    # the same masters, to fp32 rounding; a lost clip or decay would be ~1e-3 off.
+    assert rows[1]["masters_apart"] < 1e-6
+    assert "| ViT-Ti/16 | one pass | 32 |" in capsys.readouterr().out
+
+
 def test_attention_times_every_backend_that_takes_the_shapes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     import attention
 
@@ -154,7 +168,7 @@ def test_attention_times_every_backend_that_takes_the_shapes(tmp_path: Path, cap
 
 @pytest.mark.parametrize(("variable", "value", "says"), [
     ("GPU_CHECK_SECONDS", "9m", "GPU_CHECK_SECONDS must be a whole number of seconds, got '9m'"),
-    ("GPU_CHECK_ONLY", "l16 tset", "GPU_CHECK_ONLY names no part 'tset' (the parts: b16 l16 data tests"),
+    ("GPU_CHECK_ONLY", "l16 tset", "GPU_CHECK_ONLY names no part 'tset' (the parts: update b16 l16 data"),
 ])
 def test_gpu_check_refuses_a_bad_setting_before_it_installs_anything(tmp_path: Path, variable: str, value: str,
                                                                      says: str) -> None:

@@ -81,7 +81,7 @@ def one_pass_update(engine: Any, compile_kernel: bool = True) -> bool:
     zero_3 = _supported_zero_3(optimizer)
     if not (zero_3 or _supported_zero_1_2(optimizer)):
         return False
-    kernel: Callable[..., None] = (torch.compile(adamw_pass, dynamic=False, fullgraph=True) if compile_kernel
+    kernel: Callable[..., None] = (torch.compile(adamw_pass, fullgraph=True) if compile_kernel
                                    else adamw_pass)
     inner = optimizer.optimizer
     staged: dict[int, list[Any]] = {}  # a flat master's id: [its gradient, its bf16 weight, the clip factor]
