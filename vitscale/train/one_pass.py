@@ -123,11 +123,17 @@ def _supported_zero_1_2(optimizer: Any) -> bool:
             and getattr(optimizer, "torch_autocast_gradscaler", 1) is None
             and not getattr(optimizer, "has_moe_layers", True)
             and _fused_adamw(inner)
+            # Everything `_zero_step` touches, by DeepSpeed 0.19's names: a release that renamed one keeps its own.
             and all(getattr(optimizer, name, None) is not None for name in (
-                "bit16_groups", "single_partition_of_fp32_groups", "parallel_partitioned_bit16_groups",
-                "real_dp_process_group", "params_in_partition", "params_not_in_partition", "averaged_gradients",
-                "partition_size", "_optimizer_step", "_get_preflattened_grad_partition", "scaled_global_norm",
-                "_update_model_bit16_weights", "_release_preflattened_grad_buffers")))
+                "bit16_groups", "bit16_groups_flat", "single_partition_of_fp32_groups",
+                "parallel_partitioned_bit16_groups", "real_dp_process_group", "params_in_partition",
+                "params_not_in_partition", "averaged_gradients", "all_grad_tensors", "partition_size",
+                "nccl_start_alignment_factor", "allgather_bucket_size", "loss_scale", "_optimizer_step",
+                "_get_preflattened_grad_partition", "scaled_global_norm", "_update_model_bit16_weights",
+                "_release_preflattened_grad_buffers", "_wait_for_offload_copies", "_update_scale",
+                "_commit_muon_momentum", "free_grad_in_param_list", "flatten", "flatten_dense_tensors_aligned"))
+            and all(hasattr(sys.modules.get(type(optimizer).__module__), name)
+                    for name in ("INITIAL_MICRO_STEP_ID", "all_gather_dp_groups")))
 
 
 def _supported_zero_3(optimizer: Any) -> bool:
