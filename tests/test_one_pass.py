@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vitscale.train.one_pass import adamw_pass, one_pass_installed, one_pass_update
+from vitscale.train.one_pass import adamw_pass, end_to_end, one_pass_installed, one_pass_update
 
 TINY = {"img_size": 16, "depth": 2, "width": 32, "mlp_dim": 64, "heads": 2}
 BETAS = (0.9, 0.999)
@@ -106,6 +106,39 @@ def test_the_compiled_pass_is_the_eager_one() -> None:
     assert float(ours[3]) == 3.0
 
 
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 9), min_size=1, max_size=8), start=st.integers(0, 5), spoil=st.sampled_from(
+    ["none", "gap", "copy", "transposed", "dtype", "reversed"]))
+def test_end_to_end_is_the_concatenation_as_a_view_or_nothing(sizes: list[int], start: int, spoil: str) -> None:
+    """Slices that follow each other in one buffer are viewed as `torch.cat` would copy them; anything else (a
+    gap, a copy, a non-contiguous or another dtype's tensor, the slices out of order) gets None, and the caller
+    copies as DeepSpeed does."""
+    buffer = torch.arange(start + sum(sizes) + 12, dtype=torch.float32)
+    offsets = [start + sum(sizes[:i]) for i in range(len(sizes))]
+    pieces = [buffer[o:o + n] for o, n in zip(offsets, sizes)]
+    big = [i for i, n in enumerate(sizes) if n >= 2]
+    if spoil == "gap" and len(pieces) > 1:
+        pieces[-1] = buffer[offsets[-1] + 1:offsets[-1] + 1 + sizes[-1]]
+    elif spoil == "copy":
+        pieces[0] = pieces[0].clone()
+    elif spoil == "transposed" and big:
+        pieces[big[0]] = buffer[offsets[big[0]]:offsets[big[0]] + 2 * sizes[big[0]]:2]
+    elif spoil == "dtype":
+        pieces[-1] = pieces[-1].to(torch.float64)
+    elif spoil == "reversed" and len(pieces) > 1:
+        pieces = pieces[::-1]
+    view = end_to_end(pieces)
+    if view is not None:  # sound: what torch.cat would copy, in the first piece's storage
+        assert view.dtype == pieces[0].dtype and torch.equal(view, torch.cat(pieces))
+        assert view.untyped_storage().data_ptr() == pieces[0].untyped_storage().data_ptr()
+    several, nonempty = len(pieces) > 1, sum(sizes) > 0
+    if spoil == "none":
+        assert view is not None and view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    elif (spoil in ("gap", "copy", "dtype") and several) or (spoil == "transposed" and big) or (
+            spoil == "reversed" and several and nonempty):
+        assert view is None
+
+
 # --- real DeepSpeed engines --------------------------------------------------------------------------------
 
 
@@ -186,6 +219,8 @@ def test_deepspeeds_step_and_the_one_pass_agree(process_group: None, stage: int)
     step refused by both with nothing changed; the next applied by both."""
     ours, theirs = _engine(stage, one_pass=True), _engine(stage, one_pass=False)
     assert one_pass_installed(ours) and not one_pass_installed(theirs)
+    if stage == 3:  # a sub-group's gradients lie end to end in ZeRO 3's buffer: the pass reads them there
+        ours.optimizer.flatten = lambda tensors: pytest.fail("ZeRO 3's gradients were copied to be flattened")
     a, b = _step(ours, 0), _step(theirs, 0)
     assert a[0] and b[0] and a[1] == pytest.approx(b[1], rel=1e-6) and a[1] > 1e-3  # the clip (1e-3) acts
     _compare(ours, theirs)
