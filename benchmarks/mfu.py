@@ -349,8 +349,11 @@ def bench_vitscale(name: str, *, batch: int, steps: int, zero_stage: int, device
     import vitscale.train.step as stepper  # the module whose `apply_update` the step calls
 
     phases.update(_update_gpu_ms(run.step, stepper, "apply_update", device))
+    from vitscale.train.one_pass import one_pass_installed
+
     return _result(name, batch, step_s, device, resident, img_size=img_size, options=options, loop="vitscale",
-                   zero_stage=zero_stage, precision=run.precision, compiled=run.compiled, **phases)
+                   zero_stage=zero_stage, precision=run.precision, compiled=run.compiled,
+                   update="one pass" if one_pass_installed(run.engine) else "DeepSpeed's", **phases)
 
 
 class PeerStep:
@@ -417,7 +420,8 @@ def bench_peer(name: str, *, batch: int, steps: int, device: torch.device, timm_
     phases = _phases(run.phases(), device)
     phases.update(_update_gpu_ms(run.step, run, "update", device))
     return _result(name, batch, step_s, device, resident, loop="peer: timm" if timm_model else "peer: vitscale model",
-                   zero_stage=None, precision=run.precision, compiled=compile_model, **phases)
+                   zero_stage=None, precision=run.precision, compiled=compile_model, update="torch's fused",
+                   **phases)
 
 
 PROFILED_PHASES = {"forward": "forward", "backward": "backward", "update": "apply_update"}
@@ -535,16 +539,17 @@ def _table(rows: list[dict], device_name: str) -> list[str]:
     for r in rows:
         if r["loop"].startswith("peer") and (r["model"] not in peers or r["loop"] == "peer: timm"):
             peers[r["model"]] = r
-    lines = ["| model | loop | ZeRO | compiled | batch | images/s | vs peer | MFU | forward ms | backward ms | "
-             "optimizer ms | update in step ms | peak GiB |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | loop | ZeRO | compiled | update | batch | images/s | vs peer | MFU | forward ms | "
+             "backward ms | optimizer ms | update in step ms | peak GiB |",
+             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         peer = peers.get(r["model"])
         ratio = f"{r['images_per_s'] / peer['images_per_s']:.2f}x" if peer and not r["loop"].startswith("peer") else ""
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
         memory = f"{r['max_memory_gib']:.1f}" if "max_memory_gib" in r else "n/a"
         stage = "" if r["zero_stage"] is None else str(r["zero_stage"])
-        lines.append(f"| {r['model']} | {r['loop']} | {stage} | {'yes' if r['compiled'] else 'no'} | {r['batch']} | "
+        lines.append(f"| {r['model']} | {r['loop']} | {stage} | {'yes' if r['compiled'] else 'no'} | "
+                     f"{r.get('update', '')} | {r['batch']} | "
                      f"{r['images_per_s']:.1f} | {ratio} | {mfu} | {r['forward_ms']:.1f} | {r['backward_ms']:.1f} | "
                      f"{r['optimizer_ms']:.1f} | {_ms(r.get('update_gpu_ms'))} | {memory} |")
     return [f"device: {device_name}", *lines]

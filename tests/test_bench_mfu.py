@@ -29,7 +29,7 @@ def test_mfu_measures_the_training_step_beside_the_peer(tmp_path: Path, capsys: 
     for r in rows:
         assert r["images_per_s"] > 0 and all(r[k] > 0 for k in ("forward_ms", "backward_ms", "optimizer_ms"))
     table = capsys.readouterr().out
-    assert "| ViT-Ti/16 | vitscale | 1 | no | 2 |" in table and "x |" in table  # the ratio to the peer
+    assert "| ViT-Ti/16 | vitscale | 1 | no | DeepSpeed's | 2 |" in table and "x |" in table  # the ratio to the peer
     with gzip.open(tmp_path / "profile-zero1.trace.json.gz", "rt") as trace:  # the whole trace, beside it
         assert any(e.get("name") == "vitscale.update" for e in json.load(trace)["traceEvents"])
     profile = (tmp_path / "profile-zero1.md").read_text()
