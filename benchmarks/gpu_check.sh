@@ -87,7 +87,7 @@ part l16 170 "mfu ViT-L/16" $python benchmarks/mfu.py --models ViT-L/16 --zero-s
 # 20,000 JPEGs and their shards take ~45 s, the fixed batch's compile and steps ~35 s, the loop ~30 s.
 part data 150 "train_data ViT-B/16" $python benchmarks/train_data.py --steps 40 --fixed-steps 10 --decode-seconds 3 \
   --out "$out/train_data.json" 2>&1 | tee "$out/train_data.log" | tail -25
-part tests 130 "gpu tests" $python -m pytest -m gpu tests/test_gpu_training.py tests/test_flops.py tests/test_bench_mfu.py \
+part tests 160 "gpu tests" $python -m pytest -m gpu tests/test_gpu_training.py tests/test_flops.py tests/test_bench_mfu.py \
   -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | grep -v DEBUG | tail -8
 # The extras, each only where its whole time still fits before the deadline, the open questions first.
 # Searching configurations compiles for minutes (ViT-L/16's default compile took ~50 s of its 100-s part).
