@@ -234,6 +234,19 @@ def test_deepspeeds_step_and_the_one_pass_agree(process_group: None, stage: int)
     _compare(ours, theirs, atol=1e-3)
 
 
+def test_the_compiled_pass_steps_an_engine_as_the_eager_one(process_group: None) -> None:
+    """As a worker runs it: the kernel compiled inside the engine's step, over ZeRO 3's fp32 partition (a leaf
+    that requires grad), its bf16 partition and a view of its gradient buffer; the same masters as the eager
+    pass, through a refused step."""
+    compiled, eager = _engine(3, one_pass=False), _engine(3, one_pass=True)
+    assert one_pass_update(compiled)  # compile_kernel=True, as `build_engine` installs it
+    for seed, poison in ((0, False), (1, True), (2, False)):
+        assert _step(compiled, seed, poison)[0] == _step(eager, seed, poison)[0] == (not poison)
+    for a, b in zip(_masters(compiled), _masters(eager)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)  # the bf16 rounding of step 1 feeds step 2
+    assert [float(m["step"]) for m in _moments(compiled)] == [2.0] * len(_moments(compiled))
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_checkpoint_of_either_step_resumes_in_the_other(process_group: None, stage: int,
                                                           tmp_path: Path) -> None:
