@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import device_name, finish
 from vitscale.models.variants import parse_model_name
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -117,13 +119,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for model in args.models:
         rows.append(measure(model, batch=args.batch, img_size=args.img_size, steps=args.steps, device=device))
         print(json.dumps(rows[-1]), flush=True)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"\nscaled_dot_product_attention forward + backward on {name}, torch {torch.__version__}, "
-          f"median of {args.steps}:")
-    print("\n".join(table(rows)))
-    if args.out:
-        args.out.write_text(json.dumps(rows, indent=1))
-    return rows
+    return finish(f"scaled_dot_product_attention forward + backward on {device_name(device)}, torch "
+                  f"{torch.__version__}, median of {args.steps}:", table(rows), rows, args.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ their fp32 masters end (fp32 rounding: a few 1e-7 at most).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -32,6 +31,8 @@ import torch
 from torch._utils import _flatten_dense_tensors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import device_name, finish
 from vitscale.models import create_model
 from vitscale.train.one_pass import adamw_pass
 
@@ -140,12 +141,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parser.parse_args(argv)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     rows = [row for name in args.models for row in measure(name, device, args.steps)]
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"\nThe update alone on {name}, median of {args.steps}:")
-    print("\n".join(table(rows)))
-    if args.out:
-        args.out.write_text(json.dumps(rows, indent=1))
-    return rows
+    return finish(f"The update alone on {device_name(device)}, median of {args.steps}:", table(rows), rows, args.out)
 
 
 if __name__ == "__main__":
