@@ -305,7 +305,6 @@ def _update(kernel: Callable[..., None], inner: torch.optim.AdamW, group: dict[s
         factor = torch.ones((), dtype=torch.float32, device=device)
     beta1, beta2 = group["betas"]
     with torch.no_grad():  # the master is a leaf that requires grad, as for torch's own step
-        kernel(gradient.view(-1), master, state["exp_avg"], state["exp_avg_sq"], state["step"], weight.view(-1),
-               lr,
+        kernel(gradient.view(-1), master, state["exp_avg"], state["exp_avg_sq"], state["step"], weight.view(-1), lr,
                factor.to(device=device, dtype=torch.float32), flag, beta1=float(beta1), beta2=float(beta2),
                eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
