@@ -347,10 +347,9 @@ def bench_vitscale(name: str, *, batch: int, steps: int, zero_stage: int, device
         _profile(run, profile / f"profile-zero{zero_stage}.md", f"{name}, ZeRO {zero_stage}")
     phases = _phases(run.phases(), device)
     import vitscale.train.step as stepper  # the module whose `apply_update` the step calls
-
-    phases.update(_update_gpu_ms(run.step, stepper, "apply_update", device))
     from vitscale.train.one_pass import one_pass_installed
 
+    phases.update(_update_gpu_ms(run.step, stepper, "apply_update", device))
     return _result(name, batch, step_s, device, resident, img_size=img_size, options=options, loop="vitscale",
                    zero_stage=zero_stage, precision=run.precision, compiled=run.compiled,
                    update="one pass" if one_pass_installed(run.engine) else "DeepSpeed's", **phases)

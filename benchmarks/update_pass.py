@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import device_name, finish
 from vitscale.models import create_model
-from vitscale.train.one_pass import adamw_pass
+from vitscale.train.one_pass import compiled_pass
 
 BYTES = {"deepspeed": 52, "one pass": 32, "peer": 28}
 """Bytes per parameter each update reads and writes (the module's docstring)."""
@@ -62,7 +62,7 @@ class Updates:
                                           fused=True)
         self.ours = [flat.clone(), torch.zeros_like(flat), torch.zeros_like(flat),
                      torch.zeros((), device=device), flat.to(torch.bfloat16)]
-        self.kernel = torch.compile(adamw_pass, fullgraph=True)
+        self.kernel = compiled_pass()
         self.factor = torch.full((), FACTOR, device=device)
         # the peer's: fp32 weights tensor by tensor, autocast's fp32 gradients.
         self.peer_weights = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in sizes]

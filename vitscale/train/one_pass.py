@@ -27,7 +27,7 @@ What stays: the optimizer state is torch's AdamW's, held by the inner optimizer 
 `exp_avg_sq` for each flat partition), so checkpoints, resume, reshard and universal checkpoints are the same and
 load either way; the arithmetic is torch's fused AdamW's, op for op (decoupled decay, bias corrections from the
 step count, fp32), equal to it up to the compiler's rounding; the clip's factor is DeepSpeed's, bit for bit
-(`fused.clip_factor` at ZeRO 1/2); `train/update.py`'s verdict (`found_inf`: a non-finite norm or loss) leaves
+(`fused.clip_factor`, for any finite norm); `train/update.py`'s verdict (`found_inf`: a non-finite norm or loss) leaves
 weights, moments and step counts as they were, as torch's kernel does.
 
 Installed only where it is exactly this case and its kernel is compiled (`train.compile`, on a GPU by default:
@@ -75,6 +75,12 @@ def adamw_pass(gradient: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tens
     master.copy_(updated)
 
 
+def compiled_pass() -> Callable[..., None]:
+    """`adamw_pass` as a worker runs it: compiled whole (one kernel for the update, a 0-d one for the count),
+    a new rate being data, a partition of another size a recompile with its length dynamic."""
+    return torch.compile(adamw_pass, fullgraph=True)
+
+
 def one_pass_update(engine: Any, compile_kernel: bool = True) -> bool:
     """Install the one-pass update on `engine`'s ZeRO 1/2 or ZeRO 3 optimizer (see the module's docstring);
     whether it was installed. `compile_kernel=False` runs `adamw_pass` eagerly: the same arithmetic, for tests."""
@@ -82,8 +88,7 @@ def one_pass_update(engine: Any, compile_kernel: bool = True) -> bool:
     zero_3 = _supported_zero_3(optimizer)
     if not (zero_3 or _supported_zero_1_2(optimizer)):
         return False
-    kernel: Callable[..., None] = (torch.compile(adamw_pass, fullgraph=True) if compile_kernel
-                                   else adamw_pass)
+    kernel = compiled_pass() if compile_kernel else adamw_pass
     inner = optimizer.optimizer
     staged: dict[int, list[Any]] = {}  # a flat master's id: [its gradient, its bf16 weight, the clip factor]
     plain = inner.step
@@ -148,6 +153,7 @@ def _supported_zero_3(optimizer: Any) -> bool:
             and getattr(optimizer, "use_muon", True) is False and getattr(optimizer, "zenflow", True) is False
             and getattr(optimizer, "torch_autocast_gradscaler", 1) is None
             and _fused_adamw(inner)
+            and all(getattr(optimizer, name, None) is not None for name in ("clip_grad", "loss_scale", "device"))
             and all(callable(getattr(optimizer, name, None)) for name in (
                 "_prepare_fp32_grad_for_sub_group", "unscale_and_clip_grads", "_optimizer_step",
                 "_reassign_or_swap_out_partitioned_parameters", "_unflatten_partitioned_parameters", "flatten"))
@@ -178,15 +184,9 @@ def _install_zero_3(optimizer: Any, staged: dict[int, list[Any]]) -> None:
         optimizer.averaged_gradients[sub_group] = None
 
     def unscale_and_clip(sub_group: int, total_norm: Any) -> None:
-        # DeepSpeed 0.19's ZeRO 3 `unscale_and_clip_grads`, op for op: its factor, applied in the pass.
-        combined_scale: Any = optimizer.loss_scale
-        if optimizer.clip_grad > 0.0:
-            clip = ((total_norm / optimizer.loss_scale) + 1e-6) / optimizer.clip_grad
-            combined_scale = torch.clamp(clip, min=1.0) * optimizer.loss_scale
-        factor = 1.0 / combined_scale
-        master = optimizer.fp32_partitioned_groups_flat[sub_group]
-        staged[id(master)][2] = factor if torch.is_tensor(factor) else torch.full(
-            (), float(factor), dtype=torch.float32, device=master.device)
+        # ZeRO 3's `unscale_and_clip_grads` computes ZeRO 1/2's factor for a finite norm; a non-finite one it
+        # lets through as NaN or 0 where `clip_factor` gives 0, a step `train/update.py` refuses either way.
+        staged[id(optimizer.fp32_partitioned_groups_flat[sub_group])][2] = clip_factor(optimizer, total_norm)
 
     step_group = optimizer._optimizer_step
 
@@ -225,9 +225,7 @@ def _zero_step(optimizer: Any, staged: dict[int, list[Any]]) -> None:
     optimizer._update_scale(False)
     optimizer._commit_muon_momentum()
     optimizer._global_grad_norm = norm / previous_scale
-    factor = clip_factor(optimizer, norm)
-    if not torch.is_tensor(factor):  # no clip: 1, or a number where only a static loss scale divides
-        factor = torch.full((), 1.0 if factor is None else float(factor), dtype=torch.float32, device=norm.device)
+    factor = clip_factor(optimizer, norm)  # None (no clip), or the gradients' multiplier
     for i in range(len(optimizer.bit16_groups)):
         rank = torch.distributed.get_rank(group=optimizer.real_dp_process_group[i])
         optimizer.free_grad_in_param_list(optimizer.params_not_in_partition[i])
@@ -288,7 +286,7 @@ def end_to_end(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def _update(kernel: Callable[..., None], inner: torch.optim.AdamW, group: dict[str, Any], master: torch.Tensor,
-            gradient: torch.Tensor, weight: torch.Tensor, factor: torch.Tensor | None, refused: Any) -> None:
+            gradient: torch.Tensor, weight: torch.Tensor, factor: Any, refused: Any) -> None:
     """`adamw_pass` over one flat partition, its state made as torch's fused AdamW makes it (a refused first
     step still creates it, as torch's does)."""
     state = inner.state[master]
@@ -301,8 +299,8 @@ def _update(kernel: Callable[..., None], inner: torch.optim.AdamW, group: dict[s
     lr = torch.full((), float(group["lr"]), dtype=torch.float32, device=device)
     flag = (torch.zeros((), dtype=torch.float32, device=device) if refused is None
             else refused.detach().reshape(()).to(device=device, dtype=torch.float32))
-    if factor is None:  # nothing clipped the gradient
-        factor = torch.ones((), dtype=torch.float32, device=device)
+    if not torch.is_tensor(factor):  # nothing clipped it: 1, or a number where only a static loss scale divides
+        factor = torch.full((), 1.0 if factor is None else float(factor), dtype=torch.float32, device=device)
     beta1, beta2 = group["betas"]
     with torch.no_grad():  # the master is a leaf that requires grad, as for torch's own step
         kernel(gradient.view(-1), master, state["exp_avg"], state["exp_avg_sq"], state["step"], weight.view(-1), lr,
