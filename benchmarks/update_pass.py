@@ -133,12 +133,23 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive whole number")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["ViT-B/16", "ViT-L/16"])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=_positive, default=20, help="timed updates per way (after 3 warm-up)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    for name in args.models:  # a misspelt model is one line before anything is allocated or compiled
+        try:
+            shapes(name)
+        except ValueError as exc:
+            parser.error(f"--models: {exc}")
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     rows = [row for name in args.models for row in measure(name, device, args.steps)]
     return finish(f"The update alone on {device_name(device)}, median of {args.steps}:", table(rows), rows, args.out)

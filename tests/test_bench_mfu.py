@@ -152,6 +152,17 @@ def test_the_update_alone_is_timed_three_ways_and_the_two_masters_agree(tmp_path
     assert "| ViT-Ti/16 | one pass | 32 |" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(("argv", "says"), [(["--models", "ViT-X/99"], "--models: unknown model name 'ViT-X/99'"),
+                                            (["--steps", "0"], "'0': expected a positive whole number")])
+def test_the_update_benchmark_names_a_bad_argument_in_one_line(argv: list[str], says: str,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    import update_pass
+
+    with pytest.raises(SystemExit) as stopped:
+        update_pass.main(argv)
+    assert stopped.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_attention_times_every_backend_that_takes_the_shapes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     import attention
 
