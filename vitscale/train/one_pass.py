@@ -10,11 +10,13 @@ gradients). The update is memory-bound: ViT-L/16's took 5.6 ms of GPU time insid
 (2026-11-30), the peer's 2.6, in a 205-ms step that was 0.4 MFU points short of its target.
 
 `one_pass_update` keeps DeepSpeed's sequence and replaces those passes, where vitscale trains (bf16 weights
-over fp32 masters, torch's fused AdamW, no offload), with `adamw_pass`: it reads the bf16 gradient, the master
-and the moments (14 bytes) and writes the master, the moments and the bf16 weight (14 bytes), the clip's factor
-applied to the gradient in registers. With the flatten and the norm, 34 bytes where DeepSpeed's took 54, and no
-fp32 gradient allocated (4 bytes per parameter off the peak). Where the gradients already lie end to end in
-one buffer, as ZeRO 3's of a sub-group do, the pass reads them there (`end_to_end`): no flatten, 30 bytes.
+over fp32 masters, torch's fused AdamW, no offload), with `adamw_pass`: its scalars (the bias corrections)
+computed once in a 0-d kernel (`adamw_scalars`), then its pass over memory (`adamw_elements`), which reads the
+bf16 gradient, the master and the moments (14 bytes) and writes the master, the moments and the bf16 weight
+(14 bytes), the clip's factor applied to the gradient in registers. With the flatten and the norm, 34 bytes
+where DeepSpeed's took 54, and no fp32 gradient allocated (4 bytes per parameter off the peak). Where the
+gradients already lie end to end in one buffer, as ZeRO 3's of a sub-group do, the pass reads them there
+(`end_to_end`): no flatten, 30 bytes.
 
 - ZeRO 1/2 (`DeepSpeedZeroOptimizer`, whose `step` is one method): the step is DeepSpeed 0.19's for bf16
   without offload, re-stated in `_zero_step`: the global norm (`fused.py`'s kernel), the loss-scale
@@ -38,6 +40,7 @@ DeepSpeed's Muon or ZenFlow, torch autocast. Not yet measured on a GPU (`benchma
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -59,26 +62,58 @@ def adamw_pass(gradient: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tens
     `master`, `exp_avg`, `exp_avg_sq` (fp32) and `step` (a 0-d fp32 count) are updated and `weight` gets the
     new master in its own dtype, all unchanged (`weight` re-rounded from `master`) where `refused` (0-d) is
     not 0. `lr` is a 0-d tensor, so that a schedule's new rate is data, not a new graph."""
+    _adamw(adamw_scalars, adamw_elements, gradient, master, exp_avg, exp_avg_sq, step, weight, lr, factor, refused,
+           beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+
+
+def adamw_scalars(step: torch.Tensor, lr: torch.Tensor, refused: torch.Tensor, *, beta1: float, beta2: float,
+                  weight_decay: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The update's scalars, once per pass (0-d tensors), as torch's fused kernel computes them once per
+    launch: whether the step is kept, the step size `lr / (1 - beta1^t)`, `sqrt(1 - beta2^t)` and the decay
+    `lr * weight_decay`, `t` the advanced count, written to `step` where the step is kept. Computed inside the
+    elementwise kernel instead, the two powers would be computed per element: on a CPU that made the kernel
+    compute-bound (1.6-2x slower at ViT-B/16's size), on a GPU about half its instruction budget per element."""
     keep = refused == 0
-    grad = gradient.float() * factor
     count = step + 1
-    decayed = master - lr * weight_decay * master
+    step_size = lr / (1 - torch.pow(beta1, count))
+    bias2_sqrt = (1 - torch.pow(beta2, count)).sqrt()
+    step.copy_(torch.where(keep, count, step))
+    return keep, step_size, bias2_sqrt, lr * weight_decay
+
+
+def adamw_elements(gradient: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                   weight: torch.Tensor, factor: torch.Tensor, keep: torch.Tensor, step_size: torch.Tensor,
+                   bias2_sqrt: torch.Tensor, decay: torch.Tensor, *, beta1: float, beta2: float, eps: float) -> None:
+    """The update's pass over memory, given `adamw_scalars`' values: the bf16 gradient, the master and both
+    moments read (14 bytes per parameter), the master, the moments and the bf16 weight written (14)."""
+    grad = gradient.float() * factor
+    decayed = master - decay * master
     m = beta1 * exp_avg + (1 - beta1) * grad
     v = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
-    bias1 = 1 - torch.pow(beta1, count)
-    bias2_sqrt = (1 - torch.pow(beta2, count)).sqrt()
-    updated = torch.where(keep, decayed - (lr / bias1) * m / (v.sqrt() / bias2_sqrt + eps), master)
+    updated = torch.where(keep, decayed - step_size * m / (v.sqrt() / bias2_sqrt + eps), master)
     exp_avg.copy_(torch.where(keep, m, exp_avg))
     exp_avg_sq.copy_(torch.where(keep, v, exp_avg_sq))
-    step.copy_(torch.where(keep, count, step))
     weight.copy_(updated.to(weight.dtype))
     master.copy_(updated)
 
 
+def _adamw(scalars: Callable[..., Any], elements: Callable[..., None], gradient: torch.Tensor, master: torch.Tensor,
+           exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: torch.Tensor, weight: torch.Tensor,
+           lr: torch.Tensor, factor: torch.Tensor, refused: torch.Tensor, *, beta1: float, beta2: float, eps: float,
+           weight_decay: float) -> None:
+    keep, step_size, bias2_sqrt, decay = scalars(step, lr, refused, beta1=beta1, beta2=beta2,
+                                                 weight_decay=weight_decay)
+    elements(gradient, master, exp_avg, exp_avg_sq, weight, factor, keep, step_size, bias2_sqrt, decay,
+             beta1=beta1, beta2=beta2, eps=eps)
+
+
 def compiled_pass() -> Callable[..., None]:
-    """`adamw_pass` as a worker runs it: compiled whole (one kernel for the update, a 0-d one for the count),
-    a new rate being data, a partition of another size a recompile with its length dynamic."""
-    return torch.compile(adamw_pass, fullgraph=True)
+    """`adamw_pass` as a worker runs it: its scalars and its pass over memory compiled apart (a 0-d kernel,
+    then one elementwise kernel that reads them; compiled as one function, the compiler would inline the
+    scalars' powers into every element), a new rate being data, a partition of another size a recompile with
+    its length dynamic."""
+    return functools.partial(_adamw, torch.compile(adamw_scalars, fullgraph=True),
+                             torch.compile(adamw_elements, fullgraph=True))
 
 
 def one_pass_update(engine: Any, compile_kernel: bool = True) -> bool:
