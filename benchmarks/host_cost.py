@@ -16,7 +16,7 @@ vitscale's side runs the path a GPU trains on (`benchmarks/mfu.py`'s `VitscaleSt
 optimizer (its CPU kernel here), DeepSpeed's engine at each ZeRO stage, the worker's own `Stepper`; eager,
 as compiling changes the kernels, not the host's bookkeeping around them. The peer (`PeerStep`): the same
 model, bf16 autocast, fused AdamW, no clipping, one process, no DeepSpeed. At one rank, vitscale's ZeRO 3
-keeps its parameters whole (`train/one_rank.py`); at ZeRO 1 and 2 a second row steps with the update a GPU
+keeps its parameters whole (`train/one_rank.py`); at ZeRO 1-3 a second row steps with the update a GPU
 runs compiled (`train/one_pass.py`, its kernel compiled here too); `--per-layer-hooks` adds ZeRO 3
 gathering them as it must on many ranks, a block at a time (vitscale's hooks) and a layer at a time
 (DeepSpeed's own), and every ZeRO 3 row counts the parameters gathered per step.
@@ -196,8 +196,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                                    compile_model=False, bf16=True, fused=True, **shape),
                     steps=args.steps, zero_stage=None)]
     plans: list[tuple[str, int, dict[str, Any]]] = [("vitscale", stage, {}) for stage in args.zero_stages]
-    # ZeRO 1/2's update as a GPU runs it, its kernel compiled (`train/one_pass.py`; the model stays eager).
-    plans += [(ONE_PASS_LABEL, stage, {}) for stage in args.zero_stages if stage in (1, 2)]
+    # ZeRO 1-3's update as a GPU runs it, its kernels compiled (`train/one_pass.py`; the model stays eager).
+    plans += [(ONE_PASS_LABEL, stage, {}) for stage in args.zero_stages if stage >= 1]
     if args.per_layer_hooks:
         # Every parameter gathered, as ViT-B/16's weight matrices are at its own width on many ranks: at this
         # width all of them are under DeepSpeed's default threshold (100,000 elements) and would persist.

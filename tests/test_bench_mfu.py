@@ -122,19 +122,22 @@ def test_host_cost_counts_the_steps_waits_beside_the_peer(capsys: pytest.Capture
     import host_cost
 
     rows = host_cost.main(["--zero-stages", "1", "3", "--steps", "2", "--width", "24", "--per-layer-hooks"])
-    assert [(r["loop"], r["zero_stage"]) for r in rows[:4]] == [("peer: hand-written", None), ("vitscale", 1),
-                                                                ("vitscale", 3), (host_cost.ONE_PASS_LABEL, 1)]
+    assert [(r["loop"], r["zero_stage"]) for r in rows[:5]] == [
+        ("peer: hand-written", None), ("vitscale", 1), ("vitscale", 3), (host_cost.ONE_PASS_LABEL, 1),
+        (host_cost.ONE_PASS_LABEL, 3)]
     # One each: ZeRO 3's own host check of its norm is left to vitscale's verdict on the device (`train/update.py`).
-    assert [r["waits_per_step"] for r in rows[:4]] == [0, 1, 1, 1]
+    assert [r["waits_per_step"] for r in rows[:5]] == [0, 1, 1, 1, 1]
     # One rank's ZeRO 3 gathers nothing; gathering every parameter, as on many ranks, waits on each gather.
-    assert [r["gathers_per_step"] for r in (rows[2], *rows[4:])] == [0, 152, 152]
-    assert all(r["waits_per_step"] > 2 for r in rows[4:])
+    assert [r["gathers_per_step"] for r in (rows[2], rows[4], *rows[5:])] == [0, 0, 152, 152]
+    assert all(r["waits_per_step"] > 2 for r in rows[5:])
     assert all(r["step_ms"] > 0 and r["optimizer_ms"] > 0 for r in rows)
     # One rank's ZeRO 3 update launches about what ZeRO 1's does: its norm is the fused one, not a cast and a
     # norm per parameter (the layout's 152), and the peer's fused AdamW alone launches least. The one-pass
-    # update replaces ZeRO 1's cast, clip, AdamW and copy back with one compiled kernel.
-    ops = [r["update_ops"] for r in rows[:4]]
-    assert 0 < ops[0] < ops[3] < ops[1] and ops[2] < ops[1] + 50, ops
+    # update replaces ZeRO 1's cast, clip, AdamW and copy back with its compiled kernels; at ZeRO 3, whose update
+    # was a handful of launches over one flat partition already, it passes over memory less and launches about
+    # as many (measured: 58 against 56), none per parameter (the layout's 152).
+    ops = [r["update_ops"] for r in rows[:5]]
+    assert 0 < ops[0] < ops[3] < ops[1] and ops[2] < ops[1] + 50 and ops[4] < ops[2] + 10, ops
     assert "| vitscale | 1 |" in capsys.readouterr().out
 
 
