@@ -395,6 +395,25 @@ def test_a_key_repeated_whole_is_still_two_samples(tmp_path: Path) -> None:
     assert index_shards(str(root), progress=False)["splits"]["train"]["samples"] == 3
 
 
+def test_a_key_written_twice_one_copy_bad_leaves_out_that_copy_alone(tmp_path: Path) -> None:
+    """A key written twice in one tar, the first copy's label unreadable: `shards index` keeps the second copy
+    and lists the first as bad, with its place in the tar; `verify` leaves out that copy alone and finds
+    nothing wrong (it had left out both copies by their key, then counted one sample fewer than the index)."""
+    root = tmp_path / "tars"
+    root.mkdir()
+    with wds.TarWriter(str(root / "train-0.tar")) as tw:
+        for key, label in (("0", b"x"), ("1", b"1"), ("0", b"2")):
+            tw.write({"__key__": key, "jpg": _image(int(label) if label.isdigit() else 5, "JPEG"), "cls": label})
+    info = index_shards(str(root), progress=False)
+    assert info["splits"]["train"]["samples"] == 2
+    meta = json.loads((root / "dataset.json").read_text())
+    [bad] = meta["bad_samples"]
+    index = read_index(open_storage(str(root))).to_pylist()
+    assert bad["key"] == "0" and bad["offset"] == 0 and [(r["key"], r["labels"]) for r in index] == [("1", [1]),
+                                                                                                       ("0", [2])]
+    assert verify_dataset(str(root)) == []
+
+
 def test_a_second_index_of_the_same_place_at_once_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Two `shards index` of one folder at once (the first paused while reading its tars, the second with

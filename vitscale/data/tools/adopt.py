@@ -111,9 +111,9 @@ def split_url(url: str) -> tuple[str, list[str] | None]:
 
 
 def _samples(storage: Storage, shard: str, shard_size: int
-             ) -> tuple[list[tuple[str, int, int, dict[str, bytes | None]]], list[dict[str, str]]]:
+             ) -> tuple[list[tuple[str, int, int, dict[str, bytes | None]]], list[dict[str, Any]]]:
     """(samples, bad) of one shard: (key, offset, size, {ext: label bytes, or None for other members})
-    per sample in tar order, and the samples that cannot be indexed.
+    per sample in tar order, and the samples that cannot be indexed (shard, key, offset, error).
 
     Memory is bounded by the shard, not by its headers: a label member is read only up to
     ``MAX_LABEL_BYTES + 1`` bytes (more makes it bad, not a big allocation); a member whose header
@@ -122,7 +122,7 @@ def _samples(storage: Storage, shard: str, shard_size: int
     A shard whose first header is unreadable is not a tar: ``tarfile.TarError``.
     """
     found: list[tuple[str, int, int, dict[str, bytes | None]]] = []
-    bad: list[dict[str, str]] = []
+    bad: list[dict[str, Any]] = []
     with storage.open_read(shard) as f, tarfile.open(fileobj=f, mode="r:") as tar:
         key: str | None = None
         start = end = 0
@@ -133,7 +133,7 @@ def _samples(storage: Storage, shard: str, shard_size: int
             if key is None:
                 return
             if end > shard_size or damaged:
-                bad.append({"shard": shard, "key": key, "error": damaged or
+                bad.append({"shard": shard, "key": key, "offset": start, "error": damaged or
                             f"a member runs past the end of the shard ({end} > {shard_size} bytes)"})
             else:
                 found.append((key, start, end - start, members))
@@ -149,7 +149,7 @@ def _samples(storage: Storage, shard: str, shard_size: int
                     raise tarfile.ReadError(str(exc)) from exc
                 close()
                 if end <= shard_size:  # else the sample before already ran past the end: nothing is left
-                    bad.append({"shard": shard, "key": "(rest of the shard)",
+                    bad.append({"shard": shard, "key": "(rest of the shard)", "offset": end,
                                 "error": f"unreadable tar header after byte {end}: {type(exc).__name__}: {exc}"})
                 key = None
                 break
@@ -217,11 +217,13 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
     classes = _read_classes(classes_file, num_classes) if classes_file else None
     bound = num_classes if num_classes is not None else (len(classes) if classes is not None else None)
     rows: list[dict[str, Any]] = []
-    bad: list[dict[str, str]] = []
+    # A bad sample is named by its shard and its place there (a key may be written twice in one tar, one copy
+    # bad): `verify` leaves out that copy alone.
+    bad: list[dict[str, Any]] = []
     entries: list[tuple[str, int]] = []
 
-    def reject(shard: str, key: str, why: str) -> None:
-        bad.append({"shard": shard, "key": key, "error": why})
+    def reject(shard: str, key: str, offset: int, why: str) -> None:
+        bad.append({"shard": shard, "key": key, "offset": offset, "error": why})
         _check_bad(bad, max_bad, shards)
 
     labels: LabelMember | None = None if label_member is None else LabelMember(label_member, classes)
@@ -237,7 +239,7 @@ def index_shards(url: str, *, out: str | None = None, split: str | None = None, 
         if labels is None:  # the default: decided by the first tar
             labels = LabelMember(default_member(found, shards.url_of(shard), progress), classes)
         for entry in damaged:
-            reject(entry["shard"], entry["key"], entry["error"])
+            reject(entry["shard"], entry["key"], entry["offset"], entry["error"])
         kept = _shard_rows(shard, split_of[shard], found, crcs, labels, bound, reject)
         rows += kept
         entries.append((shard, len(kept)))
@@ -298,26 +300,26 @@ def _read_classes(classes_file: str, num_classes: int | None) -> list[str]:
 
 def _shard_rows(shard: str, split: str, found: list[tuple[str, int, int, dict[str, bytes | None]]], crcs: list[int],
                 labels: LabelMember, bound: int | None,
-                reject: Callable[[str, str, str], None]) -> list[dict[str, Any]]:
+                reject: Callable[[str, str, int, str], None]) -> list[dict[str, Any]]:
     """One shard's samples as index rows; one without an image or a readable label is rejected instead."""
     rows = []
     for (key, offset, size, members), crc in zip(found, crcs, strict=True):
         label = members.get(labels.ext)
         if image_member(members) is None:
-            reject(shard, key, no_image(members))
+            reject(shard, key, offset, no_image(members))
             continue
         if labels.kind == "none":  # images alone: any label member is ignored
             rows.append({"split": split, "shard": shard, "key": key, "labels": [], "offset": offset,
                          "size": size, "crc32": crc})
             continue
         if label is None:
-            reject(shard, key, f"{_NO_LABEL} .{labels.ext} label member")
+            reject(shard, key, offset, f"{_NO_LABEL} .{labels.ext} label member")
             continue
         try:
             ids = labels.parse(label)
             check_class_ids([v for v in ids if isinstance(v, int)], bound)
         except LabelError as exc:
-            reject(shard, key, f"label: {exc}")
+            reject(shard, key, offset, f"label: {exc}")
             continue
         rows.append({"split": split, "shard": shard, "key": key, "labels": ids, "offset": offset,
                      "size": size, "crc32": crc})
@@ -363,7 +365,7 @@ _NO_LABEL = "no readable"
 """How a sample without its label member is listed (``no readable .cls label member``)."""
 
 
-def _check_bad(bad: list[dict[str, str]], max_bad: int | None, shards: Storage) -> None:
+def _check_bad(bad: list[dict[str, Any]], max_bad: int | None, shards: Storage) -> None:
     if max_bad is not None and len(bad) > max_bad:
         last = bad[-1]
         hint = f"; {NO_LABELS_HINT}" if last["error"].startswith(_NO_LABEL) else ""

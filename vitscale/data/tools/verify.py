@@ -97,7 +97,8 @@ def verify_dataset(url: str, *, endpoint_url: str | None = None, progress: bool 
         stray = sorted(n for n in storage.list() if n.endswith(".tar") and n not in listed)
         problems += [f"{n}: shard not listed in {META_NAME}" for n in stray]
     # Adopted shards: samples `shards index` left out (listed), and labels that live in the index.
-    left_out = {(b["shard"], b["key"]) for b in meta.extra.get("bad_samples", [])}
+    # By place in the shard (a key may be there twice, one copy bad); by key where an older index named no place.
+    left_out = {(b["shard"], b["offset"] if "offset" in b else b["key"]) for b in meta.extra.get("bad_samples", [])}
     index_labels = meta.extra.get(LABEL_SOURCE) == "index"
     indexed: dict[str, int] = {}
     for rows in idx.values():
@@ -120,7 +121,8 @@ def verify_dataset(url: str, *, endpoint_url: str | None = None, progress: bool 
 
 def _verify_shard(
     storage: Storage, name: str, split: str, sh: ShardMeta, idx: dict[tuple[str, str], list[dict[str, Any]]],
-    n_indexed: int, num_classes: int, left_out: AbstractSet[tuple[str, str]] = frozenset(), index_labels: bool = False,
+    n_indexed: int, num_classes: int, left_out: AbstractSet[tuple[str, str | int]] = frozenset(),
+    index_labels: bool = False,
 ) -> list[str]:
     problems: list[str] = []
     try:
@@ -132,7 +134,7 @@ def _verify_shard(
         count = 0
         try:
             for s in iter_shard(io.BufferedReader(hr, 1 << 20)):
-                if (name, s.key) in left_out:
+                if (name, s.offset) in left_out or (name, s.key) in left_out:
                     continue
                 count += 1
                 rows = idx.get((name, s.key), [])
