@@ -6,6 +6,8 @@
   flattened, the flat buffer cast to a new fp32 gradient, the clip's multiply, torch's fused AdamW over the flat
   fp32 master, the copy back to the bf16 weights: 52 bytes per parameter read and written;
 - **one pass**: vitscale's (`train/one_pass.py`): the same flatten, then `adamw_pass` compiled: 32 bytes;
+- **one pass, flat gradient**: the kernel alone, over a gradient already flat (as ZeRO 3's of a sub-group lie in
+  its buffer, `one_pass.end_to_end`): 28 bytes, the peer's, so the two rows compare the kernels themselves;
 - **peer**: the hand-written loop's update: torch's fused AdamW over fp32 weights and their fp32 gradients
   (bf16 autocast's), tensor by tensor, no clip: 28 bytes.
 
@@ -36,7 +38,8 @@ from report import device_name, finish
 from vitscale.models import create_model
 from vitscale.train.one_pass import compiled_pass
 
-BYTES = {"deepspeed": 52, "one pass": 32, "peer": 28}
+ONE_PASS, FLAT = "one pass", "one pass, flat gradient"
+BYTES = {"deepspeed": 52, ONE_PASS: 32, FLAT: 28, "peer": 28}
 """Bytes per parameter each update reads and writes (the module's docstring)."""
 LR, BETAS, EPS, DECAY, FACTOR = 1e-3, (0.9, 0.999), 1e-8, 0.1, 0.5
 
@@ -63,6 +66,7 @@ class Updates:
         self.ours = [flat.clone(), torch.zeros_like(flat), torch.zeros_like(flat),
                      torch.zeros((), device=device), flat.to(torch.bfloat16)]
         self.kernel = compiled_pass()
+        self.flat_gradient: torch.Tensor | None = None  # the "flat" row's, flattened once, outside its timing
         self.factor = torch.full((), FACTOR, device=device)
         # the peer's: fp32 weights tensor by tensor, autocast's fp32 gradients.
         self.peer_weights = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in sizes]
@@ -79,9 +83,17 @@ class Updates:
         self.ds_master.grad = None
 
     def one_pass(self) -> None:
+        self._pass(_flatten_dense_tensors(self.gradients))
+
+    def flat(self) -> None:
+        if self.flat_gradient is None:
+            self.flat_gradient = _flatten_dense_tensors(self.gradients)
+        self._pass(self.flat_gradient)
+
+    def _pass(self, gradient: torch.Tensor) -> None:
         lr = torch.full((), LR, device=self.device)
         refused = torch.zeros((), device=self.device)
-        self.kernel(_flatten_dense_tensors(self.gradients), *self.ours[:4], self.ours[4], lr, self.factor, refused,
+        self.kernel(gradient, *self.ours[:4], self.ours[4], lr, self.factor, refused,
                     beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=DECAY)
 
     def peer(self) -> None:
@@ -115,9 +127,10 @@ def _time(run: Callable[[], None], device: torch.device, steps: int) -> float:
 def measure(name: str, device: torch.device, steps: int) -> list[dict[str, Any]]:
     updates = Updates(shapes(name), device)
     with torch.no_grad():
-        ms = {"deepspeed": _time(updates.deepspeed, device, steps), "one pass": _time(updates.one_pass, device, steps),
-              "peer": _time(updates.peer, device, steps)}
-    apart = updates.masters_apart()
+        ms = {"deepspeed": _time(updates.deepspeed, device, steps), ONE_PASS: _time(updates.one_pass, device, steps)}
+        apart = updates.masters_apart()  # before the flat row steps vitscale's state on (its own count of steps)
+        ms[FLAT] = _time(updates.flat, device, steps)
+        ms["peer"] = _time(updates.peer, device, steps)
     return [{"model": name, "device": str(device), "update": loop, "parameters": updates.numel, "ms": ms[loop],
              "gb_per_s": BYTES[loop] * updates.numel / ms[loop] / 1e6, "vs_deepspeed": ms[loop] / ms["deepspeed"],
              "masters_apart": apart} for loop in ms]
@@ -127,7 +140,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["| model | update | bytes per parameter | ms | GB/s | vs DeepSpeed's | masters apart |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        apart = f"{r['masters_apart']:.1e}" if r["update"] == "one pass" else ""
+        apart = f"{r['masters_apart']:.1e}" if r["update"] == ONE_PASS else ""
         lines.append(f"| {r['model']} | {r['update']} | {BYTES[r['update']]} | {r['ms']:.2f} | {r['gb_per_s']:.0f} "
                      f"| {r['vs_deepspeed']:.2f}x | {apart} |")
     return lines

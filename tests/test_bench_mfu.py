@@ -146,7 +146,7 @@ def test_the_update_alone_is_timed_three_ways_and_the_two_masters_agree(tmp_path
     import update_pass
 
     rows = update_pass.main(["--models", "ViT-Ti/16", "--steps", "2", "--out", str(tmp_path / "u.json")])
-    assert [r["update"] for r in rows] == ["deepspeed", "one pass", "peer"]
+    assert [r["update"] for r in rows] == ["deepspeed", "one pass", "one pass, flat gradient", "peer"]
     assert rows[0]["parameters"] == sum(s.numel() for s in update_pass.shapes("ViT-Ti/16")) > 5_000_000
     assert all(r["ms"] > 0 and r["gb_per_s"] > 0 for r in rows) and rows[0]["vs_deepspeed"] == 1.0
     # Five steps of the same gradients (three to warm up, two timed): DeepSpeed's sequence and the pass end at
