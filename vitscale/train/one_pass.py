@@ -15,8 +15,9 @@ computed once in a 0-d kernel (`adamw_scalars`), then its pass over memory (`ada
 bf16 gradient, the master and the moments (14 bytes) and writes the master, the moments and the bf16 weight
 (14 bytes), the clip's factor applied to the gradient in registers. With the flatten and the norm, 34 bytes
 where DeepSpeed's took 54, and no fp32 gradient allocated (4 bytes per parameter off the peak). Where the
-gradients already lie end to end in one buffer, as ZeRO 3's of a sub-group do, the pass reads them there
-(`end_to_end`): no flatten, 30 bytes.
+gradients already lie end to end in one buffer, in parameter order, as ZeRO 1's do on one rank and ZeRO 3's
+of a sub-group do, the pass reads them there (`end_to_end`): no flatten, 30 bytes (ZeRO 2's buffer holds them
+in the order the backward pass made them: copied).
 
 - ZeRO 1/2 (`DeepSpeedZeroOptimizer`, whose `step` is one method): the step is DeepSpeed 0.19's for bf16
   without offload, re-stated in `_zero_step`: the global norm (`fused.py`'s kernel), the loss-scale
