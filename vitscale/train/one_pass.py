@@ -16,8 +16,9 @@ bf16 gradient, the master and the moments (14 bytes) and writes the master, the 
 (14 bytes), the clip's factor applied to the gradient in registers. With the flatten and the norm, 34 bytes
 where DeepSpeed's took 54, and no fp32 gradient allocated (4 bytes per parameter off the peak). Where the
 gradients already lie end to end in one buffer, in parameter order, as ZeRO 1's do on one rank and ZeRO 3's
-of a sub-group do, the pass reads them there (`end_to_end`): no flatten, 30 bytes (ZeRO 2's buffer holds them
-in the order the backward pass made them: copied).
+of a sub-group do, the pass reads them there (`end_to_end`): no flatten, 30 bytes. Copied: ZeRO 2's (its
+buffer holds them in the order the backward pass made them) and a group DeepSpeed padded to its alignment (an
+odd count of elements; none of the paper's ViTs with 1,000 classes has one).
 
 - ZeRO 1/2 (`DeepSpeedZeroOptimizer`, whose `step` is one method): the step is DeepSpeed 0.19's for bf16
   without offload, re-stated in `_zero_step`: the global norm (`fused.py`'s kernel), the loss-scale
