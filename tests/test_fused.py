@@ -113,8 +113,7 @@ def test_deepspeed_skips_its_own_overflow_check_in_bf16() -> None:
 
 def test_stages_0_and_3_carry_no_fused_norm_mark(process_group: None) -> None:
     """The fused norm's mark (`GLOBAL_NORM`) is ZeRO 1 and 2's: ZeRO 3 computes its global norm itself, before
-    its update, with the fused kernel on one rank (`one_rank.norm_on_the_gpu`,
-    `test_one_rank_at_zero_3_takes_the_fused_norm`)."""
+    its update, with the fused kernel (`fuse_zero_3_norm`, `test_one_rank_at_zero_3_takes_the_fused_norm`)."""
     from vitscale.train.fused import fused_norm_installed
 
     assert "get_grad_norm_direct" not in _engine(0).optimizer.__dict__
@@ -318,17 +317,17 @@ def test_one_rank_at_zero_3_resumes_to_the_uninterrupted_weights(process_group: 
 
 
 def test_one_rank_at_zero_3_takes_the_fused_norm(process_group: None) -> None:
-    """`norm_on_the_gpu`: one rank's ZeRO 3 norm is ZeRO 1 and 2's fused one, DeepSpeed's up to rounding, a
+    """`fuse_zero_3_norm`: one rank's ZeRO 3 norm is ZeRO 1 and 2's fused one, DeepSpeed's up to rounding, a
     non-finite one marked -1 as DeepSpeed marks it, and the steps it clips (1e-3 acts) and refuses land
     where DeepSpeed's own do."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    from vitscale.train.one_rank import norm_on_the_gpu
+    from vitscale.train.fused import fuse_zero_3_norm
 
     ours, theirs = _zero3(True, False, gathered=False), _zero3(True, False, gathered=False)
     assert "get_grad_norm_direct" in vars(ours.optimizer)  # installed on this engine's optimizer
-    assert not norm_on_the_gpu(ours)  # once
-    assert not norm_on_the_gpu(_engine(1))  # ZeRO 3 only
+    assert not fuse_zero_3_norm(ours)  # once
+    assert not fuse_zero_3_norm(_engine(1))  # ZeRO 3 only
     del theirs.optimizer.get_grad_norm_direct  # DeepSpeed's own
     params = ours.optimizer.fp16_groups[0]
     generator = torch.Generator().manual_seed(0)

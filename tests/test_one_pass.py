@@ -349,7 +349,8 @@ def test_the_engine_takes_the_pass_where_it_compiles(process_group: None, compil
 
 def test_two_ranks_step_as_deepspeed_does(tmp_path: Path) -> None:
     """Two ranks, each updating its own partition and gathering the other's (the last rank's partition padded):
-    at ZeRO 1-3 the one-pass engines end where DeepSpeed's own do, with the same weights on both ranks."""
+    at ZeRO 1-3 the one-pass engines end where DeepSpeed's own do, with the same weights on both ranks; ZeRO 3's
+    norm, fused at any number of ranks, is DeepSpeed's."""
     pytest.importorskip("deepspeed")
     from helpers.gloo_ranks import launch_ranks
 
@@ -359,6 +360,11 @@ def test_two_ranks_step_as_deepspeed_does(tmp_path: Path) -> None:
         assert results[0][stage]["weights"] == results[1][stage]["weights"]  # gathered: one model on both
         assert all(r[stage]["applied"] == [True, False, True] for r in results)
         assert all(r[stage]["master_gap"] <= 1e-3 for r in results), results  # as in the one-rank test
+    # ZeRO 3's fused norm over two ranks' partitions (`fused.fuse_zero_3_norm`) is DeepSpeed's: one global
+    # value on both ranks, -1 on both where one rank's partition holds an inf or a NaN.
+    norms = [r["zero_3_norms"] for r in results]
+    assert norms[0] == norms[1] and [ours == -1.0 for ours, _ in norms[0]] == [False, True, True], norms
+    assert all(ours == pytest.approx(theirs, rel=1e-6) for ours, theirs in norms[0]), norms
 
 
 def _rank_main(out: Path) -> None:
@@ -379,8 +385,29 @@ def _rank_main(out: Path) -> None:
         with whole_weights(ours) as module:  # ZeRO 3's weights gathered whole, on both ranks
             weights = sum(float(p.detach().float().sum()) for p in module.parameters())
         result[str(stage)] = {"applied": applied, "master_gap": gap, "weights": weights}
+    result["zero_3_norms"] = _zero_3_norms(ours)
     (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))
     torch.distributed.destroy_process_group()
+
+
+def _zero_3_norms(engine: Any) -> list[list[float]]:
+    """(fused, DeepSpeed's own) ZeRO 3 norms of this rank's partitions of made-up gradients, finite, then with an
+    inf, then a NaN in rank 1's alone."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    optimizer = engine.optimizer
+    assert "get_grad_norm_direct" in vars(optimizer)  # installed at two ranks too
+    params = optimizer.fp16_groups[0]
+    rank = torch.distributed.get_rank()
+    norms = []
+    for poison in (None, float("inf"), float("nan")):
+        generator = torch.Generator().manual_seed(rank)
+        grads = [torch.randn(p.ds_tensor.numel(), generator=generator) for p in params]
+        if poison is not None and rank == 1:
+            grads[0][0] = poison
+        norms.append([float(optimizer.get_grad_norm_direct(grads, params)),
+                      float(DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct(optimizer, grads, params))])
+    return norms
 
 
 if __name__ == "__main__":

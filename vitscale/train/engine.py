@@ -28,12 +28,11 @@ from vitscale.models import REPEATED_UNITS
 from vitscale.train.batch import BatchPlan, derive_batch
 from vitscale.train.config import TrainConfig
 from vitscale.train.deepspeed_keys import ReadKeys, check_spelling, merge_overrides, refused_key, refused_section
-from vitscale.train.fused import fuse_bf16_step, fuse_clipping, fuse_gradient_norm, keep_weight_views
+from vitscale.train.fused import fuse_bf16_step, fuse_clipping, fuse_gradient_norm, fuse_zero_3_norm, keep_weight_views
 from vitscale.train.one_pass import one_pass_update
 from vitscale.train.one_rank import (
     ONE_RANK_ZERO_3,
     compile_units,
-    norm_on_the_gpu,
     order_on_the_gpu,
     skip_regather,
     weights_kept_whole,
@@ -283,7 +282,7 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str
     keep_weight_views(engine)
     skip_regather(engine)
     order_on_the_gpu(engine)
-    norm_on_the_gpu(engine)
+    fuse_zero_3_norm(engine)
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if train.compiles(on_gpu, world_size):  # uncompiled, the one-pass update would pass over memory per operator
         one_pass_update(engine)

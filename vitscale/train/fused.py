@@ -1,4 +1,4 @@
-"""The optimizer step's norm, clipping and copies in multi-tensor kernels without host syncs, ZeRO 0-2; no
+"""The optimizer step's norm, clipping and copies in multi-tensor kernels without host syncs, ZeRO 0-3; no
 redundant host work after it.
 
 DeepSpeed's `DeepSpeedZeroOptimizer.get_grad_norm_direct` (ZeRO 1 and 2, the norm that clipping and
@@ -33,11 +33,13 @@ replaces it 0.05 ms; the optimizer phase timed from an idle GPU is mostly the ho
 where some weight is not its slice (the buffers were moved: offloaded states reloaded, a checkpoint
 loaded), checked pointer by pointer; a step whose buffers stayed put skips it.
 
-Each installer marks the optimizer (`GLOBAL_NORM`): its `_global_grad_norm` is then this step's norm over
-every group and rank, on the device, before the inner optimizer steps (what `train/update.py` decides
-from). It leaves any other optimizer (ZeRO-3, CPU offload, whose norm is computed on the host) as
+Each of these installers marks the optimizer (`GLOBAL_NORM`): its `_global_grad_norm` is then this step's
+norm over every group and rank, on the device, before the inner optimizer steps (what `train/update.py`
+decides from). It leaves any other optimizer (ZeRO-3, CPU offload, whose norm is computed on the host) as
 DeepSpeed built it, and leaves a method it does not recognise alone (a DeepSpeed release that renamed it
 keeps its own, slower path: correct either way).
+
+`fuse_zero_3_norm` gives ZeRO 3 the same norm kernel, at any number of ranks (its docstring).
 """
 
 from __future__ import annotations
@@ -73,10 +75,41 @@ def fuse_gradient_norm(engine: Any) -> bool:
     return True
 
 
+def fuse_zero_3_norm(engine: Any) -> bool:
+    """Install the fused norm on `engine`'s ZeRO 3 optimizer, at any number of ranks; whether it was installed.
+
+    DeepSpeed's ZeRO 3 norm (its own `get_grad_norm_direct`) casts every gradient partition to fp64 and takes
+    its norm one tensor at a time (about three launches per parameter), sums the squares over the partition's
+    ranks, then marks a non-finite norm -1 with a constant it makes on the host and copies to the device
+    (`torch.tensor(-1.0, device=...)`): a copy from pageable memory, which waits for everything queued before
+    it, the whole backward pass (CUDA's sync debug mode found it, `tests/test_gpu_training.py`). Here: this
+    rank's partitions in one multi-tensor kernel, the squares summed over the same ranks, the same -1, no host
+    copy. Only the 2-norm without model parallelism, offload or experts, where every rank's partition counts
+    once (DeepSpeed's `_grad_norm_counts_every_rank`); anything else keeps DeepSpeed's. ZeRO 3 computes its
+    global norm before its update itself, so the optimizer carries no `GLOBAL_NORM` mark."""
+    optimizer: Any = getattr(engine, "optimizer", None)
+    real = getattr(optimizer, "get_grad_norm_direct", None)
+    group_of = getattr(optimizer, "_get_param_partition_group", None)
+    experts = getattr(optimizer, "_autoep_expert_parallel_group", None)
+    if (type(optimizer).__name__ != "DeepSpeedZeroOptimizer_Stage3" or real is None or not callable(group_of)
+            or getattr(optimizer, "model_parallel_group", True) is not None
+            or getattr(optimizer, "offload_optimizer", True) or "get_grad_norm_direct" in vars(optimizer)):
+        return False
+
+    def grad_norm(gradients: list[torch.Tensor], params: list[Any], norm_type: float = 2) -> torch.Tensor:
+        if float(norm_type) != 2.0 or not params or (callable(experts) and experts(params) is not None):
+            return real(gradients, params, norm_type)
+        group = group_of(params[0])
+        return l2_norm(gradients, optimizer.device, None if torch.distributed.get_world_size(group) == 1 else group)
+
+    optimizer.get_grad_norm_direct = grad_norm
+    return True
+
+
 def l2_norm(gradients: Sequence[torch.Tensor | None], device: torch.device | str, group: Any = None) -> torch.Tensor:
     """The L2 norm of `gradients` on `device` (summed over `group`'s ranks where one is given), in one
     multi-tensor kernel and with no host sync; -1 where it is not finite, DeepSpeed's sentinel. ZeRO 1 and 2's
-    norm here, and one rank's ZeRO 3's (`one_rank.norm_on_the_gpu`)."""
+    norm (`fuse_gradient_norm`) and ZeRO 3's (`fuse_zero_3_norm`)."""
     # DeepSpeed's own filter: padding it appended for alignment is not a gradient.
     grads = [g for g in gradients if g is not None and not getattr(g, "_zero_padding", False) and g.numel()]
     if grads:

@@ -33,17 +33,11 @@ offload the host reads the gradients the stream copied to it, and keeps its wait
 queue the update while the backward pass runs (with DeepSpeed's norm read gone too, `train/update.py`, the
 GPU had idled while the host queued ZeRO 3's update: a ViT-B/16 step on an H200 ran at 0.85x of ZeRO 1's).
 
-`norm_on_the_gpu` removes the update's wait and most of its launches: ZeRO 3's gradient norm casts every
-gradient to fp64 and takes its norm one tensor at a time (about three kernel launches per parameter, 152 for
-ViT-B/16, queued by Python one after the other), then marks a non-finite norm -1 with a constant it makes on
-the host and copies to the GPU (`torch.tensor(-1.0, device=...)` in `get_grad_norm_direct`), a copy from
-pageable memory that waits for everything queued before it: the whole backward pass (CUDA's sync debug mode
-found it, `tests/test_gpu_training.py`). On one rank the norm is ZeRO 1 and 2's (`fused.l2_norm`: one
-multi-tensor kernel, fp32 accumulation per tensor, the same -1, no host copy); elsewhere DeepSpeed's own
-runs. Removing the wait alone did not make the step faster on an H200 (a compiled ViT-B/16 step at ZeRO 3:
-0.78x of ZeRO 1's before, 0.79x after; its update 11-14 ms of a step's GPU time against ZeRO 1's 1.8, with
-no host sync left in it); the launches are not yet measured there (`benchmarks/mfu.py --profile` writes
-each stage's phases).
+ZeRO 3's norm, at one rank as at many, is `fused.fuse_zero_3_norm`'s: DeepSpeed's waited for the whole
+backward pass on the host (a -1 it copies from host memory) and launched about three kernels per parameter.
+Removing the wait alone did not make the step faster on an H200 (a compiled ViT-B/16 step at ZeRO 3: 0.78x of
+ZeRO 1's before, 0.79x after; its update 11-14 ms of a step's GPU time against ZeRO 1's 1.8, with no host sync
+left in it); the launches are not yet measured there (`benchmarks/mfu.py --profile` writes each stage's phases).
 
 `compile_units` compiles where DeepSpeed's hooks would break the graph: each transformer block or ResNet
 unit (the units ZeRO 3 gathers whole, `models.REPEATED_UNITS`) is compiled on its own, the hooks around it
@@ -67,7 +61,6 @@ from typing import Any
 import torch
 
 from vitscale.models import REPEATED_UNITS
-from vitscale.train.fused import l2_norm
 
 ONE_RANK_ZERO_3: dict[str, Any] = {"stage3_param_persistence_threshold": sys.maxsize,
                                    "memory_efficient_linear": False}
@@ -136,28 +129,6 @@ def order_on_the_gpu(engine: Any) -> bool:
     ordered = _OrderedOnTheGpu(stream.cuda_stream, device=stream.device)
     ordered.wrapped = stream  # an external stream's owner keeps it alive (torch's pool streams are never freed)
     optimizer.reduce_and_partition_stream = ordered
-    return True
-
-
-def norm_on_the_gpu(engine: Any) -> bool:
-    """On one rank's ZeRO 3, its gradient norm in one multi-tensor kernel with no host wait (see the module's
-    docstring); whether it was installed. Only the 2-norm of one rank without model parallelism, whose
-    gradients stay on the GPU: there DeepSpeed's all-reduces are over one rank, and every gradient counts
-    (`_grad_norm_counts_every_rank`); with optimizer offload DeepSpeed takes the norm on the host instead."""
-    optimizer: Any = getattr(engine, "optimizer", None)
-    real = getattr(optimizer, "get_grad_norm_direct", None)
-    if (type(optimizer).__name__ != "DeepSpeedZeroOptimizer_Stage3" or getattr(optimizer, "partition_count", 0) != 1
-            or getattr(optimizer, "model_parallel_group", True) is not None or real is None
-            or getattr(optimizer, "offload_optimizer", True)
-            or "get_grad_norm_direct" in vars(optimizer)):
-        return False
-
-    def grad_norm(gradients: list[torch.Tensor], params: list[Any], norm_type: float = 2) -> torch.Tensor:
-        if float(norm_type) != 2.0:
-            return real(gradients, params, norm_type)
-        return l2_norm(gradients, optimizer.device)
-
-    optimizer.get_grad_norm_direct = grad_norm
     return True
 
 
