@@ -74,7 +74,8 @@ def adamw_scalars(step: torch.Tensor, lr: torch.Tensor, refused: torch.Tensor, *
     launch: whether the step is kept, the step size `lr / (1 - beta1^t)`, `sqrt(1 - beta2^t)` and the decay
     `lr * weight_decay`, `t` the advanced count, written to `step` where the step is kept. Computed inside the
     elementwise kernel instead, the two powers would be computed per element: on a CPU that made the kernel
-    compute-bound (1.6-2x slower at ViT-B/16's size), on a GPU about half its instruction budget per element."""
+    compute-bound (1.6-2x slower at ViT-B/16's size); on an H200, by estimate, they would take about half of the
+    instructions it can spend per element at its memory bandwidth."""
     keep = refused == 0
     count = step + 1
     step_size = lr / (1 - torch.pow(beta1, count))
