@@ -68,8 +68,8 @@ def adamw_pass(gradient: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tens
            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
 
 
-def adamw_scalars(step: torch.Tensor, lr: torch.Tensor, refused: torch.Tensor, *, beta1: float, beta2: float,
-                  weight_decay: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def adamw_scalars(step: torch.Tensor, lr: torch.Tensor, refused: torch.Tensor, weight_decay: torch.Tensor, *,
+                  beta1: float, beta2: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The update's scalars, once per pass (0-d tensors), as torch's fused kernel computes them once per
     launch: whether the step is kept, the step size `lr / (1 - beta1^t)`, `sqrt(1 - beta2^t)` and the decay
     `lr * weight_decay`, `t` the advanced count, written to `step` where the step is kept. Computed inside the
@@ -104,19 +104,26 @@ def _adamw(scalars: Callable[..., Any], elements: Callable[..., None], gradient:
            exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: torch.Tensor, weight: torch.Tensor,
            lr: torch.Tensor, factor: torch.Tensor, refused: torch.Tensor, *, beta1: float, beta2: float, eps: float,
            weight_decay: float) -> None:
-    keep, step_size, bias2_sqrt, decay = scalars(step, lr, refused, beta1=beta1, beta2=beta2,
-                                                 weight_decay=weight_decay)
-    elements(gradient, master, exp_avg, exp_avg_sq, weight, factor, keep, step_size, bias2_sqrt, decay,
-             beta1=beta1, beta2=beta2, eps=eps)
+    # What the compiled functions are handed is the same kind of thing every call, so that a process compiles
+    # each once whatever it trains (torch compiles a function again for each new kind of input, and refuses it
+    # past 8, an error under `fullgraph`): the weight decay as data, like the rate (a sweep varies it); gradients
+    # off; the tensors detached, which writes the same storage but drops what torch would also guard on (a ZeRO
+    # partition is a leaf that requires grad, a tensor elsewhere not; a gradient that is a view of a buffer is
+    # guarded on that buffer's shape); any length (`compiled_pass`).
+    decay_rate = torch.full((), weight_decay, dtype=torch.float32, device=lr.device)
+    with torch.no_grad():
+        keep, step_size, bias2_sqrt, decay = scalars(step, lr, refused, decay_rate, beta1=beta1, beta2=beta2)
+        elements(gradient.detach(), master.detach(), exp_avg.detach(), exp_avg_sq.detach(), weight.detach(), factor,
+                 keep, step_size, bias2_sqrt, decay, beta1=beta1, beta2=beta2, eps=eps)
 
 
 def compiled_pass() -> Callable[..., None]:
     """`adamw_pass` as a worker runs it: its scalars and its pass over memory compiled apart (a 0-d kernel,
     then one elementwise kernel that reads them; compiled as one function, the compiler would inline the
-    scalars' powers into every element), a new rate being data, a partition of another size a recompile with
-    its length dynamic."""
+    scalars' powers into every element), a new rate or weight decay being data, the pass compiled for any
+    length (one kernel for every partition and sub-group)."""
     return functools.partial(_adamw, torch.compile(adamw_scalars, fullgraph=True),
-                             torch.compile(adamw_elements, fullgraph=True))
+                             torch.compile(adamw_elements, fullgraph=True, dynamic=True))
 
 
 def one_pass_update(engine: Any, compile_kernel: bool = True) -> bool:
@@ -340,7 +347,6 @@ def _update(kernel: Callable[..., None], inner: torch.optim.AdamW, group: dict[s
     if not torch.is_tensor(factor):  # nothing clipped it: 1, or a number where only a static loss scale divides
         factor = torch.full((), 1.0 if factor is None else float(factor), dtype=torch.float32, device=device)
     beta1, beta2 = group["betas"]
-    with torch.no_grad():  # the master is a leaf that requires grad, as for torch's own step
-        kernel(gradient.view(-1), master, state["exp_avg"], state["exp_avg_sq"], state["step"], weight.view(-1), lr,
-               factor.to(device=device, dtype=torch.float32), flag, beta1=float(beta1), beta2=float(beta2),
-               eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
+    kernel(gradient.view(-1), master, state["exp_avg"], state["exp_avg_sq"], state["step"], weight.view(-1), lr,
+           factor.to(device=device, dtype=torch.float32).reshape(()), flag, beta1=float(beta1), beta2=float(beta2),
+           eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
