@@ -1,4 +1,4 @@
-"""The optimizer's update alone, three ways over one model's parameters, on this machine's device.
+"""The optimizer's update alone, four ways over one model's parameters, on this machine's device.
 
     python benchmarks/update_pass.py [--models ViT-B/16 ViT-L/16] [--steps 20] [--out FILE]
 
@@ -6,8 +6,9 @@
   flattened, the flat buffer cast to a new fp32 gradient, the clip's multiply, torch's fused AdamW over the flat
   fp32 master, the copy back to the bf16 weights: 52 bytes per parameter read and written;
 - **one pass**: vitscale's (`train/one_pass.py`): the same flatten, then `adamw_pass` compiled: 32 bytes;
-- **one pass, flat gradient**: the kernel alone, over a gradient already flat (as ZeRO 3's of a sub-group lie in
-  its buffer, `one_pass.end_to_end`): 28 bytes, the peer's, so the two rows compare the kernels themselves;
+- **one pass, flat gradient**: the kernel alone, over a gradient already flat (as one rank's ZeRO 1 and ZeRO 3
+  gradients lie in DeepSpeed's buffer, `one_pass.end_to_end`): 28 bytes, the peer's, so the two rows compare
+  the kernels themselves;
 - **peer**: the hand-written loop's update: torch's fused AdamW over fp32 weights and their fp32 gradients
   (bf16 autocast's), tensor by tensor, no clip: 28 bytes.
 
@@ -15,8 +16,8 @@ None of them takes the gradient norm (the peer has none; vitscale's and DeepSpee
 Each is timed alone, a sync either side (CUDA events on a GPU), the median of `--steps` after three to warm
 up; the table gives milliseconds, the bandwidth each reaches on the bytes it must move, and its time against
 DeepSpeed's. The update is memory-bound on a GPU, so the bytes are the forecast: one pass at about 32/52 of
-DeepSpeed's time. Both vitscale variants get the same gradients every step, and the table says how far apart
-their fp32 masters end (fp32 rounding: a few 1e-7 at most).
+DeepSpeed's time. DeepSpeed's sequence and the one pass get the same gradients every step, and the table says
+how far apart their fp32 masters end (fp32 rounding: a few 1e-7 at most).
 """
 
 from __future__ import annotations

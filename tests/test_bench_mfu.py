@@ -141,8 +141,8 @@ def test_host_cost_counts_the_steps_waits_beside_the_peer(capsys: pytest.Capture
     assert "| vitscale | 1 |" in capsys.readouterr().out
 
 
-def test_the_update_alone_is_timed_three_ways_and_the_two_masters_agree(tmp_path: Path,
-                                                                       capsys: pytest.CaptureFixture) -> None:
+def test_the_update_alone_is_timed_four_ways_and_the_two_masters_agree(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
     import update_pass
 
     rows = update_pass.main(["--models", "ViT-Ti/16", "--steps", "2", "--out", str(tmp_path / "u.json")])
