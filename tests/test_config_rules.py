@@ -69,7 +69,7 @@ def test_shared_defaults_have_one_home() -> None:
 def test_the_batch_rule_is_derive_batchs(global_batch: int, micro: int, workers: int) -> None:
     from vitscale.train.batch import derive_batch
 
-    config = TrainConfig(global_batch=global_batch, micro_batch=min(micro, global_batch))
+    config = TrainConfig(global_batch=global_batch, micro_batch=micro)
     try:
         derive_batch(config.global_batch, config.micro_batch, workers)
         fits = True
@@ -80,7 +80,20 @@ def test_the_batch_rule_is_derive_batchs(global_batch: int, micro: int, workers:
         assert fits
     except ConfigError as exc:
         assert not fits and exc.key == "finetune.train.global_batch"
-        assert "finetune.train.micro_batch" in exc.message and "sweep.workers_per_trial" in exc.message
+        assert "sweep.workers_per_trial" in exc.message
+        # The micro-batch is named where it is part of the problem: not where the shares themselves are uneven.
+        assert ("finetune.train.micro_batch" in exc.message) == (global_batch >= micro * workers or micro == 1), exc.message
+
+
+def test_a_small_global_batch_needs_no_micro_batch_of_its_own() -> None:
+    """`train.micro_batch` (64 by default) is the most one pass takes: 8 images over 2 workers are passes of 4,
+    checked as such before Ray starts; an uneven split is still refused, naming the workers' key."""
+    from vitscale.stages.pretrain import check_pretrain
+
+    raw = {"train": {"global_batch": 8}, "cluster": {"num_workers": 2, "use_gpu": False}}
+    check_pretrain(build_pipeline(raw))
+    with pytest.raises(ConfigError, match=r"^train.global_batch: 9 does not split evenly over cluster.num_workers=2"):
+        check_pretrain(build_pipeline({**raw, "train": {"global_batch": 9}}))
 
 
 @dataclass(frozen=True)

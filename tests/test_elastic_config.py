@@ -66,8 +66,25 @@ def test_the_resized_plan_keeps_the_global_batch(share: int, world: int, micro: 
     plan = resized_batch(share * world, micro, world)
     assert plan.micro_batch * plan.grad_accum_steps * plan.world_size == plan.global_batch == share * world
     assert plan.micro_batch <= micro
-    if (share * world) % (micro * world) == 0:  # where the fixed rule accepts the split, it is that same plan
+    if (share * world) % (micro * world) == 0 or share <= micro:  # where the fixed rule accepts, the same plan
         assert derive_batch(share * world, micro, world) == plan
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 512), st.integers(1, 128), st.integers(1, 40))
+def test_the_fixed_rule_accepts_a_whole_share_below_the_micro_batch(global_batch: int, micro: int, world: int) -> None:
+    """`micro_batch` is a ceiling: a share that fits in one pass is that pass (a laptop's `global_batch: 8` at the
+    default 64); a refusal's first suggestion is a global batch the rule accepts."""
+    share, left = divmod(global_batch, world)
+    try:
+        plan = derive_batch(global_batch, micro, world)
+    except ValueError as exc:
+        assert left or (share > micro and share % micro), (global_batch, micro, world)
+        suggested = int(str(exc).split(".global_batch to ")[1].split(" ")[0])
+        assert derive_batch(suggested, micro, world).global_batch == suggested
+        return
+    assert plan == resized_batch(global_batch, micro, world) and plan.even
+    assert plan.micro_batch == (share if share < micro else micro)
 
 
 @settings(max_examples=300, deadline=None)

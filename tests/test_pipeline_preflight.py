@@ -74,7 +74,7 @@ def test_missing_shard_fails_before_ray(tmp_path: Path, capsys: pytest.CaptureFi
 
 @pytest.mark.parametrize("key, value, named", [
     ("zero_stage", 5, "train.zero_stage"),
-    ("global_batch", 6, "train.global_batch"),
+    ("global_batch", 7, "train.global_batch"),  # 6 is two shares of 3, each one pass under micro_batch 4
     ("bogus", 1, "train.bogus"),
 ])
 def test_bad_train_settings_fail_before_ray(tmp_path: Path, capsys: pytest.CaptureFixture, dataset: str,

@@ -73,7 +73,8 @@ def nearest_valid_global_batch(global_batch: int, micro_batch: int, world_size: 
 
 def derive_batch(global_batch: int, micro_batch: int, world_size: int, *, section: str = "train",
                  world: str = "world_size") -> BatchPlan:
-    """Gradient-accumulation plan such that ``global_batch == micro_batch * grad_accum_steps * world_size``.
+    """Gradient-accumulation plan such that ``global_batch == micro * grad_accum_steps * world_size``, where
+    ``micro`` is ``micro_batch``, or each worker's whole share where that share is smaller.
 
     Raises:
         ValueError: an argument is not a positive integer, or ``global_batch`` is not a multiple of
@@ -88,11 +89,18 @@ def derive_batch(global_batch: int, micro_batch: int, world_size: int, *, sectio
     unit = micro_batch * world_size
     if global_batch % unit == 0:
         return BatchPlan(micro_batch, global_batch // unit, world_size, global_batch)
+    share, left = divmod(global_batch, world_size)
+    if not left and share < micro_batch:
+        # `micro_batch` is a ceiling (the memory one pass may take): a share below it is one pass, as
+        # `resized_batch` makes it. A laptop's `global_batch: 8` needs no `micro_batch` of its own.
+        return BatchPlan(share, 1, world_size, global_batch)
 
-    lower = max(unit, global_batch // unit * unit)
+    # Below one full micro-batch per worker any whole share is one pass: then a multiple of the workers fits.
+    step = unit if global_batch >= unit else world_size
+    lower = max(step, global_batch // step * step)
     hints = [
-        f"set {section}.global_batch to {nearest_valid_global_batch(global_batch, micro_batch, world_size)}"
-        f" (a multiple of {unit}: try {lower} or {lower + unit})"
+        f"set {section}.global_batch to {nearest_valid_global_batch(global_batch, step // world_size, world_size)}"
+        f" (a multiple of {step}: try {lower} or {lower + step})"
     ]
     if global_batch % world_size == 0:
         per_worker = global_batch // world_size
@@ -100,10 +108,9 @@ def derive_batch(global_batch: int, micro_batch: int, world_size: int, *, sectio
         # micro batch that still fits in the memory the user budgeted for.
         best = max(m for m in range(1, min(micro_batch, per_worker) + 1) if per_worker % m == 0)
         hints.append(f"or set {section}.micro_batch to {best} (divides {per_worker} examples per worker)")
-    raise ValueError(
-        f"{section}.global_batch={global_batch} is not divisible by {section}.micro_batch={micro_batch} x "
-        f"{world}={world_size} = {unit}; " + ", ".join(hints)
-    )
+    rule = (f"is not divisible by {section}.micro_batch={micro_batch} x {world}={world_size} = {unit}" if step == unit
+            else f"does not split evenly over {world}={world_size} workers")
+    raise ValueError(f"{section}.global_batch={global_batch} {rule}; " + ", ".join(hints))
 
 
 def resized_batch(global_batch: int, micro_batch: int, world_size: int) -> BatchPlan:

@@ -97,7 +97,8 @@ class TrainConfig:
     global_batch: int = 4096
     """Images per optimizer step over all workers (Table 3: 4096)."""
     micro_batch: int = 64
-    """Images per worker per forward/backward; accumulation steps are derived."""
+    """The most images one worker takes per forward/backward; accumulation steps are derived. A worker whose
+    share of `global_batch` is smaller takes its whole share at once."""
     epochs: float = 90.0
     """Passes over the training split (Table 3: 90 for ImageNet-21k, 7/14 for JFT)."""
     max_steps: int | None = None
@@ -213,8 +214,6 @@ class TrainConfig:
         s = section
         positive(self.global_batch, f"{s}.global_batch")
         positive(self.micro_batch, f"{s}.micro_batch")
-        check(self.micro_batch <= self.global_batch, f"{s}.micro_batch",
-              f"({self.micro_batch}) cannot exceed {s}.global_batch ({self.global_batch})")
         positive(self.epochs, f"{s}.epochs")
         positive(self.max_steps, f"{s}.max_steps")
         positive(self.base_lr, f"{s}.base_lr")
