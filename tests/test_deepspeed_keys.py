@@ -124,3 +124,24 @@ def test_a_fine_tuning_recipes_settings_are_checked_too() -> None:
     with pytest.raises(ConfigError) as error:
         build_pipeline(raw)
     assert error.value.key == "finetune.train.deepspeed.zero_optimization.overlap_com"
+
+
+def test_every_key_kept_on_resume_is_one_deepspeed_reads() -> None:
+    """`FIXED_ON_RESUME` names DeepSpeed's own keys (a misspelt one would guard nothing): the top-level ones its
+    config parser asks for, the ZeRO ones fields (or aliases) of its ZeRO config, none of them vitscale's own."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from vitscale.train.batch import derive_batch
+    from vitscale.train.config import TrainConfig
+    from vitscale.train.deepspeed_keys import FIXED_ON_RESUME, ReadKeys
+    from vitscale.train.engine import deepspeed_config
+
+    train = TrainConfig(global_batch=8, micro_batch=8, precision="fp32")
+    config = ReadKeys(deepspeed_config(train, derive_batch(8, 8, 1), on_gpu=False))
+    DeepSpeedConfig(config)
+    zero = {name for name, f in DeepSpeedZeroConfig.model_fields.items() for name in (name, f.alias) if name}
+    for key in FIXED_ON_RESUME:
+        section, _, inner = key.partition(".")
+        assert (inner in zero) if section == "zero_optimization" else (section in config.read and not inner), key
+        assert not any(key == owned or key.startswith(f"{owned}.") for owned in OWNED), key

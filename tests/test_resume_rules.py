@@ -282,3 +282,29 @@ def test_a_model_is_compared_by_the_model_its_name_names() -> None:
         refuse_changed_run(old, yaml.safe_dump({"model": {"name": same, "img_size": 224}}), PRETRAIN_SCOPE, "c")
     with pytest.raises(ConfigError, match=r"model.name 'ViT-B/16' -> 'ViT-B/32'"):
         refuse_changed_run(old, yaml.safe_dump({"model": {"name": "vit-b/32", "img_size": 224}}), PRETRAIN_SCOPE, "c")
+
+
+@pytest.mark.parametrize("scope, section", [(PRETRAIN_SCOPE, ("train",)), (FINETUNE_SCOPE, ("finetune", "train"))])
+def test_deepspeed_tuning_may_change_but_not_what_a_step_computes(scope: tuple[str, ...], section: tuple[str, ...]) -> None:
+    """`train.deepspeed` is free but for its keys that change the arithmetic or a checkpoint's layout."""
+    def config(deepspeed: dict) -> dict:
+        inner = {"deepspeed": deepspeed, "base_lr": 0.1}
+        return {section[0]: {section[1]: inner}} if len(section) == 2 else {section[0]: inner}
+
+    prefix = ".".join(section) + ".deepspeed"
+    tuned = {"zero_optimization": {"reduce_bucket_size": 5e8, "overlap_comm": True}}
+    retuned = {"zero_optimization": {"reduce_bucket_size": 2e8, "stage3_prefetch_bucket_size": 1e7}}
+    assert changed_keys(config(tuned), config(retuned), scope) == []
+    assert changed_keys(config({}), config({"flops_profiler": {"enabled": True}}), scope) == []
+    grouped = {"zero_optimization": {"sub_group_size": 1e8, "reduce_bucket_size": 5e8}}
+    regrouped = {"zero_optimization": {"sub_group_size": 1e9}}  # (its bucket size left out: free)
+    assert changed_keys(config(grouped), config(regrouped), scope) == [
+        (f"{prefix}.zero_optimization.sub_group_size", 1e8, 1e9)]
+    assert changed_keys(config({}), config({"communication_data_type": "fp32"}), scope) == [
+        (f"{prefix}.communication_data_type", ABSENT, "fp32")]
+    assert changed_keys(config({"data_types": {"grad_accum_dtype": "fp32"}}),
+                        config({"data_types": {"grad_accum_dtype": "bf16"}}), scope) == [
+        (f"{prefix}.data_types.grad_accum_dtype", "fp32", "bf16")]
+    with pytest.raises(ConfigError, match="communication_data_type 'bf16' -> 'fp32'"):
+        refuse_changed_run(yaml.safe_dump(config({"communication_data_type": "bf16"})),
+                           yaml.safe_dump(config({"communication_data_type": "fp32"})), scope, "checkpoint_2")

@@ -185,7 +185,9 @@ class TrainConfig:
     deepspeed: dict[str, Any] = field(default_factory=dict, metadata=RESUME_FREE)
     """DeepSpeed settings merged over the config vitscale generates (e.g. {zero_optimization:
     {reduce_bucket_size: 5.0e8}}); keys vitscale derives from this section are refused
-    (`train/deepspeed_keys.py`). Tuning knobs, not the maths: a resumed run may change them."""
+    (`train/deepspeed_keys.py`). Tuning knobs: a resumed run may change them, except those that change what a
+    step computes or how a checkpoint is laid out (`FIXED_ON_RESUME`: `communication_data_type`,
+    `zero_optimization.sub_group_size`, ...)."""
 
     def compiles(self, on_gpu: bool, world_size: int = 1) -> bool:
         """Whether the worker compiles the model: `compile`, "auto" resolved by the device, the ZeRO stage and,

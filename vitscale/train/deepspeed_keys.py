@@ -48,6 +48,28 @@ OWNED: dict[str, str] = {
 }
 """DeepSpeed config keys (dotted) that vitscale derives from a `train:` key, and that key."""
 
+FIXED_ON_RESUME: dict[str, str] = {
+    "communication_data_type": "the dtype gradients are averaged in",
+    "data_types": "the dtype gradients accumulate in (grad_accum_dtype)",
+    "gradient_predivide_factor": "how gradients are scaled around their average",
+    "prescale_gradients": "how gradients are scaled around their average",
+    "sparse_gradients": "how embedding gradients are reduced",
+    "progressive_layer_drop": "which layers a step trains",
+    "zero_optimization.sub_group_size": "how ZeRO 3 groups the optimizer state it saves",
+    "zero_optimization.round_robin_gradients": "which rank's partition holds each gradient",
+    "zero_optimization.parameter_alignment": "the padding of the partitions a checkpoint holds",
+    "zero_optimization.elastic_checkpoint": "the layout of the optimizer state a checkpoint holds",
+    "zero_optimization.zero_hpz_partition_size": "how parameters are partitioned (hpZ)",
+    "zero_optimization.zero_quantized_weights": "the precision weights are gathered in",
+    "zero_optimization.zero_quantized_nontrainable_weights": "the precision weights are gathered in",
+    "zero_optimization.zero_quantized_gradients": "the precision gradients are reduced in",
+    "zero_optimization.compute_grad_norm": "whether the gradient norm clips the step",
+    "zero_optimization.zenflow": "the optimizer's update rule (ZenFlow)",
+}
+"""`train.deepspeed` keys (dotted) that change what a step computes or how a checkpoint is laid out, and what: a
+resumed run keeps them (`train/resume.py`) as it keeps `train.precision`. The rest of `train.deepspeed` is
+tuning (bucket sizes, overlap, prefetch, persistence, logging), the same steps and checkpoints either way."""
+
 
 def check_overrides(overrides: Mapping[str, Any], section: str = "train") -> None:
     """Refuse any key of `overrides` (the `deepspeed:` mapping) that vitscale owns, naming what to set."""

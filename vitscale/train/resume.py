@@ -33,6 +33,7 @@ from vitscale.config.location import is_url
 from vitscale.data.config import DataConfig
 from vitscale.data.format import LABEL_SOURCE, DatasetMeta
 from vitscale.train.config import UNREAD_BY_OBJECTIVE, TrainConfig
+from vitscale.train.deepspeed_keys import FIXED_ON_RESUME
 from vitscale.train.finetune import FinetuneConfig
 
 WORKERS_KEY = "cluster.num_workers"
@@ -62,6 +63,11 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (resume_free_keys(TrainConfig, "train") + r
 `RESUME_FREE` (config/fields.py) where they are declared. They say how a run is watched (logging,
 metrics, audits), checkpointed, drilled, and where and how its bytes are read; never which samples
 it reads in which order (a pure function of seed, epoch, rank and world size), its schedule or its model."""
+
+RESUME_KEPT: tuple[str, ...] = tuple(f"{section}.deepspeed.{key}" for section in ("train", "finetune.train")
+                                     for key in FIXED_ON_RESUME)
+"""Keys inside a free sub-section that a resumed run may not change: the `train.deepspeed` settings that change
+what a step computes or how a checkpoint is laid out (`train/deepspeed_keys.py`)."""
 
 TRAINED_KEY = "trained"
 """The key of a checkpoint's `config.yaml` naming what its weights are (`TrainJob.checkpoint_yaml`): their
@@ -94,15 +100,15 @@ def changed_keys(old: Mapping[str, Any], new: Mapping[str, Any], scope: tuple[st
                  may_change: tuple[str, ...] = RESUME_MAY_CHANGE) -> list[tuple[str, Any, Any]]:
     """(dotted key, old value, new value) for every key in `scope` that differs, sorted by key.
 
-    Keys under `may_change` are ignored, as are those the objective of both never reads (`unread_keys`); a
-    key present on one side only shows `ABSENT` on the other.
+    Keys under `may_change` are ignored but those under `RESUME_KEPT`, as are those the objective of both never
+    reads (`unread_keys`); a key present on one side only shows `ABSENT` on the other.
     Pure: both arguments are plain nested mappings (parsed YAML).
     """
     a, b = flatten(old), flatten(new)
     may_change = may_change + tuple(set(unread_keys(old)) & set(unread_keys(new)))
     out = []
     for key in sorted(set(a) | set(b)):
-        if not _under(key, scope) or _under(key, may_change):
+        if not _under(key, scope) or (_under(key, may_change) and not _under(key, RESUME_KEPT)):
             continue
         va, vb = a.get(key, ABSENT), b.get(key, ABSENT)
         if va != vb and not (key == WORKERS_KEY and is_range(va) and is_range(vb)):
