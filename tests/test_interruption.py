@@ -189,3 +189,38 @@ def test_ctrl_c_before_the_first_step_stops_at_once(tmp_path: Path, small_synthe
     assert took < 60 and output.rstrip("\n").splitlines()[-1].startswith("vitscale: interrupted; the run is kept at"), \
         (took, output[-4000:])
     assert steps(tmp_path / "runs" / "early", 0) == [], "a step was made: the test no longer tests an early stop"
+
+
+def test_ctrl_c_while_the_run_waits_for_its_dataset_says_nothing_was_written(tmp_path: Path) -> None:
+    """Stopped before the run began (its dataset is being written by another process, and the run waits for it):
+    the last line says nothing of the run was written and the command that starts it, not where a run that does
+    not exist is kept; no run folder, no Ray."""
+    from helpers.leases import holder, kill
+
+    data = tmp_path / "data"
+    source = {"kind": "synthetic", "count": 40, "classes": 2, "image_size": 16, "shard_size": 20}
+    pipeline = tiny_pipeline(tmp_path, "waits", {"url": str(data), "num_workers": 0, "create_if_missing": source},
+                             {"max_steps": 2})
+    log = tmp_path / "waits.log"
+    writer = holder(str(data))
+    try:
+        proc = start(pipeline, log)
+        try:
+            deadline = time.monotonic() + 120  # against a hang, not a measure
+            while "waiting for it to finish" not in log.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=60) == 130, log.read_text()[-4000:]
+        finally:
+            if proc.poll() is None:
+                kill_tree(proc)
+    finally:
+        kill(writer)
+    output = log.read_text()
+    run = tmp_path / "runs" / "waits"
+    assert output.rstrip("\n").splitlines()[-1] == (
+        f"vitscale: interrupted; before the run began (it was checking its settings and datasets), nothing written "
+        f"to {run}: `vitscale run {pipeline}` starts it"), output[-4000:]
+    assert "Traceback" not in output and "started a local Ray" not in output, output[-4000:]
+    assert not run.exists()

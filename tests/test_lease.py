@@ -10,10 +10,8 @@ import dataclasses
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -23,35 +21,13 @@ import boto3
 import pytest
 import yaml
 
+from helpers.leases import holder as _holder
+from helpers.leases import kill as _kill
 from vitscale.cli import main
 from vitscale.data.storage import RetryPolicy
 from vitscale.data.storage.lease import LEASE_NAME, Holder, LeaseHeld, hold_run_lease
 
 FAST = RetryPolicy(max_attempts=3, base_delay_s=0.001, max_delay_s=0.01)
-
-HOLD = """
-import sys, time
-from vitscale.data.storage.lease import hold_run_lease
-lease = hold_run_lease(sys.argv[1], ttl_s=float(sys.argv[2]), endpoint_url=sys.argv[3] or None)
-print("held", flush=True)
-time.sleep(600)
-"""
-
-
-def _holder(url: str, ttl_s: float = 60.0, endpoint: str = "") -> subprocess.Popen:
-    """A process that holds the lease of `url` until killed (returns once it holds it)."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, url, str(ttl_s), endpoint], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ})
-    line = proc.stdout.readline()  # type: ignore[union-attr]
-    if line.strip() != "held":
-        proc.kill()
-        raise AssertionError(f"holder did not take the lease: {line!r} {proc.stderr.read()}")  # type: ignore[union-attr]
-    return proc
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
 
 
 def test_local_second_writer_is_refused_naming_the_holder_and_a_killed_holder_frees_it(tmp_path: Path) -> None:

@@ -291,7 +291,8 @@ def test_a_second_spelling_of_a_held_run_is_refused_by_its_lease(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture) -> None:
     import ray
 
-    from test_lease import _holder, _kill
+    from helpers.leases import holder as _holder
+    from helpers.leases import kill as _kill
     from vitscale.cli import main
 
     bucket = _bucket(moto_s3, "bar")

@@ -46,8 +46,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = load_pipeline(resolve_pipeline_path(args.pipeline), args.set)
     try:
         summary = run_pipeline(config, address=args.address, verbose=args.verbose, force=args.force)
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM/SIGHUP (cli/interrupt.Signalled)
-        raise Interrupted(resume_line(args.command_line, config.cluster.run_storage(config.run_name))) from None
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM/SIGHUP (cli/interrupt.Signalled)
+        raise interrupted(stop, args.command_line, config.cluster.run_storage(config.run_name)) from None
     print(json.dumps(summary, default=str))
     return 0 if summary.get("ok", True) else 1
 
@@ -66,11 +66,28 @@ class Interrupted(KeyboardInterrupt):
         return 128 + self.signum
 
 
+def interrupted(stop: KeyboardInterrupt, command: list[str], storage: str) -> Interrupted:
+    """The CLI's end of a stopped run: where it is kept and the command that resumes it, or, stopped before the
+    run began (`StoppedBeforeStart`), that nothing of it was written and the command that starts it."""
+    from vitscale.stages.run import StoppedBeforeStart
+
+    return Interrupted(start_line(command, storage) if isinstance(stop, StoppedBeforeStart)
+                       else resume_line(command, storage))
+
+
 def resume_line(command: list[str], storage: str) -> str:
     """Where the run is kept and the command, as typed, that resumes it (docs/resume.md)."""
     import shlex
 
     return f"the run is kept at {storage}: resume it from its last complete checkpoint with `{shlex.join(command)}`"
+
+
+def start_line(command: list[str], storage: str) -> str:
+    """Stopped before the run began (its checks and datasets): nothing was written to it; the same command starts it."""
+    import shlex
+
+    return (f"before the run began (it was checking its settings and datasets), nothing written to {storage}: "
+            f"`{shlex.join(command)}` starts it")
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -144,8 +161,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         raise _named_by_flag(exc, args.set) from None
     try:
         summary = run_pipeline(config, address=args.address, verbose=args.verbose)
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM/SIGHUP (cli/interrupt.Signalled)
-        raise Interrupted(resume_line(args.command_line, config.cluster.run_storage(config.run_name))) from None
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM/SIGHUP (cli/interrupt.Signalled)
+        raise interrupted(stop, args.command_line, config.cluster.run_storage(config.run_name)) from None
     except ConfigError as exc:  # the data's checks, before any compute
         raise _named_by_flag(exc, args.set) from None
     print(json.dumps(summary, default=str))

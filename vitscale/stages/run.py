@@ -121,6 +121,12 @@ def check_cpu_adam(config: PipelineConfig) -> None:
             os.environ.pop("DS_ACCELERATOR", None)
 
 
+class StoppedBeforeStart(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM, SIGHUP) while the driver checked the run's settings or waited for or wrote its datasets
+    (`preflight`): before anything of the run was written, so there is no run to resume (a dataset it was writing
+    is not kept either: `write_dataset` aborts it)."""
+
+
 def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose: bool = True,
                  force: bool = False) -> dict[str, Any]:
     """Run every stage of `config`; prints a summary table and returns the summary (the final JSON line).
@@ -138,7 +144,10 @@ def run_pipeline(config: PipelineConfig, *, address: str | None = None, verbose:
     t0 = time.time()
     if address:  # --address: the run joins that cluster, and the checks below must know it
         config = replace(config, cluster=replace(config.cluster, address=address))
-    config = preflight(config)
+    try:
+        config = preflight(config)
+    except KeyboardInterrupt:
+        raise StoppedBeforeStart from None
     # One endpoint for the run's datasets, checkpoints and files, in this driver and every worker it starts.
     storage = config.cluster.run_storage(config.run_name)
     endpoint = config.section("data", DataConfig).endpoint_url
