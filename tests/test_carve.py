@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vitscale.data.carve import Carve, in_dev
+from vitscale.data.carve import Carve, in_dev, key_hash
 from vitscale.data.format import open_dataset, read_index
 from vitscale.data.loader.stream import ShardStream
 from vitscale.data.tools.write import write_dataset
@@ -77,3 +77,27 @@ def test_stream_reads_exactly_one_part(dataset: str) -> None:
         seen[part] = set(got)
     assert seen["dev"] == expected_dev
     assert seen["dev"] | seen["rest"] == set(train_keys) and not seen["dev"] & seen["rest"]
+
+
+@given(st.lists(st.integers(0, 30), min_size=2, max_size=120), st.floats(0.01, 0.99), st.integers(0, 2**31))
+def test_a_key_written_twice_stays_in_one_part_and_the_count_stays_nearest(ids: list[int], fraction: float,
+                                                                          seed: int) -> None:
+    """Samples that share a key share a part (a copy of a dev sample never trains), and the dev count is the
+    nearest to round(fraction x n) that keeps every key's samples together, in neither part empty if it can be."""
+    ks = [f"k{i}" for i in ids]
+    dev = in_dev(ks, fraction, seed)
+    for key in set(ks):
+        assert len({bool(d) for d, k in zip(dev, ks, strict=True) if k == key}) == 1, key
+    # Every count a whole-key carve by this hash order can reach: the prefixes of the keys sorted by hash.
+    sizes = sorted((key_hash(k, seed), ks.count(k)) for k in set(ks))
+    reachable = np.cumsum([0] + [n for _, n in sizes])
+    target = round(fraction * len(ks))
+    if target in (0, len(ks)):  # as for distinct keys: round(fraction x n) is all or nothing
+        assert dev.sum() == target
+        return
+    proper = [int(c) for c in reachable if 0 < c < len(ks)]
+    if not proper:  # one key names every sample: it cannot be split
+        assert dev.sum() in (0, len(ks))
+        return
+    assert int(dev.sum()) in proper and abs(int(dev.sum()) - target) == min(abs(c - target) for c in proper), \
+        (dev.sum(), target, proper)

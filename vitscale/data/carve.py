@@ -9,7 +9,9 @@ on the whole training split and tested once. Every sample gets a keyed hash of (
 - reproducible: the same (seed, fraction) always selects the same samples, on any machine, in any
   shard layout, with no file written;
 - nested: a smaller fraction selects a subset of a larger one (same seed);
-- disjoint and complete: every sample of the split is in exactly one of "dev" and "rest".
+- disjoint and complete: every sample of the split is in exactly one of "dev" and "rest";
+- by key: samples that share a key (a key written twice) share a part, so no copy of a dev sample trains;
+  the dev count is then the nearest to round(fraction x n) that keeps them together.
 
 Selecting needs the split's hashes once (`threshold`); then any shard's samples are placed by
 comparing their own hashes with it, without the rest of the split.
@@ -70,13 +72,32 @@ def hashes(keys: Iterable[str], seed: int) -> np.ndarray:
 
 
 def dev_threshold(split_keys: Iterable[str], fraction: float, seed: int) -> float:
-    """The hash below which exactly round(fraction x n) of the split's n samples fall."""
+    """The hash below which exactly round(fraction x n) of the split's n samples fall; where one key names several
+    samples across that boundary, the count nearest it that keeps them together (`_around_a_repeated_key`)."""
     h = np.sort(hashes(split_keys, seed))
     k = round(fraction * len(h))
     if k >= len(h):
         return 1.0
+    if k == 0:
+        return float(h[0])
+    if h[k - 1] == h[k]:
+        return _around_a_repeated_key(h, k)
     # Between the k-th and (k+1)-th smallest: exactly k below (64-bit hashes of distinct keys do not tie).
-    return float(h[k]) if k == 0 else float((h[k - 1] + h[k]) / 2)
+    return float((h[k - 1] + h[k]) / 2)
+
+
+def _around_a_repeated_key(h: np.ndarray, k: int) -> float:
+    """The threshold for sorted hashes `h` whose k-th and (k+1)-th smallest are one key's (a key written twice,
+    as adopted WebDataset shards may hold): all its samples go to one part, so that a copy of a dev sample
+    never trains, in whichever part leaves the dev count nearer k; an empty part only when there is no other."""
+    tied = h[k]
+    below = int(np.searchsorted(h, tied, "left"))  # the dev count with the key in "rest"
+    above = int(np.searchsorted(h, tied, "right"))  # ... and in "dev"
+    candidates = [c for c in (below, above) if 0 < c < len(h)] or [below]
+    count = min(candidates, key=lambda c: (abs(c - k), c))
+    if count == below:
+        return float(tied)
+    return float((tied + h[above]) / 2)
 
 
 def in_dev(keys: Iterable[str], fraction: float, seed: int) -> np.ndarray:
