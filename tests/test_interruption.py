@@ -21,7 +21,7 @@ import pytest
 
 from helpers.loop_runs import steps
 from helpers.pipelines import tiny_pipeline
-from helpers.ray_runs import kill_tree, start
+from helpers.ray_runs import kill_tree, signalled_when, start
 from vitscale.launch.interruption import side_by_side
 
 
@@ -141,16 +141,9 @@ def test_ctrl_c_or_sigterm_stops_the_workers_says_how_to_resume_and_the_command_
     # The command the line gave, started as `nohup` starts it: the SIGHUP of a closed terminal is ignored.
     log = tmp_path / "resumed.log"
     proc = start(pipeline, log, ignoring=(signal.SIGHUP,))
-    try:
-        deadline = time.monotonic() + 600
-        while not (run_dir / f"checkpoint_{stopped[-1] // every * every + every:09d}").is_dir():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGHUP)
-        assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
+    newer = run_dir / f"checkpoint_{stopped[-1] // every * every + every:09d}"
+    code, _ = signalled_when(proc, log, newer.is_dir, signal.SIGHUP)
+    assert code == 0, log.read_text()[-4000:]
     output = log.read_text()
     summary = json.loads(output.strip().splitlines()[-1])
     assert summary["ok"] and summary["pretrain"]["step"] == steps_total and summary["pretrain"]["restarts"] == 2
@@ -173,19 +166,9 @@ def test_ctrl_c_before_the_first_step_stops_at_once(tmp_path: Path, small_synthe
                              cluster={"preemption_grace_s": 120})
     log = tmp_path / "early.log"
     proc = start(pipeline, log)
-    try:
-        deadline = time.monotonic() + 300
-        while "stage pretrain" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-            time.sleep(0.05)
-        asked = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=100) == 130, log.read_text()[-4000:]
-        took = time.monotonic() - asked
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
+    code, took = signalled_when(proc, log, lambda: "stage pretrain" in log.read_text(), signal.SIGINT, within_s=300)
     output = log.read_text()
+    assert code == 130, output[-4000:]
     assert took < 60 and output.rstrip("\n").splitlines()[-1].startswith("vitscale: interrupted; the run is kept at"), \
         (took, output[-4000:])
     assert steps(tmp_path / "runs" / "early", 0) == [], "a step was made: the test no longer tests an early stop"
@@ -205,19 +188,12 @@ def test_ctrl_c_while_the_run_waits_for_its_dataset_says_nothing_was_written(tmp
     writer = holder(str(data))
     try:
         proc = start(pipeline, log)
-        try:
-            deadline = time.monotonic() + 120  # against a hang, not a measure
-            while "waiting for it to finish" not in log.read_text():
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-                time.sleep(0.05)
-            proc.send_signal(signal.SIGINT)
-            assert proc.wait(timeout=60) == 130, log.read_text()[-4000:]
-        finally:
-            if proc.poll() is None:
-                kill_tree(proc)
+        code, _ = signalled_when(proc, log, lambda: "waiting for it to finish" in log.read_text(), signal.SIGINT,
+                                 within_s=120)
     finally:
         kill(writer)
     output = log.read_text()
+    assert code == 130, output[-4000:]
     run = tmp_path / "runs" / "waits"
     assert output.rstrip("\n").splitlines()[-1] == (
         f"vitscale: interrupted; before the run began (it was checking its settings and datasets), nothing written "

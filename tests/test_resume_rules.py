@@ -305,6 +305,6 @@ def test_deepspeed_tuning_may_change_but_not_what_a_step_computes(scope: tuple[s
     assert changed_keys(config({"data_types": {"grad_accum_dtype": "fp32"}}),
                         config({"data_types": {"grad_accum_dtype": "bf16"}}), scope) == [
         (f"{prefix}.data_types.grad_accum_dtype", "fp32", "bf16")]
-    with pytest.raises(ConfigError, match="communication_data_type 'bf16' -> 'fp32'"):
+    with pytest.raises(ConfigError, match=r"communication_data_type 'bf16' -> 'fp32' \(the dtype gradients are averaged in\)"):
         refuse_changed_run(yaml.safe_dump(config({"communication_data_type": "bf16"})),
                            yaml.safe_dump(config({"communication_data_type": "fp32"})), scope, "checkpoint_2")

@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,25 @@ def pause(proc: subprocess.Popen, paused: bool) -> None:
     for process in _tree(proc):
         with contextlib.suppress(psutil.NoSuchProcess):
             process.send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
+
+
+def signalled_when(proc: subprocess.Popen, log: Path, ready: Callable[[], bool], signum: int,
+                   within_s: float = 600.0) -> tuple[int, float]:
+    """Once `ready()` holds (polled while `proc` runs), send `proc` `signum`; (its exit code, the seconds from the
+    signal to its end). An assertion with the log's tail where it ended first or never got ready within `within_s`;
+    its tree is killed if it has not ended by then."""
+    try:
+        deadline = time.monotonic() + within_s
+        while not ready():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.05)
+        asked = time.monotonic()
+        proc.send_signal(signum)
+        code = proc.wait(timeout=within_s)
+        return code, time.monotonic() - asked
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
 
 
 def finished(pipeline: Path, log: Path) -> tuple[int, str]:

@@ -64,10 +64,10 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (resume_free_keys(TrainConfig, "train") + r
 metrics, audits), checkpointed, drilled, and where and how its bytes are read; never which samples
 it reads in which order (a pure function of seed, epoch, rank and world size), its schedule or its model."""
 
-RESUME_KEPT: tuple[str, ...] = tuple(f"{section}.deepspeed.{key}" for section in ("train", "finetune.train")
-                                     for key in FIXED_ON_RESUME)
-"""Keys inside a free sub-section that a resumed run may not change: the `train.deepspeed` settings that change
-what a step computes or how a checkpoint is laid out (`train/deepspeed_keys.py`)."""
+RESUME_KEPT: Mapping[str, str] = {f"{section}.deepspeed.{key}": why for section in ("train", "finetune.train")
+                                  for key, why in FIXED_ON_RESUME.items()}
+"""Keys inside a free sub-section that a resumed run may not change, and what each fixes: the `train.deepspeed`
+settings that change what a step computes or how a checkpoint is laid out (`train/deepspeed_keys.py`)."""
 
 TRAINED_KEY = "trained"
 """The key of a checkpoint's `config.yaml` naming what its weights are (`TrainJob.checkpoint_yaml`): their
@@ -108,7 +108,7 @@ def changed_keys(old: Mapping[str, Any], new: Mapping[str, Any], scope: tuple[st
     may_change = may_change + tuple(set(unread_keys(old)) & set(unread_keys(new)))
     out = []
     for key in sorted(set(a) | set(b)):
-        if not _under(key, scope) or (_under(key, may_change) and not _under(key, RESUME_KEPT)):
+        if not _under(key, scope) or (_under(key, may_change) and not _under(key, tuple(RESUME_KEPT))):
             continue
         va, vb = a.get(key, ABSENT), b.get(key, ABSENT)
         if va != vb and not (key == WORKERS_KEY and is_range(va) and is_range(vb)):
@@ -180,8 +180,13 @@ def _filled(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str,
 
 
 def describe(changes: list[tuple[str, Any, Any]]) -> str:
-    """'train.global_batch 16 -> 32, data.seed 0 -> 1'."""
-    return ", ".join(f"{key} {old!r} -> {new!r}" for key, old, new in changes)
+    """'train.global_batch 16 -> 32, data.seed 0 -> 1'; a `train.deepspeed` key kept on resume says what it fixes
+    ('train.deepspeed.communication_data_type 'bf16' -> 'fp32' (the dtype gradients are averaged in)')."""
+    return ", ".join(f"{key} {old!r} -> {new!r}{_why_kept(key)}" for key, old, new in changes)
+
+
+def _why_kept(key: str) -> str:
+    return next((f" ({why})" for kept, why in RESUME_KEPT.items() if _under(key, (kept,))), "")
 
 
 def dataset_identity(meta: DatasetMeta, split: str) -> dict[str, Any]:
