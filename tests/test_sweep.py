@@ -55,7 +55,7 @@ def test_combinations_are_the_grid_in_order() -> None:
     ({"metric": "loss"}, "sweep.metric"),  # maximised: a loss would select the worst trial
     ({"metric": "dev_accuracy_polyak"}, "sweep.metric"),  # reported only with finetune.train.polyak
     ({"target": "pretrain", "space": {"finetune.train.base_lr": [0.1]}}, "sweep.space.finetune.train.base_lr"),
-    ({"workers_per_trial": 2}, "finetune.train.global_batch"),  # 8 images cannot split as 8 per worker over 2
+    ({"workers_per_trial": 3}, "finetune.train.global_batch"),  # 8 images do not split evenly over 3 workers
     ({"space": {"finetune.train.micro_batch": [4, 3]}}, "finetune.train.global_batch"),  # trial 2: 8 % 3
     # a trial's model or objective that its workers would refuse: checked per trial, not for the base alone
     ({"space": {"finetune.resolution": [16, 20]}}, "finetune.resolution"),  # 20 px: no whole 8 px patches
