@@ -201,8 +201,8 @@ def test_a_run_that_ends_before_its_warmup_says_so_once_at_its_start(tmp_path: P
                                                                       process_group: None,
                                                                       capsys: pytest.CaptureFixture) -> None:
     """A warm-up as long as the run (the paper's 10k steps kept in a short one): the learning rate never reaches
-    `train.base_lr`. Rank 0 says so in one line as the run starts, not again as it resumes; a warm-up that ends
-    within the run is not mentioned."""
+    `train.base_lr`. Rank 0 says so in one line as the run starts, not again as it resumes or restarts; a warm-up
+    that ends within the run is not mentioned."""
     from vitscale.train.loop import WorkerContext, train
 
     job = tiny_config(tiny_dataset, warmup_steps=6, checkpoint_every=3)  # 6 steps
@@ -215,6 +215,10 @@ def test_a_run_that_ends_before_its_warmup_says_so_once_at_its_start(tmp_path: P
     (tmp_path / "b").mkdir()
     train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-b", report=Recorder(tmp_path / "b"),
                              resume_from=tmp_path / "a" / "checkpoint_000000003"))
+    assert "warmup_steps" not in capsys.readouterr().out
+    # Restarted before any checkpoint (no resume point): the same run folder holds the first attempt's step lines.
+    (tmp_path / "a2").mkdir()
+    train(job, WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-a", report=Recorder(tmp_path / "a2")))
     assert "warmup_steps" not in capsys.readouterr().out
     (tmp_path / "c").mkdir()
     train(tiny_config(tiny_dataset, warmup_steps=5), WorkerContext(rank=0, world_size=1, run_dir=tmp_path / "run-c",

@@ -99,6 +99,7 @@ __all__ = [
     "StepMetrics",
     "TensorBoardLog",
     "hms",
+    "metrics_path",
     "progress_line",
 ]
 
@@ -185,6 +186,11 @@ def _json_safe(value: object) -> object:
     return value
 
 
+def metrics_path(run_dir: str | Path, rank: int) -> Path:
+    """Where rank `rank` of the run in `run_dir` writes its step lines, every attempt continuing the file."""
+    return Path(run_dir) / "metrics" / f"rank{rank}.jsonl"
+
+
 class MetricsSink:
     """Writes :class:`StepMetrics` to ``run_dir/metrics/rank{rank}.jsonl`` and, optionally, Prometheus.
 
@@ -225,7 +231,7 @@ class MetricsSink:
                   f"must be an integer in [0, 65535] or None, got {port!r}")
         self.run = run
         self.rank = rank
-        self.path = Path(run_dir) / "metrics" / f"rank{rank}.jsonl"
+        self.path = metrics_path(run_dir, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # The previous attempt's last line (a restart continues the file): the first line of this one is
         # compared with it (`restarts`).

@@ -19,6 +19,7 @@ from vitscale.train import checkpoint as ckpt
 from vitscale.train.batch import BatchPlan, resized_batch
 from vitscale.train.engine import build_engine, deepspeed_config, init_distributed, load_checkpoint
 from vitscale.train.job import TrainJob
+from vitscale.train.metrics import metrics_path
 from vitscale.train.mfu import peak_flops
 from vitscale.train.objective import Objective, objective_flops, objective_for
 from vitscale.train.optim import Decay, lr_at, schedule_length, warmup_outlasts
@@ -105,7 +106,9 @@ def set_up(job: TrainJob, ctx: WorkerContext) -> Worker:
     steps_per_epoch, total_steps = schedule_length(sum(stream.dataset.counts), batch.global_batch, train.epochs,
                                                    train.max_steps)
     outlasts = warmup_outlasts(total_steps, train.warmup_steps, f"{job.train_key}.warmup_steps")
-    if outlasts and ctx.rank == 0 and ctx.resume_from is None:  # said once, at the run's start
+    # Said once, at the run's start: not on a resume, nor on a restart before the first checkpoint (whose
+    # attempt before it left its step lines in the run folder).
+    if outlasts and ctx.rank == 0 and ctx.resume_from is None and not metrics_path(ctx.run_dir, 0).exists():
         say(outlasts)
     torch.manual_seed(train.seed)  # identical initial weights on every rank
     model = _build_model(job, ctx, objective, num_classes)
