@@ -101,3 +101,12 @@ def test_a_key_written_twice_stays_in_one_part_and_the_count_stays_nearest(ids: 
         return
     assert int(dev.sum()) in proper and abs(int(dev.sum()) - target) == min(abs(c - target) for c in proper), \
         (dev.sum(), target, proper)
+
+
+def test_tars_that_each_number_their_samples_from_0_get_a_dev_part() -> None:
+    """Ten adopted tars of keys 000000-000099 (each key ten times): a 0.5% carve (5 of 1,000) is one key's ten
+    copies, not an empty dev part; 1% is exactly ten."""
+    ks = [f"{i:06d}" for _ in range(10) for i in range(100)]
+    for fraction in (0.005, 0.01):
+        dev = in_dev(ks, fraction, 0)
+        assert dev.sum() == 10 and len({k for k, d in zip(ks, dev, strict=True) if d}) == 1
