@@ -110,11 +110,18 @@ def _adamw(scalars: Callable[..., Any], elements: Callable[..., None], gradient:
     # off; the tensors detached, which writes the same storage but drops what torch would also guard on (a ZeRO
     # partition is a leaf that requires grad, a tensor elsewhere not; a gradient that is a view of a buffer is
     # guarded on that buffer's shape); any length (`compiled_pass`).
-    decay_rate = torch.full((), weight_decay, dtype=torch.float32, device=lr.device)
     with torch.no_grad():
-        keep, step_size, bias2_sqrt, decay = scalars(step, lr, refused, decay_rate, beta1=beta1, beta2=beta2)
+        keep, step_size, bias2_sqrt, decay = scalars(step, lr, refused, constant(weight_decay, lr.device),
+                                                     beta1=beta1, beta2=beta2)
         elements(gradient.detach(), master.detach(), exp_avg.detach(), exp_avg_sq.detach(), weight.detach(), factor,
                  keep, step_size, bias2_sqrt, decay, beta1=beta1, beta2=beta2, eps=eps)
+
+
+@functools.lru_cache(maxsize=64)
+def constant(value: float, device: torch.device) -> torch.Tensor:
+    """A 0-d fp32 tensor of `value` on `device`, made once: a weight decay, a clip factor of 1, a step not refused
+    are the same every step, and each fill would be a launch per group per step. Only read, never written."""
+    return torch.full((), value, dtype=torch.float32, device=device)
 
 
 def compiled_pass() -> Callable[..., None]:
@@ -342,10 +349,10 @@ def _update(kernel: Callable[..., None], inner: torch.optim.AdamW, group: dict[s
     device = master.device
     # A fill kernel each, not a copy from host memory (which would wait for the GPU).
     lr = torch.full((), float(group["lr"]), dtype=torch.float32, device=device)
-    flag = (torch.zeros((), dtype=torch.float32, device=device) if refused is None
+    flag = (constant(0.0, device) if refused is None
             else refused.detach().reshape(()).to(device=device, dtype=torch.float32))
     if not torch.is_tensor(factor):  # nothing clipped it: 1, or a number where only a static loss scale divides
-        factor = torch.full((), 1.0 if factor is None else float(factor), dtype=torch.float32, device=device)
+        factor = constant(1.0 if factor is None else float(factor), device)
     beta1, beta2 = group["betas"]
     kernel(gradient.view(-1), master, state["exp_avg"], state["exp_avg_sq"], state["step"], weight.view(-1), lr,
            factor.to(device=device, dtype=torch.float32).reshape(()), flag, beta1=float(beta1), beta2=float(beta2),

@@ -106,9 +106,10 @@ def changed_keys(old: Mapping[str, Any], new: Mapping[str, Any], scope: tuple[st
     """
     a, b = flatten(old), flatten(new)
     may_change = may_change + tuple(set(unread_keys(old)) & set(unread_keys(new)))
+    kept = tuple(RESUME_KEPT)
     out = []
     for key in sorted(set(a) | set(b)):
-        if not _under(key, scope) or (_under(key, may_change) and not _under(key, tuple(RESUME_KEPT))):
+        if not _under(key, scope) or (_under(key, may_change) and not _under(key, kept)):
             continue
         va, vb = a.get(key, ABSENT), b.get(key, ABSENT)
         if va != vb and not (key == WORKERS_KEY and is_range(va) and is_range(vb)):
