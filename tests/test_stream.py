@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -459,3 +460,72 @@ def test_uneven_shares_cut_every_step_into_as_many_batches(clean):
     resumed.load_state_dict({"epoch": 0, "position": 3, "seed": 2})  # after step 1: its share is 3
     assert len(resumed) == 4
     assert [b["key"] for b in _epoch(resumed)] == [b["key"] for b in ranks[1][2:]]
+
+
+# -- one loader for every epoch ---------------------------------------------------------------------
+
+
+def _loader_processes() -> set[int]:
+    """This process's children: the stream's loader workers (the tests here start no other)."""
+    return {p.pid for p in psutil.Process().children()}
+
+
+def _alone(url, epoch: int, **kw) -> list[dict]:
+    """Epoch `epoch` read by a stream opened there, in this process: what each epoch's batches must be."""
+    s = _stream(url, **kw)
+    s.set_epoch(epoch)
+    return _epoch(s)
+
+
+def _same(got: list[dict], want: list[dict]) -> None:
+    assert [b["key"] for b in got] == [b["key"] for b in want]
+    for a, b in zip(got, want):
+        assert torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"])
+
+
+@pytest.mark.parametrize("shape", [
+    {"batch_size": 4},  # 7 batches an epoch over 3 workers: each epoch starts on another worker
+    {"batch_size": 2, "global_batch": 8, "rank": 1, "world_size": 3},  # steps cut into batches of 2 and 1
+])
+def test_one_loader_reads_every_epoch_and_each_is_what_a_stream_opened_there_reads(clean, shape):
+    """The loader's processes are started once and serve epoch after epoch, from a resumed place mid-epoch on;
+    every epoch's batches are those a stream opened at that epoch alone gives (its own order and augmentation)."""
+    before = _loader_processes()
+    s = _stream(clean, seed=6, num_workers=3, **shape)
+    first = _alone(clean, 0, seed=6, **shape)
+    s.load_state_dict({"epoch": 0, "position": sum(len(b["key"]) for b in first[:2]), "seed": 6})
+    _same(_epoch(s), first[2:])
+    workers = _loader_processes() - before
+    assert len(workers) == 3
+    for epoch in (1, 2, 3):
+        s.load_state_dict(s.state_dict())  # what the training loop does at every epoch's start: nothing moves
+        _same(_epoch(s), _alone(clean, epoch, seed=6, **shape))
+        assert _loader_processes() - before == workers, f"epoch {epoch} started loader processes again"
+    s.close()
+    assert not _loader_processes() - before
+
+
+def test_a_stream_moved_elsewhere_reads_there_and_an_older_iterator_stops(clean):
+    before = _loader_processes()
+    s = _stream(clean, seed=7, num_workers=2)
+    _epoch(s)
+    workers = _loader_processes() - before
+    s.set_epoch(0)  # back to an epoch the loader has left: it starts again there
+    _same(_epoch(s), _alone(clean, 0, seed=7))
+    assert _loader_processes() - before and not (_loader_processes() - before) & workers
+    s.set_epoch(3)
+    older = iter(s)
+    head = next(older)
+    newer = iter(s)
+    second = next(newer)  # the newer iterator reads on where the stream is; the older one stops
+    assert list(older) == []
+    _same([head, second, *newer], _alone(clean, 3, seed=7))
+    s.close()
+
+
+def test_a_loader_that_failed_leaves_no_process(damaged):
+    before = _loader_processes()
+    s = _stream(damaged, seed=1, batch_size=3, error_budget=0.1, num_workers=2)
+    with pytest.raises(ErrorBudgetExceeded):
+        _epoch(s)
+    assert not _loader_processes() - before

@@ -95,6 +95,7 @@ def train(job: TrainJob, ctx: WorkerContext) -> dict[str, Any]:
             # (the metrics sinks and the progress line have every step already).
             ctx.report({**report_metrics(metrics), "skipped_steps": state.skipped_steps, **scores}, None)
     observers.close()
+    stream.close()  # the loader's processes, reading on into an epoch no step will take
     return {"steps": state.step, "total_steps": w.total_steps, "examples_seen": state.examples_seen,
             "exaflops": state.flops / 1e18, "final_loss": loss, "num_classes": stream.dataset.num_classes,
             "skipped_samples": vote.skipped, "skipped_steps": state.skipped_steps,

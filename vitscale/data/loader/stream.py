@@ -20,6 +20,13 @@ loop runs the next epoch and a checkpoint taken after the last batch resumes at 
 start. ``set_epoch(e)`` jumps to the start of epoch ``e``. ``state_dict()`` counts every batch
 already handed out (``position`` = samples of this epoch consumed by this rank).
 
+One loader for every epoch. The loader's worker processes are started once and read on from one epoch
+into the next (the next epoch's order is a function of the seed and its number), so the next ``for``
+loop's first batches are already built when it begins: no start of ``num_workers`` processes and no
+empty prefetch queue at every epoch boundary, which on a small dataset (a few steps an epoch) cost
+more than the steps. Only moving the stream elsewhere (``set_epoch``, ``load_state_dict`` to another
+position) or an error starts them again; ``close()`` stops them.
+
 Bad samples (truncated tar, corrupt JPEG, missing/malformed label) are skipped, counted per shard
 (:meth:`ShardStream.skipped`) and logged once with shard and key. Every rank still emits the same
 number of batches of the same shape: a batch that lost samples refills those rows with copies of
@@ -45,191 +52,21 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-import numpy as np
-import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset
 
-from vitscale.config.checks import check, fraction, non_negative, positive_int
+from vitscale.config.checks import non_negative
 from vitscale.data.carve import Carve
-from vitscale.data.config import DEFAULT_ERROR_BUDGET, MAX_LOADER_WORKERS
-from vitscale.data.corruption import Corruption, corrupted_positions
-from vitscale.data.format import DatasetError, OpenDataset, open_dataset
+from vitscale.data.format import DatasetError, open_dataset
+from vitscale.data.loader.batches import EpochBatches, Epochs, epoch_order
 from vitscale.data.loader.budget import ErrorBudgetExceeded, budget_error
-from vitscale.data.loader.index_cache import IndexCache
-from vitscale.data.loader.reader import BadSample, SampleReader
-from vitscale.data.loader.sample import decode_sample
-from vitscale.data.loader.transforms import TransformSpec, sample_rng
-from vitscale.data.order import (
-    DEFAULT_SHUFFLE_BUFFER,
-    RankOrder,
-    batch_bounds,
-    cycled_batches,
-    micro_batch_sizes,
-    rank_order,
-    samples_per_rank,
-    worker_batches,
-)
+from vitscale.data.loader.spec import StreamSpec
+from vitscale.data.order import RankOrder, batch_bounds, cycled_batches, samples_per_rank
 
 __all__ = ["ErrorBudgetExceeded", "ShardStream", "StreamSpec"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StreamSpec:
-    """Everything that decides a stream's content (see :class:`ShardStream`)."""
-
-    url: str
-    """Dataset folder or ``s3://bucket/prefix``."""
-    split: str = "train"
-    rank: int = 0
-    """This process's rank among ``world_size`` data-parallel ranks."""
-    world_size: int = 1
-    seed: int = 0
-    """Seeds shard order, sample shuffle and augmentation (with the epoch)."""
-    batch_size: int = 64
-    """Per-rank batch size (with ``global_batch``: the largest; see :attr:`batch_sizes`)."""
-    global_batch: int | None = None
-    """Samples per optimizer step, all ranks: each rank takes its share of every global batch, so a step's
-    samples do not depend on ``world_size`` (training). None: one contiguous span per rank."""
-    train: bool = True
-    """Shuffled order + random augmentation; False: dataset order + centre crop."""
-    num_workers: int = 0
-    """DataLoader worker processes decoding for this rank (0: decode in this process)."""
-    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
-    """Window of the in-span sample shuffle (samples)."""
-    error_budget: float = DEFAULT_ERROR_BUDGET
-    """Skipped samples allowed per epoch, as a fraction of the epoch's samples across all ranks
-    (1.0: all of them)."""
-    endpoint_url: str | None = None
-    """S3-protocol endpoint (MinIO, moto, Ceph); None: environment, then AWS."""
-    resolution: int = 224
-    """Side of the square images the stream emits (the transform's output)."""
-    drop_last: bool | None = None
-    """Drop the epoch's last partial batch; None: as ``train`` (training drops it, evaluation keeps it)."""
-    transform: TransformSpec | None = None
-    """Crop/flip of each image; None: the standard one (`TransformSpec`) for ``resolution`` and ``train``."""
-    prefetch_factor: int = 2
-    """Batches each worker prepares ahead."""
-    pin_memory: bool = False
-    """Page-lock batches for faster, asynchronous host-to-GPU copies."""
-    corruption: Corruption | None = None
-    """Masked patch prediction: each sample's corrupted patches (``positions``, ``sources``) from
-    :func:`vitscale.data.corruption.corrupted_positions` of (seed, epoch, key); None: not computed."""
-
-    def __post_init__(self) -> None:
-        # Resolved once here, so every reader of a spec sees whole values (frozen: set through object).
-        if self.transform is None:
-            object.__setattr__(self, "transform", TransformSpec(resolution=self.resolution, train=self.train))
-        elif self.transform.resolution != self.resolution or self.transform.train != self.train:
-            raise ValueError("transform.resolution/train must match resolution/train")
-        if self.drop_last is None:
-            object.__setattr__(self, "drop_last", self.train)
-        positive_int(self.world_size, "world_size")
-        check(0 <= self.rank < self.world_size, "rank", f"must be in [0, {self.world_size}) (world_size): {self.rank}")
-        positive_int(self.batch_size, "batch_size")
-        positive_int(self.world_size if self.global_batch is None else self.global_batch, "global_batch")
-        check(min(self.batch_sizes) > 0, "batch_size", f"{self.batch_size}: rank {self.rank}'s share of "
-              f"global_batch={self.global_batch} cannot fill the {len(self.batch_sizes)} batches every rank cuts")
-        non_negative(self.num_workers, "num_workers")
-        check(self.num_workers <= MAX_LOADER_WORKERS, "num_workers",
-              f"at most {MAX_LOADER_WORKERS} loader processes, got {self.num_workers}")
-        fraction(self.error_budget, "error_budget")
-        non_negative(self.seed, "seed")
-        positive_int(self.shuffle_buffer, "shuffle_buffer")
-        positive_int(self.prefetch_factor, "prefetch_factor")
-
-    @property
-    def image_transform(self) -> TransformSpec:
-        """`transform`, resolved in `__post_init__` (never None once built)."""
-        return cast(TransformSpec, self.transform)
-
-    @property
-    def drops_last(self) -> bool:
-        """`drop_last`, resolved in `__post_init__` (never None once built)."""
-        return bool(self.drop_last)
-
-    @property
-    def batch_sizes(self) -> tuple[int, ...]:
-        """Consecutive batches' sizes, repeated from the start: ``(batch_size,)``, or one step's micro-batches."""
-        return micro_batch_sizes(self.global_batch, self.world_size, self.rank, self.batch_size)
-
-
-class _EpochBatches(IterableDataset):
-    """One epoch of one rank from ``order.start``: worker ``w`` builds batches ``b % W == w``."""
-
-    def __init__(self, spec: StreamSpec, ds: OpenDataset, order: RankOrder, end: int) -> None:
-        self.spec, self.ds, self.order, self.end = spec, ds, order, end
-        self.index = IndexCache(ds)
-        self.batches = cycled_batches(end - order.start, spec.batch_sizes, drop_last=False)
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        info = get_worker_info()
-        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        start, sizes = self.order.start, self.spec.batch_sizes
-        reader = SampleReader(self.ds.storage)
-        try:
-            for b in worker_batches(self.batches, worker, workers):
-                lo, hi = batch_bounds(b, sizes)
-                yield self._build(reader, start + lo, min(start + hi, self.end), shared=info is not None)
-        finally:
-            reader.close()
-
-    def _build(self, reader: SampleReader, lo: int, hi: int, shared: bool) -> dict[str, Any]:
-        ds, tspec = self.ds, self.spec.image_transform
-        g = self.order.global_indices(lo, hi)  # (n,) global sample indices, in emit order
-        shard, local = self.order.locate(g)
-        n, r = len(g), tspec.resolution
-        entries = self.index.rows_of(shard)
-        requests = [
-            (ds.shard_names[int(s)], int(e.offsets[i]), int(e.sizes[i]))
-            for s, e, i in zip(shard, entries, local)
-        ]
-        keys = [e.key(int(i)) for e, i in zip(entries, local)]
-        crcs = [e.crc(int(i)) for e, i in zip(entries, local)]
-        known = [None if e.labels is None else e.labels[int(i)] for e, i in zip(entries, local)]
-        raws = reader.read(requests)
-        # (n, 3, R, R) uint8 filled in place; in shared memory when a worker process sends it.
-        images = torch.empty((n, 3, r, r), dtype=torch.uint8)
-        if shared:
-            images.share_memory_()
-        pixels = images.numpy()
-        labels: list[list[int]] = [[] for _ in range(n)]
-        valid = np.zeros(n, dtype=bool)
-        skipped: list[tuple[str, str, str]] = []
-        for i in range(n):
-            try:
-                rng = sample_rng(self.order.seed, self.order.epoch, int(g[i])) if tspec.train else None
-                labels[i] = decode_sample(raws[i], keys[i], size=requests[i][2], crc=crcs[i],
-                                          num_classes=ds.num_classes, multi_label=ds.multi_label,
-                                          spec=tspec, rng=rng, out=pixels[i], labels=known[i])
-                valid[i] = True
-            except BadSample as exc:
-                skipped.append((requests[i][0], keys[i], str(exc)))
-        if not valid.all():
-            survivors = np.flatnonzero(valid)
-            for j, bad in enumerate(np.flatnonzero(~valid).tolist()):
-                if survivors.size:  # keep the batch shape: refill with a surviving sample
-                    src = int(survivors[j % survivors.size])
-                    pixels[bad], labels[bad], keys[bad] = pixels[src], labels[src], keys[src]
-                else:
-                    pixels[bad], labels[bad] = 0, []  # no sample survived: a blank row, never torch.empty's
-        if ds.multi_label:
-            label = torch.zeros((n, ds.num_classes), dtype=torch.float32)  # (n, K) multi-hot
-            for i, ls in enumerate(labels):
-                label[i, ls] = 1.0
-        else:
-            label = torch.tensor([ls[0] if ls else 0 for ls in labels], dtype=torch.int64)  # (n,)
-        batch = {"image": images, "label": label, "key": keys, "valid": torch.from_numpy(valid), "_skipped": skipped,
-                 "_count": hi - lo}
-        if self.spec.corruption is not None:  # masked patch prediction's plan (data/corruption.py)
-            plan = corrupted_positions(self.order.seed, self.order.epoch, keys, self.spec.corruption)
-            batch["positions"], batch["sources"] = (torch.from_numpy(a) for a in plan)
-        return batch
-
 
 class ShardStream:
     """This rank's batches of a sharded dataset; see the module docstring for the guarantees.
@@ -266,7 +103,11 @@ class ShardStream:
         self._skipped_before = 0  # all ranks' count in this epoch before the resume (from a checkpoint)
         self._skipped_total = 0  # all ranks' count in this epoch at the last check
         self._logged: set[tuple[str, str]] = set()
-        self._generation = 0  # bumped by set_epoch/load_state_dict: stale iterators stop
+        self._generation = 0  # bumped as an epoch ends and by a move (set_epoch/load_state_dict): stale iterators stop
+        self._loader: tuple[int, Iterator[dict[str, Any]]] | None = None
+        """(the generation it reads for, the one DataLoader iterator over every epoch from there): kept from one
+        epoch to the next, dropped when the stream is moved."""
+        self._reading: object | None = None  # the iterator reading from the loader now: an older one stops
 
     @property
     def _end(self) -> int:
@@ -280,9 +121,16 @@ class ShardStream:
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its first sample on the next iteration."""
         non_negative(epoch, "epoch")
-        self.epoch, self.position = int(epoch), 0
+        self._move(int(epoch), 0, self.seed)
         self._reset_epoch_count(0)
-        self._generation += 1
+
+    def _move(self, epoch: int, position: int, seed: int) -> None:
+        """Put the stream at (``epoch``, ``position``) of ``seed``'s order: where it is already, the loader goes on
+        (the batches it reads next are those); elsewhere, iterators of the old place stop and the next one
+        starts a loader there."""
+        if (epoch, position, seed) != (self.epoch, self.position, self.seed):
+            self.epoch, self.position, self.seed = epoch, position, seed
+            self._generation += 1
 
     def state_dict(self) -> dict[str, int]:
         """``{"epoch", "position", "seed", "skipped"}``: where the next batch starts, and how many
@@ -306,9 +154,8 @@ class ShardStream:
             raise ValueError(f"stream state out of range for this dataset/world size: {state!r}")
         if position == self._end:
             epoch, position = epoch + 1, 0
-        self.epoch, self.position, self.seed = epoch, position, seed
+        self._move(epoch, position, seed)
         self._reset_epoch_count(skipped if position else 0)
-        self._generation += 1
 
     def skipped(self) -> dict[str, int]:
         """Samples skipped so far (all epochs of this stream object), per shard name."""
@@ -316,9 +163,7 @@ class ShardStream:
 
     def epoch_order(self) -> RankOrder:
         """This rank's order of the current epoch from the current position."""
-        s = self.spec
-        return rank_order(self.dataset.counts, self.seed, self.epoch, s.rank, s.world_size,
-                    self.position, s.shuffle_buffer, shuffle=s.train, global_batch=s.global_batch)  # fmt: skip
+        return epoch_order(self.spec, self.dataset.counts, self.seed, self.epoch, self.position)
 
     def _reset_epoch_count(self, before: int) -> None:
         self._epoch_skipped.clear()
@@ -367,31 +212,51 @@ class ShardStream:
     def epoch_batches(self) -> IterableDataset:
         """The rest of the current epoch from the current position as an ``IterableDataset`` of whole
         batches (a ``DataLoader`` worker ``w`` of ``W`` builds batches ``b % W == w``), without this
-        stream's bookkeeping (position, error budget): what :meth:`__iter__` runs in its DataLoader,
-        and what :class:`vitscale.data.dataset.ShardDataset` wraps. A batch also holds ``_count``
-        (samples it consumed) and ``_skipped`` ((shard, key, why) of each skipped sample)."""
-        return _EpochBatches(self.spec, self.dataset, self.epoch_order(), self._end)
+        stream's bookkeeping (position, error budget): what :class:`vitscale.data.dataset.ShardDataset`
+        wraps (:meth:`__iter__` reads the same batches and the later epochs' after them). A batch also holds
+        ``_count`` (samples it consumed) and ``_skipped`` ((shard, key, why) of each skipped sample)."""
+        return EpochBatches(self.spec, self.dataset, self.epoch_order(), self._end)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        s, gen = self.spec, self._generation
-        source = self.epoch_batches()
-        loader = DataLoader(
-            source,
-            batch_size=None,  # batches are built whole inside the workers
-            num_workers=s.num_workers,
-            prefetch_factor=s.prefetch_factor if s.num_workers else None,
-            pin_memory=s.pin_memory,
-        )
-        for batch in loader:
-            if gen != self._generation:
-                return  # set_epoch/load_state_dict was called: this iterator is stale
-            if self.position == 0:
-                self._reset_epoch_count(0)  # a new epoch's first batch
-            self._account(batch.pop("_skipped"))
-            self.position += batch.pop("_count")
+        gen, me = self._generation, object()
+        if self._loader is None or self._loader[0] != gen:  # none yet, or one reading for a place left since
+            self.close()
+            self._loader = (gen, self._open())
+        batches, self._reading = self._loader[1], me
+        while gen == self._generation and self._reading is me:  # else moved, or a newer iterator reads
+            try:
+                batch = next(batches)  # never ends: the loader reads on into the next epoch
+                if self.position == 0:
+                    self._reset_epoch_count(0)  # a new epoch's first batch
+                self._account(batch.pop("_skipped"))
+                self.position += batch.pop("_count")
+            except BaseException:  # a dead loader, a budget exceeded, Ctrl-C: the loader's place is lost
+                self.close()
+                raise
             if self.position >= self._end:  # last batch: a checkpoint now resumes next epoch
                 # The epoch's count stays until the next epoch's first batch, so the caller's
                 # check after this step still sees it.
                 self.epoch, self.position = self.epoch + 1, 0
                 self._generation += 1
+                self._loader = (self._generation, batches)  # the next epoch's iterator reads on from it
             yield batch
+
+    def _open(self) -> Iterator[dict[str, Any]]:
+        """A DataLoader iterator over this rank's batches from here on, epoch after epoch."""
+        s = self.spec
+        return iter(DataLoader(
+            Epochs(s, self.dataset, self.epoch_order(), self._end),
+            batch_size=None,  # batches are built whole inside the workers
+            num_workers=s.num_workers,
+            prefetch_factor=s.prefetch_factor if s.num_workers else None,
+            pin_memory=s.pin_memory,
+        ))
+
+    def close(self) -> None:
+        """Stop the loader's worker processes now (the next iteration starts new ones where the stream is)."""
+        loader, self._loader = self._loader, None
+        # Joined here rather than when the last reference goes (an iterator of an earlier epoch may hold it):
+        # their time is then counted (`vitscale shards bench`) and no process outlives the stream's use.
+        shutdown = getattr(loader[1], "_shutdown_workers", None) if loader is not None else None
+        if shutdown is not None:
+            shutdown()

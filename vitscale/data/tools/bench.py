@@ -39,15 +39,18 @@ def measure(
 
     ``make_batches`` may return a finite iterable (one epoch); it is called again until the time
     is up. Worker processes must be gone when an epoch's iterator is dropped (DataLoader does
-    this), so their CPU time is counted. Returns images, wall_s, cpu_s, images_per_s,
-    images_per_cpu_s and startup_s (time to the first batch).
+    this) or, for an iterable with a ``close()`` (a ``ShardStream``, whose loader reads on from
+    one epoch into the next), once it is closed at the end, so their CPU time is counted. Returns
+    images, wall_s, cpu_s, images_per_s, images_per_cpu_s and startup_s (time to the first batch).
     """
     positive(seconds, "seconds")
+    sources: list[Iterable[Any]] = []
 
     def forever() -> Generator[Any, None, None]:
         for _ in itertools.count():
             got = False
-            for batch in make_batches():
+            sources[:] = [make_batches()]
+            for batch in sources[0]:
                 got = True
                 yield batch
             if not got:
@@ -64,6 +67,9 @@ def measure(
         images += batch_images(next(it))
     wall = time.perf_counter() - wall0
     it.close()  # drops the epoch's loader: its workers exit and are joined before we read CPU time
+    close = getattr(sources[0], "close", None) if sources else None
+    if close is not None:
+        close()  # a stream's loader, kept for its next epoch: stopped and joined likewise
     cpu = cpu_seconds() - cpu0
     return {
         "images": float(images),
