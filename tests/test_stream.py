@@ -529,3 +529,39 @@ def test_a_loader_that_failed_leaves_no_process(damaged):
     with pytest.raises(ErrorBudgetExceeded):
         _epoch(s)
     assert not _loader_processes() - before
+
+
+def test_a_loader_process_killed_mid_epoch_is_started_again_and_no_batch_changes(clean, caplog):
+    """The kernel's out-of-memory killer, or a stray `kill`, ends one loader process: the stream starts its loader
+    again where it is, and every batch of this epoch and the next is the one it would have been."""
+    import signal
+
+    caplog.set_level(logging.WARNING, logger="vitscale.data.loader.stream")
+    before = _loader_processes()
+    s = _stream(clean, seed=8, num_workers=2)
+    it = iter(s)
+    got = [next(it), next(it)]
+    os.kill(min(_loader_processes() - before), signal.SIGKILL)
+    got += list(it)
+    _same(got, _alone(clean, 0, seed=8))
+    _same(_epoch(s), _alone(clean, 1, seed=8))
+    said = [r.getMessage() for r in caplog.records if "its loader started again" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("DataLoader worker (pid") and "at epoch 0, sample 8" in said[0], said
+    s.close()
+
+
+def test_loader_processes_that_die_every_time_end_the_stream_in_one_error(clean, monkeypatch):
+    import signal
+
+    import vitscale.data.loader.batches as batches
+    from vitscale.data.loader.stream import LOADER_RESTARTS
+
+    def killed(*args, **kwargs):  # in a loader process (forked, so it sees the patch): as the OOM killer does
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    monkeypatch.setattr(batches, "decode_sample", killed)
+    before = _loader_processes()
+    with pytest.raises(RuntimeError, match=rf"^DataLoader worker \(pid.*; the loader's processes died "
+                                           rf"{LOADER_RESTARTS + 1} times in a row.*data.num_workers: 2\)$"):
+        _epoch(_stream(clean, seed=8, num_workers=2))
+    assert not _loader_processes() - before

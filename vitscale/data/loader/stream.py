@@ -68,6 +68,21 @@ __all__ = ["ErrorBudgetExceeded", "ShardStream", "StreamSpec"]
 
 log = logging.getLogger(__name__)
 
+LOADER_RESTARTS = 3
+"""Times in a row a stream starts its loader again after one of its processes died (the kernel's out-of-memory
+killer, a stray `kill`) before it gives up: a batch depends only on the seed, the epoch and its samples, so the
+new loader builds the ones the dead one had not handed out, the same, and no step is lost or read twice."""
+_DIED = "DataLoader worker (pid"
+"""How torch's errors for a loader process that is gone begin ("... exited unexpectedly", "... is killed by
+signal: Killed."), as against an error a loader process raised, which comes as its own type."""
+
+
+def _gave_up(restarts: int, workers: int) -> str:
+    return (f"the loader's processes died {restarts + 1} times in a row, each before its next batch: where the "
+            f"kernel killed them for memory (dmesg: 'Out of memory'), fewer leave each more "
+            f"(data.num_workers: {workers})")
+
+
 class ShardStream:
     """This rank's batches of a sharded dataset; see the module docstring for the guarantees.
 
@@ -222,10 +237,10 @@ class ShardStream:
         if self._loader is None or self._loader[0] != gen:  # none yet, or one reading for a place left since
             self.close()
             self._loader = (gen, self._open())
-        batches, self._reading = self._loader[1], me
+        self._reading = me
         while gen == self._generation and self._reading is me:  # else moved, or a newer iterator reads
             try:
-                batch = next(batches)  # never ends: the loader reads on into the next epoch
+                batch = self._next(gen)  # never ends: the loader reads on into the next epoch
                 if self.position == 0:
                     self._reset_epoch_count(0)  # a new epoch's first batch
                 self._account(batch.pop("_skipped"))
@@ -238,8 +253,27 @@ class ShardStream:
                 # check after this step still sees it.
                 self.epoch, self.position = self.epoch + 1, 0
                 self._generation += 1
-                self._loader = (self._generation, batches)  # the next epoch's iterator reads on from it
+                self._loader = (self._generation, self._loader[1])  # the next epoch's iterator reads on from it
             yield batch
+
+    def _next(self, gen: int) -> dict[str, Any]:
+        """The loader's next batch; a loader whose process died is started again where the stream is (the
+        batches it had built but not handed out are built again, the same), up to `LOADER_RESTARTS` times in
+        a row without a batch between."""
+        for restart in range(LOADER_RESTARTS + 1):
+            assert self._loader is not None
+            try:
+                return next(self._loader[1])
+            except RuntimeError as exc:
+                if not str(exc).startswith(_DIED):
+                    raise
+                if restart == LOADER_RESTARTS:
+                    raise RuntimeError(f"{exc}; {_gave_up(restart, self.spec.num_workers)}") from exc
+                log.warning("%s: its loader started again at epoch %d, sample %d of this rank's", exc, self.epoch,
+                            self.position)
+                self.close()
+                self._loader = (gen, self._open())
+        raise AssertionError("unreachable")
 
     def _open(self) -> Iterator[dict[str, Any]]:
         """A DataLoader iterator over this rank's batches from here on, epoch after epoch."""
