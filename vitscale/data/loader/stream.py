@@ -77,6 +77,11 @@ _DIED = "DataLoader worker (pid"
 signal: Killed."), as against an error a loader process raised, which comes as its own type."""
 
 
+def _said(exc: Exception) -> str:
+    """Torch's line for a dead loader process without its closing stop ("... is killed by signal: Killed. ")."""
+    return str(exc).strip().rstrip(".")
+
+
 def _gave_up(restarts: int, workers: int) -> str:
     return (f"the loader's processes died {restarts + 1} times in a row, each before its next batch: where the "
             f"kernel killed them for memory (dmesg: 'Out of memory'), fewer leave each more "
@@ -268,9 +273,9 @@ class ShardStream:
                 if not str(exc).startswith(_DIED):
                     raise
                 if restart == LOADER_RESTARTS:
-                    raise RuntimeError(f"{exc}; {_gave_up(restart, self.spec.num_workers)}") from exc
-                log.warning("%s: its loader started again at epoch %d, sample %d of this rank's", exc, self.epoch,
-                            self.position)
+                    raise RuntimeError(f"{_said(exc)}; {_gave_up(restart, self.spec.num_workers)}") from exc
+                log.warning("%s: its loader started again at epoch %d, sample %d of this rank's", _said(exc),
+                            self.epoch, self.position)
                 self.close()
                 self._loader = (gen, self._open())
         raise AssertionError("unreachable")
