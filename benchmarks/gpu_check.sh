@@ -19,7 +19,8 @@
 #   4. the extras, each only where its whole cap still fits, the open questions first: ViT-L/16 at ZeRO 1 with
 #      `train.compile_mode: max-autotune-no-cudagraphs` (matmul and fusion configurations searched: whether it
 #      lifts the 46.6% MFU of the default mode, 2026-11-30, to the 47% target; 190 s, what the main parts left then);
-#      ViT-L/16 at ZeRO 2 (the 12-ms optimizer phase is a target at ZeRO 1 and 2; measured at 1 only); ViT-B/16 eager at ZeRO 0
+#      ViT-L/16 at ZeRO 2 (the 12-ms optimizer phase is a target at ZeRO 1 and 2; measured at 1 only); the real
+#      loop on 1,200 JPEGs, an epoch every 4 steps (the loader kept across epochs since 2026-11-30); ViT-B/16 eager at ZeRO 0
 #      and 3; benchmarks/attention.py, every attention kernel at each ViT's shapes (seconds); ViT-B/16 at ZeRO 1
 #      compiled with CUDA graphs (`train.compile_mode: reduce-overhead`); ViT-B/16 at the largest batch its
 #      memory holds (`--batch auto`); ViT-L/16 at the largest batch its memory holds, the peer at the same
@@ -28,7 +29,7 @@
 # A machine that hands back a few files only (8, 16 MiB each): the tables and logs in one archive, the profiles'
 # Chrome traces (one per ZeRO stage, a few MiB at most) beside it, so that a large trace never costs the tables:
 #   bash benchmarks/gpu_check.sh /tmp/gc; tar czf $OUT/gc.tgz --exclude='*.trace.json.gz' -C /tmp gc; cp /tmp/gc/*.trace.json.gz $OUT/
-# GPU_CHECK_ONLY="l16 tests" runs only the parts so named (update b16 l16 data tests autotune l16-zero2 eager
+# GPU_CHECK_ONLY="l16 tests" runs only the parts so named (update b16 l16 data tests autotune l16-zero2 data-epochs eager
 # attention graphs b16-auto l16-auto), e.g. a second, shorter call for what the first one's deadline skipped.
 # Tables and logs land in OUT_DIR; the last lines printed are the tables.
 set -uo pipefail
@@ -39,7 +40,7 @@ if ! [[ $deadline =~ ^[0-9]+$ ]]; then
   echo "gpu_check.sh: GPU_CHECK_SECONDS must be a whole number of seconds, got '$deadline'" >&2
   exit 2
 fi
-parts="update b16 l16 data tests autotune l16-zero2 eager attention graphs b16-auto l16-auto"
+parts="update b16 l16 data tests autotune l16-zero2 data-epochs eager attention graphs b16-auto l16-auto"
 for name in ${GPU_CHECK_ONLY:-}; do
   if [[ " $parts " != *" $name "* ]]; then
     echo "gpu_check.sh: GPU_CHECK_ONLY names no part '$name' (the parts: $parts)" >&2
@@ -97,6 +98,11 @@ extra autotune 190 "mfu ViT-L/16, compile mode max-autotune-no-cudagraphs" \
   --steps 8 --out "$out/mfu_l16_autotune.json" 2>&1 | tee "$out/mfu_l16_autotune.log" | grep -v '^{' | tail -6
 extra l16-zero2 110 "mfu ViT-L/16, ZeRO 2" $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 2 --steps 8 \
   --out "$out/mfu_l16_zero2.json" 2>&1 | tee "$out/mfu_l16_zero2.log" | grep -v '^{' | tail -6
+# 1,200 JPEGs at batch 256: an epoch every 4 steps, where the loader's processes were started again every epoch
+# until 2026-11-30 (now kept: benchmarks/RESULTS.md, "One loader for every epoch").
+extra data-epochs 110 "train_data ViT-B/16 on 1,200 JPEGs, an epoch every 4 steps" \
+  $python benchmarks/train_data.py --images 1200 --steps 40 --fixed-steps 10 --decode-seconds 2 \
+  --out "$out/train_data_epochs.json" 2>&1 | tee "$out/train_data_epochs.log" | tail -12
 extra eager 60 "mfu ViT-B/16, ZeRO 0 and ZeRO 3 eager (the main run's ZeRO 3 row is compiled a block at a time)" \
   $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 0 3 --compile off --steps 8 \
   --out "$out/mfu_b16_eager.json" 2>&1 | tee "$out/mfu_b16_eager.log" | grep -v '^{' | tail -6
