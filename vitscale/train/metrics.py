@@ -513,6 +513,7 @@ class TensorBoardLog:
 
         if values:
             summary = Summary(value=[value for tag, v in values.items() for value in scalar(tag, v).value])
+            # SummaryWriter's own accessor, the one its add_scalar writes through (it reopens a closed writer).
             self._writer._get_file_writer().add_summary(summary, step)
 
     def flush(self) -> None:

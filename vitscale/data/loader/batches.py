@@ -46,12 +46,14 @@ class EpochBatches(IterableDataset):
         sizes, order, before = self.spec.batch_sizes, self.order, 0  # before: batches of the epochs already built
         reader = SampleReader(self.ds.storage)
         try:
-            while epochs is None or order.epoch < self.order.epoch + epochs:
+            while True:
                 batches = cycled_batches(self.end - order.start, sizes, drop_last=False)
                 for b in worker_batches(batches, (worker - before) % workers, workers):
                     lo, hi = batch_bounds(b, sizes)
                     yield self._build(reader, order, order.start + lo, min(order.start + hi, self.end),
                                       shared=info is not None)
+                if epochs is not None and order.epoch + 1 == self.order.epoch + epochs:
+                    return  # (before the next epoch's order: a large index's takes a while to compute)
                 before += batches
                 order = epoch_order(self.spec, self.ds.counts, order.seed, order.epoch + 1, 0)
         finally:
