@@ -63,6 +63,7 @@ from vitscale.data.loader.batches import EpochBatches, Epochs, epoch_order
 from vitscale.data.loader.budget import ErrorBudgetExceeded, budget_error
 from vitscale.data.loader.spec import StreamSpec
 from vitscale.data.order import RankOrder, batch_bounds, cycled_batches, samples_per_rank
+from vitscale.say import say
 
 __all__ = ["ErrorBudgetExceeded", "ShardStream", "StreamSpec"]
 
@@ -274,8 +275,9 @@ class ShardStream:
                     raise
                 if restart == LOADER_RESTARTS:
                     raise RuntimeError(f"{_said(exc)}; {_gave_up(restart, self.spec.num_workers)}") from exc
-                log.warning("%s: its loader started again at epoch %d, sample %d of this rank's", _said(exc),
-                            self.epoch, self.position)
+                # On the terminal, not only in the log: a death is rare, and the same one again ends the attempt.
+                say(f"rank {self.spec.rank}: {_said(exc)}: its loader started again at epoch {self.epoch}, "
+                    f"sample {self.position} of this rank's")
                 self.close()
                 self._loader = (gen, self._open())
         raise AssertionError("unreachable")
