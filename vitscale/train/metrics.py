@@ -486,9 +486,11 @@ class TensorBoardLog:
     """
 
     def __init__(self, log_dir: str | Path, *, resumed_at: int = 0) -> None:
-        from torch.utils.tensorboard import (
-            SummaryWriter,  # deferred: only rank 0 of a run writes
-        )
+        from tensorboard.compat.proto.summary_pb2 import Summary  # deferred: only rank 0 of a run writes
+        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import scalar
+
+        self._summary, self._scalar = Summary, scalar  # a step's event is built from them (`_event`)
 
         self.log_dir = Path(log_dir)
         _after_earlier_files(self.log_dir)  # a restart's file sorts after its predecessor's, which it purges
@@ -508,11 +510,8 @@ class TensorBoardLog:
     def _event(self, step: int, values: dict[str, float]) -> None:
         """`values` as one event of `step`: what `add_scalar` writes for each, at a fifth of the host's time (one
         event to frame, queue and append instead of eight, between a step's read and the next step's work)."""
-        from tensorboard.compat.proto.summary_pb2 import Summary
-        from torch.utils.tensorboard.summary import scalar
-
         if values:
-            summary = Summary(value=[value for tag, v in values.items() for value in scalar(tag, v).value])
+            summary = self._summary(value=[value for tag, v in values.items() for value in self._scalar(tag, v).value])
             # SummaryWriter's own accessor, the one its add_scalar writes through (it reopens a closed writer).
             self._writer._get_file_writer().add_summary(summary, step)
 

@@ -18,7 +18,7 @@ from vitscale.data.loader.spec import StreamSpec
 from vitscale.data.loader.transforms import sample_rng
 from vitscale.data.order import RankOrder, batch_bounds, cycled_batches, rank_order, worker_batches
 
-__all__ = ["EpochBatches", "Epochs", "epoch_order"]
+__all__ = ["EpochBatches", "epoch_order"]
 
 
 def epoch_order(spec: StreamSpec, counts: Sequence[int], seed: int, epoch: int, position: int) -> RankOrder:
@@ -28,19 +28,17 @@ def epoch_order(spec: StreamSpec, counts: Sequence[int], seed: int, epoch: int, 
 
 
 class EpochBatches(IterableDataset):
-    """One epoch of one rank from ``order.start``: worker ``w`` builds batches ``b % W == w``."""
+    """One rank's batches from ``order.start`` of ``order.epoch``: the rest of that epoch, and with ``epochs=None``
+    every later epoch whole after it, without end (what one `DataLoader` iterator of a stream reads for all its
+    epochs). Later epochs' batches are numbered on from the earlier ones', so worker ``w`` of ``W`` builds batch
+    ``n % W == w`` of them all: the order `DataLoader` hands its workers' batches out in, epoch after epoch."""
 
-    def __init__(self, spec: StreamSpec, ds: OpenDataset, order: RankOrder, end: int) -> None:
-        self.spec, self.ds, self.order, self.end = spec, ds, order, end
+    def __init__(self, spec: StreamSpec, ds: OpenDataset, order: RankOrder, end: int, epochs: int | None = 1) -> None:
+        self.spec, self.ds, self.order, self.end, self.epochs = spec, ds, order, end, epochs
         self.index = IndexCache(ds)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        return self._batches(epochs=1)
-
-    def _batches(self, epochs: int | None) -> Iterator[dict[str, Any]]:
-        """The batches of `epochs` epochs (None: every epoch on) from ``order``, those of later epochs numbered on
-        from the earlier ones', so worker ``w`` of ``W`` builds batch ``n % W == w`` of them all (the order
-        `DataLoader` hands its workers' batches out in, epoch after epoch)."""
+        epochs = self.epochs
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         sizes, order, before = self.spec.batch_sizes, self.order, 0  # before: batches of the epochs already built
@@ -110,11 +108,3 @@ class EpochBatches(IterableDataset):
             plan = corrupted_positions(order.seed, order.epoch, keys, self.spec.corruption)
             batch["positions"], batch["sources"] = (torch.from_numpy(a) for a in plan)
         return batch
-
-
-class Epochs(EpochBatches):
-    """This rank's batches from ``order.start`` of ``order.epoch`` to the end of that epoch, then every later
-    epoch whole, without end: what one `DataLoader` iterator of the stream reads for all its epochs."""
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        return self._batches(epochs=None)

@@ -59,7 +59,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from vitscale.config.checks import non_negative
 from vitscale.data.carve import Carve
 from vitscale.data.format import DatasetError, open_dataset
-from vitscale.data.loader.batches import EpochBatches, Epochs, epoch_order
+from vitscale.data.loader.batches import EpochBatches, epoch_order
 from vitscale.data.loader.budget import ErrorBudgetExceeded, budget_error
 from vitscale.data.loader.spec import StreamSpec
 from vitscale.data.order import RankOrder, batch_bounds, cycled_batches, samples_per_rank
@@ -83,8 +83,8 @@ def _said(exc: Exception) -> str:
     return str(exc).strip().rstrip(".")
 
 
-def _gave_up(restarts: int, workers: int) -> str:
-    return (f"the loader's processes died {restarts + 1} times in a row, each before its next batch: where the "
+def _gave_up(deaths: int, workers: int) -> str:
+    return (f"the loader's processes died {deaths} times in a row, each before its next batch: where the "
             f"kernel killed them for memory (dmesg: 'Out of memory'), fewer leave each more "
             f"(data.num_workers: {workers})")
 
@@ -266,27 +266,28 @@ class ShardStream:
         """The loader's next batch; a loader whose process died is started again where the stream is (the
         batches it had built but not handed out are built again, the same), up to `LOADER_RESTARTS` times in
         a row without a batch between."""
-        for restart in range(LOADER_RESTARTS + 1):
-            assert self._loader is not None
+        restarts = 0
+        while True:
+            assert self._loader is not None  # opened by `__iter__`, and again below
             try:
                 return next(self._loader[1])
             except RuntimeError as exc:
                 if not str(exc).startswith(_DIED):
                     raise
-                if restart == LOADER_RESTARTS:
-                    raise RuntimeError(f"{_said(exc)}; {_gave_up(restart, self.spec.num_workers)}") from exc
+                if restarts == LOADER_RESTARTS:
+                    raise RuntimeError(f"{_said(exc)}; {_gave_up(restarts + 1, self.spec.num_workers)}") from exc
                 # On the terminal, not only in the log: a death is rare, and the same one again ends the attempt.
                 say(f"rank {self.spec.rank}: {_said(exc)}: its loader started again at epoch {self.epoch}, "
                     f"sample {self.position} of this rank's")
+                restarts += 1
                 self.close()
                 self._loader = (gen, self._open())
-        raise AssertionError("unreachable")
 
     def _open(self) -> Iterator[dict[str, Any]]:
         """A DataLoader iterator over this rank's batches from here on, epoch after epoch."""
         s = self.spec
         return iter(DataLoader(
-            Epochs(s, self.dataset, self.epoch_order(), self._end),
+            EpochBatches(s, self.dataset, self.epoch_order(), self._end, epochs=None),
             batch_size=None,  # batches are built whole inside the workers
             num_workers=s.num_workers,
             prefetch_factor=s.prefetch_factor if s.num_workers else None,
