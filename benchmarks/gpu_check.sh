@@ -10,12 +10,12 @@
 # each part with its own cap besides:
 #   0. benchmarks/update_pass.py: the optimizer's update alone for ViT-B/16 and ViT-L/16, DeepSpeed's passes
 #      against vitscale's one-pass AdamW (`train/one_pass.py`, new since 2026-11-30) and the peer's (seconds);
-#   1. benchmarks/mfu.py: vitscale's training step against the hand-written peer (timm + compile + fused
+#   1. the GPU tests (bf16 over NCCL at ZeRO 0-3, compiled, exact resume; the one-pass update against
+#      DeepSpeed's; the step's, the update's and ZeRO 3's host syncs);
+#   2. benchmarks/mfu.py: vitscale's training step against the hand-written peer (timm + compile + fused
 #      AdamW + bf16 autocast) for ViT-B/16 at ZeRO 1, 2 and 3 (a torch.profiler summary of each) and ViT-L/16
 #      at ZeRO 1, batch 256, with the forward / backward / optimizer phases and the update's GPU time in a step;
-#   2. benchmarks/train_data.py: the real worker loop on >= 20,000 JPEGs written here, against the fixed batch;
-#   3. the GPU tests (bf16 over NCCL at ZeRO 0-3, compiled, exact resume; the step's, the update's and ZeRO 3's
-#      host syncs);
+#   3. benchmarks/train_data.py: the real worker loop on >= 20,000 JPEGs written here, against the fixed batch;
 #   4. the extras, each only where its whole cap still fits, the open questions first: ViT-L/16 at ZeRO 1 with
 #      `train.compile_mode: max-autotune-no-cudagraphs` (matmul and fusion configurations searched: whether it
 #      lifts the 46.6% MFU of the default mode, 2026-11-30, to the 47% target; 190 s, what the main parts left then);
@@ -82,6 +82,10 @@ $python -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspee
 
 part update 45 "the update alone" $python benchmarks/update_pass.py --steps 20 --out "$out/update_pass.json" 2>&1 \
   | tee "$out/update_pass.log" | tail -9
+# The GPU tests before the benchmarks: the code they check (the one-pass update compiled by Triton, ZeRO 3's
+# fused norm) had not met a GPU when this order was set, and a step that is wrong is worth no figure.
+part tests 160 "gpu tests" $python -m pytest -m gpu tests/test_gpu_training.py tests/test_flops.py tests/test_bench_mfu.py \
+  -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | grep -v DEBUG | tail -8
 part b16 200 "mfu ViT-B/16" $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 2 3 --peer --steps 16 \
   --profile "$out" --out "$out/mfu_b16.json" 2>&1 | tee "$out/mfu_b16.log" | grep -v '^{'
 part l16 170 "mfu ViT-L/16" $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 1 --peer --steps 10 \
@@ -89,8 +93,6 @@ part l16 170 "mfu ViT-L/16" $python benchmarks/mfu.py --models ViT-L/16 --zero-s
 # 20,000 JPEGs and their shards take ~45 s, the fixed batch's compile and steps ~35 s, the loop ~30 s.
 part data 150 "train_data ViT-B/16" $python benchmarks/train_data.py --steps 40 --fixed-steps 10 --decode-seconds 3 \
   --out "$out/train_data.json" 2>&1 | tee "$out/train_data.log" | tail -25
-part tests 160 "gpu tests" $python -m pytest -m gpu tests/test_gpu_training.py tests/test_flops.py tests/test_bench_mfu.py \
-  -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | grep -v DEBUG | tail -8
 # The extras, each only where its whole time still fits before the deadline, the open questions first.
 # Searching configurations compiles for minutes (ViT-L/16's default compile took ~50 s of its 100-s part).
 extra autotune 190 "mfu ViT-L/16, compile mode max-autotune-no-cudagraphs" \
