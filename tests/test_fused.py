@@ -169,17 +169,18 @@ GATHERED = {"stage3_param_persistence_threshold": 0, "memory_efficient_linear": 
 """One rank gathering every parameter block by block, as many ranks gather all but the smallest."""
 
 
-def _zero3(leaves: bool, checkpointing: bool, gathered: bool = True):  # type: ignore[no-untyped-def]
+def _zero3(leaves: bool, checkpointing: bool, gathered: bool = True,  # type: ignore[no-untyped-def]
+           micro: int = 4):
     torch.manual_seed(0)
     model = create_model("ViT-Ti/8", num_classes=5, activation_checkpointing=checkpointing, **TINY)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.05)
     zero: dict = {} if leaves else {"leaf_module": {"classes": []}}
     overrides = {"zero_optimization": {**zero, **(GATHERED if gathered else {})}}
-    train = TrainConfig(global_batch=4, micro_batch=4, zero_stage=3, precision="fp32", grad_clip=1e-3,
+    train = TrainConfig(global_batch=4, micro_batch=micro, zero_stage=3, precision="fp32", grad_clip=1e-3,
                         weight_decay=0.1, base_lr=1e-2, deepspeed=overrides)
     parameters = sum(p.numel() for p in model.parameters())  # as a worker passes it: a bucket the model's size
-    return build_engine(model, train, deepspeed_config(train, derive_batch(4, 4, 1), on_gpu=False,
+    return build_engine(model, train, deepspeed_config(train, derive_batch(4, micro, 1), on_gpu=False,
                                                        parameters=parameters), on_gpu=False)
 
 
@@ -259,9 +260,9 @@ def _count_regathers(engine: Any) -> list[int]:
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_one_rank_at_zero_3_never_gathers_and_trains_as_when_it_does(process_group: None,
                                                                      checkpointing: bool) -> None:
-    """With every parameter persistent, each one is whole before and after every step, so DeepSpeed's hooks
-    find nothing to gather; the steps are those of the engine that gathers them block by block (with
-    activation checkpointing's recompute too)."""
+    """With every parameter persistent, each one is whole from the engine's start and after every step, so
+    DeepSpeed's gather hooks are removed (they would find nothing to gather or free); the steps are those of
+    the engine that gathers them block by block (with activation checkpointing's recompute too)."""
     from vitscale.train.engine import whole_weights
     from vitscale.train.one_rank import weights_kept_whole
 
@@ -270,18 +271,21 @@ def test_one_rank_at_zero_3_never_gathers_and_trains_as_when_it_does(process_gro
     assert not any(p.ds_persist for p in gathered.module.parameters())
     assert weights_kept_whole(whole)  # `skip_regather` installed ...
     assert not weights_kept_whole(gathered)  # ... only where every parameter persists
+    hooks = [len(e.optimizer.parameter_offload.forward_hooks + e.optimizer.parameter_offload.backward_hooks)
+             for e in (whole, gathered)]
+    assert hooks[0] == 0 and hooks[1] > 0  # four per module the engine that gathers hooks (blocks whole)
     regathered = _count_regathers(whole)
     for _ in range(3):
         assert _step(whole) and _step(gathered)
         assert all(p.numel() == p.ds_numel and p.data.data_ptr() == p.ds_tensor.data_ptr()
                    for p in whole.module.parameters())  # each weight a view of its partition, updated in place
         assert all(p.numel() == 0 for p in gathered.module.parameters())
-    assert regathered == [1]  # the first step gathers the views; none after
+    assert regathered == [0]  # the weights were views of their partitions from the start
     weight = next(whole.module.parameters())
     weight.data = weight.data.clone()  # no longer a view of its partition: the update would not reach it
     for _ in range(2):
         assert _step(whole) and _step(gathered)
-    assert regathered == [2] and weight.data.data_ptr() == weight.ds_tensor.data_ptr()  # DeepSpeed's round trip
+    assert regathered == [1] and weight.data.data_ptr() == weight.ds_tensor.data_ptr()  # DeepSpeed's round trip
     with whole_weights(whole) as a, whole_weights(gathered) as b:
         for (name, p), q in zip(a.named_parameters(), b.parameters()):
             torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
@@ -314,6 +318,46 @@ def test_one_rank_at_zero_3_resumes_to_the_uninterrupted_weights(process_group: 
         with whole_weights(straight) as a, whole_weights(other) as b:
             for (name, p), q in zip(a.named_parameters(), b.parameters()):
                 torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(("checkpointing", "gathered", "micro"), [(False, False, 4), (True, False, 2),
+                                                                  (False, True, 2)])
+def test_one_rank_at_zero_3_sends_each_gradient_straight_to_its_partition(process_group: None, checkpointing: bool,
+                                                                          gathered: bool, micro: int) -> None:
+    """`skip_reduction`: one rank's gradients go from their hooks to their partitions, copied at a step's first
+    micro-batch and added after, without ZeRO 3's bucket, reduction and second copy; the weights after every
+    step are DeepSpeed's own bit for bit (kept whole or gathered, with activation checkpointing's recompute, two
+    micro-batches a step)."""
+    from vitscale.train.engine import whole_weights
+
+    hook = "reduce_independent_p_g_buckets_and_remove_grads"
+    ours, theirs = (_zero3(True, checkpointing, gathered=gathered, micro=micro) for _ in range(2))
+    assert hook in vars(ours.optimizer)  # installed by `build_engine` on this engine's optimizer
+    del theirs.optimizer.__dict__[hook]  # DeepSpeed's own: the bucket, its reduction, `partition_grads`
+    reduced, bucket = [], getattr(theirs.optimizer, hook)
+
+    def counted(param: Any) -> None:
+        reduced.append(param.ds_id)
+        bucket(param)
+
+    theirs.optimizer.__dict__[hook] = counted
+    for seed in range(3):
+        for engine in (ours, theirs):
+            torch.manual_seed(seed)
+            for _ in range(4 // micro):
+                images, labels = torch.randn(micro, 3, 16, 16), torch.randint(0, 5, (micro,))
+                engine.backward(torch.nn.functional.cross_entropy(engine(images), labels))
+                assert all(p.grad is None for p in engine.module.parameters())  # each in its partition now
+                if not engine.is_gradient_accumulation_boundary():
+                    engine.step()
+            assert apply_update(engine, loss=0.0).read()[0]
+    assert len(reduced) == 3 * (4 // micro) * len(list(theirs.module.parameters()))  # the comparison is real
+    assert not any(bucket.params for bucket in ours.optimizer.ipg_buckets.values())
+    with whole_weights(ours) as a, whole_weights(theirs) as b:
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    for p, q in zip(ours.optimizer.fp32_partitioned_groups_flat, theirs.optimizer.fp32_partitioned_groups_flat):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
 def test_one_rank_at_zero_3_takes_the_fused_norm(process_group: None) -> None:

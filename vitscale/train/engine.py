@@ -34,6 +34,8 @@ from vitscale.train.one_rank import (
     ONE_RANK_ZERO_3,
     compile_units,
     order_on_the_gpu,
+    remove_gather_hooks,
+    skip_reduction,
     skip_regather,
     weights_kept_whole,
 )
@@ -281,6 +283,8 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str
     fuse_bf16_step(engine)
     keep_weight_views(engine)
     skip_regather(engine)
+    remove_gather_hooks(engine)
+    skip_reduction(engine)
     order_on_the_gpu(engine)
     fuse_zero_3_norm(engine)
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
