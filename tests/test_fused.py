@@ -310,6 +310,9 @@ def test_one_rank_at_zero_3_resumes_to_the_uninterrupted_weights(process_group: 
     steps(resumed, range(10, 12))  # elsewhere: other weights, moments and step counts, all to be replaced
     for engine in (resumed, fresh, gathered):  # the checkpoint's form is ZeRO 3's whichever engine loads it
         engine.load_checkpoint(str(tmp_path), tag="state")
+    for engine in (straight, resumed, fresh):  # whole again after the save and the loads, with no hook to gather
+        assert not engine.optimizer.parameter_offload.forward_hooks
+        assert all(p.numel() == p.ds_numel for p in engine.module.parameters())
     regathered = _count_regathers(resumed)
     for engine in (straight, resumed, fresh, gathered):
         steps(engine, range(3, 6))
