@@ -363,6 +363,66 @@ def test_one_rank_at_zero_3_sends_each_gradient_straight_to_its_partition(proces
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("stage", "micro", "precision"), [(1, 4, "bf16"), (1, 2, "fp32"), (2, 4, "fp32"),
+                                                          (2, 2, "bf16")])
+def test_one_rank_at_zero_1_and_2_sends_each_gradient_straight_to_its_partition(
+        process_group: None, stage: int, micro: int, precision: str) -> None:
+    """`skip_reduction` at ZeRO 1 and 2: one rank's gradients go into the contiguous gradient partition where
+    ZeRO's bucket, divided by one and reduce-scattered over one rank, would have put them; the steps are
+    DeepSpeed's own bit for bit, in bf16 and fp32, at one and two micro-batches a step."""
+    from vitscale.train.one_rank import REDUCE_HOOK
+
+    def engine() -> Any:
+        torch.manual_seed(0)
+        model = create_model("ViT-Ti/8", num_classes=5, **TINY)
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+        train = TrainConfig(global_batch=4, micro_batch=micro, zero_stage=stage, precision=precision,
+                            grad_clip=1e-3, weight_decay=0.1, base_lr=1e-2)
+        return build_engine(model, train, deepspeed_config(train, derive_batch(4, micro, 1), on_gpu=False),
+                            on_gpu=False)
+
+    ours, theirs = engine(), engine()
+    assert REDUCE_HOOK in vars(ours.optimizer)  # installed by `build_engine`
+    del theirs.optimizer.__dict__[REDUCE_HOOK]  # DeepSpeed's own: the bucket, its reduction, the copy after
+    bucketed: list[int] = []
+    deepspeeds = getattr(theirs.optimizer, REDUCE_HOOK)
+
+    def counted(param: Any, group: int) -> None:
+        bucketed.append(group)
+        deepspeeds(param, group)
+
+    theirs.optimizer.__dict__[REDUCE_HOOK] = counted
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+
+    def layout(each: Any) -> list[list[int | None]]:
+        """Where each gradient the step reads lies in the one buffer of the first (None: a tensor of its own,
+        such as the zeros that pad a group to its alignment)."""
+        grads = each.optimizer.averaged_gradients
+        buffer = grads[0][0].untyped_storage().data_ptr()
+        return [[g.storage_offset() if g.untyped_storage().data_ptr() == buffer else None for g in grads[i]]
+                for i in range(len(each.optimizer.bit16_groups))]
+
+    for seed in range(3):
+        layouts = []
+        for each in (ours, theirs):
+            torch.manual_seed(seed)
+            for _ in range(4 // micro):
+                images, labels = torch.randn(micro, 3, 16, 16, dtype=dtype), torch.randint(0, 5, (micro,))
+                each.backward(torch.nn.functional.cross_entropy(each(images), labels))
+                if not each.is_gradient_accumulation_boundary():
+                    each.step()
+            layouts.append(layout(each))
+            assert apply_update(each, loss=0.0).read()[0]
+        assert layouts[0] == layouts[1]  # each gradient where DeepSpeed's bucket would have put it
+        assert sum(offset is not None for group in layouts[0] for offset in group) == len(list(ours.parameters()))
+    assert bucketed  # the comparison is with DeepSpeed's bucket
+    for p, q in zip(ours.module.parameters(), theirs.module.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    for p, q in zip(ours.optimizer.single_partition_of_fp32_groups, theirs.optimizer.single_partition_of_fp32_groups):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
 def test_one_rank_at_zero_3_takes_the_fused_norm(process_group: None) -> None:
     """`fuse_zero_3_norm`: one rank's ZeRO 3 norm is ZeRO 1 and 2's fused one, DeepSpeed's up to rounding, a
     non-finite one marked -1 as DeepSpeed marks it, and the steps it clips (1e-3 acts) and refuses land

@@ -1,5 +1,5 @@
-"""ZeRO 3 on one rank: its parameters kept whole, never gathered, never re-gathered, without gather hooks; its
-gradients sent straight to their partitions; its units compiled; its reduction stream awaited on the GPU.
+"""ZeRO on one rank: ZeRO 3's parameters kept whole, never gathered, without gather hooks, its units compiled,
+its reduction stream awaited on the GPU; every stage's gradients sent straight to their partitions.
 
 ZeRO 3 partitions every parameter over the ranks and gathers a block's parameters before the block runs
 (`train/engine.py` makes a transformer block or ResNet unit one gather). On one rank the partition is the
@@ -34,14 +34,17 @@ when the hooks go; what frees them later (a checkpoint's save or load, DeepSpeed
 in place) gathers every persistent one again before it returns. DeepSpeed's `unwrap_model_for_generation`
 removes the same hooks around weights it has gathered.
 
-`skip_reduction` sends each gradient straight to its partition. ZeRO 3 copies a gradient, as its hook fires,
-into a bucket on its reduction stream; at the end of the backward pass it averages the bucket over the ranks,
-reduce-scatters it and copies each rank's piece into the gradient partitions the step reads: three passes over
-the gradients and about three operators per parameter queued by Python after the backward pass, where one rank's
-piece is the whole gradient and the average a division by one. Now the hook copies the gradient into its
-partition (adds it, at a step's later micro-batches), what DeepSpeed's sequence ends in, bit for bit
-(`tests/test_fused.py`). With the hooks gone, one rank's ZeRO 3 step took less host time than ZeRO 1's there
-(9.8 against 11.2 ms; 20.4 before, `host_cost.py --zero-stages 1 3`).
+`skip_reduction` sends each gradient straight to its partition, at every ZeRO stage. ZeRO copies a gradient, as
+DeepSpeed takes it over, into a bucket; at the end of the backward pass it averages the bucket over the ranks,
+reduce-scatters it and copies each rank's piece into the gradient partition the step reads: at least three
+passes over the gradients more than one (12 bytes per parameter in bf16, about 3.6 GB for ViT-L/16 at the end
+of every backward pass, which the update waits for) and a few operators per parameter queued by Python, where
+one rank's piece is the whole gradient and the average a division by one. Now the gradient goes where that
+sequence ends: ZeRO 3's partition (copied, or added at a step's later micro-batches), ZeRO 1 and 2's contiguous
+partition (DeepSpeed's `copy_grads_in_partition`, the same place in the same order). The steps are
+DeepSpeed's bit for bit (`tests/test_fused.py`). On 2 CPU cores (ViT-B/16's layout at width 48,
+`benchmarks/host_cost.py`): with the hooks gone too, one rank's ZeRO 3 step took less host time than ZeRO 1's
+(9.8 against 11.2 ms; 20.4 before), and ZeRO 1's and 2's backward passes 6.1-7.3 ms against 8.6-8.8.
 
 `order_on_the_gpu` removes the backward pass's wait: at its end ZeRO 3 synchronises its reduction stream on
 the host (`independent_gradient_partition_epilogue`) before the step reads the gradient partitions. On one
@@ -178,10 +181,16 @@ GRADIENT_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partitio
 mangled name: where ZeRO 3's epilogue copies each reduced gradient and its step reads them."""
 
 
+REDUCE_HOOK = "reduce_independent_p_g_buckets_and_remove_grads"
+"""The method of DeepSpeed's ZeRO 1/2 and ZeRO 3 optimizers that takes a finished gradient into the reduction."""
+
+
 def skip_reduction(engine: Any) -> bool:
-    """On one rank's ZeRO 3 without offload, send each gradient straight to its partition as its hook fires
+    """On one rank without offload, send each gradient straight to its partition as its hook fires, ZeRO 1-3
     (see the module's docstring); whether it did."""
     optimizer: Any = getattr(engine, "optimizer", None)
+    if type(optimizer).__name__ == "DeepSpeedZeroOptimizer":
+        return _skip_zero_1_2_reduction(optimizer)
     partitions = getattr(optimizer, GRADIENT_PARTITIONS, None)
     params = [p for group in getattr(optimizer, "fp16_groups", []) for p in group]
     if (type(optimizer).__name__ != "DeepSpeedZeroOptimizer_Stage3" or not isinstance(partitions, dict)
@@ -207,7 +216,40 @@ def skip_reduction(engine: Any) -> bool:
             partition.add_(gradient.to(partition.dtype))
         param.grad = None
 
-    optimizer.reduce_independent_p_g_buckets_and_remove_grads = to_partition
+    setattr(optimizer, REDUCE_HOOK, to_partition)
+    return True
+
+
+def _skip_zero_1_2_reduction(optimizer: Any) -> bool:
+    """ZeRO 1/2's part of `skip_reduction`: a gradient goes into the rank's contiguous gradient partition
+    (`copy_grads_in_partition`) as soon as DeepSpeed hands it over, not first into a bucket that is divided by
+    one and reduce-scattered over one rank. Where the bucket would have held it: the same place in the same
+    order, so the partition's layout is DeepSpeed's (parameter order at ZeRO 1, backward order at ZeRO 2)."""
+    groups = range(len(getattr(optimizer, "bit16_groups", [])))
+    if (list(getattr(optimizer, "partition_count", [])) != [1] * len(groups) or not groups
+            or getattr(optimizer, "cpu_offload", True) or not getattr(optimizer, "contiguous_gradients", False)
+            or getattr(optimizer, "overlap_comm", True) or getattr(optimizer, "zenflow", True)
+            or getattr(optimizer, "use_grad_accum_attribute", True) or getattr(optimizer, "has_moe_layers", True)
+            or getattr(optimizer, "autoep_folding_tp_group", None) is not None
+            or getattr(optimizer, "gradient_predivide_factor", None) != 1.0
+            or getattr(optimizer, "sequence_parallel_size", None) != 1
+            or getattr(optimizer, "_offload_gradient_safety_enabled", True)
+            or any(optimizer._use_compact_grad_partition_buffer(i) for i in groups)):
+        return False
+
+    def to_partition(param: Any, group: int) -> None:
+        # DeepSpeed's own method up to the bucket (an empty parameter, a gradient not ready yet, one reduction
+        # per parameter and step), then what the bucket's reduction ends in at one rank.
+        if param.numel() == 0 or not getattr(param, "ds_grad_is_ready", True):
+            return
+        param_id = optimizer.get_param_id(param)
+        if optimizer.params_already_reduced[param_id]:
+            raise RuntimeError(f"ZeRO {2 if optimizer.partition_gradients else 1}: the gradient of parameter "
+                               f"{param_id} was handed over twice in one backward pass")
+        optimizer.params_already_reduced[param_id] = True
+        optimizer.copy_grads_in_partition(param, group)
+
+    setattr(optimizer, REDUCE_HOOK, to_partition)
     return True
 
 
