@@ -215,9 +215,10 @@ def test_zero_3_names_the_zoos_units_as_leaves() -> None:
     assert set(REPEATED_UNITS) <= named  # each unit exists in the zoo: no name DeepSpeed would fail to match
 
 
-def test_zero_3_sizes_its_gradient_bucket_to_the_model() -> None:
-    """ZeRO 3 allocates its bucket whole at start: no larger than the model's gradients, where the worker
-    knows their count; DeepSpeed's default where it does not, or where the model is larger; a user's kept."""
+def test_zero_sizes_its_gradient_bucket_to_the_model() -> None:
+    """ZeRO allocates its bucket whole (ZeRO 3 at start, ZeRO 1 and 2 at every step): no larger than the model's
+    gradients, where the worker knows their count; DeepSpeed's default where it does not, or where the model is
+    larger; a user's kept; none at ZeRO 0."""
     from vitscale.train.engine import REDUCE_BUCKET
 
     def bucket(stage: int = 3, parameters: int | None = 5_000, **train: Any) -> int | None:
@@ -225,7 +226,8 @@ def test_zero_3_sizes_its_gradient_bucket_to_the_model() -> None:
                                 parameters=parameters)["zero_optimization"].get("reduce_bucket_size")
 
     assert bucket() == 5_000 and bucket(parameters=10**9) == REDUCE_BUCKET
-    assert bucket(parameters=None) is None and bucket(stage=2) is None
+    assert bucket(parameters=None) is None and bucket(stage=0) is None
+    assert bucket(stage=1) == bucket(stage=2) == 5_000
     assert bucket(deepspeed={"zero_optimization": {"reduce_bucket_size": 123}}) == 123
 
 

@@ -42,13 +42,13 @@ from vitscale.train.one_rank import (
 from vitscale.train.optim import ADAM_EPS, optimizer_for, param_groups
 
 REDUCE_BUCKET = 500_000_000
-"""DeepSpeed's default `reduce_bucket_size` (elements), which ZeRO 3 allocates whole when an engine is built."""
+"""DeepSpeed's default `reduce_bucket_size` (elements): the gradient bucket ZeRO allocates whole."""
 
 
 def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool,
                      parameters: int | None = None) -> dict[str, Any]:
     """The DeepSpeed JSON config for one run (pure; written into the run directory), `train.deepspeed` merged in.
-    `parameters`: the model's parameter count, where known (it bounds ZeRO 3's gradient bucket)."""
+    `parameters`: the model's parameter count, where known (it bounds ZeRO's gradient bucket)."""
     zero: dict[str, Any] = {"stage": train.zero_stage}
     if train.zero_stage >= 1:
         # Bucketed reduce-scatter, the defaults DeepSpeed recommends for data parallelism; overlapped with the
@@ -57,6 +57,13 @@ def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool,
         # stalls the host with nothing to gain.
         zero.update({"overlap_comm": on_gpu and batch.world_size > 1, "contiguous_gradients": True,
                      "reduce_scatter": True})
+        if parameters:
+            # The gradient bucket is allocated whole, in the gradients' dtype: by ZeRO 3 when the engine is built,
+            # by ZeRO 1 and 2 at every step's first gradient (twice where the reduction overlaps the backward
+            # pass). DeepSpeed's default is 5e8 elements, 1 GB in bf16 for ViT-B/16's 86M parameters (whose ZeRO
+            # 3 step peaked 1.2 GiB above ZeRO 1's on an H200); a bucket larger than all of the model's gradients
+            # never holds more, and on one rank the gradients go around it (`one_rank.skip_reduction`).
+            zero["reduce_bucket_size"] = min(REDUCE_BUCKET, parameters)
     if train.zero_stage == 3:
         # ZeRO-3 gathers parameters in hooks DeepSpeed puts around every module, each a few hundred
         # microseconds of host work that a GPU waits on (ViT-B/16 has about 130 modules, so its forward
@@ -66,11 +73,6 @@ def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool,
         zero["leaf_module"] = {"classes": list(REPEATED_UNITS)}
         if batch.world_size == 1 and not train.offload:  # the partition is the whole parameter (`one_rank.py`)
             zero.update(ONE_RANK_ZERO_3)
-        if parameters:
-            # ZeRO 3 allocates its gradient bucket whole when the engine is built, in the gradients' dtype, by
-            # default 5e8 elements (1 GB in bf16, for ViT-B/16's 86M parameters, whose ZeRO 3 step peaked 1.2 GiB
-            # above ZeRO 1's on an H200); a bucket larger than all of the model's gradients never holds more.
-            zero["reduce_bucket_size"] = min(REDUCE_BUCKET, parameters)
     if train.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
         if train.zero_stage == 3:
