@@ -555,6 +555,41 @@ def test_a_loader_process_killed_mid_epoch_is_started_again_and_no_batch_changes
     s.close()
 
 
+def test_a_connection_lost_to_a_killed_loader_process_starts_the_loader_again(clean, capsys, monkeypatch):
+    """A loader process killed while the batch it had queued is handed over (its tensors come through a
+    connection to it) shows as that connection's error, before torch sees the process dead: the stream starts
+    its loader again as for torch's own error. Where every process lives, the error is not taken for a death.
+    (The suite met the first as a race; here the connection's error is raised where torch's would be.)"""
+    import signal
+
+    from torch.utils.data import dataloader
+
+    real = dataloader._MultiProcessingDataLoaderIter._next_data
+    lose: list[bool] = []
+
+    def next_data(self):
+        if lose and lose.pop():
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return real(self)
+
+    monkeypatch.setattr(dataloader._MultiProcessingDataLoaderIter, "_next_data", next_data)
+    before = _loader_processes()
+    s = _stream(clean, seed=8, num_workers=2)
+    it = iter(s)
+    got = [next(it), next(it)]
+    os.kill(min(_loader_processes() - before), signal.SIGKILL)
+    lose.append(True)
+    got += list(it)
+    _same(got, _alone(clean, 0, seed=8))
+    said = [line for line in capsys.readouterr().out.splitlines() if "its loader started again" in line]
+    assert len(said) == 1 and re.fullmatch(rf"\[vitscale\] rank 0: {_DEAD}: its loader started again at epoch 0, "
+                                           r"sample 8 of this rank's", said[0]), said
+    lose.append(True)
+    with pytest.raises(ConnectionResetError):
+        next(iter(s))
+    assert not _loader_processes() - before  # the stream closed its loader
+
+
 def test_loader_processes_that_die_every_time_end_the_stream_in_one_error(clean, monkeypatch):
     import signal
 

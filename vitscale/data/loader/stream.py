@@ -50,6 +50,7 @@ training step.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -81,6 +82,38 @@ signal: Killed."), as against an error a loader process raised, which comes as i
 def _said(exc: Exception) -> str:
     """Torch's line for a dead loader process without its closing stop ("... is killed by signal: Killed. ")."""
     return str(exc).strip().rstrip(".")
+
+
+def _death_behind(error: Exception, loader: Iterator[Any]) -> RuntimeError:
+    """The death of one of `loader`'s processes behind a connection's `error`, as torch's error for it; `error`
+    itself, raised again, where every process lives.
+
+    A process killed while the batch it had queued is handed over (its tensors come through a connection to
+    that process) shows as that connection's error, torch having looked for dead processes before the kernel
+    let it see this one. In a main thread torch's SIGCHLD handler may say it meanwhile, raising its own error
+    wherever the thread is: here, while the processes are looked at."""
+    try:
+        dead = _dead_processes(loader)
+    except RuntimeError as signalled:
+        if not str(signalled).startswith(_DIED):
+            raise
+        return signalled
+    if not dead:
+        raise error
+    died = RuntimeError(f"{_DIED}(s) {', '.join(map(str, dead))}) exited unexpectedly")
+    died.__cause__ = error
+    return died
+
+
+def _dead_processes(loader: Iterator[Any], wait: float = 1.0) -> list[int]:
+    """The ids of `loader`'s processes that have exited, waiting up to `wait` seconds for one to."""
+    processes = list(getattr(loader, "_workers", []))
+    deadline = time.monotonic() + wait
+    while True:
+        dead = [p.pid for p in processes if not p.is_alive()]
+        if dead or not processes or time.monotonic() > deadline:
+            return dead
+        time.sleep(0.02)
 
 
 def _gave_up(deaths: int, workers: int) -> str:
@@ -271,17 +304,20 @@ class ShardStream:
             assert self._loader is not None  # opened by `__iter__`, and again below
             try:
                 return next(self._loader[1])
-            except RuntimeError as exc:
-                if not str(exc).startswith(_DIED):
+            except RuntimeError as error:
+                if not str(error).startswith(_DIED):
                     raise
-                if restarts == LOADER_RESTARTS:
-                    raise RuntimeError(f"{_said(exc)}; {_gave_up(restarts + 1, self.spec.num_workers)}") from exc
-                # On the terminal, not only in the log: a death is rare, and the same one again ends the attempt.
-                say(f"rank {self.spec.rank}: {_said(exc)}: its loader started again at epoch {self.epoch}, "
-                    f"sample {self.position} of this rank's")
-                restarts += 1
-                self.close()
-                self._loader = (gen, self._open())
+                exc = error
+            except (ConnectionError, EOFError) as error:
+                exc = _death_behind(error, self._loader[1])
+            if restarts == LOADER_RESTARTS:
+                raise RuntimeError(f"{_said(exc)}; {_gave_up(restarts + 1, self.spec.num_workers)}") from exc
+            # On the terminal, not only in the log: a death is rare, and the same one again ends the attempt.
+            say(f"rank {self.spec.rank}: {_said(exc)}: its loader started again at epoch {self.epoch}, "
+                f"sample {self.position} of this rank's")
+            restarts += 1
+            self.close()
+            self._loader = (gen, self._open())
 
     def _open(self) -> Iterator[dict[str, Any]]:
         """A DataLoader iterator over this rank's batches from here on, epoch after epoch."""
