@@ -76,6 +76,7 @@ them, `train/reshard.py`), and the weights after every eager step are the same b
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any
 
@@ -226,7 +227,10 @@ def _skip_zero_1_2_reduction(optimizer: Any) -> bool:
     one and reduce-scattered over one rank. Where the bucket would have held it: the same place in the same
     order, so the partition's layout is DeepSpeed's (parameter order at ZeRO 1, backward order at ZeRO 2)."""
     groups = range(len(getattr(optimizer, "bit16_groups", [])))
-    if (list(getattr(optimizer, "partition_count", [])) != [1] * len(groups) or not groups
+    compact = getattr(optimizer, "_use_compact_grad_partition_buffer", None)
+    copy = getattr(optimizer, "copy_grads_in_partition", None)
+    if (compact is None or copy is None or "group_idx" not in inspect.signature(copy).parameters  # DeepSpeed 0.19's
+            or list(getattr(optimizer, "partition_count", [])) != [1] * len(groups) or not groups
             or getattr(optimizer, "cpu_offload", True) or not getattr(optimizer, "contiguous_gradients", False)
             or getattr(optimizer, "overlap_comm", True) or getattr(optimizer, "zenflow", True)
             or getattr(optimizer, "use_grad_accum_attribute", True) or getattr(optimizer, "has_moe_layers", True)
@@ -234,7 +238,7 @@ def _skip_zero_1_2_reduction(optimizer: Any) -> bool:
             or getattr(optimizer, "gradient_predivide_factor", None) != 1.0
             or getattr(optimizer, "sequence_parallel_size", None) != 1
             or getattr(optimizer, "_offload_gradient_safety_enabled", True)
-            or any(optimizer._use_compact_grad_partition_buffer(i) for i in groups)):
+            or any(compact(i) for i in groups)):
         return False
 
     def to_partition(param: Any, group: int) -> None:
