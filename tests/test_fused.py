@@ -5,13 +5,14 @@ DeepSpeed engines on a one-rank gloo group."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from vitscale.models import create_model
+from vitscale.models import REPEATED_UNITS, create_model
 from vitscale.train.batch import derive_batch
 from vitscale.train.config import TrainConfig
 from vitscale.train.engine import build_cpu_adam, build_engine, deepspeed_config
@@ -201,15 +202,30 @@ def test_zero_3_gathers_each_block_whole_and_trains_the_same(process_group: None
             torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
 
 
-def test_zero_3_names_the_zoos_units_as_leaves() -> None:
-    from vitscale.models import REPEATED_UNITS
+def test_zero_3_names_the_zoos_units_as_leaves_wherever_it_gathers() -> None:
+    """Leaves where ZeRO 3 gathers weights (several ranks, offload, a persistence threshold set back by the user,
+    under either of DeepSpeed's names); none where one rank keeps them whole (a leaf's backward hook would break
+    the compiled graph at every block) or below ZeRO 3; a user's own kept."""
     from vitscale.models import create_model as make
+    from vitscale.train.engine import gathers
 
-    config = deepspeed_config(TrainConfig(zero_stage=3), derive_batch(4, 4, 1), on_gpu=True)
-    assert config["zero_optimization"]["leaf_module"] == {"classes": list(REPEATED_UNITS)}
+    def zero(stage: int = 3, world: int = 1, **train: Any) -> dict:
+        plan = derive_batch(4 * world, 4, world)
+        return deepspeed_config(TrainConfig(zero_stage=stage, global_batch=4 * world, micro_batch=4, **train), plan,
+                                on_gpu=True)["zero_optimization"]
+
+    units = {"classes": list(REPEATED_UNITS)}
+    assert zero(world=2)["leaf_module"] == zero(offload=True)["leaf_module"] == units
+    for back in ({"stage3_param_persistence_threshold": 0}, {"stage3_model_persistence_threshold": 10**6},
+                 {"model_persistence_threshold": 10**6}):
+        assert zero(deepspeed={"zero_optimization": back})["leaf_module"] == units, back
+    assert "leaf_module" not in zero()
+    assert not gathers({"param_persistence_threshold": sys.maxsize})  # DeepSpeed's other name, read the same
+    assert gathers({"param_persistence_threshold": sys.maxsize, "model_persistence_threshold": 10**6})
+    assert gathers({}) and gathers({"stage3_param_persistence_threshold": 10**9})
+    assert zero(deepspeed={"zero_optimization": {"leaf_module": {"classes": []}}})["leaf_module"] == {"classes": []}
     for stage in (0, 1, 2):
-        assert "leaf_module" not in deepspeed_config(TrainConfig(zero_stage=stage), derive_batch(4, 4, 1),
-                                                     on_gpu=True)["zero_optimization"]
+        assert "leaf_module" not in zero(stage) and "leaf_module" not in zero(stage, world=2)
     named = {f"{type(m).__module__}.{type(m).__qualname__}" for name in ("ViT-Ti/16", "R26x1", "R26x1+ViT-Ti/16")
              for m in make(name, num_classes=2, img_size=32).modules()}
     assert set(REPEATED_UNITS) <= named  # each unit exists in the zoo: no name DeepSpeed would fail to match
@@ -458,35 +474,52 @@ def test_one_rank_at_zero_3_takes_the_fused_norm(process_group: None) -> None:
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
 
-def test_one_rank_at_zero_3_compiles_each_block_between_deepspeeds_hooks(process_group: None) -> None:
-    """`train.compile` at one rank's ZeRO 3 compiles each transformer block on its own (one graph for all,
-    no graph break: DeepSpeed's hooks stay outside it) and trains as the eager engine does; where weights
-    are gathered (not one rank's persistent ones), the whole model is compiled as at any stage."""
+def test_one_rank_at_zero_3_compiles_the_whole_model_and_steps_as_zero_1(process_group: None) -> None:
+    """`train.compile` at one rank's ZeRO 3 compiles the whole forward pass, as at ZeRO 1 (one graph, no graph
+    break: no gather hook and no leaf module's backward hook left on it), and its steps are compiled ZeRO 1's bit
+    for bit; where a leaf module's hook is still there (a `leaf_module` of the user's), each unit is compiled
+    alone between the hooks; where weights are gathered (not one rank's persistent ones), the whole model is
+    compiled, hooks and all, as at any stage."""
     from torch._dynamo.utils import counters
 
     from vitscale.train.engine import whole_weights
 
-    def engine(compiled: bool, **zero: Any) -> Any:
+    def engine(compiled: bool, stage: int = 3, **zero: Any) -> Any:
         torch.manual_seed(0)
         model = create_model("ViT-Ti/8", num_classes=5, **TINY)
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.05)
-        train = TrainConfig(global_batch=4, micro_batch=4, zero_stage=3, precision="fp32", grad_clip=1e-3,
+        train = TrainConfig(global_batch=4, micro_batch=4, zero_stage=stage, precision="fp32", grad_clip=1e-3,
                             weight_decay=0.1, base_lr=1e-2, compile=compiled,
                             deepspeed={"zero_optimization": zero} if zero else {})
         parameters = sum(p.numel() for p in model.parameters())
         return build_engine(model, train, deepspeed_config(train, derive_batch(4, 4, 1), on_gpu=False,
                                                            parameters=parameters), on_gpu=False)
 
-    torch._dynamo.reset()  # a block compiled earlier in this process would be served from the cache, uncounted
-    breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
-    compiled, eager = engine(True), engine(False)
-    assert all("forward" in vars(b) for b in compiled.module.blocks) and not compiled.is_compiled
-    assert not any("forward" in vars(b) for b in eager.module.blocks)
+    def graphs_and_breaks() -> tuple[int, int]:
+        return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+    torch._dynamo.reset()  # a graph compiled earlier in this process would be served from the cache, uncounted
+    before = graphs_and_breaks()
+    whole, zero_1 = engine(True), engine(True, stage=1)
+    assert "forward" in vars(whole.module) and not any("forward" in vars(b) for b in whole.module.blocks)
+    assert not whole.optimizer._leaf_module_hooks and not whole.is_compiled
     for _ in range(3):
-        assert _step(compiled) and _step(eager)
-    assert counters["stats"]["unique_graphs"] == graphs + 1 and sum(counters["graph_break"].values()) == breaks
-    with whole_weights(compiled) as a, whole_weights(eager) as b:
+        assert _step(whole) and _step(zero_1)
+    assert graphs_and_breaks() == (before[0] + 2, before[1])  # one graph each, nothing broken
+    with whole_weights(whole) as a:
+        for (name, p), q in zip(a.named_parameters(), zero_1.module.parameters(), strict=True):
+            assert torch.equal(p, q), name
+
+    torch._dynamo.reset()
+    before = graphs_and_breaks()
+    units, eager = engine(True, leaf_module={"classes": list(REPEATED_UNITS)}), engine(False)
+    assert all("forward" in vars(b) for b in units.module.blocks) and "forward" not in vars(units.module)
+    assert not any("forward" in vars(b) for b in eager.module.blocks) and "forward" not in vars(eager.module)
+    for _ in range(3):
+        assert _step(units) and _step(eager)
+    assert graphs_and_breaks() == (before[0] + 1, before[1])  # one graph for both blocks
+    with whole_weights(units) as a, whole_weights(eager) as b:
         for (name, p), q in zip(a.named_parameters(), b.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
     gathered = engine(True, stage3_param_persistence_threshold=0)

@@ -51,8 +51,8 @@ def tiny_config(url: str, **train: object) -> TrainJob:
                          ids=["eager", "compiled", "compiled-zero3", "eager-zero3"])
 def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path: Path, tiny_dataset: str,
                                                           process_group: None, compiled: bool, stage: int) -> None:
-    """Compiled (`train.compile`, inductor on the CPU too; one rank's ZeRO 3 a block at a time) or not, the same
-    checkpoints and exact resume."""
+    """Compiled (`train.compile`, inductor on the CPU too; at one rank's ZeRO 3 too, the whole model) or not, the
+    same checkpoints and exact resume."""
     from torch._dynamo.utils import counters
 
     from vitscale.train.loop import WorkerContext, train

@@ -176,9 +176,9 @@ class TrainConfig:
     ViT-B/16). ZeRO 0-2 compile the whole model (`engine.compile`). ZeRO 3 fetches parameters from hooks
     that torch.compile cannot trace through (it recompiles them per layer type, then falls back): measured
     on an H200 with a hook per layer, a compiled ZeRO-3 ViT-B/16 step ran at two thirds of the eager one's
-    speed (benchmarks/RESULTS.md). On one rank, where the weights stay put (`train/one_rank.py`), each
-    transformer block or ResNet unit is compiled inside DeepSpeed's hooks instead, which stay eager; on
-    several ranks "auto" leaves ZeRO 3 eager, and true compiles the whole model."""
+    speed (benchmarks/RESULTS.md). On one rank, where the weights stay put and those hooks are removed
+    (`train/one_rank.py`), the whole model is compiled as at ZeRO 1; on several ranks "auto" leaves ZeRO 3
+    eager, and true compiles the whole model, hooks and all."""
     compile_mode: str = field(default="default", metadata=RESUME_FREE)
     """torch.compile's mode when compiling: "default", "max-autotune-no-cudagraphs" (searches matmul
     and fusion configs: longer compilation), "max-autotune" or "reduce-overhead" (both add CUDA graphs)."""

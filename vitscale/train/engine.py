@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import os
 import pickle
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from vitscale.train.fused import fuse_bf16_step, fuse_clipping, fuse_gradient_no
 from vitscale.train.one_pass import one_pass_update
 from vitscale.train.one_rank import (
     ONE_RANK_ZERO_3,
-    compile_units,
+    compile_kept_whole,
     order_on_the_gpu,
     remove_gather_hooks,
     skip_reduction,
@@ -64,15 +65,8 @@ def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool,
             # 3 step peaked 1.2 GiB above ZeRO 1's on an H200); a bucket larger than all of the model's gradients
             # never holds more, and on one rank the gradients go around it (`one_rank.skip_reduction`).
             zero["reduce_bucket_size"] = min(REDUCE_BUCKET, parameters)
-    if train.zero_stage == 3:
-        # ZeRO-3 gathers parameters in hooks DeepSpeed puts around every module, each a few hundred
-        # microseconds of host work that a GPU waits on (ViT-B/16 has about 130 modules, so its forward
-        # took 86 ms against 23 ms at ZeRO 1 on an H200). Marked as leaves, a transformer block or ResNet
-        # unit is gathered whole by one hook: the same parameters partitioned and gathered, a block's worth
-        # alive at a time instead of a linear layer's. `benchmarks/host_cost.py` measures the hooks' cost.
-        zero["leaf_module"] = {"classes": list(REPEATED_UNITS)}
-        if batch.world_size == 1 and not train.offload:  # the partition is the whole parameter (`one_rank.py`)
-            zero.update(ONE_RANK_ZERO_3)
+    if train.zero_stage == 3 and batch.world_size == 1 and not train.offload:
+        zero.update(ONE_RANK_ZERO_3)  # the partition is the whole parameter (`one_rank.py`)
     if train.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
         if train.zero_stage == 3:
@@ -119,7 +113,27 @@ def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool,
         if train.offload:  # SGD: the torch optimizer steps the offloaded fp32 master weights on the host
             config["zero_force_ds_cpu_optimizer"] = False
     # The user's `train.deepspeed` settings for keys vitscale does not own (checked when loaded).
-    return merge_overrides(config, train.deepspeed)
+    merged = merge_overrides(config, train.deepspeed)
+    if train.zero_stage == 3 and gathers(merged["zero_optimization"]):
+        # ZeRO-3 gathers parameters in hooks DeepSpeed puts around every module, each a few hundred
+        # microseconds of host work that a GPU waits on (ViT-B/16 has about 130 modules, so its forward
+        # took 86 ms against 23 ms at ZeRO 1 on an H200). Marked as leaves, a transformer block or ResNet
+        # unit is gathered whole by one hook: the same parameters partitioned and gathered, a block's worth
+        # alive at a time instead of a linear layer's. `benchmarks/host_cost.py` measures the hooks' cost.
+        # Not where nothing is gathered (one rank's whole weights, unless `train.deepspeed` sets a threshold
+        # back): a leaf's gradients are handed over by a module-level backward hook, which breaks
+        # torch.compile's graph at every block, where each parameter's own hook does not (`one_rank.py`).
+        merged["zero_optimization"].setdefault("leaf_module", {"classes": list(REPEATED_UNITS)})
+    return merged
+
+
+def gathers(zero: dict[str, Any]) -> bool:
+    """Whether ZeRO 3 with these `zero_optimization` settings gathers any parameter: unless both persistence
+    thresholds are unbounded (`ONE_RANK_ZERO_3`'s; the model's is unbounded by default), the larger ones are."""
+    def threshold(kind: str, default: int) -> Any:  # DeepSpeed reads either name, its alias first
+        return zero.get(f"stage3_{kind}_persistence_threshold", zero.get(f"{kind}_persistence_threshold", default))
+
+    return not threshold("param", 100_000) == threshold("model", sys.maxsize) == sys.maxsize
 
 
 def check_settings(train: TrainConfig, section: str = "train") -> None:
@@ -293,11 +307,12 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str
     if train.compiles(on_gpu, world_size):  # uncompiled, the one-pass update would pass over memory per operator
         one_pass_update(engine)
     # The module inside the engine, compiled in place: parameter names, hooks and checkpoints unchanged. One
-    # rank's ZeRO 3 compiles its repeated units between DeepSpeed's hooks (`one_rank.py`); elsewhere ZeRO 3
-    # compiles the whole model only when asked to in so many words (`compile: true`), "auto" staying eager.
+    # rank's ZeRO 3 compiles the whole forward pass too, its hooks gone (else each unit between them,
+    # `one_rank.py`); elsewhere ZeRO 3 compiles the whole model, hooks and all, only when asked to in so many
+    # words (`compile: true`), "auto" staying eager.
     if train.compiles(on_gpu, world_size):
         if weights_kept_whole(engine):
-            compile_units(engine, train.compile_mode)
+            compile_kept_whole(engine, train.compile_mode)
         elif train.zero_stage < 3 or train.compile is True:
             engine.compile(backend="inductor", compile_kwargs={"mode": train.compile_mode})
     return engine

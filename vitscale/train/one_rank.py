@@ -1,4 +1,4 @@
-"""ZeRO on one rank: ZeRO 3's parameters kept whole, never gathered, without gather hooks, its units compiled,
+"""ZeRO on one rank: ZeRO 3's parameters kept whole, never gathered, without gather hooks, compiled whole,
 its reduction stream awaited on the GPU; every stage's gradients sent straight to their partitions.
 
 ZeRO 3 partitions every parameter over the ranks and gathers a block's parameters before the block runs
@@ -60,13 +60,18 @@ Removing the wait alone did not make the step faster on an H200 (a compiled ViT-
 ZeRO 1's before, 0.79x after; its update 11-14 ms of a step's GPU time against ZeRO 1's 1.8, with no host sync
 left in it); the launches are not yet measured there (`benchmarks/mfu.py --profile` writes each stage's phases).
 
-`compile_units` compiles where DeepSpeed's hooks would break the graph: each transformer block or ResNet
-unit (the units ZeRO 3 gathers whole, `models.REPEATED_UNITS`) is compiled on its own, the hooks around it
-left eager. Compiling the whole model instead traces the hooks, which torch.compile recompiles per module
-until it gives up (a compiled ZeRO-3 ViT-B/16 step ran at two thirds of the eager one's speed on an H200).
-On one rank a compiled unit's graph may keep views of its weights for the backward pass: they stay valid,
-the weights being views of partitions that never move (a gather there frees no storage); on several ranks
-a gathered weight is freed after its unit, which such a view would not follow.
+`compile_kept_whole` compiles the whole forward pass, as ZeRO 0-2 do, where nothing of ZeRO 3's hooks is left:
+the gather hooks gone and no leaf modules (`engine.deepspeed_config` names none where nothing is gathered: a leaf's
+gradients are handed over by a module-level backward hook, which torch.compile cannot trace and breaks its graph
+at, where each parameter's own gradient hook, as at ZeRO 1 and 2, sits outside it). One rank's ZeRO 3 then runs
+the same graph as ZeRO 1 and its steps are ZeRO 1's bit for bit (`tests/test_fused.py`). Where hooks are left
+(a `leaf_module` of the user's), each transformer block or ResNet unit (`models.REPEATED_UNITS`) is compiled on
+its own, the hooks around it left eager, as every unit was until 2026-11-30 (its forward and backward passes
+2 ms each slower than ZeRO 1's whole graph for ViT-B/16 on an H200): compiling the whole model traces the hooks,
+which torch.compile recompiles per module until it gives up (a compiled ZeRO-3 ViT-B/16 step ran at two thirds
+of the eager one's speed on an H200). A compiled graph may keep views of the weights for the backward pass: on
+one rank they stay valid, the weights being views of partitions that never move (a gather there frees no
+storage); on several ranks a gathered weight is freed after its unit, which such a view would not follow.
 
 None of this changes what is partitioned, updated or saved: the optimizer's flat fp32 groups, the bf16
 partitions and the checkpoints are ZeRO 3's as at any world size (a run resized to more ranks resumes from
@@ -271,11 +276,21 @@ def _is_view_of_partition(param: Any) -> bool:
             and param.dtype == part.dtype and param.device == part.device)
 
 
-def compile_units(engine: Any, mode: str) -> int:
-    """Compile each repeated unit of `engine`'s module on its own, for an engine whose weights are kept whole
-    (`weights_kept_whole`: one rank's ZeRO 3); how many. DeepSpeed's hooks run around each unit, uncompiled."""
+def compile_kept_whole(engine: Any, mode: str) -> str:
+    """Compile `engine`'s module, whose weights are kept whole (`weights_kept_whole`: one rank's ZeRO 3), as its
+    hooks allow; what was compiled: "model" (its whole forward) or "units" (each repeated unit alone, where
+    DeepSpeed's gather hooks or a leaf module's gradient hook are still on the module)."""
+    optimizer: Any = engine.optimizer
+    offload: Any = getattr(optimizer, "parameter_offload", None)
+    hooked = (getattr(optimizer, "_leaf_module_hooks", True) or offload is None
+              or getattr(offload, "forward_hooks", True) or getattr(offload, "backward_hooks", True))
+    # The instance's `forward`, not its `__call__`: the module hooks left (DeepSpeed's engine's, the gather
+    # coordinator's reset) stay outside the graph, and the module, its names and its hooks are unchanged.
+    if not hooked:
+        module = engine.module
+        module.forward = torch.compile(module.forward, backend="inductor", mode=mode)
+        return "model"
     units = [m for m in engine.module.modules() if f"{type(m).__module__}.{type(m).__qualname__}" in REPEATED_UNITS]
     for unit in units:
-        # The instance's `forward`, not its `__call__`: module hooks (DeepSpeed's gathers) stay outside the graph.
         unit.forward = torch.compile(unit.forward, backend="inductor", mode=mode)
-    return len(units)
+    return "units"
