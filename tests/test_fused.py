@@ -474,55 +474,67 @@ def test_one_rank_at_zero_3_takes_the_fused_norm(process_group: None) -> None:
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
 
-def test_one_rank_at_zero_3_compiles_the_whole_model_and_steps_as_zero_1(process_group: None) -> None:
-    """`train.compile` at one rank's ZeRO 3 compiles the whole forward pass, as at ZeRO 1 (one graph, no graph
-    break: no gather hook and no leaf module's backward hook left on it), and its steps are compiled ZeRO 1's bit
-    for bit; where a leaf module's hook is still there (a `leaf_module` of the user's), each unit is compiled
-    alone between the hooks; where weights are gathered (not one rank's persistent ones), the whole model is
-    compiled, hooks and all, as at any stage."""
+def _compiled_engine(compiled: bool, stage: int = 3, checkpointing: bool = False, **zero: Any) -> Any:
+    torch.manual_seed(0)
+    model = create_model("ViT-Ti/8", num_classes=5, activation_checkpointing=checkpointing, **TINY)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    train = TrainConfig(global_batch=4, micro_batch=4, zero_stage=stage, precision="fp32", grad_clip=1e-3,
+                        weight_decay=0.1, base_lr=1e-2, compile=compiled,
+                        deepspeed={"zero_optimization": zero} if zero else {})
+    parameters = sum(p.numel() for p in model.parameters())
+    return build_engine(model, train, deepspeed_config(train, derive_batch(4, 4, 1), on_gpu=False,
+                                                       parameters=parameters), on_gpu=False)
+
+
+def _graphs_and_breaks() -> tuple[int, int]:
     from torch._dynamo.utils import counters
 
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_one_rank_at_zero_3_compiles_the_whole_model_and_steps_as_zero_1(process_group: None,
+                                                                         checkpointing: bool) -> None:
+    """`train.compile` at one rank's ZeRO 3 compiles the whole forward pass, as at ZeRO 1 (one graph, no graph
+    break: no gather hook and no leaf module's backward hook left on it), and its steps are compiled ZeRO 1's bit
+    for bit, with activation checkpointing's recompute too."""
     from vitscale.train.engine import whole_weights
 
-    def engine(compiled: bool, stage: int = 3, **zero: Any) -> Any:
-        torch.manual_seed(0)
-        model = create_model("ViT-Ti/8", num_classes=5, **TINY)
-        for p in model.parameters():
-            torch.nn.init.normal_(p, std=0.05)
-        train = TrainConfig(global_batch=4, micro_batch=4, zero_stage=stage, precision="fp32", grad_clip=1e-3,
-                            weight_decay=0.1, base_lr=1e-2, compile=compiled,
-                            deepspeed={"zero_optimization": zero} if zero else {})
-        parameters = sum(p.numel() for p in model.parameters())
-        return build_engine(model, train, deepspeed_config(train, derive_batch(4, 4, 1), on_gpu=False,
-                                                           parameters=parameters), on_gpu=False)
-
-    def graphs_and_breaks() -> tuple[int, int]:
-        return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-
     torch._dynamo.reset()  # a graph compiled earlier in this process would be served from the cache, uncounted
-    before = graphs_and_breaks()
-    whole, zero_1 = engine(True), engine(True, stage=1)
+    before = _graphs_and_breaks()
+    whole = _compiled_engine(True, checkpointing=checkpointing)
+    zero_1 = _compiled_engine(True, stage=1, checkpointing=checkpointing)
     assert "forward" in vars(whole.module) and not any("forward" in vars(b) for b in whole.module.blocks)
     assert not whole.optimizer._leaf_module_hooks and not whole.is_compiled
     for _ in range(3):
         assert _step(whole) and _step(zero_1)
-    assert graphs_and_breaks() == (before[0] + 2, before[1])  # one graph each, nothing broken
+    assert _graphs_and_breaks() == (before[0] + 2, before[1])  # one graph each, nothing broken
     with whole_weights(whole) as a:
         for (name, p), q in zip(a.named_parameters(), zero_1.module.parameters(), strict=True):
             assert torch.equal(p, q), name
 
+
+def test_one_rank_at_zero_3_compiles_each_block_between_hooks_left_on_it(process_group: None) -> None:
+    """Where a leaf module's gradient hook is still on one rank's ZeRO 3 (a `leaf_module` of the user's), each
+    block is compiled alone between the hooks (one graph for both, no break) and trains as the eager engine
+    does; where weights are gathered (not one rank's persistent ones), the whole model is compiled, hooks and
+    all, as at any stage."""
+    from vitscale.train.engine import whole_weights
+
     torch._dynamo.reset()
-    before = graphs_and_breaks()
-    units, eager = engine(True, leaf_module={"classes": list(REPEATED_UNITS)}), engine(False)
+    before = _graphs_and_breaks()
+    units = _compiled_engine(True, leaf_module={"classes": list(REPEATED_UNITS)})
+    eager = _compiled_engine(False)
     assert all("forward" in vars(b) for b in units.module.blocks) and "forward" not in vars(units.module)
     assert not any("forward" in vars(b) for b in eager.module.blocks) and "forward" not in vars(eager.module)
     for _ in range(3):
         assert _step(units) and _step(eager)
-    assert graphs_and_breaks() == (before[0] + 1, before[1])  # one graph for both blocks
+    assert _graphs_and_breaks() == (before[0] + 1, before[1])  # one graph for both blocks
     with whole_weights(units) as a, whole_weights(eager) as b:
         for (name, p), q in zip(a.named_parameters(), b.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
-    gathered = engine(True, stage3_param_persistence_threshold=0)
+    gathered = _compiled_engine(True, stage3_param_persistence_threshold=0)
     assert gathered.is_compiled and "forward" not in vars(gathered.module.blocks[0])
 
 
