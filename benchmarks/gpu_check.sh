@@ -21,7 +21,8 @@
 #      `train.compile_mode: max-autotune-no-cudagraphs` (matmul and fusion configurations searched: whether it
 #      lifts the 46.6% MFU of the default mode, 2026-11-30, to the 47% target; 190 s, what the main parts left then);
 #      ViT-L/16 at ZeRO 2 (the 12-ms optimizer phase is a target at ZeRO 1 and 2; measured at 1 only); the real
-#      loop on 1,200 JPEGs, an epoch every 4 steps (the loader kept across epochs since 2026-11-30); ViT-B/16 eager at ZeRO 0
+#      loop on 1,200 JPEGs, an epoch every 4 steps (the loader kept across epochs since 2026-11-30); ViT-S/16 at
+#      ZeRO 1 against the peer (whether a small ViT's short step waits for the host); ViT-B/16 eager at ZeRO 0
 #      and 3; benchmarks/attention.py, every attention kernel at each ViT's shapes (seconds); ViT-B/16 at ZeRO 1
 #      compiled with CUDA graphs (`train.compile_mode: reduce-overhead`); ViT-B/16 at the largest batch its
 #      memory holds (`--batch auto`); ViT-L/16 at the largest batch its memory holds, the peer at the same
@@ -30,8 +31,8 @@
 # A machine that hands back a few files only (8, 16 MiB each): the tables and logs in one archive, the profiles'
 # Chrome traces (one per ZeRO stage, a few MiB at most) beside it, so that a large trace never costs the tables:
 #   bash benchmarks/gpu_check.sh /tmp/gc; tar czf $OUT/gc.tgz --exclude='*.trace.json.gz' -C /tmp gc; cp /tmp/gc/*.trace.json.gz $OUT/
-# GPU_CHECK_ONLY="l16 tests" runs only the parts so named (update b16 l16 data tests autotune l16-zero2 data-epochs eager
-# attention graphs b16-auto l16-auto), e.g. a second, shorter call for what the first one's deadline skipped.
+# GPU_CHECK_ONLY="l16 tests" runs only the parts so named (update b16 l16 data tests autotune l16-zero2 data-epochs small
+# eager attention graphs b16-auto l16-auto), e.g. a second, shorter call for what the first one's deadline skipped.
 # Tables and logs land in OUT_DIR; the last lines printed are the tables.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,7 +42,7 @@ if ! [[ $deadline =~ ^[0-9]+$ ]]; then
   echo "gpu_check.sh: GPU_CHECK_SECONDS must be a whole number of seconds, got '$deadline'" >&2
   exit 2
 fi
-parts="update b16 l16 data tests autotune l16-zero2 data-epochs eager attention graphs b16-auto l16-auto"
+parts="update b16 l16 data tests autotune l16-zero2 data-epochs small eager attention graphs b16-auto l16-auto"
 for name in ${GPU_CHECK_ONLY:-}; do
   if [[ " $parts " != *" $name "* ]]; then
     echo "gpu_check.sh: GPU_CHECK_ONLY names no part '$name' (the parts: $parts)" >&2
@@ -106,6 +107,11 @@ extra l16-zero2 110 "mfu ViT-L/16, ZeRO 2" $python benchmarks/mfu.py --models Vi
 extra data-epochs 110 "train_data ViT-B/16 on 1,200 JPEGs, an epoch every 4 steps" \
   $python benchmarks/train_data.py --images 1200 --steps 40 --fixed-steps 10 --decode-seconds 2 \
   --out "$out/train_data_epochs.json" 2>&1 | tee "$out/train_data_epochs.log" | tail -12
+# A small ViT's step is short on an H200 (a few ms at batch 256): where the host's side of a step (DeepSpeed's
+# engine, its per-parameter gradient hooks, the update's launches) takes longer than the GPU's, the GPU waits.
+# ViT-S/16 against the peer says whether it does (not measured before 2026-11-30's last checkout).
+extra small 70 "mfu ViT-S/16, ZeRO 1, against the peer" $python benchmarks/mfu.py --models ViT-S/16 --zero-stages 1 \
+  --peer --steps 16 --out "$out/mfu_s16.json" 2>&1 | tee "$out/mfu_s16.log" | grep -v '^{' | tail -6
 extra eager 60 "mfu ViT-B/16, ZeRO 0 and ZeRO 3 eager (the main run's ZeRO 3 row is compiled)" \
   $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 0 3 --compile off --steps 8 \
   --out "$out/mfu_b16_eager.json" 2>&1 | tee "$out/mfu_b16_eager.log" | grep -v '^{' | tail -6
