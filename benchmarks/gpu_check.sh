@@ -21,8 +21,8 @@
 #      `train.compile_mode: max-autotune-no-cudagraphs` (matmul and fusion configurations searched: whether it
 #      lifts the 46.6% MFU of the default mode, 2026-11-30, to the 47% target; 190 s, what the main parts left then);
 #      ViT-L/16 at ZeRO 2 (the 12-ms optimizer phase is a target at ZeRO 1 and 2; measured at 1 only); the real
-#      loop on 1,200 JPEGs, an epoch every 4 steps (the loader kept across epochs since 2026-11-30); ViT-S/16 at
-#      ZeRO 1 against the peer (whether a small ViT's short step waits for the host); ViT-B/16 eager at ZeRO 0
+#      loop on 1,200 JPEGs, an epoch every 4 steps (the loader kept across epochs since 2026-11-30); ViT-Ti/16 and
+#      S/16 at ZeRO 1 against the peer (whether a small ViT's short step waits for the host); ViT-B/16 eager at ZeRO 0
 #      and 3; benchmarks/attention.py, every attention kernel at each ViT's shapes (seconds); ViT-B/16 at ZeRO 1
 #      compiled with CUDA graphs (`train.compile_mode: reduce-overhead`); ViT-B/16 at the largest batch its
 #      memory holds (`--batch auto`); ViT-L/16 at the largest batch its memory holds, the peer at the same
@@ -109,9 +109,11 @@ extra data-epochs 110 "train_data ViT-B/16 on 1,200 JPEGs, an epoch every 4 step
   --out "$out/train_data_epochs.json" 2>&1 | tee "$out/train_data_epochs.log" | tail -12
 # A small ViT's step is short on an H200 (a few ms at batch 256): where the host's side of a step (DeepSpeed's
 # engine, its per-parameter gradient hooks, the update's launches) takes longer than the GPU's, the GPU waits.
-# ViT-S/16 against the peer says whether it does (not measured before 2026-11-30's last checkout).
-extra small 70 "mfu ViT-S/16, ZeRO 1, against the peer" $python benchmarks/mfu.py --models ViT-S/16 --zero-stages 1 \
-  --peer --steps 16 --out "$out/mfu_s16.json" 2>&1 | tee "$out/mfu_s16.log" | grep -v '^{' | tail -6
+# ViT-Ti/16 and S/16 against the peer say whether it does (never measured on a GPU so far; on 2 CPU cores the host's
+# side of vitscale's compiled step took 1.5x the peer's: `benchmarks/host_cost.py --compile`).
+extra small 110 "mfu ViT-Ti/16 and ViT-S/16, ZeRO 1, against the peer" $python benchmarks/mfu.py \
+  --models ViT-Ti/16 ViT-S/16 --zero-stages 1 --peer --steps 16 --out "$out/mfu_small.json" 2>&1 \
+  | tee "$out/mfu_small.log" | grep -v '^{' | tail -8
 extra eager 60 "mfu ViT-B/16, ZeRO 0 and ZeRO 3 eager (the main run's ZeRO 3 row is compiled)" \
   $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 0 3 --compile off --steps 8 \
   --out "$out/mfu_b16_eager.json" 2>&1 | tee "$out/mfu_b16_eager.log" | grep -v '^{' | tail -6

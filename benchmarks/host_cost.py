@@ -1,6 +1,6 @@
 """The host's share of a training step, measured on a CPU: vitscale's step at ZeRO 0-3 beside the hand-written loop.
 
-    python benchmarks/host_cost.py [--zero-stages 0 1 2 3] [--width 48] [--steps 20] [--per-layer-hooks]
+    python benchmarks/host_cost.py [--zero-stages 0 1 2 3] [--width 48] [--steps 20] [--per-layer-hooks] [--compile]
 
 A GPU step runs at the GPU's speed only when the host queues its kernels faster than the GPU runs them and
 never waits for the GPU in between. Both are properties of the host's side, so both can be measured without
@@ -14,12 +14,14 @@ a no-op here, the whole queue drained on a GPU).
 
 vitscale's side runs the path a GPU trains on (`benchmarks/mfu.py`'s `VitscaleStep`): bf16, torch's fused
 optimizer (its CPU kernel here), DeepSpeed's engine at each ZeRO stage, the worker's own `Stepper`; eager,
-as compiling changes the kernels, not the host's bookkeeping around them. The peer (`PeerStep`): the same
-model, bf16 autocast, fused AdamW, no clipping, one process, no DeepSpeed. At one rank, vitscale's ZeRO 3
-keeps its parameters whole (`train/one_rank.py`); at ZeRO 1-3 a second row steps with the update a GPU
-runs compiled (`train/one_pass.py`, its kernel compiled here too); `--per-layer-hooks` adds ZeRO 3
-gathering them as it must on many ranks, a block at a time (vitscale's hooks) and a layer at a time
-(DeepSpeed's own), and every ZeRO 3 row counts the parameters gathered per step.
+as compiling changes the kernels, not the host's bookkeeping around them; `--compile` compiles the model in
+every loop (inductor, this CPU's kernels; vitscale's update then its one pass), as a GPU trains: what is left
+of the host's time once the model's own Python is gone, DeepSpeed's hooks and the update mostly. The peer
+(`PeerStep`): the same model, bf16 autocast, fused AdamW, no clipping, one process, no DeepSpeed. At one
+rank, vitscale's ZeRO 3 keeps its parameters whole (`train/one_rank.py`); at ZeRO 1-3 (eager) a second row
+steps with the update a GPU runs compiled (`train/one_pass.py`, its kernel compiled here too);
+`--per-layer-hooks` adds ZeRO 3 gathering them as it must on many ranks, a block at a time (vitscale's
+hooks) and a layer at a time (DeepSpeed's own), and every ZeRO 3 row counts the parameters gathered per step.
 
 One thread, so that the figures do not depend on how many cores the machine lends. Targets (the GPU's,
 `benchmarks/mfu.py`): ZeRO 0-2 waiting for the device once per step; ZeRO 3's host time within 15% of
@@ -183,6 +185,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--per-layer-hooks", action="store_true",
                         help="also ZeRO 3 gathering its parameters block by block, and layer by layer (DeepSpeed's "
                              "default), as it does on many ranks")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the model (inductor, this CPU's kernels) in every loop, as a GPU trains: the "
+                             "host's share of a compiled step, where the model's own Python is gone")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON document at the end")
     args = parser.parse_args(argv)
     if args.width % 12:
@@ -193,11 +198,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     options = {"width": args.width, "mlp_dim": 2 * args.width}
     shape = {"batch": args.batch, "img_size": 32, "options": options}
     rows = [measure("peer: hand-written", PeerStep(LAYOUT, device=torch.device("cpu"), timm_model=False,
-                                                   compile_model=False, bf16=True, fused=True, **shape),
+                                                   compile_model=args.compile, bf16=True, fused=True, **shape),
                     steps=args.steps, zero_stage=None)]
     plans: list[tuple[str, int, dict[str, Any]]] = [("vitscale", stage, {}) for stage in args.zero_stages]
     # ZeRO 1-3's update as a GPU runs it, its kernels compiled (`train/one_pass.py`; the model stays eager).
-    plans += [(ONE_PASS_LABEL, stage, {}) for stage in args.zero_stages if stage >= 1]
+    # Compiled, the engine installs it itself, as a GPU worker's does: the "vitscale" rows already run it.
+    plans += [(ONE_PASS_LABEL, stage, {}) for stage in args.zero_stages if stage >= 1 and not args.compile]
     if args.per_layer_hooks:
         # Every parameter gathered, as ViT-B/16's weight matrices are at its own width on many ranks: at this
         # width all of them are under DeepSpeed's default threshold (100,000 elements) and would persist.
@@ -206,14 +212,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         plans.append(("vitscale, gathered layer by layer (DeepSpeed's default)", 3,
                       {"zero_optimization": {**gathered, "leaf_module": {"classes": []}}}))
     for label, stage, deepspeed in plans:
-        run = VitscaleStep(LAYOUT, zero_stage=stage, device=torch.device("cpu"), compile_model=False,
+        run = VitscaleStep(LAYOUT, zero_stage=stage, device=torch.device("cpu"), compile_model=args.compile,
                            precision="bf16", fused=True, deepspeed=deepspeed, **shape)
         if label == ONE_PASS_LABEL and not one_pass_update(run.engine):
             raise RuntimeError(f"the one-pass update did not install at ZeRO {stage}")
         rows.append(measure(label, run, steps=args.steps, zero_stage=stage))
         print(json.dumps(rows[-1]), flush=True)
     print(f"\n{LAYOUT}'s layout at width {args.width}, {args.batch} images of 32 px, one CPU thread, "
-          f"median of {args.steps} steps:")
+          f"{'compiled' if args.compile else 'eager'}, median of {args.steps} steps:")
     print("\n".join(table(rows)))
     if args.json:
         print(json.dumps(rows))
