@@ -20,6 +20,7 @@
 #   4. the extras, each only where its whole cap still fits, the open questions first: ViT-L/16 at ZeRO 1 with
 #      `train.compile_mode: max-autotune-no-cudagraphs` (matmul and fusion configurations searched: whether it
 #      lifts the 46.6% MFU of the default mode, 2026-11-30, to the 47% target; 190 s, what the main parts left then);
+#      the same with inductor's coordinate-descent tuning alone (its own kernels tuned, no matmul search);
 #      ViT-L/16 at ZeRO 2 (the 12-ms optimizer phase is a target at ZeRO 1 and 2; measured at 1 only); the real
 #      loop on 1,200 JPEGs, an epoch every 4 steps (the loader kept across epochs since 2026-11-30); ViT-Ti/16 and
 #      S/16 at ZeRO 1 against the peer (whether a small ViT's short step waits for the host); ViT-B/16 eager at ZeRO 0
@@ -31,8 +32,9 @@
 # A machine that hands back a few files only (8, 16 MiB each): the tables and logs in one archive, the profiles'
 # Chrome traces (one per ZeRO stage, a few MiB at most) beside it, so that a large trace never costs the tables:
 #   bash benchmarks/gpu_check.sh /tmp/gc; tar czf $OUT/gc.tgz --exclude='*.trace.json.gz' -C /tmp gc; cp /tmp/gc/*.trace.json.gz $OUT/
-# GPU_CHECK_ONLY="l16 tests" runs only the parts so named (update b16 l16 data tests autotune l16-zero2 data-epochs small
-# eager attention graphs b16-auto l16-auto), e.g. a second, shorter call for what the first one's deadline skipped.
+# GPU_CHECK_ONLY="l16 tests" runs only the parts so named (update b16 l16 data tests autotune l16-tuned l16-zero2
+# data-epochs small eager attention graphs b16-auto l16-auto), e.g. a second, shorter call for what the first one's
+# deadline skipped.
 # Tables and logs land in OUT_DIR; the last lines printed are the tables.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +44,7 @@ if ! [[ $deadline =~ ^[0-9]+$ ]]; then
   echo "gpu_check.sh: GPU_CHECK_SECONDS must be a whole number of seconds, got '$deadline'" >&2
   exit 2
 fi
-parts="update b16 l16 data tests autotune l16-zero2 data-epochs small eager attention graphs b16-auto l16-auto"
+parts="update b16 l16 data tests autotune l16-tuned l16-zero2 data-epochs small eager attention graphs b16-auto l16-auto"
 for name in ${GPU_CHECK_ONLY:-}; do
   if [[ " $parts " != *" $name "* ]]; then
     echo "gpu_check.sh: GPU_CHECK_ONLY names no part '$name' (the parts: $parts)" >&2
@@ -100,6 +102,12 @@ part data 150 "train_data ViT-B/16" $python benchmarks/train_data.py --steps 40 
 extra autotune 190 "mfu ViT-L/16, compile mode max-autotune-no-cudagraphs" \
   $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 1 --compile-mode max-autotune-no-cudagraphs \
   --steps 8 --out "$out/mfu_l16_autotune.json" 2>&1 | tee "$out/mfu_l16_autotune.log" | grep -v '^{' | tail -6
+# Half of max-autotune: inductor's coordinate-descent tuning of its own kernels (layer norms, GELU, residual adds,
+# the one-pass update: a fifth or so of a step), without the matmul search; minutes less to compile. Whether it
+# lifts ViT-L/16 to 47% MFU (inductor reads the variable when torch is imported; the same measurement otherwise).
+extra l16-tuned 120 "mfu ViT-L/16, inductor's coordinate-descent tuning" env TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 \
+  $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 1 --steps 8 --out "$out/mfu_l16_tuned.json" 2>&1 \
+  | tee "$out/mfu_l16_tuned.log" | grep -v '^{' | tail -6
 extra l16-zero2 110 "mfu ViT-L/16, ZeRO 2" $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 2 --steps 8 \
   --out "$out/mfu_l16_zero2.json" 2>&1 | tee "$out/mfu_l16_zero2.log" | grep -v '^{' | tail -6
 # 1,200 JPEGs at batch 256: an epoch every 4 steps, where the loader's processes were started again every epoch
