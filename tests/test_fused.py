@@ -474,17 +474,29 @@ def test_one_rank_at_zero_3_takes_the_fused_norm(process_group: None) -> None:
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
 
-def _compiled_engine(compiled: bool, stage: int = 3, checkpointing: bool = False, **zero: Any) -> Any:
+def _compiled_engine(compiled: bool, stage: int = 3, checkpointing: bool = False, micro: int = 4,
+                     **zero: Any) -> Any:
     torch.manual_seed(0)
     model = create_model("ViT-Ti/8", num_classes=5, activation_checkpointing=checkpointing, **TINY)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.05)
-    train = TrainConfig(global_batch=4, micro_batch=4, zero_stage=stage, precision="fp32", grad_clip=1e-3,
+    train = TrainConfig(global_batch=4, micro_batch=micro, zero_stage=stage, precision="fp32", grad_clip=1e-3,
                         weight_decay=0.1, base_lr=1e-2, compile=compiled,
                         deepspeed={"zero_optimization": zero} if zero else {})
     parameters = sum(p.numel() for p in model.parameters())
-    return build_engine(model, train, deepspeed_config(train, derive_batch(4, 4, 1), on_gpu=False,
+    return build_engine(model, train, deepspeed_config(train, derive_batch(4, micro, 1), on_gpu=False,
                                                        parameters=parameters), on_gpu=False)
+
+
+def _micro_steps(engine: Any, seed: int, micro: int) -> bool:
+    """One step of 4 images in micro-batches of `micro`, as `train/step.py` takes it; whether it was applied."""
+    torch.manual_seed(seed)
+    for _ in range(4 // micro):
+        images, labels = torch.randn(micro, 3, 16, 16), torch.randint(0, 5, (micro,))
+        engine.backward(torch.nn.functional.cross_entropy(engine(images), labels))
+        if not engine.is_gradient_accumulation_boundary():
+            engine.step()  # inside the accumulation: DeepSpeed counts the micro-step
+    return apply_update(engine, loss=0.0).read()[0]
 
 
 def _graphs_and_breaks() -> tuple[int, int]:
@@ -493,22 +505,22 @@ def _graphs_and_breaks() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize(("checkpointing", "micro"), [(False, 4), (True, 2)])
 def test_one_rank_at_zero_3_compiles_the_whole_model_and_steps_as_zero_1(process_group: None,
-                                                                         checkpointing: bool) -> None:
+                                                                         checkpointing: bool, micro: int) -> None:
     """`train.compile` at one rank's ZeRO 3 compiles the whole forward pass, as at ZeRO 1 (one graph, no graph
     break: no gather hook and no leaf module's backward hook left on it), and its steps are compiled ZeRO 1's bit
-    for bit, with activation checkpointing's recompute too."""
+    for bit, with activation checkpointing's recompute and two micro-batches a step too."""
     from vitscale.train.engine import whole_weights
 
     torch._dynamo.reset()  # a graph compiled earlier in this process would be served from the cache, uncounted
     before = _graphs_and_breaks()
-    whole = _compiled_engine(True, checkpointing=checkpointing)
-    zero_1 = _compiled_engine(True, stage=1, checkpointing=checkpointing)
+    whole = _compiled_engine(True, checkpointing=checkpointing, micro=micro)
+    zero_1 = _compiled_engine(True, stage=1, checkpointing=checkpointing, micro=micro)
     assert "forward" in vars(whole.module) and not any("forward" in vars(b) for b in whole.module.blocks)
     assert not whole.optimizer._leaf_module_hooks and not whole.is_compiled
-    for _ in range(3):
-        assert _step(whole) and _step(zero_1)
+    for seed in range(3):
+        assert _micro_steps(whole, seed, micro) and _micro_steps(zero_1, seed, micro)
     assert _graphs_and_breaks() == (before[0] + 2, before[1])  # one graph each, nothing broken
     with whole_weights(whole) as a:
         for (name, p), q in zip(a.named_parameters(), zero_1.module.parameters(), strict=True):
