@@ -97,6 +97,10 @@ def test_every_owned_key_is_refused() -> None:
     # A misspelt section, which DeepSpeed would have ignored.
     ({"zero_optimisation": {"reduce_bucket_size": 1}}, "train.deepspeed.zero_optimisation",
      "reads no such key (did you mean 'zero_optimization'?)"),
+    # One setting under both of the names DeepSpeed reads it by (its field's and its alias).
+    ({"zero_optimization": {"param_persistence_threshold": 0, "stage3_param_persistence_threshold": 5}},
+     "train.deepspeed.zero_optimization.param_persistence_threshold",
+     "refuses it: Extra inputs are not permitted (the section sets it under its other name too: set it once)"),
 ])
 def test_settings_deepspeed_refuses_are_named_when_the_pipeline_loads(overrides: dict, named: str, says: str) -> None:
     with pytest.raises(ConfigError) as error:

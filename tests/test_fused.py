@@ -15,7 +15,7 @@ import torch
 from vitscale.models import REPEATED_UNITS, create_model
 from vitscale.train.batch import derive_batch
 from vitscale.train.config import TrainConfig
-from vitscale.train.engine import build_cpu_adam, build_engine, deepspeed_config
+from vitscale.train.engine import build_cpu_adam, build_engine, check_settings, deepspeed_config
 from vitscale.train.optim import optimizer_for, param_groups
 from vitscale.train.update import apply_update
 
@@ -259,6 +259,12 @@ def test_zero_3_keeps_one_ranks_parameters_whole() -> None:
     assert ONE_RANK_ZERO_3.items() <= zero(1).items()
     for kept in (zero(2), zero(1, offload=True), zero(1, deepspeed={"zero_optimization": GATHERED})):
         assert not {k: v for k, v in ONE_RANK_ZERO_3.items() if kept.get(k) == v}
+    # A threshold set back under DeepSpeed's other name for it wins too, and is not set twice (DeepSpeed refuses a
+    # section holding both names): what the pipeline's check, which parses it with DeepSpeed's own model, accepts.
+    back = TrainConfig(zero_stage=3, deepspeed={"zero_optimization": {"param_persistence_threshold": 0}})
+    check_settings(back)
+    named = zero(1, deepspeed=back.deepspeed)
+    assert named["param_persistence_threshold"] == 0 and "stage3_param_persistence_threshold" not in named
 
 
 def _count_regathers(engine: Any) -> list[int]:

@@ -162,11 +162,14 @@ def refused_section(title: str, error: Mapping[str, Any], overrides: Mapping[str
     is relative to that model), and for an unknown setting the nearest the model takes."""
     inside = ".".join(str(part) for part in error["loc"])
     key = next((k for k in leaves(overrides) if k == inside or k.endswith(f".{inside}")), None)
-    near = closest(str(error["loc"][-1]), _fields_of(root, title, tuple(error["loc"][:-1]))) \
+    name = str(error["loc"][-1])
+    near = closest(name, _fields_of(root, title, tuple(error["loc"][:-1]))) \
         if error["type"] == "extra_forbidden" else None
+    # A name the model takes, refused as extra: the section holds the same setting under its other name too.
+    hint = (" (the section sets it under its other name too: set it once)" if near == name
+            else f" (did you mean {near!r}?)" if near else "")
     return ConfigError(f"{section}.deepspeed.{key}" if key else f"{section}.deepspeed",
-                       f"{version} refuses it: {error['msg']}" + ("" if key else f" ({title}.{inside})")
-                       + (f" (did you mean {near!r}?)" if near else ""))
+                       f"{version} refuses it: {error['msg']}" + ("" if key else f" ({title}.{inside})") + hint)
 
 
 def _fields_of(root: type, title: str, path: tuple[Any, ...]) -> set[str]:

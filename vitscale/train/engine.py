@@ -66,7 +66,11 @@ def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool,
             # never holds more, and on one rank the gradients go around it (`one_rank.skip_reduction`).
             zero["reduce_bucket_size"] = min(REDUCE_BUCKET, parameters)
     if train.zero_stage == 3 and batch.world_size == 1 and not train.offload:
-        zero.update(ONE_RANK_ZERO_3)  # the partition is the whole parameter (`one_rank.py`)
+        # The partition is the whole parameter (`one_rank.py`). A key the user sets wins, under either of the
+        # names DeepSpeed reads it by (it refuses a section that holds both).
+        user = train.deepspeed.get("zero_optimization") or {}
+        zero.update({key: value for key, value in ONE_RANK_ZERO_3.items()
+                     if key not in user and key.removeprefix("stage3_") not in user})
     if train.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
         if train.zero_stage == 3:
