@@ -118,22 +118,23 @@ def deepspeed_config(train: TrainConfig, batch: BatchPlan, *, on_gpu: bool,
             config["zero_force_ds_cpu_optimizer"] = False
     # The user's `train.deepspeed` settings for keys vitscale does not own (checked when loaded).
     merged = merge_overrides(config, train.deepspeed)
-    if train.zero_stage == 3 and gathers(merged["zero_optimization"]):
-        # ZeRO-3 gathers parameters in hooks DeepSpeed puts around every module, each a few hundred
-        # microseconds of host work that a GPU waits on (ViT-B/16 has about 130 modules, so its forward
-        # took 86 ms against 23 ms at ZeRO 1 on an H200). Marked as leaves, a transformer block or ResNet
-        # unit is gathered whole by one hook: the same parameters partitioned and gathered, a block's worth
-        # alive at a time instead of a linear layer's. `benchmarks/host_cost.py` measures the hooks' cost.
-        # Not where nothing is gathered (one rank's whole weights, unless `train.deepspeed` sets a threshold
-        # back): a leaf's gradients are handed over by a module-level backward hook, which breaks
-        # torch.compile's graph at every block, where each parameter's own hook does not (`one_rank.py`).
+    if train.zero_stage == 3 and gathers(merged["zero_optimization"]):  # a block gathered whole: see `gathers`
         merged["zero_optimization"].setdefault("leaf_module", {"classes": list(REPEATED_UNITS)})
     return merged
 
 
 def gathers(zero: dict[str, Any]) -> bool:
     """Whether ZeRO 3 with these `zero_optimization` settings gathers any parameter: unless both persistence
-    thresholds are unbounded (`ONE_RANK_ZERO_3`'s; the model's is unbounded by default), the larger ones are."""
+    thresholds are unbounded (`ONE_RANK_ZERO_3`'s; the model's is unbounded by default), the larger ones are.
+
+    Where it does, `deepspeed_config` names each transformer block and ResNet unit a leaf. ZeRO-3 gathers
+    parameters in hooks DeepSpeed puts around every module, each a few hundred microseconds of host work that a
+    GPU waits on (ViT-B/16 has about 130 modules, so its forward took 86 ms against 23 ms at ZeRO 1 on an H200);
+    a leaf is gathered whole by one hook: the same parameters partitioned and gathered, a block's worth alive at
+    a time instead of a linear layer's (`benchmarks/host_cost.py` measures the hooks' cost). Not where nothing
+    is gathered (one rank's whole weights, unless `train.deepspeed` sets a threshold back): a leaf's gradients
+    are handed over by a module-level backward hook, which breaks torch.compile's graph at every block, where
+    each parameter's own hook does not (`one_rank.py`)."""
     def threshold(kind: str, default: int) -> Any:  # DeepSpeed reads either name, its alias first
         return zero.get(f"stage3_{kind}_persistence_threshold", zero.get(f"{kind}_persistence_threshold", default))
 
