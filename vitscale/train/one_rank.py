@@ -92,7 +92,7 @@ from vitscale.models import REPEATED_UNITS
 ONE_RANK_ZERO_3: dict[str, Any] = {"stage3_param_persistence_threshold": sys.maxsize,
                                    "memory_efficient_linear": False}
 """`zero_optimization` keys for ZeRO 3 on one rank without parameter offload (`train.deepspeed` may set them
-back: the thresholds are DeepSpeed's to interpret)."""
+back, under either of DeepSpeed's names: the thresholds are DeepSpeed's to interpret)."""
 
 KEPT_WHOLE = "vitscale_weights_kept_whole"
 """The attribute marking an optimizer whose step `skip_regather` installed."""
