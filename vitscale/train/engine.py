@@ -135,7 +135,7 @@ def gathers(zero: dict[str, Any]) -> bool:
     is gathered (one rank's whole weights, unless `train.deepspeed` sets a threshold back): a leaf's gradients
     are handed over by a module-level backward hook, which breaks torch.compile's graph at every block, where
     each parameter's own hook does not (`one_rank.py`)."""
-    def threshold(kind: str, default: int) -> Any:  # DeepSpeed reads either name, its alias first
+    def threshold(kind: str, default: int) -> Any:  # DeepSpeed reads either name (and refuses both at once)
         return zero.get(f"stage3_{kind}_persistence_threshold", zero.get(f"{kind}_persistence_threshold", default))
 
     return not threshold("param", 100_000) == threshold("model", sys.maxsize) == sys.maxsize
