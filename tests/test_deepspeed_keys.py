@@ -50,6 +50,13 @@ def test_engine_config_takes_unowned_keys() -> None:
     assert config["zero_optimization"]["overlap_comm"] is True
     assert config["zero_optimization"]["stage"] == 2  # what vitscale generated stays
     assert config["communication_data_type"] == "fp32" and config["train_batch_size"] == 16
+    # The sections a user's settings merge into key by key, checked to be mappings (`MERGED_SECTIONS`): every
+    # section vitscale writes that it does not own, at any stage.
+    from vitscale.train.deepspeed_keys import MERGED_SECTIONS
+
+    for stage in (0, 1, 2, 3):
+        plain = deepspeed_config(TrainConfig(zero_stage=stage), derive_batch(4, 4, 1), on_gpu=True)
+        assert {k for k, v in plain.items() if isinstance(v, dict) and k not in OWNED} == set(MERGED_SECTIONS)
 
 
 @pytest.mark.parametrize(("overrides", "named", "instead"), [
@@ -106,6 +113,21 @@ def test_settings_deepspeed_refuses_are_named_when_the_pipeline_loads(overrides:
     with pytest.raises(ConfigError) as error:
         build_pipeline({**PIPELINE, "train": {**PIPELINE["train"], "deepspeed": overrides}})
     assert error.value.key == named and says in error.value.message and "DeepSpeed 0." in error.value.message
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize(("overrides", "named"), [({"zero_optimization": "x"}, "zero_optimization"),
+                                                  ({"zero_optimization": None}, "zero_optimization"),
+                                                  ({"timers": [1]}, "timers")])
+def test_a_merged_section_that_is_no_mapping_is_named_when_the_pipeline_loads(overrides: dict, named: str,
+                                                                               stage: int) -> None:
+    """A section vitscale writes keys of its own into, given as something else than a mapping: named, at every
+    stage (at ZeRO 3 it was a traceback from vitscale's own reading of the section; at ZeRO 1 DeepSpeed's
+    refusal, naming no key)."""
+    with pytest.raises(ConfigError) as error:
+        build_pipeline({**PIPELINE, "train": {**PIPELINE["train"], "zero_stage": stage, "deepspeed": overrides}})
+    assert error.value.key == f"train.deepspeed.{named}", error.value
+    assert f"must be a mapping of DeepSpeed's {named} settings" in error.value.message, error.value
 
 
 def test_settings_deepspeed_reads_load(monkeypatch: pytest.MonkeyPatch) -> None:

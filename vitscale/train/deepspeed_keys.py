@@ -71,8 +71,18 @@ resumed run keeps them (`train/resume.py`) as it keeps `train.precision`. The re
 tuning (bucket sizes, overlap, prefetch, persistence, logging), the same steps and checkpoints either way."""
 
 
+MERGED_SECTIONS = ("zero_optimization", "timers")
+"""Sections vitscale writes keys of its own into (`train/engine.py`), which a user's merge into key by key: a value
+there that is not a mapping would replace vitscale's whole section, and `deepspeed_config` reads inside it."""
+
+
 def check_overrides(overrides: Mapping[str, Any], section: str = "train") -> None:
-    """Refuse any key of `overrides` (the `deepspeed:` mapping) that vitscale owns, naming what to set."""
+    """Refuse any key of `overrides` (the `deepspeed:` mapping) that vitscale owns, naming what to set, and a
+    section vitscale merges into (`MERGED_SECTIONS`) that is not a mapping."""
+    for name in MERGED_SECTIONS:
+        if name in overrides and not isinstance(overrides[name], Mapping):
+            raise ConfigError(f"{section}.deepspeed.{name}", f"must be a mapping of DeepSpeed's {name} "
+                              f"settings (merged key by key over vitscale's), got {overrides[name]!r}")
     for dotted in leaves(overrides):
         for owned, instead in OWNED.items():
             if dotted == owned or dotted.startswith(f"{owned}."):
