@@ -439,7 +439,7 @@ def test_a_run_whose_disk_fills_stops_in_one_line_and_resumes_once_space_is_free
 
     import yaml
 
-    from helpers.ray_runs import kill_tree, start
+    from helpers.ray_runs import kill_tree, pause, start
 
     disk = small_disk(64 * 2**20)
     raw = {"name": "full", "stages": ["pretrain"], "data": {"url": small_synthetic},
@@ -457,10 +457,17 @@ def test_a_run_whose_disk_fills_stops_in_one_line_and_resumes_once_space_is_free
     try:
         deadline = time.monotonic() + 600
         while proc.poll() is None and time.monotonic() < deadline and not (first.exists() and not ckpt.check_complete(first, 1)):
-            time.sleep(0.05)
-        assert proc.poll() is None, (tmp_path / "full.log").read_text()[-3000:]
-        # The disk fills: half a checkpoint's room is left (logs and metrics still fit, checkpoint 40 does not).
-        (disk / "filler").write_bytes(b"\0" * ((free_bytes(disk) or 0) - ckpt.tree_bytes(first) // 2))
+            time.sleep(0.005)
+        # The disk fills: half a checkpoint's room is left (logs and metrics still fit, checkpoint 40 does not). The
+        # run is frozen meanwhile: its log and metric lines, written between the room measured and the filler's
+        # write, once took that room first (the filler's own write failed: CI, 2026-11-30).
+        pause(proc, paused=True)
+        try:
+            assert proc.poll() is None, (tmp_path / "full.log").read_text()[-3000:]
+            assert not (run / "checkpoint_000000040").exists(), "the run reached its last save before the disk filled"
+            _fill(disk, leave=ckpt.tree_bytes(first) // 2)
+        finally:
+            pause(proc, paused=False)
         proc.wait(timeout=600)
     finally:
         if proc.poll() is None:
