@@ -49,6 +49,14 @@ def _steps(s3, bucket: str) -> list[int]:  # type: ignore[no-untyped-def]
     return [json.loads(line)["step"] for line in body.splitlines() if line.strip()]
 
 
+def _saves(proxy: FaultProxy, step: int) -> int:
+    """How many times a worker began to save the checkpoint of `step` through `proxy`: each save first lists
+    that checkpoint's folder once, for a torn earlier save's files (`clear_stale`, one listing per call). A
+    restart, which starts over from step 1, saves it again."""
+    prefix = f"prefix=runs%2Fexp%2Fcheckpoint_{step:09d}%2F"
+    return sum(method == "GET" and prefix in path for method, path, _ in proxy.log)
+
+
 def _complete(s3, bucket: str, step: int, into: Path) -> list[str]:  # type: ignore[no-untyped-def]
     prefix = f"runs/exp/checkpoint_{step:09d}/"
     for key in _keys(s3, bucket):
@@ -98,7 +106,10 @@ def test_a_refused_checkpoint_upload_stops_at_once_and_the_next_run_starts_over(
         last = output.strip().splitlines()[-1]
         assert "CheckpointNotWritten: the checkpoint of step 2 was not written to " in last, last
         assert "(not retried: a restart would fail the same way)" in last and "ACCESS_DENIED" in last, last
-        assert output.count("rank 0 failed: ") == 1, output[-4000:]  # one attempt, not max_failures + 1
+        # One attempt, not max_failures + 1. The terminal shows at most that attempt's worker line: Ray forwards
+        # it, and a driver that ends first can outrun it (CI, 2026-11-30), so the attempts are counted at the store.
+        assert _saves(proxy, 2) == 1, proxy.log
+        assert output.count("rank 0 failed: ") <= 1, output[-4000:]
         keys = _keys(s3, bucket)
         assert "runs/exp/checkpoint_000000002/MANIFEST-rank0.json" in keys or any(
             k.startswith("runs/exp/checkpoint_000000002/") for k in keys), keys
@@ -131,4 +142,5 @@ def test_throttling_that_outlasts_the_retry_budget_stops_the_run_once(
     assert "CheckpointNotWritten: the checkpoint of step 2 was not written to " in last and "SLOW_DOWN" in last, last
     assert "(gave up after 3 tries per request (retry budget $VITSCALE_S3_RETRY_S: 5 s))" in last, last
     assert "(not retried: a restart would fail the same way)" in last, last
-    assert output.count("rank 0 failed: ") == 1, output[-4000:]
+    assert _saves(proxy, 2) == 1, proxy.log  # one attempt: not max_failures + 1, nor the terminal's count (above)
+    assert output.count("rank 0 failed: ") <= 1, output[-4000:]
