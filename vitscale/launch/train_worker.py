@@ -20,7 +20,7 @@ import ray
 import ray.train
 
 from vitscale.data.storage import open_storage
-from vitscale.data.storage.filesystem import clear_stale, ensure_uploaded
+from vitscale.data.storage.filesystem import clear_stale, copy_folder, ensure_uploaded
 from vitscale.data.storage.mirror import RunMirror
 from vitscale.launch.console import labelled_lines
 from vitscale.launch.failures import deterministic_cause
@@ -155,9 +155,38 @@ def _report(metrics: dict[str, Any], checkpoint_dir: Path | None, mirror: RunMir
         cleared = clear_stale(checkpoint_dir, posixpath.join(storage, name))
         if cleared:
             say(f"{name}: removed {len(cleared)} file(s) an earlier, failed save of this step left")
-    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(checkpoint_dir)),
-                     checkpoint_dir_name=name)
+    upload = _upload_once if storage is not None and storage.startswith("s3://") else None
+    try:
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(checkpoint_dir)),
+                         checkpoint_dir_name=name, checkpoint_upload_fn=upload)
+    except _UploadFailed as failed:
+        raise failed.error from None  # as the copy raised it: `ckpt.space_for` makes it the run's one line
     if storage is not None:  # Ray's copy can lose a file without a word (filesystem.py): check, copy again
         copied = ensure_uploaded(checkpoint_dir, posixpath.join(storage, name))
         if copied:
             say(f"{name}: stored again what the first upload lost: {', '.join(copied)}")
+
+
+class _UploadFailed(Exception):
+    """A checkpoint's upload failed: ``error``, kept out of this exception's own words.
+
+    Ray Train tries a checkpoint's upload 3 times, with its own backoff of 1 and 2 s, when the error's text
+    names an AWS SDK error it counts as transient (throttling, 5xx, a lost connection); each of those tries
+    already spent the retry budget's tries of the SDK (``data/storage/filesystem.py``), so a store that stayed
+    throttled held a save for three budgets and more, against the one the run's last line reports. Raised
+    from the upload with this text, Ray's retry lets the failure through at once."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__("the checkpoint's upload failed (the worker raises its error)")
+        self.error = error
+
+
+def _upload_once(checkpoint: ray.train.Checkpoint, name: str) -> ray.train.Checkpoint:
+    """Ray Train's upload of a checkpoint into the run's object storage, in one retry budget (`_UploadFailed`)."""
+    storage = ray.train.get_context().get_storage()  # the filesystem and folder Ray's own upload writes to
+    destination = posixpath.join(storage.experiment_fs_path, name)
+    try:
+        copy_folder(checkpoint.path, storage.storage_filesystem, destination)
+    except OSError as exc:
+        raise _UploadFailed(exc) from None
+    return ray.train.Checkpoint(filesystem=storage.storage_filesystem, path=destination)

@@ -32,7 +32,7 @@ from vitscale.config.location import is_url
 from vitscale.data.storage.retry import RetryPolicy, call, retry_budget_s, sdk_attempts
 from vitscale.data.storage.s3 import resolve_endpoint_url
 
-__all__ = ["RetryingS3FileSystem", "clear_stale", "ensure_uploaded", "run_filesystem"]
+__all__ = ["RetryingS3FileSystem", "clear_stale", "copy_folder", "ensure_uploaded", "run_filesystem"]
 
 
 def run_filesystem(storage_path: str, *, endpoint_url: str | None = None,
@@ -112,6 +112,16 @@ def ensure_uploaded(local: str | os.PathLike[str], storage: str, *, endpoint_url
         call(functools.partial(_copy, path, filesystem, target), policy, "store", scheme + target)
         copied.append(path.relative_to(base).as_posix())
     return copied
+
+
+def copy_folder(local: str, filesystem: Any, destination: str) -> None:
+    """Copy the local folder ``local`` to ``destination`` on ``filesystem`` as Ray Train's own checkpoint upload
+    does (``create_dir``, then ``pyarrow.fs.copy_files`` in one thread, in 64 MiB chunks: pyarrow's threaded
+    upload to S3 is unsafe, apache/arrow#32372), each request tried as the filesystem's retry strategy says."""
+    filesystem.create_dir(destination)
+    threads = not isinstance(filesystem, pyarrow.fs.S3FileSystem)
+    pyarrow.fs.copy_files(local, destination, destination_filesystem=filesystem, use_threads=threads,
+                          chunk_size=64 << 20)
 
 
 def _filesystem(storage: str, endpoint_url: str | None) -> tuple[Any, str]:
