@@ -27,7 +27,7 @@ from vitscale.cli import main
 from vitscale.config.errors import UserError
 from vitscale.data.format import read_index, read_meta
 from vitscale.data.storage import RetryPolicy, StorageError, open_storage
-from vitscale.data.storage.filesystem import ensure_uploaded, run_filesystem
+from vitscale.data.storage.filesystem import copy_folder, ensure_uploaded, run_filesystem
 from vitscale.data.storage.retry import Failure, classify, retry_budget_s, sdk_attempts
 from vitscale.data.tools.adopt import index_shards
 from vitscale.data.tools.dedup import dedup_dataset
@@ -205,6 +205,28 @@ def test_a_checkpoint_file_throttled_for_ever_gives_up_within_the_budget(tmp_pat
     assert took < 5.0 and proxy.counts["503"] > 3, (took, proxy.counts)
     assert f"store s3://{target}/payload.bin failed after {proxy.counts['503']} attempts: " in str(err.value)
     assert "SLOW_DOWN" in str(err.value)
+
+
+def test_a_checkpoint_folder_is_copied_whole_and_a_throttled_copy_fails_after_the_filesystems_tries(
+        tmp_path: Path, moto_s3: str, bucket: str) -> None:
+    """`copy_folder`, the checkpoint upload vitscale hands Ray: every file of a nested folder arrives; a store
+    that stays throttled fails it once its filesystem's tries of one request are spent (nothing on top)."""
+    local = tmp_path / "ckpt"
+    (local / "deepspeed" / "tag").mkdir(parents=True)
+    files = {"rank0.pt": os.urandom(3000), "deepspeed/tag/states.pt": os.urandom(2000)}
+    for name, data in files.items():
+        (local / name).write_bytes(data)
+    with FaultProxy(moto_s3, methods=("PUT", "POST")) as proxy:
+        filesystem, root = run_filesystem(f"s3://{bucket}/runs", endpoint_url=proxy.url, max_attempts=2)
+        copy_folder(str(local), filesystem, f"{root}/r/checkpoint_000000002")
+        s3 = boto3.client("s3", endpoint_url=moto_s3)
+        for name, data in files.items():
+            key = f"runs/r/checkpoint_000000002/{name}"
+            assert s3.get_object(Bucket=bucket, Key=key)["Body"].read() == data, key
+        proxy.schedule(*["503"] * 100, methods=("PUT", "POST"), path="checkpoint_000000004")
+        with pytest.raises(OSError, match="SLOW_DOWN"):
+            copy_folder(str(local), filesystem, f"{root}/r/checkpoint_000000004")
+    assert proxy.counts["503"] == 2, proxy.log
 
 
 # --------------------------------------------------------------- a failed upload is reported as itself

@@ -1,8 +1,9 @@
 """The pyarrow filesystem Ray Train persists a run's checkpoints through, with bounded retries.
 
 Ray Train copies every reported checkpoint into ``storage_path/run_name`` with
-``pyarrow.fs.copy_files``. Left to itself it builds an S3 filesystem from the URL with the AWS
-SDK's defaults; here it is built once with an explicit retry strategy
+``pyarrow.fs.copy_files`` (in object storage as vitscale's ``checkpoint_upload_fn``, :func:`copy_folder`,
+which Ray does not retry on top of the filesystem's tries). Left to itself it builds an S3 filesystem from
+the URL with the AWS SDK's defaults; here it is built once with an explicit retry strategy
 (``AwsStandardS3RetryStrategy``: exponential backoff with jitter, for throttling (503 SlowDown),
 5xx answers and dropped or reset connections; refusals such as 403 are not retried) and timeouts.
 pyarrow takes no retry rule of ours, so its number of tries is derived from the one retry budget
