@@ -142,7 +142,7 @@ def test_throttling_that_outlasts_the_retry_budget_stops_the_run_once(
     assert "CheckpointNotWritten: the checkpoint of step 2 was not written to " in last and "SLOW_DOWN" in last, last
     assert "(gave up after 3 tries per request (retry budget $VITSCALE_S3_RETRY_S: 5 s))" in last, last
     assert "(not retried: a restart would fail the same way)" in last, last
-    assert _saves(proxy, 2) == 1, proxy.log  # one attempt: not max_failures + 1, nor the terminal's count (above)
+    assert _saves(proxy, 2) == 1, proxy.log  # one attempt, not max_failures + 1 (counted at the store, as above)
     # The 3 tries the line says, of the first request that met the throttling: Ray Train's own retry of an upload
     # (3 times, on the SDK's text) is not on top of them (9 tries, three budgets and Ray's backoff, before).
     assert proxy.counts["503"] == 3, [entry for entry in proxy.log if entry[2] != "ok"]
