@@ -23,6 +23,7 @@ def _as_controller_sees_it(rank: int, exc: BaseException) -> BaseException:
     """What `train_worker` raises for `exc`, after the trip to Ray's controller (pickled, wrapped)."""
     failure = WorkerFailed(f"rank {rank}: {type(exc).__name__}: {exc}")
     failure.deterministic = deterministic_cause(exc) is not None
+    failure.traceback = f"Traceback (most recent call last):\n  File \"loop.py\", line {rank}\n{type(exc).__name__}"
     failure.__cause__ = exc
     shipped = pickle.loads(pickle.dumps(failure))  # the cause chain does not survive this
     assert shipped.__cause__ is None
@@ -102,3 +103,33 @@ def test_ranks_that_fail_alike_are_said_once():
                                   f"rank 6: ConfigError: {other} (not retried: a restart would fail the same way)")
     with pytest.raises(DeterministicFailure, match=r"^rank 0, rank 1: ErrorBudgetExceeded: 5 samples"):
         callback.after_exception(None, {r: _as_controller_sees_it(r, same) for r in (1, 0)})
+
+
+def test_each_failed_ranks_traceback_reaches_the_run_log_whichever_way_the_run_ended(tmp_path, monkeypatch):
+    """Ray's forwarding of a rank's own lines can lose the race with the driver's exit: the tracebacks travel
+    in what Ray Train returns instead, the error that stopped the run or the workers' errors after its restarts,
+    and the driver writes them into the run's log (not the terminal)."""
+    import io
+    import sys
+
+    from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
+
+    from vitscale.launch.console import TerminalFilter
+    from vitscale.launch.ray_train import _log_tracebacks
+
+    budget, gone = ErrorBudgetExceeded("over"), RuntimeError("peer gone")
+    with pytest.raises(DeterministicFailure) as stopped:
+        StopOnDeterministicFailure().after_exception(None, {0: _as_controller_sees_it(0, gone),
+                                                            1: _as_controller_sees_it(1, budget)})
+    shipped = pickle.loads(pickle.dumps(ControllerError(stopped.value)))  # the controller's trip to the driver
+    restarts_spent = WorkerGroupError("workers failed", {3: _as_controller_sees_it(3, gone)})
+    for error, ranks in ((shipped, (0, 1)), (restarts_spent, (3,))):
+        terminal, log = io.StringIO(), io.StringIO()
+        monkeypatch.setattr(sys, "stderr", TerminalFilter(terminal, log))
+        _log_tracebacks(error, "pre-training")
+        told = log.getvalue()
+        assert terminal.getvalue() == ""
+        for rank in ranks:
+            assert (f"[vitscale] pre-training: rank {rank}'s traceback, as Ray Train returned it to the driver:\n"
+                    f'Traceback (most recent call last):\n  File "loop.py", line {rank}\n') in told, told
+        assert told.count("Traceback") == len(ranks)

@@ -271,6 +271,7 @@ def test_worker_error_names_the_rank_and_the_cause(local_ray: None, dataset: str
 
     import pyarrow.parquet as pq
 
+    from vitscale.launch.console import restore_output
     from vitscale.launch.ray_train import PipelineFailed
     from vitscale.stages.run import run_pipeline
 
@@ -287,10 +288,19 @@ def test_worker_error_names_the_rank_and_the_cause(local_ray: None, dataset: str
     cfg = config(str(broken), tmp_path, "broken", max_steps=4)
     cfg = cfg.with_sections(data=dataclasses.replace(cfg.data, error_budget=0.0),
                             cluster=dataclasses.replace(cfg.cluster, max_failures=2))
-    with pytest.raises(PipelineFailed) as err:
-        run_pipeline(cfg)
+    try:  # as the CLI runs it: the workers' output routed to the run's log
+        with pytest.raises(PipelineFailed) as err:
+            run_pipeline(cfg, verbose=False)
+    finally:
+        restore_output()
     message = str(err.value)
     assert "not retried" in message  # stopped by launch/failures.py, not after exhausting max_failures
+    # Where it was raised is in the run's log whether or not Ray's forwarding of the rank's own lines outran
+    # the driver's exit: the driver writes each failed rank's traceback as Ray Train returned it.
+    log = (tmp_path / "broken" / "logs" / "ray.log").read_text()
+    told = re.search(r"rank ([01])'s traceback, as Ray Train returned it to the driver:\nTraceback \(most recent "
+                     r"call last\):\n(?:.*\n)*?.*ErrorBudgetExceeded", log)
+    assert told and f"rank {told[1]}" in message, log[-3000:]
     assert "rank 0" in message or "rank 1" in message
     assert "ErrorBudgetExceeded" in message
     # Named whichever rank's error reached the driver first: the ranks gather their bad shards before raising.

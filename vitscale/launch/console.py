@@ -333,6 +333,17 @@ def run_ended() -> None:
             stream.end_run()
 
 
+def to_log(text: str) -> bool:
+    """Write `text` into the run's log (where `route_ray_output` sends the workers' output), not the terminal.
+    False where output is not routed (`--verbose`, or a caller of `run_pipeline` that did not route it)."""
+    stream = sys.stderr
+    if not isinstance(stream, TerminalFilter):
+        return False
+    with stream._lock:
+        stream.log.write(text.rstrip("\n") + "\n")
+    return True
+
+
 @contextlib.contextmanager
 def workers_off_terminal() -> Iterator[None]:
     """Within: workers' own "[vitscale]" lines go to the log only. A study runs many trainings at

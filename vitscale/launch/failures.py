@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -56,7 +57,24 @@ the run stops instead of being retried."""
 
 
 class DeterministicFailure(RuntimeError):
-    """Workers failed in a way a restart would repeat; the message names each rank's error."""
+    """Workers failed in a way a restart would repeat; the message names each rank's error, `tracebacks` holds
+    each failed rank's traceback (an attribute survives the pickling to the driver; the workers' exceptions,
+    which the controller's error does not carry, would not)."""
+
+    def __init__(self, message: str, tracebacks: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.tracebacks = dict(tracebacks or {})
+
+
+def worker_traceback(error: BaseException) -> str:
+    """Where a worker's error was raised, as text: the traceback the worker formatted (`WorkerFailed.traceback`),
+    else the one Ray Train formatted (its wrapper's text, `UserExceptionWithTraceback`), else what pickling
+    left (the error's own line)."""
+    told = getattr(getattr(error, "_base_exc", None) or error, "traceback", None)
+    if isinstance(told, str) and told:
+        return told
+    text = str(error)
+    return text if text.startswith("Traceback") else "".join(traceback.format_exception(error))
 
 
 def deterministic_cause(error: BaseException | None) -> BaseException | None:
@@ -87,7 +105,8 @@ class StopOnDeterministicFailure(UserCallback):
         found = {rank: deterministic_cause(exc) for rank, exc in worker_exceptions.items()}
         lines = _lines({rank: exc for rank, exc in found.items() if exc is not None})
         if lines:
-            raise DeterministicFailure("; ".join(lines) + " (not retried: a restart would fail the same way)")
+            raise DeterministicFailure("; ".join(lines) + " (not retried: a restart would fail the same way)",
+                                       {rank: worker_traceback(exc) for rank, exc in worker_exceptions.items()})
 
 
 SHOWN_RANKS = 4

@@ -31,6 +31,7 @@ from vitscale.launch.failures import (
     StopOnDeterministicFailure,
     StopWithoutRoom,
     WorkersUnavailable,
+    worker_traceback,
 )
 from vitscale.launch.interruption import InterruptibleTrainer, keeping_handlers
 from vitscale.launch.node_loss import RestartAtLiveSize
@@ -39,7 +40,7 @@ from vitscale.launch.run_place import RunPlace
 from vitscale.launch.snapshot import repair_snapshot
 from vitscale.launch.stop_request import stop_requests
 from vitscale.launch.train_worker import WorkerFailed, train_worker
-from vitscale.say import say
+from vitscale.say import line, say
 from vitscale.train import checkpoint as ckpt
 from vitscale.train.job import TrainJob
 
@@ -145,6 +146,7 @@ def launch_training(job: TrainJob, cluster: ClusterConfig, place: RunPlace, what
     except Exception as exc:  # re-raised with the workers' own errors up front
         ended = "stopped" if isinstance(getattr(exc, "controller_failure", None), WorkersUnavailable) else "failed"
         cause = _root_cause(exc, place.storage, cluster.max_workers)
+        _log_tracebacks(exc, what)
         raise PipelineFailed(f"{what} {ended}: {cause}") from exc
     # `checkpoint` is a ray.train.Checkpoint: later stages read it wherever it lives (disk, NFS, S3).
     return result.checkpoint, final_metrics(result)
@@ -160,6 +162,23 @@ def _worker_env() -> dict[str, str]:
         if key in os.environ:
             env[key] = os.environ[key]
     return env
+
+
+def _log_tracebacks(exc: BaseException, what: str) -> None:
+    """Each failed rank's traceback, as Ray Train handed it over, into the run's log.
+
+    A rank prints its own traceback as it fails, and Ray forwards it to the driver's log from a thread of its
+    own, which the driver's exit can outrun: the run's last line names the cause, but no log held where it was
+    raised. What Ray Train returns to the driver does not depend on that race: the workers' errors of a run
+    that spent its restarts, or those `StopOnDeterministicFailure` kept in the error that stopped it."""
+    from vitscale.launch.console import to_log
+
+    stopped = getattr(exc, "controller_failure", None)
+    tracebacks = dict(getattr(stopped, "tracebacks", None) or {})
+    for rank, failure in (getattr(exc, "worker_failures", None) or {}).items():
+        tracebacks[rank] = worker_traceback(failure)
+    for rank, text in sorted(tracebacks.items()):
+        to_log(line(f"{what}: rank {rank}'s traceback, as Ray Train returned it to the driver:\n{text}"))
 
 
 def _root_cause(exc: BaseException, storage: str | None = None, parts: int = 1) -> str:

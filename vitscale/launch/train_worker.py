@@ -42,6 +42,9 @@ class WorkerFailed(RuntimeError):
 
     deterministic: bool = False
     """A restart would fail the same way (launch/failures.py): set by the worker, read by the driver."""
+    traceback: str = ""
+    """Where the cause was raised, formatted by the worker: an attribute survives the pickling to Ray Train's
+    controller and the driver, which drops the cause chain and its traceback (`launch/failures.py`)."""
 
 
 def train_worker(payload: dict[str, Any]) -> None:
@@ -84,9 +87,11 @@ def train_worker(payload: dict[str, Any]) -> None:
     except Exception as exc:
         # Ray shows its own traceback of the actor; print the worker's with its rank so the driver's
         # log says which rank failed and why, then re-raise for Ray's failure handling.
-        say(f"rank {rank} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        where = traceback.format_exc()
+        say(f"rank {rank} failed: {type(exc).__name__}: {exc}\n{where}")
         failure = WorkerFailed(f"rank {rank}: {ckpt.one_line(exc, storage, world_size)}")
         failure.deterministic = deterministic_cause(exc) is not None  # survives pickling; the cause does not
+        failure.traceback = where
         raise failure from exc
     finally:
         if mirror is not None:
