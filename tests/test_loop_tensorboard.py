@@ -138,7 +138,8 @@ def test_a_resume_in_the_same_second_and_process_continues_the_curve(tmp_path: P
     "...vm.26417.9": the suite's order did it), and the curve went 4, 5, 6, 1, 2, 3, ...; it goes 1..6 now."""
     from tensorboard.summary.writer import event_file_writer
 
-    from vitscale.train.metrics import StepMetrics, TensorBoardLog
+    from vitscale.train.metrics import StepMetrics
+    from vitscale.train.tensorboard import TensorBoardLog
 
     monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
 

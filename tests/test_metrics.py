@@ -292,7 +292,7 @@ def test_nonfinite_losses_and_checkpoints_are_counted_for_the_alerts(tmp_path: P
 
 
 def test_hms() -> None:
-    from vitscale.train.metrics import hms
+    from vitscale.train.progress import hms
 
     assert hms(0) == "0:00:00" and hms(59.4) == "0:00:59" and hms(3725) == "1:02:05"
     assert hms(100 * 3600 + 1) == "100:00:01"
@@ -302,7 +302,7 @@ def test_hms() -> None:
 def test_step_line_has_a_clock_and_an_hms_eta() -> None:
     import time
 
-    from vitscale.train.metrics import progress_line
+    from vitscale.train.progress import progress_line
 
     now = time.mktime((2026, 11, 23, 21, 5, 7, 0, 0, -1))
     line = progress_line(_step(2), total_steps=1002, elapsed_s=20.0, steps_done=2, now=now)
@@ -320,7 +320,7 @@ def _scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_tensorboard_log_is_keyed_by_optimizer_step(tmp_path: Path) -> None:
-    from vitscale.train.metrics import TensorBoardLog
+    from vitscale.train.tensorboard import TensorBoardLog
 
     board = TensorBoardLog(tmp_path / "tb")
     for step in (1, 2, 3):
@@ -347,7 +347,7 @@ def test_tensorboard_log_is_keyed_by_optimizer_step(tmp_path: Path) -> None:
 
 
 def test_a_restart_before_the_first_checkpoint_does_not_draw_its_steps_twice(tmp_path: Path) -> None:
-    from vitscale.train.metrics import TensorBoardLog
+    from vitscale.train.tensorboard import TensorBoardLog
 
     board = TensorBoardLog(tmp_path / "tb")
     for step in (1, 2, 3):  # the attempt dies at step 3, before any checkpoint
@@ -362,7 +362,7 @@ def test_a_restart_before_the_first_checkpoint_does_not_draw_its_steps_twice(tmp
 
 
 def test_no_mfu_is_no_point(tmp_path: Path) -> None:
-    from vitscale.train.metrics import TensorBoardLog
+    from vitscale.train.tensorboard import TensorBoardLog
 
     board = TensorBoardLog(tmp_path / "tb")
     board.record(_step(1, mfu=None))

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from vitscale.data.storage.atomic import AppendOnly
 from vitscale.say import say
-from vitscale.train.metrics import MetricsSink, StepMetrics, TensorBoardLog, progress_line
+from vitscale.train.metrics import MetricsSink, StepMetrics
+from vitscale.train.progress import progress_line
+from vitscale.train.tensorboard import TensorBoardLog
 
 if TYPE_CHECKING:
     from vitscale.train.context import WorkerContext
