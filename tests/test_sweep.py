@@ -279,7 +279,8 @@ def test_a_sweep_resumed_with_other_settings_is_refused_before_ray(tmp_path: Pat
     import torch
 
     from vitscale.models import create_model, export_state_dict
-    from vitscale.stages.sweep import SETTINGS, refuse_changed_sweep, sweep_part, sweep_record
+    from vitscale.stages.sweep_checks import SETTINGS, refuse_changed_sweep, sweep_record
+    from vitscale.stages.sweep_space import sweep_part
 
     def downstream(seed: int) -> str:
         write_dataset("synthetic", str(tmp_path / "data"), shard_size=20, max_side=16, progress=False, seed=seed,

@@ -10,13 +10,13 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vitscale.config.checks import ConfigError, check, non_negative, one_of, positive, seed
 from vitscale.config.fields import RESUME_FREE
 from vitscale.config.loader import to_dict
-from vitscale.config.pipeline import PipelineConfig
+from vitscale.config.pipeline import ClusterConfig, PipelineConfig
 from vitscale.stages.finetune import finetune_section
 
 __all__ = ["LR_KEY", "METRICS", "TARGETS", "SweepConfig", "combinations", "search_space", "sweep_section",
@@ -136,3 +136,25 @@ def combinations(space: dict[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
     """Every point of the grid, in order (pure)."""
     keys = list(space)
     return [dict(zip(keys, values)) for values in itertools.product(*(space[k] for k in keys))]
+
+
+def trial_cluster(config: PipelineConfig) -> ClusterConfig:
+    """The cluster one trial (and the winner's retrain) runs on: `sweep.workers_per_trial` workers."""
+    return replace(config.cluster, num_workers=sweep_section(config).workers_per_trial or config.cluster.num_workers)
+
+
+def trial_workers_key(config: PipelineConfig) -> str:
+    """The key that sets a trial's number of workers (what a run stopped for want of room says to lower)."""
+    return "sweep.workers_per_trial" if sweep_section(config).workers_per_trial else "cluster.num_workers"
+
+
+SWEEP_PART = "sweep"
+"""The sweep's folder inside the run: its tables, and its trials' and retrains' Train runs
+(`sweep/trials/<id>`, `sweep/final`; the random-weights search's under `sweep/scratch/`)."""
+SCRATCH = "-scratch"
+"""The label of the search from random weights (`sweep.scratch_baseline`)."""
+
+
+def sweep_part(label: str) -> str:
+    """The folder, inside the run, of the search labelled `label` ("" or `SCRATCH`)."""
+    return f"{SWEEP_PART}/{label.lstrip('-')}" if label else SWEEP_PART

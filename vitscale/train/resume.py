@@ -226,7 +226,7 @@ def refuse_changed_run(old_yaml: str, new_yaml: str, scope: tuple[str, ...], whe
     `where` names the checkpoint. World sizes, when given, are compared too (a sweep's trials take
     theirs from `sweep.workers_per_trial`, so the manifest's is the one that counts), and so is
     `trained_on` (what the job reads and starts from now: `TRAINED_KEY`) with what the checkpoint records.
-    `may_change`: the keys in `scope` that may differ (a sweep's adds its own, `stages/sweep.py`).
+    `may_change`: the keys in `scope` that may differ (a sweep's adds its own, `stages/sweep_checks.py`).
     """
     old = with_defaults(yaml.safe_load(old_yaml) or {})
     new = with_defaults(yaml.safe_load(new_yaml) or {})
