@@ -1,8 +1,9 @@
-"""The `sweep:` section and its search space: what a sweep tunes, over which values, and each trial's pipeline.
+"""The `sweep:` section and its search space: what a sweep tunes, over which values, each trial's pipeline,
+cluster and folder.
 
-Pure configuration (no Ray): `stages/sweep.py` runs the trials, and the study reads `SweepConfig` to plan
-its cells. A trial is the pipeline with its values set, built and checked as any pipeline is
-(`with_params`), so a bad value in `sweep.space` is named before any trial starts.
+Pure configuration (no Ray): `stages/sweep.py` runs the trials, `stages/sweep_checks.py` checks them, and the
+study reads `SweepConfig` to plan its cells. A trial is the pipeline with its values set, built and checked as
+any pipeline is (`with_params`), so a bad value in `sweep.space` is named before any trial starts.
 """
 
 from __future__ import annotations
