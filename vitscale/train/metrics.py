@@ -5,9 +5,9 @@ What a step reports is one frozen :class:`StepMetrics`. :class:`MetricsSink` wri
 * as one JSON line to ``<run_dir>/metrics/rank<rank>.jsonl`` (written per line, so ``tail -f`` and
   a crash both see every finished step; a line is appended whole or not at all, so a full disk never
   leaves a torn one: ``data/storage/atomic.py``), and
-* when a port is given, to Prometheus series served from this process by
-  ``prometheus_client.start_http_server`` on a registry of its own (never the global default
-  registry, so two sinks in one process — tests, Ray Tune trials — do not collide).
+* to Prometheus series (``train/prometheus.py``), served from this process when a port is given, on a
+  registry of its own (never the global default registry, so two sinks in one process — tests, Ray Tune
+  trials — do not collide).
 
 Prometheus series (labels ``run`` and ``rank`` on all; base units; ``_total`` for counters). ``run`` is the
 pipeline run and the Train run's part inside it (``vit-b16``, ``vit-b16/finetune``,
@@ -77,16 +77,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    start_http_server,
-)
-
 from vitscale.config.checks import check, non_negative_int
 from vitscale.data.storage.atomic import AppendOnly
+from vitscale.train.prometheus import PrometheusSeries, Served
 from vitscale.train.restarts import Restart, read_rows, restarts
 
 __all__ = [
@@ -166,12 +159,6 @@ class StepClock:
         self.carry = time.perf_counter() - self.taken
 
 
-# Step times span milliseconds (tiny CPU runs) to a minute (huge models, slow storage).
-_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
-# Checkpoints: a tiny CPU model in well under a second to ZeRO-3 shards of a huge one on slow storage.
-_CHECKPOINT_BUCKETS = (0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 180.0, 600.0, 1800.0, float("inf"))
-
-
 _STEP_FIELDS = tuple(f.name for f in dataclasses.fields(StepMetrics))
 
 
@@ -204,10 +191,7 @@ class MetricsSink:
         resumed_examples, resumed_exaflops: the run's totals at the step this process starts from (its
             checkpoint's): the counters count from there.
 
-    Counters are fed cumulative values (``examples_seen``, ``cumulative_exaflops``, skipped counts)
-    and increase by the difference from the previous record (the first from the resumed totals); a
-    value lower than the last one (a restore to an earlier checkpoint in the same process) adds
-    nothing, as counters cannot go down.
+    The series and their counters' arithmetic are `train/prometheus.py`'s.
     """
 
     def __init__(
@@ -240,107 +224,14 @@ class MetricsSink:
         # line for the next attempt to continue from; a torn one an earlier writer left is cut off here.
         self._file: AppendOnly | None = AppendOnly(self.path)
         self._lock = threading.Lock()
-        # Cumulative value last fed to each counter child: the counters start at 0 where this process starts.
-        self._last: dict[str, float] = {"examples": float(resumed_examples), "flops": resumed_exaflops * 1e18}
-        self.registry = CollectorRegistry(auto_describe=True)
-        self._build_series()
-        self._server = None
-        self._thread: threading.Thread | None = None
-        self.port: int | None = None
-        self.refused: str | None = None
+        self.prometheus = PrometheusSeries(run, rank, resumed_examples=resumed_examples,
+                                           resumed_exaflops=resumed_exaflops)
+        self.registry = self.prometheus.registry
+        self.served = Served(self.registry, port, addr) if port is not None else None
+        """`/metrics` served from this process; None where no port was asked for."""
+        self.port: int | None = self.served.port if self.served else None
+        self.refused: str | None = self.served.refused if self.served else None
         """Why the port asked for could not be served (another process holds it), when another one is."""
-        if port is not None:
-            try:
-                started = start_http_server(port, addr=addr, registry=self.registry)
-            except OSError as exc:
-                if port == 0:
-                    raise
-                # Another process on this node holds the port (a peer's run, an exporter): a run of days is not
-                # stopped, nor restarted until its failures are spent, for its metrics' port. A free one serves
-                # them instead, and the worker says which (`Observers`).
-                self.refused = f"port {port} could not be served ({exc.strerror or exc})"
-                started = start_http_server(0, addr=addr, registry=self.registry)
-            if started is None:  # prometheus-client < 0.20 returns nothing: the server could never stop
-                raise RuntimeError("MetricsSink needs prometheus-client >= 0.20 "
-                                   "(start_http_server must return the server)")
-            self._server, self._thread = started
-            self.port = int(self._server.server_port)
-
-    def _build_series(self) -> None:
-        labels = ("run", "rank")
-        r = self.registry
-        self._g = {
-            "step": Gauge("vitscale_step", "Last optimiser step recorded.", labels, registry=r),
-            "epoch": Gauge("vitscale_epoch", "Fractional epoch reached.", labels, registry=r),
-            "loss": Gauge("vitscale_train_loss", "Training loss of the last step.", labels, registry=r),
-            "lr": Gauge("vitscale_learning_rate", "Learning rate of the last step.", labels, registry=r),
-            "grad_norm": Gauge("vitscale_grad_norm", "Global gradient norm before clipping.", labels, registry=r),
-            "images_per_s": Gauge(
-                "vitscale_images_per_second", "Training examples per second in the last step (all ranks).", labels,
-                registry=r,
-            ),
-        }
-        self._mfu = Gauge("vitscale_mfu_ratio", "Model FLOPs utilisation (0-1) vs dense bf16 peak.", labels, registry=r)
-        self._patch = Gauge("vitscale_patch_accuracy_ratio",
-                            "Masked patch prediction: share of the last step's corrupted patches predicted exactly.",
-                            labels, registry=r)
-        self._h = {
-            "step_time_s": Histogram(
-                "vitscale_step_seconds", "Wall time per optimiser step.", labels, buckets=_SECONDS_BUCKETS,
-                registry=r,
-            ),
-            "data_wait_s": Histogram(
-                "vitscale_data_wait_seconds", "Time per step waiting for input.", labels, buckets=_SECONDS_BUCKETS,
-                registry=r,
-            ),
-            "compute_s": Histogram(
-                "vitscale_compute_seconds", "Time per step in forward, backward and update.", labels,
-                buckets=_SECONDS_BUCKETS, registry=r,
-            ),
-        }
-        # This sink's own series of every step, looked up once (a labels() call takes a lock and a dict lookup).
-        self._step_gauges = {key: gauge.labels(self.run, str(self.rank)) for key, gauge in self._g.items()}
-        self._step_histograms = {key: hist.labels(self.run, str(self.rank)) for key, hist in self._h.items()}
-        # prometheus_client appends "_total" to counter names itself.
-        self._examples = Counter("vitscale_examples_seen", "Examples this process consumed.", labels, registry=r)
-        self._flops = Counter("vitscale_train_flops", "Training FLOPs this process spent.", labels, registry=r)
-        for counter in (self._examples, self._flops):
-            counter.labels(self.run, str(self.rank))  # at 0 from the start: a restart's reset is seen at once
-        self._run_flops = Gauge("vitscale_run_flops", "Training FLOPs of the run so far (the paper's count).", labels,
-                                registry=r)
-        self._skipped = Counter(
-            "vitscale_skipped_samples", "Samples skipped (undecodable or invalid), by shard.", (*labels, "shard"),
-            registry=r,
-        )
-        self._nonfinite = Counter("vitscale_nonfinite_loss", "Steps whose loss was NaN or infinite.", labels,
-                                  registry=r)
-        self._nonfinite.labels(self.run, str(self.rank))  # at 0 from the start, so increase() sees the first one
-        self._ckpt_time = Histogram(
-            "vitscale_checkpoint_seconds", "Wall time to save one checkpoint (this rank's part).", labels,
-            buckets=_CHECKPOINT_BUCKETS, registry=r,
-        )
-        self._world = Gauge("vitscale_world_size", "Workers training the run (changes when an elastic run resizes).",
-                            labels, registry=r)
-        self._restarts = Counter("vitscale_restarts", "Restarts of the worker group this process has seen begin "
-                                 "(failures, preemptions, resizes).", labels, registry=r)
-        self._restart_seconds = Counter("vitscale_restart_lost_seconds", "Seconds from the last step before a "
-                                        "restart to the first step after.", labels, registry=r)
-        # At 0 from the start, as the non-finite count: a series that first appears at 1 is one whose first
-        # sample increase() and rate() never count, so a restart (always a new process's) would not show.
-        for counter in (self._restarts, self._restart_seconds):
-            counter.labels(self.run, str(self.rank))
-        self._attempt = Gauge("vitscale_attempt_start_timestamp_seconds", "Unix time this attempt of the run (a start "
-                              "or a restart of the worker group) began.", labels, registry=r)
-        self._ckpt_last = Gauge(
-            "vitscale_last_checkpoint_timestamp_seconds", "Unix time the last checkpoint save finished.", labels,
-            registry=r,
-        )
-
-    def _advance(self, key: str, counter_child: Counter, cumulative: float) -> None:
-        delta = cumulative - self._last.get(key, 0.0)
-        if delta > 0:
-            counter_child.inc(delta)
-        self._last[key] = max(cumulative, self._last.get(key, 0.0))
 
     def record(self, m: StepMetrics, skipped_by_shard: dict[str, int] | None = None) -> None:
         """Write one step: a JSON line (flushed) and, if serving, the Prometheus series.
@@ -371,30 +262,7 @@ class MetricsSink:
             self._previous = row
             self.restarts.extend(gone)
 
-            lv = (self.run, str(self.rank))
-            values = {"step": m.step, "epoch": m.epoch, "loss": m.loss, "lr": m.lr, "grad_norm": m.grad_norm,
-                      "images_per_s": m.images_per_s}
-            for key, gauge in self._step_gauges.items():
-                gauge.set(values[key])  # NaN is a legal Prometheus value: shows a diverged loss
-            if m.mfu is not None and math.isfinite(m.mfu):
-                self._mfu.labels(*lv).set(m.mfu)
-            if m.patch_accuracy is not None:
-                self._patch.labels(*lv).set(m.patch_accuracy)
-            for key, hist in self._step_histograms.items():
-                hist.observe(getattr(m, key))
-            self._advance("examples", self._examples.labels(*lv), float(m.examples_seen))
-            self._advance("flops", self._flops.labels(*lv), m.cumulative_exaflops * 1e18)
-            self._run_flops.labels(*lv).set(m.cumulative_exaflops * 1e18)
-            for shard, count in by_shard.items():
-                self._advance(f"skipped/{shard}", self._skipped.labels(*lv, shard), float(count))
-            if not math.isfinite(m.loss):
-                self._nonfinite.labels(*lv).inc()
-            self._world.labels(*lv).set(m.world_size)
-            if m.attempt > 0:
-                self._attempt.labels(*lv).set(m.attempt)
-            for restart in gone:
-                self._restarts.labels(*lv).inc()
-                self._restart_seconds.labels(*lv).inc(restart.seconds_lost)
+            self.prometheus.record(m, by_shard, gone)
 
     def checkpoint_saved(self, seconds: float, finished_at: float | None = None) -> None:
         """Record a finished checkpoint save: how long it took and when it finished (Unix time, default now).
@@ -407,20 +275,14 @@ class MetricsSink:
         if not (math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"checkpoint seconds must be a finite number >= 0, got {seconds!r}")
         with self._lock:
-            lv = (self.run, str(self.rank))
-            self._ckpt_time.labels(*lv).observe(seconds)
-            self._ckpt_last.labels(*lv).set(time.time() if finished_at is None else finished_at)
+            self.prometheus.checkpoint_saved(seconds, finished_at)
 
     def close(self) -> None:
         """Stop the HTTP server (if any) and close the JSONL file. Safe to call twice."""
         with self._lock:
-            if self._server is not None:
-                self._server.shutdown()  # ends serve_forever in the daemon thread
-                self._server.server_close()  # releases the port
-                if self._thread is not None:
-                    self._thread.join(timeout=5)
-                self._server = None
-                self._thread = None
+            if self.served is not None:
+                self.served.close()
+                self.served = None
             if self._file is not None:
                 self._file.close()
                 self._file = None
