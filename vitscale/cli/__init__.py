@@ -107,7 +107,7 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"vitscale: error: {one_line(text)}", file=sys.stderr)
         return 2
     except PipelineFailed as exc:
-        # The workers' tracebacks are already in the log above; end with who failed and why.
+        # Each failed rank's traceback is in the run's log (`launch/ray_train.py`); end with who failed and why.
         print(f"vitscale: error: {one_line(str(exc))}", file=sys.stderr)
         return 1
 
