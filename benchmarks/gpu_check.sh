@@ -66,17 +66,17 @@ stamp() { echo "== $(date +%H:%M:%S) $*"; }
 # ones after it instead of running the lease out: `part` gives a command at most WANT seconds and never
 # past the deadline; `extra` runs only where its whole WANT still fits.
 only=" ${GPU_CHECK_ONLY:-} "
+# Each call below reads `chosen NAME && part WANT TITLE COMMAND...`: a part not chosen starts nothing, its log's `tee`
+# included (an empty log would read as a part that ran and printed nothing).
 chosen() { [[ $only == "  " || $only == *" $1 "* ]]; }
 part() {
-  local name=$1 want=$2 title=$3 left=$(( deadline - SECONDS )); shift 3
-  chosen "$name" || return 0
+  local want=$1 title=$2 left=$(( deadline - SECONDS )); shift 2
   if (( left < 30 )); then stamp "skipped, the deadline is near: $title"; return 0; fi
   stamp "$title"
   timeout $(( want < left ? want : left )) "$@"
 }
 extra() {
-  local name=$1 want=$2 title=$3; shift 3
-  chosen "$name" || return 0
+  local want=$1 title=$2; shift 2
   if (( deadline - SECONDS < want )); then stamp "skipped, no time left for it: $title"; return 0; fi
   stamp "$title"
   timeout "$want" "$@"
@@ -84,56 +84,56 @@ extra() {
 stamp "machine"; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 $python -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)" 2>&1 | tail -1
 
-part update 45 "the update alone" $python benchmarks/update_pass.py --steps 20 --out "$out/update_pass.json" 2>&1 \
+chosen update && part 45 "the update alone" $python benchmarks/update_pass.py --steps 20 --out "$out/update_pass.json" 2>&1 \
   | tee "$out/update_pass.log" | tail -9
 # The GPU tests before the benchmarks: the code they check (the one-pass update compiled by Triton, ZeRO 3's
 # fused norm) had not met a GPU when this order was set, and a step that is wrong is worth no figure.
-part tests 160 "gpu tests" $python -m pytest -m gpu tests/test_gpu_training.py tests/test_flops.py tests/test_bench_mfu.py \
+chosen tests && part 160 "gpu tests" $python -m pytest -m gpu tests/test_gpu_training.py tests/test_flops.py tests/test_bench_mfu.py \
   -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | grep -v DEBUG | tail -8
-part b16 200 "mfu ViT-B/16" $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 3 2 --peer --steps 16 \
+chosen b16 && part 200 "mfu ViT-B/16" $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 3 2 --peer --steps 16 \
   --profile "$out" --out "$out/mfu_b16.json" 2>&1 | tee "$out/mfu_b16.log" | grep -v '^{'
-part l16 170 "mfu ViT-L/16" $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 1 --peer --steps 10 \
+chosen l16 && part 170 "mfu ViT-L/16" $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 1 --peer --steps 10 \
   --out "$out/mfu_l16.json" 2>&1 | tee "$out/mfu_l16.log" | grep -v '^{'
 # 20,000 JPEGs and their shards take ~45 s, the fixed batch's compile and steps ~35 s, the loop ~30 s.
-part data 150 "train_data ViT-B/16" $python benchmarks/train_data.py --steps 40 --fixed-steps 10 --decode-seconds 3 \
+chosen data && part 150 "train_data ViT-B/16" $python benchmarks/train_data.py --steps 40 --fixed-steps 10 --decode-seconds 3 \
   --out "$out/train_data.json" 2>&1 | tee "$out/train_data.log" | tail -25
 # The extras, each only where its whole time still fits before the deadline, the open questions first.
 # Searching configurations compiles for minutes (ViT-L/16's default compile took ~50 s of its 100-s part).
-extra autotune 190 "mfu ViT-L/16, compile mode max-autotune-no-cudagraphs" \
+chosen autotune && extra 190 "mfu ViT-L/16, compile mode max-autotune-no-cudagraphs" \
   $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 1 --compile-mode max-autotune-no-cudagraphs \
   --steps 8 --out "$out/mfu_l16_autotune.json" 2>&1 | tee "$out/mfu_l16_autotune.log" | grep -v '^{' | tail -6
 # Half of max-autotune: inductor's coordinate-descent tuning of its own kernels (layer norms, GELU, residual adds,
 # the one-pass update: a fifth or so of a step), without the matmul search; minutes less to compile. Whether it
 # lifts ViT-L/16 to 47% MFU (inductor reads the variable when torch is imported; the same measurement otherwise).
-extra l16-tuned 120 "mfu ViT-L/16, inductor's coordinate-descent tuning" env TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 \
+chosen l16-tuned && extra 120 "mfu ViT-L/16, inductor's coordinate-descent tuning" env TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 \
   $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 1 --steps 8 --out "$out/mfu_l16_tuned.json" 2>&1 \
   | tee "$out/mfu_l16_tuned.log" | grep -v '^{' | tail -6
-extra l16-zero2 110 "mfu ViT-L/16, ZeRO 2" $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 2 --steps 8 \
+chosen l16-zero2 && extra 110 "mfu ViT-L/16, ZeRO 2" $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 2 --steps 8 \
   --out "$out/mfu_l16_zero2.json" 2>&1 | tee "$out/mfu_l16_zero2.log" | grep -v '^{' | tail -6
 # 1,200 JPEGs at batch 256: an epoch every 4 steps, where the loader's processes were started again every epoch
 # until 2026-11-30 (now kept: benchmarks/RESULTS.md, "One loader for every epoch").
-extra data-epochs 110 "train_data ViT-B/16 on 1,200 JPEGs, an epoch every 4 steps" \
+chosen data-epochs && extra 110 "train_data ViT-B/16 on 1,200 JPEGs, an epoch every 4 steps" \
   $python benchmarks/train_data.py --images 1200 --steps 40 --fixed-steps 10 --decode-seconds 2 \
   --out "$out/train_data_epochs.json" 2>&1 | tee "$out/train_data_epochs.log" | tail -12
 # A small ViT's step is short on an H200 (a few ms at batch 256): where the host's side of a step (DeepSpeed's
 # engine, its per-parameter gradient hooks, the update's launches) takes longer than the GPU's, the GPU waits.
 # ViT-Ti/16 and S/16 against the peer say whether it does (never measured on a GPU so far; on 2 CPU cores the host's
 # side of vitscale's compiled step took 1.5x the peer's: `benchmarks/host_cost.py --compile`).
-extra small 110 "mfu ViT-Ti/16 and ViT-S/16, ZeRO 1, against the peer" $python benchmarks/mfu.py \
+chosen small && extra 110 "mfu ViT-Ti/16 and ViT-S/16, ZeRO 1, against the peer" $python benchmarks/mfu.py \
   --models ViT-Ti/16 ViT-S/16 --zero-stages 1 --peer --steps 16 --out "$out/mfu_small.json" 2>&1 \
   | tee "$out/mfu_small.log" | grep -v '^{' | tail -8
-extra eager 60 "mfu ViT-B/16, ZeRO 0 and ZeRO 3 eager (the main run's ZeRO 3 row is compiled)" \
+chosen eager && extra 60 "mfu ViT-B/16, ZeRO 0 and ZeRO 3 eager (the main run's ZeRO 3 row is compiled)" \
   $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 0 3 --compile off --steps 8 \
   --out "$out/mfu_b16_eager.json" 2>&1 | tee "$out/mfu_b16_eager.log" | grep -v '^{' | tail -6
-extra attention 40 "attention kernels" $python benchmarks/attention.py --steps 10 --out "$out/attention.json" 2>&1 \
+chosen attention && extra 40 "attention kernels" $python benchmarks/attention.py --steps 10 --out "$out/attention.json" 2>&1 \
   | tee "$out/attention.log" | grep -v '^{' | tail -7
-extra graphs 75 "mfu ViT-B/16, CUDA graphs" $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 \
+chosen graphs && extra 75 "mfu ViT-B/16, CUDA graphs" $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 \
   --compile-mode reduce-overhead --steps 8 --out "$out/mfu_b16_graphs.json" 2>&1 \
   | tee "$out/mfu_b16_graphs.log" | grep -v '^{' | tail -6
-extra b16-auto 60 "mfu ViT-B/16, the batch chosen by memory" $python benchmarks/mfu.py --models ViT-B/16 --batch auto \
+chosen b16-auto && extra 60 "mfu ViT-B/16, the batch chosen by memory" $python benchmarks/mfu.py --models ViT-B/16 --batch auto \
   --zero-stages 1 --steps 8 --out "$out/mfu_b16_auto.json" 2>&1 | tee "$out/mfu_b16_auto.log" | grep -v '^{' | tail -6
 # ViT-L/16 at the batch its memory holds (576 on an H200): two eager probes, then both loops compiled at it.
-extra l16-auto 150 "mfu ViT-L/16, the batch chosen by memory (both loops)" \
+chosen l16-auto && extra 150 "mfu ViT-L/16, the batch chosen by memory (both loops)" \
   $python benchmarks/mfu.py --models ViT-L/16 --batch auto --zero-stages 1 --peer --steps 4 \
   --out "$out/mfu_l16_auto.json" 2>&1 | tee "$out/mfu_l16_auto.log" | grep -v '^{'
 stamp "done"
