@@ -5,6 +5,8 @@ from __future__ import annotations
 import pickle
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
 
 from vitscale.config.checks import ConfigError
@@ -108,7 +110,7 @@ def test_ranks_that_fail_alike_are_said_once():
 def test_each_failed_ranks_traceback_reaches_the_run_log_whichever_way_the_run_ended(tmp_path, monkeypatch):
     """Ray's forwarding of a rank's own lines can lose the race with the driver's exit: the tracebacks travel
     in what Ray Train returns instead, the error that stopped the run or the workers' errors after its restarts,
-    and the driver writes them into the run's log (not the terminal)."""
+    and the driver writes them into the run's log (not the terminal), ranks that failed alike once."""
     import io
     import sys
 
@@ -130,6 +132,39 @@ def test_each_failed_ranks_traceback_reaches_the_run_log_whichever_way_the_run_e
         told = log.getvalue()
         assert terminal.getvalue() == ""
         for rank in ranks:
-            assert (f"[vitscale] pre-training: rank {rank}'s traceback, as Ray Train returned it to the driver:\n"
+            assert (f"[vitscale] pre-training: the traceback of rank {rank}, as Ray Train returned it to the driver:\n"
                     f'Traceback (most recent call last):\n  File "loop.py", line {rank}\n') in told, told
         assert told.count("Traceback") == len(ranks)
+
+
+def test_thousands_of_ranks_that_fail_alike_carry_one_traceback() -> None:
+    """The error that stops a run travels to the driver pickled: 2,048 ranks over one error budget send one
+    traceback, not 2,048; a failure that differs on every rank keeps its first few."""
+    from vitscale.launch.failures import MOST_TRACEBACKS
+
+    budget = ErrorBudgetExceeded("5 samples skipped in epoch 0 (all 2048 ranks)")
+    shipped = {rank: _as_controller_sees_it(rank, budget) for rank in range(2048)}
+    for failure in shipped.values():
+        failure._base_exc.traceback = "Traceback (most recent call last):\nErrorBudgetExceeded: over\n"
+    with pytest.raises(DeterministicFailure) as stopped:
+        StopOnDeterministicFailure().after_exception(None, shipped)
+    assert stopped.value.tracebacks == [(tuple(range(2048)), "Traceback (most recent call last):\nErrorBudgetExceeded: "
+                                                             "over\n")]
+    with pytest.raises(DeterministicFailure) as stopped:
+        StopOnDeterministicFailure().after_exception(None, {r: _as_controller_sees_it(r, budget) for r in range(64)})
+    assert [ranks for ranks, _ in stopped.value.tracebacks] == [(r,) for r in range(MOST_TRACEBACKS)]
+
+
+@given(st.dictionaries(st.integers(0, 4095), st.sampled_from(["a", "b", "c", "d"]), max_size=64),
+       st.integers(1, 5))
+def test_alike_groups_each_rank_once_under_its_own_traceback(tracebacks: dict[int, str], most: int) -> None:
+    from vitscale.launch.failures import alike
+
+    groups = alike(tracebacks, most=most)
+    assert len(groups) == min(most, len(set(tracebacks.values())))
+    assert len({text for _, text in groups}) == len(groups)  # each traceback once
+    for ranks, text in groups:
+        assert list(ranks) == sorted(ranks) and all(tracebacks[r] == text for r in ranks)
+        assert set(ranks) == {r for r, t in tracebacks.items() if t == text}  # every rank of a kept traceback
+    firsts = [ranks[0] for ranks, _ in groups]
+    assert firsts == sorted(firsts) and (not groups or firsts[0] == min(tracebacks))

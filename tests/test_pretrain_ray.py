@@ -298,8 +298,8 @@ def test_worker_error_names_the_rank_and_the_cause(local_ray: None, dataset: str
     # Where it was raised is in the run's log whether or not Ray's forwarding of the rank's own lines outran
     # the driver's exit: the driver writes each failed rank's traceback as Ray Train returned it.
     log = (tmp_path / "broken" / "logs" / "ray.log").read_text()
-    told = re.search(r"rank ([01])'s traceback, as Ray Train returned it to the driver:\nTraceback \(most recent "
-                     r"call last\):\n(?:.*\n)*?.*ErrorBudgetExceeded", log)
+    told = re.search(r"the traceback of rank ([01])(?:, rank [01])?, as Ray Train returned it to the driver:\n"
+                     r"Traceback \(most recent call last\):\n(?:.*\n)*?.*ErrorBudgetExceeded", log)
     assert told and f"rank {told[1]}" in message, log[-3000:]
     assert "rank 0" in message or "rank 1" in message
     assert "ErrorBudgetExceeded" in message

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import ray
@@ -58,12 +58,25 @@ the run stops instead of being retried."""
 
 class DeterministicFailure(RuntimeError):
     """Workers failed in a way a restart would repeat; the message names each rank's error, `tracebacks` holds
-    each failed rank's traceback (an attribute survives the pickling to the driver; the workers' exceptions,
-    which the controller's error does not carry, would not)."""
+    where they were raised (`alike`: ranks that failed alike share one; an attribute survives the pickling to
+    the driver, which the workers' exceptions, not carried by the controller's error, would not)."""
 
-    def __init__(self, message: str, tracebacks: dict[int, str] | None = None) -> None:
+    def __init__(self, message: str, tracebacks: list[tuple[tuple[int, ...], str]] | None = None) -> None:
         super().__init__(message)
-        self.tracebacks = dict(tracebacks or {})
+        self.tracebacks = list(tracebacks or [])
+
+
+MOST_TRACEBACKS = 8
+"""Distinct tracebacks kept of one failure: thousands of ranks that fail alike are one traceback, and a failure
+that differs on every rank is told by its first few (the run's line names every rank's error)."""
+
+
+def alike(tracebacks: Mapping[int, str], most: int = MOST_TRACEBACKS) -> list[tuple[tuple[int, ...], str]]:
+    """The ranks of each distinct traceback (pure), the lowest rank's first; at most `most` of them."""
+    ranks: dict[str, list[int]] = {}
+    for rank, text in sorted(tracebacks.items()):
+        ranks.setdefault(text, []).append(rank)
+    return [(tuple(group), text) for text, group in ranks.items()][:most]
 
 
 def worker_traceback(error: BaseException) -> str:
@@ -106,7 +119,7 @@ class StopOnDeterministicFailure(UserCallback):
         lines = _lines({rank: exc for rank, exc in found.items() if exc is not None})
         if lines:
             raise DeterministicFailure("; ".join(lines) + " (not retried: a restart would fail the same way)",
-                                       {rank: worker_traceback(exc) for rank, exc in worker_exceptions.items()})
+                                       alike({rank: worker_traceback(exc) for rank, exc in worker_exceptions.items()}))
 
 
 SHOWN_RANKS = 4
@@ -116,10 +129,8 @@ SHOWN_RANKS = 4
 def _lines(errors: dict[int, BaseException]) -> list[str]:
     """One line per distinct error, naming the ranks that raised it: every rank of a run over its error budget
     raises the same one (`data/loader/budget.py`), said once for all of them."""
-    ranks: dict[str, list[int]] = {}
-    for rank, exc in sorted(errors.items()):
-        ranks.setdefault(_text(rank, exc), []).append(rank)
-    return [f"{_ranks(alike)}: {text}" for text, alike in ranks.items()]
+    texts = {rank: _text(rank, exc) for rank, exc in errors.items()}
+    return [f"{ranks_named(group)}: {text}" for group, text in alike(texts, most=len(texts))]
 
 
 def _text(rank: int, exc: BaseException) -> str:
@@ -128,7 +139,8 @@ def _text(rank: int, exc: BaseException) -> str:
     return text.removeprefix(prefix) if text.startswith(prefix) else f"{type(exc).__name__}: {text}"
 
 
-def _ranks(ranks: list[int]) -> str:
+def ranks_named(ranks: list[int] | tuple[int, ...]) -> str:
+    """`rank 0, rank 1, rank 2, rank 3 and 5 more ranks`: the first `SHOWN_RANKS` named, the rest counted."""
     named = ", ".join(f"rank {rank}" for rank in ranks[:SHOWN_RANKS])
     return named if len(ranks) <= SHOWN_RANKS else f"{named} and {len(ranks) - SHOWN_RANKS} more ranks"
 

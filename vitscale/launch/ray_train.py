@@ -31,6 +31,8 @@ from vitscale.launch.failures import (
     StopOnDeterministicFailure,
     StopWithoutRoom,
     WorkersUnavailable,
+    alike,
+    ranks_named,
     worker_traceback,
 )
 from vitscale.launch.interruption import InterruptibleTrainer, keeping_handlers
@@ -174,11 +176,11 @@ def _log_tracebacks(exc: BaseException, what: str) -> None:
     from vitscale.launch.console import to_log
 
     stopped = getattr(exc, "controller_failure", None)
-    tracebacks = dict(getattr(stopped, "tracebacks", None) or {})
-    for rank, failure in (getattr(exc, "worker_failures", None) or {}).items():
-        tracebacks[rank] = worker_traceback(failure)
-    for rank, text in sorted(tracebacks.items()):
-        to_log(line(f"{what}: rank {rank}'s traceback, as Ray Train returned it to the driver:\n{text}"))
+    told = list(getattr(stopped, "tracebacks", None) or [])
+    failures = getattr(exc, "worker_failures", None) or {}
+    told += alike({rank: worker_traceback(failure) for rank, failure in failures.items()})
+    for ranks, text in told:
+        to_log(line(f"{what}: the traceback of {ranks_named(ranks)}, as Ray Train returned it to the driver:\n{text}"))
 
 
 def _root_cause(exc: BaseException, storage: str | None = None, parts: int = 1) -> str:
