@@ -167,7 +167,8 @@ def _worker_env() -> dict[str, str]:
 
 
 def _log_tracebacks(exc: BaseException, what: str) -> None:
-    """Each failed rank's traceback, as Ray Train handed it over, into the run's log.
+    """Where each failed rank's error was raised, as Ray Train handed it over, into the run's log (ranks that
+    failed alike under one traceback, `failures.alike`).
 
     A rank prints its own traceback as it fails, and Ray forwards it to the driver's log from a thread of its
     own, which the driver's exit can outrun: the run's last line names the cause, but no log held where it was
