@@ -148,7 +148,10 @@ def launch_training(job: TrainJob, cluster: ClusterConfig, place: RunPlace, what
     except Exception as exc:  # re-raised with the workers' own errors up front
         ended = "stopped" if isinstance(getattr(exc, "controller_failure", None), WorkersUnavailable) else "failed"
         cause = _root_cause(exc, place.storage, cluster.max_workers)
-        _log_tracebacks(exc, what)
+        try:
+            _log_tracebacks(exc, what)
+        except Exception as unlogged:  # noqa: BLE001 -- the run's own error, not this log's, is the one to tell
+            say(f"the failed ranks' tracebacks could not be written to the run's log: {unlogged!r}")
         raise PipelineFailed(f"{what} {ended}: {cause}") from exc
     # `checkpoint` is a ray.train.Checkpoint: later stages read it wherever it lives (disk, NFS, S3).
     return result.checkpoint, final_metrics(result)
