@@ -168,3 +168,32 @@ def test_alike_groups_each_rank_once_under_its_own_traceback(tracebacks: dict[in
         assert set(ranks) == {r for r, t in tracebacks.items() if t == text}  # every rank of a kept traceback
     firsts = [ranks[0] for ranks, _ in groups]
     assert firsts == sorted(firsts) and (not groups or firsts[0] == min(tracebacks))
+
+
+def test_a_log_that_cannot_take_the_tracebacks_never_hides_the_runs_own_error(tmp_path, monkeypatch, capsys):
+    """The run's log is closed (or its disk full, or its writer broken): the run still ends in its own line."""
+    import io
+    import sys
+
+    from ray.train.v2.api.exceptions import ControllerError
+
+    from vitscale.config.pipeline import ClusterConfig
+    from vitscale.launch import ray_train
+    from vitscale.launch.console import TerminalFilter
+    from vitscale.launch.errors import PipelineFailed
+    from vitscale.launch.run_place import RunPlace
+
+    stopped = DeterministicFailure("rank 0: ErrorBudgetExceeded: over (not retried: a restart would fail the same "
+                                   "way)", [((0,), "Traceback (most recent call last):\nErrorBudgetExceeded: over\n")])
+
+    class Stopped:  # what Ray Train's `fit` raises for a run its controller stopped
+        def fit(self) -> None:
+            raise ControllerError(stopped)
+
+    broken = io.StringIO()
+    broken.close()  # every write raises ValueError
+    monkeypatch.setattr(sys, "stderr", TerminalFilter(io.StringIO(), broken))
+    monkeypatch.setattr(ray_train, "trainer_for", lambda *args, **kwargs: Stopped())
+    with pytest.raises(PipelineFailed, match=r"^pre-training failed: rank 0: ErrorBudgetExceeded: over"):
+        ray_train.launch_training(None, ClusterConfig(), RunPlace(str(tmp_path / "run"), None), what="pre-training")
+    assert "the failed ranks' tracebacks could not be written to the run's log: ValueError" in capsys.readouterr().out
