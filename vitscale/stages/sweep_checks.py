@@ -27,12 +27,16 @@ from vitscale.stages.sweep_space import (
     sweep_part,
     sweep_section,
     trial_cluster,
+    trial_workers_key,
     with_params,
 )
 from vitscale.train.config import TrainConfig
 
 
 def check_sweep(config: PipelineConfig) -> None:
+    """The sweep's settings, before anything starts: `ConfigError` naming the key (and the trial whose values
+    make it wrong) for a space with nothing to sweep, a key outside the target's sections, a value its section
+    refuses, a batch a trial's workers cannot split, a metric or model the trials cannot give."""
     sweep = sweep_section(config)
     space = search_space(config)
     check(bool(space), "sweep.space", "nothing to sweep: name hyper-parameters (or a finetune preset/lr_grid)")
@@ -48,7 +52,7 @@ def check_sweep(config: PipelineConfig) -> None:
     from vitscale.train.engine import check_settings
 
     workers = trial_cluster(config).world_sizes
-    workers_key = "sweep.workers_per_trial" if sweep.workers_per_trial else "cluster.num_workers"
+    workers_key = trial_workers_key(config)
     for point in combinations(space):  # every trial's batch splits evenly over its workers
         trial = with_params(config, point)
         recipe, section = ((finetune_section(trial).train_config(), "finetune.train") if sweep.target == "finetune"
