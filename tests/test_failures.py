@@ -117,7 +117,7 @@ def test_each_failed_ranks_traceback_reaches_the_run_log_whichever_way_the_run_e
     from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
     from vitscale.launch.console import TerminalFilter
-    from vitscale.launch.ray_train import _log_tracebacks
+    from vitscale.launch.ray_train import log_tracebacks
 
     budget, gone = ErrorBudgetExceeded("over"), RuntimeError("peer gone")
     with pytest.raises(DeterministicFailure) as stopped:
@@ -128,7 +128,7 @@ def test_each_failed_ranks_traceback_reaches_the_run_log_whichever_way_the_run_e
     for error, ranks in ((shipped, (0, 1)), (restarts_spent, (3,))):
         terminal, log = io.StringIO(), io.StringIO()
         monkeypatch.setattr(sys, "stderr", TerminalFilter(terminal, log))
-        _log_tracebacks(error, "pre-training")
+        log_tracebacks(error, "pre-training")
         told = log.getvalue()
         assert terminal.getvalue() == ""
         for rank in ranks:

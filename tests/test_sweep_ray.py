@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import re
 import shutil
 import signal
 import socket
@@ -307,6 +308,12 @@ def test_a_failed_trial_is_a_row_with_its_error(assets: dict[str, str], tmp_path
     selected = json.loads((run_dir / "sweep" / "selected.json").read_text())
     assert selected["trial_id"] == good["trial_id"] and selected["params"] == {"finetune.data.url": assets["data"]}
     assert "error" in output and good["trial_id"] in output
+    # Where it was raised is in the run's log, written by the driver from the trial's error (Ray's forwarding of
+    # the worker's own lines is not waited for).
+    log = (run_dir / "logs" / "ray.log").read_text()
+    assert re.search(rf"\[vitscale\] trial {failed['trial_id']}: the traceback of rank 0, as Ray Train returned it "
+                     r"to the driver:\nTraceback \(most recent call last\):\n(?:.*\n)*?.*ErrorBudgetExceeded", log), \
+        log[-3000:]
 
     # Run again with another grid: Tune's restore answered it with this sweep's trials and winner, exit 0. Now
     # the sweep's record (sweep/config.yaml) refuses it in one line naming the changed key, before Ray starts

@@ -148,10 +148,7 @@ def launch_training(job: TrainJob, cluster: ClusterConfig, place: RunPlace, what
     except Exception as exc:  # re-raised with the workers' own errors up front
         ended = "stopped" if isinstance(getattr(exc, "controller_failure", None), WorkersUnavailable) else "failed"
         cause = _root_cause(exc, place.storage, cluster.max_workers)
-        try:
-            _log_tracebacks(exc, what)
-        except Exception as unlogged:  # noqa: BLE001 -- the run's own error, not this log's, is the one to tell
-            say(f"the failed ranks' tracebacks could not be written to the run's log: {unlogged!r}")
+        log_tracebacks(exc, what)
         raise PipelineFailed(f"{what} {ended}: {cause}") from exc
     # `checkpoint` is a ray.train.Checkpoint: later stages read it wherever it lives (disk, NFS, S3).
     return result.checkpoint, final_metrics(result)
@@ -169,22 +166,27 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-def _log_tracebacks(exc: BaseException, what: str) -> None:
+def log_tracebacks(exc: BaseException, what: str) -> None:
     """Where each failed rank's error was raised, as Ray Train handed it over, into the run's log (ranks that
-    failed alike under one traceback, `failures.alike`).
+    failed alike under one traceback, `failures.alike`); `exc` is what a Train run's `fit` raised.
 
     A rank prints its own traceback as it fails, and Ray forwards it to the driver's log from a thread of its
     own, which the driver's exit can outrun: the run's last line names the cause, but no log held where it was
     raised. What Ray Train returns to the driver does not depend on that race: the workers' errors of a run
-    that spent its restarts, or those `StopOnDeterministicFailure` kept in the error that stopped it."""
+    that spent its restarts, or those `StopOnDeterministicFailure` kept in the error that stopped it. A failure
+    to write them is one line, never in place of the run's own error."""
     from vitscale.launch.console import to_log
 
-    stopped = getattr(exc, "controller_failure", None)
-    told = list(getattr(stopped, "tracebacks", None) or [])
-    failures = getattr(exc, "worker_failures", None) or {}
-    told += alike({rank: worker_traceback(failure) for rank, failure in failures.items()})
-    for ranks, text in told:
-        to_log(line(f"{what}: the traceback of {ranks_named(ranks)}, as Ray Train returned it to the driver:\n{text}"))
+    try:
+        stopped = getattr(exc, "controller_failure", None)
+        told = list(getattr(stopped, "tracebacks", None) or [])
+        failures = getattr(exc, "worker_failures", None) or {}
+        told += alike({rank: worker_traceback(failure) for rank, failure in failures.items()})
+        for ranks, text in told:
+            to_log(line(f"{what}: the traceback of {ranks_named(ranks)}, as Ray Train returned it to the "
+                        f"driver:\n{text}"))
+    except Exception as unlogged:  # noqa: BLE001 -- the run's own error, not this log's, is the one to tell
+        say(f"{what}: the failed ranks' tracebacks could not be written to the run's log: {unlogged!r}")
 
 
 def _root_cause(exc: BaseException, storage: str | None = None, parts: int = 1) -> str:

@@ -169,7 +169,7 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
 
     from vitscale.eval.tables import write_table
     from vitscale.launch.console import library_output_to
-    from vitscale.launch.ray_train import concurrent_runs
+    from vitscale.launch.ray_train import concurrent_runs, log_tracebacks
     from vitscale.launch.run_place import run_place
 
     sweep = sweep_section(config)
@@ -226,6 +226,10 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
         [r for r in context.results if isinstance(r, Pretrained)],
         finetune_section(config).checkpoint if sweep.target == "finetune" else None)
     results = [grid[i] for i in range(len(grid))]  # ResultGrid indexes; it declares no __iter__
+    for result in results:  # a failed trial's row says why; the run's log says where (its ranks' tracebacks)
+        if result.error is not None:
+            trial_id = (result.metrics or {}).get("trial_id") or Path(str(result.path)).name
+            log_tracebacks(getattr(result.error, "cause", None) or result.error, f"trial {trial_id}")
     rows = tuple(sorted((trial_row(result, space, metric, pre_exaflops) for result in results),
                         key=lambda r: str(r["trial_id"])))
     write_table([flat_row(r) for r in rows], directory, "results")
