@@ -47,6 +47,7 @@ from vitscale.stages.sweep_results import (
     plot_searches,
     pretrain_exaflops,
     save_final_report,
+    trial_id_of,
     trial_row,
 )
 from vitscale.stages.sweep_space import (
@@ -228,8 +229,7 @@ def _search(config: PipelineConfig, context: StageContext, model: ModelConfig | 
     results = [grid[i] for i in range(len(grid))]  # ResultGrid indexes; it declares no __iter__
     for result in results:  # a failed trial's row says why; the run's log says where (its ranks' tracebacks)
         if result.error is not None:
-            trial_id = (result.metrics or {}).get("trial_id") or Path(str(result.path)).name
-            log_tracebacks(getattr(result.error, "cause", None) or result.error, f"trial {trial_id}")
+            log_tracebacks(getattr(result.error, "cause", None) or result.error, f"trial {trial_id_of(result)}")
     rows = tuple(sorted((trial_row(result, space, metric, pre_exaflops) for result in results),
                         key=lambda r: str(r["trial_id"])))
     write_table([flat_row(r) for r in rows], directory, "results")

@@ -62,6 +62,11 @@ class SweepResult:
 
 
 
+def trial_id_of(result: Any) -> str:
+    """A Tune result's trial id: the one its reports carry, else its folder's name."""
+    return str((result.metrics or {}).get("trial_id") or Path(str(result.path)).name)
+
+
 def trial_row(result: Any, space: dict[str, Any], metric: str, pre_exaflops: float | None) -> dict[str, Any]:
     """One trial as a table row; a failed trial keeps its error and the sweep goes on."""
     metrics = dict(result.metrics or {})
@@ -71,7 +76,7 @@ def trial_row(result: Any, space: dict[str, Any], metric: str, pre_exaflops: flo
     if history is not None and metric in getattr(history, "columns", ()):
         values = history[metric].dropna()
         best = float(values.iloc[-1]) if len(values) else None
-    trial_id = metrics.get("trial_id") or Path(str(result.path)).name
+    trial_id = trial_id_of(result)
     status = "error" if result.error else ("finished" if "finished_at" in metrics else "stopped")
     started, ended = metrics.get("started_at"), metrics.get("finished_at")
     # Tune's time_total_s restarts with a restarted trial (one that finished before a driver died
