@@ -15,7 +15,7 @@ def test_default_binds_loopback_only(tmp_path: Path) -> None:
     assert TrainConfig().metrics_addr == "127.0.0.1"
     sink = MetricsSink(tmp_path, run="r", rank=0, port=0)
     try:
-        assert sink.served.server.server_address[0] == "127.0.0.1"
+        assert sink.server.http.server_address[0] == "127.0.0.1"
     finally:
         sink.close()
 
@@ -23,7 +23,7 @@ def test_default_binds_loopback_only(tmp_path: Path) -> None:
 def test_the_address_is_configurable_and_checked(tmp_path: Path) -> None:
     sink = MetricsSink(tmp_path, run="r", rank=0, port=0, addr="0.0.0.0")
     try:
-        assert sink.served.server.server_address[0] == "0.0.0.0"
+        assert sink.server.http.server_address[0] == "0.0.0.0"
     finally:
         sink.close()
     with pytest.raises(ConfigError, match="train.metrics_addr"):

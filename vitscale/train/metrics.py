@@ -79,7 +79,7 @@ from typing import Self
 
 from vitscale.config.checks import check, non_negative_int
 from vitscale.data.storage.atomic import AppendOnly
-from vitscale.train.prometheus import PrometheusSeries, Served
+from vitscale.train.prometheus import MetricsServer, PrometheusSeries
 from vitscale.train.restarts import Restart, read_rows, restarts
 
 __all__ = [
@@ -227,10 +227,10 @@ class MetricsSink:
         self.prometheus = PrometheusSeries(run, rank, resumed_examples=resumed_examples,
                                            resumed_exaflops=resumed_exaflops)
         self.registry = self.prometheus.registry
-        self.served = Served(self.registry, port, addr) if port is not None else None
+        self.server = MetricsServer(self.registry, port, addr) if port is not None else None
         """`/metrics` served from this process; None where no port was asked for."""
-        self.port: int | None = self.served.port if self.served else None
-        self.refused: str | None = self.served.refused if self.served else None
+        self.port: int | None = self.server.port if self.server else None
+        self.refused: str | None = self.server.refused if self.server else None
         """Why the port asked for could not be served (another process holds it), when another one is."""
 
     def record(self, m: StepMetrics, skipped_by_shard: dict[str, int] | None = None) -> None:
@@ -280,9 +280,9 @@ class MetricsSink:
     def close(self) -> None:
         """Stop the HTTP server (if any) and close the JSONL file. Safe to call twice."""
         with self._lock:
-            if self.served is not None:
-                self.served.close()
-                self.served = None
+            if self.server is not None:
+                self.server.close()
+                self.server = None
             if self._file is not None:
                 self._file.close()
                 self._file = None

@@ -157,7 +157,7 @@ class PrometheusSeries:
         self._ckpt_last.labels(*lv).set(time.time() if finished_at is None else finished_at)
 
 
-class Served:
+class MetricsServer:
     """`registry` served on `/metrics` from this process: on `port` (0: a free one) at `addr`, or, where another
     process holds that port, on a free one, saying why in `refused`."""
 
@@ -175,12 +175,12 @@ class Served:
             started = start_http_server(0, addr=addr, registry=registry)
         if started is None:  # prometheus-client < 0.20 returns nothing: the server could never stop
             raise RuntimeError("MetricsSink needs prometheus-client >= 0.20 (start_http_server must return the server)")
-        self.server, self._thread = started
-        self.port = int(self.server.server_port)
+        self.http, self._thread = started
+        self.port = int(self.http.server_port)
 
     def close(self) -> None:
         """Stop serving and release the port."""
-        self.server.shutdown()  # ends serve_forever in the daemon thread
-        self.server.server_close()  # releases the port
+        self.http.shutdown()  # ends serve_forever in the daemon thread
+        self.http.server_close()  # releases the port
         if isinstance(self._thread, threading.Thread):
             self._thread.join(timeout=5)
