@@ -180,6 +180,11 @@ class TerminalFilter(io.TextIOBase):
             self.log.flush()
             self.terminal.flush()
 
+    def log_only(self, text: str) -> None:
+        """`text`, whole lines, into the log and not the terminal, between the lines being routed."""
+        with self._lock:
+            self.log.write(text.rstrip("\n") + "\n")
+
     def end_run(self) -> None:
         """Forwarded lines go to the log only from now on (`run_ended`); a line being routed now is routed
         whole first, so it lands before the driver's next line."""
@@ -339,8 +344,7 @@ def to_log(text: str) -> bool:
     stream = sys.stderr
     if not isinstance(stream, TerminalFilter):
         return False
-    with stream._lock:
-        stream.log.write(text.rstrip("\n") + "\n")
+    stream.log_only(text)
     return True
 
 
