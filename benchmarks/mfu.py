@@ -22,11 +22,12 @@ Where a step's time goes: a few more steps with a device sync between forward (w
 backward and the optimizer step (which includes DeepSpeed's gradient flattening, the norm and
 clipping), reported as `*_ms` columns. `--profile DIR` traces three steps of the first model's vitscale
 step at each ZeRO stage with `torch.profiler` and writes DIR/profile-zero{stage}.md: the step's phases
-(forward, backward, update: the host's time in each, the GPU's time in the kernels each queued, and each
-one's span on the GPU's timeline with the share of it the GPU was busy, `gpu_spans.py`), the top GPU
-kernels by time, the host calls by count and by time, and the host syncs (device-to-host copies, stream
-and device synchronisations); the Chrome trace beside it (profile-zero{stage}.trace.json.gz). Where the
-GPU is busy for little of a phase's span, it waited there: for the host, or for another stream.
+(forward, backward, update: the host's time in each, the GPU time of the work launched inside each from
+any thread, and that work's span on the GPU's timeline with the share of it the GPU was busy, `gpu_spans.py`),
+the GPU's kernels by time (each counted once), the host calls by count and by time, and the host syncs
+(device-to-host copies, stream and device synchronisations); the Chrome trace beside it
+(profile-zero{stage}.trace.json.gz). Where the GPU is busy for little of a phase's span, it waited there: for
+the host, or for another stream.
 The optimizer phase so measured starts with an idle GPU, so where the host queues the update more slowly
 than the GPU runs it, it is the host's time; inside a real step the host queues the update while the GPU
 still runs the backward pass. `update_gpu_ms` (the "update in step" column, GPU only) is the update's own
@@ -60,7 +61,8 @@ from typing import Any
 
 import torch
 
-from gpu_spans import phase_spans  # beside this file, on sys.path when run as a script or imported by tests
+# gpu_spans: beside this file, on sys.path when run as a script or imported by tests
+from gpu_spans import phase_spans, work_by_name
 
 TIMM_NAMES = {"ViT-Ti/16": "vit_tiny_patch16_224", "ViT-S/16": "vit_small_patch16_224",
               "ViT-B/16": "vit_base_patch16_224", "ViT-B/32": "vit_base_patch32_224",
@@ -443,32 +445,31 @@ def _profile(run: VitscaleStep, out: Path, title: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace))
     with gzip.open(trace, "rt") as opened:
-        spans = phase_spans(json.load(opened).get("traceEvents", []), [f"vitscale.{p}" for p in PROFILED_PHASES])
+        trace_events = json.load(opened).get("traceEvents", [])
+    spans = phase_spans(trace_events, [f"vitscale.{p}" for p in PROFILED_PHASES])
+    work = work_by_name(trace_events)
     events = prof.key_averages()
-    device_time = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    kernels = sorted((e for e in events if getattr(e, device_time, 0) > 0), key=lambda e: -getattr(e, device_time))
     syncs = [e for e in events if any(s in e.key for s in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
                                                              "cudaMemcpy", "cudaEventSynchronize", "aten::item",
                                                              "aten::_local_scalar_dense"))]
-    total_device = sum(getattr(e, device_time) for e in kernels) or 1
+    total_work = sum(ms for _, _, ms in work) or 1.0
     lines = [f"# Profile: {title}, 3 steps", "", "## The step's phases", "",
-             "Host ms: the host's time in the phase's calls. GPU kernels ms: the GPU time of the kernels they",
-             "launched. GPU span ms: the phase's length on the GPU's timeline, first kernel to last; busy: the part",
-             "of it in which some GPU work ran, on any stream (the rest, the GPU waited inside the phase).", "",
-             "| phase | calls | host ms (3 steps) | GPU kernels ms (3 steps) | GPU span ms (3 steps) | busy in span |",
+             "Host ms: the host's time inside the phase's calls. GPU work ms: the GPU time of the kernels, copies and",
+             "memsets launched inside them, from any thread (autograd launches the backward pass's from its own).",
+             "GPU span ms: that work's length on the GPU's timeline, first start to last end; busy: the part of it in",
+             "which some GPU work ran, on any stream (the rest, the GPU waited inside the phase).", "",
+             "| phase | calls | host ms (3 steps) | GPU work ms (3 steps) | GPU span ms (3 steps) | busy in span |",
              "|---|---:|---:|---:|---:|---:|"]
     for phase in PROFILED_PHASES:
-        hit = [e for e in events if e.key == f"vitscale.{phase}"]
-        gpu = f"{sum(getattr(e, device_time.replace('self_', ''), 0) for e in hit) / 1e3:.2f}" \
-            if torch.cuda.is_available() else "-"
-        span = spans.get(f"vitscale.{phase}")
-        on_gpu = f"{span['span_ms']:.2f} | {span['busy_ms'] / span['span_ms']:.0%}" if span and span["span_ms"] \
-            else "- | -"
-        lines.append(f"| {phase} | {sum(e.count for e in hit)} | {sum(e.cpu_time_total for e in hit) / 1e3:.2f} | "
-                     f"{gpu} | {on_gpu} |")
-    lines += ["", "## GPU kernels by time", "", "| kernel | calls | ms (3 steps) | share |", "|---|---:|---:|---:|"]
-    lines += [f"| `{e.key[:90]}` | {e.count} | {getattr(e, device_time) / 1e3:.2f} | "
-              f"{getattr(e, device_time) / total_device:.1%} |" for e in kernels[:25]]
+        span = spans.get(f"vitscale.{phase}", {})
+        on_gpu = (f"{span['work_ms']:.2f} | {span['span_ms']:.2f} | {span['busy_ms'] / span['span_ms']:.0%}"
+                  if span.get("span_ms") else "- | - | -")
+        lines.append(f"| {phase} | {span.get('calls', 0):.0f} | {span.get('host_ms', 0.0):.2f} | {on_gpu} |")
+    lines += ["", "## GPU work by time", "", "Kernels, copies and memsets, each counted once.", "",
+              "| kernel | calls | ms (3 steps) | share |", "|---|---:|---:|---:|"]
+    lines += [f"| `{name[:90]}` | {calls} | {ms:.2f} | {ms / total_work:.1%} |" for name, calls, ms in work[:25]]
+    if not work:
+        lines.append("| (none: no GPU in this trace) | | | |")
     for order, key in (("count", lambda e: -e.count), ("host time", lambda e: -e.self_cpu_time_total)):
         lines += ["", f"## Host calls by {order}", "", "| op | calls | host ms (self) |", "|---|---:|---:|"]
         lines += [f"| `{e.key[:90]}` | {e.count} | {e.self_cpu_time_total / 1e3:.2f} |"

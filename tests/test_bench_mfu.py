@@ -44,22 +44,67 @@ def test_mfu_measures_the_training_step_beside_the_peer(tmp_path: Path, capsys: 
     assert (tmp_path / "rows.json").exists()
 
 
+def _launch(ts: float, correlation: int, thread: int = 1) -> dict:
+    return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 5, "tid": thread,
+            "args": {"correlation": correlation}}
+
+
+def _work(cat: str, name: str, ts: float, dur: float, correlation: int) -> dict:
+    return {"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": 7, "correlation": correlation}}
+
+
 def test_a_phases_gpu_span_counts_the_work_inside_it_on_any_stream() -> None:
     from gpu_spans import phase_spans
 
-    # Microseconds, as Kineto writes them: the update's span 100-200 on the GPU, kernels on two streams
-    # overlapping each other and its edges, a copy inside it, and the forward's span with nothing run in it.
-    events = [{"cat": "gpu_user_annotation", "name": "vitscale.update", "ts": 100, "dur": 100},
-              {"cat": "gpu_user_annotation", "name": "vitscale.forward", "ts": 300, "dur": 50},
-              {"cat": "kernel", "name": "a", "ts": 90, "dur": 20, "args": {"stream": 7}},
-              {"cat": "kernel", "name": "b", "ts": 105, "dur": 10, "args": {"stream": 20}},
-              {"cat": "gpu_memcpy", "name": "c", "ts": 150, "dur": 10},
-              {"cat": "kernel", "name": "d", "ts": 190, "dur": 30},
-              {"cat": "user_annotation", "name": "vitscale.update", "ts": 0, "dur": 400},  # the host's range
-              {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 120, "dur": 50}]  # host work
+    # Microseconds, as Kineto writes them. The host's update range 0-50 launches a, b, c and d (b from another
+    # thread); they run 90-220 on the GPU, on two streams, overlapping each other, beside e (launched before the
+    # range) and a gap 160-190 where nothing ran. The forward's range launched nothing.
+    events = [{"cat": "user_annotation", "name": "vitscale.update", "ts": 0, "dur": 50, "tid": 1},
+              {"cat": "user_annotation", "name": "vitscale.forward", "ts": 300, "dur": 40, "tid": 1},
+              _launch(-10, 9), _work("kernel", "e", 80, 20, 9),
+              _launch(10, 1), _work("kernel", "a", 90, 20, 1),
+              _launch(12, 2, thread=2), {**_work("kernel", "b", 105, 10, 2), "args": {"stream": 20, "correlation": 2}},
+              _launch(20, 3), _work("gpu_memcpy", "c", 150, 10, 3),
+              _launch(30, 4), _work("kernel", "d", 190, 30, 4),
+              _launch(60, 5), _work("kernel", "f", 400, 10, 5)]  # after the range: not the update's
     spans = phase_spans(events, ["vitscale.update", "vitscale.forward", "vitscale.backward"])
-    assert spans["vitscale.update"] == {"calls": 1, "span_ms": 0.1, "busy_ms": pytest.approx(0.035)}  # 15+10+10
-    assert spans["vitscale.forward"]["busy_ms"] == 0 and "vitscale.backward" not in spans
+    update = spans["vitscale.update"]
+    assert update["calls"] == 1 and update["host_ms"] == pytest.approx(0.05)
+    assert update["work_ms"] == pytest.approx(0.07)  # a, b, c and d: 20+10+10+30
+    assert update["span_ms"] == pytest.approx(0.13)  # 90 to 220
+    assert update["busy_ms"] == pytest.approx(0.065)  # 90-115 (e's 80-100 inside), 150-160, 190-220
+    assert spans["vitscale.forward"] == {"calls": 1, "host_ms": pytest.approx(0.04), "work_ms": 0.0,
+                                         "span_ms": 0.0, "busy_ms": 0.0}
+    assert "vitscale.backward" not in spans
+
+
+def test_a_backward_pass_launched_by_autograds_thread_is_the_backward_phases() -> None:
+    """The ZeRO 2 trace of 2026-12-01: the caller's thread waited inside `backward()` while autograd's device
+    thread launched every kernel; Kineto's own GPU range for it was 0.01 ms long."""
+    from gpu_spans import phase_spans
+
+    events = [{"cat": "user_annotation", "name": "vitscale.backward", "ts": 0, "dur": 100, "tid": 1},
+              {"cat": "gpu_user_annotation", "name": "vitscale.backward", "ts": 500, "dur": 0.01},
+              _launch(1, 1), _work("gpu_memset", "Memset (Device)", 500, 0.01, 1)]
+    events += [x for i in range(2, 12) for x in (_launch(5 * i, i, thread=2),
+                                                   _work("kernel", f"k{i}", 500 + 10 * i, 10, i))]
+    backward = phase_spans(events, ["vitscale.backward"])["vitscale.backward"]
+    assert backward["span_ms"] == pytest.approx(0.12) and backward["work_ms"] == pytest.approx(0.10001)
+
+
+def test_the_gpu_work_by_time_counts_each_kernel_once() -> None:
+    from gpu_spans import work_by_name
+
+    # The host's operator and the range share a kernel's GPU time in the profiler's averages; here only the work.
+    events = [{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5},
+              {"cat": "gpu_user_annotation", "name": "vitscale.forward", "ts": 0, "dur": 100},
+              {"cat": "cpu_op", "name": "triton_poi_fused_gelu_0", "ts": 1, "dur": 2},
+              _work("kernel", "nvjet_mm", 10, 30, 1), _work("kernel", "nvjet_mm", 50, 30, 2),
+              _work("kernel", "triton_poi_fused_gelu_0", 90, 5, 3), _work("gpu_memcpy", "Memcpy DtoD", 96, 4, 4)]
+    assert work_by_name(events) == [("nvjet_mm", 2, pytest.approx(0.06)),
+                                    ("triton_poi_fused_gelu_0", 1, pytest.approx(0.005)),
+                                    ("Memcpy DtoD", 1, pytest.approx(0.004))]
+    assert work_by_name([e for e in events if e["cat"] == "cpu_op"]) == []
 
 
 @given(st.lists(st.tuples(st.floats(0, 1e6), st.floats(0, 1e3)), max_size=30), st.floats(0, 1e6), st.floats(0, 1e3))
