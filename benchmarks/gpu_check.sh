@@ -9,7 +9,7 @@
 # wheels' install included, in 8 minutes; a 10-minute call keeps the rest for the tar of OUT_DIR and a margin),
 # each part with its own cap besides:
 #   0. benchmarks/update_pass.py: the optimizer's update alone for ViT-B/16 and ViT-L/16, DeepSpeed's passes
-#      against vitscale's one-pass AdamW (`train/one_pass.py`, new since 2026-11-30) and the peer's (seconds);
+#      against vitscale's one-pass AdamW (`train/one_pass.py`) and the peer's (seconds);
 #   1. the GPU tests (bf16 over NCCL at ZeRO 0-3, compiled, exact resume; the one-pass update against
 #      DeepSpeed's; the step's, the update's and ZeRO 3's host syncs);
 #   2. benchmarks/mfu.py: vitscale's training step against the hand-written peer (timm + compile + fused
@@ -17,18 +17,17 @@
 #      torch.profiler summary of each) and ViT-L/16 at ZeRO 1, batch 256, with the forward / backward /
 #      optimizer phases and the update's GPU time in a step;
 #   3. benchmarks/train_data.py: the real worker loop on >= 20,000 JPEGs written here, against the fixed batch;
-#   4. the extras, each only where its whole cap still fits, the open questions first: ViT-L/16 at ZeRO 1 with
+#   4. the extras, each only where its whole cap still fits: ViT-L/16 at ZeRO 1 with
 #      `train.compile_mode: max-autotune-no-cudagraphs` (matmul and fusion configurations searched: whether it
-#      lifts the 46.6% MFU of the default mode, 2026-11-30, to the 47% target; 190 s, what the main parts left then);
-#      the same with inductor's coordinate-descent tuning alone (its own kernels tuned, no matmul search);
-#      ViT-L/16 at ZeRO 2 (the 12-ms optimizer phase is a target at ZeRO 1 and 2; measured at 1 only); the real
-#      loop on 1,200 JPEGs, an epoch every 4 steps (the loader kept across epochs since 2026-11-30); ViT-Ti/16 and
-#      S/16 at ZeRO 1 against the peer (whether a small ViT's short step waits for the host); ViT-B/16 eager at ZeRO 0
-#      and 3; benchmarks/attention.py, every attention kernel at each ViT's shapes (seconds); ViT-B/16 at ZeRO 1
+#      beats the default mode's 47.6% MFU, 2026-12-01; never reached so far); the same with inductor's
+#      coordinate-descent tuning alone (its own kernels tuned, no matmul search; 120 s did not finish its compile
+#      on 2026-12-01); ViT-L/16 at ZeRO 2; the real loop on 1,200 JPEGs, an epoch every 4.7 steps (the loader kept
+#      across epochs); ViT-Ti/16 and S/16 at ZeRO 1 against the peer (Ti/16's short step waits for the host: 0.91x
+#      the peer on 2026-12-01); ViT-B/16 eager at ZeRO 0 and 3; benchmarks/attention.py, every attention kernel at each ViT's shapes (seconds); ViT-B/16 at ZeRO 1
 #      compiled with CUDA graphs (`train.compile_mode: reduce-overhead`); ViT-B/16 at the largest batch its
 #      memory holds (`--batch auto`); ViT-L/16 at the largest batch its memory holds, the peer at the same
-#      (150 s). The last three were measured on 2026-11-30 (benchmarks/RESULTS.md): ViT-B/16's batch 1024 reached
-#      41.2% MFU; CUDA graphs and ViT-L/16's batch 576 gained nothing.
+#      (150 s). CUDA graphs and ViT-L/16's batch 576 gained nothing on 2026-11-30; ViT-B/16's batch 1024 reached
+#      41.3% MFU on 2026-12-01 (benchmarks/RESULTS.md).
 # A machine that hands back a few files only (8, 16 MiB each): the tables and logs in one archive, the profiles'
 # Chrome traces (one per ZeRO stage, a few MiB at most) beside it, so that a large trace never costs the tables:
 #   bash benchmarks/gpu_check.sh /tmp/gc; tar czf $OUT/gc.tgz --exclude='*.trace.json.gz' -C /tmp gc; cp /tmp/gc/*.trace.json.gz $OUT/
@@ -86,8 +85,7 @@ $python -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspee
 
 chosen update && part 45 "the update alone" $python benchmarks/update_pass.py --steps 20 --out "$out/update_pass.json" 2>&1 \
   | tee "$out/update_pass.log" | tail -9
-# The GPU tests before the benchmarks: the code they check (the one-pass update compiled by Triton, ZeRO 3's
-# fused norm) had not met a GPU when this order was set, and a step that is wrong is worth no figure.
+# The GPU tests before the benchmarks: a step that is wrong is worth no figure.
 chosen tests && part 160 "gpu tests" $python -m pytest -m gpu tests/test_gpu_training.py tests/test_flops.py tests/test_bench_mfu.py \
   -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | grep -v DEBUG | tail -8
 chosen b16 && part 200 "mfu ViT-B/16" $python benchmarks/mfu.py --models ViT-B/16 --zero-stages 1 3 2 --peer --steps 16 \
@@ -103,9 +101,10 @@ chosen autotune && extra 190 "mfu ViT-L/16, compile mode max-autotune-no-cudagra
   $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 1 --compile-mode max-autotune-no-cudagraphs \
   --steps 8 --out "$out/mfu_l16_autotune.json" 2>&1 | tee "$out/mfu_l16_autotune.log" | grep -v '^{' | tail -6
 # Half of max-autotune: inductor's coordinate-descent tuning of its own kernels (layer norms, GELU, residual adds,
-# the one-pass update: a fifth or so of a step), without the matmul search; minutes less to compile. Whether it
-# lifts ViT-L/16 to 47% MFU (inductor reads the variable when torch is imported; the same measurement otherwise).
-chosen l16-tuned && extra 120 "mfu ViT-L/16, inductor's coordinate-descent tuning" env TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 \
+# the one-pass update: a fifth or so of a step), without the matmul search. Whether it lifts ViT-L/16 above the
+# default mode (inductor reads the variable when torch is imported; the same measurement otherwise); its compile
+# outlasted 120 s on 2026-12-01.
+chosen l16-tuned && extra 240 "mfu ViT-L/16, inductor's coordinate-descent tuning" env TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 \
   $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 1 --steps 8 --out "$out/mfu_l16_tuned.json" 2>&1 \
   | tee "$out/mfu_l16_tuned.log" | grep -v '^{' | tail -6
 chosen l16-zero2 && extra 110 "mfu ViT-L/16, ZeRO 2" $python benchmarks/mfu.py --models ViT-L/16 --zero-stages 2 --steps 8 \
@@ -117,8 +116,7 @@ chosen data-epochs && extra 110 "train_data ViT-B/16 on 1,200 JPEGs, an epoch ev
   --out "$out/train_data_epochs.json" 2>&1 | tee "$out/train_data_epochs.log" | tail -12
 # A small ViT's step is short on an H200 (a few ms at batch 256): where the host's side of a step (DeepSpeed's
 # engine, its per-parameter gradient hooks, the update's launches) takes longer than the GPU's, the GPU waits.
-# ViT-Ti/16 and S/16 against the peer say whether it does (never measured on a GPU so far; on 2 CPU cores the host's
-# side of vitscale's compiled step took 1.5x the peer's: `benchmarks/host_cost.py --compile`).
+# ViT-Ti/16 and S/16 against the peer say whether it does: on 2026-12-01 Ti/16 ran at 0.91x, S/16 at 1.07x.
 chosen small && extra 110 "mfu ViT-Ti/16 and ViT-S/16, ZeRO 1, against the peer" $python benchmarks/mfu.py \
   --models ViT-Ti/16 ViT-S/16 --zero-stages 1 --peer --steps 16 --out "$out/mfu_small.json" 2>&1 \
   | tee "$out/mfu_small.log" | grep -v '^{' | tail -8

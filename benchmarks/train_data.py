@@ -472,7 +472,7 @@ def measure_all(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     train = first.train
     if args.steps * args.batch > meta.samples("train"):
         say(f"note: {args.steps} steps of {args.batch} pass an epoch end of {meta.samples('train')} images: "
-            "the loader's workers restart there, inside the figures")
+            "the loader's workers read on into the next epoch (`data/loader/stream.py`), inside the figures")
     init_process_group(on_gpu)
     setting = {"device": device_name, "model": model, "batch": train.global_batch, "micro_batch": train.micro_batch,
                "steps": args.steps, "zero_stage": train.zero_stage, "precision": train.precision,

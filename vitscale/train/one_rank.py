@@ -58,7 +58,8 @@ ZeRO 3's norm, at one rank as at many, is `fused.fuse_zero_3_norm`'s: DeepSpeed'
 backward pass on the host (a -1 it copies from host memory) and launched about three kernels per parameter.
 Removing the wait alone did not make the step faster on an H200 (a compiled ViT-B/16 step at ZeRO 3: 0.78x of
 ZeRO 1's before, 0.79x after; its update 11-14 ms of a step's GPU time against ZeRO 1's 1.8, with no host sync
-left in it); the launches are not yet measured there (`benchmarks/mfu.py --profile` writes each stage's phases).
+left in it). With the norm's launches fused too, no gather hooks, no reduction and the whole model compiled
+(below), it ran at 0.999x of ZeRO 1's, its update 0.9 ms of a step (2026-12-01, `benchmarks/RESULTS.md`).
 
 `compile_kept_whole` compiles the whole forward pass, as ZeRO 0-2 do, where nothing of ZeRO 3's hooks is left:
 the gather hooks gone and no leaf modules (`engine.deepspeed_config` names none where nothing is gathered: a leaf's
