@@ -18,7 +18,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vitscale.train.one_pass import adamw_pass, compiled_pass, end_to_end, one_pass_installed, one_pass_update
+from vitscale.train.one_pass import (
+    adamw_pass,
+    compiled_pass,
+    end_to_end,
+    norm_and_factor,
+    one_pass_installed,
+    one_pass_update,
+)
 
 TINY = {"img_size": 16, "depth": 2, "width": 32, "mlp_dim": 64, "heads": 2}
 BETAS = (0.9, 0.999)
@@ -139,6 +146,39 @@ def test_end_to_end_is_the_concatenation_as_a_view_or_nothing(sizes: list[int], 
     elif (spoil in ("gap", "copy", "dtype") and several) or (spoil == "strided" and big) or (
             spoil == "reversed" and several and nonempty):
         assert view is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 200), min_size=1, max_size=3), seed=st.integers(0, 2**16),
+       scale=st.sampled_from([1e-6, 1e-2, 1.0, 30.0]), clip=st.sampled_from([1e-3, 1.0, 1e4]),
+       spoil=st.sampled_from(["none", "nan", "inf"]))
+def test_one_ranks_norm_and_factor_are_deepspeeds(sizes: list[int], seed: int, scale: float, clip: float,
+                                                  spoil: str) -> None:
+    """One rank's norm over its groups' flat gradients and the clip's factor, against DeepSpeed's path (the fused
+    per-tensor norm of each group, `combine_grad_norm_groups`, `fused.clip_factor` at a loss scale of 1): the same
+    norm up to fp32 rounding, the same factor, and a non-finite gradient anywhere an infinite norm and a factor
+    of 0 in both."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.utils import combine_grad_norm_groups
+
+    from vitscale.train.fused import clip_factor, l2_norm
+
+    torch.manual_seed(seed)
+    groups = [[(torch.randn(n) * scale).to(torch.bfloat16) for n in (k // 2, k - k // 2)] for k in sizes]
+    if spoil != "none" and sum(sizes):
+        at = next(g for g in groups if g[1].numel())[1]
+        at[len(at) // 2] = float(spoil)
+    flats = [torch.cat(tensors) for tensors in groups]
+    norm, factor = norm_and_factor(flats, torch.tensor(clip))
+    theirs = combine_grad_norm_groups([l2_norm(tensors, "cpu") for tensors in groups])
+    their_factor = clip_factor(SimpleNamespace(clip_grad=clip, loss_scale=1.0), theirs)
+    if not torch.isfinite(theirs):
+        assert spoil != "none" and float(norm) == float("inf") and float(factor) == float(their_factor) == 0.0
+        return
+    assert float(norm) == pytest.approx(float(theirs), rel=1e-6, abs=1e-30)
+    assert float(factor) == pytest.approx(float(their_factor), rel=1e-6)
+    assert float(factor) == 1.0 or float(norm) > clip  # the clip acts only above its norm
 
 
 # --- real DeepSpeed engines --------------------------------------------------------------------------------
@@ -286,6 +326,24 @@ def test_zero_1_on_one_rank_reads_the_gradients_where_they_lie(process_group: No
     _compare(ours, theirs)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("grad_clip", [1e-3, None])
+def test_one_rank_takes_its_norm_in_one_call(process_group: None, monkeypatch: pytest.MonkeyPatch, stage: int,
+                                             grad_clip: float | None) -> None:
+    """On one rank ZeRO 1 and 2's norm and clip factor come from `norm_and_factor` over the flat gradients, not
+    DeepSpeed's per-group norm: the same norm and steps as DeepSpeed's own, clipped or not, through a refused step."""
+    ours, theirs = (_engine(stage, one_pass=flag, grad_clip=grad_clip) for flag in (True, False))
+    monkeypatch.setattr(ours.optimizer, "scaled_global_norm", lambda: pytest.fail("DeepSpeed's norm was taken"))
+    a, b = _step(ours, 0), _step(theirs, 0)
+    assert a[0] and b[0] and a[1] == pytest.approx(b[1], rel=1e-6)
+    _compare(ours, theirs)
+    kept = _masters(ours)
+    assert not _step(ours, 1, poison=True)[0] and not _step(theirs, 1, poison=True)[0]
+    assert all(torch.equal(x, y) for x, y in zip(kept, _masters(ours)))
+    assert _step(ours, 2)[0] and _step(theirs, 2)[0]
+    assert [float(m["step"]) for m in _moments(ours)] == [2.0] * len(_moments(ours))
+
+
 def test_the_compiled_pass_steps_an_engine_as_the_eager_one(process_group: None) -> None:
     """As a worker runs it: the kernel compiled inside the engine's step, over ZeRO 3's fp32 partition (a leaf
     that requires grad), its bf16 partition and a view of its gradient buffer; the same masters as the eager
@@ -302,9 +360,9 @@ def test_the_compiled_pass_steps_an_engine_as_the_eager_one(process_group: None)
 def test_a_process_compiles_the_pass_once_whatever_it_trains(process_group: None) -> None:
     """Partitions of many lengths, weight decays a sweep would try, a master that requires grad or not, a gradient
     alone or a view into a larger buffer, gradients on or off around the call, engines at ZeRO 1-3 one after
-    another: two graphs in all (the scalars', the pass over memory's). Torch compiles a function again for each
-    new kind of input and refuses it past 8 (an error under `fullgraph`): the test suite, mixing such calls in one
-    process, had hit it."""
+    another: three graphs in all (the scalars', the pass over memory's, one rank's norm and clip factor at ZeRO 1
+    and 2). Torch compiles a function again for each new kind of input and refuses it past 8 (an error under
+    `fullgraph`): the test suite, mixing such calls in one process, had hit it."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -321,7 +379,7 @@ def test_a_process_compiles_the_pass_once_whatever_it_trains(process_group: None
         engine = _engine(1 + seed % 3, one_pass=False, seed=seed)
         assert one_pass_update(engine)  # compiled, as `build_engine` installs it
         assert _step(engine, seed)[0]
-    assert counters["stats"]["unique_graphs"] - graphs == 2
+    assert counters["stats"]["unique_graphs"] - graphs == 3
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

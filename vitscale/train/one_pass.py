@@ -7,7 +7,7 @@ written): the gradients flattened into one bf16 buffer (2 + 2), that buffer cast
 and moments written) and the copy of the fp32 master to the bf16 weight the model reads (4 + 2). With the
 norm's read (2), 54 bytes where Adam's own arithmetic needs 28 (the hand-written peer's fused AdamW over fp32
 gradients). The update is memory-bound: ViT-L/16's took 5.6 ms of GPU time inside a step on an H200
-(2026-11-30), the peer's 2.6, in a 205-ms step that was 0.4 MFU points short of its target.
+(2026-11-30), the peer's 2.6, in a 205-ms step that was 0.4 MFU points short of its target (47%; 47.6% with this pass).
 
 `one_pass_update` keeps DeepSpeed's sequence and replaces those passes, where vitscale trains (bf16 weights
 over fp32 masters, torch's fused AdamW, no offload), with `adamw_pass`: its scalars (the bias corrections)
@@ -23,7 +23,9 @@ odd count of elements; none of the paper's ViTs with 1,000 classes has one).
 - ZeRO 1/2 (`DeepSpeedZeroOptimizer`, whose `step` is one method): the step is DeepSpeed 0.19's for bf16
   without offload, re-stated in `_zero_step`: the global norm (`fused.py`'s kernel), the loss-scale
   bookkeeping, per group the flat gradient of this rank's partition and the inner step, then the all-gather of
-  the updated bf16 partitions over ranks and the weights pointed at their slices.
+  the updated bf16 partitions over ranks and the weights pointed at their slices. On one rank the norm and the
+  clip's factor are one compiled call over the groups' flat gradients (`norm_and_factor`): the update's host
+  time is most of a small ViT's optimizer phase, and the GPU waits for it (ViT-Ti/16 on an H200, 2026-12-01).
 - ZeRO 3 (`DeepSpeedZeroOptimizer_Stage3`, whose step calls a method per stage of each sub-group's update):
   DeepSpeed's step runs as it is, with four of those methods replaced (`_install_zero_3`).
 
@@ -37,7 +39,8 @@ weights, moments and step counts as they were, as torch's kernel does.
 Installed only where it is exactly this case and its kernel is compiled (`train.compile`, on a GPU by default:
 uncompiled, its dozen operators would each pass over memory); everywhere else DeepSpeed's own update runs:
 ZeRO 0, CPU or NVMe offload, fp16 (loss scaling and its overflow check), fp32 weights, SGD, amsgrad or maximize,
-DeepSpeed's Muon or ZenFlow, torch autocast. Not yet measured on a GPU (`benchmarks/gpu_check.sh` measures it).
+DeepSpeed's Muon or ZenFlow, torch autocast. On an H200 (2026-12-01, `benchmarks/RESULTS.md`) the update took
+0.8 ms of a ViT-B/16 step's GPU time (DeepSpeed's passes 1.8) and 2.5 of ViT-L/16's (5.6).
 """
 
 from __future__ import annotations
@@ -117,6 +120,17 @@ def _adamw(scalars: Callable[..., Any], elements: Callable[..., None], gradient:
                  keep, step_size, bias2_sqrt, decay, beta1=beta1, beta2=beta2, eps=eps)
 
 
+def norm_and_factor(gradients: list[torch.Tensor], clip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global gradient norm of one rank's flat gradients (one per parameter group, the whole group each)
+    and the clip's factor at a loss scale of 1, as 0-d fp32 tensors: DeepSpeed's norm up to rounding (squares
+    summed in fp32 over each group, then over the groups; its per-tensor norms then squared sum the same
+    squares in another order), infinite where it is not finite (`combine_grad_norm_groups`' rule), and
+    `fused.clip_factor`'s factor op for op (0 for an infinite norm), `clip` being `clip_grad`."""
+    norm = torch.stack([g.float().square().sum() for g in gradients]).sum().sqrt()
+    norm = torch.where(torch.isfinite(norm), norm, torch.full_like(norm, float("inf")))
+    return norm, 1.0 / torch.clamp((norm + 1e-6) / clip, min=1.0)
+
+
 @functools.lru_cache(maxsize=64)
 def constant(value: float, device: torch.device) -> torch.Tensor:
     """A 0-d fp32 tensor of `value` on `device`, made once: a weight decay, a clip factor of 1, a step not refused
@@ -131,6 +145,14 @@ def compiled_pass() -> Callable[..., None]:
     length (one kernel for every partition and sub-group)."""
     return functools.partial(_adamw, torch.compile(adamw_scalars, fullgraph=True),
                              torch.compile(adamw_elements, fullgraph=True, dynamic=True))
+
+
+@functools.cache
+def compiled_norm() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """`norm_and_factor` compiled once for any group lengths: a reduction per group and the scalars' epilogue
+    where the eager norm, its combination over groups and the clip's factor dispatched about 30 operators, each
+    a launch queued by the host after the backward pass (`_alone`)."""
+    return torch.compile(norm_and_factor, fullgraph=True, dynamic=True)
 
 
 def one_pass_update(engine: Any, compile_kernel: bool = True) -> bool:
@@ -160,7 +182,8 @@ def one_pass_update(engine: Any, compile_kernel: bool = True) -> bool:
     if zero_3:
         _install_zero_3(optimizer, staged)
     else:
-        optimizer.step = lambda closure=None: _zero_step(optimizer, staged)
+        norm = (compiled_norm() if compile_kernel else norm_and_factor) if _alone(optimizer) else None
+        optimizer.step = lambda closure=None: _zero_step(optimizer, staged, norm)
     setattr(optimizer, ONE_PASS, True)
     return True
 
@@ -265,23 +288,37 @@ def _fused_adamw(inner: Any) -> bool:
                         or torch.is_tensor(g["lr"]) for g in inner.param_groups))
 
 
-def _zero_step(optimizer: Any, staged: dict[int, list[Any]]) -> None:
+def _zero_step(optimizer: Any, staged: dict[int, list[Any]],
+               alone: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
     """DeepSpeed 0.19's `DeepSpeedZeroOptimizer.step` for bf16 without offload (no overflow check there: bf16's
-    is off, `engine.deepspeed_config`), the fp32 gradient, its clip and the copy back left to `adamw_pass`."""
+    is off, `engine.deepspeed_config`), the fp32 gradient, its clip and the copy back left to `adamw_pass`; on one
+    rank (`_alone`) the norm and the clip's factor from the flat gradients in one call, `alone`."""
     module = sys.modules[type(optimizer).__module__]
     optimizer.micro_step_id = module.INITIAL_MICRO_STEP_ID
     optimizer._wait_for_offload_copies()
     optimizer.overflow = False
-    norm = optimizer.scaled_global_norm()  # `fused.py`'s kernel per group; inf where any is not finite
+    groups = range(len(optimizer.bit16_groups))
+    flats: dict[int, torch.Tensor] = {}
+    if alone is not None:  # the whole group is this rank's partition, its gradients from offset 0
+        flats = {i: _flat_gradient(optimizer, i, 0) for i in groups}
+        # Detached: a view of a gradient buffer would be guarded on the buffer's shape, a recompile per model.
+        real = [flats[i].detach().narrow(0, 0, sum(p.numel() for p in optimizer.params_in_partition[i]))
+                for i in groups]
+        norm, one_rank_factor = alone(real, constant(float(optimizer.clip_grad) or 1.0, real[0].device))
+    else:
+        norm = optimizer.scaled_global_norm()  # `fused.py`'s kernel per group; inf where any is not finite
     previous_scale = optimizer.loss_scale
     optimizer._update_scale(False)
     optimizer._commit_muon_momentum()
     optimizer._global_grad_norm = norm / previous_scale
-    factor = clip_factor(optimizer, norm)  # None (no clip), or the gradients' multiplier
-    for i in range(len(optimizer.bit16_groups)):
+    if alone is None:
+        factor = clip_factor(optimizer, norm)  # None (no clip), or the gradients' multiplier
+    else:
+        factor = one_rank_factor if optimizer.clip_grad > 0.0 else None
+    for i in groups:
         rank = torch.distributed.get_rank(group=optimizer.real_dp_process_group[i])
         optimizer.free_grad_in_param_list(optimizer.params_not_in_partition[i])
-        gradient = _flat_gradient(optimizer, i, rank)
+        gradient = flats[i] if i in flats else _flat_gradient(optimizer, i, rank)
         master = optimizer.single_partition_of_fp32_groups[i]
         staged[id(master)] = [gradient, optimizer.parallel_partitioned_bit16_groups[i][rank], factor]
         optimizer.free_grad_in_param_list(optimizer.params_in_partition[i])
@@ -299,6 +336,14 @@ def _zero_step(optimizer: Any, staged: dict[int, list[Any]]) -> None:
                                 allgather_bucket_size=optimizer.allgather_bucket_size)
     for i in range(len(optimizer.bit16_groups)):
         optimizer._update_model_bit16_weights(i)
+
+
+def _alone(optimizer: Any) -> bool:
+    """One rank holds every group whole, from offset 0, at a loss scale of 1 (bf16's): the global norm needs no
+    collective, and the factor is `norm_and_factor`'s."""
+    return (all(torch.distributed.get_world_size(group=g) == 1 for g in optimizer.real_dp_process_group)
+            and all(offset == 0 for offset in getattr(optimizer, "first_offset", [None]))
+            and float(optimizer.loss_scale) == 1.0 and not getattr(optimizer, "use_muon", False))
 
 
 def _flat_gradient(optimizer: Any, group: int, rank: int) -> torch.Tensor:
