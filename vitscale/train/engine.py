@@ -30,6 +30,7 @@ from vitscale.train.batch import BatchPlan, derive_batch
 from vitscale.train.config import TrainConfig
 from vitscale.train.deepspeed_keys import ReadKeys, check_spelling, merge_overrides, refused_key, refused_section
 from vitscale.train.fused import fuse_bf16_step, fuse_clipping, fuse_gradient_norm, fuse_zero_3_norm, keep_weight_views
+from vitscale.train.grad_hooks import count_from_held_accumulators
 from vitscale.train.one_pass import one_pass_update
 from vitscale.train.one_rank import (
     ONE_RANK_ZERO_3,
@@ -297,8 +298,9 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str
         model_parameters=groups if optimizer is None else None,
         config=dict(ds_config),
     )
-    # Each installs itself where it recognises the optimizer DeepSpeed built (`fused.py`, `one_rank.py`), and
-    # nowhere else.
+    # Each installs itself where it recognises the optimizer DeepSpeed built (`grad_hooks.py`, `fused.py`,
+    # `one_rank.py`), and nowhere else.
+    count_from_held_accumulators(engine)
     fuse_gradient_norm(engine)
     fuse_clipping(engine)
     fuse_bf16_step(engine)
