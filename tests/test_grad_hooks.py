@@ -1,6 +1,6 @@
-"""ZeRO 1/2's gradient hooks counting from held gradient accumulators (`train/grad_hooks.py`) against DeepSpeed's
-own: the same count in every backward pass (an unused parameter left out), no view made for it, the same steps.
-Real DeepSpeed engines on a one-rank gloo group."""
+"""ZeRO 1-3's gradient hooks counting from held gradient accumulators (`train/grad_hooks.py`) against DeepSpeed's
+own: the same count in every backward pass (an unused parameter left out), no view made for it, the same steps;
+ZeRO 3's partitioned parameters left to DeepSpeed. Real DeepSpeed engines on a one-rank gloo group."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class WithUnused(torch.nn.Module):
 
 
 def _engine(stage: int, monkeypatch: pytest.MonkeyPatch, *, held: bool, unused: bool = False,
-            accumulate: int = 1) -> Any:
+            accumulate: int = 1, deepspeed: dict[str, Any] | None = None) -> Any:
     import vitscale.train.engine as engine_module
 
     if not held:  # DeepSpeed's hooks as it ships them
@@ -46,7 +46,7 @@ def _engine(stage: int, monkeypatch: pytest.MonkeyPatch, *, held: bool, unused: 
         torch.nn.init.normal_(p, std=0.05)
     batch = 4 * accumulate
     train = TrainConfig(global_batch=batch, micro_batch=4, zero_stage=stage, precision="fp32", grad_clip=1e-3,
-                        weight_decay=0.1, base_lr=1e-2)
+                        weight_decay=0.1, base_lr=1e-2, deepspeed=deepspeed or {})
     engine = build_engine(model, train, deepspeed_config(train, derive_batch(batch, 4, 1), on_gpu=False),
                           on_gpu=False)
     monkeypatch.undo()
@@ -65,10 +65,16 @@ def _steps(engine: Any, count: int) -> None:
 
 
 def _masters(engine: Any) -> list[torch.Tensor]:
-    return [m.detach().clone() for m in engine.optimizer.single_partition_of_fp32_groups]
+    optimizer = engine.optimizer
+    flat = getattr(optimizer, "fp32_partitioned_groups_flat", None) or optimizer.single_partition_of_fp32_groups
+    return [m.detach().clone() for m in flat]
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+def _groups(optimizer: Any) -> list[list[torch.Tensor]]:
+    return getattr(optimizer, "fp16_groups", None) or optimizer.bit16_groups
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_the_held_count_is_deepspeeds_in_every_backward_pass(process_group: None, monkeypatch: pytest.MonkeyPatch,
                                                               stage: int) -> None:
     """Asked beside DeepSpeed's own count inside each backward pass, three steps running: the same number, the
@@ -79,7 +85,7 @@ def test_the_held_count_is_deepspeeds_in_every_backward_pass(process_group: None
     engine = _engine(stage, monkeypatch, held=True, unused=True)
     optimizer = engine.optimizer
     held = vars(optimizer)[HELD]
-    params = [p for group in optimizer.bit16_groups for p in group if p.requires_grad]
+    params = [p for group in _groups(optimizer) for p in group if p.requires_grad]
     assert len(held) == len(params)
     counts: list[tuple[int, int]] = []
     first = next(p for p in params if p.ndim == 2 and p.shape[0] == 5)  # the head: its hook fires first
@@ -92,7 +98,7 @@ def test_the_held_count_is_deepspeeds_in_every_backward_pass(process_group: None
     assert counts == [(len(params) - 2, len(params) - 2)] * 3
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_the_held_hooks_step_as_deepspeeds(process_group: None, monkeypatch: pytest.MonkeyPatch, stage: int,
                                            accumulate: int) -> None:
@@ -106,10 +112,18 @@ def test_the_held_hooks_step_as_deepspeeds(process_group: None, monkeypatch: pyt
     assert all(torch.equal(a, b) for a, b in zip(_masters(ours), _masters(theirs), strict=True))
 
 
-def test_only_zero_1_and_2_take_them_once(process_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    for stage in (0, 3):
-        engine = _engine(stage, monkeypatch, held=True)
-        assert HELD not in vars(engine.optimizer) and not count_from_held_accumulators(engine)
+def test_zero_0_and_partitioned_zero_3_keep_deepspeeds_and_none_is_taken_twice(
+        process_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ZeRO 0 has no such hooks; ZeRO 3 whose parameters are partitioned (here on one rank, DeepSpeed's
+    persistence threshold set back to 0) keeps DeepSpeed's (an accumulator made for an empty partition would
+    refuse the gathered gradient) and steps; an optimizer whose hooks count from held accumulators is left alone."""
+    engine = _engine(0, monkeypatch, held=True)
+    assert HELD not in vars(engine.optimizer) and not count_from_held_accumulators(engine)
+    partitioned = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    engine = _engine(3, monkeypatch, held=True, deepspeed=partitioned)
+    assert any(p.numel() == 0 for group in _groups(engine.optimizer) for p in group)  # partitioned
+    assert HELD not in vars(engine.optimizer) and not count_from_held_accumulators(engine)
+    _steps(engine, 2)
     engine = _engine(1, monkeypatch, held=True)
     hooks = list(engine.optimizer._grad_acc_hooks)
     assert not count_from_held_accumulators(engine) and engine.optimizer._grad_acc_hooks == hooks

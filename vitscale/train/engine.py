@@ -300,7 +300,6 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str
     )
     # Each installs itself where it recognises the optimizer DeepSpeed built (`grad_hooks.py`, `fused.py`,
     # `one_rank.py`), and nowhere else.
-    count_from_held_accumulators(engine)
     fuse_gradient_norm(engine)
     fuse_clipping(engine)
     fuse_bf16_step(engine)
@@ -310,6 +309,7 @@ def build_engine(model: torch.nn.Module, train: TrainConfig, ds_config: dict[str
     skip_reduction(engine)
     order_on_the_gpu(engine)
     fuse_zero_3_norm(engine)
+    count_from_held_accumulators(engine)  # after `remove_gather_hooks`: one rank's ZeRO 3 weights whole by then
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if train.compiles(on_gpu, world_size):  # uncompiled, the one-pass update would pass over memory per operator
         one_pass_update(engine)
