@@ -80,8 +80,8 @@ def _accumulators(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, Any]]:
 def _hook(optimizer: Any, hand_over: Callable[[], None], held: list[tuple[torch.Tensor, Any]],
           leaves: int) -> Callable[..., None]:
     def grad_handling_hook(*_: Any) -> None:
-        # DeepSpeed's hook (ZeRO 1/2's `grad_handling_hook`, ZeRO 3's `reduce_partition_and_remove_grads`), its
-        # count from `held`.
+        # DeepSpeed's hook (ZeRO 1/2's `grad_handling_hook`, ZeRO 3's `reduce_partition_and_remove_grads`, without
+        # the NVTX range DeepSpeed wraps ZeRO 3's in), its count from `held`.
         refresh = optimizer.should_refresh_expected_hook_count()  # before the re-entry, as DeepSpeed asks it
         optimizer.reenter_backward_if_needed()
         hand_over()
