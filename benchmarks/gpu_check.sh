@@ -117,8 +117,8 @@ chosen data-epochs && extra 110 "train_data ViT-B/16 on 1,200 JPEGs, an epoch ev
 # A small ViT's step is short on an H200 (a few ms at batch 256): where the host's side of a step (DeepSpeed's
 # engine, its per-parameter gradient hooks, the update's launches) takes longer than the GPU's, the GPU waits.
 # ViT-Ti/16 and S/16 against the peer say whether it does: on 2026-12-01 Ti/16 ran at 0.91x, S/16 at 1.07x, before
-# one rank's norm and clip factor became one compiled call (`train/one_pass.py` `norm_and_factor`) and the hooks'
-# count of used parameters stopped making a view per parameter (`train/grad_hooks.py`); neither yet on a GPU.
+# one rank's norm and clip factor became one compiled call (`train/fused.py` `one_rank_norm`) and the hooks' count
+# of used parameters stopped making a view per parameter (`train/grad_hooks.py`); neither yet on a GPU.
 chosen small && extra 110 "mfu ViT-Ti/16 and ViT-S/16, ZeRO 1, against the peer" $python benchmarks/mfu.py \
   --models ViT-Ti/16 ViT-S/16 --zero-stages 1 --peer --steps 16 --out "$out/mfu_small.json" 2>&1 \
   | tee "$out/mfu_small.log" | grep -v '^{' | tail -8

@@ -22,7 +22,6 @@ from vitscale.train.one_pass import (
     adamw_pass,
     compiled_pass,
     end_to_end,
-    norm_and_factor,
     one_pass_installed,
     one_pass_update,
 )
@@ -152,7 +151,7 @@ def test_end_to_end_is_the_concatenation_as_a_view_or_nothing(sizes: list[int], 
 @given(sizes=st.lists(st.integers(0, 200), min_size=1, max_size=3), seed=st.integers(0, 2**16),
        scale=st.sampled_from([1e-6, 1e-2, 1.0, 30.0]), clip=st.sampled_from([1e-3, 1.0, 1e4]),
        spoil=st.sampled_from(["none", "nan", "inf"]))
-def test_one_ranks_norm_and_factor_are_deepspeeds(sizes: list[int], seed: int, scale: float, clip: float,
+def test_one_ranks_norm_and_clip_factor_are_deepspeeds(sizes: list[int], seed: int, scale: float, clip: float,
                                                   spoil: str) -> None:
     """One rank's norm over its groups' flat gradients and the clip's factor, against DeepSpeed's path (the fused
     per-tensor norm of each group, `combine_grad_norm_groups`, `fused.clip_factor` at a loss scale of 1): the same
@@ -162,7 +161,7 @@ def test_one_ranks_norm_and_factor_are_deepspeeds(sizes: list[int], seed: int, s
 
     from deepspeed.runtime.utils import combine_grad_norm_groups
 
-    from vitscale.train.fused import clip_factor, l2_norm
+    from vitscale.train.fused import clip_factor, l2_norm, one_rank_norm
 
     torch.manual_seed(seed)
     groups = [[(torch.randn(n) * scale).to(torch.bfloat16) for n in (k // 2, k - k // 2)] for k in sizes]
@@ -170,7 +169,7 @@ def test_one_ranks_norm_and_factor_are_deepspeeds(sizes: list[int], seed: int, s
         at = next(g for g in groups if g[1].numel())[1]
         at[len(at) // 2] = float(spoil)
     flats = [torch.cat(tensors) for tensors in groups]
-    norm, factor = norm_and_factor(flats, torch.tensor(clip))
+    norm, factor = one_rank_norm(flats, torch.tensor(clip))
     theirs = combine_grad_norm_groups([l2_norm(tensors, "cpu") for tensors in groups])
     their_factor = clip_factor(SimpleNamespace(clip_grad=clip, loss_scale=1.0), theirs)
     if not torch.isfinite(theirs):
@@ -330,7 +329,7 @@ def test_zero_1_on_one_rank_reads_the_gradients_where_they_lie(process_group: No
 @pytest.mark.parametrize("grad_clip", [1e-3, None])
 def test_one_rank_takes_its_norm_in_one_call(process_group: None, monkeypatch: pytest.MonkeyPatch, stage: int,
                                              grad_clip: float | None) -> None:
-    """On one rank ZeRO 1 and 2's norm and clip factor come from `norm_and_factor` over the flat gradients, not
+    """On one rank ZeRO 1 and 2's norm and clip factor come from `fused.one_rank_norm` over the flat gradients, not
     DeepSpeed's per-group norm: the same norm and steps as DeepSpeed's own, clipped or not, through a refused step."""
     ours, theirs = (_engine(stage, one_pass=flag, grad_clip=grad_clip) for flag in (True, False))
     monkeypatch.setattr(ours.optimizer, "scaled_global_norm", lambda: pytest.fail("DeepSpeed's norm was taken"))

@@ -39,7 +39,9 @@ decides from). It leaves any other optimizer (ZeRO-3, CPU offload, whose norm is
 DeepSpeed built it, and leaves a method it does not recognise alone (a DeepSpeed release that renamed it
 keeps its own, slower path: correct either way).
 
-`fuse_zero_3_norm` gives ZeRO 3 the same norm kernel, at any number of ranks (its docstring).
+`fuse_zero_3_norm` gives ZeRO 3 the same norm kernel, at any number of ranks (its docstring). On one rank
+ZeRO 1/2's one-pass update takes the norm and the clip's factor over each group's flat gradient instead
+(`one_rank_norm`).
 """
 
 from __future__ import annotations
@@ -160,14 +162,30 @@ def clip_factor(optimizer: Any, total_norm: Any) -> Any:
     gradients are clipped."""
     if optimizer.clip_grad == 0.0 and optimizer.loss_scale == 1.0:
         return None
-    combined_scale: Any = optimizer.loss_scale
-    if optimizer.clip_grad > 0.0:
-        norm = total_norm if torch.is_tensor(total_norm) else torch.tensor(float(total_norm), device=optimizer.device)
-        invalid = ~torch.isfinite(norm) | (norm < 0)  # DeepSpeed clips an invalid norm as an infinite one
-        clip_norm = torch.where(invalid, torch.full_like(norm, float("inf")), norm)
-        clip = ((clip_norm / optimizer.loss_scale) + 1e-6) / optimizer.clip_grad
-        combined_scale = torch.clamp(clip, min=1.0) * optimizer.loss_scale
-    return 1.0 / combined_scale
+    if optimizer.clip_grad <= 0.0:
+        return 1.0 / optimizer.loss_scale
+    norm = total_norm if torch.is_tensor(total_norm) else torch.tensor(float(total_norm), device=optimizer.device)
+    invalid = ~torch.isfinite(norm) | (norm < 0)  # DeepSpeed clips an invalid norm as an infinite one
+    clip_norm = torch.where(invalid, torch.full_like(norm, float("inf")), norm)
+    return clip_multiplier(clip_norm, optimizer.loss_scale, optimizer.clip_grad)
+
+
+def clip_multiplier(norm: torch.Tensor, loss_scale: Any, clip_grad: Any) -> torch.Tensor:
+    """DeepSpeed 0.19's clip coefficient for a valid (or infinite) `norm` of loss-scaled gradients, op for op:
+    1 / (max((norm / scale + 1e-6) / clip, 1) * scale); 0 for an infinite norm."""
+    return 1.0 / (torch.clamp(((norm / loss_scale) + 1e-6) / clip_grad, min=1.0) * loss_scale)
+
+
+def one_rank_norm(gradients: list[torch.Tensor], clip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global gradient norm of one rank's flat gradients (one per parameter group, the whole group each)
+    and the clip's factor at a loss scale of 1, as 0-d fp32 tensors: DeepSpeed's norm up to rounding (squares
+    summed in fp32 over each group, then over the groups; its per-tensor norms then squared sum the same
+    squares in another order), infinite where it is not finite (`combine_grad_norm_groups`' rule), and
+    `clip_multiplier`'s factor (0 for an infinite norm), `clip` being `clip_grad`. `train/one_pass.py` compiles
+    it: one graph where the per-group norms, their combination and the factor dispatched about 30 operators."""
+    norm = torch.stack([g.float().square().sum() for g in gradients]).sum().sqrt()
+    norm = torch.where(torch.isfinite(norm), norm, torch.full_like(norm, float("inf")))
+    return norm, clip_multiplier(norm, 1.0, clip)
 
 
 def fuse_bf16_step(engine: Any) -> bool:

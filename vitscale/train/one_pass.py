@@ -24,7 +24,7 @@ odd count of elements; none of the paper's ViTs with 1,000 classes has one).
   without offload, re-stated in `_zero_step`: the global norm (`fused.py`'s kernel), the loss-scale
   bookkeeping, per group the flat gradient of this rank's partition and the inner step, then the all-gather of
   the updated bf16 partitions over ranks and the weights pointed at their slices. On one rank the norm and the
-  clip's factor are one compiled call over the groups' flat gradients (`norm_and_factor`): the update's host
+  clip's factor are one compiled call over the groups' flat gradients (`fused.one_rank_norm`): the update's host
   time is most of a small ViT's optimizer phase, and the GPU waits for it (ViT-Ti/16 on an H200, 2026-12-01).
 - ZeRO 3 (`DeepSpeedZeroOptimizer_Stage3`, whose step calls a method per stage of each sub-group's update):
   DeepSpeed's step runs as it is, with four of those methods replaced (`_install_zero_3`).
@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from vitscale.train.fused import GLOBAL_NORM, clip_factor
+from vitscale.train.fused import GLOBAL_NORM, clip_factor, one_rank_norm
 
 ONE_PASS = "vitscale_one_pass"
 """The attribute marking a ZeRO optimizer whose update `one_pass_update` installed."""
@@ -120,17 +120,6 @@ def _adamw(scalars: Callable[..., Any], elements: Callable[..., None], gradient:
                  keep, step_size, bias2_sqrt, decay, beta1=beta1, beta2=beta2, eps=eps)
 
 
-def norm_and_factor(gradients: list[torch.Tensor], clip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global gradient norm of one rank's flat gradients (one per parameter group, the whole group each)
-    and the clip's factor at a loss scale of 1, as 0-d fp32 tensors: DeepSpeed's norm up to rounding (squares
-    summed in fp32 over each group, then over the groups; its per-tensor norms then squared sum the same
-    squares in another order), infinite where it is not finite (`combine_grad_norm_groups`' rule), and
-    `fused.clip_factor`'s factor op for op (0 for an infinite norm), `clip` being `clip_grad`."""
-    norm = torch.stack([g.float().square().sum() for g in gradients]).sum().sqrt()
-    norm = torch.where(torch.isfinite(norm), norm, torch.full_like(norm, float("inf")))
-    return norm, 1.0 / torch.clamp((norm + 1e-6) / clip, min=1.0)
-
-
 @functools.lru_cache(maxsize=64)
 def constant(value: float, device: torch.device) -> torch.Tensor:
     """A 0-d fp32 tensor of `value` on `device`, made once: a weight decay, a clip factor of 1, a step not refused
@@ -149,10 +138,10 @@ def compiled_pass() -> Callable[..., None]:
 
 @functools.cache
 def compiled_norm() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """`norm_and_factor` compiled once for any group lengths: a reduction per group and the scalars' epilogue
+    """`fused.one_rank_norm` compiled once for any group lengths: a reduction per group and the scalars' epilogue
     where the eager norm, its combination over groups and the clip's factor dispatched about 30 operators, each
-    a launch queued by the host after the backward pass (`_alone`)."""
-    return torch.compile(norm_and_factor, fullgraph=True, dynamic=True)
+    a launch queued by the host after the backward pass (`_one_rank_lengths`)."""
+    return torch.compile(one_rank_norm, fullgraph=True, dynamic=True)
 
 
 def one_pass_update(engine: Any, compile_kernel: bool = True) -> bool:
@@ -182,8 +171,9 @@ def one_pass_update(engine: Any, compile_kernel: bool = True) -> bool:
     if zero_3:
         _install_zero_3(optimizer, staged)
     else:
-        norm = (compiled_norm() if compile_kernel else norm_and_factor) if _alone(optimizer) else None
-        optimizer.step = lambda closure=None: _zero_step(optimizer, staged, norm)
+        lengths = _one_rank_lengths(optimizer)
+        norm = (compiled_norm() if compile_kernel else one_rank_norm) if lengths is not None else None
+        optimizer.step = lambda closure=None: _zero_step(optimizer, staged, norm, lengths)
     setattr(optimizer, ONE_PASS, True)
     return True
 
@@ -289,21 +279,22 @@ def _fused_adamw(inner: Any) -> bool:
 
 
 def _zero_step(optimizer: Any, staged: dict[int, list[Any]],
-               alone: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+               alone: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+               lengths: list[int] | None = None) -> None:
     """DeepSpeed 0.19's `DeepSpeedZeroOptimizer.step` for bf16 without offload (no overflow check there: bf16's
     is off, `engine.deepspeed_config`), the fp32 gradient, its clip and the copy back left to `adamw_pass`; on one
-    rank (`_alone`) the norm and the clip's factor from the flat gradients in one call, `alone`."""
+    rank the norm and the clip's factor in one call, `alone`, over the first `lengths[i]` elements (the
+    parameters', `_one_rank_lengths`) of each group's flat gradient."""
     module = sys.modules[type(optimizer).__module__]
     optimizer.micro_step_id = module.INITIAL_MICRO_STEP_ID
     optimizer._wait_for_offload_copies()
     optimizer.overflow = False
     groups = range(len(optimizer.bit16_groups))
     flats: dict[int, torch.Tensor] = {}
-    if alone is not None:  # the whole group is this rank's partition, its gradients from offset 0
+    if alone is not None and lengths is not None:  # the whole group is this rank's partition, from offset 0
         flats = {i: _flat_gradient(optimizer, i, 0) for i in groups}
         # Detached: a view of a gradient buffer would be guarded on the buffer's shape, a recompile per model.
-        real = [flats[i].detach().narrow(0, 0, sum(p.numel() for p in optimizer.params_in_partition[i]))
-                for i in groups]
+        real = [flats[i].detach().narrow(0, 0, lengths[i]) for i in groups]
         norm, one_rank_factor = alone(real, constant(float(optimizer.clip_grad) or 1.0, real[0].device))
     else:
         norm = optimizer.scaled_global_norm()  # `fused.py`'s kernel per group; inf where any is not finite
@@ -338,12 +329,15 @@ def _zero_step(optimizer: Any, staged: dict[int, list[Any]],
         optimizer._update_model_bit16_weights(i)
 
 
-def _alone(optimizer: Any) -> bool:
-    """One rank holds every group whole, from offset 0, at a loss scale of 1 (bf16's): the global norm needs no
-    collective, and the factor is `norm_and_factor`'s."""
-    return (all(torch.distributed.get_world_size(group=g) == 1 for g in optimizer.real_dp_process_group)
+def _one_rank_lengths(optimizer: Any) -> list[int] | None:
+    """Each group's count of parameter elements (its flat gradient's, alignment padding left out), where one rank
+    holds every group whole, from offset 0, at a loss scale of 1 (bf16's): the global norm needs no collective,
+    and the factor is `fused.one_rank_norm`'s. None elsewhere. Counted once: the partitions never change."""
+    if not (all(torch.distributed.get_world_size(group=g) == 1 for g in optimizer.real_dp_process_group)
             and all(offset == 0 for offset in getattr(optimizer, "first_offset", [None]))
-            and float(optimizer.loss_scale) == 1.0 and not getattr(optimizer, "use_muon", False))
+            and float(optimizer.loss_scale) == 1.0 and not getattr(optimizer, "use_muon", False)):
+        return None
+    return [sum(p.numel() for p in params) for params in optimizer.params_in_partition]
 
 
 def _flat_gradient(optimizer: Any, group: int, rank: int) -> torch.Tensor:
