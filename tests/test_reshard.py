@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 
-from helpers.gloo_ranks import launch_ranks
+from helpers.gloo_ranks import launch_ranks, leave
 
 STAGES = (0, 1, 2, 3)
 CASES = [(0, "fp32", False), (1, "fp32", False), (2, "fp32", False), (3, "fp32", False),
@@ -327,3 +327,4 @@ if __name__ == "__main__":
     parser.add_argument("--load-from", type=int)
     options = parser.parse_args()
     worker(options.out, options.train, options.load_from)
+    leave()

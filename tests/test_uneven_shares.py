@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 
-from helpers.gloo_ranks import launch_ranks
+from helpers.gloo_ranks import launch_ranks, leave
 from helpers.loop_runs import steps
 
 GLOBAL_BATCH = 16
@@ -132,3 +132,4 @@ def test_3_uneven_workers_reach_the_weights_and_losses_of_1(runs: Path) -> None:
 
 if __name__ == "__main__":
     worker(Path(sys.argv[1]), sys.argv[2])
+    leave()
